@@ -1,0 +1,191 @@
+//! The narrow, non-blocking Transport API, shaped like NCCL's net plugin
+//! (`properties`, `listen`, `connect`, `accept`, `reg_mr`, `dereg_mr`,
+//! `isend`, `iwrite`, `test`, `close`).
+//!
+//! # Progress model
+//! A transport is driven by its owner's thread. No call blocks: `connect`
+//! returns a [`ConnId`] at once and the handshake runs inside [`Transport::poll`];
+//! `accept` answers `None` ("call again") until an authenticated peer is ready.
+//! All I/O completes as [`Event`]s from `poll` (non-blocking) or `wait` (blocks
+//! up to a timeout). A transport is `Send` but not `Sync`: move it to the
+//! thread that drives it.
+//!
+//! # Ordering guarantees
+//! Per connection:
+//! 1. Messages ([`Transport::send`]) are delivered in the order they were posted,
+//!    each exactly once, whole, or the connection fails.
+//! 2. One-sided writes ([`Transport::write`]) are placed in the order they were
+//!    posted. A `WriteReceived` event (writes with an immediate) means the whole
+//!    payload of that write and of every earlier write on the connection is in
+//!    the destination region.
+//! 3. A `WriteDone` at the writer means the target placed the data (like an
+//!    RDMA RC completion), not merely that it left this host.
+//! 4. There is **no** ordering between messages and writes: a message posted
+//!    after a write may arrive before the write lands. To say "data is ready",
+//!    use the write's immediate.
+//! 5. Completions of one class (sends, writes) arrive in posting order.
+//!
+//! # Limits
+//! [`Properties::max_message_bytes`] bounds a message, [`Properties::max_write_bytes`]
+//! one write, and [`Properties::max_outstanding`] the requests a connection may
+//! have in flight; beyond it a post returns [`Error::WouldBlock`](crate::Error::WouldBlock)
+//! and the caller polls and retries.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::memory::{Access, MemoryKind, PinnedBuffer, Region, RemoteRegion, Slice};
+
+/// Names a connection within one transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(pub u64);
+
+/// Names a listener within one transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ListenerId(pub u64);
+
+/// Names a posted request; completions carry it back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReqId(pub u64);
+
+/// What a transport can do (NCCL's `ncclNetProperties`).
+#[derive(Debug, Clone)]
+pub struct Properties {
+    /// Backend name, e.g. `"tcp-io_uring"`.
+    pub name: String,
+    /// Link speed in Mbit/s, when known.
+    pub speed_mbps: Option<u64>,
+    /// Memory kinds that can be registered.
+    pub memory_kinds: Vec<MemoryKind>,
+    /// Largest message payload.
+    pub max_message_bytes: usize,
+    /// Largest single one-sided write.
+    pub max_write_bytes: usize,
+    /// Whether writes are truly one-sided (no remote CPU). False for TCP.
+    pub one_sided: bool,
+    /// Requests in flight per connection before posts answer `WouldBlock`.
+    pub max_outstanding: usize,
+}
+
+/// Who the peer is, once authenticated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// The peer's rank in the job.
+    pub rank: u32,
+    /// The peer's socket address.
+    pub addr: SocketAddr,
+}
+
+/// A completion or notification from [`Transport::poll`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Event {
+    /// An outbound connection finished its handshake and is ready.
+    Connected { conn: ConnId, peer: PeerInfo },
+    /// An inbound connection is authenticated; `accept` will return it.
+    Incoming { listener: ListenerId, conn: ConnId },
+    /// An inbound peer was refused (bad frame, wrong version, job or secret, timeout).
+    /// It learned no region descriptor.
+    PeerRejected {
+        listener: ListenerId,
+        addr: SocketAddr,
+        error: Error,
+    },
+    /// The peer announced or revoked regions; see [`Transport::remote_regions`].
+    RemoteRegionsChanged { conn: ConnId },
+    /// A message was sent (its source slice may be reused).
+    SendDone { conn: ConnId, req: ReqId, bytes: usize },
+    /// A one-sided write was placed at the target (its source may be reused).
+    WriteDone { conn: ConnId, req: ReqId, bytes: usize },
+    /// A posted operation failed; its source slice is released.
+    OpFailed { conn: ConnId, req: ReqId, error: Error },
+    /// A message arrived.
+    Message { conn: ConnId, tag: u32, data: Vec<u8> },
+    /// A peer's write with an immediate landed in a local region.
+    WriteReceived {
+        conn: ConnId,
+        region: u32,
+        offset: u64,
+        len: u64,
+        imm: u32,
+    },
+    /// A peer's write was refused and nothing was written (bounds, unknown region, access).
+    WriteRejected { conn: ConnId, error: Error },
+    /// The connection ended: `error` is `None` for a graceful close.
+    Closed { conn: ConnId, error: Option<Error> },
+}
+
+/// The transport contract every backend implements.
+pub trait Transport: Send {
+    /// Capabilities of this backend.
+    fn properties(&self) -> &Properties;
+
+    /// Starts listening on `addr` (port 0 picks one). Never blocks.
+    fn listen(&mut self, addr: SocketAddr) -> Result<ListenerId>;
+
+    /// The address a listener is bound to.
+    fn listener_addr(&self, listener: ListenerId) -> Result<SocketAddr>;
+
+    /// Starts connecting. Returns at once; `Event::Connected` (or `Closed`
+    /// with an error) follows from `poll`.
+    fn connect(&mut self, addr: SocketAddr) -> Result<ConnId>;
+
+    /// Returns an authenticated inbound connection, or `None`: call again after `poll`.
+    fn accept(&mut self, listener: ListenerId) -> Result<Option<(ConnId, PeerInfo)>>;
+
+    /// Registers pinned memory. Regions with `remote_write` are announced to
+    /// every authenticated peer, now and on later connections.
+    fn register(&mut self, buf: PinnedBuffer, access: Access) -> Result<Region>;
+
+    /// Deregisters a region. Refused with `RegionBusy` while operations use it;
+    /// peers are told, and later writes to it are rejected.
+    fn deregister(&mut self, region: &Region) -> Result<()>;
+
+    /// Regions the peer has announced and not revoked.
+    fn remote_regions(&self, conn: ConnId) -> Result<Vec<RemoteRegion>>;
+
+    /// Posts a message of `src`'s bytes, labelled `tag`. Zero-copy from the region.
+    fn send(&mut self, conn: ConnId, src: &Slice, tag: u32) -> Result<ReqId>;
+
+    /// Posts a one-sided write of `src` into `dst` at `dst_offset`. With
+    /// `imm`, the target gets an `Event::WriteReceived` carrying it.
+    fn write(
+        &mut self,
+        conn: ConnId,
+        src: &Slice,
+        dst: &RemoteRegion,
+        dst_offset: u64,
+        imm: Option<u32>,
+    ) -> Result<ReqId>;
+
+    /// Makes progress and appends up to `max` events. Never blocks.
+    fn poll(&mut self, events: &mut Vec<Event>, max: usize) -> Result<usize>;
+
+    /// Like `poll`, but blocks up to `timeout` for at least one event.
+    fn wait(&mut self, events: &mut Vec<Event>, max: usize, timeout: Duration) -> Result<usize>;
+
+    /// Starts a graceful close: queued work is flushed, then `Event::Closed` follows.
+    fn close(&mut self, conn: ConnId) -> Result<()>;
+}
+
+/// Checks a write against the remote descriptor and the local source; shared by backends.
+pub fn check_write(src: &Slice, dst: &RemoteRegion, dst_offset: u64, max: usize) -> Result<()> {
+    if src.len() > max {
+        return Err(Error::TooLarge {
+            op: "write",
+            len: src.len() as u64,
+            max: max as u64,
+        });
+    }
+    match dst_offset.checked_add(src.len() as u64) {
+        Some(end) if end <= dst.len => Ok(()),
+        _ => Err(Error::OutOfBounds {
+            op: "write",
+            region: dst.rkey,
+            offset: dst_offset,
+            len: src.len() as u64,
+            region_len: dst.len,
+        }),
+    }
+}

@@ -1,0 +1,599 @@
+//! Registered memory: page-aligned pinned host buffers and the region handle
+//! every backend shares.
+//!
+//! A [`PinnedBuffer`] is an anonymous mapping, locked with `mlock(2)` so the
+//! kernel never pages it out while a NIC or the socket layer writes into it.
+//! Registering it with a transport turns it into a [`Region`]: a cheap,
+//! reference-counted handle with a local identity (key + generation) and a
+//! [`RemoteRegion`] descriptor that authenticated peers use to address
+//! one-sided writes. Operations hold a clone of the region, so its memory
+//! cannot be unmapped while the kernel or the hardware still uses it.
+
+use std::fmt;
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use memmap2::{MmapMut, MmapOptions};
+
+use crate::error::{Error, Result};
+
+/// Bytes locked by all live [`PinnedBuffer`]s of this process.
+static LOCKED_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+/// How the buffer should try to get huge pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HugePages {
+    /// Ask for transparent huge pages with `MADV_HUGEPAGE` (the default; a no-op where THP is off).
+    #[default]
+    Transparent,
+    /// Map from the hugetlbfs pool with `MAP_HUGETLB` (2 MiB pages). Fails if the pool is empty.
+    HugeTlb,
+    /// Plain 4 KiB pages.
+    Off,
+}
+
+/// Options for [`PinnedBuffer::with_options`].
+#[derive(Debug, Clone, Copy)]
+pub struct PinOptions {
+    /// Huge-page policy.
+    pub huge_pages: HugePages,
+    /// Lock the pages in RAM (`mlock`). Turn off only for tests of unpinned paths.
+    pub lock: bool,
+}
+
+impl Default for PinOptions {
+    fn default() -> Self {
+        Self {
+            huge_pages: HugePages::Transparent,
+            lock: true,
+        }
+    }
+}
+
+/// A page-aligned, zero-filled, pinned host buffer.
+pub struct PinnedBuffer {
+    map: MmapMut,
+    len: usize,
+    locked: bool,
+    huge: HugePages,
+}
+
+impl fmt::Debug for PinnedBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedBuffer")
+            .field("addr", &self.map.as_ptr())
+            .field("len", &self.len)
+            .field("locked", &self.locked)
+            .field("huge", &self.huge)
+            .finish()
+    }
+}
+
+const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// The system page size.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let sz = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if sz > 0 {
+        sz as usize
+    } else {
+        4096
+    }
+}
+
+/// The soft RLIMIT_MEMLOCK as text (`"unlimited"` or bytes), for errors and `doctor`.
+pub fn memlock_limit() -> (Option<u64>, String) {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `rl` is a valid, writable rlimit struct for the duration of the call.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) };
+    if rc != 0 {
+        return (None, "unknown".into());
+    }
+    if rl.rlim_cur == libc::RLIM_INFINITY {
+        (None, "unlimited".into())
+    } else {
+        (Some(rl.rlim_cur), format!("{} bytes", rl.rlim_cur))
+    }
+}
+
+impl PinnedBuffer {
+    /// Allocates `len` bytes (rounded up to a page), locked, with transparent huge pages.
+    pub fn new(len: usize) -> Result<Self> {
+        Self::with_options(len, PinOptions::default())
+    }
+
+    /// Allocates with explicit options.
+    pub fn with_options(len: usize, opts: PinOptions) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument {
+                op: "PinnedBuffer::new",
+                reason: "length must be > 0".into(),
+            });
+        }
+        let page = page_size();
+        let rounded = match opts.huge_pages {
+            HugePages::HugeTlb => len.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES,
+            _ => len.div_ceil(page) * page,
+        };
+        let mut mo = MmapOptions::new();
+        mo.len(rounded);
+        if opts.huge_pages == HugePages::HugeTlb {
+            mo.huge(Some(21));
+        }
+        let map = mo.map_anon().map_err(|source| Error::Alloc {
+            bytes: rounded,
+            what: if opts.huge_pages == HugePages::HugeTlb {
+                "MAP_HUGETLB anonymous memory (is vm.nr_hugepages > 0?)"
+            } else {
+                "anonymous memory"
+            },
+            source,
+        })?;
+        if opts.huge_pages == HugePages::Transparent && rounded >= HUGE_PAGE_BYTES {
+            // Best effort: THP may be disabled; the buffer works either way.
+            if let Err(e) = map.advise(memmap2::Advice::HugePage) {
+                tracing::debug!(error = %e, "MADV_HUGEPAGE refused; using 4 KiB pages");
+            }
+        }
+        let mut buf = Self {
+            map,
+            len,
+            locked: false,
+            huge: opts.huge_pages,
+        };
+        if opts.lock {
+            if let Err(source) = buf.map.lock() {
+                let (_, limit) = memlock_limit();
+                let locked_bytes = LOCKED_BYTES.load(Ordering::Relaxed);
+                return Err(match source.raw_os_error() {
+                    Some(libc::EPERM) | Some(libc::ENOMEM) | Some(libc::EAGAIN) => {
+                        Error::MemlockLimit {
+                            requested_bytes: rounded,
+                            limit,
+                            locked_bytes,
+                            source,
+                        }
+                    }
+                    _ => Error::Alloc {
+                        bytes: rounded,
+                        what: "mlock",
+                        source,
+                    },
+                });
+            }
+            buf.locked = true;
+            LOCKED_BYTES.fetch_add(buf.map.len(), Ordering::Relaxed);
+        }
+        Ok(buf)
+    }
+
+    /// Usable length in bytes (as requested).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: a buffer has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the pages are locked in RAM.
+    pub fn is_locked(&self) -> bool {
+        self.locked
+    }
+
+    /// The mapping's start address (page-aligned).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.map.as_ptr()
+    }
+
+    /// Bytes locked by all live pinned buffers of this process.
+    pub fn locked_bytes_total() -> usize {
+        LOCKED_BYTES.load(Ordering::Relaxed)
+    }
+}
+
+impl std::ops::Deref for PinnedBuffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.map[..self.len]
+    }
+}
+
+impl std::ops::DerefMut for PinnedBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.map[..self.len]
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if self.locked {
+            LOCKED_BYTES.fetch_sub(self.map.len(), Ordering::Relaxed);
+        }
+    }
+}
+
+/// What peers may do to a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Access {
+    /// Peers may write into it with one-sided writes. Only such regions are announced.
+    pub remote_write: bool,
+}
+
+impl Access {
+    /// Local use only: sources of sends and writes.
+    pub const LOCAL: Access = Access {
+        remote_write: false,
+    };
+    /// A landing zone for peers' one-sided writes.
+    pub const REMOTE_WRITE: Access = Access { remote_write: true };
+}
+
+/// Memory kinds a transport can register.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// Pinned host memory.
+    Host,
+    /// CUDA device memory addressed by pointer (GPUDirect through peer memory).
+    Cuda,
+    /// Device memory exported as a dmabuf file descriptor.
+    DmaBuf,
+}
+
+/// The descriptor a peer needs to write into a region: what an RDMA
+/// implementation would call (addr, len, rkey), plus a generation that makes
+/// descriptors of a deregistered region stale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RemoteRegion {
+    /// Virtual address of byte 0 at the owner (informational for TCP; used by RDMA).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Remote key: names the region at its owner. Random, learned only after authentication.
+    pub rkey: u32,
+    /// Registration generation at the owner.
+    pub generation: u32,
+}
+
+pub(crate) struct RegionInner {
+    buf: PinnedBuffer,
+    ptr: NonNull<u8>,
+    len: usize,
+    pub(crate) key: u32,
+    pub(crate) generation: u32,
+    pub(crate) access: Access,
+    /// Operations that currently use the memory (sends, writes, incoming payloads).
+    pub(crate) in_flight: AtomicUsize,
+    pub(crate) registered: AtomicBool,
+    /// io_uring fixed-buffer slot, when the backend registered one.
+    pub(crate) fixed_index: Option<u16>,
+}
+
+// SAFETY: the memory is owned by `buf` and lives as long as the RegionInner; all
+// access to it goes through raw pointers whose use is documented at each call site
+// (copies for safe accessors, kernel I/O for transports), never through `&mut`.
+unsafe impl Send for RegionInner {}
+// SAFETY: see `Send` above: shared access never creates aliasing references.
+unsafe impl Sync for RegionInner {}
+
+/// A registered region: a reference-counted handle to pinned memory.
+///
+/// Cloning is cheap. Every in-flight operation holds a clone, so the memory
+/// outlives the operation even if the user drops all handles.
+#[derive(Clone)]
+pub struct Region(pub(crate) Arc<RegionInner>);
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region")
+            .field("key", &format_args!("{:#x}", self.0.key))
+            .field("generation", &self.0.generation)
+            .field("len", &self.0.len)
+            .field("access", &self.0.access)
+            .field("in_flight", &self.0.in_flight.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Region {
+    pub(crate) fn new(
+        buf: PinnedBuffer,
+        key: u32,
+        generation: u32,
+        access: Access,
+        fixed_index: Option<u16>,
+    ) -> Self {
+        let len = buf.len();
+        let ptr = NonNull::new(buf.as_ptr() as *mut u8).expect("mmap never returns null");
+        Region(Arc::new(RegionInner {
+            buf,
+            ptr,
+            len,
+            key,
+            generation,
+            access,
+            in_flight: AtomicUsize::new(0),
+            registered: AtomicBool::new(true),
+            fixed_index,
+        }))
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len
+    }
+
+    /// Always false.
+    pub fn is_empty(&self) -> bool {
+        self.0.len == 0
+    }
+
+    /// Local key (also the remote key peers use).
+    pub fn key(&self) -> u32 {
+        self.0.key
+    }
+
+    /// Registration generation.
+    pub fn generation(&self) -> u32 {
+        self.0.generation
+    }
+
+    /// Access granted at registration.
+    pub fn access(&self) -> Access {
+        self.0.access
+    }
+
+    /// Whether the region is still registered with its transport.
+    pub fn is_registered(&self) -> bool {
+        self.0.registered.load(Ordering::Acquire)
+    }
+
+    /// Operations currently using this region.
+    pub fn in_flight(&self) -> usize {
+        self.0.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Whether the pages are locked.
+    pub fn is_locked(&self) -> bool {
+        self.0.buf.is_locked()
+    }
+
+    /// The descriptor peers use to address one-sided writes.
+    pub fn remote(&self) -> RemoteRegion {
+        RemoteRegion {
+            addr: self.0.ptr.as_ptr() as u64,
+            len: self.0.len as u64,
+            rkey: self.0.key,
+            generation: self.0.generation,
+        }
+    }
+
+    /// A bounds-checked view `[offset, offset+len)` to use as a send or write source.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<Slice> {
+        self.check(offset, len, "Region::slice")?;
+        Ok(Slice {
+            region: self.clone(),
+            offset,
+            len,
+        })
+    }
+
+    /// The whole region as a slice.
+    pub fn full(&self) -> Slice {
+        Slice {
+            region: self.clone(),
+            offset: 0,
+            len: self.0.len,
+        }
+    }
+
+    fn check(&self, offset: usize, len: usize, op: &'static str) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.0.len => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                op,
+                region: self.0.key,
+                offset: offset as u64,
+                len: len as u64,
+                region_len: self.0.len as u64,
+            }),
+        }
+    }
+
+    /// Copies bytes out of the region. Bytes that a peer is writing concurrently
+    /// may be torn; read after the write's completion event.
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len(), "Region::read_at")?;
+        // SAFETY: bounds checked above; `ptr` is valid for `len` bytes while self.0 lives;
+        // `dst` is a distinct Rust allocation, so the ranges cannot overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.0.ptr.as_ptr().add(offset), dst.as_mut_ptr(), dst.len())
+        };
+        Ok(())
+    }
+
+    /// Copies bytes into the region (e.g. to fill a send source).
+    pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len(), "Region::write_at")?;
+        // SAFETY: bounds checked above; the mapping is writable; `src` cannot overlap
+        // the mapping because safe code never hands out references into it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.ptr.as_ptr().add(offset), src.len())
+        };
+        Ok(())
+    }
+
+    /// Fills `[offset, offset+len)` with `byte`.
+    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
+        self.check(offset, len, "Region::fill")?;
+        // SAFETY: bounds checked above; the mapping is writable.
+        unsafe { std::ptr::write_bytes(self.0.ptr.as_ptr().add(offset), byte, len) };
+        Ok(())
+    }
+
+    /// A zero-copy view of the region.
+    ///
+    /// # Safety
+    /// No operation may write into the region while the slice lives: no incoming
+    /// one-sided write targeting it may be in progress. Wait for the write's
+    /// completion event (or quiesce the peers) first.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the caller guarantees no concurrent writer; memory valid for `len`.
+        unsafe { std::slice::from_raw_parts(self.0.ptr.as_ptr(), self.0.len) }
+    }
+
+    /// Base pointer, for backends and FFI.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.0.ptr.as_ptr()
+    }
+
+    /// Whether two handles name the same registration.
+    pub fn same(&self, other: &Region) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// A bounds-checked `[offset, offset+len)` view of a region: the source of a send or a write.
+#[derive(Debug, Clone)]
+pub struct Slice {
+    pub(crate) region: Region,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+impl Slice {
+    /// The region.
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+    /// Offset inside the region.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the slice is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        // SAFETY: offset <= region length was checked when the slice was made.
+        unsafe { self.region.as_ptr().add(self.offset) }
+    }
+}
+
+/// Guards one in-flight use of a region; dropping it releases the use.
+#[derive(Debug)]
+pub(crate) struct InFlight(pub(crate) Region);
+
+impl InFlight {
+    pub(crate) fn new(r: &Region) -> Self {
+        r.0.in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight(r.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0 .0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pinned_buffer_is_page_aligned_zeroed_and_locked() {
+        let b = PinnedBuffer::new(10_000).unwrap();
+        assert_eq!(b.as_ptr() as usize % page_size(), 0);
+        assert_eq!(b.len(), 10_000);
+        assert!(b.iter().all(|&x| x == 0));
+        assert!(b.is_locked());
+        assert!(PinnedBuffer::locked_bytes_total() >= 10_000);
+    }
+
+    #[test]
+    fn zero_length_is_rejected() {
+        assert!(matches!(
+            PinnedBuffer::new(0),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
+
+    #[test]
+    fn memlock_error_names_the_limit_and_the_fix() {
+        let e = Error::MemlockLimit {
+            requested_bytes: 1 << 30,
+            limit: "8388608 bytes".into(),
+            locked_bytes: 0,
+            source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+        };
+        let s = e.to_string();
+        assert!(s.contains("RLIMIT_MEMLOCK"), "{s}");
+        assert!(s.contains("8388608 bytes"), "{s}");
+        assert!(s.contains("ulimit -l"), "{s}");
+    }
+
+    #[test]
+    fn over_limit_mlock_reports_memlock() {
+        // Lower our own soft limit in a child process so the rest of the test run is unaffected.
+        // SAFETY: fork in a test process; the child only calls async-signal-safe-enough
+        // code paths (setrlimit, mmap, mlock) and exits with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let rl = libc::rlimit {
+                rlim_cur: 64 * 1024,
+                rlim_max: 64 * 1024,
+            };
+            // SAFETY: valid rlimit pointer; setgid/setuid drop root's CAP_IPC_LOCK
+            // (which would bypass the limit) in this child only.
+            unsafe {
+                libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl);
+                if libc::geteuid() == 0 {
+                    libc::setgid(65534);
+                    libc::setuid(65534);
+                }
+            }
+            let code = match PinnedBuffer::new(16 << 20) {
+                Err(e @ Error::MemlockLimit { .. }) if e.to_string().contains("65536 bytes") => 0,
+                _ => 1,
+            };
+            // SAFETY: terminate the child without running the parent's destructors.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting on our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
+    }
+
+    #[test]
+    fn region_bounds_and_copies() {
+        let r = Region::new(PinnedBuffer::new(4096).unwrap(), 7, 1, Access::LOCAL, None);
+        r.write_at(10, b"hello").unwrap();
+        let mut out = [0u8; 5];
+        r.read_at(10, &mut out).unwrap();
+        assert_eq!(&out, b"hello");
+        assert!(r.slice(4090, 7).is_err());
+        assert!(r.slice(usize::MAX, 2).is_err());
+        assert!(r.read_at(4095, &mut [0u8; 2]).is_err());
+        let s = r.slice(4000, 96).unwrap();
+        assert_eq!((s.offset(), s.len()), (4000, 96));
+        {
+            let _g = InFlight::new(&r);
+            assert_eq!(r.in_flight(), 1);
+        }
+        assert_eq!(r.in_flight(), 0);
+    }
+}

@@ -1,0 +1,169 @@
+//! Run-time probes of what this machine offers the transports, for `tidewire doctor`.
+
+use io_uring::{opcode, IoUring, Probe};
+
+use crate::memory::memlock_limit;
+
+/// One probed capability: whether it is usable, and why not.
+#[derive(Debug, Clone)]
+pub struct Capability {
+    pub name: String,
+    pub ok: bool,
+    pub detail: String,
+}
+
+fn cap(name: &str, ok: bool, detail: impl Into<String>) -> Capability {
+    Capability {
+        name: name.into(),
+        ok,
+        detail: detail.into(),
+    }
+}
+
+/// io_uring: setup, the opcodes the TCP backend uses, and provided-buffer rings.
+pub fn io_uring() -> Vec<Capability> {
+    let disabled = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+        .ok()
+        .map(|s| s.trim().to_string());
+    let ring = match IoUring::new(8) {
+        Ok(r) => r,
+        Err(e) => {
+            let why = match disabled.as_deref() {
+                Some("2") => "kernel.io_uring_disabled=2 forbids io_uring; set it to 0".to_string(),
+                Some("1") => "kernel.io_uring_disabled=1 restricts io_uring to the io_uring_group; add this user or set it to 0".into(),
+                _ => format!("io_uring_setup failed: {e} (seccomp in a container, or a kernel older than 5.19?)"),
+            };
+            return vec![cap("io_uring", false, why)];
+        }
+    };
+    let mut out = vec![cap("io_uring", true, "io_uring_setup works")];
+    let mut probe = Probe::new();
+    if let Err(e) = ring.submitter().register_probe(&mut probe) {
+        out.push(cap("io_uring opcodes", false, format!("IORING_REGISTER_PROBE failed: {e}")));
+        return out;
+    }
+    let ops: [(&str, u8, &str); 8] = [
+        ("ACCEPT (multishot)", opcode::AcceptMulti::CODE, "listening"),
+        ("CONNECT", opcode::Connect::CODE, "connecting"),
+        ("RECV (multishot + buffer ring)", opcode::RecvMulti::CODE, "control receives"),
+        ("SENDMSG", opcode::SendMsg::CODE, "gathered sends"),
+        ("SEND", opcode::Send::CODE, "headers"),
+        ("SEND_ZC", opcode::SendZc::CODE, "zero-copy sends above the threshold"),
+        ("ASYNC_CANCEL", opcode::AsyncCancel2::CODE, "teardown"),
+        ("READ_FIXED", opcode::ReadFixed::CODE, "fixed buffers"),
+    ];
+    for (name, code, used_for) in ops {
+        let ok = probe.is_supported(code);
+        let detail = if ok {
+            format!("supported ({used_for})")
+        } else {
+            format!("missing: {used_for} cannot use it; a newer kernel is needed")
+        };
+        out.push(cap(&format!("io_uring {name}"), ok, detail));
+    }
+    // A provided-buffer ring needs 5.19+: try one.
+    let br = crate::memory::PinnedBuffer::with_options(
+        4096,
+        crate::memory::PinOptions {
+            lock: false,
+            ..Default::default()
+        },
+    );
+    let ok = match br {
+        // SAFETY: the buffer stays alive until after the ring (dropped at the end of
+        // this function, before `b`, which was declared earlier... see below).
+        Ok(ref b) => unsafe { ring.submitter().register_buf_ring_with_flags(b.as_ptr() as u64, 8, 7, 0) }
+            .map(|_| ring.submitter().unregister_buf_ring(7))
+            .is_ok(),
+        Err(_) => false,
+    };
+    out.push(cap(
+        "io_uring provided-buffer ring",
+        ok,
+        if ok { "supported" } else { "IORING_REGISTER_PBUF_RING refused: Linux 5.19+ is needed" },
+    ));
+    out
+}
+
+/// RLIMIT_MEMLOCK, and what it means for pinned buffers.
+pub fn memlock() -> Capability {
+    let (lim, text) = memlock_limit();
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    match lim {
+        None => cap("memlock limit", true, format!("{text}: any size can be pinned")),
+        Some(_) if root => cap(
+            "memlock limit",
+            true,
+            format!("{text}, but running as root (CAP_IPC_LOCK ignores the limit)"),
+        ),
+        Some(b) if b < (1 << 30) => cap(
+            "memlock limit",
+            false,
+            format!(
+                "{text}: pinned buffers beyond this fail. Raise it with `ulimit -l unlimited` (as root), \
+                 a memlock line in /etc/security/limits.conf, or LimitMEMLOCK=infinity"
+            ),
+        ),
+        Some(_) => cap("memlock limit", true, text),
+    }
+}
+
+/// Transparent and hugetlbfs huge pages.
+pub fn huge_pages() -> Vec<Capability> {
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    let mode = thp
+        .split_whitespace()
+        .find(|w| w.starts_with('['))
+        .map(|w| w.trim_matches(|c| c == '[' || c == ']').to_string())
+        .unwrap_or_else(|| "unavailable".into());
+    let thp_ok = mode == "always" || mode == "madvise";
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |k: &str| {
+        meminfo
+            .lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let total = field("HugePages_Total:");
+    let free = field("HugePages_Free:");
+    vec![
+        cap(
+            "transparent huge pages",
+            thp_ok,
+            if thp_ok {
+                format!("mode [{mode}]: buffers of 2 MiB and more ask for them with MADV_HUGEPAGE")
+            } else {
+                format!("mode [{mode}]: buffers use 4 KiB pages; enable with `echo madvise > /sys/kernel/mm/transparent_hugepage/enabled`")
+            },
+        ),
+        cap(
+            "hugetlbfs pool",
+            total > 0,
+            if total > 0 {
+                format!("{free} of {total} huge pages free (HugePages::HugeTlb can use them)")
+            } else {
+                "vm.nr_hugepages is 0: HugePages::HugeTlb would fail; set it with `sysctl vm.nr_hugepages=N`".into()
+            },
+        ),
+    ]
+}
+
+/// The RDMA backend's availability.
+pub fn rdma() -> Vec<Capability> {
+    if cfg!(feature = "rdma") {
+        vec![cap(
+            "rdma",
+            false,
+            "built with `rdma`, but the verbs backend is not in this version yet; TCP carries all traffic",
+        )]
+    } else {
+        vec![cap(
+            "rdma",
+            false,
+            "built without the `rdma` feature: rebuild with `--features rdma` to use verbs devices; TCP carries all traffic",
+        )]
+    }
+}
