@@ -64,11 +64,7 @@ pub enum Error {
     RegionBusy { region: u32, in_flight: usize },
     /// The per-connection bound on outstanding requests is reached: poll, then call again.
     #[error("{op} on connection {conn}: {limit} requests outstanding (the bound); poll completions and retry")]
-    WouldBlock {
-        op: &'static str,
-        conn: u64,
-        limit: usize,
-    },
+    WouldBlock { op: &'static str, conn: u64, limit: usize },
     /// A message is larger than the transport's maximum.
     #[error("{op}: {len} bytes exceeds the maximum of {max}")]
     TooLarge { op: &'static str, len: u64, max: u64 },
@@ -129,11 +125,7 @@ pub enum Error {
     },
     /// The remote side rejected a one-sided write (bounds, unknown region, access).
     #[error("remote rejected write seq {seq} on connection {conn}: {reason}")]
-    RemoteAccess {
-        conn: u64,
-        seq: u64,
-        reason: String,
-    },
+    RemoteAccess { conn: u64, seq: u64, reason: String },
     /// The connection was closed locally before the operation completed.
     #[error("operation cancelled: connection {conn} closed")]
     Cancelled { conn: u64 },
@@ -156,8 +148,5 @@ pub enum FrameError {
     #[error("malformed {what}")]
     Malformed { what: &'static str },
     #[error("unexpected {kind} frame in state {state}")]
-    Unexpected {
-        kind: &'static str,
-        state: &'static str,
-    },
+    Unexpected { kind: &'static str, state: &'static str },
 }

@@ -158,13 +158,13 @@ impl Header {
     /// Like [`Header::decode`] but accepts any version, so a handshake can
     /// answer a peer of another version with a precise reject.
     pub fn decode_any_version(b: &[u8]) -> Result<Header, FrameError> {
-        let b: &[u8; HEADER_LEN] = b
-            .get(..HEADER_LEN)
-            .and_then(|s| s.try_into().ok())
-            .ok_or(FrameError::Truncated {
-                need: HEADER_LEN,
-                have: b.len(),
-            })?;
+        let b: &[u8; HEADER_LEN] =
+            b.get(..HEADER_LEN)
+                .and_then(|s| s.try_into().ok())
+                .ok_or(FrameError::Truncated {
+                    need: HEADER_LEN,
+                    have: b.len(),
+                })?;
         let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         if magic != MAGIC {
             return Err(FrameError::BadMagic(magic));
@@ -319,10 +319,7 @@ impl Challenge {
         v
     }
     pub fn decode(b: &[u8]) -> Result<Self, FrameError> {
-        let mut r = Rd {
-            b,
-            what: "Challenge",
-        };
+        let mut r = Rd { b, what: "Challenge" };
         let c = Challenge {
             rank: r.u32()?,
             nonce: r.arr32()?,
@@ -357,10 +354,7 @@ impl DataAttach {
         v
     }
     pub fn decode(b: &[u8]) -> Result<Self, FrameError> {
-        let mut r = Rd {
-            b,
-            what: "DataAttach",
-        };
+        let mut r = Rd { b, what: "DataAttach" };
         let d = DataAttach {
             token: r.u64()?,
             mac: r.arr32()?,
@@ -518,13 +512,21 @@ mod tests {
         assert!(matches!(Header::decode(&b), Err(FrameError::TooLong { .. })));
         let b = Header::new(Kind::Message, 100).encode();
         assert!(matches!(next_frame(&b, 10), Err(FrameError::TooLong { .. })));
-        assert!(matches!(next_frame(b"GET / HTTP/1.1", 10), Err(FrameError::BadMagic(_))));
+        assert!(matches!(
+            next_frame(b"GET / HTTP/1.1", 10),
+            Err(FrameError::BadMagic(_))
+        ));
         assert_eq!(next_frame(&b[..3], 10), Ok(None));
     }
 
     #[test]
     fn regions_roundtrip_and_reject_lies() {
-        let l = vec![crate::memory::RemoteRegion { addr: 1, len: 2, rkey: 3, generation: 4 }];
+        let l = vec![crate::memory::RemoteRegion {
+            addr: 1,
+            len: 2,
+            rkey: 3,
+            generation: 4,
+        }];
         assert_eq!(decode_regions(&encode_regions(&l)).unwrap(), l);
         // A count that promises more entries than the bytes hold.
         assert!(decode_regions(&5u32.to_le_bytes()).is_err());

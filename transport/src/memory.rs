@@ -152,14 +152,12 @@ impl PinnedBuffer {
                 let (_, limit) = memlock_limit();
                 let locked_bytes = LOCKED_BYTES.load(Ordering::Relaxed);
                 return Err(match source.raw_os_error() {
-                    Some(libc::EPERM) | Some(libc::ENOMEM) | Some(libc::EAGAIN) => {
-                        Error::MemlockLimit {
-                            requested_bytes: rounded,
-                            limit,
-                            locked_bytes,
-                            source,
-                        }
-                    }
+                    Some(libc::EPERM) | Some(libc::ENOMEM) | Some(libc::EAGAIN) => Error::MemlockLimit {
+                        requested_bytes: rounded,
+                        limit,
+                        locked_bytes,
+                        source,
+                    },
                     _ => Error::Alloc {
                         bytes: rounded,
                         what: "mlock",
@@ -229,9 +227,7 @@ pub struct Access {
 
 impl Access {
     /// Local use only: sources of sends and writes.
-    pub const LOCAL: Access = Access {
-        remote_write: false,
-    };
+    pub const LOCAL: Access = Access { remote_write: false };
     /// A landing zone for peers' one-sided writes.
     pub const REMOTE_WRITE: Access = Access { remote_write: true };
 }
@@ -303,13 +299,7 @@ impl fmt::Debug for Region {
 }
 
 impl Region {
-    pub(crate) fn new(
-        buf: PinnedBuffer,
-        key: u32,
-        generation: u32,
-        access: Access,
-        fixed_index: Option<u16>,
-    ) -> Self {
+    pub(crate) fn new(buf: PinnedBuffer, key: u32, generation: u32, access: Access, fixed_index: Option<u16>) -> Self {
         let len = buf.len();
         let ptr = NonNull::new(buf.as_ptr() as *mut u8).expect("mmap never returns null");
         Region(Arc::new(RegionInner {
@@ -413,9 +403,7 @@ impl Region {
         self.check(offset, dst.len(), "Region::read_at")?;
         // SAFETY: bounds checked above; `ptr` is valid for `len` bytes while self.0 lives;
         // `dst` is a distinct Rust allocation, so the ranges cannot overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.0.ptr.as_ptr().add(offset), dst.as_mut_ptr(), dst.len())
-        };
+        unsafe { std::ptr::copy_nonoverlapping(self.0.ptr.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
@@ -424,9 +412,7 @@ impl Region {
         self.check(offset, src.len(), "Region::write_at")?;
         // SAFETY: bounds checked above; the mapping is writable; `src` cannot overlap
         // the mapping because safe code never hands out references into it.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.ptr.as_ptr().add(offset), src.len())
-        };
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.ptr.as_ptr().add(offset), src.len()) };
         Ok(())
     }
 
@@ -524,10 +510,7 @@ mod tests {
 
     #[test]
     fn zero_length_is_rejected() {
-        assert!(matches!(
-            PinnedBuffer::new(0),
-            Err(Error::InvalidArgument { .. })
-        ));
+        assert!(matches!(PinnedBuffer::new(0), Err(Error::InvalidArgument { .. })));
     }
 
     #[test]

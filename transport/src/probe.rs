@@ -30,7 +30,10 @@ pub fn io_uring() -> Vec<Capability> {
         Err(e) => {
             let why = match disabled.as_deref() {
                 Some("2") => "kernel.io_uring_disabled=2 forbids io_uring; set it to 0".to_string(),
-                Some("1") => "kernel.io_uring_disabled=1 restricts io_uring to the io_uring_group; add this user or set it to 0".into(),
+                Some("1") => {
+                    "kernel.io_uring_disabled=1 restricts io_uring to the io_uring_group; add this user or set it to 0"
+                        .into()
+                }
                 _ => format!("io_uring_setup failed: {e} (seccomp in a container, or a kernel older than 5.19?)"),
             };
             return vec![cap("io_uring", false, why)];
@@ -39,13 +42,21 @@ pub fn io_uring() -> Vec<Capability> {
     let mut out = vec![cap("io_uring", true, "io_uring_setup works")];
     let mut probe = Probe::new();
     if let Err(e) = ring.submitter().register_probe(&mut probe) {
-        out.push(cap("io_uring opcodes", false, format!("IORING_REGISTER_PROBE failed: {e}")));
+        out.push(cap(
+            "io_uring opcodes",
+            false,
+            format!("IORING_REGISTER_PROBE failed: {e}"),
+        ));
         return out;
     }
     let ops: [(&str, u8, &str); 8] = [
         ("ACCEPT (multishot)", opcode::AcceptMulti::CODE, "listening"),
         ("CONNECT", opcode::Connect::CODE, "connecting"),
-        ("RECV (multishot + buffer ring)", opcode::RecvMulti::CODE, "control receives"),
+        (
+            "RECV (multishot + buffer ring)",
+            opcode::RecvMulti::CODE,
+            "control receives",
+        ),
         ("SENDMSG", opcode::SendMsg::CODE, "gathered sends"),
         ("SEND", opcode::Send::CODE, "headers"),
         ("SEND_ZC", opcode::SendZc::CODE, "zero-copy sends above the threshold"),
@@ -70,17 +81,24 @@ pub fn io_uring() -> Vec<Capability> {
         },
     );
     let ok = match br {
-        // SAFETY: the buffer stays alive until after the ring (dropped at the end of
-        // this function, before `b`, which was declared earlier... see below).
-        Ok(ref b) => unsafe { ring.submitter().register_buf_ring_with_flags(b.as_ptr() as u64, 8, 7, 0) }
-            .map(|_| ring.submitter().unregister_buf_ring(7))
-            .is_ok(),
+        // SAFETY: `b` is page-aligned and large enough for 8 entries; the ring is
+        // unregistered right after (and registration failing leaves nothing behind).
+        Ok(ref b) => unsafe {
+            ring.submitter()
+                .register_buf_ring_with_flags(b.as_ptr() as u64, 8, 7, 0)
+        }
+        .map(|_| ring.submitter().unregister_buf_ring(7))
+        .is_ok(),
         Err(_) => false,
     };
     out.push(cap(
         "io_uring provided-buffer ring",
         ok,
-        if ok { "supported" } else { "IORING_REGISTER_PBUF_RING refused: Linux 5.19+ is needed" },
+        if ok {
+            "supported"
+        } else {
+            "IORING_REGISTER_PBUF_RING refused: Linux 5.19+ is needed"
+        },
     ));
     out
 }

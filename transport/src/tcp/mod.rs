@@ -81,6 +81,10 @@ pub struct TcpConfig {
     /// Default: `None`, because on loopback and veth SEND_ZC measured slower at
     /// every size (see README, "SEND_ZC threshold").
     pub send_zc_min_bytes: Option<usize>,
+    /// `wait` first spins this long watching the completion ring (no syscalls)
+    /// before it sleeps in the kernel; it trades CPU for wake-up latency, as
+    /// RDMA busy-polling does. `Duration::ZERO` never spins.
+    pub busy_poll: Duration,
     /// Provided buffers for control receives (power of two) and their size.
     pub recv_buffers: u16,
     pub recv_buffer_bytes: u32,
@@ -102,6 +106,7 @@ impl TcpConfig {
             sndbuf_bytes: None,
             rcvbuf_bytes: None,
             send_zc_min_bytes: None,
+            busy_poll: Duration::from_micros(100),
             recv_buffers: 256,
             recv_buffer_bytes: 16 * 1024,
         }
@@ -247,25 +252,74 @@ impl Gather {
 }
 
 enum Op {
-    Accept { listener: u64 },
-    Connect { conn: u64, data: bool, _addr: Box<SockAddr> },
+    Accept {
+        listener: u64,
+    },
+    Connect {
+        conn: u64,
+        data: bool,
+        _addr: Box<SockAddr>,
+    },
     /// Server: first frame of an unclassified socket.
-    FirstHeader { pending: u64, buf: Box<[u8; HEADER_LEN]> },
-    FirstPayload { pending: u64, hdr: Header, buf: Vec<u8> },
-    CtrlRecv { conn: u64 },
-    CtrlSend { conn: u64, frames: Vec<TxFrame>, _g: Box<Gather> },
-    DataSend { conn: u64, writes: Vec<WriteReq>, _g: Box<Gather> },
+    FirstHeader {
+        pending: u64,
+        buf: Box<[u8; HEADER_LEN]>,
+    },
+    FirstPayload {
+        pending: u64,
+        hdr: Header,
+        buf: Vec<u8>,
+    },
+    CtrlRecv {
+        conn: u64,
+    },
+    CtrlSend {
+        conn: u64,
+        frames: Vec<TxFrame>,
+        _g: Box<Gather>,
+    },
+    DataSend {
+        conn: u64,
+        writes: Vec<WriteReq>,
+        _g: Box<Gather>,
+    },
     /// Header of a SEND_ZC write (linked to the ZC op that follows).
-    ZcHeader { conn: u64, _hdr: Box<[u8; HEADER_LEN]> },
+    ZcHeader {
+        conn: u64,
+        _hdr: Box<[u8; HEADER_LEN]>,
+    },
     /// A SEND_ZC payload; freed on its notification.
-    ZcPayload { conn: u64, write: Option<WriteReq>, got_result: bool },
-    DataRecvHeader { conn: u64, buf: Box<[u8; HEADER_LEN]> },
-    DataRecvPayload { conn: u64, hdr: Header, _guard: InFlight },
-    DataDiscard { conn: u64, hdr: Header, remaining: u64, reason: String, buf: Box<[u8]> },
+    ZcPayload {
+        conn: u64,
+        write: Option<WriteReq>,
+        got_result: bool,
+    },
+    DataRecvHeader {
+        conn: u64,
+        buf: Box<[u8; HEADER_LEN]>,
+    },
+    DataRecvPayload {
+        conn: u64,
+        hdr: Header,
+        _guard: InFlight,
+    },
+    DataDiscard {
+        conn: u64,
+        hdr: Header,
+        remaining: u64,
+        reason: String,
+        buf: Box<[u8]>,
+    },
     /// Fire-and-forget send that owns its socket (rejects to refused peers).
-    Parting { _fd: OwnedFd, _buf: Vec<u8> },
+    Parting {
+        _fd: OwnedFd,
+        _buf: Vec<u8>,
+    },
     /// DataAttach on the client's data socket.
-    AttachSend { conn: u64, _buf: Vec<u8> },
+    AttachSend {
+        conn: u64,
+        _buf: Vec<u8>,
+    },
 }
 
 impl Op {
@@ -410,8 +464,6 @@ impl TcpTransport {
         }
         let ring = IoUring::builder()
             .setup_cqsize(cfg.ring_entries * 4)
-            .setup_single_issuer()
-            .setup_coop_taskrun()
             .build(cfg.ring_entries)
             .map_err(|e| Error::UringUnavailable {
                 reason: format!(
@@ -570,7 +622,11 @@ impl TcpTransport {
         let c = Conn {
             id,
             side,
-            state: if side == Side::Client { State::Connecting } else { State::AwaitAuth },
+            state: if side == Side::Client {
+                State::Connecting
+            } else {
+                State::AwaitAuth
+            },
             peer_addr: addr,
             peer_rank: u32::MAX,
             listener,
@@ -752,7 +808,9 @@ impl TcpTransport {
         if c.ctrl_rx_armed || c.state == State::Dead {
             return;
         }
-        let Some(fd) = c.ctrl.as_ref().map(|f| f.as_raw_fd()) else { return };
+        let Some(fd) = c.ctrl.as_ref().map(|f| f.as_raw_fd()) else {
+            return;
+        };
         c.ctrl_rx_armed = true;
         let bgid = self.bufring.bgid;
         let ud = self.add_op(Op::CtrlRecv { conn });
@@ -766,7 +824,9 @@ impl TcpTransport {
         if c.data_rx_armed || c.state == State::Dead {
             return;
         }
-        let Some(fd) = c.data.as_ref().map(|f| f.as_raw_fd()) else { return };
+        let Some(fd) = c.data.as_ref().map(|f| f.as_raw_fd()) else {
+            return;
+        };
         c.data_rx_armed = true;
         let mut buf = Box::new([0u8; HEADER_LEN]);
         let ptr = buf.as_mut_ptr();
@@ -792,7 +852,9 @@ impl TcpTransport {
     }
 
     fn arm_accept(&mut self, listener: u64) {
-        let Some(l) = self.listeners.get_mut(&listener) else { return };
+        let Some(l) = self.listeners.get_mut(&listener) else {
+            return;
+        };
         if l.armed {
             return;
         }
@@ -857,7 +919,12 @@ impl TcpTransport {
         if c.state != State::Closing || c.sent_close {
             return;
         }
-        if !c.data_tx.is_empty() || c.data_tx_busy || !c.awaiting_ack.is_empty() || !c.ctrl_tx.is_empty() || c.ctrl_tx_busy {
+        if !c.data_tx.is_empty()
+            || c.data_tx_busy
+            || !c.awaiting_ack.is_empty()
+            || !c.ctrl_tx.is_empty()
+            || c.ctrl_tx_busy
+        {
             return;
         }
         c.sent_close = true;
@@ -873,7 +940,9 @@ impl TcpTransport {
         if c.ctrl_tx_busy || c.ctrl_tx.is_empty() || c.state == State::Dead || c.state == State::Connecting {
             return;
         }
-        let Some(fd) = c.ctrl.as_ref().map(|f| f.as_raw_fd()) else { return };
+        let Some(fd) = c.ctrl.as_ref().map(|f| f.as_raw_fd()) else {
+            return;
+        };
         let mut frames = Vec::new();
         let mut bytes = 0;
         while let Some(f) = c.ctrl_tx.front() {
@@ -907,7 +976,9 @@ impl TcpTransport {
         if c.data_tx_busy || c.data_tx.is_empty() || !matches!(c.state, State::Ready | State::Closing) {
             return;
         }
-        let Some(fd) = c.data.as_ref().map(|f| f.as_raw_fd()) else { return };
+        let Some(fd) = c.data.as_ref().map(|f| f.as_raw_fd()) else {
+            return;
+        };
         let first_len = c.data_tx.front().map(|w| w.src.len()).unwrap_or(0);
         if zc_min.is_some_and(|m| first_len >= m) {
             let w = c.data_tx.pop_front().expect("non-empty");
@@ -1019,7 +1090,11 @@ impl TcpTransport {
                     self.fail(conn, e);
                 }
             }
-            Op::ZcPayload { conn, write, got_result } => self.on_zc(ud, conn, res, flags, write, got_result),
+            Op::ZcPayload {
+                conn,
+                write,
+                got_result,
+            } => self.on_zc(ud, conn, res, flags, write, got_result),
             Op::DataRecvHeader { conn, buf } => self.on_data_header(conn, res, &buf),
             Op::DataRecvPayload { conn, hdr, _guard } => self.on_data_payload(conn, res, hdr),
             Op::DataDiscard {
@@ -1043,7 +1118,6 @@ impl TcpTransport {
             self.reap_pending(p);
         }
     }
-
 }
 
 // SAFETY: the raw pointers in a Gather point into memory owned by the same op
@@ -1100,7 +1174,9 @@ impl TcpTransport {
     }
 
     fn reject_pending(&mut self, pending: u64, error: Error, reply: Option<String>) {
-        let Some(p) = self.pending.get_mut(&pending) else { return };
+        let Some(p) = self.pending.get_mut(&pending) else {
+            return;
+        };
         if p.done {
             return;
         }
@@ -1161,7 +1237,11 @@ impl TcpTransport {
                 ours: frame::VERSION,
                 theirs: hdr.version,
             };
-            let msg = format!("protocol version mismatch: this peer speaks {}, you sent {}", frame::VERSION, hdr.version);
+            let msg = format!(
+                "protocol version mismatch: this peer speaks {}, you sent {}",
+                frame::VERSION,
+                hdr.version
+            );
             return self.reject_pending(pending, e, Some(msg));
         }
         if !matches!(hdr.kind, Kind::Hello | Kind::DataAttach) || hdr.length > FIRST_FRAME_MAX {
@@ -1177,7 +1257,11 @@ impl TcpTransport {
             return self.on_first_payload(pending, 0, hdr, body);
         }
         let (ptr, len) = (body.as_mut_ptr(), body.len() as u32);
-        let ud = self.add_op(Op::FirstPayload { pending, hdr, buf: body });
+        let ud = self.add_op(Op::FirstPayload {
+            pending,
+            hdr,
+            buf: body,
+        });
         let e = opcode::Recv::new(types::Fd(fd), ptr, len)
             .flags(libc::MSG_WAITALL)
             .build()
@@ -1240,7 +1324,12 @@ impl TcpTransport {
                 };
                 debug!(parent: &c.span, rank = hello.rank, "hello received; challenge sent");
                 let body = ch.encode();
-                self.queue_ctrl(conn, Header::new(Kind::Challenge, body.len() as u32), Payload::Owned(body), None);
+                self.queue_ctrl(
+                    conn,
+                    Header::new(Kind::Challenge, body.len() as u32),
+                    Payload::Owned(body),
+                    None,
+                );
                 self.arm_ctrl_recv(conn);
             }
             Kind::DataAttach => {
@@ -1250,7 +1339,8 @@ impl TcpTransport {
                 };
                 let conn = self.tokens.get(&att.token).copied();
                 let ok = conn.and_then(|c| self.conns.get(&c)).is_some_and(|c| {
-                    c.state == State::AwaitData && auth::verify(&self.cfg.secret, MacRole::Data, &c.transcript, &att.mac)
+                    c.state == State::AwaitData
+                        && auth::verify(&self.cfg.secret, MacRole::Data, &c.transcript, &att.mac)
                 });
                 let Some(conn) = conn.filter(|_| ok) else {
                     let e = Error::AuthFailed {
@@ -1314,7 +1404,12 @@ impl TcpTransport {
             };
             debug!(parent: &c.span, "connected; hello sent");
             let body = hello.encode();
-            self.queue_ctrl(conn, Header::new(Kind::Hello, body.len() as u32), Payload::Owned(body), None);
+            self.queue_ctrl(
+                conn,
+                Header::new(Kind::Hello, body.len() as u32),
+                Payload::Owned(body),
+                None,
+            );
             self.arm_ctrl_recv(conn);
         } else {
             let att = frame::DataAttach {
@@ -1456,7 +1551,12 @@ impl TcpTransport {
                 let mac = auth::prove(&self.cfg.secret, MacRole::Client, &c.transcript);
                 c.state = State::AwaitReady;
                 let addr = c.peer_addr;
-                self.queue_ctrl(conn, Header::new(Kind::Auth, NONCE_LEN as u32), Payload::Owned(mac.to_vec()), None);
+                self.queue_ctrl(
+                    conn,
+                    Header::new(Kind::Auth, NONCE_LEN as u32),
+                    Payload::Owned(mac.to_vec()),
+                    None,
+                );
                 let fd = sys::socket_for(&addr)?;
                 sys::tune(fd.as_raw_fd(), &self.sockopts)?;
                 self.conns.get_mut(&conn).expect("live").data = Some(fd);
@@ -1541,7 +1641,8 @@ impl TcpTransport {
                         c.remote.insert(r.rkey, r);
                     }
                 }
-                self.events.push_back(Event::RemoteRegionsChanged { conn: ConnId(conn) });
+                self.events
+                    .push_back(Event::RemoteRegionsChanged { conn: ConnId(conn) });
                 Ok(())
             }
             (State::Ready | State::Closing, Kind::Close) => {
@@ -1700,11 +1801,14 @@ impl TcpTransport {
             self.fail(conn, e);
         }
         if cqueue::more(flags) {
-            self.keep_op(ud, Op::ZcPayload {
-                conn,
-                write: Some(w),
-                got_result: true,
-            });
+            self.keep_op(
+                ud,
+                Op::ZcPayload {
+                    conn,
+                    write: Some(w),
+                    got_result: true,
+                },
+            );
         }
     }
 
@@ -1750,7 +1854,11 @@ impl TcpTransport {
             return;
         }
         if res != HEADER_LEN as i32 {
-            let during = if res == 0 { "data receive (peer closed)" } else { "data receive" };
+            let during = if res == 0 {
+                "data receive (peer closed)"
+            } else {
+                "data receive"
+            };
             let e = self.lost(conn, during, (res < 0).then(|| errno(res)));
             return self.fail(conn, e);
         }
@@ -1776,7 +1884,11 @@ impl TcpTransport {
                 // SAFETY: check_incoming proved offset + length <= region length.
                 let dst = unsafe { region.as_ptr().add(hdr.offset as usize) };
                 let guard = InFlight::new(&region);
-                let ud = self.add_op(Op::DataRecvPayload { conn, hdr, _guard: guard });
+                let ud = self.add_op(Op::DataRecvPayload {
+                    conn,
+                    hdr,
+                    _guard: guard,
+                });
                 let e = opcode::Recv::new(types::Fd(fd), dst, hdr.length)
                     .flags(libc::MSG_WAITALL)
                     .build()
@@ -1934,7 +2046,11 @@ impl TcpTransport {
         self.stats.submits += 1;
         match r {
             Ok(_) => {}
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)) => {}
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)
+                ) => {}
             Err(e) => {
                 return Err(Error::Io {
                     op: "io_uring_enter",
@@ -2083,7 +2199,12 @@ impl Transport for TcpTransport {
         self.regions.insert(key, r.clone());
         debug!(key = format_args!("{key:#x}"), len = r.len(), ?access, fixed = ?fixed, "registered region");
         if access.remote_write {
-            let ready: Vec<u64> = self.conns.values().filter(|c| c.state == State::Ready).map(|c| c.id).collect();
+            let ready: Vec<u64> = self
+                .conns
+                .values()
+                .filter(|c| c.state == State::Ready)
+                .map(|c| c.id)
+                .collect();
             for c in ready {
                 self.send_regions(c, &[r.remote()], false);
             }
@@ -2119,7 +2240,12 @@ impl Transport for TcpTransport {
             }
         }
         if region.access().remote_write {
-            let ready: Vec<u64> = self.conns.values().filter(|c| c.state == State::Ready).map(|c| c.id).collect();
+            let ready: Vec<u64> = self
+                .conns
+                .values()
+                .filter(|c| c.state == State::Ready)
+                .map(|c| c.id)
+                .collect();
             for c in ready {
                 self.send_regions(c, &[region.remote()], true);
             }
@@ -2162,11 +2288,26 @@ impl Transport for TcpTransport {
         let mut h = Header::new(Kind::Message, src.len() as u32);
         h.imm = tag;
         let guard = InFlight::new(src.region());
-        self.queue_ctrl(conn.0, h, Payload::Region { slice: src.clone(), _guard: guard }, Some((req, false)));
+        self.queue_ctrl(
+            conn.0,
+            h,
+            Payload::Region {
+                slice: src.clone(),
+                _guard: guard,
+            },
+            Some((req, false)),
+        );
         Ok(req)
     }
 
-    fn write(&mut self, conn: ConnId, src: &Slice, dst: &RemoteRegion, dst_offset: u64, imm: Option<u32>) -> Result<ReqId> {
+    fn write(
+        &mut self,
+        conn: ConnId,
+        src: &Slice,
+        dst: &RemoteRegion,
+        dst_offset: u64,
+        imm: Option<u32>,
+    ) -> Result<ReqId> {
         self.check_source(src, "write")?;
         check_write(src, dst, dst_offset, frame::MAX_WRITE_BYTES as usize)?;
         let limit = self.cfg.max_outstanding;
@@ -2214,7 +2355,21 @@ impl Transport for TcpTransport {
     }
 
     fn wait(&mut self, events: &mut Vec<Event>, max: usize, timeout: Duration) -> Result<usize> {
-        let end = Instant::now() + timeout;
+        let start = Instant::now();
+        let end = start + timeout;
+        // Bounded busy-poll: completions appear in shared memory without a syscall.
+        let spin_end = start + self.cfg.busy_poll.min(timeout);
+        self.progress(None)?;
+        while self.events.is_empty() && Instant::now() < spin_end {
+            if self.ring.completion().is_empty() {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.progress(None)?;
+        }
+        if !self.events.is_empty() {
+            return Ok(self.drain_events(events, max));
+        }
         loop {
             let now = Instant::now();
             let mut slice = end.saturating_duration_since(now);
@@ -2284,7 +2439,8 @@ impl Drop for TcpTransport {
                 }
                 let multishot_more = cqueue::more(flags) && !cqueue::notif(flags);
                 if let Some(op) = self.take_op(ud) {
-                    let keep = multishot_more || matches!(op, Op::ZcPayload { got_result: false, .. } if cqueue::more(flags));
+                    let keep =
+                        multishot_more || matches!(op, Op::ZcPayload { got_result: false, .. } if cqueue::more(flags));
                     if keep {
                         self.keep_op(ud, op);
                     }
@@ -2293,7 +2449,10 @@ impl Drop for TcpTransport {
         }
         if self.live_ops > 0 {
             // The kernel may still write into memory these ops own: leak it rather than free it.
-            warn!(ops = self.live_ops, "io_uring ops did not drain at drop; leaking their buffers");
+            warn!(
+                ops = self.live_ops,
+                "io_uring ops did not drain at drop; leaking their buffers"
+            );
             std::mem::forget(std::mem::take(&mut self.ops));
             let placeholder = self.regions.drain().collect::<Vec<_>>();
             std::mem::forget(placeholder);

@@ -49,17 +49,47 @@ fn setsockopt_int(fd: RawFd, level: i32, name: i32, val: i32, what: &'static str
 pub(crate) fn tune(fd: RawFd, o: &SockOpts) -> Result<()> {
     setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, 1, "setsockopt(TCP_NODELAY)")?;
     if let Some(b) = o.sndbuf {
-        setsockopt_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, b.min(i32::MAX as usize) as i32, "setsockopt(SO_SNDBUF)")?;
+        setsockopt_int(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            b.min(i32::MAX as usize) as i32,
+            "setsockopt(SO_SNDBUF)",
+        )?;
     }
     if let Some(b) = o.rcvbuf {
-        setsockopt_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, b.min(i32::MAX as usize) as i32, "setsockopt(SO_RCVBUF)")?;
+        setsockopt_int(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            b.min(i32::MAX as usize) as i32,
+            "setsockopt(SO_RCVBUF)",
+        )?;
     }
     let ms = o.peer_timeout.as_millis().clamp(1000, i32::MAX as u128) as i32;
-    setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, ms, "setsockopt(TCP_USER_TIMEOUT)")?;
+    setsockopt_int(
+        fd,
+        libc::IPPROTO_TCP,
+        libc::TCP_USER_TIMEOUT,
+        ms,
+        "setsockopt(TCP_USER_TIMEOUT)",
+    )?;
     setsockopt_int(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1, "setsockopt(SO_KEEPALIVE)")?;
     let idle = (ms / 3000).max(1);
-    setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle, "setsockopt(TCP_KEEPIDLE)")?;
-    setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, idle, "setsockopt(TCP_KEEPINTVL)")?;
+    setsockopt_int(
+        fd,
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPIDLE,
+        idle,
+        "setsockopt(TCP_KEEPIDLE)",
+    )?;
+    setsockopt_int(
+        fd,
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPINTVL,
+        idle,
+        "setsockopt(TCP_KEEPINTVL)",
+    )?;
     setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3, "setsockopt(TCP_KEEPCNT)")?;
     Ok(())
 }
@@ -190,11 +220,15 @@ impl BufRing {
         // SAFETY: `ring_mem` is page-aligned, large enough for `count` entries, and is
         // kept alive in `self` until after the ring is unregistered or the io_uring
         // instance is dropped (the transport drops its IoUring before its BufRing).
-        unsafe { uring.submitter().register_buf_ring_with_flags(ring_mem.as_ptr() as u64, count, bgid, 0) }
-            .map_err(|e| Error::UringUnavailable {
-                reason: "registering a provided-buffer ring (needs Linux 5.19+)".into(),
-                source: Some(e),
-            })?;
+        unsafe {
+            uring
+                .submitter()
+                .register_buf_ring_with_flags(ring_mem.as_ptr() as u64, count, bgid, 0)
+        }
+        .map_err(|e| Error::UringUnavailable {
+            reason: "registering a provided-buffer ring (needs Linux 5.19+)".into(),
+            source: Some(e),
+        })?;
         let mut r = BufRing {
             ring_mem,
             bufs,

@@ -1,0 +1,86 @@
+//! `tidewire doctor`: what this machine can use, and why not.
+
+use serde::Serialize;
+use tidewire_transport::probe::{self, Capability};
+
+/// One line of the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    pub area: &'static str,
+    pub name: String,
+    pub ok: bool,
+    pub detail: String,
+}
+
+fn from(area: &'static str, c: Capability) -> Check {
+    Check {
+        area,
+        name: c.name,
+        ok: c.ok,
+        detail: c.detail,
+    }
+}
+
+/// Runs every probe.
+pub fn run() -> Vec<Check> {
+    let mut out = Vec::new();
+    out.extend(probe::io_uring().into_iter().map(|c| from("io_uring", c)));
+    out.extend(probe::rdma().into_iter().map(|c| from("rdma", c)));
+    let cuda = tidewire_gpu::probe();
+    out.push(Check {
+        area: "cuda",
+        name: "cuda".into(),
+        ok: cuda.usable,
+        detail: cuda.detail,
+    });
+    out.push(from("memory", probe::memlock()));
+    out.extend(probe::huge_pages().into_iter().map(|c| from("memory", c)));
+    out
+}
+
+/// Renders the report as text: one line per check, then what the default backend will be.
+pub fn render(checks: &[Check]) -> String {
+    let mut s = String::new();
+    let mut area = "";
+    for c in checks {
+        if c.area != area {
+            area = c.area;
+            s.push_str(&format!("\n[{area}]\n"));
+        }
+        s.push_str(&format!(
+            "  {:<4} {:<36} {}\n",
+            if c.ok { "ok" } else { "NO" },
+            c.name,
+            c.detail
+        ));
+    }
+    let uring = checks.iter().find(|c| c.name == "io_uring").is_some_and(|c| c.ok);
+    s.push_str(&format!(
+        "\ndefault transport: {}\n",
+        if uring {
+            "io_uring TCP (no usable RDMA device in this build)"
+        } else {
+            "none: io_uring is unavailable (see above)"
+        }
+    ));
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_missing_capability_says_why() {
+        let checks = run();
+        for area in ["io_uring", "rdma", "cuda", "memory"] {
+            assert!(checks.iter().any(|c| c.area == area), "no {area} check");
+        }
+        for c in &checks {
+            assert!(c.detail.len() > 10, "{} explains nothing: {:?}", c.name, c.detail);
+        }
+        let text = render(&checks);
+        assert!(text.contains("default transport"));
+        assert!(text.contains("memlock"));
+    }
+}
