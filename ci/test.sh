@@ -67,7 +67,7 @@ sans_io() {
 }
 tier sans-io sans_io
 
-tier tests cargo test --workspace --all-features --locked
+tier tests cargo test --workspace --all-features --locked --no-fail-fast
 
 doctor() {
   cargo run --release --locked -q -- doctor && cargo run --release --locked -q -- doctor --json >/dev/null

@@ -579,7 +579,14 @@ impl TcpTransport {
 
     /// Puts an op back in its slot (a multishot op that stays armed).
     fn keep_op(&mut self, ud: u64, op: Op) {
-        self.free_ops.retain(|&i| i != ud as usize);
+        // The slot was freed by `take_op` for this very completion; nothing may have reused it.
+        assert!(
+            self.ops[ud as usize].is_none(),
+            "op slot {ud} reused while its multishot op was live"
+        );
+        if let Some(pos) = self.free_ops.iter().rposition(|&i| i == ud as usize) {
+            self.free_ops.swap_remove(pos);
+        }
         if let Some(c) = op.conn() {
             if let Some(conn) = self.conns.get_mut(&c) {
                 conn.ops += 1;
