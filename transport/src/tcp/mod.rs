@@ -706,6 +706,19 @@ impl TcpTransport {
         self.queue_ctrl(conn, h, Payload::Owned(body), None);
     }
 
+    /// Announces (or revokes) one region to every established connection.
+    fn broadcast_regions(&mut self, r: RemoteRegion, revoke: bool) {
+        let ready: Vec<u64> = self
+            .conns
+            .values()
+            .filter(|c| c.state == State::Ready)
+            .map(|c| c.id)
+            .collect();
+        for c in ready {
+            self.send_regions(c, &[r], revoke);
+        }
+    }
+
     fn send_reject_and_close(&mut self, fd: OwnedFd, reason: &str) {
         let body = reason.as_bytes()[..reason.len().min(256)].to_vec();
         let mut buf = Header::new(Kind::Reject, body.len() as u32).encode().to_vec();
@@ -2206,15 +2219,7 @@ impl Transport for TcpTransport {
         self.regions.insert(key, r.clone());
         debug!(key = format_args!("{key:#x}"), len = r.len(), ?access, fixed = ?fixed, "registered region");
         if access.remote_write {
-            let ready: Vec<u64> = self
-                .conns
-                .values()
-                .filter(|c| c.state == State::Ready)
-                .map(|c| c.id)
-                .collect();
-            for c in ready {
-                self.send_regions(c, &[r.remote()], false);
-            }
+            self.broadcast_regions(r.remote(), false);
         }
         Ok(r)
     }
@@ -2247,15 +2252,7 @@ impl Transport for TcpTransport {
             }
         }
         if region.access().remote_write {
-            let ready: Vec<u64> = self
-                .conns
-                .values()
-                .filter(|c| c.state == State::Ready)
-                .map(|c| c.id)
-                .collect();
-            for c in ready {
-                self.send_regions(c, &[region.remote()], true);
-            }
+            self.broadcast_regions(region.remote(), true);
         }
         Ok(())
     }
