@@ -4,7 +4,7 @@
 mod conformance;
 
 use conformance::{buf, Opts, Pair};
-use tidewire_transport::{Access, Event, JobSecret, TcpConfig, TcpTransport, Transport};
+use tidewire_transport::{Access, Event, JobSecret, Region, RemoteRegion, TcpConfig, TcpTransport, Transport};
 
 fn make(o: &Opts, zc: Option<usize>) -> TcpTransport {
     let mut cfg = TcpConfig::new(o.job_id, o.rank, JobSecret::new(o.secret.clone()));
@@ -20,6 +20,21 @@ fn pair(zc: Option<usize>) -> Pair<TcpTransport> {
     )
 }
 
+/// Waits until the client has learned `land` from the server, and returns its descriptor.
+fn announced(p: &mut Pair<TcpTransport>, land: &Region) -> RemoteRegion {
+    p.pump("region announced", |e| {
+        e[1].iter()
+            .filter(|x| matches!(x, Event::RemoteRegionsChanged { .. }))
+            .count()
+            >= 2
+    });
+    p.c.remote_regions(p.cc)
+        .unwrap()
+        .into_iter()
+        .find(|r| r.rkey == land.key())
+        .unwrap()
+}
+
 #[test]
 fn one_sided_receive_copies_no_payload_in_user_space() {
     let mut p = pair(None);
@@ -27,18 +42,7 @@ fn one_sided_receive_copies_no_payload_in_user_space() {
     let land = p.s.register(buf(len), Access::REMOTE_WRITE).unwrap();
     let src = p.c.register(buf(len), Access::LOCAL).unwrap();
     src.fill(0, len, 0x5c).unwrap();
-    p.pump("region announced", |e| {
-        e[1].iter()
-            .filter(|x| matches!(x, Event::RemoteRegionsChanged { .. }))
-            .count()
-            >= 2
-    });
-    let dst =
-        p.c.remote_regions(p.cc)
-            .unwrap()
-            .into_iter()
-            .find(|r| r.rkey == land.key())
-            .unwrap();
+    let dst = announced(&mut p, &land);
 
     let before = p.s.stats();
     for i in 0..4 {
@@ -82,18 +86,7 @@ fn send_zc_path_delivers_the_same_bytes() {
     let src = p.c.register(buf(len), Access::LOCAL).unwrap();
     let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
     src.write_at(0, &data).unwrap();
-    p.pump("region announced", |e| {
-        e[1].iter()
-            .filter(|x| matches!(x, Event::RemoteRegionsChanged { .. }))
-            .count()
-            >= 2
-    });
-    let dst =
-        p.c.remote_regions(p.cc)
-            .unwrap()
-            .into_iter()
-            .find(|r| r.rkey == land.key())
-            .unwrap();
+    let dst = announced(&mut p, &land);
     // Mixed sizes: below the threshold (gathered SENDMSG) and above it (SEND_ZC).
     let mut off = 0usize;
     let mut n = 0;
