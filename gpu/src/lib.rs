@@ -3,7 +3,10 @@
 //! Behind the `cuda` feature this crate will hold cudarc device buffers,
 //! pinned host memory, dmabuf export and the aggregation kernels (the GPU
 //! issue). Today it reports what the build and the machine offer, so
-//! `tidewire doctor` can explain it.
+//! `tidewire doctor` can explain it, and [`cpu`] holds the CPU path of
+//! aggregation, apply and sufficient-factor reconstruction.
+
+pub mod cpu;
 
 /// What `tidewire doctor` shows for CUDA.
 #[derive(Debug, Clone)]

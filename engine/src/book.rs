@@ -1,0 +1,613 @@
+//! The information book: the cluster, the layer table, the batch size, the
+//! placement of KV chunks on servers, the scheduling slices, and the scheme
+//! each layer syncs by. Every rank builds the same book from the same inputs;
+//! [`Book::hash`] lets ranks check that at rendezvous.
+
+use std::ops::Range;
+
+use serde::Serialize;
+
+use crate::cost;
+use crate::error::{EngineError, Result};
+
+/// What a rank does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Computes gradients and pushes them.
+    Worker,
+    /// Holds a shard of the KV store, aggregates and applies.
+    Server,
+    /// Both: a colocated node.
+    Both,
+}
+
+impl Role {
+    /// Whether the rank runs a worker.
+    pub fn is_worker(self) -> bool {
+        matches!(self, Role::Worker | Role::Both)
+    }
+    /// Whether the rank runs a server shard.
+    pub fn is_server(self) -> bool {
+        matches!(self, Role::Server | Role::Both)
+    }
+}
+
+/// The ranks of a job and their roles.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Cluster {
+    roles: Vec<Role>,
+    workers: Vec<u32>,
+    servers: Vec<u32>,
+}
+
+impl Cluster {
+    /// A cluster from explicit roles, indexed by rank.
+    pub fn from_roles(roles: Vec<Role>) -> Result<Self> {
+        let workers: Vec<u32> = (0..roles.len() as u32).filter(|&r| roles[r as usize].is_worker()).collect();
+        let servers: Vec<u32> = (0..roles.len() as u32).filter(|&r| roles[r as usize].is_server()).collect();
+        if workers.is_empty() || servers.is_empty() {
+            return Err(EngineError::InvalidConfig(format!(
+                "a cluster needs at least one worker and one server (got {} workers, {} servers)",
+                workers.len(),
+                servers.len()
+            )));
+        }
+        Ok(Cluster { roles, workers, servers })
+    }
+
+    /// `workers` worker-only ranks (0..P1) followed by `servers` server-only ranks.
+    pub fn split(workers: usize, servers: usize) -> Result<Self> {
+        let mut roles = vec![Role::Worker; workers];
+        roles.extend(std::iter::repeat(Role::Server).take(servers));
+        Self::from_roles(roles)
+    }
+
+    /// `n` nodes that are each a worker and a server.
+    pub fn colocated(n: usize) -> Result<Self> {
+        Self::from_roles(vec![Role::Both; n])
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.roles.len()
+    }
+    /// The role of `rank`.
+    pub fn role(&self, rank: u32) -> Option<Role> {
+        self.roles.get(rank as usize).copied()
+    }
+    /// All roles, by rank.
+    pub fn roles(&self) -> &[Role] {
+        &self.roles
+    }
+    /// Worker ranks in ascending order (P1 of them). A worker's index in this
+    /// list is its place in the deterministic aggregation order.
+    pub fn workers(&self) -> &[u32] {
+        &self.workers
+    }
+    /// Server ranks in ascending order (P2 of them).
+    pub fn servers(&self) -> &[u32] {
+        &self.servers
+    }
+    /// Index of `rank` among the workers.
+    pub fn worker_index(&self, rank: u32) -> Option<usize> {
+        self.workers.binary_search(&rank).ok()
+    }
+    /// Index of `rank` among the servers.
+    pub fn server_index(&self, rank: u32) -> Option<usize> {
+        self.servers.binary_search(&rank).ok()
+    }
+    /// Whether every rank is both worker and server.
+    pub fn is_colocated(&self) -> bool {
+        self.roles.iter().all(|r| *r == Role::Both)
+    }
+}
+
+/// Layer kind, as the cost model sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerKind {
+    /// Fully connected: the gradient has sufficient factors.
+    Fc,
+    /// Convolution.
+    Conv,
+    /// Anything else (normalization, embeddings, biases kept apart...).
+    Other,
+}
+
+/// Element type of a layer's parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DType {
+    /// 32-bit float: supported.
+    F32,
+    /// Reserved.
+    Bf16,
+    /// Reserved.
+    F16,
+}
+
+impl DType {
+    /// Name for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+        }
+    }
+}
+
+/// Where a layer's buffers live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Location {
+    /// Host memory.
+    Host,
+    /// GPU memory on the given device (used by the GPU path).
+    Device(u32),
+}
+
+/// One row of the layer table. Its position in the table is its forward index.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LayerSpec {
+    /// Name, e.g. `conv1_1` or `fc6`.
+    pub name: String,
+    /// Kind.
+    pub kind: LayerKind,
+    /// Rows of the weight: output features (FC) or output channels (conv).
+    pub m: usize,
+    /// Columns: input features (FC) or input channels × kernel area (conv).
+    pub n: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// Buffer location.
+    pub location: Location,
+    /// Forward FLOPs per sample (for compute models; 0 when unknown).
+    pub flops: f64,
+}
+
+impl LayerSpec {
+    /// A host f32 layer.
+    pub fn new(name: impl Into<String>, kind: LayerKind, m: usize, n: usize) -> Self {
+        LayerSpec {
+            name: name.into(),
+            kind,
+            m,
+            n,
+            dtype: DType::F32,
+            location: Location::Host,
+            flops: 0.0,
+        }
+    }
+    /// Parameter count M×N.
+    pub fn params(&self) -> usize {
+        self.m * self.n
+    }
+}
+
+/// How a layer synchronizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scheme {
+    /// Push gradients to the sharded parameter server, receive parameters back.
+    Ps,
+    /// Broadcast sufficient factors (U, V) to peer workers.
+    Sfb,
+}
+
+/// How schemes are chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SchemePolicy {
+    /// Poseidon's HybComm: the cheaper of PS and SFB per FC layer.
+    Hybrid,
+    /// Every layer through the PS (ablation).
+    Ps,
+    /// SFB for every FC layer, PS for the rest (ablation).
+    Sfb,
+}
+
+/// Sizes that shape the book.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BookConfig {
+    /// Batch size K per worker.
+    pub batch: usize,
+    /// KV chunk size in bytes (Poseidon: 2 MiB).
+    pub chunk_bytes: usize,
+    /// Scheduling slice size in parameters (P3: 50,000). Slices never cross chunks.
+    pub slice_params: usize,
+    /// Scheme policy.
+    pub policy: SchemePolicy,
+}
+
+impl Default for BookConfig {
+    fn default() -> Self {
+        BookConfig {
+            batch: 32,
+            chunk_bytes: 2 << 20,
+            slice_params: 50_000,
+            policy: SchemePolicy::Hybrid,
+        }
+    }
+}
+
+/// A KV chunk: a contiguous run of one layer's parameters, owned by one server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Chunk {
+    /// Layer index.
+    pub layer: u32,
+    /// First element inside the layer.
+    pub offset: usize,
+    /// Elements.
+    pub len: usize,
+    /// Owning server's rank.
+    pub server: u32,
+    /// First element inside the owner's shard.
+    pub shard_offset: usize,
+}
+
+/// A scheduling slice: the unit that is queued, pushed and aggregated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SliceInfo {
+    /// Layer index (its forward index: the priority).
+    pub layer: u32,
+    /// Chunk it belongs to.
+    pub chunk: u32,
+    /// First element inside the layer.
+    pub offset: usize,
+    /// Elements.
+    pub len: usize,
+}
+
+/// The information book. Build it with [`Book::new`]; it is immutable.
+#[derive(Debug, Clone)]
+pub struct Book {
+    cluster: Cluster,
+    layers: Vec<LayerSpec>,
+    cfg: BookConfig,
+    chunks: Vec<Chunk>,
+    slices: Vec<SliceInfo>,
+    layer_chunks: Vec<Range<u32>>,
+    layer_slices: Vec<Range<u32>>,
+    chunk_slices: Vec<Range<u32>>,
+    layer_offsets: Vec<usize>,
+    shard_len: Vec<usize>,
+    server_chunks: Vec<Vec<u32>>,
+    schemes: Vec<Scheme>,
+    hash: u64,
+}
+
+impl Book {
+    /// Builds the book: chunks (spread evenly over the servers by bytes),
+    /// slices, and the scheme of every layer.
+    pub fn new(cluster: Cluster, layers: Vec<LayerSpec>, cfg: BookConfig) -> Result<Self> {
+        if layers.is_empty() {
+            return Err(EngineError::InvalidConfig("the layer table is empty".into()));
+        }
+        if cfg.batch == 0 {
+            return Err(EngineError::InvalidConfig("batch must be at least 1".into()));
+        }
+        if cfg.chunk_bytes < 4 || cfg.chunk_bytes % 4 != 0 {
+            return Err(EngineError::InvalidConfig(format!(
+                "chunk_bytes {} must be a positive multiple of 4",
+                cfg.chunk_bytes
+            )));
+        }
+        if cfg.slice_params == 0 {
+            return Err(EngineError::InvalidConfig("slice_params must be at least 1".into()));
+        }
+        for (i, l) in layers.iter().enumerate() {
+            if l.dtype != DType::F32 {
+                return Err(EngineError::UnsupportedDType {
+                    layer: i as u32,
+                    name: l.name.clone(),
+                    dtype: l.dtype.name(),
+                });
+            }
+            if l.params() == 0 {
+                return Err(EngineError::InvalidConfig(format!("layer {i} ({}) has no parameters", l.name)));
+            }
+        }
+        let chunk_params = cfg.chunk_bytes / 4;
+        let slice_params = cfg.slice_params.min(chunk_params);
+        let nservers = cluster.servers().len();
+        let mut load = vec![0usize; nservers];
+        let mut shard_len = vec![0usize; cluster.world()];
+        let mut server_chunks = vec![Vec::new(); cluster.world()];
+        let (mut chunks, mut slices) = (Vec::new(), Vec::new());
+        let (mut layer_chunks, mut layer_slices, mut chunk_slices) = (Vec::new(), Vec::new(), Vec::new());
+        let mut layer_offsets = Vec::with_capacity(layers.len());
+        let mut flat = 0usize;
+        for (li, l) in layers.iter().enumerate() {
+            layer_offsets.push(flat);
+            flat += l.params();
+            let (c0, s0) = (chunks.len() as u32, slices.len() as u32);
+            let mut off = 0;
+            while off < l.params() {
+                let len = chunk_params.min(l.params() - off);
+                // Least-loaded server, lowest index on ties: even by bytes.
+                let si = (0..nservers).min_by_key(|&s| (load[s], s)).expect("at least one server");
+                load[si] += len;
+                let server = cluster.servers()[si];
+                let cid = chunks.len() as u32;
+                chunks.push(Chunk {
+                    layer: li as u32,
+                    offset: off,
+                    len,
+                    server,
+                    shard_offset: shard_len[server as usize],
+                });
+                shard_len[server as usize] += len;
+                server_chunks[server as usize].push(cid);
+                let first = slices.len() as u32;
+                let q = len.div_ceil(slice_params);
+                let (base, extra) = (len / q, len % q);
+                let mut so = off;
+                for i in 0..q {
+                    let sl = base + usize::from(i < extra);
+                    slices.push(SliceInfo {
+                        layer: li as u32,
+                        chunk: cid,
+                        offset: so,
+                        len: sl,
+                    });
+                    so += sl;
+                }
+                chunk_slices.push(first..slices.len() as u32);
+                off += len;
+            }
+            layer_chunks.push(c0..chunks.len() as u32);
+            layer_slices.push(s0..slices.len() as u32);
+        }
+        let mut book = Book {
+            cluster,
+            layers,
+            cfg,
+            chunks,
+            slices,
+            layer_chunks,
+            layer_slices,
+            chunk_slices,
+            layer_offsets,
+            shard_len,
+            server_chunks,
+            schemes: Vec::new(),
+            hash: 0,
+        };
+        book.schemes = (0..book.layers.len() as u32).map(|l| book.best_scheme(l)).collect();
+        book.hash = book.compute_hash();
+        Ok(book)
+    }
+
+    /// Poseidon's BestScheme for `layer`: conv and other layers go to the PS;
+    /// an FC layer takes the cheaper scheme by the cost model (bottleneck
+    /// node), or the forced one.
+    pub fn best_scheme(&self, layer: u32) -> Scheme {
+        let l = &self.layers[layer as usize];
+        if l.kind != LayerKind::Fc {
+            return Scheme::Ps;
+        }
+        match self.cfg.policy {
+            SchemePolicy::Ps => Scheme::Ps,
+            SchemePolicy::Sfb => Scheme::Sfb,
+            SchemePolicy::Hybrid => {
+                let (ps, sfb) = self.costs(layer);
+                if sfb < ps {
+                    Scheme::Sfb
+                } else {
+                    Scheme::Ps
+                }
+            }
+        }
+    }
+
+    /// (PS, SFB) parameters moved by the busiest node for `layer`.
+    pub fn costs(&self, layer: u32) -> (u64, u64) {
+        let l = &self.layers[layer as usize];
+        cost::bottleneck(
+            self.cluster.is_colocated(),
+            self.cfg.batch as u64,
+            l.m as u64,
+            l.n as u64,
+            self.p1() as u64,
+            self.p2() as u64,
+        )
+    }
+
+    /// The scheme `layer` syncs by in iteration `iter`. The cost model's inputs
+    /// (cluster, shapes, batch) are fixed for a run, so this is the same every
+    /// iteration; it is evaluated per iteration so that a book rebuilt with new
+    /// inputs takes effect at once.
+    pub fn scheme(&self, layer: u32, _iter: u64) -> Scheme {
+        self.schemes[layer as usize]
+    }
+
+    /// The cluster.
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+    /// P1: the number of workers.
+    pub fn p1(&self) -> usize {
+        self.cluster.workers().len()
+    }
+    /// P2: the number of servers.
+    pub fn p2(&self) -> usize {
+        self.cluster.servers().len()
+    }
+    /// The layer table, in forward order.
+    pub fn layers(&self) -> &[LayerSpec] {
+        &self.layers
+    }
+    /// One layer, or `UnknownLayer`.
+    pub fn layer(&self, layer: u32) -> Result<&LayerSpec> {
+        self.layers.get(layer as usize).ok_or(EngineError::UnknownLayer {
+            layer,
+            layers: self.layers.len() as u32,
+        })
+    }
+    /// The sizes this book was built with.
+    pub fn config(&self) -> &BookConfig {
+        &self.cfg
+    }
+    /// All chunks; a chunk's index is its id. Ids ascend in forward order.
+    pub fn chunks(&self) -> &[Chunk] {
+        &self.chunks
+    }
+    /// All slices; a slice's index is its id, which is its priority within an
+    /// iteration (forward index first, then sequence within the layer).
+    pub fn slices(&self) -> &[SliceInfo] {
+        &self.slices
+    }
+    /// Chunk ids of a layer.
+    pub fn layer_chunks(&self, layer: u32) -> Range<u32> {
+        self.layer_chunks[layer as usize].clone()
+    }
+    /// Slice ids of a layer.
+    pub fn layer_slices(&self, layer: u32) -> Range<u32> {
+        self.layer_slices[layer as usize].clone()
+    }
+    /// Slice ids of a chunk.
+    pub fn chunk_slices(&self, chunk: u32) -> Range<u32> {
+        self.chunk_slices[chunk as usize].clone()
+    }
+    /// Element offset of a layer in the flat model (all layers back to back).
+    pub fn layer_offset(&self, layer: u32) -> usize {
+        self.layer_offsets[layer as usize]
+    }
+    /// Total parameters.
+    pub fn total_params(&self) -> usize {
+        self.layers.iter().map(LayerSpec::params).sum()
+    }
+    /// Elements held by the shard on `rank` (0 for a worker-only rank).
+    pub fn shard_len(&self, rank: u32) -> usize {
+        self.shard_len.get(rank as usize).copied().unwrap_or(0)
+    }
+    /// Chunk ids owned by `rank`, in ascending (priority) order.
+    pub fn server_chunks(&self, rank: u32) -> &[u32] {
+        self.server_chunks.get(rank as usize).map(Vec::as_slice).unwrap_or(&[])
+    }
+    /// The largest slice, in elements: the size of one landing slot.
+    pub fn max_slice_len(&self) -> usize {
+        self.slices.iter().map(|s| s.len).max().unwrap_or(0)
+    }
+    /// A digest of everything that must agree between ranks.
+    pub fn hash(&self) -> u64 {
+        self.hash
+    }
+
+    fn compute_hash(&self) -> u64 {
+        // FNV-1a over a canonical encoding.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut put = |bytes: &[u8]| {
+            for b in bytes {
+                h ^= u64::from(*b);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        for r in self.cluster.roles() {
+            put(&[*r as u8]);
+        }
+        put(&(self.cfg.batch as u64).to_le_bytes());
+        put(&(self.cfg.chunk_bytes as u64).to_le_bytes());
+        put(&(self.cfg.slice_params as u64).to_le_bytes());
+        put(&[self.cfg.policy as u8]);
+        for l in &self.layers {
+            put(l.name.as_bytes());
+            put(&[0, l.kind as u8, l.dtype as u8]);
+            put(&(l.m as u64).to_le_bytes());
+            put(&(l.n as u64).to_le_bytes());
+        }
+        h
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layers() -> Vec<LayerSpec> {
+        vec![
+            LayerSpec::new("conv", LayerKind::Conv, 64, 27),
+            LayerSpec::new("fc", LayerKind::Fc, 4096, 4096),
+            LayerSpec::new("bias", LayerKind::Other, 1, 10),
+        ]
+    }
+
+    #[test]
+    fn chunks_and_slices_tile_every_layer() {
+        let book = Book::new(Cluster::split(4, 3).unwrap(), layers(), BookConfig::default()).unwrap();
+        for (li, l) in book.layers().iter().enumerate() {
+            let mut next = 0;
+            for c in book.layer_chunks(li as u32) {
+                let ch = book.chunks()[c as usize];
+                assert_eq!(ch.offset, next);
+                assert!(ch.len * 4 <= book.config().chunk_bytes);
+                let mut snext = ch.offset;
+                for s in book.chunk_slices(c) {
+                    let sl = book.slices()[s as usize];
+                    assert_eq!((sl.offset, sl.chunk, sl.layer), (snext, c, li as u32));
+                    assert!(sl.len <= 50_000);
+                    snext += sl.len;
+                }
+                assert_eq!(snext, ch.offset + ch.len, "slices cover the chunk and never cross it");
+                next += ch.len;
+            }
+            assert_eq!(next, l.params());
+        }
+    }
+
+    #[test]
+    fn chunks_spread_evenly() {
+        let book = Book::new(Cluster::split(2, 3).unwrap(), layers(), BookConfig::default()).unwrap();
+        let loads: Vec<usize> = book.cluster().servers().iter().map(|&s| book.shard_len(s)).collect();
+        let (lo, hi) = (*loads.iter().min().unwrap(), *loads.iter().max().unwrap());
+        assert!(hi - lo <= book.config().chunk_bytes / 4, "{loads:?}");
+        assert_eq!(loads.iter().sum::<usize>(), book.total_params());
+    }
+
+    #[test]
+    fn schemes_follow_the_policy() {
+        let c = Cluster::colocated(8).unwrap();
+        let hybrid = Book::new(c.clone(), layers(), BookConfig::default()).unwrap();
+        assert_eq!(hybrid.scheme(0, 0), Scheme::Ps);
+        assert_eq!(hybrid.scheme(1, 0), Scheme::Sfb);
+        assert_eq!(hybrid.scheme(2, 0), Scheme::Ps);
+        let ps = Book::new(
+            c,
+            layers(),
+            BookConfig {
+                policy: SchemePolicy::Ps,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(ps.scheme(1, 0), Scheme::Ps);
+    }
+
+    #[test]
+    fn hash_sees_the_layer_table() {
+        let c = Cluster::split(2, 1).unwrap();
+        let a = Book::new(c.clone(), layers(), BookConfig::default()).unwrap();
+        let mut l = layers();
+        l[1].n = 4095;
+        let b = Book::new(c, l, BookConfig::default()).unwrap();
+        assert_ne!(a.hash(), b.hash());
+    }
+
+    #[test]
+    fn bad_tables_are_typed_errors() {
+        let c = Cluster::split(1, 1).unwrap();
+        assert!(matches!(
+            Book::new(c.clone(), vec![], BookConfig::default()),
+            Err(EngineError::InvalidConfig(_))
+        ));
+        let mut l = layers();
+        l[0].dtype = DType::Bf16;
+        assert!(matches!(
+            Book::new(c, l, BookConfig::default()),
+            Err(EngineError::UnsupportedDType { .. })
+        ));
+        assert!(Cluster::split(0, 1).is_err());
+    }
+}

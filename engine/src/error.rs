@@ -1,0 +1,54 @@
+//! The engine's one error type.
+
+/// What went wrong in the engine core, or in the way it was used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// The configuration cannot work (the message says which field and why).
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// A layer index outside the layer table.
+    #[error("unknown layer {layer} (the table has {layers} layers)")]
+    UnknownLayer { layer: u32, layers: u32 },
+    /// `grad_ready`/`sf_ready` for a layer whose previous iteration is still syncing.
+    #[error("layer {layer} ({name}) is already syncing iteration {iter}: call wait_layer before handing it in again")]
+    LayerBusy { layer: u32, name: String, iter: u64 },
+    /// A buffer whose size does not match the layer table.
+    #[error("buffer for layer {layer} ({name}) has {got} elements, the layer table says {want}")]
+    WrongSize {
+        layer: u32,
+        name: String,
+        got: usize,
+        want: usize,
+    },
+    /// The layer's scheme this iteration is sufficient-factor broadcast, so it needs `sf_ready`.
+    #[error("layer {layer} ({name}) syncs by sufficient factors this iteration: call sf_ready with U and V, not grad_ready")]
+    NeedsFactors { layer: u32, name: String },
+    /// Sufficient factors were handed in for a layer that is not fully connected.
+    #[error("layer {layer} ({name}) is not fully connected: it has no sufficient factors")]
+    NotFullyConnected { layer: u32, name: String },
+    /// A data type the engine reserves but does not support yet.
+    #[error("layer {layer} ({name}): dtype {dtype} is reserved; only f32 is supported")]
+    UnsupportedDType {
+        layer: u32,
+        name: String,
+        dtype: &'static str,
+    },
+    /// Two ranks disagree on the information book (layer table, cluster or sizes).
+    #[error("rank {rank} has a different information book (hash {theirs:#018x}, ours {ours:#018x}): {hint}")]
+    BookMismatch {
+        rank: u32,
+        ours: u64,
+        theirs: u64,
+        hint: String,
+    },
+    /// A peer broke the protocol (e.g. a slice outside this server's shard).
+    #[error("protocol violation by rank {rank}: {what}")]
+    Protocol { rank: u32, what: String },
+    /// The session was shut down.
+    #[error("the session is shut down")]
+    Shutdown,
+}
+
+/// Shorthand.
+pub type Result<T> = std::result::Result<T, EngineError>;

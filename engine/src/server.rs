@@ -1,0 +1,341 @@
+//! The server side of the core: one KV-store shard. Per-slice contribution
+//! counters, landing-slot credits, aggregation order, apply gating and the
+//! P3-style broadcast of every chunk the moment it is complete, highest
+//! priority first.
+//!
+//! # Driving it
+//! Execute each [`ServerCommand`] in the order [`Server::poll_command`] returns
+//! them; `Accumulate` and `Apply` are complete when the driver moves on to the
+//! next command (they are synchronous). Report landed writes with
+//! [`Server::handle_landed`] / [`Server::handle_init`], and finished broadcasts
+//! with [`Server::handle_broadcast_done`].
+//!
+//! # Memory
+//! Incoming gradients land in `slots × P1` landing slots of
+//! [`Book::max_slice_len`] elements; accumulators hold `s + 1` copies of the
+//! shard under SSP(s) (one under BSP). Nothing grows with P1 × model size.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::sync::Arc;
+
+use crate::book::Book;
+use crate::config::SchedConfig;
+use crate::error::{EngineError, Result};
+
+/// What the server core asks its driver to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServerCommand {
+    /// Fold the slice in landing slot `slot` of `worker` into accumulator
+    /// `window` (`acc = data` when `first`, else `acc += data`), at the slice's
+    /// place in the shard.
+    Accumulate {
+        worker: u32,
+        slot: u32,
+        slice: u32,
+        window: u32,
+        first: bool,
+    },
+    /// Tell `worker` that landing slot `slot` is free again.
+    ReturnCredit { worker: u32, slot: u32 },
+    /// Every contribution to `chunk` for `iter` is summed in accumulator
+    /// `window`: apply it to the shard's parameters.
+    Apply { chunk: u32, iter: u64, window: u32 },
+    /// Write the shard's current values of `chunk` into `worker`'s parameter
+    /// buffer, with the chunk id as the immediate. Report it with
+    /// [`Server::handle_broadcast_done`].
+    Broadcast { chunk: u32, worker: u32 },
+}
+
+/// Counters for tests and reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServerStats {
+    /// Slices accumulated.
+    pub accumulated: u64,
+    /// Chunk applies.
+    pub applies: u64,
+    /// Chunk broadcasts.
+    pub broadcasts: u64,
+    /// Most landing slots of one worker occupied at once.
+    pub max_slots_held: u32,
+}
+
+/// The server core of one rank.
+#[derive(Debug)]
+pub struct Server {
+    book: Arc<Book>,
+    rank: u32,
+    cfg: SchedConfig,
+    p1: usize,
+    window: usize,
+    /// Global slice id → local index (u32::MAX when not ours).
+    slice_local: Vec<u32>,
+    /// Global chunk id → local index.
+    chunk_local: Vec<u32>,
+    /// Per (local slice, window): contributions folded in.
+    folded: Vec<u32>,
+    /// Per (local slice, window): the iteration the window holds.
+    win_iter: Vec<u64>,
+    /// Per (local slice, window, worker index): a landed slot waiting for its turn.
+    held: Vec<Option<u32>>,
+    /// Per (worker index, local slice): contributions received (the next one's iteration).
+    received: Vec<u64>,
+    /// Per (local chunk, window): slices complete.
+    chunk_done: Vec<u32>,
+    /// Per local chunk: the next iteration to apply.
+    applied: Vec<u64>,
+    /// Per local chunk: broadcasts queued or in flight.
+    bcast_pending: Vec<u32>,
+    /// Per worker index: slots currently held.
+    slots_held: Vec<u32>,
+    init_left: usize,
+    bcast_queue: BinaryHeap<Reverse<(u64, u32, u32)>>,
+    bcast_bytes: usize,
+    out: VecDeque<ServerCommand>,
+    stats: ServerStats,
+}
+
+impl Server {
+    /// The server core for `rank`, which must be a server in the book's cluster.
+    pub fn new(book: Arc<Book>, rank: u32, cfg: SchedConfig) -> Result<Self> {
+        cfg.validate()?;
+        if book.cluster().server_index(rank).is_none() {
+            return Err(EngineError::InvalidConfig(format!("rank {rank} is not a server in this cluster")));
+        }
+        let p1 = book.p1();
+        let window = cfg.consistency.staleness() as usize + 1;
+        let mut slice_local = vec![u32::MAX; book.slices().len()];
+        let mut chunk_local = vec![u32::MAX; book.chunks().len()];
+        let mut nls = 0u32;
+        for (lc, &c) in book.server_chunks(rank).iter().enumerate() {
+            chunk_local[c as usize] = lc as u32;
+            for s in book.chunk_slices(c) {
+                slice_local[s as usize] = nls;
+                nls += 1;
+            }
+        }
+        let nls = nls as usize;
+        let nlc = book.server_chunks(rank).len();
+        Ok(Server {
+            p1,
+            window,
+            slice_local,
+            chunk_local,
+            folded: vec![0; nls * window],
+            win_iter: (0..nls * window).map(|i| (i % window) as u64).collect(),
+            held: vec![None; nls * window * p1],
+            received: vec![0; p1 * nls],
+            chunk_done: vec![0; nlc * window],
+            applied: vec![0; nlc],
+            bcast_pending: vec![0; nlc],
+            slots_held: vec![0; p1],
+            init_left: nlc,
+            bcast_queue: BinaryHeap::new(),
+            bcast_bytes: 0,
+            out: VecDeque::new(),
+            stats: ServerStats::default(),
+            book,
+            rank,
+            cfg,
+        })
+    }
+
+    /// This server's rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+    /// Accumulator copies of the shard the driver must keep (s + 1).
+    pub fn windows(&self) -> usize {
+        self.window
+    }
+    /// Whether every chunk of the shard has its initial values.
+    pub fn is_initialized(&self) -> bool {
+        self.init_left == 0
+    }
+    /// Counters.
+    pub fn stats(&self) -> ServerStats {
+        self.stats
+    }
+    /// The next command for the driver.
+    pub fn poll_command(&mut self) -> Option<ServerCommand> {
+        self.out.pop_front()
+    }
+    /// Iterations applied to `chunk` so far.
+    pub fn applied(&self, chunk: u32) -> Option<u64> {
+        let lc = *self.chunk_local.get(chunk as usize)?;
+        (lc != u32::MAX).then(|| self.applied[lc as usize])
+    }
+    /// The per-worker clocks: iterations each worker has fully pushed to this shard.
+    pub fn worker_clocks(&self) -> Vec<u64> {
+        let nls = self.received.len() / self.p1.max(1);
+        (0..self.p1)
+            .map(|wi| self.received[wi * nls..(wi + 1) * nls].iter().copied().min().unwrap_or(0))
+            .collect()
+    }
+
+    /// Whether contributions are folded in worker order. Only under BSP: under
+    /// SSP a slow worker would hold every faster worker's slots, which would
+    /// undo the staleness bound, and SSP values depend on timing anyway.
+    pub fn deterministic(&self) -> bool {
+        self.cfg.deterministic && self.window == 1
+    }
+
+    fn err(&self, rank: u32, what: String) -> EngineError {
+        EngineError::Protocol { rank, what }
+    }
+
+    /// Worker index 0 wrote the initial values of `chunk` into the shard.
+    pub fn handle_init(&mut self, from: u32, chunk: u32) -> Result<()> {
+        let lc = self.local_chunk(from, chunk)?;
+        if self.applied[lc] != 0 || self.init_left == 0 {
+            return Err(self.err(from, format!("initial values for chunk {chunk} sent twice")));
+        }
+        self.init_left -= 1;
+        if self.init_left == 0 {
+            let chunks: Vec<u32> = self.book.server_chunks(self.rank).to_vec();
+            for c in chunks {
+                self.queue_broadcast(0, c);
+            }
+            self.pump_broadcasts();
+        }
+        Ok(())
+    }
+
+    fn local_chunk(&self, from: u32, chunk: u32) -> Result<usize> {
+        match self.chunk_local.get(chunk as usize) {
+            Some(&lc) if lc != u32::MAX => Ok(lc as usize),
+            _ => Err(self.err(from, format!("chunk {chunk} is not in the shard of rank {}", self.rank))),
+        }
+    }
+
+    /// A worker's write of `slice` landed in its slot `slot`.
+    pub fn handle_landed(&mut self, worker: u32, slot: u32, slice: u32) -> Result<()> {
+        let wi = self
+            .book
+            .cluster()
+            .worker_index(worker)
+            .ok_or_else(|| self.err(worker, "a push from a rank that is not a worker".into()))?;
+        if self.init_left != 0 {
+            return Err(self.err(worker, "a gradient push before the shard was initialized".into()));
+        }
+        if slot >= self.cfg.slots {
+            return Err(self.err(worker, format!("landing slot {slot} out of range (slots: {})", self.cfg.slots)));
+        }
+        let ls = match self.slice_local.get(slice as usize) {
+            Some(&ls) if ls != u32::MAX => ls as usize,
+            _ => return Err(self.err(worker, format!("slice {slice} is not in the shard of rank {}", self.rank))),
+        };
+        let nls = self.folded.len() / self.window;
+        let iter = self.received[wi * nls + ls];
+        let w = (iter % self.window as u64) as usize;
+        let sw = ls * self.window + w;
+        if self.win_iter[sw] != iter {
+            return Err(self.err(
+                worker,
+                format!("slice {slice} for iteration {iter} while iteration {} is not applied", self.win_iter[sw]),
+            ));
+        }
+        self.received[wi * nls + ls] += 1;
+        self.slots_held[wi] += 1;
+        self.stats.max_slots_held = self.stats.max_slots_held.max(self.slots_held[wi]);
+        if self.slots_held[wi] > self.cfg.slots {
+            return Err(self.err(worker, "more pushes in flight than credits granted".into()));
+        }
+        if self.deterministic() {
+            self.held[sw * self.p1 + wi] = Some(slot);
+            // Fold every held contribution whose turn has come, in worker order.
+            while (self.folded[sw] as usize) < self.p1 {
+                let next = self.folded[sw] as usize;
+                let Some(s) = self.held[sw * self.p1 + next].take() else { break };
+                self.fold(next, s, slice, sw, w);
+            }
+        } else {
+            self.fold(wi, slot, slice, sw, w);
+        }
+        Ok(())
+    }
+
+    fn fold(&mut self, wi: usize, slot: u32, slice: u32, sw: usize, w: usize) {
+        let worker = self.book.cluster().workers()[wi];
+        self.out.push_back(ServerCommand::Accumulate {
+            worker,
+            slot,
+            slice,
+            window: w as u32,
+            first: self.folded[sw] == 0,
+        });
+        self.out.push_back(ServerCommand::ReturnCredit { worker, slot });
+        self.slots_held[wi] -= 1;
+        self.stats.accumulated += 1;
+        self.folded[sw] += 1;
+        if self.folded[sw] as usize == self.p1 {
+            let chunk = self.book.slices()[slice as usize].chunk;
+            let lc = self.chunk_local[chunk as usize] as usize;
+            self.chunk_done[lc * self.window + w] += 1;
+            self.try_apply(chunk);
+        }
+    }
+
+    fn try_apply(&mut self, chunk: u32) {
+        let lc = self.chunk_local[chunk as usize] as usize;
+        let t = self.applied[lc];
+        let w = (t % self.window as u64) as usize;
+        let nslices = self.book.chunk_slices(chunk).len() as u32;
+        if self.chunk_done[lc * self.window + w] != nslices || self.bcast_pending[lc] != 0 {
+            return;
+        }
+        self.out.push_back(ServerCommand::Apply {
+            chunk,
+            iter: t,
+            window: w as u32,
+        });
+        self.stats.applies += 1;
+        self.chunk_done[lc * self.window + w] = 0;
+        for s in self.book.chunk_slices(chunk) {
+            let sw = self.slice_local[s as usize] as usize * self.window + w;
+            self.folded[sw] = 0;
+            self.win_iter[sw] = t + self.window as u64;
+        }
+        self.applied[lc] = t + 1;
+        self.queue_broadcast(t + 1, chunk);
+        self.pump_broadcasts();
+    }
+
+    fn queue_broadcast(&mut self, version: u64, chunk: u32) {
+        let lc = self.chunk_local[chunk as usize] as usize;
+        for wi in 0..self.p1 {
+            self.bcast_queue.push(Reverse((version, chunk, wi as u32)));
+            self.bcast_pending[lc] += 1;
+        }
+    }
+
+    fn pump_broadcasts(&mut self) {
+        while let Some(&Reverse((_, chunk, wi))) = self.bcast_queue.peek() {
+            let bytes = self.book.chunks()[chunk as usize].len * 4;
+            if self.bcast_bytes > 0 && self.bcast_bytes + bytes > self.cfg.credit_bytes {
+                return;
+            }
+            self.bcast_queue.pop();
+            self.bcast_bytes += bytes;
+            self.stats.broadcasts += 1;
+            self.out.push_back(ServerCommand::Broadcast {
+                chunk,
+                worker: self.book.cluster().workers()[wi as usize],
+            });
+        }
+    }
+
+    /// A broadcast of `chunk` to `worker` was placed.
+    pub fn handle_broadcast_done(&mut self, chunk: u32, worker: u32) -> Result<()> {
+        let lc = self.local_chunk(worker, chunk)?;
+        if self.bcast_pending[lc] == 0 {
+            return Err(self.err(worker, format!("broadcast completion for chunk {chunk} that was not sent")));
+        }
+        self.bcast_pending[lc] -= 1;
+        self.bcast_bytes -= self.book.chunks()[chunk as usize].len * 4;
+        self.pump_broadcasts();
+        // A later iteration may have completed while this broadcast was out.
+        self.try_apply(chunk);
+        Ok(())
+    }
+}

@@ -1,0 +1,450 @@
+//! The worker side of the core: per-layer readiness, the priority queue, the
+//! credit window and landing-slot credits, and SFB bookkeeping.
+//!
+//! # Driving it
+//! 1. [`Worker::new`], then, on the worker of index 0 only, execute the
+//!    [`WorkerCommand::InitPush`] commands it emits (the initial parameters
+//!    go to the servers, which broadcast them to everyone).
+//! 2. Feed completions and arrivals with the `handle_*` methods, hand layers in
+//!    with [`Worker::grad_ready`] / [`Worker::sf_ready`], and after every call
+//!    drain [`Worker::poll_command`] until it returns `None`.
+//! 3. A layer may be handed in again once a [`WorkerCommand::LayerReady`] for
+//!    it came out (or before its first hand-in, once [`Worker::is_initialized`]).
+//!
+//! The core keeps no clock; liveness timeouts belong to whoever drives it.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::sync::Arc;
+
+use crate::book::{Book, LayerKind, Scheme};
+use crate::config::{QueueOrder, SchedConfig};
+use crate::error::{EngineError, Result};
+
+/// What the worker core asks its driver to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerCommand {
+    /// Write this worker's initial values of `chunk` into the owning server's
+    /// parameter shard (worker index 0 only, once).
+    InitPush { server: u32, chunk: u32 },
+    /// Write the gradient of `slice` into landing slot `slot` on `server`, with
+    /// the slice id as the immediate. Report it with [`Worker::handle_push_done`].
+    Push { server: u32, slot: u32, slice: u32, iter: u64 },
+    /// Send this layer's sufficient factors (U, V) of `iter` to worker rank
+    /// `peer`. Report it with [`Worker::handle_factors_sent`].
+    SendFactors { peer: u32, layer: u32, iter: u64 },
+    /// Every worker's factors of `iter` for `layer` are here: sum Σ_p U_pᵀV_p in
+    /// worker-rank order, apply it to the layer's parameters, and report it with
+    /// [`Worker::handle_factors_applied`].
+    Reconstruct { layer: u32, iter: u64 },
+    /// The layer's iteration `iter` is synced: its buffers are the caller's again.
+    LayerReady { layer: u32, iter: u64 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Item {
+    Push { slice: u32 },
+    Factors { layer: u32 },
+}
+
+#[derive(Debug, Clone, Default)]
+struct LayerState {
+    in_flight: bool,
+    /// Iterations handed in and completed; the one in flight is `done`.
+    done: u64,
+    scheme: Option<Scheme>,
+    pushes_left: u32,
+    sends_left: u32,
+}
+
+/// Counters for tests and reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkerStats {
+    /// Slices pushed.
+    pub pushes: u64,
+    /// Factor messages sent.
+    pub factor_sends: u64,
+    /// Largest number of bytes in flight seen.
+    pub max_bytes_in_flight: usize,
+}
+
+/// The worker core of one rank.
+#[derive(Debug)]
+pub struct Worker {
+    book: Arc<Book>,
+    rank: u32,
+    index: usize,
+    cfg: SchedConfig,
+    layers: Vec<LayerState>,
+    chunk_updates: Vec<u64>,
+    sf_applied: Vec<u64>,
+    sf_arrived: HashMap<(u32, u64), u32>,
+    sf_emitted: Vec<Option<u64>>,
+    queues: Vec<BinaryHeap<Reverse<(u64, u64, Item)>>>,
+    free_slots: Vec<Vec<u32>>,
+    bytes_in_flight: usize,
+    fifo_seq: u64,
+    uninitialized: usize,
+    out: VecDeque<WorkerCommand>,
+    stats: WorkerStats,
+}
+
+impl Worker {
+    /// The worker core for `rank`, which must be a worker in the book's cluster.
+    pub fn new(book: Arc<Book>, rank: u32, cfg: SchedConfig) -> Result<Self> {
+        cfg.validate()?;
+        let index = book.cluster().worker_index(rank).ok_or_else(|| {
+            EngineError::InvalidConfig(format!("rank {rank} is not a worker in this cluster"))
+        })?;
+        let world = book.cluster().world();
+        let mut free_slots = vec![Vec::new(); world];
+        for &s in book.cluster().servers() {
+            free_slots[s as usize] = (0..cfg.slots).rev().collect();
+        }
+        let mut w = Worker {
+            layers: vec![LayerState::default(); book.layers().len()],
+            chunk_updates: vec![0; book.chunks().len()],
+            sf_applied: vec![0; book.layers().len()],
+            sf_arrived: HashMap::new(),
+            sf_emitted: vec![None; book.layers().len()],
+            queues: (0..world).map(|_| BinaryHeap::new()).collect(),
+            free_slots,
+            bytes_in_flight: 0,
+            fifo_seq: 0,
+            uninitialized: book.chunks().len(),
+            out: VecDeque::new(),
+            stats: WorkerStats::default(),
+            book,
+            rank,
+            index,
+            cfg,
+        };
+        if index == 0 {
+            for (c, ch) in w.book.chunks().iter().enumerate() {
+                w.out.push_back(WorkerCommand::InitPush {
+                    server: ch.server,
+                    chunk: c as u32,
+                });
+            }
+        }
+        Ok(w)
+    }
+
+    /// This worker's rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+    /// This worker's index among the workers (its place in the aggregation order).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+    /// The book.
+    pub fn book(&self) -> &Arc<Book> {
+        &self.book
+    }
+    /// Whether every chunk's initial parameters have arrived.
+    pub fn is_initialized(&self) -> bool {
+        self.uninitialized == 0
+    }
+    /// Whether the layer is handed in and not yet synced.
+    pub fn is_in_flight(&self, layer: u32) -> bool {
+        self.layers.get(layer as usize).is_some_and(|l| l.in_flight)
+    }
+    /// Iterations of `layer` completed.
+    pub fn completed(&self, layer: u32) -> u64 {
+        self.layers.get(layer as usize).map_or(0, |l| l.done)
+    }
+    /// The worker's clock: iterations completed by every layer.
+    pub fn clock(&self) -> u64 {
+        self.layers.iter().map(|l| l.done).min().unwrap_or(0)
+    }
+    /// Bytes currently in flight (pushes and factor sends).
+    pub fn bytes_in_flight(&self) -> usize {
+        self.bytes_in_flight
+    }
+    /// Counters.
+    pub fn stats(&self) -> WorkerStats {
+        self.stats
+    }
+    /// The scheme `layer` will sync by at its next hand-in.
+    pub fn next_scheme(&self, layer: u32) -> Result<Scheme> {
+        self.book.layer(layer)?;
+        Ok(self.book.scheme(layer, self.completed(layer)))
+    }
+
+    /// The next command for the driver.
+    pub fn poll_command(&mut self) -> Option<WorkerCommand> {
+        self.out.pop_front()
+    }
+
+    fn check_hand_in(&self, layer: u32) -> Result<()> {
+        let spec = self.book.layer(layer)?;
+        let st = &self.layers[layer as usize];
+        if st.in_flight {
+            return Err(EngineError::LayerBusy {
+                layer,
+                name: spec.name.clone(),
+                iter: st.done,
+            });
+        }
+        Ok(())
+    }
+
+    /// The layer's gradient is in its registered buffer: queue its slices.
+    /// Fails with `NeedsFactors` when the layer syncs by SFB this iteration.
+    pub fn grad_ready(&mut self, layer: u32) -> Result<()> {
+        self.check_hand_in(layer)?;
+        let iter = self.layers[layer as usize].done;
+        if self.book.scheme(layer, iter) == Scheme::Sfb {
+            return Err(EngineError::NeedsFactors {
+                layer,
+                name: self.book.layers()[layer as usize].name.clone(),
+            });
+        }
+        let slices = self.book.layer_slices(layer);
+        for s in slices.clone() {
+            let server = self.book.chunks()[self.book.slices()[s as usize].chunk as usize].server;
+            let key = self.key(s as u64);
+            self.queues[server as usize].push(Reverse((iter, key, Item::Push { slice: s })));
+        }
+        let st = &mut self.layers[layer as usize];
+        st.in_flight = true;
+        st.scheme = Some(Scheme::Ps);
+        st.pushes_left = slices.len() as u32;
+        st.sends_left = 0;
+        self.pump();
+        Ok(())
+    }
+
+    /// The layer's sufficient factors are in its registered factor buffer.
+    /// Fails with `NotFullyConnected` for conv/other layers. When the layer
+    /// syncs by the PS this iteration, the driver must turn the factors into a
+    /// gradient and call [`Worker::grad_ready`] instead; this returns `Ok(false)` then.
+    pub fn sf_ready(&mut self, layer: u32) -> Result<bool> {
+        self.check_hand_in(layer)?;
+        let spec = &self.book.layers()[layer as usize];
+        if spec.kind != LayerKind::Fc {
+            return Err(EngineError::NotFullyConnected {
+                layer,
+                name: spec.name.clone(),
+            });
+        }
+        let iter = self.layers[layer as usize].done;
+        if self.book.scheme(layer, iter) == Scheme::Ps {
+            return Ok(false);
+        }
+        let peers: Vec<u32> = self.book.cluster().workers().iter().copied().filter(|&w| w != self.rank).collect();
+        let key = self.key(self.book.layer_slices(layer).start as u64);
+        for &p in &peers {
+            self.queues[p as usize].push(Reverse((iter, key, Item::Factors { layer })));
+        }
+        let st = &mut self.layers[layer as usize];
+        st.in_flight = true;
+        st.scheme = Some(Scheme::Sfb);
+        st.pushes_left = 0;
+        st.sends_left = peers.len() as u32;
+        self.handle_factors_arrived(layer, iter, self.rank)?;
+        self.pump();
+        Ok(true)
+    }
+
+    fn key(&mut self, prio: u64) -> u64 {
+        match self.cfg.order {
+            QueueOrder::Priority => prio,
+            QueueOrder::Fifo => {
+                self.fifo_seq += 1;
+                self.fifo_seq
+            }
+        }
+    }
+
+    fn item_bytes(&self, item: Item) -> usize {
+        match item {
+            Item::Push { slice } => self.book.slices()[slice as usize].len * 4,
+            Item::Factors { layer } => {
+                let l = &self.book.layers()[layer as usize];
+                self.book.config().batch * (l.m + l.n) * 4
+            }
+        }
+    }
+
+    /// Sends the best eligible items while the credit window allows.
+    fn pump(&mut self) {
+        loop {
+            let mut best: Option<(u64, u64, usize)> = None;
+            for (dst, q) in self.queues.iter().enumerate() {
+                let Some(Reverse((iter, key, item))) = q.peek() else { continue };
+                if matches!(item, Item::Push { .. }) && self.free_slots[dst].is_empty() {
+                    continue;
+                }
+                if best.map_or(true, |(bi, bk, _)| (*iter, *key) < (bi, bk)) {
+                    best = Some((*iter, *key, dst));
+                }
+            }
+            let Some((_, _, dst)) = best else { return };
+            let Reverse((iter, _, item)) = *self.queues[dst].peek().expect("peeked");
+            let bytes = self.item_bytes(item);
+            if self.bytes_in_flight > 0 && self.bytes_in_flight + bytes > self.cfg.credit_bytes {
+                return;
+            }
+            self.queues[dst].pop();
+            self.bytes_in_flight += bytes;
+            self.stats.max_bytes_in_flight = self.stats.max_bytes_in_flight.max(self.bytes_in_flight);
+            match item {
+                Item::Push { slice } => {
+                    let slot = self.free_slots[dst].pop().expect("checked");
+                    self.stats.pushes += 1;
+                    self.out.push_back(WorkerCommand::Push {
+                        server: dst as u32,
+                        slot,
+                        slice,
+                        iter,
+                    });
+                }
+                Item::Factors { layer } => {
+                    self.stats.factor_sends += 1;
+                    self.out.push_back(WorkerCommand::SendFactors {
+                        peer: dst as u32,
+                        layer,
+                        iter,
+                    });
+                }
+            }
+        }
+    }
+
+    fn protocol(&self, rank: u32, what: String) -> EngineError {
+        EngineError::Protocol { rank, what }
+    }
+
+    /// A push's data is placed at the server (its source may be reused).
+    pub fn handle_push_done(&mut self, slice: u32) -> Result<()> {
+        let info = *self
+            .book
+            .slices()
+            .get(slice as usize)
+            .ok_or_else(|| self.protocol(self.rank, format!("push completion for unknown slice {slice}")))?;
+        let st = &mut self.layers[info.layer as usize];
+        if !st.in_flight || st.pushes_left == 0 {
+            return Err(self.protocol(self.rank, format!("push completion for slice {slice} that is not in flight")));
+        }
+        st.pushes_left -= 1;
+        self.bytes_in_flight -= info.len * 4;
+        self.check_ready(info.layer);
+        self.pump();
+        Ok(())
+    }
+
+    /// A factor message to `peer` left (its source may be reused).
+    pub fn handle_factors_sent(&mut self, layer: u32, peer: u32) -> Result<()> {
+        self.book.layer(layer)?;
+        let bytes = self.item_bytes(Item::Factors { layer });
+        let st = &mut self.layers[layer as usize];
+        if !st.in_flight || st.sends_left == 0 {
+            return Err(self.protocol(peer, format!("factor send completion for layer {layer} that is not in flight")));
+        }
+        st.sends_left -= 1;
+        self.bytes_in_flight -= bytes;
+        self.check_ready(layer);
+        self.pump();
+        Ok(())
+    }
+
+    /// `server` returned the landing slot `slot`.
+    pub fn handle_credit(&mut self, server: u32, slot: u32) -> Result<()> {
+        let free = self
+            .free_slots
+            .get_mut(server as usize)
+            .ok_or_else(|| EngineError::Protocol {
+                rank: server,
+                what: "credit from a rank outside the cluster".into(),
+            })?;
+        if slot >= self.cfg.slots || free.contains(&slot) {
+            return Err(self.protocol(server, format!("credit for slot {slot} that was not lent")));
+        }
+        free.push(slot);
+        self.pump();
+        Ok(())
+    }
+
+    /// A server wrote a new version of `chunk` into the parameter buffer.
+    pub fn handle_params(&mut self, chunk: u32) -> Result<()> {
+        let layer = self
+            .book
+            .chunks()
+            .get(chunk as usize)
+            .ok_or_else(|| self.protocol(self.rank, format!("parameters for unknown chunk {chunk}")))?
+            .layer;
+        self.chunk_updates[chunk as usize] += 1;
+        if self.chunk_updates[chunk as usize] == 1 {
+            self.uninitialized -= 1;
+        }
+        self.check_ready(layer);
+        Ok(())
+    }
+
+    /// Worker rank `from`'s factors of `layer` for `iter` are stored by the driver.
+    pub fn handle_factors_arrived(&mut self, layer: u32, iter: u64, from: u32) -> Result<()> {
+        self.book.layer(layer)?;
+        if self.book.cluster().worker_index(from).is_none() {
+            return Err(self.protocol(from, "factors from a rank that is not a worker".into()));
+        }
+        if iter < self.sf_applied[layer as usize] {
+            return Err(self.protocol(from, format!("factors of layer {layer} for iteration {iter}, already applied")));
+        }
+        let n = self.sf_arrived.entry((layer, iter)).or_insert(0);
+        *n += 1;
+        if *n as usize > self.book.p1() {
+            return Err(self.protocol(from, format!("too many factor messages for layer {layer} iteration {iter}")));
+        }
+        self.maybe_reconstruct(layer);
+        Ok(())
+    }
+
+    fn maybe_reconstruct(&mut self, layer: u32) {
+        let next = self.sf_applied[layer as usize];
+        if self.sf_emitted[layer as usize] == Some(next) {
+            return;
+        }
+        if self.sf_arrived.get(&(layer, next)).copied().unwrap_or(0) as usize == self.book.p1() {
+            self.sf_emitted[layer as usize] = Some(next);
+            self.out.push_back(WorkerCommand::Reconstruct { layer, iter: next });
+        }
+    }
+
+    /// The driver applied the reconstructed gradient of `layer` for `iter`.
+    pub fn handle_factors_applied(&mut self, layer: u32, iter: u64) -> Result<()> {
+        self.book.layer(layer)?;
+        if self.sf_emitted[layer as usize] != Some(iter) || self.sf_applied[layer as usize] != iter {
+            return Err(self.protocol(self.rank, format!("apply of layer {layer} iteration {iter} was not asked for")));
+        }
+        self.sf_applied[layer as usize] = iter + 1;
+        self.sf_arrived.remove(&(layer, iter));
+        self.check_ready(layer);
+        self.maybe_reconstruct(layer);
+        Ok(())
+    }
+
+    fn check_ready(&mut self, layer: u32) {
+        let s = self.cfg.consistency.staleness();
+        let st = &self.layers[layer as usize];
+        if !st.in_flight || st.pushes_left > 0 || st.sends_left > 0 {
+            return;
+        }
+        let t = st.done;
+        let ready = match st.scheme {
+            Some(Scheme::Ps) => {
+                let need = (t + 2).saturating_sub(s);
+                self.book.layer_chunks(layer).all(|c| self.chunk_updates[c as usize] >= need)
+            }
+            Some(Scheme::Sfb) => self.sf_applied[layer as usize] >= (t + 1).saturating_sub(s),
+            None => false,
+        };
+        if ready {
+            let st = &mut self.layers[layer as usize];
+            st.in_flight = false;
+            st.done += 1;
+            self.out.push_back(WorkerCommand::LayerReady { layer, iter: t });
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! Tier 2: the engine core in a deterministic simulated cluster, with seeded
+//! faults. Every failure message starts with the seed; rerun one seed with
+//! `TIDEWIRE_SIM_SEED=<seed> cargo test -p tidewire-engine --test sim`.
+
+use std::sync::Arc;
+
+use tidewire_engine::book::{LayerKind, LayerSpec};
+use tidewire_engine::sim::{Faults, Sim, SimConfig, SimReport};
+use tidewire_engine::{models, Book, BookConfig, Cluster, Consistency, SyncMode};
+
+fn seeds() -> Vec<u64> {
+    match std::env::var("TIDEWIRE_SIM_SEED") {
+        Ok(s) => vec![s.parse().expect("TIDEWIRE_SIM_SEED must be a number")],
+        Err(_) => (1..=12).collect(),
+    }
+}
+
+/// A small model with every kind of layer; chunks of 1 KiB and slices of 50
+/// parameters, so layers span several chunks, servers and slices.
+fn small_book(cluster: Cluster, mode: SyncMode) -> Arc<Book> {
+    let layers = vec![
+        LayerSpec::new("conv1", LayerKind::Conv, 8, 27),
+        LayerSpec::new("conv2", LayerKind::Conv, 16, 72),
+        LayerSpec::new("bn", LayerKind::Other, 2, 16),
+        LayerSpec::new("fc1", LayerKind::Fc, 96, 80),
+        LayerSpec::new("fc2", LayerKind::Fc, 10, 96),
+    ];
+    let base = BookConfig {
+        batch: 2,
+        chunk_bytes: 1024,
+        slice_params: 50,
+        ..Default::default()
+    };
+    Arc::new(Book::new(cluster, layers, mode.book_config(base)).unwrap())
+}
+
+fn small_run(book: Arc<Book>, mode: SyncMode, seed: u64) -> SimConfig {
+    let n = book.layers().len();
+    let mut cfg = SimConfig::new(book, mode, vec![(20_000, 40_000); n], 4);
+    cfg.values = true;
+    cfg.seed = seed;
+    cfg.bandwidth_bps = 1e9;
+    cfg.sched.slots = 2;
+    cfg.sched.credit_bytes = 600;
+    cfg.faults.delay_prob = 0.3;
+    cfg.faults.delay_max_ns = 200_000;
+    cfg
+}
+
+fn check(r: Result<SimReport, String>) -> SimReport {
+    match r {
+        Ok(r) => r,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+#[test]
+fn bsp_values_are_exact_in_every_mode_and_layout() {
+    for seed in seeds() {
+        for mode in SyncMode::ALL {
+            for cluster in [Cluster::split(3, 2).unwrap(), Cluster::colocated(3).unwrap()] {
+                let book = small_book(cluster, mode);
+                let rep = check(Sim::run(small_run(book.clone(), mode, seed)));
+                // Every worker checked every layer of every iteration.
+                assert_eq!(rep.checks, 3 * 5 * 4, "seed {seed} {mode:?}");
+                assert!(rep.max_slots_held <= 2, "seed {seed}: credits exceeded");
+                let fc1 = &book.layers()[3];
+                let biggest = (book.max_slice_len() * 4).max(2 * (fc1.m + fc1.n) * 4);
+                assert!(rep.max_bytes_in_flight <= 600.max(biggest), "seed {seed}: window exceeded");
+            }
+        }
+    }
+}
+
+#[test]
+fn arrival_order_mode_is_exact_too() {
+    for seed in seeds() {
+        let book = small_book(Cluster::split(4, 3).unwrap(), SyncMode::Full);
+        let mut cfg = small_run(book, SyncMode::Full, seed);
+        cfg.sched.deterministic = false;
+        let rep = check(Sim::run(cfg));
+        assert_eq!(rep.checks, 4 * 5 * 4);
+    }
+}
+
+#[test]
+fn stragglers_and_a_healing_partition_still_finish() {
+    for seed in seeds() {
+        let book = small_book(Cluster::split(3, 2).unwrap(), SyncMode::Full);
+        let mut cfg = small_run(book, SyncMode::Full, seed);
+        cfg.faults.stragglers = vec![(1, 3.0)];
+        cfg.faults.partition = Some((vec![0, 3], 100_000, 2_000_000));
+        let rep = check(Sim::run(cfg));
+        assert_eq!(rep.checks, 3 * 5 * 4);
+        assert!(rep.total_ns > 2_000_000, "seed {seed}: the partition must have cost time");
+    }
+}
+
+#[test]
+fn a_dead_worker_is_a_liveness_error_not_a_hang() {
+    for seed in seeds() {
+        let book = small_book(Cluster::split(3, 2).unwrap(), SyncMode::Full);
+        let mut cfg = small_run(book, SyncMode::Full, seed);
+        cfg.faults.dead = Some((2, 300_000));
+        cfg.stall_ns = 50_000_000;
+        let err = Sim::run(cfg).expect_err("a dead worker cannot finish");
+        assert!(err.starts_with(&format!("seed {seed}:")), "{err}");
+        assert!(err.contains("liveness"), "{err}");
+    }
+}
+
+#[test]
+fn ssp_bounds_the_lead_of_fast_workers() {
+    for seed in seeds() {
+        for s in [1u32, 2] {
+            let book = small_book(Cluster::split(3, 2).unwrap(), SyncMode::Full);
+            let mut cfg = small_run(book, SyncMode::Full, seed);
+            cfg.iters = 10;
+            cfg.sched.consistency = Consistency::Ssp(s);
+            cfg.faults.stragglers = vec![(0, 4.0)];
+            let rep = check(Sim::run(cfg));
+            assert!(rep.max_lead <= u64::from(s) + 1, "seed {seed}: lead {} with s={s}", rep.max_lead);
+            assert!(rep.max_lead >= u64::from(s), "seed {seed}: SSP({s}) never let a worker run ahead");
+        }
+        // BSP keeps everyone within one iteration of each other.
+        let book = small_book(Cluster::split(3, 2).unwrap(), SyncMode::Full);
+        let mut cfg = small_run(book, SyncMode::Full, seed);
+        cfg.faults.stragglers = vec![(0, 4.0)];
+        let rep = check(Sim::run(cfg));
+        assert!(rep.max_lead <= 1, "seed {seed}: BSP lead {}", rep.max_lead);
+    }
+}
+
+/// Poseidon's and P3's ordering on VGG19, 8 colocated nodes (P1 = P2 = 8), 10 Gbit/s.
+#[test]
+fn vgg19_modes_order_as_in_the_papers() {
+    let model = models::profile("vgg19").unwrap();
+    let times: Vec<(u64, u64)> = model
+        .layer_times(32, 1.0)
+        .iter()
+        .map(|(f, b)| (f.as_nanos() as u64, b.as_nanos() as u64))
+        .collect();
+    let mut it = std::collections::HashMap::new();
+    for mode in SyncMode::ALL {
+        let book = Arc::new(
+            Book::new(
+                Cluster::colocated(8).unwrap(),
+                model.layers.clone(),
+                mode.book_config(BookConfig::default()),
+            )
+            .unwrap(),
+        );
+        let mut cfg = SimConfig::new(book, mode, times.clone(), 3);
+        cfg.gemm_flops = model.calibrated_flop_rate();
+        let rep = check(Sim::run(cfg));
+        println!(
+            "vgg19 8 nodes 10 Gbit/s {:>8}: iteration {:.3} s, blocked {:.3} s/iter",
+            mode.name(),
+            rep.iteration_s,
+            rep.wait_s
+        );
+        it.insert(mode, rep.iteration_s);
+    }
+    let t = |m| it[&m];
+    assert!(t(SyncMode::FifoPs) > t(SyncMode::Wfbp), "{it:?}");
+    assert!(t(SyncMode::Wfbp) > t(SyncMode::Hybrid), "{it:?}");
+    assert!(t(SyncMode::Hybrid) >= t(SyncMode::Full), "{it:?}");
+    assert!(t(SyncMode::P3) < t(SyncMode::Wfbp), "{it:?}");
+}
+
+#[test]
+fn compute_only_when_the_network_is_free() {
+    // One worker, its own server: iteration time is the compute time.
+    let book = small_book(Cluster::colocated(1).unwrap(), SyncMode::Full);
+    let n = book.layers().len() as u64;
+    let mut cfg = small_run(book, SyncMode::Full, 1);
+    cfg.faults = Faults::default();
+    cfg.agg_bytes_per_s = f64::INFINITY;
+    cfg.gemm_flops = f64::INFINITY;
+    let rep = check(Sim::run(cfg));
+    assert_eq!(rep.total_ns, 4 * n * 60_000);
+}

@@ -1,0 +1,253 @@
+//! The CPU path of aggregation, apply and sufficient-factor reconstruction,
+//! shared by the driver and the single-process reference so that both
+//! produce the same bits. Every function is elementwise or has a fixed evaluation order;
+//! none reassociates a sum, so results do not depend on threads or vector width.
+
+use serde::Serialize;
+
+/// What a server does with a chunk once every contribution is summed.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "op")]
+pub enum ApplyOp {
+    /// Reduce only: the output is the sum of the gradients.
+    Sum,
+    /// Reduce only: the output is the mean (sum × 1/P1).
+    Mean,
+    /// Caffe/Poseidon SGD on the mean gradient g:
+    /// `v = momentum·v + lr·(g + weight_decay·w); w -= v`.
+    Sgd {
+        /// Learning rate.
+        lr: f32,
+        /// Momentum.
+        momentum: f32,
+        /// L2 weight decay.
+        weight_decay: f32,
+    },
+}
+
+impl ApplyOp {
+    /// Whether the op keeps a momentum buffer.
+    pub fn needs_momentum(&self) -> bool {
+        matches!(self, ApplyOp::Sgd { momentum, .. } if *momentum != 0.0)
+    }
+}
+
+/// `acc[i] += src[i]`.
+pub fn add_assign(acc: &mut [f32], src: &[f32]) {
+    assert_eq!(acc.len(), src.len(), "add_assign length mismatch");
+    for (a, s) in acc.iter_mut().zip(src) {
+        *a += *s;
+    }
+}
+
+/// Applies `op` to `params` from `acc`, the sum of `p1` contributions.
+/// `momentum` must have `params.len()` elements when the op needs it.
+pub fn apply(op: ApplyOp, p1: usize, acc: &[f32], params: &mut [f32], momentum: &mut [f32]) {
+    assert_eq!(acc.len(), params.len(), "apply length mismatch");
+    let inv = 1.0f32 / p1 as f32;
+    match op {
+        ApplyOp::Sum => params.copy_from_slice(acc),
+        ApplyOp::Mean => {
+            for (w, a) in params.iter_mut().zip(acc) {
+                *w = *a * inv;
+            }
+        }
+        ApplyOp::Sgd {
+            lr,
+            momentum: mu,
+            weight_decay: wd,
+        } => {
+            if mu == 0.0 {
+                for (w, a) in params.iter_mut().zip(acc) {
+                    *w -= lr * (*a * inv + wd * *w);
+                }
+            } else {
+                assert_eq!(momentum.len(), params.len(), "momentum length mismatch");
+                for ((w, a), v) in params.iter_mut().zip(acc).zip(momentum.iter_mut()) {
+                    *v = mu * *v + lr * (*a * inv + wd * *w);
+                    *w -= *v;
+                }
+            }
+        }
+    }
+}
+
+/// Rows per GEMM call in [`sf_rows`]; fixed so every caller computes each
+/// element with the same call shape.
+pub const SF_ROW_BLOCK: usize = 64;
+
+/// Rows `[r0, r0 + out.len()/n)` of Uᵀ·V, where U is K×M and V is K×N (row
+/// major): the gradient of an M×N FC weight from its sufficient factors.
+/// `r0` must be a multiple of [`SF_ROW_BLOCK`].
+pub fn sf_rows(u: &[f32], v: &[f32], k: usize, m: usize, n: usize, r0: usize, out: &mut [f32]) {
+    assert_eq!(u.len(), k * m, "U must be K×M");
+    assert_eq!(v.len(), k * n, "V must be K×N");
+    assert_eq!(out.len() % n, 0, "out must hold whole rows");
+    assert_eq!(r0 % SF_ROW_BLOCK, 0, "row start must be block aligned");
+    let rows = out.len() / n;
+    assert!(r0 + rows <= m, "rows out of range");
+    let mut r = 0;
+    while r < rows {
+        let b = SF_ROW_BLOCK.min(rows - r);
+        let row = r0 + r;
+        let dst = &mut out[r * n..(r + b) * n];
+        // A = Uᵀ[row.., :] is b×K with element (i, kk) at u[kk*m + row + i].
+        // matrixmultiply takes raw pointers with strides; it is the one GEMM
+        // crate with no threads, so the result is reproducible.
+        sgemm_block(&u[row..], v, b, k, n, m, dst);
+        r += b;
+    }
+}
+
+fn sgemm_block(a: &[f32], b: &[f32], rows: usize, k: usize, n: usize, lda_col: usize, c: &mut [f32]) {
+    debug_assert!(k == 0 || a.len() > (k - 1) * lda_col + rows - 1);
+    matrixmultiply_sgemm(rows, k, n, a, 1, lda_col as isize, b, n as isize, 1, c, n as isize, 1);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matrixmultiply_sgemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    rsa: isize,
+    csa: isize,
+    b: &[f32],
+    rsb: isize,
+    csb: isize,
+    c: &mut [f32],
+    rsc: isize,
+    csc: isize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        c.fill(0.0);
+        return;
+    }
+    // Every index the product touches must lie inside the slices.
+    assert!(((m - 1) as isize * rsa + (k - 1) as isize * csa) < a.len() as isize);
+    assert!(((k - 1) as isize * rsb + (n - 1) as isize * csb) < b.len() as isize);
+    assert!(((m - 1) as isize * rsc + (n - 1) as isize * csc) < c.len() as isize);
+    // SAFETY: the asserts above keep every element the GEMM reads or writes
+    // inside `a`, `b` and `c` (all strides are positive); `c` is a unique
+    // borrow, so it cannot alias the inputs; beta = 0 means `c` is only written.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            rsa,
+            csa,
+            b.as_ptr(),
+            rsb,
+            csb,
+            0.0,
+            c.as_mut_ptr(),
+            rsc,
+            csc,
+        )
+    }
+}
+
+/// Σ_p U_pᵀV_p in rank order into `out` (M×N), using `scratch` for one row
+/// block. Produces the same bits as computing each U_pᵀV_p with [`sf_rows`]
+/// and summing them with [`add_assign`] in the same order, which is what a
+/// parameter server does.
+pub fn sf_sum(factors: &[(&[f32], &[f32])], k: usize, m: usize, n: usize, out: &mut [f32]) {
+    assert_eq!(out.len(), m * n, "out must be M×N");
+    let mut scratch = vec![0f32; SF_ROW_BLOCK * n];
+    let mut r0 = 0;
+    while r0 < m {
+        let b = SF_ROW_BLOCK.min(m - r0);
+        let dst = &mut out[r0 * n..(r0 + b) * n];
+        for (p, (u, v)) in factors.iter().enumerate() {
+            if p == 0 {
+                sf_rows(u, v, k, m, n, r0, dst);
+            } else {
+                let s = &mut scratch[..b * n];
+                sf_rows(u, v, k, m, n, r0, s);
+                add_assign(dst, s);
+            }
+        }
+        r0 += b;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(u: &[f32], v: &[f32], k: usize, m: usize, n: usize) -> Vec<f64> {
+        let mut out = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k).map(|kk| u[kk * m + i] as f64 * v[kk * n + j] as f64).sum();
+            }
+        }
+        out
+    }
+
+    fn data(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn sf_rows_is_u_transpose_v() {
+        let (k, m, n) = (5, 130, 7);
+        let (u, v) = (data(k * m, 1), data(k * n, 2));
+        let mut out = vec![0f32; m * n];
+        sf_rows(&u, &v, k, m, n, 0, &mut out);
+        for (a, b) in out.iter().zip(naive(&u, &v, k, m, n)) {
+            assert!((*a as f64 - b).abs() < 1e-4, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn sf_sum_matches_ps_order_bitwise() {
+        let (k, m, n) = (3, 150, 9);
+        let fs: Vec<(Vec<f32>, Vec<f32>)> = (0..4).map(|p| (data(k * m, p), data(k * n, p + 10))).collect();
+        let refs: Vec<(&[f32], &[f32])> = fs.iter().map(|(u, v)| (u.as_slice(), v.as_slice())).collect();
+        let mut sfb = vec![0f32; m * n];
+        sf_sum(&refs, k, m, n, &mut sfb);
+        // The PS way: each worker's full gradient, summed in rank order.
+        let mut acc = vec![0f32; m * n];
+        for (p, (u, v)) in refs.iter().enumerate() {
+            let mut g = vec![0f32; m * n];
+            sf_rows(u, v, k, m, n, 0, &mut g);
+            if p == 0 {
+                acc = g;
+            } else {
+                add_assign(&mut acc, &g);
+            }
+        }
+        assert!(sfb.iter().zip(&acc).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
+    #[test]
+    fn apply_ops() {
+        let acc = [2.0f32, 4.0];
+        let mut w = [1.0f32, 1.0];
+        apply(ApplyOp::Mean, 2, &acc, &mut w, &mut []);
+        assert_eq!(w, [1.0, 2.0]);
+        apply(ApplyOp::Sum, 2, &acc, &mut w, &mut []);
+        assert_eq!(w, [2.0, 4.0]);
+        let mut w = [1.0f32, 1.0];
+        let mut v = [0.0f32, 0.0];
+        let op = ApplyOp::Sgd {
+            lr: 0.5,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        };
+        apply(op, 2, &acc, &mut w, &mut v);
+        assert_eq!(v, [0.5, 1.0]);
+        assert_eq!(w, [0.5, 0.0]);
+        apply(op, 2, &acc, &mut w, &mut v);
+        assert_eq!(v, [0.95, 1.9]);
+    }
+}
