@@ -37,5 +37,5 @@ pub mod tcp;
 pub use api::{ConnId, Event, ListenerId, PeerInfo, Properties, ReqId, Transport};
 pub use auth::JobSecret;
 pub use error::{Error, FrameError, Result};
-pub use memory::{Access, HugePages, MemoryKind, PinOptions, PinnedBuffer, Region, RemoteRegion, Slice};
+pub use memory::{Access, HugePages, Lease, MemoryKind, PinOptions, PinnedBuffer, Region, RemoteRegion, Slice};
 pub use tcp::{TcpConfig, TcpStats, TcpTransport};

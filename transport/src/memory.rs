@@ -13,7 +13,7 @@ use std::fmt;
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use memmap2::{MmapMut, MmapOptions};
 
@@ -270,6 +270,9 @@ pub(crate) struct RegionInner {
     pub(crate) registered: AtomicBool,
     /// io_uring fixed-buffer slot, when the backend registered one.
     pub(crate) fixed_index: Option<u16>,
+    /// Byte ranges leased for local access, as (start, end, lease id).
+    leases: Mutex<Vec<(usize, usize, u64)>>,
+    next_lease: AtomicUsize,
 }
 
 // SAFETY: the memory is owned by `buf` and lives as long as the RegionInner; all
@@ -312,6 +315,8 @@ impl Region {
             in_flight: AtomicUsize::new(0),
             registered: AtomicBool::new(true),
             fixed_index,
+            leases: Mutex::new(Vec::new()),
+            next_lease: AtomicUsize::new(0),
         }))
     }
 
@@ -435,6 +440,51 @@ impl Region {
         unsafe { std::slice::from_raw_parts(self.0.ptr.as_ptr(), self.0.len) }
     }
 
+    /// Exclusive local access to `[offset, offset+len)`, for code that computes
+    /// on registered memory in place (filling a gradient, summing a landing slot,
+    /// applying an update).
+    ///
+    /// Leases never overlap: a second lease on any byte of a leased range fails
+    /// with [`Error::RegionBusy`] until the first is dropped, so safe code cannot
+    /// alias the memory. What a lease cannot stop is I/O that the protocol
+    /// above controls: a one-sided write from a peer into the range, or a send
+    /// or write posted from it, runs concurrently and can tear the values it
+    /// touches. Lease a range only while the protocol guarantees it is quiet
+    /// (after the write's completion event, before the next post).
+    pub fn lease(&self, offset: usize, len: usize) -> Result<Lease> {
+        self.check(offset, len, "Region::lease")?;
+        let end = offset + len;
+        let mut leases = self.0.leases.lock().unwrap_or_else(|p| p.into_inner());
+        if leases.iter().any(|&(s, e, _)| offset < e && s < end) {
+            return Err(Error::RegionBusy {
+                region: self.0.key,
+                in_flight: leases.len(),
+            });
+        }
+        let id = self.0.next_lease.fetch_add(1, Ordering::Relaxed) as u64;
+        leases.push((offset, end, id));
+        Ok(Lease {
+            region: self.clone(),
+            offset,
+            len,
+            id,
+        })
+    }
+
+    /// [`Region::lease`] of `len` f32 elements starting at element `offset`.
+    pub fn lease_f32(&self, offset: usize, len: usize) -> Result<Lease> {
+        let (o, l) = match (offset.checked_mul(4), len.checked_mul(4)) {
+            (Some(o), Some(l)) => (o, l),
+            _ => {
+                return Err(Error::InvalidArgument {
+                    op: "Region::lease_f32",
+                    reason: "element range overflows".into(),
+                })
+            }
+        };
+        self.lease(o, l)
+    }
+
     /// Base pointer, for backends and FFI.
     pub fn as_ptr(&self) -> *mut u8 {
         self.0.ptr.as_ptr()
@@ -477,6 +527,88 @@ impl Slice {
     }
 }
 
+/// Exclusive local access to a byte range of a [`Region`]; see [`Region::lease`].
+/// The range is released when the lease drops.
+pub struct Lease {
+    region: Region,
+    offset: usize,
+    len: usize,
+    id: u64,
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("region", &format_args!("{:#x}", self.region.0.key))
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Lease {
+    /// The region.
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+    /// Offset of the range in the region, bytes.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    /// Length, bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The leased bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: the range was bounds-checked at lease time and the mapping
+        // lives as long as `self.region`; no other lease overlaps it, and safe
+        // code reaches region memory only through leases or copies, so no
+        // `&mut` alias exists (remote I/O into the range is the protocol's
+        // business, as documented on `Region::lease`).
+        unsafe { std::slice::from_raw_parts(self.region.as_ptr().add(self.offset), self.len) }
+    }
+    /// The leased bytes, writable.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_bytes`; `&mut self` makes this the only borrow of the lease.
+        unsafe { std::slice::from_raw_parts_mut(self.region.as_ptr().add(self.offset), self.len) }
+    }
+    fn f32_ok(&self) -> Result<usize> {
+        if self.offset % 4 != 0 || self.len % 4 != 0 {
+            return Err(Error::InvalidArgument {
+                op: "Lease::as_f32",
+                reason: format!("range {}+{} is not 4-byte aligned", self.offset, self.len),
+            });
+        }
+        Ok(self.len / 4)
+    }
+    /// The leased range as f32 (the offset and length must be multiples of 4).
+    pub fn as_f32(&self) -> Result<&[f32]> {
+        let n = self.f32_ok()?;
+        // SAFETY: as in `as_bytes`; the region base is page aligned and the
+        // offset a multiple of 4, so the pointer is aligned for f32, and any
+        // bit pattern is a valid f32.
+        Ok(unsafe { std::slice::from_raw_parts(self.region.as_ptr().add(self.offset) as *const f32, n) })
+    }
+    /// The leased range as mutable f32.
+    pub fn as_f32_mut(&mut self) -> Result<&mut [f32]> {
+        let n = self.f32_ok()?;
+        // SAFETY: as in `as_f32`; `&mut self` makes this the only borrow of the lease.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.region.as_ptr().add(self.offset) as *mut f32, n) })
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut leases = self.region.0.leases.lock().unwrap_or_else(|p| p.into_inner());
+        leases.retain(|l| l.2 != self.id);
+    }
+}
+
 /// Guards one in-flight use of a region; dropping it releases the use.
 #[derive(Debug)]
 pub(crate) struct InFlight(pub(crate) Region);
@@ -497,6 +629,38 @@ impl Drop for InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn leases_are_exclusive_and_typed() {
+        let r = Region::new(
+            PinnedBuffer::with_options(
+                4096,
+                PinOptions {
+                    lock: false,
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+            1,
+            1,
+            Access::LOCAL,
+            None,
+        );
+        let mut a = r.lease_f32(0, 4).unwrap();
+        a.as_f32_mut().unwrap().copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
+        assert!(
+            matches!(r.lease(12, 8), Err(Error::RegionBusy { .. })),
+            "overlap refused"
+        );
+        let b = r.lease_f32(4, 4).unwrap();
+        assert_eq!(b.as_f32().unwrap(), &[0.0; 4]);
+        drop(a);
+        let a = r.lease_f32(0, 4).unwrap();
+        assert_eq!(a.as_f32().unwrap(), &[1.0, 2.0, 3.0, 4.0]);
+        assert!(r.lease(33, 4).unwrap().as_f32().is_err(), "misaligned f32 view refused");
+        assert!(matches!(r.lease(4090, 8), Err(Error::OutOfBounds { .. })));
+        drop(b);
+    }
 
     #[test]
     fn pinned_buffer_is_page_aligned_zeroed_and_locked() {
