@@ -19,4 +19,14 @@ pub use tidewire_engine as engine;
 pub use tidewire_gpu as gpu;
 pub use tidewire_transport as transport;
 
+pub mod cluster;
 pub mod doctor;
+mod driver;
+pub mod error;
+pub mod plan;
+pub mod rendezvous;
+pub mod session;
+pub mod train;
+
+pub use error::{Error, Result};
+pub use session::{Builder, LayerBuffers, Session, TransportKind};

@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use tidewire::train::TrainArgs;
 
 #[derive(Parser)]
 #[command(
@@ -23,6 +24,35 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Poseidon's cost model per layer: bytes under PS and SFB, and the scheme chosen.
+    Plan {
+        /// Model profile (vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet).
+        #[arg(long)]
+        model: String,
+        /// P1.
+        #[arg(long)]
+        workers: usize,
+        /// P2.
+        #[arg(long)]
+        servers: usize,
+        /// Batch size K per worker.
+        #[arg(long)]
+        batch: usize,
+        /// Every node runs a worker and a server (default when P1 = P2).
+        #[arg(long, conflicts_with = "separate")]
+        colocate: bool,
+        /// Workers and servers on separate nodes (default when P1 ≠ P2).
+        #[arg(long)]
+        separate: bool,
+        /// Print JSON instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Launch a local cluster of real processes on loopback and train a model profile.
+    Train(TrainArgs),
+    /// One rank of `train` (started by `train`; the cluster comes from TIDEWIRE_* variables).
+    #[command(hide = true)]
+    TrainNode(TrainArgs),
 }
 
 fn main() -> ExitCode {
@@ -41,5 +71,64 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
+        Cmd::Plan {
+            model,
+            workers,
+            servers,
+            batch,
+            colocate,
+            separate,
+            json,
+        } => {
+            let coloc = if colocate {
+                Some(true)
+            } else if separate {
+                Some(false)
+            } else {
+                None
+            };
+            match tidewire::plan::plan(&model, workers, servers, batch, coloc) {
+                Ok(p) if json => {
+                    println!("{}", serde_json::to_string_pretty(&p).expect("serializable"));
+                    ExitCode::SUCCESS
+                }
+                Ok(p) => {
+                    print!("{}", tidewire::plan::render(&p));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            }
+        }
+        Cmd::Train(args) => {
+            // The ranks get the same flags (the launcher's own are harmless to them).
+            let node_args: Vec<String> = std::env::args().skip(2).collect();
+            match tidewire::train::launch(&args, node_args) {
+                Ok(r) => {
+                    if args.json {
+                        println!("{}", serde_json::to_string_pretty(&r).expect("serializable"));
+                    } else {
+                        print!("{}", tidewire::train::render(&r));
+                    }
+                    if r.verified == Some(false) {
+                        ExitCode::from(3)
+                    } else {
+                        ExitCode::SUCCESS
+                    }
+                }
+                Err(e) => fail(e),
+            }
+        }
+        Cmd::TrainNode(args) => match tidewire::train::run_node(&args) {
+            Ok(r) => {
+                println!("result {}", serde_json::to_string(&r).expect("serializable"));
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(e),
+        },
     }
+}
+
+fn fail(e: tidewire::Error) -> ExitCode {
+    eprintln!("tidewire: error: {e}");
+    ExitCode::FAILURE
 }

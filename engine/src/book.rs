@@ -44,8 +44,12 @@ pub struct Cluster {
 impl Cluster {
     /// A cluster from explicit roles, indexed by rank.
     pub fn from_roles(roles: Vec<Role>) -> Result<Self> {
-        let workers: Vec<u32> = (0..roles.len() as u32).filter(|&r| roles[r as usize].is_worker()).collect();
-        let servers: Vec<u32> = (0..roles.len() as u32).filter(|&r| roles[r as usize].is_server()).collect();
+        let workers: Vec<u32> = (0..roles.len() as u32)
+            .filter(|&r| roles[r as usize].is_worker())
+            .collect();
+        let servers: Vec<u32> = (0..roles.len() as u32)
+            .filter(|&r| roles[r as usize].is_server())
+            .collect();
         if workers.is_empty() || servers.is_empty() {
             return Err(EngineError::InvalidConfig(format!(
                 "a cluster needs at least one worker and one server (got {} workers, {} servers)",
@@ -53,7 +57,11 @@ impl Cluster {
                 servers.len()
             )));
         }
-        Ok(Cluster { roles, workers, servers })
+        Ok(Cluster {
+            roles,
+            workers,
+            servers,
+        })
     }
 
     /// `workers` worker-only ranks (0..P1) followed by `servers` server-only ranks.
@@ -306,7 +314,10 @@ impl Book {
                 });
             }
             if l.params() == 0 {
-                return Err(EngineError::InvalidConfig(format!("layer {i} ({}) has no parameters", l.name)));
+                return Err(EngineError::InvalidConfig(format!(
+                    "layer {i} ({}) has no parameters",
+                    l.name
+                )));
             }
         }
         let chunk_params = cfg.chunk_bytes / 4;
@@ -327,7 +338,9 @@ impl Book {
             while off < l.params() {
                 let len = chunk_params.min(l.params() - off);
                 // Least-loaded server, lowest index on ties: even by bytes.
-                let si = (0..nservers).min_by_key(|&s| (load[s], s)).expect("at least one server");
+                let si = (0..nservers)
+                    .min_by_key(|&s| (load[s], s))
+                    .expect("at least one server");
                 load[si] += len;
                 let server = cluster.servers()[si];
                 let cid = chunks.len() as u32;

@@ -77,7 +77,9 @@ impl SchedConfig {
             return Err(EngineError::InvalidConfig("credit_bytes must be at least 1".into()));
         }
         if self.consistency.staleness() > 64 {
-            return Err(EngineError::InvalidConfig("SSP staleness above 64 is not supported".into()));
+            return Err(EngineError::InvalidConfig(
+                "SSP staleness above 64 is not supported".into(),
+            ));
         }
         Ok(())
     }

@@ -22,7 +22,9 @@ pub enum EngineError {
         want: usize,
     },
     /// The layer's scheme this iteration is sufficient-factor broadcast, so it needs `sf_ready`.
-    #[error("layer {layer} ({name}) syncs by sufficient factors this iteration: call sf_ready with U and V, not grad_ready")]
+    #[error(
+        "layer {layer} ({name}) syncs by sufficient factors this iteration: call sf_ready with U and V, not grad_ready"
+    )]
     NeedsFactors { layer: u32, name: String },
     /// Sufficient factors were handed in for a layer that is not fully connected.
     #[error("layer {layer} ({name}) is not fully connected: it has no sufficient factors")]

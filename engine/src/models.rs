@@ -131,7 +131,10 @@ impl Builder {
 fn vgg19(classes: usize) -> Model {
     let mut b = Builder(Vec::new());
     let (mut inp, mut hw) = (3, 224);
-    for (block, (width, convs)) in [(64, 2), (128, 2), (256, 4), (512, 4), (512, 4)].into_iter().enumerate() {
+    for (block, (width, convs)) in [(64, 2), (128, 2), (256, 4), (512, 4), (512, 4)]
+        .into_iter()
+        .enumerate()
+    {
         for i in 0..convs {
             b.conv(format!("conv{}_{}", block + 1, i + 1), width, inp, 3, 3, hw);
             inp = width;
@@ -210,7 +213,11 @@ fn resnet(blocks: &[usize; 4], name: &'static str) -> Model {
     let mut b = Builder(Vec::new());
     b.conv_bn("conv1".into(), 64, 3, 7, 7, 112);
     let mut inp = 64;
-    for (stage, (&n, (width, hw))) in blocks.iter().zip([(64, 56), (128, 28), (256, 14), (512, 7)]).enumerate() {
+    for (stage, (&n, (width, hw))) in blocks
+        .iter()
+        .zip([(64, 56), (128, 28), (256, 14), (512, 7)])
+        .enumerate()
+    {
         for i in 0..n {
             let p = format!("layer{}.{}", stage + 1, i);
             let hw_in = if i == 0 && stage > 0 { hw * 2 } else { hw };
@@ -253,7 +260,12 @@ fn inception_v3() -> Model {
     b.conv_bn("Mixed_6a.branch3x3dbl_1".into(), 64, 288, 1, 1, 35);
     b.conv_bn("Mixed_6a.branch3x3dbl_2".into(), 96, 64, 3, 3, 35);
     b.conv_bn("Mixed_6a.branch3x3dbl_3".into(), 96, 96, 3, 3, 17);
-    for (m, c7) in [("Mixed_6b", 128), ("Mixed_6c", 160), ("Mixed_6d", 160), ("Mixed_6e", 192)] {
+    for (m, c7) in [
+        ("Mixed_6b", 128),
+        ("Mixed_6c", 160),
+        ("Mixed_6d", 160),
+        ("Mixed_6e", 192),
+    ] {
         let (inp, hw) = (768, 17);
         b.conv_bn(format!("{m}.branch1x1"), 192, inp, 1, 1, hw);
         b.conv_bn(format!("{m}.branch7x7_1"), c7, inp, 1, 1, hw);
@@ -303,7 +315,7 @@ mod tests {
         let want = [
             ("vgg19", 143.65e6),
             ("vgg19-22k", 229.6e6),
-            ("googlenet", 7.0e6), // the original 5×5 branches (torchvision uses 3×3)
+            ("googlenet", 7.0e6),      // the original 5×5 branches (torchvision uses 3×3)
             ("inception-v3", 23.83e6), // torchvision 27.16M less the 3.33M aux head
             ("resnet-50", 25.5e6),
             ("resnet-152", 60.1e6),
@@ -321,7 +333,11 @@ mod tests {
         let vgg = profile("vgg19").unwrap();
         let t = vgg.iteration_compute(32, 1.0).as_secs_f64();
         assert!((32.0 / t - 35.5).abs() < 1e-6);
-        let sum: f64 = vgg.layer_times(32, 1.0).iter().map(|(f, b)| (*f + *b).as_secs_f64()).sum();
+        let sum: f64 = vgg
+            .layer_times(32, 1.0)
+            .iter()
+            .map(|(f, b)| (*f + *b).as_secs_f64())
+            .sum();
         assert!((sum - t).abs() < 1e-6);
     }
 

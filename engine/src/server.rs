@@ -100,7 +100,9 @@ impl Server {
     pub fn new(book: Arc<Book>, rank: u32, cfg: SchedConfig) -> Result<Self> {
         cfg.validate()?;
         if book.cluster().server_index(rank).is_none() {
-            return Err(EngineError::InvalidConfig(format!("rank {rank} is not a server in this cluster")));
+            return Err(EngineError::InvalidConfig(format!(
+                "rank {rank} is not a server in this cluster"
+            )));
         }
         let p1 = book.p1();
         let window = cfg.consistency.staleness() as usize + 1;
@@ -169,7 +171,13 @@ impl Server {
     pub fn worker_clocks(&self) -> Vec<u64> {
         let nls = self.received.len() / self.p1.max(1);
         (0..self.p1)
-            .map(|wi| self.received[wi * nls..(wi + 1) * nls].iter().copied().min().unwrap_or(0))
+            .map(|wi| {
+                self.received[wi * nls..(wi + 1) * nls]
+                    .iter()
+                    .copied()
+                    .min()
+                    .unwrap_or(0)
+            })
             .collect()
     }
 
@@ -219,11 +227,19 @@ impl Server {
             return Err(self.err(worker, "a gradient push before the shard was initialized".into()));
         }
         if slot >= self.cfg.slots {
-            return Err(self.err(worker, format!("landing slot {slot} out of range (slots: {})", self.cfg.slots)));
+            return Err(self.err(
+                worker,
+                format!("landing slot {slot} out of range (slots: {})", self.cfg.slots),
+            ));
         }
         let ls = match self.slice_local.get(slice as usize) {
             Some(&ls) if ls != u32::MAX => ls as usize,
-            _ => return Err(self.err(worker, format!("slice {slice} is not in the shard of rank {}", self.rank))),
+            _ => {
+                return Err(self.err(
+                    worker,
+                    format!("slice {slice} is not in the shard of rank {}", self.rank),
+                ))
+            }
         };
         let nls = self.folded.len() / self.window;
         let iter = self.received[wi * nls + ls];
@@ -232,7 +248,10 @@ impl Server {
         if self.win_iter[sw] != iter {
             return Err(self.err(
                 worker,
-                format!("slice {slice} for iteration {iter} while iteration {} is not applied", self.win_iter[sw]),
+                format!(
+                    "slice {slice} for iteration {iter} while iteration {} is not applied",
+                    self.win_iter[sw]
+                ),
             ));
         }
         self.received[wi * nls + ls] += 1;
@@ -246,7 +265,9 @@ impl Server {
             // Fold every held contribution whose turn has come, in worker order.
             while (self.folded[sw] as usize) < self.p1 {
                 let next = self.folded[sw] as usize;
-                let Some(s) = self.held[sw * self.p1 + next].take() else { break };
+                let Some(s) = self.held[sw * self.p1 + next].take() else {
+                    break;
+                };
                 self.fold(next, s, slice, sw, w);
             }
         } else {
@@ -329,7 +350,10 @@ impl Server {
     pub fn handle_broadcast_done(&mut self, chunk: u32, worker: u32) -> Result<()> {
         let lc = self.local_chunk(worker, chunk)?;
         if self.bcast_pending[lc] == 0 {
-            return Err(self.err(worker, format!("broadcast completion for chunk {chunk} that was not sent")));
+            return Err(self.err(
+                worker,
+                format!("broadcast completion for chunk {chunk} that was not sent"),
+            ));
         }
         self.bcast_pending[lc] -= 1;
         self.bcast_bytes -= self.book.chunks()[chunk as usize].len * 4;

@@ -122,15 +122,54 @@ enum Ev {
     Step(u32),
     /// Something the worker may be blocked on changed.
     Wake(u32),
-    Init { server: u32, from: u32, chunk: u32, data: Vec<f32> },
-    Landed { server: u32, worker: u32, slot: u32, slice: u32, data: Vec<f32> },
-    PushDone { worker: u32, slice: u32 },
-    Factors { to: u32, from: u32, layer: u32, iter: u64 },
-    FactorsSent { worker: u32, layer: u32, peer: u32 },
-    Credit { worker: u32, server: u32, slot: u32 },
-    Params { worker: u32, chunk: u32, data: Vec<f32> },
-    BcastDone { server: u32, chunk: u32, worker: u32 },
-    Applied { worker: u32, layer: u32, iter: u64 },
+    Init {
+        server: u32,
+        from: u32,
+        chunk: u32,
+        data: Vec<f32>,
+    },
+    Landed {
+        server: u32,
+        worker: u32,
+        slot: u32,
+        slice: u32,
+        data: Vec<f32>,
+    },
+    PushDone {
+        worker: u32,
+        slice: u32,
+    },
+    Factors {
+        to: u32,
+        from: u32,
+        layer: u32,
+        iter: u64,
+    },
+    FactorsSent {
+        worker: u32,
+        layer: u32,
+        peer: u32,
+    },
+    Credit {
+        worker: u32,
+        server: u32,
+        slot: u32,
+    },
+    Params {
+        worker: u32,
+        chunk: u32,
+        data: Vec<f32>,
+    },
+    BcastDone {
+        server: u32,
+        chunk: u32,
+        worker: u32,
+    },
+    Applied {
+        worker: u32,
+        layer: u32,
+        iter: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -213,7 +252,11 @@ impl Sim {
     fn new(cfg: SimConfig) -> Result<Self, String> {
         let book = cfg.book.clone();
         if cfg.layer_ns.len() != book.layers().len() {
-            return Err(format!("{} layer times for {} layers", cfg.layer_ns.len(), book.layers().len()));
+            return Err(format!(
+                "{} layer times for {} layers",
+                cfg.layer_ns.len(),
+                book.layers().len()
+            ));
         }
         let world = book.cluster().world();
         let mut workers = HashMap::new();
@@ -404,7 +447,12 @@ impl Sim {
                     let s = self.servers.get_mut(&server).expect("server");
                     s.shard[ch.shard_offset..ch.shard_offset + ch.len].copy_from_slice(&data);
                 }
-                self.servers.get_mut(&server).expect("server").core.handle_init(from, chunk).map_err(e)?;
+                self.servers
+                    .get_mut(&server)
+                    .expect("server")
+                    .core
+                    .handle_init(from, chunk)
+                    .map_err(e)?;
                 self.drain_server(server)?;
             }
             Ev::Landed {
@@ -416,23 +464,36 @@ impl Sim {
             } => {
                 let s = self.servers.get_mut(&server).expect("server");
                 if s.slots.insert((worker, slot), (slice, data)).is_some() {
-                    return Err(format!("worker {worker} wrote into slot {slot} at server {server} while it was full"));
+                    return Err(format!(
+                        "worker {worker} wrote into slot {slot} at server {server} while it was full"
+                    ));
                 }
                 let held = s.slots.keys().filter(|(w, _)| *w == worker).count();
                 if held > self.cfg.sched.slots as usize {
-                    return Err(format!("credits exceeded: {held} slots of worker {worker} held at server {server}"));
+                    return Err(format!(
+                        "credits exceeded: {held} slots of worker {worker} held at server {server}"
+                    ));
                 }
                 s.core.handle_landed(worker, slot, slice).map_err(e)?;
                 self.drain_server(server)?;
             }
             Ev::PushDone { worker, slice } => {
-                self.workers.get_mut(&worker).expect("worker").core.handle_push_done(slice).map_err(e)?;
+                self.workers
+                    .get_mut(&worker)
+                    .expect("worker")
+                    .core
+                    .handle_push_done(slice)
+                    .map_err(e)?;
                 self.drain_worker(worker)?;
             }
             Ev::Factors { to, from, layer, iter } => {
                 if self.cfg.values {
                     let f = self.factors_of(from, layer, iter);
-                    self.workers.get_mut(&to).expect("worker").factors.insert((layer, iter, from), f);
+                    self.workers
+                        .get_mut(&to)
+                        .expect("worker")
+                        .factors
+                        .insert((layer, iter, from), f);
                 }
                 self.workers
                     .get_mut(&to)
@@ -452,7 +513,12 @@ impl Sim {
                 self.drain_worker(worker)?;
             }
             Ev::Credit { worker, server, slot } => {
-                self.workers.get_mut(&worker).expect("worker").core.handle_credit(server, slot).map_err(e)?;
+                self.workers
+                    .get_mut(&worker)
+                    .expect("worker")
+                    .core
+                    .handle_credit(server, slot)
+                    .map_err(e)?;
                 self.drain_worker(worker)?;
             }
             Ev::Params { worker, chunk, data } => {
@@ -551,7 +617,11 @@ impl Sim {
                 if l + 1 == nl {
                     dt += (self.cfg.layer_ns[l as usize].1 as f64 * w.slow) as u64;
                 }
-                w.phase = if l + 1 < nl { Phase::Fwd(l + 1) } else { Phase::Bwd(nl - 1) };
+                w.phase = if l + 1 < nl {
+                    Phase::Fwd(l + 1)
+                } else {
+                    Phase::Bwd(nl - 1)
+                };
                 self.at(now + dt, Ev::Step(r));
             }
             Phase::Bwd(l) => {
@@ -636,7 +706,9 @@ impl Sim {
                 } => {
                     let s = book.slices()[slice as usize];
                     let data = if self.cfg.values {
-                        (s.offset..s.offset + s.len).map(|i| grad_value(wi, iter, s.layer, i)).collect()
+                        (s.offset..s.offset + s.len)
+                            .map(|i| grad_value(wi, iter, s.layer, i))
+                            .collect()
                     } else {
                         Vec::new()
                     };
@@ -676,7 +748,11 @@ impl Sim {
                 WorkerCommand::Reconstruct { layer, iter } => {
                     if self.cfg.values {
                         let f = self.factors_of(r, layer, iter);
-                        self.workers.get_mut(&r).expect("worker").factors.insert((layer, iter, r), f);
+                        self.workers
+                            .get_mut(&r)
+                            .expect("worker")
+                            .factors
+                            .insert((layer, iter, r), f);
                     }
                     let l = &book.layers()[layer as usize];
                     let flops = 2.0 * (book.config().batch * l.m * l.n * book.p1()) as f64;
@@ -736,9 +812,14 @@ impl Sim {
         // Every other worker that finished this iteration holds the same bits.
         for (&o, ow) in &self.workers {
             if o != r && ow.core.completed(layer) == iter + 1 && !ow.core.is_in_flight(layer) {
-                let same = ow.params[layer as usize].iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits());
+                let same = ow.params[layer as usize]
+                    .iter()
+                    .zip(got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
                 if !same {
-                    return Err(format!("ranks {r} and {o} differ on layer {layer} after iteration {iter}"));
+                    return Err(format!(
+                        "ranks {r} and {o} differ on layer {layer} after iteration {iter}"
+                    ));
                 }
             }
         }
@@ -763,7 +844,9 @@ impl Sim {
                     let s = self.servers.get_mut(&r).expect("server");
                     let (landed, data) = s.slots.remove(&(worker, slot)).ok_or("accumulate from an empty slot")?;
                     if landed != slice {
-                        return Err(format!("slot {slot} of worker {worker} holds slice {landed}, not {slice}"));
+                        return Err(format!(
+                            "slot {slot} of worker {worker} holds slice {landed}, not {slice}"
+                        ));
                     }
                     let si = book.slices()[slice as usize];
                     t += (si.len as f64 * 4.0 / self.cfg.agg_bytes_per_s * 1e9) as u64;
@@ -782,7 +865,14 @@ impl Sim {
                 }
                 ServerCommand::ReturnCredit { worker, slot } => {
                     if let Some(at) = self.transfer(r, worker, 16, t) {
-                        self.at(at, Ev::Credit { worker, server: r, slot });
+                        self.at(
+                            at,
+                            Ev::Credit {
+                                worker,
+                                server: r,
+                                slot,
+                            },
+                        );
                     }
                 }
                 ServerCommand::Apply { chunk, window, .. } => {
@@ -805,7 +895,14 @@ impl Sim {
                     if let Some(at) = self.transfer(r, worker, ch.len * 4, t) {
                         self.at(at, Ev::Params { worker, chunk, data });
                         let ack = if worker == r { at } else { at + self.cfg.latency_ns };
-                        self.at(ack, Ev::BcastDone { server: r, chunk, worker });
+                        self.at(
+                            ack,
+                            Ev::BcastDone {
+                                server: r,
+                                chunk,
+                                worker,
+                            },
+                        );
                     }
                 }
             }

@@ -29,7 +29,12 @@ pub enum WorkerCommand {
     InitPush { server: u32, chunk: u32 },
     /// Write the gradient of `slice` into landing slot `slot` on `server`, with
     /// the slice id as the immediate. Report it with [`Worker::handle_push_done`].
-    Push { server: u32, slot: u32, slice: u32, iter: u64 },
+    Push {
+        server: u32,
+        slot: u32,
+        slice: u32,
+        iter: u64,
+    },
     /// Send this layer's sufficient factors (U, V) of `iter` to worker rank
     /// `peer`. Report it with [`Worker::handle_factors_sent`].
     SendFactors { peer: u32, layer: u32, iter: u64 },
@@ -93,9 +98,10 @@ impl Worker {
     /// The worker core for `rank`, which must be a worker in the book's cluster.
     pub fn new(book: Arc<Book>, rank: u32, cfg: SchedConfig) -> Result<Self> {
         cfg.validate()?;
-        let index = book.cluster().worker_index(rank).ok_or_else(|| {
-            EngineError::InvalidConfig(format!("rank {rank} is not a worker in this cluster"))
-        })?;
+        let index = book
+            .cluster()
+            .worker_index(rank)
+            .ok_or_else(|| EngineError::InvalidConfig(format!("rank {rank} is not a worker in this cluster")))?;
         let world = book.cluster().world();
         let mut free_slots = vec![Vec::new(); world];
         for &s in book.cluster().servers() {
@@ -233,7 +239,14 @@ impl Worker {
         if self.book.scheme(layer, iter) == Scheme::Ps {
             return Ok(false);
         }
-        let peers: Vec<u32> = self.book.cluster().workers().iter().copied().filter(|&w| w != self.rank).collect();
+        let peers: Vec<u32> = self
+            .book
+            .cluster()
+            .workers()
+            .iter()
+            .copied()
+            .filter(|&w| w != self.rank)
+            .collect();
         let key = self.key(self.book.layer_slices(layer).start as u64);
         for &p in &peers {
             self.queues[p as usize].push(Reverse((iter, key, Item::Factors { layer })));
@@ -273,7 +286,9 @@ impl Worker {
         loop {
             let mut best: Option<(u64, u64, usize)> = None;
             for (dst, q) in self.queues.iter().enumerate() {
-                let Some(Reverse((iter, key, item))) = q.peek() else { continue };
+                let Some(Reverse((iter, key, item))) = q.peek() else {
+                    continue;
+                };
                 if matches!(item, Item::Push { .. }) && self.free_slots[dst].is_empty() {
                     continue;
                 }
@@ -326,7 +341,10 @@ impl Worker {
             .ok_or_else(|| self.protocol(self.rank, format!("push completion for unknown slice {slice}")))?;
         let st = &mut self.layers[info.layer as usize];
         if !st.in_flight || st.pushes_left == 0 {
-            return Err(self.protocol(self.rank, format!("push completion for slice {slice} that is not in flight")));
+            return Err(self.protocol(
+                self.rank,
+                format!("push completion for slice {slice} that is not in flight"),
+            ));
         }
         st.pushes_left -= 1;
         self.bytes_in_flight -= info.len * 4;
@@ -341,7 +359,10 @@ impl Worker {
         let bytes = self.item_bytes(Item::Factors { layer });
         let st = &mut self.layers[layer as usize];
         if !st.in_flight || st.sends_left == 0 {
-            return Err(self.protocol(peer, format!("factor send completion for layer {layer} that is not in flight")));
+            return Err(self.protocol(
+                peer,
+                format!("factor send completion for layer {layer} that is not in flight"),
+            ));
         }
         st.sends_left -= 1;
         self.bytes_in_flight -= bytes;
@@ -390,12 +411,18 @@ impl Worker {
             return Err(self.protocol(from, "factors from a rank that is not a worker".into()));
         }
         if iter < self.sf_applied[layer as usize] {
-            return Err(self.protocol(from, format!("factors of layer {layer} for iteration {iter}, already applied")));
+            return Err(self.protocol(
+                from,
+                format!("factors of layer {layer} for iteration {iter}, already applied"),
+            ));
         }
         let n = self.sf_arrived.entry((layer, iter)).or_insert(0);
         *n += 1;
         if *n as usize > self.book.p1() {
-            return Err(self.protocol(from, format!("too many factor messages for layer {layer} iteration {iter}")));
+            return Err(self.protocol(
+                from,
+                format!("too many factor messages for layer {layer} iteration {iter}"),
+            ));
         }
         self.maybe_reconstruct(layer);
         Ok(())
@@ -416,7 +443,10 @@ impl Worker {
     pub fn handle_factors_applied(&mut self, layer: u32, iter: u64) -> Result<()> {
         self.book.layer(layer)?;
         if self.sf_emitted[layer as usize] != Some(iter) || self.sf_applied[layer as usize] != iter {
-            return Err(self.protocol(self.rank, format!("apply of layer {layer} iteration {iter} was not asked for")));
+            return Err(self.protocol(
+                self.rank,
+                format!("apply of layer {layer} iteration {iter} was not asked for"),
+            ));
         }
         self.sf_applied[layer as usize] = iter + 1;
         self.sf_arrived.remove(&(layer, iter));
@@ -435,7 +465,9 @@ impl Worker {
         let ready = match st.scheme {
             Some(Scheme::Ps) => {
                 let need = (t + 2).saturating_sub(s);
-                self.book.layer_chunks(layer).all(|c| self.chunk_updates[c as usize] >= need)
+                self.book
+                    .layer_chunks(layer)
+                    .all(|c| self.chunk_updates[c as usize] >= need)
             }
             Some(Scheme::Sfb) => self.sf_applied[layer as usize] >= (t + 1).saturating_sub(s),
             None => false,

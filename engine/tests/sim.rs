@@ -66,7 +66,10 @@ fn bsp_values_are_exact_in_every_mode_and_layout() {
                 assert!(rep.max_slots_held <= 2, "seed {seed}: credits exceeded");
                 let fc1 = &book.layers()[3];
                 let biggest = (book.max_slice_len() * 4).max(2 * (fc1.m + fc1.n) * 4);
-                assert!(rep.max_bytes_in_flight <= 600.max(biggest), "seed {seed}: window exceeded");
+                assert!(
+                    rep.max_bytes_in_flight <= 600.max(biggest),
+                    "seed {seed}: window exceeded"
+                );
             }
         }
     }
@@ -92,7 +95,10 @@ fn stragglers_and_a_healing_partition_still_finish() {
         cfg.faults.partition = Some((vec![0, 3], 100_000, 2_000_000));
         let rep = check(Sim::run(cfg));
         assert_eq!(rep.checks, 3 * 5 * 4);
-        assert!(rep.total_ns > 2_000_000, "seed {seed}: the partition must have cost time");
+        assert!(
+            rep.total_ns > 2_000_000,
+            "seed {seed}: the partition must have cost time"
+        );
     }
 }
 
@@ -119,8 +125,15 @@ fn ssp_bounds_the_lead_of_fast_workers() {
             cfg.sched.consistency = Consistency::Ssp(s);
             cfg.faults.stragglers = vec![(0, 4.0)];
             let rep = check(Sim::run(cfg));
-            assert!(rep.max_lead <= u64::from(s) + 1, "seed {seed}: lead {} with s={s}", rep.max_lead);
-            assert!(rep.max_lead >= u64::from(s), "seed {seed}: SSP({s}) never let a worker run ahead");
+            assert!(
+                rep.max_lead <= u64::from(s) + 1,
+                "seed {seed}: lead {} with s={s}",
+                rep.max_lead
+            );
+            assert!(
+                rep.max_lead >= u64::from(s),
+                "seed {seed}: SSP({s}) never let a worker run ahead"
+            );
         }
         // BSP keeps everyone within one iteration of each other.
         let book = small_book(Cluster::split(3, 2).unwrap(), SyncMode::Full);

@@ -1,0 +1,602 @@
+//! The embedding API: build a [`Session`], take the layer buffers, hand each
+//! layer in the moment backward produces its gradient, and wait for its
+//! parameters before the next forward pass uses them.
+//!
+//! ```no_run
+//! use tidewire::session::{Builder, TransportKind};
+//! use tidewire::engine::book::{LayerKind, LayerSpec};
+//! use tidewire::gpu::cpu::ApplyOp;
+//!
+//! // The cluster comes from the environment (TIDEWIRE_*, torchrun, Slurm or Open MPI).
+//! let layers = vec![
+//!     LayerSpec::new("conv1", LayerKind::Conv, 64, 27),
+//!     LayerSpec::new("fc", LayerKind::Fc, 10, 64),
+//! ];
+//! let mut session = Builder::new(layers)
+//!     .batch(32)
+//!     .transport(TransportKind::Auto)
+//!     .apply(ApplyOp::Sgd { lr: 0.01, momentum: 0.9, weight_decay: 0.0 })
+//!     .init_params(|_layer, p| p.fill(0.01))
+//!     .build_from_env()?;
+//! let mut layers = session.take_layers()?;
+//! for _iter in 0..10 {
+//!     for l in 0..layers.len() {
+//!         let buf = layers[l].as_ref().expect("held");
+//!         let _w = buf.params(); // forward pass reads the parameters
+//!     }
+//!     for l in (0..layers.len()).rev() {
+//!         let mut buf = layers[l].take().expect("held");
+//!         buf.grad_mut().fill(0.001); // backward writes the gradient in place
+//!         session.grad_ready(buf)?; // zero-copy: the engine pushes from this buffer
+//!     }
+//!     for l in 0..layers.len() {
+//!         layers[l] = Some(session.wait_layer(l as u32)?); // updated parameters
+//!     }
+//! }
+//! session.shutdown()?;
+//! # Ok::<(), tidewire::Error>(())
+//! ```
+//!
+//! FC layers that sync by sufficient-factor broadcast ([`Session::scheme`]
+//! says `Sfb`) are handed in with [`Session::sf_ready`] after writing U (K×M)
+//! and V (K×N) into [`LayerBuffers::u_mut`] and [`LayerBuffers::v_mut`].
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crossbeam_channel::{bounded, Receiver, Sender};
+use tidewire_engine::book::{LayerKind, LayerSpec};
+use tidewire_engine::{Book, BookConfig, Cluster, EngineError, Role, SchedConfig, Scheme, SchemePolicy};
+use tidewire_gpu::cpu::ApplyOp;
+use tidewire_transport::{JobSecret, Lease, Region};
+
+use crate::cluster::ClusterSpec;
+use crate::driver::{self, Request};
+use crate::error::{Error, Result};
+
+/// Which transport carries the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportKind {
+    /// RDMA when a usable device exists, TCP otherwise; the choice and the
+    /// reason are logged. Override with `TIDEWIRE_TRANSPORT=tcp|rdma`.
+    Auto,
+    /// io_uring TCP.
+    Tcp,
+    /// RDMA verbs (the `rdma` feature).
+    Rdma,
+}
+
+/// A caller-owned buffer holding every layer's parameters (or gradients), and
+/// where each layer starts in it, in bytes. Layers must not overlap and must
+/// each hold M×N f32 values. Gradients may sit anywhere; parameters must be
+/// back to back in layer order from `offsets[0]` (servers write into them by
+/// offset; a framework's flat parameter buffer has this shape).
+#[derive(Debug)]
+pub struct BufferLayout {
+    /// The memory.
+    pub buffer: tidewire_transport::PinnedBuffer,
+    /// Byte offset of each layer.
+    pub offsets: Vec<usize>,
+}
+
+type InitFn = Box<dyn Fn(u32, &mut [f32]) + Send>;
+
+/// Builds a [`Session`].
+pub struct Builder {
+    pub(crate) layers: Vec<LayerSpec>,
+    pub(crate) book: BookConfig,
+    pub(crate) sched: SchedConfig,
+    pub(crate) op: ApplyOp,
+    pub(crate) transport: TransportKind,
+    pub(crate) job: u64,
+    pub(crate) secret: Option<JobSecret>,
+    pub(crate) timeout: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) init: Option<InitFn>,
+    pub(crate) params: Option<BufferLayout>,
+    pub(crate) grads: Option<BufferLayout>,
+    pub(crate) listen_ip: Option<IpAddr>,
+}
+
+impl std::fmt::Debug for Builder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Builder")
+            .field("layers", &self.layers.len())
+            .field("book", &self.book)
+            .field("sched", &self.sched)
+            .field("op", &self.op)
+            .field("transport", &self.transport)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Builder {
+    /// A builder for this layer table (forward order). Defaults: batch 32,
+    /// 2 MiB chunks, 50,000-parameter slices, HybComm, P3 priority, BSP,
+    /// deterministic aggregation, mean, TCP-or-RDMA auto, 60 s timeouts.
+    pub fn new(layers: Vec<LayerSpec>) -> Self {
+        Builder {
+            layers,
+            book: BookConfig::default(),
+            sched: SchedConfig::default(),
+            op: ApplyOp::Mean,
+            transport: TransportKind::Auto,
+            job: 1,
+            secret: None,
+            timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(60),
+            init: None,
+            params: None,
+            grads: None,
+            listen_ip: None,
+        }
+    }
+    /// Batch size K (the cost model's K, and the rows of U and V).
+    pub fn batch(mut self, k: usize) -> Self {
+        self.book.batch = k;
+        self
+    }
+    /// KV chunk size in bytes.
+    pub fn chunk_bytes(mut self, b: usize) -> Self {
+        self.book.chunk_bytes = b;
+        self
+    }
+    /// Scheduling slice size in parameters.
+    pub fn slice_params(mut self, p: usize) -> Self {
+        self.book.slice_params = p;
+        self
+    }
+    /// Scheme policy (HybComm, or a forced one).
+    pub fn policy(mut self, p: SchemePolicy) -> Self {
+        self.book.policy = p;
+        self
+    }
+    /// Scheduling, credits and consistency.
+    pub fn sched(mut self, s: SchedConfig) -> Self {
+        self.sched = s;
+        self
+    }
+    /// Consistency model.
+    pub fn consistency(mut self, c: tidewire_engine::Consistency) -> Self {
+        self.sched.consistency = c;
+        self
+    }
+    /// Credit window in bytes.
+    pub fn credit_bytes(mut self, b: usize) -> Self {
+        self.sched.credit_bytes = b;
+        self
+    }
+    /// What servers do with a complete chunk.
+    pub fn apply(mut self, op: ApplyOp) -> Self {
+        self.op = op;
+        self
+    }
+    /// Transport selection.
+    pub fn transport(mut self, t: TransportKind) -> Self {
+        self.transport = t;
+        self
+    }
+    /// Job id and secret (every rank the same). Without a secret,
+    /// `TIDEWIRE_SECRET` is read at build time.
+    pub fn job(mut self, id: u64, secret: JobSecret) -> Self {
+        self.job = id;
+        self.secret = Some(secret);
+        self
+    }
+    /// How long a wait may last before it fails, and how long a peer may stay silent.
+    pub fn timeout(mut self, t: Duration) -> Self {
+        self.timeout = t;
+        self
+    }
+    /// How long rendezvous and connection setup may take.
+    pub fn connect_timeout(mut self, t: Duration) -> Self {
+        self.connect_timeout = t;
+        self
+    }
+    /// The IP to listen on (default: the one that reaches rank 0).
+    pub fn listen_ip(mut self, ip: IpAddr) -> Self {
+        self.listen_ip = Some(ip);
+        self
+    }
+    /// Fills the initial parameters of each layer. Rank 0's values are
+    /// broadcast to everyone, so all replicas start equal.
+    pub fn init_params(mut self, f: impl Fn(u32, &mut [f32]) + Send + 'static) -> Self {
+        self.init = Some(Box::new(f));
+        self
+    }
+    /// Registers the caller's own parameter memory (zero-copy) instead of
+    /// letting the session allocate it.
+    pub fn params_buffer(mut self, layout: BufferLayout) -> Self {
+        self.params = Some(layout);
+        self
+    }
+    /// Registers the caller's own gradient memory.
+    pub fn grads_buffer(mut self, layout: BufferLayout) -> Self {
+        self.grads = Some(layout);
+        self
+    }
+
+    /// Builds with the cluster from the environment (see [`crate::cluster`]).
+    pub fn build_from_env(self) -> Result<Session> {
+        let spec = ClusterSpec::from_env()?;
+        self.build(spec)
+    }
+
+    /// Builds: rendezvous, connections, registration and the initial
+    /// parameter broadcast. Returns once every chunk holds rank 0's values.
+    pub fn build(mut self, spec: ClusterSpec) -> Result<Session> {
+        let cluster = Cluster::from_roles(spec.roles.clone())?;
+        let book = Arc::new(Book::new(cluster, std::mem::take(&mut self.layers), self.book)?);
+        if self.secret.is_none() {
+            let s = std::env::var("TIDEWIRE_SECRET").map_err(|_| {
+                Error::Cluster(
+                    "no job secret: pass Builder::job(id, secret) or set TIDEWIRE_SECRET (same on every rank)".into(),
+                )
+            })?;
+            self.secret = Some(JobSecret::new(s.into_bytes()));
+            if let Ok(j) = std::env::var("TIDEWIRE_JOB") {
+                self.job = j
+                    .trim()
+                    .parse()
+                    .map_err(|_| Error::Cluster(format!("TIDEWIRE_JOB={j:?} is not a number")))?;
+            }
+        }
+        if let Some(l) = &self.params {
+            check_layout(&book, l, "parameter")?;
+            for (i, &o) in l.offsets.iter().enumerate() {
+                if o - l.offsets[0] != book.layer_offset(i as u32) * 4 {
+                    return Err(Error::Layout(format!(
+                        "parameter buffer: layer {i} starts at {o}, but parameters must be back to back from {} (expected {})",
+                        l.offsets[0],
+                        l.offsets[0] + book.layer_offset(i as u32) * 4
+                    )));
+                }
+            }
+        }
+        if let Some(l) = &self.grads {
+            check_layout(&book, l, "gradient")?;
+        }
+        let role = book.cluster().role(spec.rank).expect("rank checked by ClusterSpec");
+        let (tx, rx) = bounded::<Request>(1024);
+        let shared = Arc::new(Shared {
+            fatal: Mutex::new(None),
+        });
+        let (layers_tx, layers_rx) = bounded(1);
+        let timeout = self.timeout;
+        let handle = driver::spawn(self, book.clone(), spec.clone(), rx, shared.clone(), layers_tx)?;
+        let layers = match layers_rx.recv() {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => {
+                let _ = handle.join();
+                return Err(e);
+            }
+            Err(_) => {
+                let _ = handle.join();
+                return Err(shared.fatal().unwrap_or(Error::Shutdown));
+            }
+        };
+        Ok(Session {
+            book,
+            timeout,
+            rank: spec.rank,
+            role,
+            tx: Some(tx),
+            shared,
+            handle: Some(handle),
+            layers: Some(layers),
+        })
+    }
+}
+
+fn check_layout(book: &Book, l: &BufferLayout, what: &str) -> Result<()> {
+    if l.offsets.len() != book.layers().len() {
+        return Err(Error::Layout(format!(
+            "{what} buffer: {} offsets for {} layers",
+            l.offsets.len(),
+            book.layers().len()
+        )));
+    }
+    let mut ranges: Vec<(usize, usize, usize)> = Vec::new();
+    for (i, (&off, spec)) in l.offsets.iter().zip(book.layers()).enumerate() {
+        let len = spec.params() * 4;
+        if off % 4 != 0 {
+            return Err(Error::Layout(format!(
+                "{what} buffer: layer {i} ({}) starts at {off}, not a multiple of 4",
+                spec.name
+            )));
+        }
+        if off.checked_add(len).map_or(true, |e| e > l.buffer.len()) {
+            return Err(Error::Engine(EngineError::WrongSize {
+                layer: i as u32,
+                name: spec.name.clone(),
+                got: l.buffer.len().saturating_sub(off) / 4,
+                want: spec.params(),
+            }));
+        }
+        ranges.push((off, off + len, i));
+    }
+    ranges.sort();
+    for w in ranges.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(Error::Layout(format!(
+                "{what} buffer: layers {} ({}) and {} ({}) overlap",
+                w[0].2,
+                book.layers()[w[0].2].name,
+                w[1].2,
+                book.layers()[w[1].2].name
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[derive(Debug)]
+pub(crate) struct Shared {
+    fatal: Mutex<Option<Error>>,
+}
+
+impl Shared {
+    pub(crate) fn fatal(&self) -> Option<Error> {
+        self.fatal.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    pub(crate) fn set_fatal(&self, e: Error) {
+        let mut f = self.fatal.lock().unwrap_or_else(|p| p.into_inner());
+        if f.is_none() {
+            *f = Some(e);
+        }
+    }
+}
+
+/// One layer's registered buffers, owned by the caller between
+/// [`Session::wait_layer`] and the next hand-in.
+#[derive(Debug)]
+pub struct LayerBuffers {
+    pub(crate) layer: u32,
+    pub(crate) synced_at: Option<std::time::Instant>,
+    pub(crate) params: Lease,
+    pub(crate) grad: Lease,
+    pub(crate) factors: Option<(Lease, usize)>,
+}
+
+impl LayerBuffers {
+    /// The layer index.
+    pub fn layer(&self) -> u32 {
+        self.layer
+    }
+    /// When the engine finished syncing this layer (None before the first sync).
+    pub fn synced_at(&self) -> Option<std::time::Instant> {
+        self.synced_at
+    }
+    /// The parameters (M×N, row major).
+    pub fn params(&self) -> &[f32] {
+        self.params.as_f32().expect("layer buffers are f32 aligned")
+    }
+    /// The parameters, writable. Values written here are local: the next sync overwrites them.
+    pub fn params_mut(&mut self) -> &mut [f32] {
+        self.params.as_f32_mut().expect("layer buffers are f32 aligned")
+    }
+    /// The gradient, for backward to fill.
+    pub fn grad_mut(&mut self) -> &mut [f32] {
+        self.grad.as_f32_mut().expect("layer buffers are f32 aligned")
+    }
+    /// The gradient.
+    pub fn grad(&self) -> &[f32] {
+        self.grad.as_f32().expect("layer buffers are f32 aligned")
+    }
+    /// U (K×M) of an FC layer's sufficient factors; empty for other layers.
+    pub fn u_mut(&mut self) -> &mut [f32] {
+        match &mut self.factors {
+            Some((l, u_len)) => {
+                let u = *u_len;
+                &mut l.as_f32_mut().expect("aligned")[4..4 + u]
+            }
+            None => &mut [],
+        }
+    }
+    /// V (K×N) of an FC layer's sufficient factors; empty for other layers.
+    pub fn v_mut(&mut self) -> &mut [f32] {
+        match &mut self.factors {
+            Some((l, u_len)) => {
+                let u = *u_len;
+                &mut l.as_f32_mut().expect("aligned")[4 + u..]
+            }
+            None => &mut [],
+        }
+    }
+    pub(crate) fn regions(&self) -> (&Region, &Region) {
+        (self.params.region(), self.grad.region())
+    }
+}
+
+/// Counters of a session.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
+pub struct SessionStats {
+    /// Slices pushed to servers.
+    pub pushes: u64,
+    /// Factor messages sent.
+    pub factor_sends: u64,
+    /// Chunks accumulated/applied/broadcast by this rank's server.
+    pub accumulated: u64,
+    /// Chunk applies.
+    pub applies: u64,
+    /// Chunk broadcasts.
+    pub broadcasts: u64,
+    /// Bytes this rank's transport received directly into registered memory.
+    pub rx_direct_bytes: u64,
+    /// Bytes this rank's transport copied out to the application (messages).
+    pub rx_copied_bytes: u64,
+}
+
+/// A running rank of a job.
+#[derive(Debug)]
+pub struct Session {
+    book: Arc<Book>,
+    timeout: Duration,
+    rank: u32,
+    role: Role,
+    tx: Option<Sender<Request>>,
+    shared: Arc<Shared>,
+    handle: Option<std::thread::JoinHandle<()>>,
+    layers: Option<Vec<LayerBuffers>>,
+}
+
+impl Session {
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+    /// This rank's role.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+    /// The information book every rank agreed on.
+    pub fn book(&self) -> &Arc<Book> {
+        &self.book
+    }
+    /// The scheme `layer` syncs by (fixed for the run; see [`Book::scheme`]).
+    pub fn scheme(&self, layer: u32) -> Result<Scheme> {
+        self.book.layer(layer)?;
+        Ok(self.book.scheme(layer, 0))
+    }
+
+    fn check(&self) -> Result<&Sender<Request>> {
+        if let Some(e) = self.shared.fatal() {
+            return Err(e);
+        }
+        self.tx.as_ref().ok_or(Error::Shutdown)
+    }
+
+    fn worker(&self) -> Result<()> {
+        if self.role.is_worker() {
+            Ok(())
+        } else {
+            Err(Error::Role {
+                rank: self.rank,
+                role: "worker",
+            })
+        }
+    }
+
+    /// Takes every layer's buffers (once), holding the initial parameters.
+    pub fn take_layers(&mut self) -> Result<Vec<Option<LayerBuffers>>> {
+        self.worker()?;
+        self.check()?;
+        let l = self
+            .layers
+            .take()
+            .ok_or_else(|| Error::Layout("take_layers was already called".into()))?;
+        Ok(l.into_iter().map(Some).collect())
+    }
+
+    fn send(&self, r: Request) -> Result<()> {
+        self.check()?
+            .send(r)
+            .map_err(|_| self.shared.fatal().unwrap_or(Error::Shutdown))
+    }
+
+    /// Hands in a layer whose gradient is in [`LayerBuffers::grad_mut`]. Its
+    /// slices are queued at once; the call does not wait for the network.
+    pub fn grad_ready(&self, buf: LayerBuffers) -> Result<()> {
+        self.worker()?;
+        let spec = self.book.layer(buf.layer)?;
+        if self.book.scheme(buf.layer, 0) == Scheme::Sfb {
+            return Err(EngineError::NeedsFactors {
+                layer: buf.layer,
+                name: spec.name.clone(),
+            }
+            .into());
+        }
+        self.send(Request::HandIn { buf, factors: false })
+    }
+
+    /// Hands in an FC layer by its sufficient factors (U, V). Where the layer
+    /// syncs through the PS, the gradient Uᵀ·V is formed here and pushed.
+    pub fn sf_ready(&self, buf: LayerBuffers) -> Result<()> {
+        self.worker()?;
+        let spec = self.book.layer(buf.layer)?;
+        if spec.kind != LayerKind::Fc {
+            return Err(EngineError::NotFullyConnected {
+                layer: buf.layer,
+                name: spec.name.clone(),
+            }
+            .into());
+        }
+        self.send(Request::HandIn { buf, factors: true })
+    }
+
+    fn call<T>(&self, what: String, make: impl FnOnce(Sender<Result<T>>) -> Request) -> Result<T> {
+        let (tx, rx): (Sender<Result<T>>, Receiver<Result<T>>) = bounded(1);
+        self.send(make(tx))?;
+        match rx.recv_timeout(self.timeout()) {
+            Ok(r) => r,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(Error::Timeout {
+                what,
+                after: self.timeout(),
+            }),
+            Err(_) => Err(self.shared.fatal().unwrap_or(Error::Shutdown)),
+        }
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Blocks until `layer`'s parameters are synced, and returns its buffers.
+    pub fn wait_layer(&self, layer: u32) -> Result<LayerBuffers> {
+        self.worker()?;
+        self.book.layer(layer)?;
+        self.call(format!("layer {layer} to sync"), |reply| Request::Wait { layer, reply })
+    }
+
+    /// Blocks until every handed-in layer is synced (the BSP barrier) and
+    /// returns their buffers, in layer order.
+    pub fn wait_all(&self) -> Result<Vec<LayerBuffers>> {
+        self.worker()?;
+        self.call("every layer to sync".into(), |reply| Request::WaitAll { reply })
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> Result<SessionStats> {
+        self.call("stats".into(), |reply| Request::Stats { reply })
+    }
+
+    /// Ends the session: waits for in-flight layers, tells the peers, and
+    /// serves them until every peer has said goodbye (a server-only rank calls
+    /// this to serve the whole job). Later calls fail with `Shutdown`.
+    pub fn shutdown(mut self) -> Result<()> {
+        let r = self.shutdown_inner();
+        self.tx = None;
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+        r
+    }
+
+    fn shutdown_inner(&self) -> Result<()> {
+        let (tx, rx) = bounded(1);
+        self.send(Request::Shutdown { reply: tx })?;
+        // Serving the job can take as long as the job: wait on the driver's
+        // liveness checks rather than a fixed timeout.
+        match rx.recv() {
+            Ok(r) => r,
+            Err(_) => Err(self.shared.fatal().unwrap_or(Error::Shutdown)),
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(Request::Abort);
+        }
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The address a rank 0 would bind for a job on this host (for launchers).
+pub fn loopback_master(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}

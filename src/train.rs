@@ -1,0 +1,849 @@
+//! `tidewire train`: a local cluster of real processes on loopback, replaying
+//! a model profile. Workers sleep for each layer's calibrated compute time,
+//! produce deterministic synthetic gradients (or sufficient factors for FC
+//! layers) in their registered buffers, and hand them to the engine exactly as
+//! a framework would. `--verify` recomputes the run in one process and
+//! compares every layer's final parameters bit for bit.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tidewire_engine::book::{LayerKind, Scheme};
+use tidewire_engine::models::{self, Model};
+use tidewire_engine::{Book, BookConfig, Cluster, Consistency, SchedConfig, SyncMode};
+use tidewire_gpu::cpu::{self, ApplyOp};
+
+use crate::cluster::ClusterSpec;
+use crate::error::{Error, Result};
+use crate::session::{Builder, Session};
+
+/// Flags of `tidewire train`.
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
+pub struct TrainArgs {
+    /// Model profile: vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet.
+    #[arg(long, default_value = "vgg19")]
+    pub model: String,
+    /// Worker processes (P1).
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Server processes (P2); ignored with --colocate.
+    #[arg(long, default_value_t = 2)]
+    pub servers: usize,
+    /// Every node is a worker and a server (P1 = P2 = --workers).
+    #[arg(long)]
+    pub colocate: bool,
+    /// Iterations.
+    #[arg(long, default_value_t = 10)]
+    pub iters: u64,
+    /// fifo-ps, wfbp, hybrid, p3 or full.
+    #[arg(long, default_value = "full", value_parser = parse_sync)]
+    pub sync: String,
+    /// Batch size K per worker (default: the profile's).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Multiplies every layer's compute time (1.0 = the calibrated single-GPU time).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// bsp, or ssp:S for stale synchronous with bound S.
+    #[arg(long, default_value = "bsp", value_parser = parse_consistency)]
+    pub consistency: String,
+    /// Sum in arrival order instead of fixed rank order.
+    #[arg(long)]
+    pub fast: bool,
+    /// sgd, mean or sum.
+    #[arg(long, default_value = "sgd")]
+    pub op: String,
+    /// SGD learning rate.
+    #[arg(long, default_value_t = 0.01)]
+    pub lr: f32,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f32,
+    /// SGD weight decay.
+    #[arg(long, default_value_t = 0.0005)]
+    pub weight_decay: f32,
+    /// Credit window in bytes (default: the engine's).
+    #[arg(long)]
+    pub credit_bytes: Option<usize>,
+    /// KV chunk size in bytes.
+    #[arg(long, default_value_t = 2 << 20)]
+    pub chunk_bytes: usize,
+    /// Slice size in parameters (p3 and full).
+    #[arg(long, default_value_t = 50_000)]
+    pub slice_params: usize,
+    /// Check the final parameters against a single-process reference (BSP, deterministic).
+    #[arg(long)]
+    pub verify: bool,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Seconds a wait or a silent peer may take before the run fails.
+    #[arg(long, default_value_t = 60)]
+    pub timeout_s: u64,
+    /// Seed of the synthetic gradients.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Slow this worker rank's compute down (straggler experiments).
+    #[arg(long)]
+    pub slow_rank: Option<u32>,
+    /// Compute slowdown of --slow-rank.
+    #[arg(long, default_value_t = 3.0)]
+    pub slow_factor: f64,
+}
+
+fn parse_sync(s: &str) -> std::result::Result<String, String> {
+    SyncMode::parse(s)
+        .map(|m| m.name().to_string())
+        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, p3 or full".into())
+}
+
+fn parse_consistency(s: &str) -> std::result::Result<String, String> {
+    consistency_of(s).map(|_| s.to_string())
+}
+
+fn consistency_of(s: &str) -> std::result::Result<Consistency, String> {
+    if s == "bsp" {
+        return Ok(Consistency::Bsp);
+    }
+    s.strip_prefix("ssp:")
+        .and_then(|n| n.parse::<u32>().ok())
+        .map(Consistency::Ssp)
+        .ok_or_else(|| "use bsp or ssp:S (e.g. ssp:2)".into())
+}
+
+impl TrainArgs {
+    /// The model profile.
+    pub fn model(&self) -> Result<Model> {
+        models::profile(&self.model).ok_or_else(|| {
+            Error::Cluster(format!(
+                "unknown model {:?}; known: {}",
+                self.model,
+                models::NAMES.join(", ")
+            ))
+        })
+    }
+    /// The sync mode.
+    pub fn sync_mode(&self) -> SyncMode {
+        SyncMode::parse(&self.sync).expect("validated by clap")
+    }
+    /// The apply op.
+    pub fn apply_op(&self) -> Result<ApplyOp> {
+        Ok(match self.op.as_str() {
+            "sgd" => ApplyOp::Sgd {
+                lr: self.lr,
+                momentum: self.momentum,
+                weight_decay: self.weight_decay,
+            },
+            "mean" => ApplyOp::Mean,
+            "sum" => ApplyOp::Sum,
+            o => return Err(Error::Cluster(format!("--op {o:?}: use sgd, mean or sum"))),
+        })
+    }
+    fn batch(&self, m: &Model) -> usize {
+        self.batch.unwrap_or(m.batch)
+    }
+    fn world(&self) -> (usize, usize, usize) {
+        if self.colocate {
+            (self.workers, self.workers, self.workers)
+        } else {
+            (self.workers, self.servers, self.workers + self.servers)
+        }
+    }
+    /// Checks the flags before anything starts.
+    pub fn validate(&self) -> Result<()> {
+        self.model()?;
+        self.apply_op()?;
+        if self.workers == 0 {
+            return Err(Error::Cluster("--workers must be at least 1".into()));
+        }
+        if !self.colocate && self.servers == 0 {
+            return Err(Error::Cluster(
+                "--servers must be at least 1 (or use --colocate)".into(),
+            ));
+        }
+        if self.iters == 0 {
+            return Err(Error::Cluster("--iters must be at least 1".into()));
+        }
+        if !(self.time_scale >= 0.0 && self.time_scale.is_finite()) {
+            return Err(Error::Cluster("--time-scale must be a finite number ≥ 0".into()));
+        }
+        let c = consistency_of(&self.consistency).map_err(Error::Cluster)?;
+        if self.verify && (c != Consistency::Bsp || self.fast) {
+            return Err(Error::Cluster(
+                "--verify needs BSP with deterministic aggregation: SSP and --fast results depend on timing".into(),
+            ));
+        }
+        Ok(())
+    }
+    fn book_config(&self, m: &Model) -> BookConfig {
+        self.sync_mode().book_config(BookConfig {
+            batch: self.batch(m),
+            chunk_bytes: self.chunk_bytes,
+            slice_params: self.slice_params,
+            ..Default::default()
+        })
+    }
+    fn sched(&self) -> SchedConfig {
+        let mut s = SchedConfig {
+            order: self.sync_mode().order(),
+            consistency: consistency_of(&self.consistency).expect("validated"),
+            deterministic: !self.fast,
+            ..SchedConfig::default()
+        };
+        if let Some(c) = self.credit_bytes {
+            s.credit_bytes = c;
+        }
+        s
+    }
+}
+
+/// Deterministic synthetic data: every value is a table entry picked by a
+/// hash of (worker, iteration, layer), so the reference can recompute it.
+#[derive(Debug, Clone)]
+pub struct Synth {
+    table: Vec<f32>,
+    seed: u64,
+}
+
+const TABLE: usize = 1 << 16;
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl Synth {
+    /// The table for `seed`: values in [-0.01, 0.01).
+    pub fn new(seed: u64) -> Self {
+        let table = (0..TABLE as u64)
+            .map(|i| ((mix(seed ^ (i << 1)) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02)
+            .collect();
+        Synth { table, seed }
+    }
+    fn fill(&self, out: &mut [f32], key: u64) {
+        let off = (mix(self.seed ^ key) as usize) & (TABLE - 1);
+        let mut i = 0;
+        while i < out.len() {
+            let start = (off + i) & (TABLE - 1);
+            let n = (TABLE - start).min(out.len() - i);
+            out[i..i + n].copy_from_slice(&self.table[start..start + n]);
+            i += n;
+        }
+    }
+    fn key(wi: usize, iter: u64, layer: u32, salt: u64) -> u64 {
+        (wi as u64) << 48 ^ iter << 24 ^ u64::from(layer) << 4 ^ salt
+    }
+    /// Initial parameters of `layer`.
+    pub fn init(&self, layer: u32, out: &mut [f32]) {
+        self.fill(out, Self::key(0, u64::MAX >> 24, layer, 1));
+    }
+    /// Worker `wi`'s gradient of a conv/other layer at `iter`.
+    pub fn grad(&self, wi: usize, iter: u64, layer: u32, out: &mut [f32]) {
+        self.fill(out, Self::key(wi, iter, layer, 2));
+    }
+    /// Worker `wi`'s sufficient factors of an FC layer at `iter`.
+    pub fn factors(&self, wi: usize, iter: u64, layer: u32, u: &mut [f32], v: &mut [f32]) {
+        self.fill(u, Self::key(wi, iter, layer, 3));
+        self.fill(v, Self::key(wi, iter, layer, 4));
+    }
+}
+
+/// SHA-256 of a layer's values.
+pub fn digest(v: &[f32]) -> String {
+    let mut h = Sha256::new();
+    for x in v {
+        h.update(x.to_le_bytes());
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// One iteration as a worker saw it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct IterStat {
+    /// Iteration index.
+    pub iter: u64,
+    /// Wall time from this iteration's forward pass to the next one's (the
+    /// last iteration ends when every layer is synced).
+    pub seconds: f64,
+    /// Time this iteration's forward pass blocked waiting for parameters.
+    pub blocked_s: f64,
+    /// Wall time from this iteration's first hand-in to its last layer synced.
+    pub sync_span_s: f64,
+    /// Of that span, the time the worker waited (in the next forward pass, or the final wait).
+    pub exposed_s: f64,
+}
+
+/// What one rank reports when it finishes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeResult {
+    /// Rank.
+    pub rank: u32,
+    /// Whether it ran a worker.
+    pub worker: bool,
+    /// Per iteration (workers).
+    pub iters: Vec<IterStat>,
+    /// SHA-256 of each layer's final parameters (workers).
+    pub digests: Vec<String>,
+    /// Session counters.
+    pub stats: crate::session::SessionStats,
+}
+
+fn sleep(d: Duration) {
+    if !d.is_zero() {
+        std::thread::sleep(d);
+    }
+}
+
+/// Runs one rank of `tidewire train` with the cluster from the environment.
+/// Progress goes to stdout as `progress <iter>` lines, the result as one JSON line.
+pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
+    args.validate()?;
+    let spec = ClusterSpec::from_env()?;
+    let model = args.model()?;
+    let synth = Arc::new(Synth::new(args.seed));
+    let s2 = synth.clone();
+    let session = Builder::new(model.layers.clone())
+        .batch(args.batch(&model))
+        .chunk_bytes(args.chunk_bytes)
+        .slice_params(args.book_config(&model).slice_params)
+        .policy(args.sync_mode().policy())
+        .sched(args.sched())
+        .apply(args.apply_op()?)
+        .timeout(Duration::from_secs(args.timeout_s))
+        .connect_timeout(Duration::from_secs(args.timeout_s))
+        .init_params(move |l, p| s2.init(l, p))
+        .build(spec)?;
+    if session.role().is_worker() {
+        worker_loop(args, &model, &synth, session)
+    } else {
+        let rank = session.rank();
+        let stats = session.stats()?;
+        session.shutdown()?;
+        Ok(NodeResult {
+            rank,
+            worker: false,
+            iters: vec![],
+            digests: vec![],
+            stats,
+        })
+    }
+}
+
+fn worker_loop(args: &TrainArgs, model: &Model, synth: &Synth, mut session: Session) -> Result<NodeResult> {
+    let rank = session.rank();
+    let book = session.book().clone();
+    let wi = book.cluster().worker_index(rank).expect("worker");
+    let k = args.batch(model);
+    let slow = if args.slow_rank == Some(rank) {
+        args.slow_factor
+    } else {
+        1.0
+    };
+    let times = model.layer_times(k, args.time_scale * slow);
+    let wait_free = args.sync_mode().wait_free();
+    let nl = book.layers().len();
+    let mut layers = session.take_layers()?;
+    let mut stats: Vec<IterStat> = Vec::new();
+    let mut starts: Vec<Instant> = Vec::new();
+    let mut first_hand_in = None;
+    let mut out = std::io::stdout();
+    for it in 0..args.iters {
+        let start = Instant::now();
+        let mut last_sync: Option<Instant> = None;
+        let mut blocked = Duration::ZERO;
+        for l in 0..nl {
+            if it > 0 {
+                let t = Instant::now();
+                let b = session.wait_layer(l as u32)?;
+                blocked += t.elapsed();
+                last_sync = last_sync.max(b.synced_at());
+                layers[l] = Some(b);
+            }
+            sleep(times[l].0);
+        }
+        if let Some(prev) = stats.last_mut() {
+            // The waits of this forward pass expose the previous iteration's sync.
+            prev.exposed_s = blocked.as_secs_f64();
+            prev.sync_span_s = span(first_hand_in, last_sync);
+            prev.seconds = (start - starts[starts.len() - 1]).as_secs_f64();
+            let _ = writeln!(out, "progress {it}");
+            let _ = out.flush();
+        }
+        starts.push(start);
+        first_hand_in = None;
+        let mut deferred = Vec::new();
+        for l in (0..nl).rev() {
+            sleep(times[l].1);
+            let mut buf = layers[l].take().expect("held by the trainer");
+            let spec = &book.layers()[l];
+            if spec.kind == LayerKind::Fc {
+                let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
+                synth.factors(wi, it, l as u32, &mut u, &mut v);
+                buf.u_mut().copy_from_slice(&u);
+                buf.v_mut().copy_from_slice(&v);
+            } else {
+                synth.grad(wi, it, l as u32, buf.grad_mut());
+            }
+            if wait_free {
+                first_hand_in.get_or_insert_with(Instant::now);
+                hand_in(&session, buf)?;
+            } else {
+                deferred.push(buf);
+            }
+        }
+        for buf in deferred {
+            first_hand_in.get_or_insert_with(Instant::now);
+            hand_in(&session, buf)?;
+        }
+        stats.push(IterStat {
+            iter: it,
+            seconds: 0.0,
+            blocked_s: blocked.as_secs_f64(),
+            exposed_s: 0.0,
+            sync_span_s: 0.0,
+        });
+    }
+    let t = Instant::now();
+    let all = session.wait_all()?;
+    let end = Instant::now();
+    let last = stats.last_mut().expect("at least one iteration");
+    last.exposed_s = (end - t).as_secs_f64();
+    last.sync_span_s = span(first_hand_in, all.iter().filter_map(|b| b.synced_at()).max());
+    last.seconds = (end - starts[starts.len() - 1]).as_secs_f64();
+    let _ = writeln!(out, "progress {}", args.iters);
+    let _ = out.flush();
+    let digests = all.iter().map(|b| digest(b.params())).collect();
+    let st = session.stats()?;
+    drop(all);
+    session.shutdown()?;
+    Ok(NodeResult {
+        rank,
+        worker: true,
+        iters: stats,
+        digests,
+        stats: st,
+    })
+}
+
+fn span(from: Option<Instant>, to: Option<Instant>) -> f64 {
+    match (from, to) {
+        (Some(a), Some(b)) if b > a => (b - a).as_secs_f64(),
+        _ => 0.0,
+    }
+}
+
+fn hand_in(session: &Session, buf: crate::session::LayerBuffers) -> Result<()> {
+    if session.book().layers()[buf.layer() as usize].kind == LayerKind::Fc {
+        session.sf_ready(buf)
+    } else {
+        session.grad_ready(buf)
+    }
+}
+
+/// The single-process reference: the same synthetic gradients, summed in
+/// worker-rank order, applied with the same op. Returns each layer's digest.
+pub fn reference(args: &TrainArgs, workers: usize) -> Result<Vec<String>> {
+    let model = args.model()?;
+    let synth = Synth::new(args.seed);
+    let op = args.apply_op()?;
+    let k = args.batch(&model);
+    let mut out = Vec::new();
+    let max = model.layers.iter().map(|l| l.params()).max().unwrap_or(0);
+    let (mut acc, mut g) = (vec![0f32; max], vec![0f32; max]);
+    for (li, spec) in model.layers.iter().enumerate() {
+        let n = spec.params();
+        let mut w = vec![0f32; n];
+        synth.init(li as u32, &mut w);
+        let mut mom = if op.needs_momentum() { vec![0f32; n] } else { Vec::new() };
+        let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
+        for it in 0..args.iters {
+            for wi in 0..workers {
+                let dst = if wi == 0 { &mut acc[..n] } else { &mut g[..n] };
+                if spec.kind == LayerKind::Fc {
+                    synth.factors(wi, it, li as u32, &mut u, &mut v);
+                    cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, dst);
+                } else {
+                    synth.grad(wi, it, li as u32, dst);
+                }
+                if wi > 0 {
+                    cpu::add_assign(&mut acc[..n], &g[..n]);
+                }
+            }
+            cpu::apply(op, workers, &acc[..n], &mut w, &mut mom);
+        }
+        out.push(digest(&w));
+    }
+    Ok(out)
+}
+
+/// The launcher's summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct TrainReport {
+    /// Model.
+    pub model: String,
+    /// Sync mode.
+    pub sync: String,
+    /// Consistency.
+    pub consistency: String,
+    /// P1.
+    pub workers: usize,
+    /// P2.
+    pub servers: usize,
+    /// Colocated nodes.
+    pub colocate: bool,
+    /// Batch per worker.
+    pub batch: usize,
+    /// Iterations.
+    pub iters: u64,
+    /// Compute time scale.
+    pub time_scale: f64,
+    /// Calibrated compute per iteration (scaled), s.
+    pub compute_s: f64,
+    /// Mean iteration time over iterations after the first (all if only one), s.
+    pub iteration_s: f64,
+    /// P1 × K / iteration_s.
+    pub throughput_samples_s: f64,
+    /// Share of each iteration's sync span that the workers did not wait for
+    /// (mean over iterations after the first).
+    pub hidden_fraction: f64,
+    /// Per-iteration figures of the slowest worker.
+    pub per_iteration: Vec<IterStat>,
+    /// The scheme of every layer (fixed for the run).
+    pub layers: Vec<LayerRow>,
+    /// `Some(true)` when every worker's parameters equal the reference bit for bit.
+    pub verified: Option<bool>,
+    /// Layers that differ (name), when verification failed.
+    pub mismatched_layers: Vec<String>,
+    /// Wall time of the whole run, s.
+    pub wall_s: f64,
+}
+
+/// One row of the scheme table.
+#[derive(Debug, Clone, Serialize)]
+pub struct LayerRow {
+    /// Name.
+    pub name: String,
+    /// Kind.
+    pub kind: LayerKind,
+    /// M×N.
+    pub shape: (usize, usize),
+    /// Scheme.
+    pub scheme: Scheme,
+}
+
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| Error::Rendezvous(e.to_string()))?;
+    Ok(l.local_addr().map_err(|e| Error::Rendezvous(e.to_string()))?.port())
+}
+
+fn secret() -> String {
+    let mut b = [0u8; 16];
+    if getrandom::getrandom(&mut b).is_err() {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        b = (t.as_nanos() ^ u128::from(std::process::id())).to_le_bytes();
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Launches the local cluster, follows it, verifies, and reports.
+pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
+    args.validate()?;
+    let model = args.model()?;
+    let (p1, p2, world) = args.world();
+    let began = Instant::now();
+    let exe = std::env::current_exe().map_err(|e| Error::Cluster(format!("cannot find my own binary: {e}")))?;
+    let port = free_port()?;
+    let secret = secret();
+    let mut children: Vec<(u32, Child)> = Vec::new();
+    for rank in 0..world as u32 {
+        let mut c = Command::new(&exe);
+        c.arg("train-node")
+            .args(&node_args)
+            .env("TIDEWIRE_RANK", rank.to_string())
+            .env("TIDEWIRE_WORLD_SIZE", world.to_string())
+            .env("TIDEWIRE_MASTER", format!("127.0.0.1:{port}"))
+            .env("TIDEWIRE_SECRET", &secret)
+            .env("TIDEWIRE_JOB", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if args.colocate {
+            c.env_remove("TIDEWIRE_SERVERS");
+        } else {
+            c.env("TIDEWIRE_SERVERS", p2.to_string());
+        }
+        let child = c
+            .spawn()
+            .map_err(|e| Error::Cluster(format!("cannot start rank {rank}: {e}")))?;
+        children.push((rank, child));
+    }
+    let bar = indicatif::ProgressBar::new(args.iters);
+    if args.json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} iterations, {elapsed} {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(format!("{} {}w/{}s {}", model.name, p1, p2, args.sync));
+    // Read every child's output on its own thread; rank 0's progress drives the bar.
+    let mut readers = Vec::new();
+    for (rank, child) in children.iter_mut() {
+        let stdout = child.stdout.take().expect("piped");
+        let stderr = child.stderr.take().expect("piped");
+        let bar = bar.clone();
+        let rank = *rank;
+        readers.push(std::thread::spawn(move || {
+            let mut result = None;
+            for line in BufReader::new(stdout).lines().map_while(std::result::Result::ok) {
+                if let Some(p) = line.strip_prefix("progress ") {
+                    if rank == 0 {
+                        bar.set_position(p.trim().parse().unwrap_or(0));
+                    }
+                } else if let Some(j) = line.strip_prefix("result ") {
+                    result = serde_json::from_str::<NodeResult>(j).ok();
+                }
+            }
+            result
+        }));
+        readers.push(std::thread::spawn(move || {
+            let mut tail = String::new();
+            for line in BufReader::new(stderr).lines().map_while(std::result::Result::ok) {
+                tail.push_str(&line);
+                tail.push('\n');
+                if tail.len() > 8192 {
+                    tail.drain(..tail.len() - 8192);
+                }
+            }
+            (!tail.is_empty()).then(|| NodeResult {
+                rank: u32::MAX,
+                worker: false,
+                iters: vec![],
+                digests: vec![tail],
+                stats: Default::default(),
+            })
+        }));
+    }
+    let deadline = Duration::from_secs(args.timeout_s)
+        + model
+            .iteration_compute(args.batch(&model), args.time_scale)
+            .mul_f64(args.iters as f64 * 20.0 + 20.0);
+    let mut failed: Vec<String> = Vec::new();
+    let mut statuses = vec![None; world];
+    while statuses.iter().any(Option::is_none) {
+        for (i, (rank, child)) in children.iter_mut().enumerate() {
+            if statuses[i].is_none() {
+                if let Ok(Some(st)) = child.try_wait() {
+                    if !st.success() {
+                        failed.push(format!("rank {rank} exited with {st}"));
+                    }
+                    statuses[i] = Some(st);
+                }
+            }
+        }
+        if began.elapsed() > deadline {
+            for (_, c) in children.iter_mut() {
+                let _ = c.kill();
+            }
+            failed.push(format!("the run exceeded {deadline:?} and was killed"));
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for (_, c) in children.iter_mut() {
+        let _ = c.wait();
+    }
+    bar.finish_and_clear();
+    let mut results = Vec::new();
+    let mut stderr_tails = Vec::new();
+    for (i, r) in readers.into_iter().enumerate() {
+        match r.join().ok().flatten() {
+            Some(n) if n.rank == u32::MAX => {
+                stderr_tails.push((i / 2, n.digests.into_iter().next().unwrap_or_default()))
+            }
+            Some(n) => results.push(n),
+            None => {}
+        }
+    }
+    if !failed.is_empty() {
+        let mut msg = failed.join("; ");
+        for (rank, tail) in stderr_tails {
+            msg.push_str(&format!("\n--- rank {rank} stderr ---\n{}", tail.trim_end()));
+        }
+        return Err(Error::Cluster(format!("the local cluster failed: {msg}")));
+    }
+    let workers: Vec<&NodeResult> = results.iter().filter(|r| r.worker).collect();
+    if workers.len() != p1 {
+        return Err(Error::Cluster(format!(
+            "{} of {p1} workers reported a result",
+            workers.len()
+        )));
+    }
+    let book = Book::new(
+        if args.colocate {
+            Cluster::colocated(p1)?
+        } else {
+            Cluster::split(p1, p2)?
+        },
+        model.layers.clone(),
+        args.book_config(&model),
+    )?;
+    // The slowest worker's iterations.
+    let slowest = workers
+        .iter()
+        .max_by(|a, b| {
+            let s = |r: &NodeResult| r.iters.iter().map(|i| i.seconds).sum::<f64>();
+            s(a).total_cmp(&s(b))
+        })
+        .expect("p1 >= 1");
+    let per: Vec<IterStat> = slowest.iters.clone();
+    let steady: Vec<&IterStat> = if per.len() > 1 {
+        per[1..].iter().collect()
+    } else {
+        per.iter().collect()
+    };
+    let iteration_s = steady.iter().map(|i| i.seconds).sum::<f64>() / steady.len() as f64;
+    let spans: Vec<f64> = steady
+        .iter()
+        .filter(|i| i.sync_span_s > 0.0)
+        .map(|i| (1.0 - i.exposed_s / i.sync_span_s).clamp(0.0, 1.0))
+        .collect();
+    let hidden_fraction = if spans.is_empty() {
+        0.0
+    } else {
+        spans.iter().sum::<f64>() / spans.len() as f64
+    };
+    let (verified, mismatched_layers) = if args.verify {
+        let want = reference(args, p1)?;
+        let mut bad: Vec<String> = Vec::new();
+        for w in &workers {
+            for (l, d) in w.digests.iter().enumerate() {
+                if want.get(l) != Some(d) && !bad.contains(&model.layers[l].name) {
+                    bad.push(model.layers[l].name.clone());
+                }
+            }
+            if w.digests.len() != want.len() {
+                bad.push(format!("rank {} reported {} layers", w.rank, w.digests.len()));
+            }
+        }
+        (Some(bad.is_empty()), bad)
+    } else {
+        (None, vec![])
+    };
+    let k = args.batch(&model);
+    Ok(TrainReport {
+        model: model.name.into(),
+        sync: args.sync.clone(),
+        consistency: args.consistency.clone(),
+        workers: p1,
+        servers: p2,
+        colocate: args.colocate,
+        batch: k,
+        iters: args.iters,
+        time_scale: args.time_scale,
+        compute_s: model.iteration_compute(k, args.time_scale).as_secs_f64(),
+        iteration_s,
+        throughput_samples_s: (p1 * k) as f64 / iteration_s,
+        hidden_fraction,
+        per_iteration: per,
+        layers: book
+            .layers()
+            .iter()
+            .enumerate()
+            .map(|(i, l)| LayerRow {
+                name: l.name.clone(),
+                kind: l.kind,
+                shape: (l.m, l.n),
+                scheme: book.scheme(i as u32, 0),
+            })
+            .collect(),
+        verified,
+        mismatched_layers,
+        wall_s: began.elapsed().as_secs_f64(),
+    })
+}
+
+/// The report as text.
+pub fn render(r: &TrainReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{} | {} workers, {} servers{} | sync {} | {} | K={} | compute {:.3} s/iter (time scale {})",
+        r.model,
+        r.workers,
+        r.servers,
+        if r.colocate { " (colocated)" } else { "" },
+        r.sync,
+        r.consistency,
+        r.batch,
+        r.compute_s,
+        r.time_scale
+    );
+    let sfb = r.layers.iter().filter(|l| l.scheme == Scheme::Sfb).count();
+    let _ = writeln!(
+        s,
+        "schemes (every iteration): {} layers PS, {} layers SFB",
+        r.layers.len() - sfb,
+        sfb
+    );
+    for l in r.layers.iter().filter(|l| l.kind == LayerKind::Fc) {
+        let _ = writeln!(
+            s,
+            "  {:<10} fc {:>6}×{:<6} {:?}",
+            l.name, l.shape.0, l.shape.1, l.scheme
+        );
+    }
+    let _ = writeln!(
+        s,
+        "{:>5} {:>10} {:>12} {:>10} {:>10} {:>8}",
+        "iter", "seconds", "samples/s", "blocked s", "sync s", "hidden"
+    );
+    for i in &r.per_iteration {
+        let hidden = if i.sync_span_s > 0.0 {
+            format!("{:.0}%", 100.0 * (1.0 - i.exposed_s / i.sync_span_s).clamp(0.0, 1.0))
+        } else {
+            "-".into()
+        };
+        let _ = writeln!(
+            s,
+            "{:>5} {:>10.3} {:>12.1} {:>10.3} {:>10.3} {:>8}",
+            i.iter,
+            i.seconds,
+            (r.workers * r.batch) as f64 / i.seconds,
+            i.blocked_s,
+            i.sync_span_s,
+            hidden
+        );
+    }
+    let _ = writeln!(
+        s,
+        "mean iteration {:.3} s, {:.1} samples/s, {:.0}% of communication hidden behind compute",
+        r.iteration_s,
+        r.throughput_samples_s,
+        100.0 * r.hidden_fraction
+    );
+    match r.verified {
+        Some(true) => {
+            let _ = writeln!(
+                s,
+                "verify: every worker's parameters equal the single-process reference, bit for bit"
+            );
+        }
+        Some(false) => {
+            let _ = writeln!(s, "verify: FAILED on layers {:?}", r.mismatched_layers);
+        }
+        None => {}
+    }
+    s
+}
