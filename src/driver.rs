@@ -515,8 +515,12 @@ impl Node {
             // Requests.
             loop {
                 match rx.try_recv() {
-                    Ok(Request::Abort) | Err(TryRecvError::Disconnected) => {
-                        self.abort("the session was dropped without shutdown");
+                    Ok(Request::Abort(why)) => {
+                        self.abort(&why);
+                        return;
+                    }
+                    Err(TryRecvError::Disconnected) => {
+                        self.abort("its session was dropped without shutdown");
                         return;
                     }
                     Ok(r) => self.request(r),
@@ -557,8 +561,12 @@ impl Node {
             if self.conn_rank.is_empty() {
                 if !busy {
                     match rx.recv_timeout(Duration::from_millis(20)) {
-                        Ok(Request::Abort) | Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
-                            self.abort("the session was dropped without shutdown");
+                        Ok(Request::Abort(why)) => {
+                            self.abort(&why);
+                            return;
+                        }
+                        Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                            self.abort("its session was dropped without shutdown");
                             return;
                         }
                         Ok(r) => self.request(r),
@@ -726,7 +734,7 @@ impl Node {
                 self.shutdown = Some(reply);
                 self.shutdown_at = Some(Instant::now());
             }
-            Request::Abort => {}
+            Request::Abort(_) => {}
         }
     }
 
@@ -1325,7 +1333,7 @@ fn reply_err(r: Request, e: Error) {
         Request::WaitAll { reply } => drop(reply.send(Err(e))),
         Request::Stats { reply } => drop(reply.send(Err(e))),
         Request::Shutdown { reply } => drop(reply.send(Err(e))),
-        Request::HandIn { .. } | Request::Abort => {}
+        Request::HandIn { .. } | Request::Abort(_) => {}
     }
 }
 

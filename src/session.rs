@@ -277,6 +277,7 @@ impl Builder {
             }
         };
         Ok(Session {
+            last_error: Mutex::new(None),
             book,
             timeout,
             rank: spec.rank,
@@ -431,6 +432,7 @@ pub struct SessionStats {
 /// A running rank of a job.
 #[derive(Debug)]
 pub struct Session {
+    last_error: Mutex<Option<Error>>,
     book: Arc<Book>,
     timeout: Duration,
     rank: u32,
@@ -528,14 +530,18 @@ impl Session {
     fn call<T>(&self, what: String, make: impl FnOnce(Sender<Result<T>>) -> Request) -> Result<T> {
         let (tx, rx): (Sender<Result<T>>, Receiver<Result<T>>) = bounded(1);
         self.send(make(tx))?;
-        match rx.recv_timeout(self.timeout()) {
+        let r = match rx.recv_timeout(self.timeout()) {
             Ok(r) => r,
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(Error::Timeout {
                 what,
                 after: self.timeout(),
             }),
             Err(_) => Err(self.shared.fatal().unwrap_or(Error::Shutdown)),
+        };
+        if let Err(e) = &r {
+            *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
         }
+        r
     }
 
     fn timeout(&self) -> Duration {
@@ -563,10 +569,14 @@ impl Session {
 
     /// Ends the session: waits for in-flight layers, tells the peers, and
     /// serves them until every peer has said goodbye (a server-only rank calls
-    /// this to serve the whole job). Later calls fail with `Shutdown`.
-    pub fn shutdown(mut self) -> Result<()> {
+    /// this to serve the whole job). Every later call fails with `Shutdown`.
+    pub fn shutdown(&mut self) -> Result<()> {
+        if self.tx.is_none() {
+            return Err(Error::Shutdown);
+        }
         let r = self.shutdown_inner();
         self.tx = None;
+        self.layers = None;
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
@@ -588,7 +598,11 @@ impl Session {
 impl Drop for Session {
     fn drop(&mut self) {
         if let Some(tx) = self.tx.take() {
-            let _ = tx.send(Request::Abort);
+            let why = match self.last_error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                Some(e) => format!("it failed: {e}"),
+                None => "its session was dropped without shutdown".into(),
+            };
+            let _ = tx.send(Request::Abort(why));
         }
         if let Some(h) = self.handle.take() {
             let _ = h.join();

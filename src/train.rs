@@ -278,6 +278,10 @@ pub struct IterStat {
     pub sync_span_s: f64,
     /// Of that span, the time the worker waited (in the next forward pass, or the final wait).
     pub exposed_s: f64,
+    /// Unix time when this iteration's forward pass had every parameter it waited for.
+    pub forward_done_unix: f64,
+    /// Unix time just before the last hand-in of this iteration.
+    pub backward_done_unix: f64,
 }
 
 /// What one rank reports when it finishes.
@@ -325,6 +329,7 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
     } else {
         let rank = session.rank();
         let stats = session.stats()?;
+        let mut session = session;
         session.shutdown()?;
         Ok(NodeResult {
             rank,
@@ -368,6 +373,7 @@ fn worker_loop(args: &TrainArgs, model: &Model, synth: &Synth, mut session: Sess
             }
             sleep(times[l].0);
         }
+        let forward_done_unix = unix_now();
         if let Some(prev) = stats.last_mut() {
             // The waits of this forward pass expose the previous iteration's sync.
             prev.exposed_s = blocked.as_secs_f64();
@@ -379,6 +385,7 @@ fn worker_loop(args: &TrainArgs, model: &Model, synth: &Synth, mut session: Sess
         starts.push(start);
         first_hand_in = None;
         let mut deferred = Vec::new();
+        let mut backward_done_unix = 0.0;
         for l in (0..nl).rev() {
             sleep(times[l].1);
             let mut buf = layers[l].take().expect("held by the trainer");
@@ -393,13 +400,20 @@ fn worker_loop(args: &TrainArgs, model: &Model, synth: &Synth, mut session: Sess
             }
             if wait_free {
                 first_hand_in.get_or_insert_with(Instant::now);
+                if l == 0 {
+                    backward_done_unix = unix_now();
+                }
                 hand_in(&session, buf)?;
             } else {
                 deferred.push(buf);
             }
         }
-        for buf in deferred {
+        let last = deferred.len().saturating_sub(1);
+        for (i, buf) in deferred.into_iter().enumerate() {
             first_hand_in.get_or_insert_with(Instant::now);
+            if i == last {
+                backward_done_unix = unix_now();
+            }
             hand_in(&session, buf)?;
         }
         stats.push(IterStat {
@@ -408,6 +422,8 @@ fn worker_loop(args: &TrainArgs, model: &Model, synth: &Synth, mut session: Sess
             blocked_s: blocked.as_secs_f64(),
             exposed_s: 0.0,
             sync_span_s: 0.0,
+            forward_done_unix,
+            backward_done_unix,
         });
     }
     let t = Instant::now();
@@ -430,6 +446,13 @@ fn worker_loop(args: &TrainArgs, model: &Model, synth: &Synth, mut session: Sess
         digests,
         stats: st,
     })
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
 }
 
 fn span(from: Option<Instant>, to: Option<Instant>) -> f64 {
@@ -515,6 +538,8 @@ pub struct TrainReport {
     pub hidden_fraction: f64,
     /// Per-iteration figures of the slowest worker.
     pub per_iteration: Vec<IterStat>,
+    /// Every worker's per-iteration figures, by worker rank.
+    pub workers_detail: Vec<Vec<IterStat>>,
     /// The scheme of every layer (fixed for the run).
     pub layers: Vec<LayerRow>,
     /// `Some(true)` when every worker's parameters equal the reference bit for bit.
@@ -756,6 +781,11 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         throughput_samples_s: (p1 * k) as f64 / iteration_s,
         hidden_fraction,
         per_iteration: per,
+        workers_detail: {
+            let mut w: Vec<&NodeResult> = workers.clone();
+            w.sort_by_key(|r| r.rank);
+            w.iter().map(|r| r.iters.clone()).collect()
+        },
         layers: book
             .layers()
             .iter()

@@ -1,0 +1,314 @@
+//! End-to-end tests of `tidewire train` and `tidewire plan`: real processes
+//! on loopback over the io_uring TCP transport.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn tidewire() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tidewire"))
+}
+
+fn json(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "tidewire failed ({}):\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+#[test]
+fn plan_reproduces_poseidons_worked_example() {
+    let out = tidewire()
+        .args([
+            "plan",
+            "--model",
+            "vgg19",
+            "--workers",
+            "8",
+            "--servers",
+            "8",
+            "--batch",
+            "32",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let p = json(&out);
+    let fc7 = p["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "fc7")
+        .unwrap();
+    assert_eq!((fc7["m"].as_u64(), fc7["n"].as_u64()), (Some(4096), Some(4096)));
+    assert_eq!(fc7["ps_params_both"].as_u64(), Some(58_720_256), "2MN(P1+P2-2)/P2");
+    assert_eq!(fc7["sfb_params"].as_u64(), Some(3_670_016), "2K(P1-1)(M+N)");
+    assert_eq!(fc7["scheme"], "sfb");
+    for l in p["layers"].as_array().unwrap() {
+        if l["kind"] != "fc" {
+            assert_eq!(l["scheme"], "ps", "{}", l["name"]);
+        }
+    }
+}
+
+/// The acceptance run: VGG19, N workers and 2 servers, 10 iterations, BSP with
+/// deterministic aggregation: every worker's parameters equal the
+/// single-process reference bit for bit.
+#[test]
+fn vgg19_bsp_matches_the_single_process_reference_bitwise() {
+    for n in ["1", "2", "4"] {
+        let t = Instant::now();
+        let out = tidewire()
+            .args([
+                "train",
+                "--model",
+                "vgg19",
+                "--workers",
+                n,
+                "--servers",
+                "2",
+                "--iters",
+                "10",
+                "--verify",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        let r = json(&out);
+        println!(
+            "vgg19 workers={n}: verified={} iteration {:.3} s, wall {:.1} s",
+            r["verified"],
+            r["iteration_s"].as_f64().unwrap(),
+            t.elapsed().as_secs_f64()
+        );
+        assert_eq!(
+            r["verified"],
+            Value::Bool(true),
+            "workers={n}: {:?}",
+            r["mismatched_layers"]
+        );
+        assert_eq!(r["per_iteration"].as_array().unwrap().len(), 10);
+        assert!(r["throughput_samples_s"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn colocated_and_every_sync_mode_verify() {
+    for sync in ["fifo-ps", "wfbp", "hybrid", "p3", "full"] {
+        let out = tidewire()
+            .args([
+                "train",
+                "--model",
+                "alexnet",
+                "--workers",
+                "2",
+                "--colocate",
+                "--iters",
+                "3",
+                "--batch",
+                "8",
+                "--time-scale",
+                "0.05",
+                "--sync",
+                sync,
+                "--verify",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        let r = json(&out);
+        assert_eq!(
+            r["verified"],
+            Value::Bool(true),
+            "sync {sync}: {:?}",
+            r["mismatched_layers"]
+        );
+    }
+}
+
+/// SSP(2) with one worker four times slower: the others run ahead of it, by at
+/// most 2 iterations, and the run completes.
+#[test]
+fn ssp_bounds_how_far_fast_workers_run_ahead() {
+    let out = tidewire()
+        .args([
+            "train",
+            "--model",
+            "googlenet",
+            "--workers",
+            "3",
+            "--servers",
+            "1",
+            "--iters",
+            "8",
+            "--consistency",
+            "ssp:2",
+            "--slow-rank",
+            "0",
+            "--slow-factor",
+            "4",
+            "--time-scale",
+            "0.2",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let r = json(&out);
+    let w = r["workers_detail"].as_array().unwrap();
+    let slow = w[0].as_array().unwrap();
+    let mut lead_max = 0i64;
+    for fast in &w[1..] {
+        for (i, it) in fast.as_array().unwrap().iter().enumerate() {
+            // When a fast worker may start iteration i's compute, how many
+            // iterations has the slow worker finished handing in?
+            let t = it["forward_done_unix"].as_f64().unwrap();
+            let c_slow = slow
+                .iter()
+                .filter(|j| j["backward_done_unix"].as_f64().unwrap() <= t)
+                .count() as i64;
+            lead_max = lead_max.max(i as i64 - c_slow);
+        }
+    }
+    println!("SSP(2): largest lead over the slow worker: {lead_max} iterations");
+    assert!(lead_max <= 2, "a worker ran {lead_max} iterations ahead under SSP(2)");
+    assert!(
+        lead_max >= 1,
+        "SSP(2) never let a fast worker run ahead of the slow one"
+    );
+    assert_eq!(r["per_iteration"].as_array().unwrap().len(), 8);
+}
+
+fn spawn_node(rank: usize, world: usize, port: u16, args: &[&str]) -> Child {
+    tidewire()
+        .arg("train-node")
+        .args(args)
+        .env("TIDEWIRE_RANK", rank.to_string())
+        .env("TIDEWIRE_WORLD_SIZE", world.to_string())
+        .env("TIDEWIRE_MASTER", format!("127.0.0.1:{port}"))
+        .env("TIDEWIRE_SECRET", "test-secret")
+        .env("TIDEWIRE_SERVERS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Kills (or freezes) worker rank 1 mid-run; every other rank must fail with
+/// an error that names it (or a timeout) within the configured timeout.
+fn lose_a_worker(signal: &str) {
+    let port = free_port();
+    let args = [
+        "--model",
+        "googlenet",
+        "--workers",
+        "3",
+        "--servers",
+        "1",
+        "--iters",
+        "100000",
+        "--time-scale",
+        "0.05",
+        "--timeout-s",
+        "5",
+    ];
+    let mut nodes: Vec<Child> = (0..4).map(|r| spawn_node(r, 4, port, &args)).collect();
+    // Wait until rank 1 is well into training.
+    let out = nodes[1].stdout.take().unwrap();
+    let mut lines = BufReader::new(out).lines();
+    loop {
+        let l = lines.next().expect("rank 1 ended before training").unwrap();
+        if l == "progress 3" {
+            break;
+        }
+    }
+    let pid = nodes[1].id().to_string();
+    assert!(Command::new("kill").args([signal, &pid]).status().unwrap().success());
+    let t = Instant::now();
+    let limit = Duration::from_secs(5 + 10);
+    for (r, n) in nodes.iter_mut().enumerate() {
+        if r == 1 {
+            continue;
+        }
+        let status = loop {
+            if let Some(s) = n.try_wait().unwrap() {
+                break s;
+            }
+            if t.elapsed() > limit {
+                let _ = n.kill();
+                let _ = Command::new("kill").args(["-KILL", &pid]).status();
+                panic!("rank {r} still running {limit:?} after rank 1 got {signal}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(n.stderr.as_mut().unwrap(), &mut err).unwrap();
+        println!(
+            "rank {r} after {:.2} s: {status}: {}",
+            t.elapsed().as_secs_f64(),
+            err.lines().last().unwrap_or("")
+        );
+        assert!(!status.success(), "rank {r} exited 0 after losing a peer");
+        assert!(
+            err.contains("rank 1") || err.contains("timed out") || err.contains("was lost") || err.contains("aborted"),
+            "rank {r}: {err}"
+        );
+    }
+    let _ = nodes[1].kill();
+    let _ = nodes[1].wait();
+}
+
+#[test]
+fn a_killed_worker_fails_every_other_rank_quickly() {
+    lose_a_worker("-KILL");
+}
+
+#[test]
+fn a_frozen_worker_fails_every_other_rank_within_the_timeout() {
+    lose_a_worker("-STOP");
+}
+
+#[test]
+fn bad_flags_are_clear_errors() {
+    for (args, want) in [
+        (vec!["train", "--model", "nope"], "unknown model"),
+        (
+            vec!["train", "--verify", "--consistency", "ssp:2"],
+            "--verify needs BSP",
+        ),
+        (vec!["train", "--workers", "0"], "--workers must be at least 1"),
+        (vec!["train", "--sync", "fast"], "use fifo-ps, wfbp, hybrid, p3 or full"),
+        (
+            vec![
+                "plan",
+                "--model",
+                "vgg19",
+                "--workers",
+                "2",
+                "--servers",
+                "3",
+                "--batch",
+                "8",
+                "--colocate",
+            ],
+            "colocated",
+        ),
+    ] {
+        let out = tidewire().args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
