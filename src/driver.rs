@@ -51,7 +51,7 @@ pub(crate) enum Request {
     Shutdown {
         reply: Sender<Result<()>>,
     },
-    Abort,
+    Abort(String),
 }
 
 #[derive(Debug, Clone, Copy)]
