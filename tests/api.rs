@@ -1,0 +1,236 @@
+//! The embedding API's contract: typed errors for bad use, never a panic.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tidewire::cluster::ClusterSpec;
+use tidewire::engine::book::{LayerKind, LayerSpec};
+use tidewire::engine::{EngineError, Scheme, SchemePolicy};
+use tidewire::gpu::cpu::ApplyOp;
+use tidewire::session::BufferLayout;
+use tidewire::transport::{JobSecret, PinOptions, PinnedBuffer};
+use tidewire::{Builder, Error};
+
+fn layers() -> Vec<LayerSpec> {
+    vec![
+        LayerSpec::new("conv", LayerKind::Conv, 4, 9),
+        LayerSpec::new("fc", LayerKind::Fc, 3, 4),
+    ]
+}
+
+fn solo() -> ClusterSpec {
+    ClusterSpec::new(0, 1, 0, true, "127.0.0.1:1".parse().unwrap()).unwrap()
+}
+
+fn builder(l: Vec<LayerSpec>) -> Builder {
+    Builder::new(l)
+        .batch(2)
+        .job(7, JobSecret::new(b"api-test".to_vec()))
+        .apply(ApplyOp::Sum)
+        .timeout(Duration::from_secs(10))
+}
+
+fn buf(bytes: usize) -> PinnedBuffer {
+    PinnedBuffer::with_options(
+        bytes,
+        PinOptions {
+            lock: false,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn one_rank_round_trip_sums_in_place() {
+    // One colocated node moves nothing under either scheme, so HybComm keeps the
+    // PS; force SFB for the FC layer to exercise sufficient factors.
+    let mut s = builder(layers())
+        .policy(SchemePolicy::Sfb)
+        .init_params(|l, p| p.fill(l as f32))
+        .build(solo())
+        .unwrap();
+    assert_eq!(s.scheme(0).unwrap(), Scheme::Ps);
+    assert_eq!(s.scheme(1).unwrap(), Scheme::Sfb);
+    let mut l = s.take_layers().unwrap();
+    assert_eq!(l[1].as_ref().unwrap().params(), &[1.0; 12], "initial values");
+    let mut conv = l[0].take().unwrap();
+    conv.grad_mut().iter_mut().enumerate().for_each(|(i, g)| *g = i as f32);
+    s.grad_ready(conv).unwrap();
+    let mut fc = l[1].take().unwrap();
+    fc.u_mut().copy_from_slice(&[1.0, 0.0, 0.0, 0.0, 1.0, 0.0]); // K=2 × M=3
+    fc.v_mut().copy_from_slice(&[1.0, 2.0, 3.0, 4.0, 0.0, 0.0, 0.0, 1.0]); // K=2 × N=4
+    s.sf_ready(fc).unwrap();
+    let conv = s.wait_layer(0).unwrap();
+    assert_eq!(conv.params(), (0..36).map(|i| i as f32).collect::<Vec<_>>().as_slice());
+    let fc = s.wait_layer(1).unwrap();
+    // Uᵀ·V: row 0 = V row 0, row 1 = V row 1, row 2 = 0.
+    assert_eq!(
+        fc.params(),
+        &[1.0, 2.0, 3.0, 4.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    );
+    assert!(fc.synced_at().is_some());
+    drop((conv, fc));
+    s.shutdown().unwrap();
+}
+
+#[test]
+fn misuse_gives_typed_errors() {
+    let mut s = builder(layers()).policy(SchemePolicy::Sfb).build(solo()).unwrap();
+    let mut l = s.take_layers().unwrap();
+    assert!(matches!(s.take_layers(), Err(Error::Layout(_))), "take_layers twice");
+    // An FC layer that syncs by SFB needs factors.
+    let fc = l[1].take().unwrap();
+    assert!(matches!(
+        s.grad_ready(fc),
+        Err(Error::Engine(EngineError::NeedsFactors { layer: 1, .. }))
+    ));
+    // A conv layer has no factors.
+    let conv = l[0].take().unwrap();
+    assert!(matches!(
+        s.sf_ready(conv),
+        Err(Error::Engine(EngineError::NotFullyConnected { layer: 0, .. }))
+    ));
+    // Waiting for a layer the caller holds (the buffers above were dropped with the errors, so
+    // the engine still considers them the caller's).
+    assert!(matches!(s.wait_layer(0), Err(Error::NotHandedIn { layer: 0 })));
+    assert!(matches!(
+        s.wait_layer(9),
+        Err(Error::Engine(EngineError::UnknownLayer { layer: 9, .. }))
+    ));
+    s.shutdown().unwrap();
+    assert!(matches!(s.wait_all(), Err(Error::Shutdown)), "calls after shutdown");
+    assert!(matches!(s.stats(), Err(Error::Shutdown)));
+    assert!(matches!(s.shutdown(), Err(Error::Shutdown)));
+}
+
+#[test]
+fn grad_ready_twice_in_an_iteration_is_refused_by_the_core() {
+    use std::sync::Arc;
+    use tidewire::engine::{Book, BookConfig, Cluster, SchedConfig, Worker};
+    let book = Arc::new(Book::new(Cluster::split(1, 1).unwrap(), layers(), BookConfig::default()).unwrap());
+    let mut w = Worker::new(book, 0, SchedConfig::default()).unwrap();
+    w.grad_ready(0).unwrap();
+    assert!(matches!(w.grad_ready(0), Err(EngineError::LayerBusy { layer: 0, .. })));
+}
+
+#[test]
+fn bad_buffers_are_refused_before_anything_starts() {
+    // Overlapping layers.
+    let e = builder(layers())
+        .grads_buffer(BufferLayout {
+            buffer: buf(4096),
+            offsets: vec![0, 64],
+        })
+        .build(solo())
+        .unwrap_err();
+    assert!(matches!(&e, Error::Layout(m) if m.contains("overlap")), "{e}");
+    // Too small for a layer.
+    let e = builder(layers())
+        .grads_buffer(BufferLayout {
+            buffer: buf(4096),
+            offsets: vec![0, 4088],
+        })
+        .build(solo())
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::Engine(EngineError::WrongSize { layer: 1, .. })),
+        "{e}"
+    );
+    // Wrong number of offsets.
+    let e = builder(layers())
+        .params_buffer(BufferLayout {
+            buffer: buf(4096),
+            offsets: vec![0],
+        })
+        .build(solo())
+        .unwrap_err();
+    assert!(matches!(e, Error::Layout(_)), "{e}");
+    // Parameters must be back to back.
+    let e = builder(layers())
+        .params_buffer(BufferLayout {
+            buffer: buf(4096),
+            offsets: vec![0, 512],
+        })
+        .build(solo())
+        .unwrap_err();
+    assert!(matches!(&e, Error::Layout(m) if m.contains("back to back")), "{e}");
+}
+
+#[test]
+fn caller_owned_buffers_are_used_in_place() {
+    let s = builder(layers())
+        .grads_buffer(BufferLayout {
+            buffer: buf(8192),
+            offsets: vec![4096, 0],
+        })
+        .params_buffer(BufferLayout {
+            buffer: buf(8192),
+            offsets: vec![256, 256 + 36 * 4],
+        })
+        .init_params(|_, p| p.fill(2.0))
+        .build(solo());
+    let mut s = s.unwrap();
+    let mut l = s.take_layers().unwrap();
+    let mut conv = l[0].take().unwrap();
+    conv.grad_mut().fill(3.0);
+    s.grad_ready(conv).unwrap();
+    assert_eq!(s.wait_layer(0).unwrap().params(), &[3.0; 36]);
+    s.shutdown().unwrap();
+}
+
+#[test]
+fn ranks_with_different_layer_tables_fail_at_rendezvous() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let master: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut other = layers();
+    other[1].n = 5;
+    let h = std::thread::spawn(move || {
+        builder(other)
+            .connect_timeout(Duration::from_secs(10))
+            .build(ClusterSpec::new(1, 2, 0, true, master).unwrap())
+            .map(|_| ())
+    });
+    let r0 = builder(layers())
+        .connect_timeout(Duration::from_secs(10))
+        .build(ClusterSpec::new(0, 2, 0, true, master).unwrap())
+        .map(|_| ());
+    let r1 = h.join().unwrap();
+    for r in [r0, r1] {
+        match r {
+            Err(Error::Engine(EngineError::BookMismatch { rank: 1, .. })) => {}
+            other => panic!("want a book mismatch naming rank 1, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_missing_peer_is_a_timeout_not_a_hang() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let e = builder(layers())
+        .connect_timeout(Duration::from_millis(500))
+        .build(ClusterSpec::new(0, 2, 0, true, format!("127.0.0.1:{port}").parse().unwrap()).unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Timeout { what, .. } if what.contains("ranks [1]")),
+        "{e}"
+    );
+}
+
+#[test]
+fn rdma_is_refused_with_a_reason_in_this_build() {
+    std::env::remove_var("TIDEWIRE_TRANSPORT");
+    let e = builder(layers())
+        .transport(tidewire::TransportKind::Rdma)
+        .build(solo())
+        .unwrap_err();
+    assert!(matches!(e, Error::TransportUnavailable(_)), "{e}");
+}
