@@ -96,6 +96,9 @@ struct Peer {
     closed: bool,
 }
 
+/// (U, V) of one worker's FC layer.
+type Factors = (Vec<f32>, Vec<f32>);
+
 struct WorkerPart {
     core: Worker,
     params: Region,
@@ -109,7 +112,7 @@ struct WorkerPart {
     synced_at: Vec<Option<Instant>>,
     waiters: HashMap<u32, Sender<Result<LayerBuffers>>>,
     wait_all: Option<Sender<Result<Vec<LayerBuffers>>>>,
-    sf_store: HashMap<(u32, u64, u32), (Vec<f32>, Vec<f32>)>,
+    sf_store: HashMap<(u32, u64, u32), Factors>,
     momentum: HashMap<u32, Vec<f32>>,
     scratch: Vec<f32>,
 }
@@ -392,8 +395,8 @@ impl Node {
             while let Some((conn, peer)) = self.t.accept(listener)? {
                 self.attach(conn, peer.rank)?;
             }
-            for r in 0..world {
-                if let (Some(conn), false) = (self.peers[r].conn, hello_sent[r]) {
+            for (r, sent) in hello_sent.iter_mut().enumerate() {
+                if let (Some(conn), false) = (self.peers[r].conn, *sent) {
                     let mut msg = Vec::with_capacity(24);
                     msg.extend_from_slice(&self.rank.to_le_bytes());
                     msg.extend_from_slice(&self.book.hash().to_le_bytes());
@@ -403,7 +406,7 @@ impl Node {
                     msg.extend_from_slice(&keys.params_base.to_le_bytes());
                     self.send_ctrl(conn, TAG_HELLO, &msg)?;
                     tracing::debug!(rank = self.rank, peer = r, "hello sent");
-                    hello_sent[r] = true;
+                    *sent = true;
                 }
             }
             evs.clear();

@@ -21,12 +21,15 @@ struct Join {
     book: u64,
 }
 
+/// A book mismatch: (rank, theirs, ours).
+type Mismatch = (u32, u64, u64);
+
 #[derive(Debug, Serialize, Deserialize)]
 struct Reply {
     addrs: Vec<SocketAddr>,
     error: Option<String>,
     /// For a book mismatch: (rank, theirs, ours).
-    mismatch: Option<(u32, u64, u64)>,
+    mismatch: Option<Mismatch>,
 }
 
 /// Rank 0's side, bound before the transport listens so that the advertised IP
@@ -54,7 +57,7 @@ impl Host {
         let mut addrs: Vec<Option<SocketAddr>> = vec![None; world];
         addrs[0] = Some(me);
         let mut conns: Vec<(u32, TcpStream)> = Vec::new();
-        let mut failure: Option<(String, Option<(u32, u64, u64)>)> = None;
+        let mut failure: Option<(String, Option<Mismatch>)> = None;
         while addrs.iter().any(Option::is_none) && failure.is_none() {
             if Instant::now() > deadline {
                 let missing: Vec<usize> = (0..world).filter(|&r| addrs[r].is_none()).collect();
@@ -128,7 +131,7 @@ impl Host {
     }
 }
 
-fn to_error(e: String, m: Option<(u32, u64, u64)>) -> Error {
+fn to_error(e: String, m: Option<Mismatch>) -> Error {
     match m {
         Some((rank, theirs, ours)) => Error::Engine(EngineError::BookMismatch {
             rank,

@@ -179,6 +179,9 @@ enum Phase {
     Done,
 }
 
+/// (U, V) of one worker's layer.
+type Factors = (Vec<f32>, Vec<f32>);
+
 #[derive(Debug)]
 struct WNode {
     core: Worker,
@@ -188,7 +191,7 @@ struct WNode {
     deferred: Vec<u32>,
     slow: f64,
     params: Vec<Vec<f32>>,
-    factors: HashMap<(u32, u64, u32), (Vec<f32>, Vec<f32>)>,
+    factors: HashMap<(u32, u64, u32), Factors>,
     wait_ns: u64,
     finished: Option<u64>,
 }
@@ -784,7 +787,7 @@ impl Sim {
         let got = &w.params[layer as usize];
         let p1 = book.p1();
         let scheme = book.scheme(layer, iter);
-        for i in 0..l.params() {
+        for (i, g) in got.iter().enumerate().take(l.params()) {
             let want: f64 = match scheme {
                 Scheme::Ps => (0..p1).map(|wi| grad_value(wi, iter, layer, i) as f64).sum(),
                 Scheme::Sfb => {
@@ -802,10 +805,9 @@ impl Sim {
                         .sum()
                 }
             };
-            if got[i] as f64 != want {
+            if *g as f64 != want {
                 return Err(format!(
-                    "rank {r} layer {layer} element {i} after iteration {iter}: {} != {want} (lost or doubled contribution)",
-                    got[i]
+                    "rank {r} layer {layer} element {i} after iteration {iter}: {g} != {want} (lost or doubled contribution)"
                 ));
             }
         }
