@@ -151,6 +151,21 @@ struct Node {
     stats: SessionStats,
 }
 
+/// A zeroed f32 vector whose pages are already faulted in, so that the first
+/// iteration does not pay for them.
+fn touched(n: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(n);
+    // black_box: otherwise LLVM folds allocation + zero fill into calloc,
+    // whose pages stay lazy.
+    v.resize(n, std::hint::black_box(0.0));
+    v
+}
+
+/// Faults a region's pages in (registration does not, for the TCP backend).
+fn prefault(r: &Region) -> Result<()> {
+    Ok(r.fill(0, r.len(), 0)?)
+}
+
 fn pinned(len: usize) -> Result<PinnedBuffer> {
     // The TCP backend does not need locked pages; RDMA registration will.
     Ok(PinnedBuffer::with_options(
@@ -250,6 +265,8 @@ impl Node {
             };
             let params = t.register(pbuf, Access::REMOTE_WRITE)?;
             let grads = t.register(gbuf, Access::LOCAL)?;
+            prefault(&params)?;
+            prefault(&grads)?;
             let k = book.config().batch;
             let mut sf_off = Vec::new();
             let mut sf_len = 0usize;
@@ -262,10 +279,30 @@ impl Node {
                 }
             }
             let factors = if sf_len > 0 {
-                Some(t.register(pinned(sf_len)?, Access::LOCAL)?)
+                let r = t.register(pinned(sf_len)?, Access::LOCAL)?;
+                prefault(&r)?;
+                Some(r)
             } else {
                 None
             };
+            // Layers that sync by SFB are applied here: their momentum and the
+            // reconstruction scratch live on the worker.
+            let sfb: Vec<u32> = (0..book.layers().len() as u32)
+                .filter(|&l| book.scheme(l, 0) == tidewire_engine::Scheme::Sfb)
+                .collect();
+            let momentum: HashMap<u32, Vec<f32>> = if b.op.needs_momentum() {
+                sfb.iter()
+                    .map(|&l| (l, touched(book.layers()[l as usize].params())))
+                    .collect()
+            } else {
+                HashMap::new()
+            };
+            let scratch = touched(
+                sfb.iter()
+                    .map(|&l| book.layers()[l as usize].params())
+                    .max()
+                    .unwrap_or(0),
+            );
             if let Some(init) = &b.init {
                 for (i, l) in book.layers().iter().enumerate() {
                     let mut lease = params.lease_f32(param_off[i] / 4, l.params())?;
@@ -285,8 +322,8 @@ impl Node {
                 waiters: HashMap::new(),
                 wait_all: None,
                 sf_store: HashMap::new(),
-                momentum: HashMap::new(),
-                scratch: Vec::new(),
+                momentum,
+                scratch,
             })
         } else {
             None

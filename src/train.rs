@@ -325,7 +325,16 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
         .init_params(move |l, p| s2.init(l, p))
         .build(spec)?;
     if session.role().is_worker() {
-        worker_loop(args, &model, &synth, session)
+        worker_loop(
+            args,
+            &model,
+            &synth,
+            session,
+            LoopOpts {
+                progress: true,
+                fc_as_gradients: false,
+            },
+        )
     } else {
         let rank = session.rank();
         let stats = session.stats()?;
@@ -341,7 +350,22 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
     }
 }
 
-fn worker_loop(args: &TrainArgs, model: &Model, synth: &Synth, mut session: Session) -> Result<NodeResult> {
+#[derive(Debug, Clone, Copy)]
+struct LoopOpts {
+    /// Print `progress <iter>` lines for the launcher.
+    progress: bool,
+    /// Form FC gradients Uᵀ·V in the trainer and hand them in with
+    /// `grad_ready` (a framework that does not use sufficient factors).
+    fc_as_gradients: bool,
+}
+
+fn worker_loop(
+    args: &TrainArgs,
+    model: &Model,
+    synth: &Synth,
+    mut session: Session,
+    opts: LoopOpts,
+) -> Result<NodeResult> {
     let rank = session.rank();
     let book = session.book().clone();
     let wi = book.cluster().worker_index(rank).expect("worker");
@@ -379,8 +403,10 @@ fn worker_loop(args: &TrainArgs, model: &Model, synth: &Synth, mut session: Sess
             prev.exposed_s = blocked.as_secs_f64();
             prev.sync_span_s = span(first_hand_in, last_sync);
             prev.seconds = (start - starts[starts.len() - 1]).as_secs_f64();
-            let _ = writeln!(out, "progress {it}");
-            let _ = out.flush();
+            if opts.progress {
+                let _ = writeln!(out, "progress {it}");
+                let _ = out.flush();
+            }
         }
         starts.push(start);
         first_hand_in = None;
@@ -393,8 +419,12 @@ fn worker_loop(args: &TrainArgs, model: &Model, synth: &Synth, mut session: Sess
             if spec.kind == LayerKind::Fc {
                 let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
                 synth.factors(wi, it, l as u32, &mut u, &mut v);
-                buf.u_mut().copy_from_slice(&u);
-                buf.v_mut().copy_from_slice(&v);
+                if opts.fc_as_gradients {
+                    cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, buf.grad_mut());
+                } else {
+                    buf.u_mut().copy_from_slice(&u);
+                    buf.v_mut().copy_from_slice(&v);
+                }
             } else {
                 synth.grad(wi, it, l as u32, buf.grad_mut());
             }
@@ -403,7 +433,7 @@ fn worker_loop(args: &TrainArgs, model: &Model, synth: &Synth, mut session: Sess
                 if l == 0 {
                     backward_done_unix = unix_now();
                 }
-                hand_in(&session, buf)?;
+                hand_in(&session, buf, opts.fc_as_gradients)?;
             } else {
                 deferred.push(buf);
             }
@@ -414,7 +444,7 @@ fn worker_loop(args: &TrainArgs, model: &Model, synth: &Synth, mut session: Sess
             if i == last {
                 backward_done_unix = unix_now();
             }
-            hand_in(&session, buf)?;
+            hand_in(&session, buf, opts.fc_as_gradients)?;
         }
         stats.push(IterStat {
             iter: it,
@@ -433,8 +463,10 @@ fn worker_loop(args: &TrainArgs, model: &Model, synth: &Synth, mut session: Sess
     last.exposed_s = (end - t).as_secs_f64();
     last.sync_span_s = span(first_hand_in, all.iter().filter_map(|b| b.synced_at()).max());
     last.seconds = (end - starts[starts.len() - 1]).as_secs_f64();
-    let _ = writeln!(out, "progress {}", args.iters);
-    let _ = out.flush();
+    if opts.progress {
+        let _ = writeln!(out, "progress {}", args.iters);
+        let _ = out.flush();
+    }
     let digests = all.iter().map(|b| digest(b.params())).collect();
     let st = session.stats()?;
     drop(all);
@@ -462,12 +494,112 @@ fn span(from: Option<Instant>, to: Option<Instant>) -> f64 {
     }
 }
 
-fn hand_in(session: &Session, buf: crate::session::LayerBuffers) -> Result<()> {
-    if session.book().layers()[buf.layer() as usize].kind == LayerKind::Fc {
+fn hand_in(session: &Session, buf: crate::session::LayerBuffers, fc_as_gradients: bool) -> Result<()> {
+    if session.book().layers()[buf.layer() as usize].kind == LayerKind::Fc && !fc_as_gradients {
         session.sf_ready(buf)
     } else {
         session.grad_ready(buf)
     }
+}
+
+/// One worker with no peers, in this process: the trainer loop through the
+/// engine (`engine`), or the same loop applying SGD itself right after each
+/// layer's backward, as a framework without Tidewire would. FC gradients are
+/// formed by the trainer in both cases, so the difference is the engine's cost.
+/// Returns the per-iteration figures.
+pub fn run_single(args: &TrainArgs, engine: bool) -> Result<Vec<IterStat>> {
+    args.validate()?;
+    let model = args.model()?;
+    let synth = Synth::new(args.seed);
+    if engine {
+        let s2 = Synth::new(args.seed);
+        let spec = ClusterSpec::new(0, 1, 0, true, "127.0.0.1:1".parse().expect("literal"))?;
+        let session = Builder::new(model.layers.clone())
+            .batch(args.batch(&model))
+            .chunk_bytes(args.chunk_bytes)
+            .slice_params(args.book_config(&model).slice_params)
+            .policy(tidewire_engine::SchemePolicy::Ps)
+            .sched(args.sched())
+            .apply(args.apply_op()?)
+            .job(1, tidewire_transport::JobSecret::new(b"single".to_vec()))
+            .timeout(Duration::from_secs(args.timeout_s))
+            .init_params(move |l, p| s2.init(l, p))
+            .build(spec)?;
+        let r = worker_loop(
+            args,
+            &model,
+            &synth,
+            session,
+            LoopOpts {
+                progress: false,
+                fc_as_gradients: true,
+            },
+        )?;
+        return Ok(r.iters);
+    }
+    let k = args.batch(&model);
+    let op = args.apply_op()?;
+    let times = model.layer_times(k, args.time_scale);
+    let mut params: Vec<Vec<f32>> = model
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(l, s)| {
+            let mut p = vec![0f32; s.params()];
+            synth.init(l as u32, &mut p);
+            p
+        })
+        .collect();
+    let mut grads: Vec<Vec<f32>> = model.layers.iter().map(|s| vec![0f32; s.params()]).collect();
+    let mut mom: Vec<Vec<f32>> = model
+        .layers
+        .iter()
+        .map(|s| {
+            if op.needs_momentum() {
+                vec![0f32; s.params()]
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    let mut stats = Vec::new();
+    let mut prev: Option<Instant> = None;
+    for it in 0..args.iters {
+        let start = Instant::now();
+        if let (Some(p), Some(last)) = (prev, stats.last_mut()) {
+            let last: &mut IterStat = last;
+            last.seconds = (start - p).as_secs_f64();
+        }
+        prev = Some(start);
+        for t in &times {
+            sleep(t.0);
+        }
+        for l in (0..model.layers.len()).rev() {
+            sleep(times[l].1);
+            let spec = &model.layers[l];
+            if spec.kind == LayerKind::Fc {
+                let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
+                synth.factors(0, it, l as u32, &mut u, &mut v);
+                cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, &mut grads[l]);
+            } else {
+                synth.grad(0, it, l as u32, &mut grads[l]);
+            }
+            cpu::apply(op, 1, &grads[l], &mut params[l], &mut mom[l]);
+        }
+        stats.push(IterStat {
+            iter: it,
+            seconds: 0.0,
+            blocked_s: 0.0,
+            sync_span_s: 0.0,
+            exposed_s: 0.0,
+            forward_done_unix: 0.0,
+            backward_done_unix: 0.0,
+        });
+    }
+    if let (Some(p), Some(last)) = (prev, stats.last_mut()) {
+        last.seconds = p.elapsed().as_secs_f64();
+    }
+    Ok(stats)
 }
 
 /// The single-process reference: the same synthetic gradients, summed in
