@@ -5,10 +5,15 @@
 #   1. format    cargo fmt --check
 #   2. lint      cargo clippy --all-targets --all-features -D warnings
 #   3. sans-io   the engine core's dependency tree holds no I/O crate
-#   4. tests     cargo test --workspace --all-features (unit, conformance on TCP, doc tests)
+#   4. tests     cargo test --workspace --all-features: unit tests, the engine's deterministic
+#                simulation (tier 2), conformance on TCP, the embedding API, and end-to-end
+#                `tidewire train` clusters (VGG19 --verify with 1, 2 and 4 workers, SSP,
+#                killed and frozen workers), doc tests
 #   5. doctor    tidewire doctor runs and explains itself
-#   6. bench     a short loopback comparison against iperf3 and std::net (informational:
-#                performance is judged from full runs of bench, not in CI)
+#   6. example   examples/mlp: 3 processes train an MLP; the loss curve equals one process's
+#   7. train     the README's main job, short: tidewire train on the embedded default
+#   8. bench     short loopback comparison against iperf3 and std::net, and the single-node
+#                engine overhead (informational: performance is judged from full bench runs)
 # Tiers that later issues add (soft-RoCE VM, GPU) say here when they skip, and why.
 # It ends with the plain line "N passed, M failed, K skipped" and exits non-zero on any failure.
 set -uo pipefail
@@ -74,9 +79,18 @@ doctor() {
 }
 tier doctor doctor
 
+tier example timeout 600 cargo run --release --locked -q --example mlp -- --procs 3 --steps 30
+
+train() {
+  timeout 600 cargo run --release --locked -q -- train --model googlenet --workers 4 --servers 2 --iters 5 \
+    --time-scale 0.2 --verify
+}
+tier train train
+
 bench() {
-  cargo build --release --locked -q -p tidewire-bench --bin tidewire-loopback || return 1
-  timeout 300 target/release/tidewire-loopback compare --runs 3 --secs 1 --iters 3000 --json target/loopback-compare.json
+  cargo build --release --locked -q -p tidewire-bench --bin tidewire-loopback --bin tidewire-overhead || return 1
+  timeout 300 target/release/tidewire-loopback compare --runs 3 --secs 1 --iters 3000 --json target/loopback-compare.json \
+    && timeout 300 target/release/tidewire-overhead --model googlenet --reps 1 --iters 5 --json target/overhead.json
 }
 tier bench bench
 

@@ -7,6 +7,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// The tests below start whole clusters; one at a time, so that a 2-core
+/// machine does not turn their timeouts into flakes.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn tidewire() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tidewire"))
 }
@@ -61,6 +69,7 @@ fn plan_reproduces_poseidons_worked_example() {
 /// single-process reference bit for bit.
 #[test]
 fn vgg19_bsp_matches_the_single_process_reference_bitwise() {
+    let _serial = serial();
     for n in ["1", "2", "4"] {
         let t = Instant::now();
         let out = tidewire()
@@ -99,6 +108,7 @@ fn vgg19_bsp_matches_the_single_process_reference_bitwise() {
 
 #[test]
 fn colocated_and_every_sync_mode_verify() {
+    let _serial = serial();
     for sync in ["fifo-ps", "wfbp", "hybrid", "p3", "full"] {
         let out = tidewire()
             .args([
@@ -135,6 +145,7 @@ fn colocated_and_every_sync_mode_verify() {
 /// most 2 iterations, and the run completes.
 #[test]
 fn ssp_bounds_how_far_fast_workers_run_ahead() {
+    let _serial = serial();
     let out = tidewire()
         .args([
             "train",
@@ -272,16 +283,19 @@ fn lose_a_worker(signal: &str) {
 
 #[test]
 fn a_killed_worker_fails_every_other_rank_quickly() {
+    let _serial = serial();
     lose_a_worker("-KILL");
 }
 
 #[test]
 fn a_frozen_worker_fails_every_other_rank_within_the_timeout() {
+    let _serial = serial();
     lose_a_worker("-STOP");
 }
 
 #[test]
 fn bad_flags_are_clear_errors() {
+    let _serial = serial();
     for (args, want) in [
         (vec!["train", "--model", "nope"], "unknown model"),
         (
