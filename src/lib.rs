@@ -5,15 +5,16 @@
 //! io_uring TCP backend that emulates it), control and small messages travel
 //! over io_uring TCP, and aggregation runs where it is fastest.
 //!
-//! Today the crate exposes the transport layer; the engine (Poseidon's
-//! WFBP + hybrid PS/SFB, P3's priority slicing, BSP/SSP) builds on it.
+//! The embedding API is [`Builder`] → [`Session`]: register each layer's
+//! buffers once, hand a layer in with [`Session::grad_ready`] (or
+//! [`Session::sf_ready`] with sufficient factors) the moment backward produces
+//! it, and take its updated parameters back with [`Session::wait_layer`] in
+//! forward order. See [`session`] for a complete example, [`cluster`] for the
+//! launcher variables, and [`train`] for the `tidewire train` emulator.
 //!
-//! ```no_run
-//! use tidewire::transport::{Access, JobSecret, PinnedBuffer, TcpConfig, TcpTransport, Transport};
-//! let mut t = TcpTransport::new(TcpConfig::new(1, 0, JobSecret::new(b"s3cret".to_vec())))?;
-//! let grads = t.register(PinnedBuffer::new(64 << 20)?, Access::LOCAL)?;
-//! # Ok::<(), tidewire::transport::Error>(())
-//! ```
+//! The layers underneath are re-exported: [`transport`] (registered memory and
+//! the narrow Transport API), [`engine`] (the sans-IO core and its simulator)
+//! and [`gpu`] (aggregation kernels and their CPU path).
 
 pub use tidewire_engine as engine;
 pub use tidewire_gpu as gpu;
