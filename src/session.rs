@@ -40,6 +40,15 @@
 //! FC layers that sync by sufficient-factor broadcast ([`Session::scheme`]
 //! says `Sfb`) are handed in with [`Session::sf_ready`] after writing U (K×M)
 //! and V (K×N) into [`LayerBuffers::u_mut`] and [`LayerBuffers::v_mut`].
+//!
+//! # Consistency
+//! Under BSP (the default) `wait_layer` returns parameters that include every
+//! worker's gradients of the iteration just handed in, and nothing writes a
+//! layer's buffers while the caller holds them. Under SSP(s) `wait_layer` may
+//! return up to `s` iterations early; servers keep sending newer versions,
+//! and a remote write into a layer the caller is reading can tear individual
+//! values (as in parameter-server SSP systems that read a shared cache).
+//! Aggregation under SSP is in arrival order.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
