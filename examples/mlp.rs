@@ -115,8 +115,8 @@ fn backward(p: &Params, xs: &[[f32; IN]], ts: &[f32]) -> ShardGrad {
         g.u2[n] = dy;
         g.v2[n * HID..(n + 1) * HID].copy_from_slice(&h);
         g.gb2[0] += dy;
-        for j in 0..HID {
-            let dh = if h[j] > 0.0 { p.w2[j] * dy } else { 0.0 };
+        for (j, &hj) in h.iter().enumerate() {
+            let dh = if hj > 0.0 { p.w2[j] * dy } else { 0.0 };
             g.u1[n * HID + j] = dh;
             g.gb1[j] += dh;
         }
