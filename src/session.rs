@@ -414,6 +414,16 @@ impl LayerBuffers {
             None => &mut [],
         }
     }
+    /// U and V at once (for code that fills both in one pass).
+    pub fn uv_mut(&mut self) -> (&mut [f32], &mut [f32]) {
+        match &mut self.factors {
+            Some((l, u_len)) => {
+                let u = *u_len;
+                l.as_f32_mut().expect("aligned")[4..].split_at_mut(u)
+            }
+            None => (&mut [], &mut []),
+        }
+    }
     pub(crate) fn regions(&self) -> (&Region, &Region) {
         (self.params.region(), self.grad.region())
     }

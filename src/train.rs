@@ -416,15 +416,13 @@ fn worker_loop(
             sleep(times[l].1);
             let mut buf = layers[l].take().expect("held by the trainer");
             let spec = &book.layers()[l];
-            if spec.kind == LayerKind::Fc {
+            if spec.kind == LayerKind::Fc && opts.fc_as_gradients {
                 let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
                 synth.factors(wi, it, l as u32, &mut u, &mut v);
-                if opts.fc_as_gradients {
-                    cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, buf.grad_mut());
-                } else {
-                    buf.u_mut().copy_from_slice(&u);
-                    buf.v_mut().copy_from_slice(&v);
-                }
+                cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, buf.grad_mut());
+            } else if spec.kind == LayerKind::Fc {
+                let (u, v) = buf.uv_mut();
+                synth.factors(wi, it, l as u32, u, v);
             } else {
                 synth.grad(wi, it, l as u32, buf.grad_mut());
             }

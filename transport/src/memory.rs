@@ -565,11 +565,10 @@ impl Lease {
     }
     /// The leased bytes.
     pub fn as_bytes(&self) -> &[u8] {
-        // SAFETY: the range was bounds-checked at lease time and the mapping
-        // lives as long as `self.region`; no other lease overlaps it, and safe
-        // code reaches region memory only through leases or copies, so no
-        // `&mut` alias exists (remote I/O into the range is the protocol's
-        // business, as documented on `Region::lease`).
+        // Remote I/O into the range is the protocol's business (see `Region::lease`).
+        // SAFETY: bounds-checked at lease time; the mapping lives as long as `self.region`;
+        // no other lease overlaps, and safe code reaches region memory only through leases
+        // or copies, so no `&mut` alias exists.
         unsafe { std::slice::from_raw_parts(self.region.as_ptr().add(self.offset), self.len) }
     }
     /// The leased bytes, writable.
