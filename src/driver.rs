@@ -248,7 +248,7 @@ impl Node {
         let mut t = TcpTransport::new(cfg)?;
         let ip = match b.listen_ip {
             Some(ip) => ip,
-            None => rendezvous::local_ip_towards(spec.master, b.connect_timeout)?,
+            None => rendezvous::local_ip_towards(spec.master)?,
         };
         let listener = t.listen(SocketAddr::new(ip, 0))?;
         let me = t.listener_addr(listener)?;

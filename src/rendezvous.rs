@@ -75,13 +75,7 @@ impl Host {
                 Err(e) => return Err(io(e)),
             };
             stream.set_nonblocking(false).map_err(io)?;
-            stream
-                .set_read_timeout(Some(
-                    deadline
-                        .saturating_duration_since(Instant::now())
-                        .max(Duration::from_millis(1)),
-                ))
-                .map_err(io)?;
+            stream.set_read_timeout(Some(remaining(deadline))).map_err(io)?;
             let mut line = String::new();
             if BufReader::new(&stream).read_line(&mut line).is_err() {
                 continue;
@@ -143,18 +137,24 @@ fn to_error(e: String, m: Option<Mismatch>) -> Error {
     }
 }
 
+/// Time left until `deadline`, at least 1 ms (a zero read timeout means "none").
+fn remaining(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
+}
+
 fn io(e: std::io::Error) -> Error {
     Error::Rendezvous(e.to_string())
 }
 
 /// The local IP this host uses to reach `master` (the address peers can reach us at).
-pub fn local_ip_towards(master: SocketAddr, timeout: Duration) -> Result<IpAddr> {
+pub fn local_ip_towards(master: SocketAddr) -> Result<IpAddr> {
     if master.ip().is_loopback() {
         return Ok(master.ip());
     }
     let s = std::net::UdpSocket::bind((if master.is_ipv4() { "0.0.0.0" } else { "::" }, 0)).map_err(io)?;
     s.connect(master).map_err(io)?;
-    let _ = timeout;
     Ok(s.local_addr().map_err(io)?.ip())
 }
 
@@ -194,13 +194,7 @@ pub fn join(
     (&stream)
         .write_all((serde_json::to_string(&j).expect("serializable") + "\n").as_bytes())
         .map_err(io)?;
-    stream
-        .set_read_timeout(Some(
-            deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1)),
-        ))
-        .map_err(io)?;
+    stream.set_read_timeout(Some(remaining(deadline))).map_err(io)?;
     let mut line = String::new();
     BufReader::new(&stream)
         .read_line(&mut line)

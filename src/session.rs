@@ -396,23 +396,11 @@ impl LayerBuffers {
     }
     /// U (K×M) of an FC layer's sufficient factors; empty for other layers.
     pub fn u_mut(&mut self) -> &mut [f32] {
-        match &mut self.factors {
-            Some((l, u_len)) => {
-                let u = *u_len;
-                &mut l.as_f32_mut().expect("aligned")[4..4 + u]
-            }
-            None => &mut [],
-        }
+        self.uv_mut().0
     }
     /// V (K×N) of an FC layer's sufficient factors; empty for other layers.
     pub fn v_mut(&mut self) -> &mut [f32] {
-        match &mut self.factors {
-            Some((l, u_len)) => {
-                let u = *u_len;
-                &mut l.as_f32_mut().expect("aligned")[4 + u..]
-            }
-            None => &mut [],
-        }
+        self.uv_mut().1
     }
     /// U and V at once (for code that fills both in one pass).
     pub fn uv_mut(&mut self) -> (&mut [f32], &mut [f32]) {

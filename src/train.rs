@@ -258,8 +258,11 @@ impl Synth {
 /// SHA-256 of a layer's values.
 pub fn digest(v: &[f32]) -> String {
     let mut h = Sha256::new();
-    for x in v {
-        h.update(x.to_le_bytes());
+    let mut bytes = Vec::with_capacity(16 << 12);
+    for block in v.chunks(16 << 10) {
+        bytes.clear();
+        bytes.extend(block.iter().flat_map(|x| x.to_le_bytes()));
+        h.update(&bytes);
     }
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -753,6 +756,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     bar.set_prefix(format!("{} {}w/{}s {}", model.name, p1, p2, args.sync));
     // Read every child's output on its own thread; rank 0's progress drives the bar.
     let mut readers = Vec::new();
+    let mut err_readers = Vec::new();
     for (rank, child) in children.iter_mut() {
         let stdout = child.stdout.take().expect("piped");
         let stderr = child.stderr.take().expect("piped");
@@ -771,7 +775,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
             }
             result
         }));
-        readers.push(std::thread::spawn(move || {
+        err_readers.push(std::thread::spawn(move || {
             let mut tail = String::new();
             for line in BufReader::new(stderr).lines().map_while(std::result::Result::ok) {
                 tail.push_str(&line);
@@ -780,13 +784,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
                     tail.drain(..tail.len() - 8192);
                 }
             }
-            (!tail.is_empty()).then(|| NodeResult {
-                rank: u32::MAX,
-                worker: false,
-                iters: vec![],
-                digests: vec![tail],
-                stats: Default::default(),
-            })
+            (rank, tail)
         }));
     }
     let deadline = Duration::from_secs(args.timeout_s)
@@ -819,20 +817,11 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         let _ = c.wait();
     }
     bar.finish_and_clear();
-    let mut results = Vec::new();
-    let mut stderr_tails = Vec::new();
-    for (i, r) in readers.into_iter().enumerate() {
-        match r.join().ok().flatten() {
-            Some(n) if n.rank == u32::MAX => {
-                stderr_tails.push((i / 2, n.digests.into_iter().next().unwrap_or_default()))
-            }
-            Some(n) => results.push(n),
-            None => {}
-        }
-    }
+    let results: Vec<NodeResult> = readers.into_iter().filter_map(|r| r.join().ok().flatten()).collect();
+    let stderr_tails: Vec<(u32, String)> = err_readers.into_iter().filter_map(|r| r.join().ok()).collect();
     if !failed.is_empty() {
         let mut msg = failed.join("; ");
-        for (rank, tail) in stderr_tails {
+        for (rank, tail) in stderr_tails.iter().filter(|(_, t)| !t.is_empty()) {
             msg.push_str(&format!("\n--- rank {rank} stderr ---\n{}", tail.trim_end()));
         }
         return Err(Error::Cluster(format!("the local cluster failed: {msg}")));
