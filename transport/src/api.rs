@@ -98,6 +98,8 @@ pub enum Event {
     SendDone { conn: ConnId, req: ReqId, bytes: usize },
     /// A one-sided write was placed at the target (its source may be reused).
     WriteDone { conn: ConnId, req: ReqId, bytes: usize },
+    /// A one-sided read (RDMA backend, `RdmaTransport::read`) filled its local destination.
+    ReadDone { conn: ConnId, req: ReqId, bytes: usize },
     /// A posted operation failed; its source slice is released.
     OpFailed { conn: ConnId, req: ReqId, error: Error },
     /// A message arrived.
@@ -167,6 +169,21 @@ pub trait Transport: Send {
 
     /// Starts a graceful close: queued work is flushed, then `Event::Closed` follows.
     fn close(&mut self, conn: ConnId) -> Result<()>;
+
+    /// Receive-side byte counters: payload placed straight into registered memory,
+    /// and bytes user space copied (messages, control frames).
+    fn counters(&self) -> Counters {
+        Counters::default()
+    }
+}
+
+/// Byte counters every backend can report (see [`Transport::counters`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Bytes of peers' one-sided writes placed directly in registered regions.
+    pub rx_direct_bytes: u64,
+    /// Bytes user space copied on receive.
+    pub rx_copied_bytes: u64,
 }
 
 /// Checks a write against the remote descriptor and the local source; shared by backends.

@@ -129,6 +129,95 @@ pub enum Error {
     /// The connection was closed locally before the operation completed.
     #[error("operation cancelled: connection {conn} closed")]
     Cancelled { conn: u64 },
+    /// RDMA cannot be used here, and why: the `rdma` feature is off, libibverbs is
+    /// missing, there is no device, or no port is ACTIVE.
+    #[error("RDMA unavailable: {reason}")]
+    RdmaUnavailable { reason: String },
+    /// A verbs call failed; `op` names it (e.g. `ibv_reg_mr`, `ibv_modify_qp(RTR)`).
+    #[error("{op} on {device} failed: {source}{}", verbs_hint(op, source))]
+    Verbs {
+        op: &'static str,
+        device: String,
+        #[source]
+        source: io::Error,
+    },
+    /// A work completion came back with an error status (`IBV_WC_*`).
+    #[error(
+        "{op} on connection {conn} to {peer} failed: IBV_WC_{} (status {status}, vendor error {vendor_err:#x}){}",
+        wc_status_name(*status), wc_status_hint(*status)
+    )]
+    WorkCompletion {
+        op: &'static str,
+        conn: u64,
+        peer: String,
+        status: u32,
+        vendor_err: u32,
+    },
+    /// Registering device memory by dmabuf is not possible with this device or driver.
+    #[error("dmabuf registration unsupported on {device}: {reason}")]
+    DmabufUnsupported { device: String, reason: String },
+}
+
+/// The `IBV_WC_*` name of a work-completion status (without the prefix).
+pub fn wc_status_name(status: u32) -> &'static str {
+    const NAMES: [&str; 24] = [
+        "SUCCESS",
+        "LOC_LEN_ERR",
+        "LOC_QP_OP_ERR",
+        "LOC_EEC_OP_ERR",
+        "LOC_PROT_ERR",
+        "WR_FLUSH_ERR",
+        "MW_BIND_ERR",
+        "BAD_RESP_ERR",
+        "LOC_ACCESS_ERR",
+        "REM_INV_REQ_ERR",
+        "REM_ACCESS_ERR",
+        "REM_OP_ERR",
+        "RETRY_EXC_ERR",
+        "RNR_RETRY_EXC_ERR",
+        "LOC_RDD_VIOL_ERR",
+        "REM_INV_RD_REQ_ERR",
+        "REM_ABORT_ERR",
+        "INV_EECN_ERR",
+        "INV_EEC_STATE_ERR",
+        "FATAL_ERR",
+        "RESP_TIMEOUT_ERR",
+        "GENERAL_ERR",
+        "TM_ERR",
+        "TM_RNDV_INCOMPLETE",
+    ];
+    NAMES.get(status as usize).copied().unwrap_or("UNKNOWN")
+}
+
+/// `IBV_WC_REM_ACCESS_ERR`: the target refused a one-sided access (rkey, bounds, rights).
+pub const WC_REM_ACCESS_ERR: u32 = 10;
+/// `IBV_WC_WR_FLUSH_ERR`: the queue pair was already in the error state.
+pub const WC_WR_FLUSH_ERR: u32 = 5;
+/// `IBV_WC_RETRY_EXC_ERR`: the peer stopped acknowledging (gone, or unreachable).
+pub const WC_RETRY_EXC_ERR: u32 = 12;
+
+fn wc_status_hint(status: u32) -> &'static str {
+    match status {
+        WC_REM_ACCESS_ERR => ": the target refused the access (unknown or revoked rkey, range outside the region, or no remote-write right)",
+        WC_WR_FLUSH_ERR => ": flushed because the queue pair had already failed",
+        WC_RETRY_EXC_ERR => ": the peer stopped acknowledging within timeout x retry_cnt (gone, or the path is down)",
+        13 => ": the peer had no receive posted for longer than rnr_retry allows",
+        1 => ": a message was larger than the receive buffer",
+        4 | 8 => ": a local buffer is not registered for this access",
+        _ => "",
+    }
+}
+
+fn verbs_hint(op: &str, e: &io::Error) -> &'static str {
+    match (op, e.raw_os_error()) {
+        (_, Some(libc::ENOMEM)) if op.contains("reg_mr") => {
+            "; registering pins memory and counts against RLIMIT_MEMLOCK (8 MiB for non-root users here): \
+             raise it with `ulimit -l unlimited` (root or CAP_IPC_LOCK) or limits.conf"
+        }
+        (_, Some(libc::EPERM)) => "; this needs root or CAP_IPC_LOCK / CAP_NET_RAW, or a higher RLIMIT_MEMLOCK",
+        (_, Some(libc::EOPNOTSUPP)) => "; the device, its driver or this libibverbs does not support it",
+        _ => "",
+    }
 }
 
 /// Why a frame failed to decode. Decoding never panics; it returns one of these.

@@ -32,10 +32,15 @@ pub mod error;
 pub mod frame;
 pub mod memory;
 pub mod probe;
+#[cfg(feature = "rdma")]
+pub mod rdma;
+pub mod select;
 pub mod tcp;
 
-pub use api::{ConnId, Event, ListenerId, PeerInfo, Properties, ReqId, Transport};
+pub use api::{ConnId, Counters, Event, ListenerId, PeerInfo, Properties, ReqId, Transport};
 pub use auth::JobSecret;
 pub use error::{Error, FrameError, Result};
 pub use memory::{Access, HugePages, Lease, MemoryKind, PinOptions, PinnedBuffer, Region, RemoteRegion, Slice};
+#[cfg(feature = "rdma")]
+pub use rdma::{CqMode, RdmaConfig, RdmaStats, RdmaTransport};
 pub use tcp::{TcpConfig, TcpStats, TcpTransport};

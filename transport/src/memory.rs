@@ -608,6 +608,25 @@ impl Drop for Lease {
     }
 }
 
+/// Whether a backend may deregister `region`: it must be the backend's own
+/// (`known`) and have no operation in flight. Shared by the backends.
+pub(crate) fn check_deregister(known: bool, region: &Region) -> Result<()> {
+    if !known {
+        return Err(Error::UnknownRegion {
+            op: "deregister",
+            region: region.key(),
+            generation: region.generation(),
+        });
+    }
+    match region.in_flight() {
+        0 => Ok(()),
+        in_flight => Err(Error::RegionBusy {
+            region: region.key(),
+            in_flight,
+        }),
+    }
+}
+
 /// Guards one in-flight use of a region; dropping it releases the use.
 #[derive(Debug)]
 pub(crate) struct InFlight(pub(crate) Region);

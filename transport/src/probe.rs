@@ -169,19 +169,80 @@ pub fn huge_pages() -> Vec<Capability> {
     ]
 }
 
-/// The RDMA backend's availability.
+/// The RDMA backend: libibverbs, each device with its ports, states, GIDs and
+/// dmabuf support, and what `Auto` would choose. Where nothing is usable, why.
 pub fn rdma() -> Vec<Capability> {
-    if cfg!(feature = "rdma") {
-        vec![cap(
-            "rdma",
-            false,
-            "built with `rdma`, but the verbs backend is not in this version yet; TCP carries all traffic",
-        )]
-    } else {
-        vec![cap(
-            "rdma",
-            false,
-            "built without the `rdma` feature: rebuild with `--features rdma` to use verbs devices; TCP carries all traffic",
-        )]
+    #[cfg(feature = "rdma")]
+    {
+        use crate::rdma::device;
+        let list = match device::list() {
+            Ok(l) => l,
+            Err(e) => return vec![cap("rdma", false, format!("{e}; transport auto uses io_uring TCP"))],
+        };
+        if list.is_empty() {
+            return vec![cap(
+                "rdma",
+                false,
+                "libibverbs loads but finds no device (no HCA; soft-RoCE: `rdma link add rxe0 type rxe netdev eth0`); \
+                 transport auto uses io_uring TCP",
+            )];
+        }
+        let mut out = Vec::new();
+        for d in &list {
+            for p in &d.ports {
+                let gids: Vec<String> = p
+                    .gids
+                    .iter()
+                    .map(|g| match g.ipv4 {
+                        Some(ip) => format!("[{}] {} {}", g.index, g.kind, ip),
+                        None => format!("[{}] {} {}", g.index, g.kind, g.gid),
+                    })
+                    .collect();
+                out.push(cap(
+                    &format!("rdma {} port {}", d.name, p.port),
+                    p.active,
+                    format!(
+                        "{} {}, MTU {}, lid {}; GIDs: {}",
+                        p.state,
+                        p.link_layer,
+                        p.active_mtu,
+                        p.lid,
+                        if gids.is_empty() {
+                            "none".into()
+                        } else {
+                            gids.join(", ")
+                        }
+                    ),
+                ));
+            }
+            out.push(match &d.dmabuf {
+                device::Dmabuf::Supported => cap(
+                    &format!("rdma {} dmabuf", d.name),
+                    true,
+                    "ibv_reg_dmabuf_mr supported (GPUDirect RDMA through dmabuf)",
+                ),
+                device::Dmabuf::Unsupported(why) => cap(
+                    &format!("rdma {} dmabuf", d.name),
+                    false,
+                    format!("{why}; GPU buffers are staged through pinned host memory"),
+                ),
+            });
+        }
+        let usable = list.iter().find(|d| d.usable);
+        out.push(cap(
+            "rdma (transport auto)",
+            usable.is_some(),
+            match usable {
+                Some(d) => format!("auto picks RDMA on {}", d.name),
+                None => "no device has an ACTIVE port with a usable GID; auto uses io_uring TCP".into(),
+            },
+        ));
+        out
     }
+    #[cfg(not(feature = "rdma"))]
+    vec![cap(
+        "rdma",
+        false,
+        "built without the `rdma` feature: rebuild with `--features rdma` to use verbs devices; TCP carries all traffic",
+    )]
 }

@@ -528,6 +528,13 @@ impl TcpTransport {
         self.cfg.send_zc_min_bytes = v;
     }
 
+    /// The io_uring file descriptor: readable when completions are waiting. The
+    /// RDMA backend sleeps on it together with its completion channel.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn ring_fd(&self) -> std::os::fd::RawFd {
+        self.ring.as_raw_fd()
+    }
+
     fn id(&mut self) -> u64 {
         let i = self.next_id;
         self.next_id += 1;
@@ -2225,20 +2232,8 @@ impl Transport for TcpTransport {
     }
 
     fn deregister(&mut self, region: &Region) -> Result<()> {
-        if !self.regions.get(&region.key()).is_some_and(|r| r.same(region)) {
-            return Err(Error::UnknownRegion {
-                op: "deregister",
-                region: region.key(),
-                generation: region.generation(),
-            });
-        }
-        let in_flight = region.in_flight();
-        if in_flight > 0 {
-            return Err(Error::RegionBusy {
-                region: region.key(),
-                in_flight,
-            });
-        }
+        let known = self.regions.get(&region.key()).is_some_and(|r| r.same(region));
+        crate::memory::check_deregister(known, region)?;
         self.regions.remove(&region.key());
         region.0.registered.store(false, std::sync::atomic::Ordering::Release);
         if let Some(slot) = region.0.fixed_index {
@@ -2408,6 +2403,13 @@ impl Transport for TcpTransport {
             }
         }
         Ok(())
+    }
+
+    fn counters(&self) -> crate::api::Counters {
+        crate::api::Counters {
+            rx_direct_bytes: self.stats.rx_write_direct_bytes,
+            rx_copied_bytes: self.stats.rx_user_copy_bytes,
+        }
     }
 }
 

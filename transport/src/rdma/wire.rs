@@ -1,0 +1,210 @@
+//! What the RDMA backend tells its peer over the authenticated TCP control
+//! plane: queue-pair addressing, readiness, region descriptors, receive credits
+//! and the reason for an abort. Decoding never panics.
+
+use crate::error::FrameError;
+
+/// Control-message tags on the inner TCP connection. The inner transport
+/// carries nothing else, so these do not collide with user tags (user
+/// messages travel as RDMA SENDs).
+pub(crate) const TAG_QP_INFO: u32 = 1;
+pub(crate) const TAG_READY: u32 = 2;
+pub(crate) const TAG_REGIONS: u32 = 3;
+pub(crate) const TAG_REVOKE: u32 = 4;
+pub(crate) const TAG_CREDIT: u32 = 5;
+pub(crate) const TAG_ABORT: u32 = 6;
+
+const QP_INFO_MAGIC: &[u8; 4] = b"TWQP";
+const QP_INFO_VERSION: u8 = 1;
+pub(crate) const QP_INFO_LEN: usize = 4 + 1 + 4 + 4 + 2 + 16 + 1 + 4 + 4 + 8 + 4 + 8;
+
+/// One side's queue pair and receive resources, as its peer needs them to
+/// bring the RC connection to RTR/RTS and to address the notification ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct QpInfo {
+    pub qpn: u32,
+    pub psn: u32,
+    pub lid: u16,
+    pub gid: [u8; 16],
+    /// ibv_mtu enum value (1 = 256 B ... 5 = 4096 B).
+    pub mtu: u8,
+    /// Receives posted for this connection: the peer's initial send credits.
+    pub rx_depth: u32,
+    /// Largest SEND the receive buffers hold.
+    pub max_message: u32,
+    /// The notification ring (one 32-byte slot per receive) and its rkey.
+    pub ring_addr: u64,
+    pub ring_rkey: u32,
+    /// Largest single RDMA message the device takes (ibv_port_attr.max_msg_sz).
+    pub max_msg_sz: u64,
+}
+
+impl QpInfo {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(QP_INFO_LEN);
+        b.extend_from_slice(QP_INFO_MAGIC);
+        b.push(QP_INFO_VERSION);
+        b.extend_from_slice(&self.qpn.to_le_bytes());
+        b.extend_from_slice(&self.psn.to_le_bytes());
+        b.extend_from_slice(&self.lid.to_le_bytes());
+        b.extend_from_slice(&self.gid);
+        b.push(self.mtu);
+        b.extend_from_slice(&self.rx_depth.to_le_bytes());
+        b.extend_from_slice(&self.max_message.to_le_bytes());
+        b.extend_from_slice(&self.ring_addr.to_le_bytes());
+        b.extend_from_slice(&self.ring_rkey.to_le_bytes());
+        b.extend_from_slice(&self.max_msg_sz.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Self, FrameError> {
+        let bad = FrameError::Malformed { what: "QP info" };
+        if b.len() != QP_INFO_LEN || &b[..4] != QP_INFO_MAGIC {
+            return Err(bad);
+        }
+        if b[4] != QP_INFO_VERSION {
+            return Err(FrameError::BadVersion(b[4]));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&b[15..31]);
+        let info = QpInfo {
+            qpn: u32_at(5),
+            psn: u32_at(9),
+            lid: u16::from_le_bytes([b[13], b[14]]),
+            gid,
+            mtu: b[31],
+            rx_depth: u32_at(32),
+            max_message: u32_at(36),
+            ring_addr: u64_at(40),
+            ring_rkey: u32_at(48),
+            max_msg_sz: u64_at(52),
+        };
+        if !(1..=5).contains(&info.mtu) || info.rx_depth == 0 || info.qpn >= 1 << 24 || info.psn >= 1 << 24 {
+            return Err(bad);
+        }
+        Ok(info)
+    }
+}
+
+/// The 32-byte notification a write with an immediate leaves in the target's
+/// ring just before its payload: which region, where, and how much. RC
+/// ordering places it before the payload's WRITE_WITH_IMM completes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Notice {
+    pub rkey: u32,
+    pub generation: u32,
+    pub offset: u64,
+    pub len: u64,
+}
+
+pub(crate) const NOTICE_LEN: usize = 32;
+
+impl Notice {
+    pub fn encode(&self) -> [u8; NOTICE_LEN] {
+        let mut b = [0u8; NOTICE_LEN];
+        b[..4].copy_from_slice(&self.rkey.to_le_bytes());
+        b[4..8].copy_from_slice(&self.generation.to_le_bytes());
+        b[8..16].copy_from_slice(&self.offset.to_le_bytes());
+        b[16..24].copy_from_slice(&self.len.to_le_bytes());
+        b[24..28].copy_from_slice(b"TWNT");
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Self, FrameError> {
+        if b.len() != NOTICE_LEN || &b[24..28] != b"TWNT" {
+            return Err(FrameError::Malformed { what: "write notice" });
+        }
+        Ok(Notice {
+            rkey: u32::from_le_bytes(b[..4].try_into().unwrap()),
+            generation: u32::from_le_bytes(b[4..8].try_into().unwrap()),
+            offset: u64::from_le_bytes(b[8..16].try_into().unwrap()),
+            len: u64::from_le_bytes(b[16..24].try_into().unwrap()),
+        })
+    }
+}
+
+/// An abort: why this side is tearing the connection down. `access` marks a
+/// write the target's device refused (IBV_WC_REM_ACCESS_ERR at the writer).
+pub(crate) fn encode_abort(access: bool, reason: &str) -> Vec<u8> {
+    let mut b = vec![access as u8];
+    b.extend_from_slice(&reason.as_bytes()[..reason.len().min(1024)]);
+    b
+}
+
+pub(crate) fn decode_abort(b: &[u8]) -> (bool, String) {
+    match b.split_first() {
+        Some((&a, rest)) => (a == 1, String::from_utf8_lossy(rest).into_owned()),
+        None => (false, "no reason given".into()),
+    }
+}
+
+pub(crate) fn decode_credit(b: &[u8]) -> Result<u32, FrameError> {
+    match <[u8; 4]>::try_from(b) {
+        Ok(a) => Ok(u32::from_le_bytes(a)),
+        Err(_) => Err(FrameError::Malformed { what: "credit" }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info() -> QpInfo {
+        QpInfo {
+            qpn: 0x11,
+            psn: 0xabcdef,
+            lid: 0,
+            gid: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 192, 0, 2, 1],
+            mtu: 3,
+            rx_depth: 64,
+            max_message: 65536,
+            ring_addr: 0x7f00_0000_1000,
+            ring_rkey: 0x1234,
+            max_msg_sz: 1 << 31,
+        }
+    }
+
+    #[test]
+    fn qp_info_round_trips_and_rejects_garbage() {
+        let i = info();
+        let b = i.encode();
+        assert_eq!(b.len(), QP_INFO_LEN);
+        assert_eq!(QpInfo::decode(&b).unwrap(), i);
+        for cut in 0..b.len() {
+            assert!(QpInfo::decode(&b[..cut]).is_err());
+        }
+        let mut v = b.clone();
+        v[4] = 9;
+        assert_eq!(QpInfo::decode(&v), Err(FrameError::BadVersion(9)));
+        let mut m = b.clone();
+        m[31] = 0;
+        assert!(QpInfo::decode(&m).is_err(), "MTU 0 is not an ibv_mtu");
+        let mut q = b;
+        q[5..9].copy_from_slice(&(1u32 << 24).to_le_bytes());
+        assert!(QpInfo::decode(&q).is_err(), "QPNs are 24 bits");
+    }
+
+    #[test]
+    fn notices_abort_and_credit() {
+        let n = Notice {
+            rkey: 7,
+            generation: 2,
+            offset: 4093,
+            len: 14,
+        };
+        assert_eq!(Notice::decode(&n.encode()).unwrap(), n);
+        assert!(
+            Notice::decode(&[0u8; NOTICE_LEN]).is_err(),
+            "a zeroed slot is not a notice"
+        );
+        assert_eq!(
+            decode_abort(&encode_abort(true, "REM_ACCESS_ERR")),
+            (true, "REM_ACCESS_ERR".into())
+        );
+        assert_eq!(decode_abort(&[]), (false, "no reason given".into()));
+        assert_eq!(decode_credit(&5u32.to_le_bytes()), Ok(5));
+        assert!(decode_credit(&[1, 2, 3]).is_err());
+    }
+}
