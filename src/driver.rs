@@ -12,9 +12,9 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use tidewire_engine::book::LayerKind;
 use tidewire_engine::{Book, EngineError, Server, ServerCommand, Worker, WorkerCommand};
 use tidewire_gpu::cpu::{self, ApplyOp};
+use tidewire_transport::select::{self, Preference};
 use tidewire_transport::{
-    Access, ConnId, Event, PinOptions, PinnedBuffer, Region, RemoteRegion, ReqId, Slice, TcpConfig, TcpTransport,
-    Transport,
+    Access, ConnId, Event, PinOptions, PinnedBuffer, Region, RemoteRegion, ReqId, Slice, TcpConfig, Transport,
 };
 
 use crate::cluster::ClusterSpec;
@@ -128,7 +128,7 @@ struct ServerPart {
 }
 
 struct Node {
-    t: TcpTransport,
+    t: Box<dyn Transport>,
     book: Arc<Book>,
     rank: u32,
     op: ApplyOp,
@@ -203,35 +203,28 @@ pub(crate) fn spawn(
         .map_err(|e| Error::Transport(format!("cannot start the driver thread: {e}")))
 }
 
-fn resolve_transport(kind: TransportKind) -> Result<TransportKind> {
-    let kind = match std::env::var("TIDEWIRE_TRANSPORT").ok().as_deref() {
-        None | Some("") => kind,
-        Some("tcp") => TransportKind::Tcp,
-        Some("rdma") => TransportKind::Rdma,
-        Some("auto") => TransportKind::Auto,
-        Some(o) => {
-            return Err(Error::Cluster(format!(
-                "TIDEWIRE_TRANSPORT={o:?}: use tcp, rdma or auto"
-            )))
-        }
-    };
+fn preference(kind: TransportKind) -> Preference {
     match kind {
-        TransportKind::Tcp => Ok(TransportKind::Tcp),
-        TransportKind::Auto => {
-            tracing::info!(
-                "transport auto: tcp (io_uring); this version has no RDMA verbs backend to offer (issue #3)"
-            );
-            Ok(TransportKind::Tcp)
-        }
-        TransportKind::Rdma => Err(Error::TransportUnavailable(
-            "this version has no RDMA verbs backend yet; use TIDEWIRE_TRANSPORT=tcp or auto".into(),
-        )),
+        TransportKind::Auto => Preference::Auto,
+        TransportKind::Tcp => Preference::Tcp,
+        TransportKind::Rdma => Preference::Rdma,
     }
+}
+
+/// The largest message this job sends: sufficient factors of the widest FC layer.
+fn max_message(book: &Book) -> usize {
+    let k = book.config().batch;
+    book.layers()
+        .iter()
+        .filter(|l| l.kind == LayerKind::Fc)
+        .map(|l| SF_HEADER + k * (l.m + l.n) * 4)
+        .max()
+        .unwrap_or(0)
+        .max(CELL)
 }
 
 impl Node {
     fn setup(b: Builder, book: Arc<Book>, spec: &ClusterSpec, shared: Arc<Shared>) -> Result<Self> {
-        resolve_transport(b.transport)?;
         let rank = spec.rank;
         let world = book.cluster().world();
         let role = book.cluster().role(rank).expect("checked");
@@ -245,7 +238,26 @@ impl Node {
         } else {
             None
         };
-        let mut t = TcpTransport::new(cfg)?;
+        let max_msg = max_message(&book);
+        #[cfg(feature = "rdma")]
+        let tweak = move |c: &mut tidewire_transport::RdmaConfig| {
+            // Receive buffers hold the largest factor message; keep them near 64 MiB a peer.
+            c.max_message_bytes = c.max_message_bytes.max(max_msg);
+            c.rx_depth = ((64usize << 20) / c.max_message_bytes).clamp(4, 64) as u32;
+        };
+        #[cfg(not(feature = "rdma"))]
+        let tweak = move |_: &mut ()| {
+            let _ = max_msg;
+        };
+        let selected = select::open(preference(b.transport), cfg, &tweak).map_err(|e| match e {
+            tidewire_transport::Error::RdmaUnavailable { reason } => Error::TransportUnavailable(format!(
+                "RDMA was requested but is unavailable: {reason}; use TIDEWIRE_TRANSPORT=tcp or auto"
+            )),
+            o => o.into(),
+        })?;
+        tracing::info!(rank, transport = selected.kind, reason = %selected.reason, "transport");
+        shared.set_transport(selected.kind, &selected.reason);
+        let mut t = selected.transport;
         let ip = match b.listen_ip {
             Some(ip) => ip,
             None => rendezvous::local_ip_towards(spec.master)?,
@@ -460,7 +472,13 @@ impl Node {
                         }
                         self.attach(conn, peer.rank)?;
                     }
-                    Event::Incoming { .. } => {}
+                    // Attach at once: the peer may already have sent a message, and it can
+                    // sit in this same batch (over RDMA it travels apart from the handshake).
+                    Event::Incoming { listener: l, .. } => {
+                        while let Some((conn, peer)) = self.t.accept(l)? {
+                            self.attach(conn, peer.rank)?;
+                        }
+                    }
                     Event::PeerRejected { addr, error, .. } => {
                         tracing::warn!(%addr, %error, "refused a peer during setup");
                     }
@@ -765,9 +783,9 @@ impl Node {
                     s.applies = st.applies;
                     s.broadcasts = st.broadcasts;
                 }
-                let ts = self.t.stats();
-                s.rx_direct_bytes = ts.rx_write_direct_bytes;
-                s.rx_copied_bytes = ts.rx_user_copy_bytes;
+                let ts = self.t.counters();
+                s.rx_direct_bytes = ts.rx_direct_bytes;
+                s.rx_copied_bytes = ts.rx_copied_bytes;
                 let _ = reply.send(Ok(s));
             }
             Request::Shutdown { reply } => {

@@ -270,6 +270,7 @@ impl Builder {
         let (tx, rx) = bounded::<Request>(1024);
         let shared = Arc::new(Shared {
             fatal: Mutex::new(None),
+            transport: Mutex::new(None),
         });
         let (layers_tx, layers_rx) = bounded(1);
         let timeout = self.timeout;
@@ -344,9 +345,17 @@ fn check_layout(book: &Book, l: &BufferLayout, what: &str) -> Result<()> {
 #[derive(Debug)]
 pub(crate) struct Shared {
     fatal: Mutex<Option<Error>>,
+    /// The backend the driver opened ("tcp" or "rdma") and why.
+    transport: Mutex<Option<(String, String)>>,
 }
 
 impl Shared {
+    pub(crate) fn set_transport(&self, kind: &str, reason: &str) {
+        *self.transport.lock().unwrap_or_else(|p| p.into_inner()) = Some((kind.into(), reason.into()));
+    }
+    pub(crate) fn transport(&self) -> Option<(String, String)> {
+        self.transport.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
     pub(crate) fn fatal(&self) -> Option<Error> {
         self.fatal.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -567,6 +576,15 @@ impl Session {
     pub fn wait_all(&self) -> Result<Vec<LayerBuffers>> {
         self.worker()?;
         self.call("every layer to sync".into(), |reply| Request::WaitAll { reply })
+    }
+
+    /// The transport this rank runs on (`"tcp"` or `"rdma"`) and why it was
+    /// chosen: with [`TransportKind::Auto`], RDMA when a usable device exists,
+    /// else TCP with the reason RDMA was not usable.
+    pub fn transport(&self) -> (String, String) {
+        self.shared
+            .transport()
+            .unwrap_or_else(|| ("tcp".into(), "not reported".into()))
     }
 
     /// Counters.

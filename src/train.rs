@@ -300,6 +300,9 @@ pub struct NodeResult {
     pub digests: Vec<String>,
     /// Session counters.
     pub stats: crate::session::SessionStats,
+    /// The transport this rank used and why ("tcp: ..." or "rdma: ...").
+    #[serde(default)]
+    pub transport: String,
 }
 
 fn sleep(d: Duration) {
@@ -341,6 +344,7 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
     } else {
         let rank = session.rank();
         let stats = session.stats()?;
+        let (kind, why) = session.transport();
         let mut session = session;
         session.shutdown()?;
         Ok(NodeResult {
@@ -349,6 +353,7 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
             iters: vec![],
             digests: vec![],
             stats,
+            transport: format!("{kind}: {why}"),
         })
     }
 }
@@ -470,6 +475,7 @@ fn worker_loop(
     }
     let digests = all.iter().map(|b| digest(b.params())).collect();
     let st = session.stats()?;
+    let (kind, why) = session.transport();
     drop(all);
     session.shutdown()?;
     Ok(NodeResult {
@@ -478,6 +484,7 @@ fn worker_loop(
         iters: stats,
         digests,
         stats: st,
+        transport: format!("{kind}: {why}"),
     })
 }
 
@@ -681,6 +688,8 @@ pub struct TrainReport {
     pub mismatched_layers: Vec<String>,
     /// Wall time of the whole run, s.
     pub wall_s: f64,
+    /// The transports the ranks used, each with the reason (distinct lines).
+    pub transport: Vec<String>,
 }
 
 /// One row of the scheme table.
@@ -919,6 +928,12 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         verified,
         mismatched_layers,
         wall_s: began.elapsed().as_secs_f64(),
+        transport: {
+            let mut t: Vec<String> = results.iter().map(|r| r.transport.clone()).collect();
+            t.sort();
+            t.dedup();
+            t
+        },
     })
 }
 
@@ -939,6 +954,9 @@ pub fn render(r: &TrainReport) -> String {
         r.compute_s,
         r.time_scale
     );
+    for t in &r.transport {
+        let _ = writeln!(s, "transport {t}");
+    }
     let sfb = r.layers.iter().filter(|l| l.scheme == Scheme::Sfb).count();
     let _ = writeln!(
         s,
