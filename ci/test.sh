@@ -14,7 +14,10 @@
 #   7. train     the README's main job, short: tidewire train on the embedded default
 #   8. bench     short loopback comparison against iperf3 and std::net, and the single-node
 #                engine overhead (informational: performance is judged from full bench runs)
-# Tiers that later issues add (soft-RoCE VM, GPU) say here when they skip, and why.
+#   9. rdma-fallback  an `rdma` build where libibverbs is missing falls back to TCP and says why
+#  10. soft-roce  ci/test-rdma.sh: the RDMA conformance suite and RDMA-only cases on real rxe
+#                devices in a QEMU VM, and `tidewire train --verify` over RDMA
+# The GPU tier says here when it skips, and why.
 # It ends with the plain line "N passed, M failed, K skipped" and exits non-zero on any failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +46,12 @@ skip() { # name, reason
 need_pkgs=()
 command -v iperf3 >/dev/null 2>&1 || need_pkgs+=(iperf3)
 command -v cc >/dev/null 2>&1 || need_pkgs+=(build-essential)
+# sideway (the `rdma` feature, built by --all-features) compiles rdma-core stubs with cmake
+# and generates bindings with libclang; libibverbs1 + ibverbs-providers are what it loads at
+# run time (the rdma-fallback tier hides them again to prove the TCP fallback).
+for p in cmake libclang-dev libibverbs1 ibverbs-providers; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need_pkgs+=("$p")
+done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
     echo "installing: ${need_pkgs[*]}"
@@ -94,7 +103,27 @@ bench() {
 }
 tier bench bench
 
-skip soft-roce "the RDMA backend and its VM tier arrive with the RDMA issue (#3); nothing here uses verbs yet"
+# A binary built with `rdma`, run where libibverbs cannot be loaded: it must fall back to
+# TCP and say why. A private mount namespace hides the library (root only).
+rdma_fallback() {
+  local lib out
+  lib=$(readlink -f /usr/lib/x86_64-linux-gnu/libibverbs.so.1) || return 1
+  cargo build --release --locked -q --features rdma --bin tidewire || return 1
+  out=$(unshare -m sh -c "mount --bind /dev/null '$lib' && target/release/tidewire doctor && \
+        timeout 300 target/release/tidewire train --model googlenet --workers 2 --servers 1 --iters 2 --time-scale 0.05" 2>&1)
+  local rc=$?
+  echo "$out" | grep -E 'libibverbs|^transport|default transport|mean iteration'
+  [ $rc -eq 0 ] && grep -q 'transport tcp: falling back to io_uring TCP: RDMA unavailable: libibverbs.so.1 cannot be loaded' <<<"$out" \
+    && grep -q 'mean iteration' <<<"$out"
+}
+if [ "$(id -u)" -eq 0 ] && command -v unshare >/dev/null 2>&1; then
+  tier rdma-fallback rdma_fallback
+else
+  skip rdma-fallback "hiding libibverbs needs root (a private mount namespace); run ci/test.sh as root"
+fi
+
+# Real soft-RoCE: rdma_rxe in a QEMU VM (this kernel has no RDMA); see ci/test-rdma.sh.
+tier soft-roce bash ci/test-rdma.sh
 if command -v nvidia-smi >/dev/null 2>&1; then
   skip gpu "the CUDA backend arrives with the GPU issue (#6); no GPU test exists yet"
 else

@@ -48,6 +48,10 @@ pub trait Backend {
     fn listen_addr() -> SocketAddr {
         "127.0.0.1:0".parse().unwrap()
     }
+    /// Why this backend cannot run here (printed, and the case returns), or `None`.
+    fn skip() -> Option<String> {
+        None
+    }
 }
 
 /// A pinned buffer; falls back to unlocked memory, loudly, when RLIMIT_MEMLOCK is low.
@@ -392,46 +396,60 @@ pub fn bad_writes_are_rejected_on_both_sides<B: Backend>() {
         generation: real.generation.wrapping_add(1),
         ..real
     };
-    let r1 =
-        p.c.write(p.cc, &src.slice(0, 4096).unwrap(), &lying, real.len + 10, Some(1))
-            .unwrap();
-    let r2 =
-        p.c.write(p.cc, &src.slice(0, 4096).unwrap(), &unknown, 0, Some(2))
-            .unwrap();
-    let r3 = p.c.write(p.cc, &src.slice(0, 16).unwrap(), &stale, 0, Some(3)).unwrap();
-    p.pump("three rejections on both sides", |e| {
-        count(&e[1], |x| matches!(x, Event::OpFailed { .. })) >= 3
-            || count(&e[1], |x| matches!(x, Event::Closed { .. })) == 1
-    });
-    let failed: Vec<_> = p.evs[1]
-        .iter()
-        .filter_map(|e| {
-            if let Event::OpFailed { req, error, .. } = e {
-                Some((*req, error.to_string()))
-            } else {
-                None
-            }
-        })
-        .collect();
-    for r in [r1, r2, r3] {
-        assert!(
-            failed.iter().any(|f| f.0 == r),
-            "write {r:?} not failed at the writer: {:?}",
-            p.evs[1]
-        );
+    // A backend may refuse them at once (it knows what the peer announced), or
+    // post them and fail them later; either way none lands.
+    let one_sided = p.c.properties().one_sided;
+    let mut posted = Vec::new();
+    for (d, off, len, imm) in [
+        (lying, real.len + 10, 4096, 1),
+        (unknown, 0, 4096, 2),
+        (stale, 0, 16, 3),
+    ] {
+        match p.c.write(p.cc, &src.slice(0, len).unwrap(), &d, off, Some(imm)) {
+            Ok(r) => posted.push(r),
+            Err(e) => assert!(
+                one_sided && matches!(e, Error::UnknownRegion { .. } | Error::OutOfBounds { .. }),
+                "only a one-sided backend refuses forged descriptors locally, with a typed error: {e}"
+            ),
+        }
     }
-    let rejected: Vec<String> = p.evs[0]
-        .iter()
-        .filter_map(|e| {
-            if let Event::WriteRejected { error, .. } = e {
-                Some(error.to_string())
-            } else {
-                None
-            }
-        })
-        .collect();
-    assert!(!rejected.is_empty(), "target reported no rejection: {:?}", p.evs[0]);
-    assert!(rejected.iter().any(|r| r.contains("outside region")), "{rejected:?}");
+    if !posted.is_empty() {
+        p.pump("rejections reported", |e| {
+            count(&e[1], |x| matches!(x, Event::OpFailed { .. })) >= posted.len()
+                || count(&e[1], |x| matches!(x, Event::Closed { .. })) == 1
+        });
+        let failed: Vec<_> = p.evs[1]
+            .iter()
+            .filter_map(|e| {
+                if let Event::OpFailed { req, .. } = e {
+                    Some(*req)
+                } else {
+                    None
+                }
+            })
+            .collect();
+        for r in &posted {
+            assert!(
+                failed.contains(r),
+                "write {r:?} not failed at the writer: {:?}",
+                p.evs[1]
+            );
+        }
+    }
+    if !one_sided {
+        let rejected: Vec<String> = p.evs[0]
+            .iter()
+            .filter_map(|e| {
+                if let Event::WriteRejected { error, .. } = e {
+                    Some(error.to_string())
+                } else {
+                    None
+                }
+            })
+            .collect();
+        assert!(!rejected.is_empty(), "target reported no rejection: {:?}", p.evs[0]);
+        assert!(rejected.iter().any(|r| r.contains("outside region")), "{rejected:?}");
+    }
     assert!(!p.evs[0].iter().any(|e| matches!(e, Event::WriteReceived { .. })));
     let mut all = vec![0u8; 1 << 20];
     p.s_land.read_at(0, &mut all).unwrap();
@@ -464,10 +482,13 @@ pub fn deregister_while_in_flight_is_refused<B: Backend>() {
         count(&e[1], |x| matches!(x, Event::RemoteRegionsChanged { .. })) >= 2
     });
     assert!(!p.c.remote_regions(p.cc).unwrap().iter().any(|r| r.rkey == dst.rkey));
-    p.c.write(p.cc, &src2.slice(0, 8).unwrap(), &dst, 0, None).unwrap();
-    p.pump("stale write rejected", |e| {
-        count(&e[1], |x| matches!(x, Event::OpFailed { .. } | Event::Closed { .. })) == 1
-    });
+    match p.c.write(p.cc, &src2.slice(0, 8).unwrap(), &dst, 0, None) {
+        Ok(_) => p.pump("stale write rejected", |e| {
+            count(&e[1], |x| matches!(x, Event::OpFailed { .. } | Event::Closed { .. })) == 1
+        }),
+        // A backend that tracks announcements refuses the revoked descriptor at once.
+        Err(e) => assert!(matches!(e, Error::UnknownRegion { .. }), "{e}"),
+    }
 }
 
 pub fn outstanding_bound<B: Backend>() {
@@ -843,6 +864,14 @@ macro_rules! conformance_suite {
             forged_auth_is_refused silent_peer_times_out connect_refused_is_an_error);
     };
     (@ $b:ty; $($case:ident)*) => {
-        $( #[test] fn $case() { conformance::$case::<$b>() } )*
+        $( #[test] fn $case() {
+            if let Some(why) = <$b as conformance::Backend>::skip() {
+                // Straight to the stderr handle: libtest's capture would hide an eprintln!.
+                use std::io::Write as _;
+                let _ = writeln!(std::io::stderr(), "SKIPPED: {}: {why}", stringify!($case));
+                return;
+            }
+            conformance::$case::<$b>()
+        } )*
     };
 }

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs inside the soft-RoCE VM (ci/test-rdma.sh starts it): every RDMA test
+# binary given as an argument, one test at a time, then the README's main job
+# end to end over RDMA: `tidewire train --verify` with transport auto, which
+# must pick RDMA on rxe0. The end-to-end case reports in libtest's format so
+# that ci/test-rdma.sh counts it with the rest.
+set -u
+rc=0
+for b in "$@"; do
+  echo "### $b"
+  timeout 900 "$b" --test-threads=1 --nocapture --skip helper_server_process || rc=$?
+done
+
+echo "### tidewire train over RDMA (transport auto, rxe0 <-> rxe0, verified against one process)"
+out=$(TIDEWIRE_TRANSPORT=auto timeout 600 target/release/tidewire train --model googlenet --workers 2 --servers 1 \
+      --iters 3 --time-scale 0.05 --verify 2>&1)
+trc=$?
+echo "$out"
+if [ $trc -eq 0 ] && grep -q '^transport rdma: RDMA device rxe' <<<"$out" && ! grep -q '^transport tcp' <<<"$out" \
+   && grep -q 'bit for bit' <<<"$out"; then
+  echo "test train_over_rdma_auto_verified ... ok"
+  echo "test result: ok. 1 passed; 0 failed; 0 ignored"
+else
+  echo "test train_over_rdma_auto_verified ... FAILED (exit $trc; wanted 'transport rdma' and a verified run)"
+  echo "test result: FAILED. 0 passed; 1 failed; 0 ignored"
+  rc=1
+fi
+exit $rc

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The soft-RoCE tier: builds the RDMA test binaries here (`--features rdma`),
+# then runs them all inside one QEMU VM booted by ci/softroce-vm.sh, whose
+# kernel has rdma_rxe: rxe0 and rxe1 on the two ends of a veth pair. The
+# conformance suite runs across the veth (rxe1 -> rxe0) and on one device
+# (rxe0 -> rxe0), plus the RDMA-only cases.
+#
+# Ends with the plain line "N passed, M failed, K skipped". Exits non-zero if
+# any test fails, or if any test skips inside the VM (TIDEWIRE_REQUIRE_RDMA=1
+# turns a missing device into a failure, and a SKIPPED line is counted too).
+#
+# Needs root (or sudo) the first time, to apt-get install cmake and
+# libclang-dev (to build sideway's verbs stubs) and the VM's packages.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+t0=$SECONDS
+
+need=()
+for p in cmake libclang-dev; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need+=("$p")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then echo "missing ${need[*]} and not root: sudo apt-get install ${need[*]}"; exit 1; fi
+  echo "installing: ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; } </dev/null \
+    || { echo "apt-get install ${need[*]} failed"; exit 1; }
+fi
+
+# Every RDMA test executable, by cargo's JSON artifacts.
+mapfile -t BINS < <(cargo test -p tidewire-transport --features rdma --locked --no-run \
+    --message-format=json-render-diagnostics </dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable") \
+       and m["target"]["name"] in ("rdma_conformance", "tidewire_transport"):
+        print(m["executable"])')
+[ ${#BINS[@]} -eq 2 ] || { echo "expected 2 RDMA test binaries, built ${#BINS[@]}: ${BINS[*]}"; exit 1; }
+cargo build --release --locked -q --features rdma --bin tidewire </dev/null || { echo "release build failed"; exit 1; }
+echo "built in $((SECONDS - t0)) s: ${BINS[*]} target/release/tidewire"
+
+LOG=target/softroce-tests.log
+mkdir -p target
+SHARE=()
+[ -n "${CARGO_TARGET_DIR:-}" ] && SHARE=(--share "$CARGO_TARGET_DIR")
+# The guest runs each binary one test at a time (the VM is emulated, and slow).
+bash ci/softroce-vm.sh ${SHARE[@]+"${SHARE[@]}"} --mem 2048 --timeout "${SOFTROCE_TIMEOUT:-1500}" \
+  --env RUST_BACKTRACE=1 --env TIDEWIRE_REQUIRE_RDMA=1 --env RUST_LOG=warn -- \
+  bash ci/rdma-guest.sh "${BINS[@]}" 2>&1 | tee "$LOG"
+vm_rc=${PIPESTATUS[0]}
+
+sum() { grep -Eo "test result: [a-zA-Z]+\. [0-9]+ passed; [0-9]+ failed" "$LOG" | awk -v f="$1" '{s += $(f)} END {print s + 0}'; }
+ran=$(sum 4); failed=$(sum 6)
+skipped=$(grep -c "SKIPPED:" "$LOG")
+passed=$((ran - skipped))
+echo
+echo "soft-RoCE tier: VM exit $vm_rc, $((SECONDS - t0)) s in all"
+echo "$passed passed, $failed failed, $skipped skipped"
+[ "$vm_rc" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$skipped" -eq 0 ] && [ "$ran" -gt 0 ]

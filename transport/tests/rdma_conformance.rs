@@ -1,0 +1,559 @@
+//! The conformance suite on the RDMA verbs backend, twice: across two devices
+//! (rxe1 -> rxe0 over the veth in the soft-RoCE VM) and on one device (rxe0 to
+//! itself), plus the cases only RDMA has: device-refused writes, immediate
+//! ordering, a peer killed mid-transfer or gone silent, queue-depth
+//! backpressure, READ, zero copy, and dmabuf on a device without it.
+//!
+//! Without a usable device every case prints `SKIPPED: <case>: <reason>` and
+//! passes. With `TIDEWIRE_REQUIRE_RDMA=1` (the VM tier sets it) a missing
+//! device fails the case instead.
+
+#![cfg(feature = "rdma")]
+
+mod conformance;
+
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use conformance::{buf, count, pump, Backend, Opts, Pair};
+use tidewire_transport::rdma::{device, DeviceChoice, Dmabuf};
+use tidewire_transport::{
+    Access, ConnId, CqMode, Error, Event, JobSecret, RdmaConfig, RdmaTransport, TcpConfig, Transport,
+};
+
+fn env(k: &str) -> Option<String> {
+    std::env::var(k).ok().filter(|v| !v.is_empty())
+}
+
+/// Device for a rank: rank 0 on SOFTROCE_DEV, others on SOFTROCE_DEV2 when `cross`.
+fn choice(rank: u32, cross: bool) -> DeviceChoice {
+    let (d, g) = if cross && rank != 0 {
+        ("SOFTROCE_DEV2", "SOFTROCE_GID_INDEX2")
+    } else {
+        ("SOFTROCE_DEV", "SOFTROCE_GID_INDEX")
+    };
+    DeviceChoice {
+        device: env(d),
+        port: None,
+        gid_index: env(g).and_then(|g| g.parse().ok()),
+    }
+}
+
+fn config(o: &Opts, cross: bool) -> RdmaConfig {
+    let mut tcp = TcpConfig::new(o.job_id, o.rank, JobSecret::new(o.secret.clone()));
+    tcp.handshake_timeout = o.handshake_timeout;
+    tcp.max_outstanding = o.max_outstanding;
+    let mut c = RdmaConfig::new(tcp);
+    c.device = choice(o.rank, cross);
+    c
+}
+
+fn make(c: RdmaConfig) -> RdmaTransport {
+    RdmaTransport::new(c).expect("RDMA transport (the case checked availability first)")
+}
+
+fn listen_addr() -> SocketAddr {
+    format!("{}:0", env("SOFTROCE_IP").unwrap_or_else(|| "127.0.0.1".into()))
+        .parse()
+        .unwrap()
+}
+
+/// Why RDMA cannot run here, probed once; a panic instead when it is required.
+fn unavailable() -> Option<String> {
+    static WHY: OnceLock<Option<String>> = OnceLock::new();
+    let why = WHY
+        .get_or_init(|| {
+            let o = Opts::rank(0);
+            RdmaTransport::new(config(&o, false)).err().map(|e| e.to_string())
+        })
+        .clone();
+    if let Some(w) = &why {
+        assert!(
+            env("TIDEWIRE_REQUIRE_RDMA").as_deref() != Some("1"),
+            "TIDEWIRE_REQUIRE_RDMA=1 but RDMA is unavailable: {w}"
+        );
+    }
+    why
+}
+
+macro_rules! rdma_case {
+    ($name:ident) => {
+        #[test]
+        fn $name() {
+            if let Some(why) = unavailable() {
+                use std::io::Write as _;
+                let _ = writeln!(std::io::stderr(), "SKIPPED: {}: {why}", stringify!($name));
+                return;
+            }
+            cases::$name();
+        }
+    };
+}
+
+/// rxe1 -> rxe0: packets cross the veth pair.
+struct Cross;
+impl Backend for Cross {
+    type T = RdmaTransport;
+    fn make(o: &Opts) -> RdmaTransport {
+        make(config(o, true))
+    }
+    fn listen_addr() -> SocketAddr {
+        listen_addr()
+    }
+    fn skip() -> Option<String> {
+        unavailable()
+    }
+}
+
+/// rxe0 to itself: the device's internal loopback.
+struct Same;
+impl Backend for Same {
+    type T = RdmaTransport;
+    fn make(o: &Opts) -> RdmaTransport {
+        make(config(o, false))
+    }
+    fn listen_addr() -> SocketAddr {
+        listen_addr()
+    }
+    fn skip() -> Option<String> {
+        unavailable()
+    }
+}
+
+mod cross {
+    use super::*;
+    conformance_suite!(Cross);
+}
+
+mod same_device {
+    use super::*;
+    conformance_suite!(Same);
+}
+
+rdma_case!(bad_rkey_is_refused_by_the_device);
+rdma_case!(out_of_bounds_write_is_refused_by_the_device);
+rdma_case!(write_imm_completes_after_the_data_it_follows);
+rdma_case!(peer_killed_mid_transfer);
+rdma_case!(silent_peer_fails_after_retries);
+rdma_case!(queue_depth_backpressure_and_credits);
+rdma_case!(read_round_trip);
+rdma_case!(no_payload_copies_on_the_host);
+rdma_case!(dmabuf_unsupported_on_rxe);
+rdma_case!(busy_poll_mode);
+rdma_case!(device_listing_and_selection);
+
+/// A helper process for `peer_killed_mid_transfer`: a server that prints its
+/// address and region, then waits to be killed. Does nothing in a normal run.
+#[test]
+fn helper_server_process() {
+    if env("TIDEWIRE_RDMA_HELPER").is_none() {
+        return;
+    }
+    let mut s = make(config(&Opts::rank(0), false));
+    let l = s.listen(listen_addr()).unwrap();
+    s.register(buf(64 << 20), Access::REMOTE_WRITE).unwrap();
+    println!("LISTEN {}", s.listener_addr(l).unwrap());
+    let mut ev = Vec::new();
+    loop {
+        s.wait(&mut ev, 64, Duration::from_millis(10)).unwrap();
+        while s.accept(l).unwrap().is_some() {}
+        ev.clear();
+    }
+}
+
+mod cases {
+    use super::*;
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    fn pair_with(c: impl FnOnce(&mut RdmaConfig)) -> Pair<RdmaTransport> {
+        let s = make(config(&Opts::rank(0), true));
+        let mut cc = config(&Opts::rank(1), true);
+        c(&mut cc);
+        Pair::with(s, make(cc), listen_addr())
+    }
+
+    fn device_refused(forge: impl Fn(tidewire_transport::RemoteRegion) -> (tidewire_transport::RemoteRegion, u64)) {
+        let mut p = pair_with(|c| c.verify_descriptors = false);
+        let src = p.c.register(buf(8192), Access::LOCAL).unwrap();
+        src.fill(0, 8192, 0xab).unwrap();
+        let (dst, off) = forge(p.s_remote());
+        let r =
+            p.c.write(p.cc, &src.slice(0, 4096).unwrap(), &dst, off, Some(5))
+                .unwrap();
+        p.pump("the device refuses the write on both sides", |e| {
+            count(&e[1], |x| matches!(x, Event::Closed { error: Some(_), .. })) == 1
+                && count(&e[0], |x| matches!(x, Event::Closed { error: Some(_), .. })) == 1
+        });
+        let failed = p.evs[1]
+            .iter()
+            .find_map(|e| match e {
+                Event::OpFailed { req, error, .. } if *req == r => Some(error),
+                _ => None,
+            })
+            .expect("the write fails at the writer");
+        assert!(
+            matches!(failed, Error::WorkCompletion { status: 10, .. }),
+            "IBV_WC_REM_ACCESS_ERR as a typed error: {failed}"
+        );
+        assert!(failed.to_string().contains("REM_ACCESS_ERR"), "{failed}");
+        assert!(
+            p.evs[0].iter().any(|e| matches!(e, Event::WriteRejected { .. })),
+            "the target learns of the refused write: {:?}",
+            p.evs[0]
+        );
+        let mut all = vec![0u8; 1 << 20];
+        p.s_land.read_at(0, &mut all).unwrap();
+        assert!(all.iter().all(|&b| b == 0), "a refused write changed the target");
+    }
+
+    pub fn bad_rkey_is_refused_by_the_device() {
+        device_refused(|r| {
+            (
+                tidewire_transport::RemoteRegion {
+                    rkey: r.rkey ^ 0x00ff_0000,
+                    ..r
+                },
+                0,
+            )
+        });
+    }
+
+    pub fn out_of_bounds_write_is_refused_by_the_device() {
+        device_refused(|r| (tidewire_transport::RemoteRegion { len: r.len * 4, ..r }, r.len + 4096));
+    }
+
+    pub fn write_imm_completes_after_the_data_it_follows() {
+        let mut p = Pair::<RdmaTransport>::new::<Cross>();
+        let chunk = 64 * 1024;
+        let per_round = 12;
+        let src = p.c.register(buf(chunk * per_round), Access::LOCAL).unwrap();
+        let dst = p.s_remote();
+        for round in 0..6u32 {
+            for i in 0..per_round {
+                src.fill(
+                    i * chunk,
+                    chunk,
+                    (round as u8).wrapping_mul(16).wrapping_add(i as u8 + 1),
+                )
+                .unwrap();
+            }
+            // Plain writes, then the last one with the immediate.
+            for i in 0..per_round {
+                let imm = (i + 1 == per_round).then_some(round);
+                p.c.write(
+                    p.cc,
+                    &src.slice(i * chunk, chunk).unwrap(),
+                    &dst,
+                    (i * chunk) as u64,
+                    imm,
+                )
+                .unwrap();
+            }
+            let mut seen = false;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !seen {
+                assert!(Instant::now() < deadline, "round {round}: no immediate");
+                p.c.poll(&mut p.evs[1], 1024).unwrap();
+                let mut ev = Vec::new();
+                p.s.poll(&mut ev, 1024).unwrap();
+                for e in ev {
+                    if let Event::WriteReceived { imm, offset, len, .. } = e {
+                        assert_eq!(imm, round);
+                        assert_eq!((offset, len), (((per_round - 1) * chunk) as u64, chunk as u64));
+                        // At this instant every earlier write of the round must be in place.
+                        let mut got = vec![0u8; chunk * per_round];
+                        p.s_land.read_at(0, &mut got).unwrap();
+                        for i in 0..per_round {
+                            let want = (round as u8).wrapping_mul(16).wrapping_add(i as u8 + 1);
+                            assert!(
+                                got[i * chunk..(i + 1) * chunk].iter().all(|&b| b == want),
+                                "round {round}: chunk {i} not in place when the immediate arrived"
+                            );
+                        }
+                        seen = true;
+                    }
+                }
+            }
+            p.pump("round's writes done", |e| {
+                count(&e[1], |x| matches!(x, Event::WriteDone { .. })) == per_round * (round as usize + 1)
+            });
+        }
+    }
+
+    pub fn peer_killed_mid_transfer() {
+        let exe = std::env::current_exe().unwrap();
+        let mut child = Command::new(exe)
+            .args(["--exact", "helper_server_process", "--nocapture", "--test-threads=1"])
+            .env("TIDEWIRE_RDMA_HELPER", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let addr: SocketAddr = loop {
+            let l = lines.next().expect("helper printed its address").unwrap();
+            // libtest prints "test helper_server_process ... " without a newline first.
+            if let Some(at) = l.find("LISTEN ") {
+                break l[at + 7..].trim().parse().unwrap();
+            }
+        };
+        let mut c = make(config(&Opts::rank(1), true));
+        let cc = c.connect(addr).unwrap();
+        let big = 64 << 20;
+        let src = c.register(buf(big), Access::LOCAL).unwrap();
+        let mut ev = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let dst = loop {
+            c.poll(&mut ev, 1024).unwrap();
+            if let Some(r) = c.remote_regions(cc).ok().and_then(|v| v.first().copied()) {
+                break r;
+            }
+            assert!(Instant::now() < deadline, "helper never connected: {ev:?}");
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        for _ in 0..16 {
+            c.write(cc, &src.full(), &dst, 0, Some(1)).unwrap();
+        }
+        for _ in 0..50 {
+            c.poll(&mut ev, 1024).unwrap();
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let t0 = Instant::now();
+        let mut evs = vec![ev];
+        pump(&mut [&mut c], &mut evs, "writer notices the killed peer", |e| {
+            count(&e[0], |x| matches!(x, Event::Closed { error: Some(_), .. })) == 1
+        });
+        let ev = &evs[0];
+        let failed = count(ev, |e| matches!(e, Event::OpFailed { .. }));
+        let done = count(ev, |e| matches!(e, Event::WriteDone { .. }));
+        assert!(failed >= 1, "the writes in flight must fail: {ev:?}");
+        assert_eq!(failed + done, 16, "every write ends exactly once");
+        eprintln!(
+            "killed peer noticed after {:?} ({done} writes had completed)",
+            t0.elapsed()
+        );
+        assert!(t0.elapsed() < Duration::from_secs(15));
+    }
+
+    pub fn silent_peer_fails_after_retries() {
+        // A short ACK timeout and few retries keep this case quick: 4.096 us x 2^12
+        // = 17 ms per try, 3 tries.
+        let mut p = pair_with(|c| {
+            c.timeout = 12;
+            c.retry_cnt = 2;
+        });
+        let src = p.c.register(buf(4096), Access::LOCAL).unwrap();
+        let dst = p.s_remote();
+        let sc = p.sc;
+        p.s.debug_drop_qp(sc);
+        let t0 = Instant::now();
+        let r = p.c.write(p.cc, &src.slice(0, 4096).unwrap(), &dst, 0, None).unwrap();
+        let mut ev = vec![Vec::new()];
+        pump(&mut [&mut p.c], &mut ev, "writer gives up on the silent peer", |e| {
+            count(&e[0], |x| matches!(x, Event::Closed { error: Some(_), .. })) == 1
+        });
+        let e = ev[0]
+            .iter()
+            .find_map(|e| match e {
+                Event::OpFailed { req, error, .. } if *req == r => Some(error),
+                _ => None,
+            })
+            .expect("the write fails");
+        assert!(
+            matches!(e, Error::WorkCompletion { status: 12, .. }),
+            "IBV_WC_RETRY_EXC_ERR: {e}"
+        );
+        eprintln!("silent peer detected after {:?}: {e}", t0.elapsed());
+        assert!(t0.elapsed() < Duration::from_secs(15));
+    }
+
+    pub fn queue_depth_backpressure_and_credits() {
+        let mut o = Opts::rank(1);
+        o.max_outstanding = 64;
+        // The target posts 3 receives; the writer's send queue holds 8 work requests.
+        let s = {
+            let mut c = config(&Opts::rank(0), true);
+            c.rx_depth = 3;
+            make(c)
+        };
+        let mut cc = config(&o, true);
+        cc.tx_depth = 8;
+        cc.signal_every = 2;
+        cc.rx_depth = 3;
+        let mut p = Pair::with(s, make(cc), listen_addr());
+        let src = p.c.register(buf(1 << 16), Access::LOCAL).unwrap();
+        let dst = p.s_remote();
+        // 32 writes with an immediate and 32 messages: 12x the send queue and 21x
+        // the target's receives. They queue, and go as room and credits return.
+        for i in 0..32u32 {
+            p.c.write(p.cc, &src.slice(0, 256).unwrap(), &dst, i as u64 * 256, Some(i))
+                .unwrap();
+            p.c.send(p.cc, &src.slice(256, 8).unwrap(), 1000 + i).unwrap();
+        }
+        let e = p.c.send(p.cc, &src.slice(0, 8).unwrap(), 0).unwrap_err();
+        assert!(matches!(e, Error::WouldBlock { limit: 64, .. }), "{e}");
+        p.pump("all 64 delivered", |e| {
+            count(&e[0], |x| matches!(x, Event::WriteReceived { .. })) == 32
+                && count(&e[0], |x| matches!(x, Event::Message { .. })) == 32
+                && count(&e[1], |x| matches!(x, Event::WriteDone { .. } | Event::SendDone { .. })) == 64
+        });
+        let imms: Vec<u32> = p.evs[0]
+            .iter()
+            .filter_map(|e| match e {
+                Event::WriteReceived { imm, .. } => Some(*imm),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(imms, (0..32).collect::<Vec<_>>(), "immediates in posting order");
+        let tags: Vec<u32> = p.evs[0]
+            .iter()
+            .filter_map(|e| match e {
+                Event::Message { tag, .. } => Some(*tag),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(tags, (1000..1032).collect::<Vec<_>>());
+        let st = p.c.stats();
+        assert!(
+            st.credit_stalls > 0,
+            "3 receives cannot take 64 posts without waiting: {st:?}"
+        );
+        assert!(st.doorbells > 1 && st.work_requests == 32 * 2 + 32, "{st:?}");
+        assert!(!p
+            .evs
+            .iter()
+            .flatten()
+            .any(|e| matches!(e, Event::Closed { .. } | Event::OpFailed { .. })));
+    }
+
+    pub fn read_round_trip() {
+        let mut p = Pair::<RdmaTransport>::new::<Cross>();
+        p.s_land.write_at(1000, b"read me over RDMA").unwrap();
+        let dst = p.c.register(buf(4096), Access::LOCAL).unwrap();
+        let remote = p.s_remote();
+        let r = p.c.read(p.cc, &dst.slice(10, 17).unwrap(), &remote, 1000).unwrap();
+        p.pump("read done", |e| {
+            e[1].iter()
+                .any(|x| matches!(x, Event::ReadDone { req, bytes: 17, .. } if *req == r))
+        });
+        let mut got = [0u8; 17];
+        dst.read_at(10, &mut got).unwrap();
+        assert_eq!(&got, b"read me over RDMA");
+        let e =
+            p.c.read(p.cc, &dst.slice(0, 64).unwrap(), &remote, remote.len - 1)
+                .unwrap_err();
+        assert!(matches!(e, Error::OutOfBounds { op: "read", .. }), "{e}");
+    }
+
+    pub fn no_payload_copies_on_the_host() {
+        let mut p = Pair::<RdmaTransport>::new::<Cross>();
+        let n = 256 * 1024;
+        let src = p.c.register(buf(n), Access::LOCAL).unwrap();
+        src.fill(0, n, 0x5a).unwrap();
+        let dst = p.s_remote();
+        for i in 0..4u64 {
+            p.c.write(p.cc, &src.full(), &dst, 0, Some(i as u32)).unwrap();
+        }
+        p.c.send(p.cc, &src.slice(0, 100).unwrap(), 7).unwrap();
+        p.pump("writes and message", |e| {
+            count(&e[0], |x| matches!(x, Event::WriteReceived { .. })) == 4
+                && count(&e[0], |x| matches!(x, Event::Message { .. })) == 1
+        });
+        let (cs, ss) = (p.c.stats(), p.s.stats());
+        // The device moved every payload byte; the CPU copied none into work requests.
+        assert_eq!(cs.tx_inline_payload_bytes, 0, "{cs:?}");
+        assert_eq!(cs.tx_payload_bytes, 4 * n as u64 + 100, "{cs:?}");
+        // At the target, write payloads landed in the region; only the message was copied out.
+        assert_eq!(ss.rx_write_bytes, 4 * n as u64, "{ss:?}");
+        assert_eq!(ss.rx_message_copy_bytes, 100, "{ss:?}");
+        let mut got = vec![0u8; n];
+        p.s_land.read_at(0, &mut got).unwrap();
+        assert!(got.iter().all(|&b| b == 0x5a));
+    }
+
+    pub fn dmabuf_unsupported_on_rxe() {
+        let mut t = make(config(&Opts::rank(0), false));
+        let (dev, _, _) = t.device();
+        let dev = dev.to_string();
+        // Bad arguments are refused before any verbs call.
+        assert!(matches!(
+            t.reg_dmabuf(-1, 0, 4096, 0),
+            Err(Error::InvalidArgument { .. })
+        ));
+        assert!(matches!(t.reg_dmabuf(3, 0, 0, 0), Err(Error::InvalidArgument { .. })));
+        let f = std::fs::File::open("/dev/null").unwrap();
+        use std::os::fd::AsRawFd;
+        let r = t.reg_dmabuf(f.as_raw_fd(), 0, 4096, 0);
+        match t.dmabuf_support() {
+            Dmabuf::Unsupported(why) => {
+                let e = r.unwrap_err();
+                assert!(matches!(e, Error::DmabufUnsupported { .. }), "{e}");
+                assert!(e.to_string().contains(&dev), "{e}");
+                eprintln!("{e}");
+                assert!(!dev.starts_with("rxe") || why.contains("rxe"), "{why}");
+            }
+            Dmabuf::Supported => {
+                assert!(!dev.starts_with("rxe"), "rxe has no dmabuf");
+                assert!(r.is_err(), "/dev/null is no dmabuf");
+            }
+        }
+    }
+
+    pub fn busy_poll_mode() {
+        let mut p = pair_with(|c| c.cq_mode = CqMode::BusyPoll);
+        let src = p.c.register(buf(4096), Access::LOCAL).unwrap();
+        for i in 0..200u32 {
+            src.write_at(0, &i.to_le_bytes()).unwrap();
+            p.c.send(p.cc, &src.slice(0, 4).unwrap(), i).unwrap();
+            let mut got = None;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while got.is_none() {
+                assert!(Instant::now() < deadline);
+                let mut ev = Vec::new();
+                p.c.wait(&mut ev, 64, Duration::from_micros(200)).unwrap();
+                p.s.wait(&mut ev, 64, Duration::from_micros(200)).unwrap();
+                got = ev.into_iter().find_map(|e| match e {
+                    Event::Message { tag, data, .. } => Some((tag, data)),
+                    _ => None,
+                });
+            }
+            assert_eq!(got.unwrap(), (i, i.to_le_bytes().to_vec()));
+        }
+    }
+
+    pub fn device_listing_and_selection() {
+        let list = device::list().unwrap();
+        assert!(list.iter().any(|d| d.usable), "{list:?}");
+        for d in &list {
+            for p in &d.ports {
+                if p.active && p.link_layer == "Ethernet" {
+                    assert!(p.gids.iter().any(|g| g.kind == "RoCE v2"), "{d:?}");
+                }
+            }
+        }
+        if let Some(name) = env("SOFTROCE_DEV") {
+            let d = list.iter().find(|d| d.name == name).expect("rxe0 listed");
+            let want: u32 = env("SOFTROCE_GID_INDEX").unwrap().parse().unwrap();
+            let g = d.ports[0].gids.iter().find(|g| g.index == want).unwrap();
+            assert_eq!(g.ipv4.map(|a| a.to_string()), env("SOFTROCE_IP"), "{g:?}");
+            // Automatic selection picks the same RoCE v2 IPv4-mapped GID.
+            let mut c = config(&Opts::rank(0), false);
+            c.device.gid_index = None;
+            let t = make(c);
+            assert_eq!(t.device(), (name.as_str(), 1, want));
+        }
+        let mut c = config(&Opts::rank(0), false);
+        c.device.device = Some("no_such_hca".into());
+        let e = RdmaTransport::new(c).unwrap_err();
+        assert!(matches!(e, Error::RdmaUnavailable { .. }), "{e}");
+        assert!(
+            e.to_string().contains("no_such_hca") && e.to_string().contains("present"),
+            "{e}"
+        );
+        let _ = ConnId(0);
+    }
+}
