@@ -42,5 +42,5 @@ pub use auth::JobSecret;
 pub use error::{Error, FrameError, Result};
 pub use memory::{Access, HugePages, Lease, MemoryKind, PinOptions, PinnedBuffer, Region, RemoteRegion, Slice};
 #[cfg(feature = "rdma")]
-pub use rdma::{CqMode, RdmaConfig, RdmaStats, RdmaTransport};
+pub use rdma::{ConnectMode, CqMode, RdmaConfig, RdmaStats, RdmaTransport};
 pub use tcp::{TcpConfig, TcpStats, TcpTransport};

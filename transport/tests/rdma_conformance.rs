@@ -1,6 +1,6 @@
-//! The conformance suite on the RDMA verbs backend, twice: across two devices
-//! (rxe1 -> rxe0 over the veth in the soft-RoCE VM) and on one device (rxe0 to
-//! itself), plus the cases only RDMA has: device-refused writes, immediate
+//! The conformance suite on the RDMA verbs backend, three times: across two
+//! devices (rxe1 -> rxe0 over the veth in the soft-RoCE VM), the same with
+//! queue pairs connected through rdma_cm, and on one device (rxe0 to itself), plus the cases only RDMA has: device-refused writes, immediate
 //! ordering, a peer killed mid-transfer or gone silent, queue-depth
 //! backpressure, READ, zero copy, and dmabuf on a device without it.
 //!
@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use conformance::{buf, count, pump, Backend, Opts, Pair};
 use tidewire_transport::rdma::{device, DeviceChoice, Dmabuf};
 use tidewire_transport::{
-    Access, ConnId, CqMode, Error, Event, JobSecret, RdmaConfig, RdmaTransport, TcpConfig, Transport,
+    Access, ConnId, ConnectMode, CqMode, Error, Event, JobSecret, RdmaConfig, RdmaTransport, TcpConfig, Transport,
 };
 
 fn env(k: &str) -> Option<String> {
@@ -121,9 +121,31 @@ impl Backend for Same {
     }
 }
 
+/// rxe1 -> rxe0 with queue pairs connected through rdma_cm (perftest's `-R`).
+struct CmCross;
+impl Backend for CmCross {
+    type T = RdmaTransport;
+    fn make(o: &Opts) -> RdmaTransport {
+        let mut c = config(o, true);
+        c.connect = ConnectMode::RdmaCm;
+        make(c)
+    }
+    fn listen_addr() -> SocketAddr {
+        listen_addr()
+    }
+    fn skip() -> Option<String> {
+        unavailable()
+    }
+}
+
 mod cross {
     use super::*;
     conformance_suite!(Cross);
+}
+
+mod rdma_cm {
+    use super::*;
+    conformance_suite!(CmCross);
 }
 
 mod same_device {

@@ -44,6 +44,7 @@
 //! `Closed { error }`. A vanished peer shows up as a dead control socket or as
 //! IBV_WC_RETRY_EXC_ERR after `timeout` x `retry_cnt`, never as a hang.
 
+mod cm;
 pub mod device;
 pub(crate) mod wire;
 
@@ -83,6 +84,19 @@ pub enum CqMode {
     Event,
 }
 
+/// How an RC queue pair reaches RTS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectMode {
+    /// QPN, PSN, GID/LID and MTU travel over the authenticated TCP control plane,
+    /// and each side moves its QP INIT -> RTR -> RTS itself (as `ibv_rc_pingpong`).
+    ControlPlane,
+    /// rdma_cm resolves the route from the peer's IP address and supplies the
+    /// RTR/RTS attributes (as perftest's `-R`); the CM listens on the TCP
+    /// listener's port number in the RDMA port space. The control plane still
+    /// authenticates and carries the rest.
+    RdmaCm,
+}
+
 /// Configuration of an [`RdmaTransport`].
 ///
 /// The queue-pair defaults follow perftest's: `timeout` 14 (4.096 µs x 2^14 =
@@ -120,6 +134,9 @@ pub struct RdmaConfig {
     pub cq_entries: u32,
     /// Busy-poll or event-driven completions.
     pub cq_mode: CqMode,
+    /// How queue pairs are brought up: by the control-plane exchange (default) or
+    /// through rdma_cm (`TIDEWIRE_RDMA_CM=1`, like perftest's `-R`).
+    pub connect: ConnectMode,
     /// Refuse writes to descriptors the peer has not announced (stale or forged)
     /// before they reach the device. Off, the target's device is the only check,
     /// and a refused write fails the connection (IBV_WC_REM_ACCESS_ERR).
@@ -144,6 +161,7 @@ impl RdmaConfig {
             max_inline_bytes: 0,
             cq_entries: 16384,
             cq_mode: CqMode::Event,
+            connect: ConnectMode::ControlPlane,
             verify_descriptors: true,
         }
     }
@@ -151,6 +169,16 @@ impl RdmaConfig {
     /// Applies `TIDEWIRE_RDMA_DEVICE`, `_PORT`, `_GID_INDEX` and `TIDEWIRE_RDMA_CQ=busy|event`.
     pub fn from_env(mut self) -> Result<Self> {
         self.device = self.device.from_env()?;
+        match std::env::var("TIDEWIRE_RDMA_CM").ok().as_deref() {
+            None | Some("") | Some("0") => {}
+            Some("1") => self.connect = ConnectMode::RdmaCm,
+            Some(o) => {
+                return Err(Error::InvalidArgument {
+                    op: "TIDEWIRE_RDMA_CM",
+                    reason: format!("{o:?}: use 1 (rdma_cm) or 0 (control plane)"),
+                })
+            }
+        }
         match std::env::var("TIDEWIRE_RDMA_CQ").ok().as_deref() {
             None | Some("") => {}
             Some("busy") => self.cq_mode = CqMode::BusyPoll,
@@ -371,6 +399,8 @@ struct Conn {
     /// Arrivals (messages, writes) that beat READY or the region list here over the
     /// other channel: delivered right after Connected/Incoming, in order.
     early: Vec<Event>,
+    /// The rdma_cm identifier of this connection (ConnectMode::RdmaCm).
+    cm_id: Option<std::sync::Arc<sideway::rdmacm::communication_manager::Identifier>>,
 }
 
 impl Conn {
@@ -402,6 +432,7 @@ impl Conn {
             close_sent: false,
             regions_seen: false,
             early: Vec::new(),
+            cm_id: None,
         }
     }
 
@@ -474,6 +505,8 @@ pub struct RdmaTransport {
     generation: u32,
     dmabuf: Option<Dmabuf>,
     stats: RdmaStats,
+    /// rdma_cm state, in [`ConnectMode::RdmaCm`].
+    cm: Option<cm::Cm>,
 }
 
 impl std::fmt::Debug for RdmaTransport {
@@ -507,7 +540,15 @@ pub(crate) fn io_of<E: std::error::Error + 'static>(e: E) -> std::io::Error {
         }
         src = s.source();
     }
-    std::io::Error::other(e.to_string())
+    // No errno: keep every message of the chain.
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        src = s.source();
+    }
+    std::io::Error::other(msg)
 }
 
 impl RdmaTransport {
@@ -544,6 +585,10 @@ impl RdmaTransport {
         let mtu = match cfg.mtu {
             Some(m) => mtu_from_bytes(m).expect("validated"),
             None => dev.active_mtu,
+        };
+        let cm = match cfg.connect {
+            ConnectMode::ControlPlane => None,
+            ConnectMode::RdmaCm => Some(cm::Cm::new(&name)?),
         };
         let inner = TcpTransport::new(cfg.control.clone())?;
         let mut inner = inner;
@@ -593,6 +638,7 @@ impl RdmaTransport {
             generation: 1,
             dmabuf: None,
             stats: RdmaStats::default(),
+            cm,
         })
     }
 
@@ -903,6 +949,9 @@ impl RdmaTransport {
 
     /// The peer's QP info arrived: INIT -> RTR -> RTS, then READY and our regions.
     fn connect_qp(&mut self, id: u64, peer: QpInfo) -> Result<()> {
+        if self.cm.is_some() {
+            return self.cm_start(id, peer);
+        }
         let cfg = self.cfg.clone();
         let name = self.dev.name.clone();
         let link = self.dev.link;
@@ -945,18 +994,23 @@ impl RdmaTransport {
             .map_err(|e| verbs("ibv_modify_qp(RTS)", &name, io_of(e)))?;
         c.credits = peer.rx_depth;
         c.peer_info = Some(peer);
-        c.state = State::AwaitReady;
         debug!(
             conn = id,
             qpn = peer.qpn,
             mtu = device::mtu_bytes(mtu),
             "queue pair ready to send"
         );
+        self.ready_to_send(id);
+        Ok(())
+    }
+
+    /// Our queue pair is RTS: tell the peer, announce our regions.
+    fn ready_to_send(&mut self, id: u64) {
+        self.conns.get_mut(&id).expect("known").state = State::AwaitReady;
         self.ctrl_send(id, wire::TAG_READY, Vec::new());
         self.conns.get_mut(&id).expect("known").announced = true;
         self.announce_all(id);
         self.maybe_ready(id);
-        Ok(())
     }
 
     fn maybe_ready(&mut self, id: u64) {
@@ -1561,6 +1615,9 @@ impl RdmaTransport {
         for ev in inner_events {
             self.on_inner(ev);
         }
+        if self.cm.is_some() {
+            self.poll_cm();
+        }
         self.return_credits();
         self.post_pending();
         self.flush_ctrl();
@@ -1679,7 +1736,12 @@ impl Transport for RdmaTransport {
     }
 
     fn listen(&mut self, addr: SocketAddr) -> Result<ListenerId> {
-        self.inner.listen(addr)
+        let l = self.inner.listen(addr)?;
+        if let Some(cm) = self.cm.as_mut() {
+            let bound = self.inner.listener_addr(l)?;
+            cm.listen(bound, &self.dev.name)?;
+        }
+        Ok(l)
     }
 
     fn listener_addr(&self, listener: ListenerId) -> Result<SocketAddr> {
