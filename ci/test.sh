@@ -12,8 +12,9 @@
 #   5. doctor    tidewire doctor runs and explains itself
 #   6. example   examples/mlp: 3 processes train an MLP; the loss curve equals one process's
 #   7. train     the README's main job, short: tidewire train on the embedded default
-#   8. bench     short loopback comparison against iperf3 and std::net, and the single-node
-#                engine overhead (informational: performance is judged from full bench runs)
+#   8. bench     short loopback comparison against iperf3 and std::net, the single-node
+#                engine overhead, and CPU aggregation against a STREAM triad (informational:
+#                performance is judged from full bench runs)
 #   9. rdma-fallback  an `rdma` build where libibverbs is missing falls back to TCP and says why
 #  10. soft-roce  ci/test-rdma.sh: the RDMA conformance suite and RDMA-only cases on real rxe
 #                devices in a QEMU VM, and `tidewire train --verify` over RDMA
@@ -99,7 +100,9 @@ tier train train
 bench() {
   cargo build --release --locked -q -p tidewire-bench --bin tidewire-loopback --bin tidewire-overhead || return 1
   timeout 300 target/release/tidewire-loopback compare --runs 3 --secs 1 --iters 3000 --json target/loopback-compare.json \
-    && timeout 300 target/release/tidewire-overhead --model googlenet --reps 1 --iters 5 --json target/overhead.json
+    && timeout 300 target/release/tidewire-overhead --model googlenet --reps 1 --iters 5 --json target/overhead.json \
+    && timeout 300 cargo run --release --locked -q -- bench aggregate --json > target/aggregate.json \
+    && grep -E '"(cpu_sum_gbps|triad_gbps|ratio)"' target/aggregate.json
 }
 tier bench bench
 

@@ -53,6 +53,34 @@ enum Cmd {
     /// One rank of `train` (started by `train`; the cluster comes from TIDEWIRE_* variables).
     #[command(hide = true)]
     TrainNode(TrainArgs),
+    /// Microbenchmarks of this machine.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// CPU aggregation (sum of P inputs into an accumulator) next to a STREAM-like
+    /// triad measured in the same run.
+    Aggregate {
+        /// P: inputs summed into the accumulator.
+        #[arg(long, default_value_t = 8)]
+        inputs: usize,
+        /// MiB per input (and per triad array).
+        #[arg(long, default_value_t = 64)]
+        mib: usize,
+        /// Threads (default: every core).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Repetitions of each measurement; the best and the median are reported.
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -116,6 +144,41 @@ fn main() -> ExitCode {
                     }
                 }
                 Err(e) => fail(e),
+            }
+        }
+        Cmd::Bench {
+            what:
+                BenchCmd::Aggregate {
+                    inputs,
+                    mib,
+                    threads,
+                    reps,
+                    json,
+                },
+        } => {
+            use tidewire::gpu::bench;
+            let mut o = bench::AggregateOpts {
+                inputs,
+                mib,
+                reps,
+                ..Default::default()
+            };
+            if let Some(t) = threads {
+                o.threads = t;
+            }
+            match bench::aggregate(&o, |line| eprintln!("{line}")) {
+                Ok(r) if json => {
+                    println!("{}", serde_json::to_string_pretty(&r).expect("serializable"));
+                    ExitCode::SUCCESS
+                }
+                Ok(r) => {
+                    print!("{}", bench::render(&r));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("tidewire: error: bench aggregate: {e}");
+                    ExitCode::FAILURE
+                }
             }
         }
         Cmd::TrainNode(args) => match tidewire::train::run_node(&args) {

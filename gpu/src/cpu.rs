@@ -40,6 +40,89 @@ pub fn add_assign(acc: &mut [f32], src: &[f32]) {
     }
 }
 
+/// Elements a thread handles per step of [`sum_into`]: 16 KiB of the accumulator,
+/// which stays in L1 while every input streams through it once.
+const SUM_CHUNK: usize = 4096;
+
+/// `acc[i] += inputs[0][i] + inputs[1][i] + ...`, added in input order for every
+/// element, on `threads` threads (contiguous blocks; 0 means 1).
+///
+/// Each element is summed in the same order whatever the thread count, so the
+/// result is bitwise equal to repeated [`add_assign`]. Per thread, a 16 KiB
+/// block of the accumulator stays in cache while every input passes over it
+/// once: memory sees P reads of the inputs, one read and one write of `acc`.
+/// The inner loop is a plain zip that the compiler vectorizes.
+///
+/// # Panics
+/// If an input's length differs from the accumulator's.
+pub fn sum_into(acc: &mut [f32], inputs: &[&[f32]], threads: usize) {
+    for (i, x) in inputs.iter().enumerate() {
+        assert_eq!(
+            x.len(),
+            acc.len(),
+            "sum_into: input {i} has {} elements, the accumulator {}",
+            x.len(),
+            acc.len()
+        );
+    }
+    let n = acc.len();
+    let threads = threads.clamp(1, n.div_ceil(SUM_CHUNK).max(1));
+    let block = n.div_ceil(threads).div_ceil(SUM_CHUNK) * SUM_CHUNK;
+    std::thread::scope(|s| {
+        for (t, part) in acc.chunks_mut(block.max(1)).enumerate() {
+            let base = t * block;
+            s.spawn(move || {
+                for (c, chunk) in part.chunks_mut(SUM_CHUNK).enumerate() {
+                    let at = base + c * SUM_CHUNK;
+                    let len = chunk.len();
+                    // Four inputs per pass keep the running sum in registers; the
+                    // additions still happen in input order for every element.
+                    let mut groups = inputs.chunks_exact(4);
+                    for g in groups.by_ref() {
+                        let (x0, x1, x2, x3) = (
+                            &g[0][at..at + len],
+                            &g[1][at..at + len],
+                            &g[2][at..at + len],
+                            &g[3][at..at + len],
+                        );
+                        for i in 0..len {
+                            chunk[i] = (((chunk[i] + x0[i]) + x1[i]) + x2[i]) + x3[i];
+                        }
+                    }
+                    for x in groups.remainder() {
+                        for (a, v) in chunk.iter_mut().zip(&x[at..at + len]) {
+                            *a += *v;
+                        }
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// STREAM's triad, `a[i] = b[i] + s * c[i]`, on `threads` threads: the memory
+/// bandwidth that [`sum_into`] is judged against.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn triad(a: &mut [f32], b: &[f32], c: &[f32], s: f32, threads: usize) {
+    assert!(a.len() == b.len() && a.len() == c.len(), "triad: lengths differ");
+    let n = a.len();
+    let threads = threads.clamp(1, n.max(1));
+    let block = n.div_ceil(threads).max(1);
+    std::thread::scope(|sc| {
+        for (t, part) in a.chunks_mut(block).enumerate() {
+            let at = t * block;
+            let (b, c) = (&b[at..at + part.len()], &c[at..at + part.len()]);
+            sc.spawn(move || {
+                for ((a, b), c) in part.iter_mut().zip(b).zip(c) {
+                    *a = *b + s * *c;
+                }
+            });
+        }
+    });
+}
+
 /// Applies `op` to `params` from `acc`, the sum of `p1` contributions.
 /// `momentum` must have `params.len()` elements when the op needs it.
 pub fn apply(op: ApplyOp, p1: usize, acc: &[f32], params: &mut [f32], momentum: &mut [f32]) {
@@ -180,6 +263,54 @@ pub fn sf_sum(factors: &[(&[f32], &[f32])], k: usize, m: usize, n: usize, out: &
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sum_into_is_bitwise_repeated_add_for_any_thread_count() {
+        // Odd sizes: blocks and chunks end mid-way; values whose sums round differently by order.
+        for n in [1usize, 7, 4095, 4097, 3 * 4096 + 5, 50_001] {
+            let inputs: Vec<Vec<f32>> = (0..5)
+                .map(|p| {
+                    (0..n)
+                        .map(|i| ((i * 31 + p * 7) % 97) as f32 * 1e-3 + (p as f32) * 1e4)
+                        .collect()
+                })
+                .collect();
+            let refs: Vec<&[f32]> = inputs.iter().map(|v| v.as_slice()).collect();
+            let mut want: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+            let start = want.clone();
+            for x in &refs {
+                add_assign(&mut want, x);
+            }
+            for threads in [0, 1, 2, 3, 8] {
+                let mut got = start.clone();
+                sum_into(&mut got, &refs, threads);
+                assert!(
+                    got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "n={n} threads={threads}"
+                );
+            }
+        }
+        let mut empty: Vec<f32> = Vec::new();
+        sum_into(&mut empty, &[&[]], 4);
+    }
+
+    #[test]
+    #[should_panic(expected = "input 1 has 3 elements")]
+    fn sum_into_refuses_mismatched_lengths() {
+        sum_into(&mut [0.0; 4], &[&[1.0; 4], &[1.0; 3]], 2);
+    }
+
+    #[test]
+    fn triad_matches_the_formula() {
+        let n = 10_007;
+        let b: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let c: Vec<f32> = (0..n).map(|i| (n - i) as f32).collect();
+        for threads in [1, 2, 5] {
+            let mut a = vec![0.0; n];
+            triad(&mut a, &b, &c, 3.0, threads);
+            assert!(a.iter().enumerate().all(|(i, &x)| x == b[i] + 3.0 * c[i]));
+        }
+    }
 
     fn naive(u: &[f32], v: &[f32], k: usize, m: usize, n: usize) -> Vec<f64> {
         let mut out = vec![0f64; m * n];

@@ -6,6 +6,7 @@
 //! `tidewire doctor` can explain it, and [`cpu`] holds the CPU path of
 //! aggregation, apply and sufficient-factor reconstruction.
 
+pub mod bench;
 pub mod cpu;
 
 /// What `tidewire doctor` shows for CUDA.
