@@ -164,6 +164,7 @@ rdma_case!(no_payload_copies_on_the_host);
 rdma_case!(dmabuf_unsupported_on_rxe);
 rdma_case!(busy_poll_mode);
 rdma_case!(device_listing_and_selection);
+rdma_case!(tcp_transport_peer_is_refused_with_a_reason);
 
 /// A helper process for `peer_killed_mid_transfer`: a server that prints its
 /// address and region, then waits to be killed. Does nothing in a normal run.
@@ -545,6 +546,41 @@ mod cases {
             }
             assert_eq!(got.unwrap(), (i, i.to_le_bytes().to_vec()));
         }
+    }
+
+    pub fn tcp_transport_peer_is_refused_with_a_reason() {
+        // One rank fell back to TCP while this one runs RDMA: the control plane
+        // authenticates, but the queue-pair exchange never starts. The RDMA side must
+        // say so within the handshake timeout, not wait forever.
+        let mut o = Opts::rank(0);
+        o.handshake_timeout = Duration::from_millis(800);
+        let mut s = make(config(&o, false));
+        let l = s.listen(listen_addr()).unwrap();
+        let mut tcp = tidewire_transport::TcpTransport::new(TcpConfig::new(
+            conformance::JOB,
+            1,
+            JobSecret::new(conformance::SECRET.to_vec()),
+        ))
+        .unwrap();
+        tcp.connect(s.listener_addr(l).unwrap()).unwrap();
+        let t0 = Instant::now();
+        let mut evs = [Vec::new(), Vec::new()];
+        while count(&evs[0], |x| matches!(x, Event::PeerRejected { .. })) == 0 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no verdict: {evs:?}");
+            s.poll(&mut evs[0], 64).unwrap();
+            tcp.poll(&mut evs[1], 64).unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let e = evs[0]
+            .iter()
+            .find_map(|x| match x {
+                Event::PeerRejected { error, .. } => Some(error.to_string()),
+                _ => None,
+            })
+            .unwrap();
+        assert!(e.contains("TCP transport") && e.contains("800 ms"), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        assert!(s.accept(l).unwrap().is_none(), "the peer was never announced");
     }
 
     pub fn device_listing_and_selection() {

@@ -399,6 +399,9 @@ struct Conn {
     /// Arrivals (messages, writes) that beat READY or the region list here over the
     /// other channel: delivered right after Connected/Incoming, in order.
     early: Vec<Event>,
+    /// When the queue-pair exchange (from authentication to Ready) or a local
+    /// close (flushing) must be done by; past it the connection fails.
+    deadline: Option<Instant>,
     /// The rdma_cm identifier of this connection (ConnectMode::RdmaCm).
     cm_id: Option<std::sync::Arc<sideway::rdmacm::communication_manager::Identifier>>,
 }
@@ -432,6 +435,7 @@ impl Conn {
             close_sent: false,
             regions_seen: false,
             early: Vec::new(),
+            deadline: None,
             cm_id: None,
         }
     }
@@ -943,6 +947,7 @@ impl RdmaTransport {
         c.rx_buf = Some((rx, rx_mr));
         c.ring = Some((ring, ring_mr));
         c.state = State::Exchange;
+        c.deadline = Some(Instant::now() + self.cfg.control.handshake_timeout);
         self.ctrl_send(id, wire::TAG_QP_INFO, info.encode());
         Ok(())
     }
@@ -1022,6 +1027,7 @@ impl RdmaTransport {
             return;
         }
         c.state = State::Ready;
+        c.deadline = None;
         if c.ready_event_sent {
             return;
         }
@@ -1581,11 +1587,18 @@ impl RdmaTransport {
         let now = Instant::now();
         let mut fail = Vec::new();
         let mut close = Vec::new();
+        let mut late = Vec::new();
         for c in self.conns.values_mut() {
             if let Some((_, at)) = &c.qp_failed {
                 if now >= *at {
                     fail.push(c.id);
                 }
+            }
+            if c.deadline.is_some_and(|d| now >= d)
+                && matches!(c.state, State::Exchange | State::AwaitReady | State::Closing)
+            {
+                c.deadline = None;
+                late.push((c.id, c.state));
             }
             if c.state == State::Closing && !c.close_sent && c.pending.is_empty() && c.inflight.is_empty() {
                 close.push(c.id);
@@ -1598,6 +1611,23 @@ impl RdmaTransport {
                 .and_then(|c| c.qp_failed.take())
                 .map(|x| x.0)
                 .expect("listed");
+            self.fail_conn(id, e, None);
+        }
+        for (id, state) in late {
+            let c = &self.conns[&id];
+            let (op, after) = if state == State::Closing {
+                ("close (work still queued or in flight)", self.cfg.control.close_timeout)
+            } else {
+                (
+                    "RDMA queue-pair exchange (is the peer on the TCP transport? every rank must use the same one)",
+                    self.cfg.control.handshake_timeout,
+                )
+            };
+            let e = Error::Timeout {
+                op,
+                peer: c.peer_name(),
+                after_ms: after.as_millis() as u64,
+            };
             self.fail_conn(id, e, None);
         }
         for id in close {
@@ -1890,7 +1920,10 @@ impl Transport for RdmaTransport {
             conn: conn.0,
         })?;
         match c.state {
-            State::Ready => c.state = State::Closing,
+            State::Ready => {
+                c.state = State::Closing;
+                c.deadline = Some(Instant::now() + self.cfg.control.close_timeout);
+            }
             State::Closing | State::Dead => {}
             _ => {
                 c.state = State::Dead;
