@@ -91,52 +91,41 @@ macro_rules! rdma_case {
     };
 }
 
-/// rxe1 -> rxe0: packets cross the veth pair.
-struct Cross;
-impl Backend for Cross {
-    type T = RdmaTransport;
-    fn make(o: &Opts) -> RdmaTransport {
-        make(config(o, true))
-    }
-    fn listen_addr() -> SocketAddr {
-        listen_addr()
-    }
-    fn skip() -> Option<String> {
-        unavailable()
-    }
+/// A conformance backend: which device each rank uses (`cross`) and how queue
+/// pairs are connected.
+macro_rules! backend {
+    ($(#[$doc:meta])* $name:ident, cross: $cross:expr, $mode:expr) => {
+        $(#[$doc])*
+        struct $name;
+        impl Backend for $name {
+            type T = RdmaTransport;
+            fn make(o: &Opts) -> RdmaTransport {
+                let mut c = config(o, $cross);
+                c.connect = $mode;
+                make(c)
+            }
+            fn listen_addr() -> SocketAddr {
+                listen_addr()
+            }
+            fn skip() -> Option<String> {
+                unavailable()
+            }
+        }
+    };
 }
 
-/// rxe0 to itself: the device's internal loopback.
-struct Same;
-impl Backend for Same {
-    type T = RdmaTransport;
-    fn make(o: &Opts) -> RdmaTransport {
-        make(config(o, false))
-    }
-    fn listen_addr() -> SocketAddr {
-        listen_addr()
-    }
-    fn skip() -> Option<String> {
-        unavailable()
-    }
-}
-
-/// rxe1 -> rxe0 with queue pairs connected through rdma_cm (perftest's `-R`).
-struct CmCross;
-impl Backend for CmCross {
-    type T = RdmaTransport;
-    fn make(o: &Opts) -> RdmaTransport {
-        let mut c = config(o, true);
-        c.connect = ConnectMode::RdmaCm;
-        make(c)
-    }
-    fn listen_addr() -> SocketAddr {
-        listen_addr()
-    }
-    fn skip() -> Option<String> {
-        unavailable()
-    }
-}
+backend!(
+    /// rxe1 -> rxe0: packets cross the veth pair.
+    Cross, cross: true, ConnectMode::ControlPlane
+);
+backend!(
+    /// rxe0 to itself: the device's internal loopback.
+    Same, cross: false, ConnectMode::ControlPlane
+);
+backend!(
+    /// rxe1 -> rxe0 with queue pairs connected through rdma_cm (perftest's `-R`).
+    CmCross, cross: true, ConnectMode::RdmaCm
+);
 
 mod cross {
     use super::*;

@@ -140,10 +140,6 @@ impl RdmaTransport {
         Ok(())
     }
 
-    fn cm_fail(&mut self, id: u64, e: Error) {
-        self.fail_conn(id, e, None);
-    }
-
     /// Drains the rdma_cm event channel.
     pub(super) fn poll_cm(&mut self) {
         loop {
@@ -200,7 +196,7 @@ impl RdmaTransport {
                 _ => Ok(()),
             };
             if let Err(e) = r {
-                self.cm_fail(id, e);
+                self.fail_conn(id, e, None);
             }
         }
     }
@@ -239,7 +235,7 @@ impl RdmaTransport {
         match found {
             Some(id) => {
                 if let Err(e) = self.cm_accept(id, cm_id) {
-                    self.cm_fail(id, e);
+                    self.fail_conn(id, e, None);
                 }
             }
             None => self.cm.as_mut().expect("CM mode").unmatched.push((cm_id, qpn)),

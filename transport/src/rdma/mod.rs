@@ -1119,14 +1119,13 @@ impl RdmaTransport {
             .map(|c| c.id)
             .collect();
         for id in ids {
-            if let Err((e, seq)) = self.post_conn(id) {
-                self.fail_conn(id, e, seq);
+            if let Err(e) = self.post_conn(id) {
+                self.fail_conn(id, e, None);
             }
         }
     }
 
-    #[allow(clippy::result_large_err)] // an error path: it fails the connection
-    fn post_conn(&mut self, id: u64) -> std::result::Result<(), (Error, Option<(u64, Error)>)> {
+    fn post_conn(&mut self, id: u64) -> Result<()> {
         let tx_depth = self.cfg.tx_depth;
         let signal_every = self.cfg.signal_every;
         let max_inline = self.cfg.max_inline_bytes;
@@ -1272,7 +1271,7 @@ impl RdmaTransport {
                     }
                     c.pending.push_front((o, wr));
                 }
-                Err((verbs("ibv_wr_complete (post send)", &self.dev.name, io_of(e)), None))
+                Err(verbs("ibv_wr_complete (post send)", &self.dev.name, io_of(e)))
             }
         }
     }
