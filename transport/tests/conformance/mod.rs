@@ -358,11 +358,14 @@ pub fn one_byte_and_64_mib<B: Backend>() {
     assert_eq!(last[0], data[7]);
     // 64 MiB in one write.
     p.c.write(p.cc, &src.full(), &dst, 0, Some(64)).unwrap();
+    // WriteDone means placed at the target; the target's own event may still be in
+    // its completion queue (RDMA acknowledges in hardware), so wait for both.
     p.pump("64 MiB write", |e| {
         count(
             &e[1],
             |x| matches!(x, Event::WriteDone { bytes, .. } if *bytes == 64 << 20),
         ) == 1
+            && count(&e[0], |x| matches!(x, Event::WriteReceived { imm: 64, .. })) >= 1
     });
     assert_eq!(
         count(&p.evs[0], |x| matches!(x, Event::WriteReceived { imm: 64, .. })),
