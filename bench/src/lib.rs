@@ -6,6 +6,8 @@
 
 use std::time::Duration;
 
+pub mod perf;
+
 /// Median of a non-empty sample (the mean of the middle two for even sizes).
 pub fn median(v: &[f64]) -> f64 {
     assert!(!v.is_empty(), "median of nothing");

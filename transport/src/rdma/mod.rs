@@ -46,6 +46,7 @@
 
 mod cm;
 pub mod device;
+pub mod raw;
 pub(crate) mod wire;
 
 use std::collections::{HashMap, VecDeque};
