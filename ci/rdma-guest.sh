@@ -3,7 +3,8 @@
 # binary given as an argument, one test at a time, then the README's main job
 # end to end over RDMA: `tidewire train --verify` with transport auto, which
 # must pick RDMA on rxe0. The end-to-end case reports in libtest's format so
-# that ci/test-rdma.sh counts it with the rest.
+# that ci/test-rdma.sh counts it with the rest. Then tidewire-perf against
+# Debian's perftest, both ways (ci/perf-guest.sh).
 set -u
 rc=0
 for b in "$@"; do
@@ -25,4 +26,6 @@ else
   echo "test result: FAILED. 0 passed; 1 failed; 0 ignored"
   rc=1
 fi
+echo "### tidewire-perf against perftest (ci/perf-guest.sh)"
+bash ci/perf-guest.sh || rc=1
 exit $rc

@@ -3,7 +3,8 @@
 # then runs them all inside one QEMU VM booted by ci/softroce-vm.sh, whose
 # kernel has rdma_rxe: rxe0 and rxe1 on the two ends of a veth pair. The
 # conformance suite runs across the veth (rxe1 -> rxe0) and on one device
-# (rxe0 -> rxe0), plus the RDMA-only cases.
+# (rxe0 -> rxe0), plus the RDMA-only cases, `tidewire train` over RDMA, and
+# tidewire-perf against Debian's perftest both ways (ci/perf-guest.sh).
 #
 # Ends with the plain line "N passed, M failed, K skipped". Exits non-zero if
 # any test fails, or if any test skips inside the VM (TIDEWIRE_REQUIRE_RDMA=1
@@ -38,7 +39,9 @@ for line in sys.stdin:
         print(m["executable"])')
 [ ${#BINS[@]} -eq 2 ] || { echo "expected 2 RDMA test binaries, built ${#BINS[@]}: ${BINS[*]}"; exit 1; }
 cargo build --release --locked -q --features rdma --bin tidewire </dev/null || { echo "release build failed"; exit 1; }
-echo "built in $((SECONDS - t0)) s: ${BINS[*]} target/release/tidewire"
+cargo build --release --locked -q -p tidewire-bench --features rdma --bin tidewire-perf </dev/null \
+  || { echo "tidewire-perf build failed"; exit 1; }
+echo "built in $((SECONDS - t0)) s: ${BINS[*]} target/release/tidewire target/release/tidewire-perf"
 
 LOG=target/softroce-tests.log
 mkdir -p target
