@@ -185,6 +185,9 @@ impl Opts {
         if self.duration.is_some() {
             flags |= 2;
         }
+        if self.report_gbits {
+            flags |= 4;
+        }
         Signature {
             test: self.test.id() | if self.transport == TransportKind::Tcp { 0x10 } else { 0 },
             qps: self.qps.min(255) as u8,
@@ -264,6 +267,24 @@ fn on(b: bool) -> &'static str {
     } else {
         "OFF"
     }
+}
+
+/// The client's BW report in this side's unit: a tidewire-perf client says its
+/// unit in its signature; perftest's does not, and its numbers are shown as sent
+/// (as perftest itself does).
+pub fn peer_row_in_our_unit(mut row: BwRow, peer: Option<Signature>, ours_gbits: bool) -> BwRow {
+    let Some(p) = peer else { return row };
+    let peer_gbits = p.flags & 4 != 0;
+    if peer_gbits != ours_gbits {
+        let (from, to) = if peer_gbits {
+            (stats::GBIT, stats::MB)
+        } else {
+            (stats::MB, stats::GBIT)
+        };
+        row.bw_peak *= from / to;
+        row.bw_average *= from / to;
+    }
+    row
 }
 
 /// perftest's separator line.
@@ -579,6 +600,23 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("needs tidewire-perf on both sides"));
+    }
+
+    #[test]
+    fn a_tidewire_clients_report_is_shown_in_the_servers_unit() {
+        let mut g = opts(Test::WriteBw);
+        g.report_gbits = true;
+        let row = BwRow {
+            bytes: 65536,
+            iterations: 10,
+            bw_peak: 8.0,
+            bw_average: 4.0,
+            msg_rate_mpps: 0.1,
+        };
+        let r = peer_row_in_our_unit(row, Some(g.signature()), false);
+        assert!((r.bw_average - 4.0 * stats::GBIT / stats::MB).abs() < 1e-9);
+        assert_eq!(peer_row_in_our_unit(row, None, false), row);
+        assert_eq!(peer_row_in_our_unit(row, Some(g.signature()), true), row);
     }
 
     #[test]

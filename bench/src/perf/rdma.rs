@@ -64,6 +64,7 @@ struct Run<'a> {
     with_gid: bool,
     setup: Setup,
     wcs: Vec<RawWc>,
+    peer_sig: Option<super::Signature>,
 }
 
 /// Runs the test `o` over RDMA; prints perftest's output; returns the rows.
@@ -93,6 +94,7 @@ pub fn run(o: &Opts) -> Result<(Vec<BwRow>, Vec<LatRow>), PerfError> {
     };
     let (_ver, sig) = oob.versions(o.signature())?;
     o.check_peer(sig)?;
+    let peer_sig = sig;
     oob.sys_data()?;
     let peer_mtu = oob.mtu(ep.mtu_code())?;
     let mtu_code = ep.mtu_code().min(peer_mtu);
@@ -133,6 +135,7 @@ pub fn run(o: &Opts) -> Result<(Vec<BwRow>, Vec<LatRow>), PerfError> {
         with_gid,
         setup,
         wcs: Vec::with_capacity(64),
+        peer_sig,
     };
     for i in 0..o.qps {
         let d = to_raw(&r.rem[i]);
@@ -262,6 +265,7 @@ impl Run<'_> {
                     bw_average: rep.bw_avg,
                     msg_rate_mpps: rep.msg_rate,
                 };
+                let row = super::peer_row_in_our_unit(row, self.peer_sig, o.report_gbits);
                 println!("{}", bw_columns(o.report_gbits));
                 println!("{}", bw_line(&row));
                 rows.push(row);

@@ -27,6 +27,7 @@ struct Run<'a> {
     peer: Option<RemoteRegion>,
     ev: Vec<Event>,
     setup: Setup,
+    peer_sig: Option<super::Signature>,
 }
 
 fn tcp_err(what: &str, e: Error) -> PerfError {
@@ -52,6 +53,7 @@ pub fn run(o: &Opts) -> Result<(Vec<BwRow>, Vec<LatRow>), PerfError> {
     };
     let (_v, sig) = oob.versions(o.signature())?;
     o.check_peer(sig)?;
+    let peer_sig = sig;
     oob.sys_data()?;
     oob.mtu(3)?;
     let max = o.max_size() as usize;
@@ -163,6 +165,7 @@ pub fn run(o: &Opts) -> Result<(Vec<BwRow>, Vec<LatRow>), PerfError> {
         peer: None,
         ev,
         setup,
+        peer_sig,
     };
     // Both sides need the peer's region descriptor before the test.
     let deadline = Instant::now() + o.timeout;
@@ -265,6 +268,7 @@ impl Run<'_> {
                     bw_average: rep.bw_avg,
                     msg_rate_mpps: rep.msg_rate,
                 };
+                let row = super::peer_row_in_our_unit(row, self.peer_sig, o.report_gbits);
                 println!("{}", bw_columns(o.report_gbits));
                 println!("{}", bw_line(&row));
                 rows.push(row);
