@@ -3,7 +3,8 @@
 # soft-RoCE VM run (ci/softroce-vm.sh), on the same device pair (rxe1 -> rxe0,
 # across the VM's veth).
 #
-# Usage: bench/compare-perftest.sh [--json FILE] [--png FILE] [--reps N] [--sizes "2 16 ..."] [--enforce]
+# Usage: bench/compare-perftest.sh [--json FILE] [--png FILE] [--reps N] [--sizes "2 16 ..."]
+#                                  [--tests "write_bw write_lat send_bw"] [--enforce]
 #
 # For each repetition, test (write_bw, write_lat, send_bw) and size, it runs
 # perftest (ib_<test> on both sides) and tidewire-perf (on both sides) one
@@ -25,6 +26,7 @@ JSON=$OUT/compare-perftest.json
 PNG=$OUT/compare-perftest.png
 REPS=3
 SIZES="2 16 128 1024 4096 16384 65536 262144 1048576"
+TESTS="write_bw write_lat send_bw"
 ENFORCE=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -32,12 +34,16 @@ while [ $# -gt 0 ]; do
     --png) PNG=$2; shift 2 ;;
     --reps) REPS=$2; shift 2 ;;
     --sizes) SIZES=$2; shift 2 ;;
+    --tests) TESTS=$2; shift 2 ;;
     --enforce) ENFORCE=(--enforce); shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n "2,22p" "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)"; exit 2 ;;
   esac
 done
 [[ "$REPS" =~ ^[1-9][0-9]*$ ]] || { echo "--reps $REPS: give a positive count"; exit 2; }
+for t in $TESTS; do
+  case "$t" in write_bw|write_lat|send_bw|send_lat|read_bw|read_lat) ;; *) echo "--tests: $t is not a perftest test"; exit 2 ;; esac
+done
 for s in $SIZES; do
   [[ "$s" =~ ^[0-9]+$ ]] && [ "$s" -ge 1 ] && [ "$s" -le 8388608 ] || { echo "--sizes: $s is not a size in 1..8388608"; exit 2; }
 done
@@ -50,9 +56,9 @@ RAW=$OUT/raw.tsv
 GUEST=$OUT/guest.sh
 cat >"$GUEST" <<'EOF'
 #!/usr/bin/env bash
-# Runs in the VM: REPS SIZES RAW
+# Runs in the VM: REPS SIZES RAW TESTS
 set -u
-REPS=$1; SIZES=$2; RAW=$3
+REPS=$1; SIZES=$2; RAW=$3; TESTS=$4
 P=target/release/tidewire-perf
 : >"$RAW"
 port=18600
@@ -88,7 +94,7 @@ one() { # tool test size -> prints the metric, or nothing
 }
 retries=0
 for rep in $(seq 1 "$REPS"); do
-  for t in write_bw write_lat send_bw; do
+  for t in $TESTS; do
     for s in $SIZES; do
       if [ $((rep % 2)) -eq 1 ]; then order="perftest ours"; else order="ours perftest"; fi
       for tool in $order; do
@@ -105,15 +111,19 @@ for rep in $(seq 1 "$REPS"); do
 done
 echo "retried runs: $retries"
 EOF
-echo "running $REPS repetitions of write_bw, write_lat, send_bw at sizes: $SIZES"
-bash ci/softroce-vm.sh --mem 1024 --timeout 3000 -- bash "$GUEST" "$REPS" "$SIZES" "$RAW"
+echo "running $REPS repetitions of $TESTS at sizes: $SIZES"
+bash ci/softroce-vm.sh --mem 1024 --timeout 3000 -- bash "$GUEST" "$REPS" "$SIZES" "$RAW" "$TESTS"
 vm=$?
 [ $vm -eq 0 ] || { echo "the VM run failed (exit $vm)"; exit 1; }
 echo
 echo "medians of $REPS repetitions (tidewire-perf / perftest, both sides each; soft-RoCE rxe1 -> rxe0 in a TCG VM):"
-target/release/tidewire-perf-report --input "$RAW" --json "$JSON" --png "$PNG" "${ENFORCE[@]}" \
-  --check write_bw:65536:ge:0.95 --check write_bw:1048576:ge:0.95 \
-  --check write_lat:2:le:1.10 --check write_lat:4096:le:1.10
+CHECKS=()
+has() { [[ " $TESTS " == *" $1 "* ]] && [[ " $SIZES " == *" $2 "* ]]; }
+has write_bw 65536 && CHECKS+=(--check write_bw:65536:ge:0.95)
+has write_bw 1048576 && CHECKS+=(--check write_bw:1048576:ge:0.95)
+has write_lat 2 && CHECKS+=(--check write_lat:2:le:1.10)
+has write_lat 4096 && CHECKS+=(--check write_lat:4096:le:1.10)
+target/release/tidewire-perf-report --input "$RAW" --json "$JSON" --png "$PNG" "${ENFORCE[@]}" ${CHECKS[@]+"${CHECKS[@]}"}
 rc=$?
 echo "raw results: $RAW; $((SECONDS - t0)) s in all"
 exit $rc

@@ -15,24 +15,32 @@ PORT=18515
 pass=0; fail=0
 out=$(mktemp -d)
 
-# case NAME SERVER-CMD CLIENT-CMD WANT-SERVER-ROW WANT-CLIENT-ROW
-case_() {
-  local name=$1 scmd=$2 ccmd=$3 want_s=$4 want_c=$5
+# launch SERVER-CMD CLIENT-CMD CLIENT-TIMEOUT: runs both on the next port, prints both
+# sides' output, and sets crc/src (exit codes) and el (seconds the client took).
+launch() {
+  local scmd=$1 ccmd=$2 tmo=$3
   PORT=$((PORT + 1))
-  echo "### $name"
   echo "--- server: $scmd -p $PORT"
   echo "--- client: $ccmd -p $PORT $SRV_IP"
   $scmd -p $PORT >"$out/s" 2>&1 &
   local sp=$!
   sleep 0.5
-  timeout 120 $ccmd -p $PORT "$SRV_IP" >"$out/c" 2>&1
-  local crc=$?
+  local t0=$SECONDS
+  timeout "$tmo" $ccmd -p $PORT "$SRV_IP" >"$out/c" 2>&1
+  crc=$?; el=$((SECONDS - t0))
   # perftest has no timeouts of its own: give the server 20 s more, then kill it.
   timeout 20 tail --pid=$sp -f /dev/null
   kill -9 $sp 2>/dev/null
   wait $sp
-  local src=$?
+  src=$?
   sed 's/^/[server] /' "$out/s"; sed 's/^/[client] /' "$out/c"
+}
+
+# case_ NAME SERVER-CMD CLIENT-CMD WANT-SERVER-ROW WANT-CLIENT-ROW
+case_() {
+  local name=$1 want_s=$4 want_c=$5
+  echo "### $name"
+  launch "$2" "$3" 120
   local ok=1 why=""
   [ $src -eq 0 ] || { ok=0; why+=" server exit $src;"; }
   [ $crc -eq 0 ] || { ok=0; why+=" client exit $crc;"; }
@@ -49,23 +57,12 @@ case_() {
 
 # case_error NAME SERVER-CMD CLIENT-CMD PATTERN: both sides must fail, saying PATTERN, within the timeout.
 case_error() {
-  local name=$1 scmd=$2 ccmd=$3 pat=$4
-  PORT=$((PORT + 1))
+  local name=$1 pat=$4
   echo "### $name"
-  $scmd -p $PORT >"$out/s" 2>&1 &
-  local sp=$!
-  sleep 0.5
-  local t0=$SECONDS
-  timeout 60 $ccmd -p $PORT "$SRV_IP" >"$out/c" 2>&1
-  local crc=$?
-  timeout 20 tail --pid=$sp -f /dev/null
-  kill -9 $sp 2>/dev/null
-  wait $sp
-  local src=$?
-  sed 's/^/[server] /' "$out/s"; sed 's/^/[client] /' "$out/c"
+  launch "$2" "$3" 60
   if [ $crc -ne 0 ] && [ $crc -ne 124 ] && [ $src -ne 0 ] && [ $src -ne 137 ] \
      && grep -qe "$pat" "$out/s" && grep -qe "$pat" "$out/c"; then
-    echo "test perftest_interop::$name ... ok ($((SECONDS - t0)) s)"; pass=$((pass + 1))
+    echo "test perftest_interop::$name ... ok ($el s)"; pass=$((pass + 1))
   else
     echo "test perftest_interop::$name ... FAILED (client exit $crc, server exit $src; wanted both to fail saying '$pat')"
     fail=$((fail + 1))
@@ -93,6 +90,9 @@ if python3 -c "import json,sys; d=json.load(open('$out/wbw.json')); r=d['all_res
 else
   echo "test perftest_interop::json_has_23_rows ... FAILED"; cat "$out/wbw.json"; fail=$((fail + 1))
 fi
+# Duration mode (-D): the same exchange, the client's report at the end.
+case_ "write_bw_duration_ours_client_perftest_server" "ib_write_bw $S $PT -D 2" "$P write_bw $C -D 2" 1 1
+case_ "write_bw_duration_perftest_client_ours_server" "$P write_bw $S -D 2" "ib_write_bw $C $PT -D 2" 1 1
 # Mismatched options between two tidewire-perf sides: named, at once.
 case_error "mismatch_test_and_size_refused" "$P write_bw $S -s 4096 -n 200" "$P send_bw $C -s 65536 -n 200" \
   "run with different options"

@@ -12,12 +12,14 @@
 #   5. doctor    tidewire doctor runs and explains itself
 #   6. example   examples/mlp: 3 processes train an MLP; the loss curve equals one process's
 #   7. train     the README's main job, short: tidewire train on the embedded default
-#   8. bench     short loopback comparison against iperf3 and std::net, the single-node
-#                engine overhead, and CPU aggregation against a STREAM triad (informational:
-#                performance is judged from full bench runs)
+#   8. bench     short loopback comparison against iperf3 and std::net, tidewire-perf over TCP
+#                against iperf3 (bench/compare-tcp.sh, one short round, with its plot), the
+#                single-node engine overhead, and CPU aggregation against a STREAM triad
+#                (informational: performance is judged from full bench runs)
 #   9. rdma-fallback  an `rdma` build where libibverbs is missing falls back to TCP and says why
 #  10. soft-roce  ci/test-rdma.sh: the RDMA conformance suite and RDMA-only cases on real rxe
-#                devices in a QEMU VM, and `tidewire train --verify` over RDMA
+#                devices in a QEMU VM, `tidewire train --verify` over RDMA, and tidewire-perf
+#                against Debian's perftest both ways (ci/perf-guest.sh)
 # The GPU tier says here when it skips, and why.
 # It ends with the plain line "N passed, M failed, K skipped" and exits non-zero on any failure.
 set -uo pipefail
@@ -50,7 +52,8 @@ command -v cc >/dev/null 2>&1 || need_pkgs+=(build-essential)
 # sideway (the `rdma` feature, built by --all-features) compiles rdma-core stubs with cmake
 # and generates bindings with libclang; libibverbs1 + ibverbs-providers are what it loads at
 # run time (the rdma-fallback tier hides them again to prove the TCP fallback).
-for p in cmake libclang-dev libibverbs1 ibverbs-providers; do
+# fonts-dejavu-core: the font tidewire-perf-report draws its plots with.
+for p in cmake libclang-dev libibverbs1 ibverbs-providers fonts-dejavu-core; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need_pkgs+=("$p")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
@@ -101,6 +104,7 @@ bench() {
   cargo build --release --locked -q -p tidewire-bench --bin tidewire-loopback --bin tidewire-overhead || return 1
   timeout 300 target/release/tidewire-loopback compare --runs 3 --secs 1 --iters 3000 --json target/loopback-compare.json \
     && timeout 300 target/release/tidewire-overhead --model googlenet --reps 1 --iters 5 --json target/overhead.json \
+    && timeout 300 bash bench/compare-tcp.sh --reps 1 --secs 1 \
     && timeout 300 cargo run --release --locked -q -- bench aggregate --json > target/aggregate.json \
     && grep -E '"(cpu_sum_gbps|triad_gbps|ratio)"' target/aggregate.json
 }

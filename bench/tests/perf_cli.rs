@@ -198,6 +198,8 @@ fn bad_flags_are_usage_errors() {
         (vec!["read_bw", "--transport", "tcp", "-n", "10"], "no one-sided read"),
         (vec!["write_bw", "--transport", "udp"], "invalid value"),
         (vec!["write_bw", "-q", "2", "--transport", "tcp"], "use -q 1"),
+        (vec!["write_lat", "-D", "2"], "use -n"),
+        (vec!["write_bw", "-D", "2", "-n", "100"], "cannot be used with"),
     ] {
         let o = Command::new(bin()).args(&args).output().unwrap();
         assert!(!o.status.success(), "{args:?} succeeded");

@@ -53,6 +53,8 @@ struct Row {
     peer: String,
     peer_value: f64,
     ratio: f64,
+    /// The median of ours/peer within each repetition (the two ran back to back).
+    paired_ratio: Option<f64>,
     unit: &'static str,
     runs_ours: usize,
     runs_peer: usize,
@@ -78,7 +80,8 @@ fn main() -> ExitCode {
     }
 }
 
-type Samples = BTreeMap<(String, u64), BTreeMap<String, Vec<f64>>>;
+/// (test, bytes) -> tool -> (repetition, value).
+type Samples = BTreeMap<(String, u64), BTreeMap<String, Vec<(String, f64)>>>;
 
 fn parse(text: &str) -> Result<Samples, String> {
     let mut s: Samples = BTreeMap::new();
@@ -103,7 +106,7 @@ fn parse(text: &str) -> Result<Samples, String> {
             .or_default()
             .entry(f[2].to_string())
             .or_default()
-            .push(v);
+            .push((f[3].to_string(), v));
     }
     Ok(s)
 }
@@ -113,7 +116,12 @@ fn rows(s: &Samples) -> Vec<Row> {
     for ((test, bytes), tools) in s {
         let Some(ours) = tools.get("ours") else { continue };
         for (peer, pv) in tools.iter().filter(|(k, _)| k.as_str() != "ours") {
-            let (o, p) = (median(ours), median(pv));
+            let vals = |v: &Vec<(String, f64)>| v.iter().map(|x| x.1).collect::<Vec<f64>>();
+            let (o, p) = (median(&vals(ours)), median(&vals(pv)));
+            let paired: Vec<f64> = ours
+                .iter()
+                .filter_map(|(rep, a)| pv.iter().find(|(r, _)| r == rep).map(|(_, b)| a / b))
+                .collect();
             out.push(Row {
                 test: test.clone(),
                 bytes: *bytes,
@@ -121,6 +129,7 @@ fn rows(s: &Samples) -> Vec<Row> {
                 peer: peer.clone(),
                 peer_value: p,
                 ratio: o / p,
+                paired_ratio: (!paired.is_empty()).then(|| median(&paired)),
                 unit: unit(test),
                 runs_ours: ours.len(),
                 runs_peer: pv.len(),
@@ -141,22 +150,24 @@ fn run(cli: &Cli) -> Result<bool, String> {
         ));
     }
     println!(
-        "{:<10} {:>8}  {:>12}  {:>12}  {:>7}  {:>4}  unit",
-        "test", "bytes", "ours", "peer", "ratio", "runs"
+        "{:<10} {:>8}  {:>12}  {:>12}  {:>7}  {:>7}  {:>4}  unit",
+        "test", "bytes", "ours", "peer", "ratio", "paired", "runs"
     );
     for r in &rows {
         println!(
-            "{:<10} {:>8}  {:>12.3}  {:>12.3}  {:>7.3}  {:>4}  {} (peer: {})",
+            "{:<10} {:>8}  {:>12.3}  {:>12.3}  {:>7.3}  {:>7}  {:>4}  {} (peer: {})",
             r.test,
             r.bytes,
             r.ours,
             r.peer_value,
             r.ratio,
+            r.paired_ratio.map(|x| format!("{x:.3}")).unwrap_or_else(|| "-".into()),
             r.runs_ours.min(r.runs_peer),
             r.unit,
             r.peer
         );
     }
+    println!("ratio: median(ours) / median(peer); paired: the median of ours/peer within each repetition");
     let mut all_ok = true;
     let mut checks = Vec::new();
     for c in &cli.checks {
@@ -192,7 +203,7 @@ fn run(cli: &Cli) -> Result<bool, String> {
         let j = serde_json::json!({
             "rows": rows.iter().map(|r| {
                 let mut m = serde_json::json!({
-                    "test": r.test, "bytes": r.bytes, "ours": r.ours, "ratio": r.ratio,
+                    "test": r.test, "bytes": r.bytes, "ours": r.ours, "ratio": r.ratio, "paired_ratio": r.paired_ratio,
                     "peer": r.peer, "unit": r.unit, "runs_ours": r.runs_ours, "runs_peer": r.runs_peer,
                 });
                 m[r.peer.as_str()] = serde_json::json!(r.peer_value);
@@ -311,6 +322,8 @@ mod tests {
         let r = rows(&parse(t).unwrap());
         assert_eq!(r.len(), 1);
         assert_eq!((r[0].ours, r[0].peer_value, r[0].ratio), (44.0, 44.0, 1.0));
+        // Per repetition: 40/50, 48/40, 44/44 -> median 1.0.
+        assert_eq!(r[0].paired_ratio, Some(1.0));
         assert_eq!(r[0].runs_ours, 3);
     }
 

@@ -157,6 +157,12 @@ fn opts(test: Test, f: Flags) -> Result<Opts, PerfError> {
             return bad(format!("-D {d}: give a duration in seconds, above 0"));
         }
     }
+    if f.duration.is_some() && !test.is_bw() {
+        return bad(format!(
+            "-D with {}: latency tests run a number of round trips; use -n",
+            test.name()
+        ));
+    }
     let iters = f.iters.unwrap_or(if test.is_bw() { 5000 } else { 1000 });
     if iters < 5 {
         return bad(format!("-n {iters}: at least 5 iterations"));

@@ -287,6 +287,38 @@ pub fn peer_row_in_our_unit(mut row: BwRow, peer: Option<Signature>, ours_gbits:
     row
 }
 
+/// The end of write_bw and read_bw: the client sends its last row, the server
+/// prints it (perftest's xchg_bw_reports) and returns it.
+pub fn exchange_report(
+    oob: &mut Oob,
+    mine: &BwRow,
+    server: bool,
+    peer: Option<Signature>,
+    ours_gbits: bool,
+) -> Result<Option<BwRow>, PerfError> {
+    let rep = oob.report(&BwReport {
+        size: mine.bytes,
+        iters: mine.iterations,
+        bw_peak: mine.bw_peak,
+        bw_avg: mine.bw_average,
+        msg_rate: mine.msg_rate_mpps,
+    })?;
+    if !server {
+        return Ok(None);
+    }
+    let row = BwRow {
+        bytes: rep.size,
+        iterations: rep.iters,
+        bw_peak: rep.bw_peak,
+        bw_average: rep.bw_avg,
+        msg_rate_mpps: rep.msg_rate,
+    };
+    let row = peer_row_in_our_unit(row, peer, ours_gbits);
+    println!("{}", bw_columns(ours_gbits));
+    println!("{}", bw_line(&row));
+    Ok(Some(row))
+}
+
 /// perftest's separator line.
 pub const DASHES: &str = "---------------------------------------------------------------------------------------";
 

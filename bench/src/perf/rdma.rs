@@ -64,6 +64,7 @@ struct Run<'a> {
     with_gid: bool,
     setup: Setup,
     wcs: Vec<RawWc>,
+    empty_polls: u64,
     peer_sig: Option<super::Signature>,
 }
 
@@ -135,6 +136,7 @@ pub fn run(o: &Opts) -> Result<(Vec<BwRow>, Vec<LatRow>), PerfError> {
         with_gid,
         setup,
         wcs: Vec::with_capacity(64),
+        empty_polls: 0,
         peer_sig,
     };
     for i in 0..o.qps {
@@ -191,12 +193,17 @@ impl Run<'_> {
         self.wcs.clear();
         let n = self.ep.poll(&mut self.wcs)?;
         if n > 0 {
+            self.empty_polls = 0;
             *since = Instant::now();
-        } else if since.elapsed() > self.o.timeout {
-            return Err(PerfError::new(format!(
-                "{what}: no completion for {:.0} s (the peer stopped, or runs different options)",
-                self.o.timeout.as_secs_f64()
-            )));
+        } else {
+            // Read the clock only now and then: it would slow the busy poll down.
+            self.empty_polls += 1;
+            if self.empty_polls % 1024 == 0 && since.elapsed() > self.o.timeout {
+                return Err(PerfError::new(format!(
+                    "{what}: no completion for {:.0} s (the peer stopped, or runs different options)",
+                    self.o.timeout.as_secs_f64()
+                )));
+            }
         }
         for wc in &self.wcs {
             if wc.status != 0 {
@@ -250,24 +257,7 @@ impl Run<'_> {
             } else {
                 self.sync("telling the server the test is over", Some(o.timeout))?;
             }
-            let rep = self.oob.report(&super::BwReport {
-                size: mine.bytes,
-                iters: mine.iterations,
-                bw_peak: mine.bw_peak,
-                bw_avg: mine.bw_average,
-                msg_rate: mine.msg_rate_mpps,
-            })?;
-            if server {
-                let row = BwRow {
-                    bytes: rep.size,
-                    iterations: rep.iters,
-                    bw_peak: rep.bw_peak,
-                    bw_average: rep.bw_avg,
-                    msg_rate_mpps: rep.msg_rate,
-                };
-                let row = super::peer_row_in_our_unit(row, self.peer_sig, o.report_gbits);
-                println!("{}", bw_columns(o.report_gbits));
-                println!("{}", bw_line(&row));
+            if let Some(row) = super::exchange_report(&mut self.oob, &mine, server, self.peer_sig, o.report_gbits)? {
                 rows.push(row);
             }
         }
@@ -491,7 +481,6 @@ impl Run<'_> {
                             o.timeout.as_secs_f64()
                         )));
                     }
-                    std::hint::spin_loop();
                 }
             }
             if scnt < iters {
@@ -528,30 +517,11 @@ impl Run<'_> {
         let (mut scnt, mut rcnt) = (0u64, 0u64);
         let mut reposted = o.rx_depth as u64;
         let what = format!("send_lat of {size} bytes");
-        let mut pending_recv = 0u64;
-        let mut pending_send = 0u64;
+        // Completions seen and not yet consumed: [receives, sends].
+        let mut pending = [0u64; 2];
         while scnt < iters || rcnt < iters {
             if rcnt < iters && !(scnt < 1 && client) {
-                let mut since = Instant::now();
-                while pending_recv == 0 {
-                    self.poll(&what, &mut since)?;
-                    let wcs = std::mem::take(&mut self.wcs);
-                    for w in &wcs {
-                        if w.wr_id & RECV_BIT != 0 {
-                            pending_recv += 1;
-                            if reposted < iters {
-                                let k = reposted;
-                                reposted += 1;
-                                self.ep
-                                    .post_recv(0, &[(RECV_BIT | k, self.ep.target_offset(0), size.max(1) as u32)])?;
-                            }
-                        } else {
-                            pending_send += 1;
-                        }
-                    }
-                    self.wcs = wcs;
-                }
-                pending_recv -= 1;
+                self.send_lat_wait(&what, size, &mut pending, 0, &mut reposted)?;
                 rcnt += 1;
             }
             if scnt < iters {
@@ -569,29 +539,44 @@ impl Run<'_> {
                 };
                 self.ep.post_send(0, &[wr])?;
                 // One send in flight at a time (tx depth 1), as perftest.
-                let mut since = Instant::now();
-                while pending_send == 0 {
-                    self.poll(&what, &mut since)?;
-                    let wcs = std::mem::take(&mut self.wcs);
-                    for w in &wcs {
-                        if w.wr_id & RECV_BIT != 0 {
-                            pending_recv += 1;
-                            if reposted < iters {
-                                let k = reposted;
-                                reposted += 1;
-                                self.ep
-                                    .post_recv(0, &[(RECV_BIT | k, self.ep.target_offset(0), size.max(1) as u32)])?;
-                            }
-                        } else {
-                            pending_send += 1;
-                        }
-                    }
-                    self.wcs = wcs;
-                }
-                pending_send -= 1;
+                self.send_lat_wait(&what, size, &mut pending, 1, &mut reposted)?;
             }
         }
         Ok(stats::lat(size, &posted, 2.0))
+    }
+
+    /// send_lat: polls until a completion of `kind` (0 receive, 1 send) is pending and
+    /// consumes it; reposts each receive while more messages are due.
+    fn send_lat_wait(
+        &mut self,
+        what: &str,
+        size: u64,
+        pending: &mut [u64; 2],
+        kind: usize,
+        reposted: &mut u64,
+    ) -> Result<(), PerfError> {
+        let iters = self.lat_iters();
+        let mut since = Instant::now();
+        while pending[kind] == 0 {
+            self.poll(what, &mut since)?;
+            let wcs = std::mem::take(&mut self.wcs);
+            for w in &wcs {
+                if w.wr_id & RECV_BIT != 0 {
+                    pending[0] += 1;
+                    if *reposted < iters {
+                        let k = *reposted;
+                        *reposted += 1;
+                        self.ep
+                            .post_recv(0, &[(RECV_BIT | k, self.ep.target_offset(0), size.max(1) as u32)])?;
+                    }
+                } else {
+                    pending[1] += 1;
+                }
+            }
+            self.wcs = wcs;
+        }
+        pending[kind] -= 1;
+        Ok(())
     }
 
     fn read_lat(&mut self, size: u64) -> Result<LatRow, PerfError> {

@@ -253,24 +253,7 @@ impl Run<'_> {
         }
         if o.test == Test::WriteBw {
             let mine = rows.last().copied().unwrap_or_default();
-            let rep = self.oob.report(&super::BwReport {
-                size: mine.bytes,
-                iters: mine.iterations,
-                bw_peak: mine.bw_peak,
-                bw_avg: mine.bw_average,
-                msg_rate: mine.msg_rate_mpps,
-            })?;
-            if server {
-                let row = BwRow {
-                    bytes: rep.size,
-                    iterations: rep.iters,
-                    bw_peak: rep.bw_peak,
-                    bw_average: rep.bw_avg,
-                    msg_rate_mpps: rep.msg_rate,
-                };
-                let row = super::peer_row_in_our_unit(row, self.peer_sig, o.report_gbits);
-                println!("{}", bw_columns(o.report_gbits));
-                println!("{}", bw_line(&row));
+            if let Some(row) = super::exchange_report(&mut self.oob, &mine, server, self.peer_sig, o.report_gbits)? {
                 rows.push(row);
             }
         }

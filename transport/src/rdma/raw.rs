@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
-use sideway::ibverbs::completion::{BasicCompletionQueue, GenericCompletionQueue};
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionQueue, GenericCompletionQueue};
 use sideway::ibverbs::device_context::{LinkLayer, Mtu};
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
@@ -39,6 +39,9 @@ use super::device::{self, DeviceChoice};
 use super::{io_of, mtu_code, mtu_from_bytes, mtu_of_code, verbs};
 use crate::error::{Error, Result};
 use crate::memory::{page_size, PinOptions, PinnedBuffer};
+
+/// Completions taken per `ibv_poll_cq` call.
+const POLL_BATCH: usize = 32;
 
 /// What a [`RawEndpoint`] opens.
 #[derive(Debug, Clone)]
@@ -165,6 +168,8 @@ pub struct RawEndpoint {
     psns: Vec<u32>,
     mr: Arc<MemoryRegion>,
     buf: PinnedBuffer,
+    /// Reused work-completion array for `ibv_poll_cq` (no allocation per poll).
+    wc_buf: Vec<rdma_mummy_sys::ibv_wc>,
     cq: Arc<BasicCompletionQueue>,
     _pd: Arc<ProtectionDomain>,
     dev: device::Selected,
@@ -274,6 +279,7 @@ impl RawEndpoint {
             psns,
             mr,
             buf,
+            wc_buf: Vec::with_capacity(POLL_BATCH),
             cq,
             _pd: pd,
             dev,
@@ -478,27 +484,37 @@ impl RawEndpoint {
     }
 
     /// Polls the completion queue once (up to 32 completions), appending to `out`.
+    /// One `ibv_poll_cq` into a reused array: nothing is allocated per poll.
     pub fn poll(&mut self, out: &mut Vec<RawWc>) -> Result<usize> {
-        match self.cq.start_poll() {
-            Ok(p) => {
-                let before = out.len();
-                for wc in p {
-                    let status = wc.status();
-                    let ok = status == 0;
-                    out.push(RawWc {
-                        wr_id: wc.wr_id(),
-                        status,
-                        vendor_err: wc.vendor_err(),
-                        opcode: if ok { wc.opcode() } else { 0 },
-                        byte_len: if ok { wc.byte_len() } else { 0 },
-                        imm: if ok { wc.imm_data() } else { 0 },
-                    });
-                }
-                Ok(out.len() - before)
-            }
-            Err(sideway::ibverbs::completion::PollCompletionQueueError::CompletionQueueEmpty) => Ok(0),
-            Err(e) => Err(verbs("ibv_poll_cq", &self.dev.name, io_of(e))),
+        self.wc_buf.clear();
+        // SAFETY: the CQ outlives this call (the endpoint owns it), and the array has room
+        // for POLL_BATCH entries, which is all ibv_poll_cq may write.
+        let n =
+            unsafe { rdma_mummy_sys::ibv_poll_cq(self.cq.cq().as_ptr(), POLL_BATCH as i32, self.wc_buf.as_mut_ptr()) };
+        if n < 0 {
+            return Err(verbs(
+                "ibv_poll_cq",
+                &self.dev.name,
+                std::io::Error::from_raw_os_error(-n),
+            ));
         }
+        // SAFETY: ibv_poll_cq initialized the first n entries (0 <= n <= POLL_BATCH).
+        unsafe { self.wc_buf.set_len(n as usize) };
+        for wc in &self.wc_buf {
+            let ok = wc.status == 0;
+            // SAFETY: a union of two u32s, so any bits are valid; imm_data is the member the
+            // verbs fill for receives with an immediate (raw, as sideway passes it when posting).
+            let imm = unsafe { wc.imm_data_invalidated_rkey_union.imm_data };
+            out.push(RawWc {
+                wr_id: wc.wr_id,
+                status: wc.status,
+                vendor_err: wc.vendor_err,
+                opcode: if ok { wc.opcode } else { 0 },
+                byte_len: if ok { wc.byte_len } else { 0 },
+                imm: if ok { imm } else { 0 },
+            });
+        }
+        Ok(n as usize)
     }
 
     /// The buffer's length in bytes.
