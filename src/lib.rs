@@ -27,6 +27,7 @@ pub mod error;
 pub mod plan;
 pub mod rendezvous;
 pub mod session;
+pub mod sim;
 pub mod train;
 
 pub use error::{Error, Result};

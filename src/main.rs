@@ -53,6 +53,8 @@ enum Cmd {
     /// One rank of `train` (started by `train`; the cluster comes from TIDEWIRE_* variables).
     #[command(hide = true)]
     TrainNode(TrainArgs),
+    /// Simulate a cluster: the engine's own core on a discrete-event network (any scale).
+    Sim(tidewire::sim::SimArgs),
     /// Microbenchmarks of this machine.
     Bench {
         #[command(subcommand)]
@@ -181,6 +183,17 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Cmd::Sim(args) => match tidewire::sim::run(&args) {
+            Ok(r) => {
+                if args.json {
+                    println!("{}", serde_json::to_string_pretty(&r).expect("serializable"));
+                } else {
+                    print!("{}", tidewire::sim::render(&r));
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(e),
+        },
         Cmd::TrainNode(args) => match tidewire::train::run_node(&args) {
             Ok(r) => {
                 println!("result {}", serde_json::to_string(&r).expect("serializable"));

@@ -1,0 +1,286 @@
+//! `tidewire sim`: the engine's own sans-IO core ([`tidewire_engine::sim`])
+//! driven by a discrete-event network of full-duplex NICs, at any scale.
+//!
+//! ```text
+//! tidewire sim --model vgg19 --nodes 16 --bandwidth 10gbit --sync full --json
+//! tidewire sim --model resnet-50 --workers 4 --servers 4 --bandwidth 5gbit --sync p3
+//! ```
+//!
+//! Every rank's NIC has one link's bandwidth in each direction, shared fairly
+//! by the transfers queued on it, and every transfer pays the latency. The
+//! report has the iteration time, the throughput in samples per second, and
+//! the speedup over one node of the same profile (which syncs only with itself:
+//! its iteration is its compute plus the local sync of the last layer).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Args;
+use serde::Serialize;
+use tidewire_engine::book::{Book, BookConfig, Cluster};
+use tidewire_engine::config::{Consistency, SyncMode};
+use tidewire_engine::models::{self, Model};
+use tidewire_engine::sim::{Sim, SimConfig, SimReport};
+
+use crate::error::{Error, Result};
+
+/// Flags of `tidewire sim`.
+#[derive(Args, Debug, Clone)]
+pub struct SimArgs {
+    /// Model profile: vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet.
+    #[arg(long, default_value = "vgg19")]
+    pub model: String,
+    /// Nodes, each a worker and a server (P1 = P2 = nodes), as in Poseidon's runs.
+    #[arg(long, conflicts_with_all = ["workers", "servers"])]
+    pub nodes: Option<usize>,
+    /// Workers (P1), with --servers, on separate nodes.
+    #[arg(long, requires = "servers")]
+    pub workers: Option<usize>,
+    /// Servers (P2), with --workers.
+    #[arg(long, requires = "workers")]
+    pub servers: Option<usize>,
+    /// Link bandwidth per direction: e.g. 10gbit, 40gbe, 56gbit, 500mbit, or bits/s.
+    #[arg(long, default_value = "10gbit", value_parser = parse_bandwidth)]
+    pub bandwidth: f64,
+    /// One-way latency per transfer in microseconds.
+    #[arg(long, default_value_t = 5.0)]
+    pub latency_us: f64,
+    /// fifo-ps, wfbp, hybrid, p3 or full.
+    #[arg(long, default_value = "full", value_parser = parse_sync)]
+    pub sync: String,
+    /// bsp, or ssp:S.
+    #[arg(long, default_value = "bsp")]
+    pub consistency: String,
+    /// Iterations.
+    #[arg(long, default_value_t = 10)]
+    pub iters: u64,
+    /// Batch size K per worker (default: the profile's).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Multiplies every layer's compute time (time dilation uses the same factor on bandwidth).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Credit window in bytes (default: the engine's).
+    #[arg(long)]
+    pub credit_bytes: Option<usize>,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_sync(s: &str) -> std::result::Result<String, String> {
+    SyncMode::parse(s)
+        .map(|m| m.name().to_string())
+        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, p3 or full".into())
+}
+
+/// Parses a bandwidth: `10gbit`, `10gbe`, `10g`, `500mbit`, `2.5gbit/s`, or plain bits per second.
+pub fn parse_bandwidth(s: &str) -> std::result::Result<f64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let t = t.strip_suffix("/s").unwrap_or(&t);
+    let (num, mult) = [
+        ("gbit", 1e9),
+        ("gbe", 1e9),
+        ("gb", 1e9),
+        ("g", 1e9),
+        ("mbit", 1e6),
+        ("mb", 1e6),
+        ("m", 1e6),
+        ("kbit", 1e3),
+        ("k", 1e3),
+    ]
+    .iter()
+    .find_map(|(suf, m)| t.strip_suffix(suf).map(|n| (n, *m)))
+    .unwrap_or((t, 1.0));
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?}: give a bandwidth like 10gbit, 40gbe or 500mbit"))?;
+    let bps = v * mult;
+    if !(bps.is_finite() && bps >= 1e3) {
+        return Err(format!("{s:?}: give at least 1 kbit/s"));
+    }
+    Ok(bps)
+}
+
+/// What `tidewire sim` reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct SimResult {
+    pub model: String,
+    pub sync: String,
+    pub consistency: String,
+    pub workers: usize,
+    pub servers: usize,
+    pub colocated: bool,
+    pub bandwidth_gbps: f64,
+    pub latency_us: f64,
+    pub batch: usize,
+    pub iters: u64,
+    /// Mean virtual seconds per iteration.
+    pub iteration_s: f64,
+    /// Samples per virtual second over all workers.
+    pub throughput_samples_s: f64,
+    /// Throughput over one node of the same profile.
+    pub speedup: f64,
+    /// One node's iteration, s.
+    pub single_node_iteration_s: f64,
+    /// The compute alone, per iteration, s.
+    pub compute_s: f64,
+    /// Mean time a worker was blocked per iteration, s.
+    pub blocked_s: f64,
+    /// Events the simulator processed.
+    pub events: u64,
+    /// Wall-clock seconds the simulation took here.
+    pub wall_s: f64,
+}
+
+fn consistency_of(s: &str) -> Result<Consistency> {
+    if s == "bsp" {
+        return Ok(Consistency::Bsp);
+    }
+    s.strip_prefix("ssp:")
+        .and_then(|n| n.parse().ok())
+        .map(Consistency::Ssp)
+        .ok_or_else(|| Error::Cluster(format!("--consistency {s:?}: use bsp or ssp:S (e.g. ssp:2)")))
+}
+
+fn one_run(model: &Model, cluster: Cluster, args: &SimArgs, mode: SyncMode, batch: usize) -> Result<SimReport> {
+    let book = Book::new(
+        cluster,
+        model.layers.clone(),
+        mode.book_config(BookConfig {
+            batch,
+            ..Default::default()
+        }),
+    )
+    .map_err(|e| Error::Cluster(e.to_string()))?;
+    let times: Vec<(u64, u64)> = model
+        .layer_times(batch, args.time_scale)
+        .iter()
+        .map(|(f, b)| (f.as_nanos() as u64, b.as_nanos() as u64))
+        .collect();
+    let mut cfg = SimConfig::new(Arc::new(book), mode, times, args.iters);
+    cfg.bandwidth_bps = args.bandwidth;
+    cfg.latency_ns = (args.latency_us * 1000.0).round() as u64;
+    cfg.gemm_flops = model.calibrated_flop_rate() / args.time_scale.max(1e-9);
+    cfg.sched.consistency = consistency_of(&args.consistency)?;
+    if let Some(c) = args.credit_bytes {
+        cfg.sched.credit_bytes = c;
+    }
+    Sim::run(cfg).map_err(Error::Cluster)
+}
+
+/// Runs the simulation (and the one-node reference for the speedup).
+pub fn run(args: &SimArgs) -> Result<SimResult> {
+    let model = models::profile(&args.model).ok_or_else(|| {
+        Error::Cluster(format!(
+            "unknown model {:?}; known: {}",
+            args.model,
+            models::NAMES.join(", ")
+        ))
+    })?;
+    if args.iters == 0 {
+        return Err(Error::Cluster("--iters must be at least 1".into()));
+    }
+    if !(args.latency_us >= 0.0 && args.latency_us.is_finite()) {
+        return Err(Error::Cluster("--latency-us must be a finite number ≥ 0".into()));
+    }
+    if !(args.time_scale > 0.0 && args.time_scale.is_finite()) {
+        return Err(Error::Cluster("--time-scale must be a finite number > 0".into()));
+    }
+    let (workers, servers, colocated) = match (args.nodes, args.workers, args.servers) {
+        (Some(n), _, _) => (n, n, true),
+        (None, Some(w), Some(s)) => (w, s, false),
+        _ => (1, 1, true),
+    };
+    if workers == 0 || servers == 0 || workers > 4096 || servers > 4096 {
+        return Err(Error::Cluster(format!(
+            "{workers} workers and {servers} servers: give 1 to 4096 of each"
+        )));
+    }
+    let mode = SyncMode::parse(&args.sync).expect("validated by clap");
+    let batch = args.batch.unwrap_or(model.batch);
+    let cluster = if colocated {
+        Cluster::colocated(workers)
+    } else {
+        Cluster::split(workers, servers)
+    }
+    .map_err(|e| Error::Cluster(e.to_string()))?;
+    let t0 = Instant::now();
+    let rep = one_run(&model, cluster, args, mode, batch)?;
+    let single = one_run(
+        &model,
+        Cluster::colocated(1).map_err(|e| Error::Cluster(e.to_string()))?,
+        args,
+        mode,
+        batch,
+    )?;
+    let compute_s = model.iteration_compute(batch, args.time_scale).as_secs_f64();
+    let throughput = workers as f64 * batch as f64 / rep.iteration_s;
+    let single_tp = batch as f64 / single.iteration_s;
+    Ok(SimResult {
+        model: args.model.clone(),
+        sync: mode.name().into(),
+        consistency: args.consistency.clone(),
+        workers,
+        servers,
+        colocated,
+        bandwidth_gbps: args.bandwidth / 1e9,
+        latency_us: args.latency_us,
+        batch,
+        iters: args.iters,
+        iteration_s: rep.iteration_s,
+        throughput_samples_s: throughput,
+        speedup: throughput / single_tp,
+        single_node_iteration_s: single.iteration_s,
+        compute_s,
+        blocked_s: rep.wait_s,
+        events: rep.events,
+        wall_s: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// The text report.
+pub fn render(r: &SimResult) -> String {
+    format!(
+        "sim {model}: {w} workers, {s} servers{col}, {bw:.3} Gbit/s, {lat} µs, {sync} {cons}, batch {k}, {it} iterations\n\
+         iteration        {its:.4} s (compute {cs:.4} s, blocked {bs:.4} s)\n\
+         throughput       {tp:.1} samples/s\n\
+         speedup          {sp:.2}x over one node ({one:.4} s per iteration)\n\
+         simulated in     {wall:.2} s ({ev} events)\n",
+        model = r.model,
+        w = r.workers,
+        s = r.servers,
+        col = if r.colocated { " (colocated)" } else { "" },
+        bw = r.bandwidth_gbps,
+        lat = r.latency_us,
+        sync = r.sync,
+        cons = r.consistency,
+        k = r.batch,
+        it = r.iters,
+        its = r.iteration_s,
+        cs = r.compute_s,
+        bs = r.blocked_s,
+        tp = r.throughput_samples_s,
+        sp = r.speedup,
+        one = r.single_node_iteration_s,
+        wall = r.wall_s,
+        ev = r.events,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bandwidths_parse() {
+        assert_eq!(parse_bandwidth("10gbit").unwrap(), 10e9);
+        assert_eq!(parse_bandwidth("40GbE").unwrap(), 40e9);
+        assert_eq!(parse_bandwidth("2.5gbit/s").unwrap(), 2.5e9);
+        assert_eq!(parse_bandwidth("500mbit").unwrap(), 500e6);
+        assert_eq!(parse_bandwidth("1000000").unwrap(), 1e6);
+        assert!(parse_bandwidth("fast").is_err());
+        assert!(parse_bandwidth("0gbit").is_err());
+    }
+}

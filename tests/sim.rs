@@ -1,0 +1,102 @@
+//! `tidewire sim`: the engine core on a simulated network, from the command line.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn sim(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tidewire"))
+        .arg("sim")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn json(args: &[&str]) -> Value {
+    let mut a = args.to_vec();
+    a.push("--json");
+    let out = sim(&a);
+    assert!(
+        out.status.success(),
+        "{:?}: {}",
+        args,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+#[test]
+fn one_node_is_its_compute_and_speedup_one() {
+    let j = json(&["--model", "googlenet", "--nodes", "1", "--iters", "2"]);
+    let (it, compute) = (j["iteration_s"].as_f64().unwrap(), j["compute_s"].as_f64().unwrap());
+    // The compute, plus the local sync of the last layer (microseconds).
+    assert!(it >= compute && (it - compute) / compute < 1e-3, "{j}");
+    assert!((j["speedup"].as_f64().unwrap() - 1.0).abs() < 1e-9);
+    let tp = j["throughput_samples_s"].as_f64().unwrap();
+    assert!((tp - j["batch"].as_f64().unwrap() / it).abs() < 1e-6);
+}
+
+#[test]
+fn hybcomm_needs_less_bandwidth_than_the_ps_for_vgg19() {
+    // Poseidon's effect: at 2 Gbit/s, 16 nodes, full (WFBP + HybComm) scales far
+    // better than WFBP alone; at 30 Gbit/s both are near linear.
+    let s = |sync: &str, bw: &str| {
+        json(&[
+            "--model",
+            "vgg19",
+            "--nodes",
+            "16",
+            "--bandwidth",
+            bw,
+            "--sync",
+            sync,
+            "--iters",
+            "3",
+        ])["speedup"]
+            .as_f64()
+            .unwrap()
+    };
+    let (wfbp2, full2) = (s("wfbp", "2gbit"), s("full", "2gbit"));
+    assert!(full2 > 2.0 * wfbp2, "full {full2} vs wfbp {wfbp2} at 2 Gbit/s");
+    assert!(s("full", "30gbit") > 15.0);
+    assert!(s("wfbp", "30gbit") > 15.0);
+}
+
+#[test]
+fn separate_workers_and_servers() {
+    let j = json(&[
+        "--model",
+        "resnet-50",
+        "--workers",
+        "4",
+        "--servers",
+        "2",
+        "--sync",
+        "p3",
+        "--iters",
+        "2",
+    ]);
+    assert_eq!(
+        (j["workers"].as_u64(), j["servers"].as_u64(), j["colocated"].as_bool()),
+        (Some(4), Some(2), Some(false))
+    );
+    assert!(j["speedup"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn bad_flags_are_clear_errors() {
+    for (args, want) in [
+        (vec!["--model", "lenet"], "unknown model"),
+        (vec!["--bandwidth", "fast"], "give a bandwidth like"),
+        (vec!["--sync", "ring"], "use fifo-ps, wfbp"),
+        (vec!["--nodes", "0"], "give 1 to 4096"),
+        (vec!["--workers", "4"], "--servers"),
+        (vec!["--consistency", "ssp"], "use bsp or ssp:S"),
+        (vec!["--iters", "0"], "at least 1"),
+    ] {
+        let out = sim(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
