@@ -17,6 +17,9 @@
 #                single-node engine overhead, and CPU aggregation against a STREAM triad
 #                (informational: performance is judged from full bench runs)
 #   9. rdma-fallback  an `rdma` build where libibverbs is missing falls back to TCP and says why
+#   9b. netem    the bandwidth harness (ci/netem/): every profile measured with iperf3 between
+#                namespaces within 10% of its target (dilated above half the ceiling), and
+#                `tidewire train` under it against `tidewire sim` within 15% (4 nodes, 1 and 2 GbE)
 #  10. soft-roce  ci/test-rdma.sh: the RDMA conformance suite and RDMA-only cases on real rxe
 #                devices in a QEMU VM, `tidewire train --verify` over RDMA, and tidewire-perf
 #                against Debian's perftest both ways (ci/perf-guest.sh)
@@ -53,7 +56,7 @@ command -v cc >/dev/null 2>&1 || need_pkgs+=(build-essential)
 # and generates bindings with libclang; libibverbs1 + ibverbs-providers are what it loads at
 # run time (the rdma-fallback tier hides them again to prove the TCP fallback).
 # fonts-dejavu-core: the font tidewire-perf-report draws its plots with.
-for p in cmake libclang-dev libibverbs1 ibverbs-providers fonts-dejavu-core; do
+for p in cmake libclang-dev libibverbs1 ibverbs-providers fonts-dejavu-core iproute2; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need_pkgs+=("$p")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
@@ -127,6 +130,17 @@ if [ "$(id -u)" -eq 0 ] && command -v unshare >/dev/null 2>&1; then
   tier rdma-fallback rdma_fallback
 else
   skip rdma-fallback "hiding libibverbs needs root (a private mount namespace); run ci/test.sh as root"
+fi
+
+# The bandwidth harness: network namespaces and tc (root only).
+netem() {
+  cargo build --release --locked -q --bin tidewire || return 1
+  timeout 300 bash ci/netem/netem.sh check && timeout 600 bash ci/netem/crosscheck.sh
+}
+if [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1; then
+  tier netem netem
+else
+  skip netem "the bandwidth harness needs root, ip and tc (network namespaces and shaping); run ci/test.sh as root"
 fi
 
 # Real soft-RoCE: rdma_rxe in a QEMU VM (this kernel has no RDMA); see ci/test-rdma.sh.

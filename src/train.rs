@@ -94,6 +94,22 @@ pub struct TrainArgs {
     /// Compute slowdown of --slow-rank.
     #[arg(long, default_value_t = 3.0)]
     pub slow_factor: f64,
+    /// Run rank r in network namespace r mod N of this comma- or space-separated list
+    /// (`ip netns exec`; root). The bandwidth harness (ci/netem/netem.sh run) passes its
+    /// namespaces in NETEM_NS. Needs --netns-addrs.
+    #[arg(long, requires = "netns_addrs")]
+    pub netns: Option<String>,
+    /// The IPv4 address of each --netns namespace, in the same order (NETEM_ADDRS);
+    /// rank 0's is the rendezvous address.
+    #[arg(long, requires = "netns")]
+    pub netns_addrs: Option<String>,
+}
+
+fn split_list(s: &str) -> Vec<String> {
+    s.split([',', ' '])
+        .filter(|x| !x.is_empty())
+        .map(str::to_string)
+        .collect()
 }
 
 fn parse_sync(s: &str) -> std::result::Result<String, String> {
@@ -168,6 +184,19 @@ impl TrainArgs {
         }
         if self.iters == 0 {
             return Err(Error::Cluster("--iters must be at least 1".into()));
+        }
+        if let (Some(ns), Some(addrs)) = (&self.netns, &self.netns_addrs) {
+            let (ns, addrs) = (split_list(ns), split_list(addrs));
+            if ns.is_empty() || ns.len() != addrs.len() {
+                return Err(Error::Cluster(format!(
+                    "--netns names {} namespaces and --netns-addrs {} addresses: give one address per namespace",
+                    ns.len(),
+                    addrs.len()
+                )));
+            }
+            if let Some(a) = addrs.iter().find(|a| a.parse::<std::net::Ipv4Addr>().is_err()) {
+                return Err(Error::Cluster(format!("--netns-addrs: {a:?} is not an IPv4 address")));
+            }
         }
         if !(self.time_scale >= 0.0 && self.time_scale.is_finite()) {
             return Err(Error::Cluster("--time-scale must be a finite number ≥ 0".into()));
@@ -728,16 +757,32 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     let (p1, p2, world) = args.world();
     let began = Instant::now();
     let exe = std::env::current_exe().map_err(|e| Error::Cluster(format!("cannot find my own binary: {e}")))?;
-    let port = free_port()?;
     let secret = secret();
+    // Under the bandwidth harness each rank runs in a namespace of its own (round robin),
+    // and rank 0's namespace address is the rendezvous; a fresh namespace has every port free.
+    let netns = match (&args.netns, &args.netns_addrs) {
+        (Some(ns), Some(a)) => Some((split_list(ns), split_list(a))),
+        _ => None,
+    };
+    let master = match &netns {
+        Some((_, addrs)) => format!("{}:29500", addrs[0]),
+        None => format!("127.0.0.1:{}", free_port()?),
+    };
     let mut children: Vec<(u32, Child)> = Vec::new();
     for rank in 0..world as u32 {
-        let mut c = Command::new(&exe);
+        let mut c = match &netns {
+            Some((ns, _)) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &ns[rank as usize % ns.len()]]).arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
+        };
         c.arg("train-node")
             .args(&node_args)
             .env("TIDEWIRE_RANK", rank.to_string())
             .env("TIDEWIRE_WORLD_SIZE", world.to_string())
-            .env("TIDEWIRE_MASTER", format!("127.0.0.1:{port}"))
+            .env("TIDEWIRE_MASTER", &master)
             .env("TIDEWIRE_SECRET", &secret)
             .env("TIDEWIRE_JOB", "1")
             .stdin(Stdio::null())

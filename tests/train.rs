@@ -305,6 +305,15 @@ fn bad_flags_are_clear_errors() {
         (vec!["train", "--workers", "0"], "--workers must be at least 1"),
         (vec!["train", "--sync", "fast"], "use fifo-ps, wfbp, hybrid, p3 or full"),
         (
+            vec!["train", "--netns", "a,b", "--netns-addrs", "10.77.0.1"],
+            "give one address per namespace",
+        ),
+        (
+            vec!["train", "--netns", "a", "--netns-addrs", "host"],
+            "is not an IPv4 address",
+        ),
+        (vec!["train", "--netns", "a"], "--netns-addrs"),
+        (
             vec![
                 "plan",
                 "--model",
