@@ -172,6 +172,14 @@ impl Opts {
     pub fn is_server(&self) -> bool {
         self.host.is_none()
     }
+    /// Bytes per second per reported unit: MB/sec (2^20) or Gb/sec (`--report_gbits`).
+    pub fn unit(&self) -> f64 {
+        if self.report_gbits {
+            stats::GBIT
+        } else {
+            stats::MB
+        }
+    }
     /// The largest size of the run.
     pub fn max_size(&self) -> u64 {
         self.sizes.iter().copied().max().unwrap_or(0)

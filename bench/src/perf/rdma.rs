@@ -213,14 +213,6 @@ impl Run<'_> {
         Ok(())
     }
 
-    fn unit(&self) -> f64 {
-        if self.o.report_gbits {
-            stats::GBIT
-        } else {
-            stats::MB
-        }
-    }
-
     fn bw_test(&mut self) -> Result<(Vec<BwRow>, Vec<LatRow>), PerfError> {
         let o = self.o;
         let mut rows = Vec::new();
@@ -353,8 +345,16 @@ impl Run<'_> {
             }
         }
         let row = match o.duration {
-            Some(_) => stats::bw_duration(size, tot_c as u64, t0.elapsed().as_secs_f64(), self.unit()),
-            None => stats::bw(size, &posted, &completed, o.cq_mod, o.post_list, o.no_peak, self.unit()),
+            Some(_) => stats::bw_duration(size, tot_c as u64, t0.elapsed().as_secs_f64(), self.o.unit()),
+            None => stats::bw(
+                size,
+                &posted,
+                &completed,
+                o.cq_mod,
+                o.post_list,
+                o.no_peak,
+                self.o.unit(),
+            ),
         };
         Ok(row)
     }
@@ -403,7 +403,7 @@ impl Run<'_> {
             self.wcs = wcs;
         }
         let secs = (last - t0).as_secs_f64();
-        let mut row = stats::bw_duration(size, got, secs, self.unit());
+        let mut row = stats::bw_duration(size, got, secs, self.o.unit());
         if o.duration.is_none() {
             row.iterations = o.iters;
         }

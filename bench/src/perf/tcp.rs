@@ -218,14 +218,6 @@ impl Run<'_> {
         self.oob.xchg_u32(1, what).map(|_| ())
     }
 
-    fn unit(&self) -> f64 {
-        if self.o.report_gbits {
-            stats::GBIT
-        } else {
-            stats::MB
-        }
-    }
-
     fn bw_test(&mut self) -> Result<(Vec<BwRow>, Vec<LatRow>), PerfError> {
         let o = self.o;
         let server = o.is_server();
@@ -331,8 +323,8 @@ impl Run<'_> {
             }
         }
         Ok(match o.duration {
-            Some(_) => stats::bw_duration(size, ccnt, t0.elapsed().as_secs_f64(), self.unit()),
-            None => stats::bw(size, &posted, &completed, 1, 1, o.no_peak, self.unit()),
+            Some(_) => stats::bw_duration(size, ccnt, t0.elapsed().as_secs_f64(), self.o.unit()),
+            None => stats::bw(size, &posted, &completed, 1, 1, o.no_peak, self.o.unit()),
         })
     }
 
@@ -362,7 +354,7 @@ impl Run<'_> {
                 )));
             }
         }
-        Ok(stats::bw_duration(size, got, (last - t0).as_secs_f64(), self.unit()))
+        Ok(stats::bw_duration(size, got, (last - t0).as_secs_f64(), self.o.unit()))
     }
 
     fn lat_test(&mut self) -> Result<(Vec<BwRow>, Vec<LatRow>), PerfError> {
