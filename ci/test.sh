@@ -20,6 +20,9 @@
 #   9b. netem    the bandwidth harness (ci/netem/): every profile measured with iperf3 between
 #                namespaces within 10% of its target (dilated above half the ceiling), and
 #                `tidewire train` under it against `tidewire sim` within 15% (4 nodes, 1 and 2 GbE)
+#   9c. papers   bench/papers in simulation: Poseidon's and P3's figures regenerated into
+#                target/papers/, failing if one of the papers' effects does not show; and
+#                `tidewire sim` of VGG19 on 256 nodes for 10 iterations, with its wall time
 #  10. soft-roce  ci/test-rdma.sh: the RDMA conformance suite and RDMA-only cases on real rxe
 #                devices in a QEMU VM, `tidewire train --verify` over RDMA, and tidewire-perf
 #                against Debian's perftest both ways (ci/perf-guest.sh)
@@ -142,6 +145,13 @@ if [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null 2>&1 && command -v tc >/dev/
 else
   skip netem "the bandwidth harness needs root, ip and tc (network namespaces and shaping); run ci/test.sh as root"
 fi
+
+papers() {
+  cargo build --release --locked -q -p tidewire --bin tidewire -p tidewire-bench --bin tidewire-papers || return 1
+  timeout 600 target/release/tidewire-papers --out target/papers --check || return 1
+  timeout 300 target/release/tidewire sim --model vgg19 --nodes 256 --iters 10 --bandwidth 10gbit
+}
+tier papers papers
 
 # Real soft-RoCE: rdma_rxe in a QEMU VM (this kernel has no RDMA); see ci/test-rdma.sh.
 tier soft-roce bash ci/test-rdma.sh

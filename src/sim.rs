@@ -45,7 +45,7 @@ pub struct SimArgs {
     /// One-way latency per transfer in microseconds.
     #[arg(long, default_value_t = 5.0)]
     pub latency_us: f64,
-    /// fifo-ps, wfbp, hybrid, p3 or full.
+    /// fifo-ps, wfbp, hybrid, sliced, p3 or full.
     #[arg(long, default_value = "full", value_parser = parse_sync)]
     pub sync: String,
     /// bsp, or ssp:S.
@@ -63,6 +63,11 @@ pub struct SimArgs {
     /// Credit window in bytes (default: the engine's).
     #[arg(long)]
     pub credit_bytes: Option<usize>,
+    /// Sum in arrival order instead of fixed rank order (as `train --fast`).
+    /// Rank order holds a landing slot until the lower ranks' contributions
+    /// are in, which costs throughput when workers send in different orders.
+    #[arg(long)]
+    pub fast: bool,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -71,7 +76,7 @@ pub struct SimArgs {
 fn parse_sync(s: &str) -> std::result::Result<String, String> {
     SyncMode::parse(s)
         .map(|m| m.name().to_string())
-        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, p3 or full".into())
+        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, sliced, p3 or full".into())
 }
 
 /// Parses a bandwidth: `10gbit`, `10gbe`, `10g`, `500mbit`, `2.5gbit/s`, or plain bits per second.
@@ -109,6 +114,8 @@ pub struct SimResult {
     pub model: String,
     pub sync: String,
     pub consistency: String,
+    /// Summed in arrival order (`--fast`) rather than rank order.
+    pub fast: bool,
     pub workers: usize,
     pub servers: usize,
     pub colocated: bool,
@@ -164,6 +171,7 @@ fn one_run(model: &Model, cluster: Cluster, args: &SimArgs, mode: SyncMode, batc
     cfg.latency_ns = (args.latency_us * 1000.0).round() as u64;
     cfg.gemm_flops = model.calibrated_flop_rate() / args.time_scale.max(1e-9);
     cfg.sched.consistency = consistency_of(&args.consistency)?;
+    cfg.sched.deterministic = !args.fast;
     if let Some(c) = args.credit_bytes {
         cfg.sched.credit_bytes = c;
     }
@@ -222,6 +230,7 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
         model: args.model.clone(),
         sync: mode.name().into(),
         consistency: args.consistency.clone(),
+        fast: args.fast,
         workers,
         servers,
         colocated,

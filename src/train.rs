@@ -40,7 +40,7 @@ pub struct TrainArgs {
     /// Iterations.
     #[arg(long, default_value_t = 10)]
     pub iters: u64,
-    /// fifo-ps, wfbp, hybrid, p3 or full.
+    /// fifo-ps, wfbp, hybrid, sliced, p3 or full.
     #[arg(long, default_value = "full", value_parser = parse_sync)]
     pub sync: String,
     /// Batch size K per worker (default: the profile's).
@@ -115,7 +115,7 @@ fn split_list(s: &str) -> Vec<String> {
 fn parse_sync(s: &str) -> std::result::Result<String, String> {
     SyncMode::parse(s)
         .map(|m| m.name().to_string())
-        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, p3 or full".into())
+        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, sliced, p3 or full".into())
 }
 
 fn parse_consistency(s: &str) -> std::result::Result<String, String> {
@@ -698,7 +698,8 @@ pub struct TrainReport {
     pub time_scale: f64,
     /// Calibrated compute per iteration (scaled), s.
     pub compute_s: f64,
-    /// Mean iteration time over iterations after the first (all if only one), s.
+    /// From the start of iteration 0 to the end of the last sync, divided by
+    /// the iterations (as `tidewire sim` measures it), s.
     pub iteration_s: f64,
     /// P1 × K / iteration_s.
     pub throughput_samples_s: f64,
@@ -910,7 +911,11 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     } else {
         per.iter().collect()
     };
-    let iteration_s = steady.iter().map(|i| i.seconds).sum::<f64>() / steady.len() as f64;
+    // From the start of iteration 0 to the end of the last sync, per
+    // iteration: the same measure as `tidewire sim`. (The iterations after the
+    // first would count one sync more than their computes: iteration 0's sync
+    // is charged to iteration 1, and the last one ends with its own.)
+    let iteration_s = per.iter().map(|i| i.seconds).sum::<f64>() / per.len() as f64;
     let spans: Vec<f64> = steady
         .iter()
         .filter(|i| i.sync_span_s > 0.0)

@@ -109,7 +109,7 @@ fn vgg19_bsp_matches_the_single_process_reference_bitwise() {
 #[test]
 fn colocated_and_every_sync_mode_verify() {
     let _serial = serial();
-    for sync in ["fifo-ps", "wfbp", "hybrid", "p3", "full"] {
+    for sync in ["fifo-ps", "wfbp", "hybrid", "sliced", "p3", "full"] {
         let out = tidewire()
             .args([
                 "train",
@@ -303,7 +303,10 @@ fn bad_flags_are_clear_errors() {
             "--verify needs BSP",
         ),
         (vec!["train", "--workers", "0"], "--workers must be at least 1"),
-        (vec!["train", "--sync", "fast"], "use fifo-ps, wfbp, hybrid, p3 or full"),
+        (
+            vec!["train", "--sync", "fast"],
+            "use fifo-ps, wfbp, hybrid, sliced, p3 or full",
+        ),
         (
             vec!["train", "--netns", "a,b", "--netns-addrs", "10.77.0.1"],
             "give one address per namespace",

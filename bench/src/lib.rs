@@ -8,6 +8,23 @@ use std::time::Duration;
 
 pub mod perf;
 
+/// The font plots use, from Debian's `fonts-dejavu-core`.
+pub const DEFAULT_FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
+
+/// Registers the TrueType font at `path` as plotters' "sans-serif" (plotters'
+/// bitmap backend draws text only with a registered font).
+pub fn register_font(path: &std::path::Path) -> Result<(), String> {
+    let bytes = std::fs::read(path).map_err(|e| {
+        format!(
+            "font {}: {e} (Debian: apt-get install fonts-dejavu-core, or give --font)",
+            path.display()
+        )
+    })?;
+    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+    plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, bytes)
+        .map_err(|_| format!("{}: not a usable TrueType font", path.display()))
+}
+
 /// Median of a non-empty sample (the mean of the middle two for even sizes).
 pub fn median(v: &[f64]) -> f64 {
     assert!(!v.is_empty(), "median of nothing");

@@ -95,6 +95,9 @@ pub enum SyncMode {
     Wfbp,
     /// WFBP + HybComm (PS or SFB per layer, FIFO).
     Hybrid,
+    /// WFBP + P3 slicing, sent in the order the slices became ready (PS
+    /// only): P3's "slicing only" ablation.
+    Sliced,
     /// WFBP + P3 slicing + priority (PS only).
     P3,
     /// Everything: WFBP + HybComm + slicing + priority.
@@ -103,20 +106,22 @@ pub enum SyncMode {
 
 impl SyncMode {
     /// All modes, in the papers' order.
-    pub const ALL: [SyncMode; 5] = [
+    pub const ALL: [SyncMode; 6] = [
         SyncMode::FifoPs,
         SyncMode::Wfbp,
         SyncMode::Hybrid,
+        SyncMode::Sliced,
         SyncMode::P3,
         SyncMode::Full,
     ];
 
-    /// Parses `fifo-ps`, `wfbp`, `hybrid`, `p3` or `full`.
+    /// Parses `fifo-ps`, `wfbp`, `hybrid`, `sliced`, `p3` or `full`.
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "fifo-ps" => SyncMode::FifoPs,
             "wfbp" => SyncMode::Wfbp,
             "hybrid" => SyncMode::Hybrid,
+            "sliced" => SyncMode::Sliced,
             "p3" => SyncMode::P3,
             "full" => SyncMode::Full,
             _ => return None,
@@ -128,6 +133,7 @@ impl SyncMode {
             SyncMode::FifoPs => "fifo-ps",
             SyncMode::Wfbp => "wfbp",
             SyncMode::Hybrid => "hybrid",
+            SyncMode::Sliced => "sliced",
             SyncMode::P3 => "p3",
             SyncMode::Full => "full",
         }
@@ -148,7 +154,7 @@ impl SyncMode {
     }
     /// Whether layers are cut into P3 slices (otherwise a slice is a whole chunk).
     pub fn sliced(self) -> bool {
-        matches!(self, SyncMode::P3 | SyncMode::Full)
+        matches!(self, SyncMode::Sliced | SyncMode::P3 | SyncMode::Full)
     }
     /// Whether a layer is handed in as soon as its backward ends.
     pub fn wait_free(self) -> bool {

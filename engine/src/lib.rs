@@ -51,6 +51,7 @@ pub mod config;
 pub mod cost;
 pub mod error;
 pub mod models;
+pub mod net;
 pub mod server;
 pub mod sim;
 pub mod worker;

@@ -3,8 +3,10 @@
 //!
 //! - Virtual time in nanoseconds; ties break by event sequence, so a run is a
 //!   pure function of its [`SimConfig`] (including the seed).
-//! - Full-duplex NICs: each rank has a transmit and a receive queue of one
-//!   link's bandwidth; a transfer serializes at both ends and pays the latency.
+//! - Full-duplex NICs ([`crate::net`]): each rank has a transmit and a
+//!   receive side of one link's bandwidth, shared fairly between the
+//!   connections using it; messages on one connection go in order, and every
+//!   transfer pays the latency.
 //! - Worker compute follows a layer-time table (forward, backward per layer).
 //! - Seeded faults: random extra delays, stragglers, a dead rank, a partition
 //!   that heals.
@@ -21,6 +23,7 @@ use std::sync::Arc;
 
 use crate::book::{Book, Scheme};
 use crate::config::{Consistency, SchedConfig, SyncMode};
+use crate::net::Net;
 use crate::server::{Server, ServerCommand};
 use crate::worker::{Worker, WorkerCommand};
 
@@ -213,10 +216,12 @@ pub struct Sim {
     seq: u64,
     queue: BinaryHeap<Reverse<(u64, u64, usize)>>,
     evs: Vec<Option<Ev>>,
+    /// Indices of `evs` that ran and can be reused.
+    free_evs: Vec<usize>,
     workers: HashMap<u32, WNode>,
     servers: HashMap<u32, SNode>,
-    tx_free: Vec<u64>,
-    rx_free: Vec<u64>,
+    net: Net<Vec<(u64, Ev)>>,
+    net_out: Vec<(u64, Vec<(u64, Ev)>)>,
     rng: u64,
     report: SimReport,
     start: Option<u64>,
@@ -305,6 +310,7 @@ impl Sim {
                 },
             );
         }
+        let net = Net::new(world, cfg.bandwidth_bps, cfg.latency_ns);
         Ok(Sim {
             rng: cfg.seed ^ 0x9e37_79b9_7f4a_7c15,
             cfg,
@@ -312,10 +318,11 @@ impl Sim {
             seq: 0,
             queue: BinaryHeap::new(),
             evs: Vec::new(),
+            free_evs: Vec::new(),
             workers,
             servers,
-            tx_free: vec![0; world],
-            rx_free: vec![0; world],
+            net,
+            net_out: Vec::new(),
             report: SimReport::default(),
             start: None,
             last_progress: 0,
@@ -333,27 +340,57 @@ impl Sim {
 
     fn at(&mut self, t: u64, ev: Ev) {
         self.seq += 1;
-        self.evs.push(Some(ev));
-        self.queue.push(Reverse((t, self.seq, self.evs.len() - 1)));
+        let idx = match self.free_evs.pop() {
+            Some(i) => {
+                self.evs[i] = Some(ev);
+                i
+            }
+            None => {
+                self.evs.push(Some(ev));
+                self.evs.len() - 1
+            }
+        };
+        self.queue.push(Reverse((t, self.seq, idx)));
     }
 
     fn dead(&self, rank: u32, t: u64) -> bool {
         matches!(self.cfg.faults.dead, Some((r, at)) if r == rank && t >= at)
     }
 
-    /// Schedules a transfer of `bytes` from `from` to `to` sent at `t`; returns
-    /// the arrival time, or None when a dead end drops it.
-    fn transfer(&mut self, from: u32, to: u32, bytes: usize, t: u64) -> Option<u64> {
+    /// Sends `bytes` from `from` to `to`, handed to the NIC at `t` (now or
+    /// later). Each `(delay, event)` of `on_arrival` runs `delay` after the
+    /// message arrives; `on_sent` runs when its last byte has left `from`.
+    /// Returns false when a dead end drops it.
+    fn send(
+        &mut self,
+        from: u32,
+        to: u32,
+        bytes: usize,
+        t: u64,
+        on_arrival: Vec<(u64, Ev)>,
+        on_sent: Option<Ev>,
+    ) -> bool {
         if self.dead(from, t) || self.dead(to, t) {
-            return None;
+            return false;
         }
-        if from == to {
-            return Some(t);
-        }
-        // Control messages interleave with bulk data at packet granularity on
-        // a real link, so they pay latency only, not the queue ahead of them.
-        if bytes <= CONTROL_BYTES {
-            return Some(t + self.cfg.latency_ns);
+        // A rank's own traffic does not touch the network. Control messages
+        // interleave with bulk data at packet granularity on a real link, so
+        // they pay latency only, not the queue ahead of them.
+        let direct = if from == to {
+            Some(t)
+        } else if bytes <= CONTROL_BYTES {
+            Some(t + self.cfg.latency_ns)
+        } else {
+            None
+        };
+        if let Some(at) = direct {
+            if let Some(ev) = on_sent {
+                self.at(t, ev);
+            }
+            for (d, ev) in on_arrival {
+                self.at(at + d, ev);
+            }
+            return true;
         }
         let mut t = t;
         if let Some((side, a, b)) = &self.cfg.faults.partition {
@@ -361,21 +398,28 @@ impl Sim {
                 t = *b;
             }
         }
-        let ser = (bytes as f64 * 8.0 / self.cfg.bandwidth_bps * 1e9) as u64;
-        let tx_start = t.max(self.tx_free[from as usize]);
-        let tx_end = tx_start + ser;
-        self.tx_free[from as usize] = tx_end;
-        let rx_start = (tx_start + self.cfg.latency_ns).max(self.rx_free[to as usize]);
-        let rx_end = (rx_start + ser).max(tx_end + self.cfg.latency_ns);
-        self.rx_free[to as usize] = rx_end;
-        let mut arrive = rx_end;
+        let mut extra = 0;
         if self.cfg.faults.delay_prob > 0.0 && self.cfg.faults.delay_max_ns > 0 {
             let p = (self.rand() >> 11) as f64 / (1u64 << 53) as f64;
             if p < self.cfg.faults.delay_prob {
-                arrive += self.rand() % self.cfg.faults.delay_max_ns;
+                extra = self.rand() % self.cfg.faults.delay_max_ns;
             }
         }
-        Some(arrive)
+        let sent = on_sent.map(|ev| vec![(0, ev)]);
+        self.net.send(t, from, to, bytes, on_arrival, sent, extra);
+        true
+    }
+
+    /// What completes a write from `writer` that landed at `at`: an
+    /// acknowledgement one latency after it lands. Both transports send it
+    /// apart from bulk data (RDMA's NIC acknowledgements; the TCP backend's
+    /// control socket), so it does not wait behind the data on its connection.
+    fn ack(&self, at: u32, writer: u32, then: Ev) -> (u64, Ev) {
+        if at == writer {
+            (0, then)
+        } else {
+            (self.cfg.latency_ns, then)
+        }
     }
 
     fn go(&mut self) -> Result<(), String> {
@@ -386,7 +430,29 @@ impl Sim {
             self.at(0, Ev::Step(r));
         }
         let max_events = 200_000_000u64;
-        while let Some(Reverse((t, _, idx))) = self.queue.pop() {
+        loop {
+            // The network's timers run before the cluster's events of the same time.
+            let next_ev = self.queue.peek().map(|Reverse((t, _, _))| *t);
+            if let Some(tn) = self.net.next_time() {
+                if next_ev.map_or(true, |te| tn <= te) {
+                    if tn.saturating_sub(self.last_progress) > self.cfg.stall_ns {
+                        break;
+                    }
+                    self.now = tn;
+                    let mut out = std::mem::take(&mut self.net_out);
+                    self.net.advance(tn, &mut out);
+                    for (at, evs) in out.drain(..) {
+                        for (d, ev) in evs {
+                            self.at(at + d, ev);
+                        }
+                    }
+                    self.net_out = out;
+                    continue;
+                }
+            }
+            let Some(Reverse((t, _, idx))) = self.queue.pop() else {
+                break;
+            };
             if t.saturating_sub(self.last_progress) > self.cfg.stall_ns {
                 break;
             }
@@ -396,6 +462,7 @@ impl Sim {
                 return Err("event budget exhausted".into());
             }
             let ev = self.evs[idx].take().expect("each event runs once");
+            self.free_evs.push(idx);
             self.handle(ev)?;
             if self.workers.values().all(|w| w.finished.is_some()) {
                 break;
@@ -689,17 +756,13 @@ impl Sim {
                     } else {
                         Vec::new()
                     };
-                    if let Some(t) = self.transfer(r, server, ch.len * 4, now) {
-                        self.at(
-                            t,
-                            Ev::Init {
-                                server,
-                                from: r,
-                                chunk,
-                                data,
-                            },
-                        );
-                    }
+                    let init = Ev::Init {
+                        server,
+                        from: r,
+                        chunk,
+                        data,
+                    };
+                    self.send(r, server, ch.len * 4, now, vec![(0, init)], None);
                 }
                 WorkerCommand::Push {
                     server,
@@ -715,38 +778,27 @@ impl Sim {
                     } else {
                         Vec::new()
                     };
-                    if let Some(t) = self.transfer(r, server, s.len * 4, now) {
-                        self.at(
-                            t,
-                            Ev::Landed {
-                                server,
-                                worker: r,
-                                slot,
-                                slice,
-                                data,
-                            },
-                        );
-                        // RC semantics: the writer learns of placement one latency later.
-                        let ack = if server == r { t } else { t + self.cfg.latency_ns };
-                        self.at(ack, Ev::PushDone { worker: r, slice });
-                    }
+                    let landed = Ev::Landed {
+                        server,
+                        worker: r,
+                        slot,
+                        slice,
+                        data,
+                    };
+                    let done = self.ack(server, r, Ev::PushDone { worker: r, slice });
+                    self.send(r, server, s.len * 4, now, vec![(0, landed), done], None);
                 }
                 WorkerCommand::SendFactors { peer, layer, iter } => {
                     let l = &book.layers()[layer as usize];
                     let bytes = book.config().batch * (l.m + l.n) * 4;
-                    if let Some(t) = self.transfer(r, peer, bytes, now) {
-                        self.at(
-                            t,
-                            Ev::Factors {
-                                to: peer,
-                                from: r,
-                                layer,
-                                iter,
-                            },
-                        );
-                        let sent = self.tx_free[r as usize].max(now);
-                        self.at(sent, Ev::FactorsSent { worker: r, layer, peer });
-                    }
+                    let factors = Ev::Factors {
+                        to: peer,
+                        from: r,
+                        layer,
+                        iter,
+                    };
+                    let sent = Ev::FactorsSent { worker: r, layer, peer };
+                    self.send(r, peer, bytes, now, vec![(0, factors)], Some(sent));
                 }
                 WorkerCommand::Reconstruct { layer, iter } => {
                     if self.cfg.values {
@@ -866,16 +918,12 @@ impl Sim {
                     }
                 }
                 ServerCommand::ReturnCredit { worker, slot } => {
-                    if let Some(at) = self.transfer(r, worker, 16, t) {
-                        self.at(
-                            at,
-                            Ev::Credit {
-                                worker,
-                                server: r,
-                                slot,
-                            },
-                        );
-                    }
+                    let credit = Ev::Credit {
+                        worker,
+                        server: r,
+                        slot,
+                    };
+                    self.send(r, worker, 16, t, vec![(0, credit)], None);
                 }
                 ServerCommand::Apply { chunk, window, .. } => {
                     let ch = book.chunks()[chunk as usize];
@@ -894,18 +942,17 @@ impl Sim {
                     } else {
                         Vec::new()
                     };
-                    if let Some(at) = self.transfer(r, worker, ch.len * 4, t) {
-                        self.at(at, Ev::Params { worker, chunk, data });
-                        let ack = if worker == r { at } else { at + self.cfg.latency_ns };
-                        self.at(
-                            ack,
-                            Ev::BcastDone {
-                                server: r,
-                                chunk,
-                                worker,
-                            },
-                        );
-                    }
+                    let params = Ev::Params { worker, chunk, data };
+                    let done = self.ack(
+                        worker,
+                        r,
+                        Ev::BcastDone {
+                            server: r,
+                            chunk,
+                            worker,
+                        },
+                    );
+                    self.send(r, worker, ch.len * 4, t, vec![(0, params), done], None);
                 }
             }
         }

@@ -41,7 +41,7 @@ struct Cli {
     #[arg(long)]
     enforce: bool,
     /// A TTF font for the plot's text.
-    #[arg(long, default_value = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")]
+    #[arg(long, default_value = tidewire_bench::DEFAULT_FONT)]
     font: PathBuf,
 }
 
@@ -223,15 +223,7 @@ fn run(cli: &Cli) -> Result<bool, String> {
 }
 
 fn plot(rows: &[Row], path: &std::path::Path, font: &std::path::Path) -> Result<(), String> {
-    let bytes = std::fs::read(font).map_err(|e| {
-        format!(
-            "font {}: {e} (Debian: apt-get install fonts-dejavu-core, or give --font)",
-            font.display()
-        )
-    })?;
-    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-    plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
-        .map_err(|_| format!("{}: not a usable TrueType font", font.display()))?;
+    tidewire_bench::register_font(font)?;
     let tests: Vec<String> = {
         let mut t: Vec<String> = rows.iter().map(|r| r.test.clone()).collect();
         t.dedup();

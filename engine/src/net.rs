@@ -1,0 +1,373 @@
+//! The simulator's network: full-duplex NICs whose bandwidth is shared fairly
+//! between the connections that use them.
+//!
+//! - Every rank has a transmit and a receive side of one link's bandwidth.
+//! - A connection is an ordered pair of ranks. Its messages go in order (one
+//!   queue pair or one TCP stream); only its head message uses the link.
+//! - Each side of a NIC is a processor-sharing server: the connections with a
+//!   message there each get an equal share of its bandwidth. This is done
+//!   with virtual time, as in fair queueing: `v` grows by `bytes_per_ns / n`
+//!   while `n` connections are active, and a message that starts at `v0`
+//!   finishes when `v` reaches `v0 + bytes`. Only each side's earliest finish
+//!   is ever scheduled, so an event costs O(log n).
+//! - A message starts on the receiving side one latency after it starts on the
+//!   sending side (cut-through), and is delivered at the later of its finish
+//!   there and its send finish plus the latency. An uncontended message thus
+//!   takes `bytes / bandwidth + latency`. Where one side is the bottleneck the
+//!   other side still counts the connection as active, so a flow slowed at its
+//!   sender also holds a share at its receiver: a simplification of max-min
+//!   fairness that is exact when the traffic is symmetric (the parameter
+//!   server's all-to-all).
+//!
+//! ```
+//! use tidewire_engine::net::Net;
+//! // 8 Gbit/s = 1 byte/ns, 1 µs latency; two senders into one receiver.
+//! let mut net: Net<&str> = Net::new(3, 8e9, 1_000);
+//! net.send(0, 0, 2, 1_000_000, "a", None, 0);
+//! net.send(0, 1, 2, 1_000_000, "b", None, 0);
+//! let mut out = Vec::new();
+//! while let Some(t) = net.next_time() {
+//!     net.advance(t, &mut out);
+//! }
+//! // The receiver is shared: both finish together after 2 ms, not 1 ms and 2 ms.
+//! assert_eq!(out.len(), 2);
+//! assert!(out.iter().all(|(t, _)| (2_000_000..2_002_000).contains(t)), "{out:?}");
+//! ```
+
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Tag(f64);
+
+impl Eq for Tag {}
+
+impl PartialOrd for Tag {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Tag {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
+/// One side of one NIC.
+#[derive(Debug, Default)]
+struct Side {
+    /// Virtual time: bytes served to each active connection since the start.
+    v: f64,
+    /// When `v` was last brought up to date, ns.
+    last: u64,
+    /// (finish tag, message) of each active connection's head.
+    heads: BinaryHeap<Reverse<(Tag, usize)>>,
+    /// Bumped on each reschedule; older timers are stale.
+    gen: u64,
+}
+
+#[derive(Debug)]
+struct Msg<P> {
+    from: u32,
+    to: u32,
+    bytes: f64,
+    on_arrival: Option<P>,
+    on_sent: Option<P>,
+    sent: Option<u64>,
+    received: Option<u64>,
+    extra_ns: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Timer {
+    /// The earliest finish on side `side`, if `gen` is still current.
+    Finish { side: usize, gen: u64 },
+    /// The message starts on its receiving side.
+    RxStart(usize),
+    /// The message is handed to its sender's NIC.
+    Post(usize),
+}
+
+/// A network of `world` ranks. `P` is what a message carries: it comes back
+/// from [`Net::advance`] when the message is sent (`on_sent`) and when it
+/// arrives (`on_arrival`).
+#[derive(Debug)]
+pub struct Net<P> {
+    world: usize,
+    bytes_per_ns: f64,
+    latency_ns: u64,
+    /// `0..world` transmit sides, `world..2 world` receive sides.
+    sides: Vec<Side>,
+    /// Per (side, peer): the connection's messages on that side, head first.
+    conns: HashMap<(usize, u32), VecDeque<usize>>,
+    msgs: Vec<Option<Msg<P>>>,
+    free: Vec<usize>,
+    timers: BinaryHeap<Reverse<(u64, u64, Timer)>>,
+    seq: u64,
+    in_flight: usize,
+}
+
+impl<P> Net<P> {
+    /// A network of `world` ranks with links of `bandwidth_bps` bit/s each way
+    /// and `latency_ns` one way.
+    pub fn new(world: usize, bandwidth_bps: f64, latency_ns: u64) -> Self {
+        Net {
+            world,
+            bytes_per_ns: bandwidth_bps / 8e9,
+            latency_ns,
+            sides: (0..2 * world).map(|_| Side::default()).collect(),
+            conns: HashMap::new(),
+            msgs: Vec::new(),
+            free: Vec::new(),
+            timers: BinaryHeap::new(),
+            seq: 0,
+            in_flight: 0,
+        }
+    }
+
+    /// Messages posted and not yet delivered.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Sends `bytes` from `from` to `to`, handed to the NIC at `t` (which may
+    /// be later than the last [`Net::advance`], never earlier). `on_sent` comes
+    /// back when the last byte leaves `from`; `on_arrival` when it has arrived
+    /// at `to`, `extra_ns` later than the network alone would deliver it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn send(&mut self, t: u64, from: u32, to: u32, bytes: usize, on_arrival: P, on_sent: Option<P>, extra_ns: u64) {
+        assert!(
+            (from as usize) < self.world && (to as usize) < self.world,
+            "rank out of range"
+        );
+        let m = Msg {
+            from,
+            to,
+            bytes: bytes.max(1) as f64,
+            on_arrival: Some(on_arrival),
+            on_sent,
+            sent: None,
+            received: None,
+            extra_ns,
+        };
+        let id = match self.free.pop() {
+            Some(i) => {
+                self.msgs[i] = Some(m);
+                i
+            }
+            None => {
+                self.msgs.push(Some(m));
+                self.msgs.len() - 1
+            }
+        };
+        self.in_flight += 1;
+        self.timer(t, Timer::Post(id));
+    }
+
+    /// When the next thing happens in the network.
+    pub fn next_time(&self) -> Option<u64> {
+        self.timers.peek().map(|Reverse((t, _, _))| *t)
+    }
+
+    /// Runs the network's next timer, which must be due at `t`
+    /// ([`Net::next_time`]), and appends what came back, with its time.
+    pub fn advance(&mut self, t: u64, out: &mut Vec<(u64, P)>) {
+        let Some(Reverse((due, _, timer))) = self.timers.pop() else {
+            return;
+        };
+        debug_assert_eq!(due, t);
+        match timer {
+            Timer::Post(id) => {
+                let (from, to) = {
+                    let m = self.msgs[id].as_ref().expect("posted message");
+                    (m.from, m.to)
+                };
+                self.enqueue(from as usize, to, id, t, true);
+            }
+            Timer::RxStart(id) => {
+                let from = self.msgs[id].as_ref().expect("message in flight").from;
+                let to = self.msgs[id].as_ref().expect("message in flight").to;
+                self.enqueue(self.world + to as usize, from, id, t, false);
+            }
+            Timer::Finish { side, gen } => {
+                if self.sides[side].gen != gen {
+                    return;
+                }
+                self.catch_up(side, t);
+                // One byte-nanosecond of slack absorbs the rounding of the timer.
+                let slack = self.bytes_per_ns.max(1e-9) * 2.0;
+                let mut done = Vec::new();
+                {
+                    let s = &mut self.sides[side];
+                    while let Some(Reverse((tag, id))) = s.heads.peek().copied() {
+                        if tag.0 > s.v + slack {
+                            break;
+                        }
+                        s.heads.pop();
+                        done.push(id);
+                    }
+                }
+                for id in done {
+                    self.finished(side, id, t, out);
+                }
+                self.reschedule(side, t);
+            }
+        }
+    }
+
+    fn timer(&mut self, t: u64, timer: Timer) {
+        self.seq += 1;
+        self.timers.push(Reverse((t, self.seq, timer)));
+    }
+
+    /// Brings the side's virtual time up to `t`.
+    fn catch_up(&mut self, side: usize, t: u64) {
+        let s = &mut self.sides[side];
+        let n = s.heads.len();
+        if n > 0 && t > s.last {
+            s.v += (t - s.last) as f64 * self.bytes_per_ns / n as f64;
+        }
+        s.last = s.last.max(t);
+    }
+
+    fn reschedule(&mut self, side: usize, t: u64) {
+        let s = &mut self.sides[side];
+        s.gen += 1;
+        let Some(Reverse((tag, _))) = s.heads.peek().copied() else {
+            return;
+        };
+        let n = s.heads.len() as f64;
+        let dt = ((tag.0 - s.v).max(0.0) * n / self.bytes_per_ns).ceil() as u64;
+        let gen = s.gen;
+        self.timer(t + dt, Timer::Finish { side, gen });
+    }
+
+    /// Puts message `id` on its connection's queue at `side`; it starts there
+    /// now if the connection was idle.
+    fn enqueue(&mut self, side: usize, peer: u32, id: usize, t: u64, tx: bool) {
+        let q = self.conns.entry((side, peer)).or_default();
+        q.push_back(id);
+        if q.len() == 1 {
+            self.start(side, id, t, tx);
+        }
+    }
+
+    fn start(&mut self, side: usize, id: usize, t: u64, tx: bool) {
+        self.catch_up(side, t);
+        let bytes = self.msgs[id].as_ref().expect("message in flight").bytes;
+        let s = &mut self.sides[side];
+        s.heads.push(Reverse((Tag(s.v + bytes), id)));
+        self.reschedule(side, t);
+        if tx {
+            self.timer(t + self.latency_ns, Timer::RxStart(id));
+        }
+    }
+
+    fn finished(&mut self, side: usize, id: usize, t: u64, out: &mut Vec<(u64, P)>) {
+        let tx = side < self.world;
+        let lat = self.latency_ns;
+        let (peer, deliver_at) = {
+            let m = self.msgs[id].as_mut().expect("message in flight");
+            let peer = if tx {
+                m.sent = Some(t);
+                if let Some(p) = m.on_sent.take() {
+                    out.push((t, p));
+                }
+                m.to
+            } else {
+                m.received = Some(t);
+                m.from
+            };
+            let at = match (m.sent, m.received) {
+                (Some(s), Some(r)) => Some(r.max(s + lat) + m.extra_ns),
+                _ => None,
+            };
+            (peer, at)
+        };
+        if let Some(at) = deliver_at {
+            let m = self.msgs[id].take().expect("message in flight");
+            out.push((at, m.on_arrival.expect("delivered once")));
+            self.free.push(id);
+            self.in_flight -= 1;
+        }
+        let q = self.conns.get_mut(&(side, peer)).expect("connection");
+        q.pop_front();
+        if let Some(&next) = q.front() {
+            self.start(side, next, t, tx);
+        } else {
+            self.conns.remove(&(side, peer));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drain(net: &mut Net<u32>) -> Vec<(u64, u32)> {
+        let mut out = Vec::new();
+        while let Some(t) = net.next_time() {
+            net.advance(t, &mut out);
+        }
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn one_message_takes_serialization_plus_latency() {
+        let mut net = Net::new(2, 8e9, 500);
+        net.send(100, 0, 1, 4_000, 7, Some(8), 0);
+        let out = drain(&mut net);
+        assert_eq!(out, vec![(4_100, 8), (4_600, 7)]);
+        assert_eq!(net.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_sender_shares_its_link_between_connections() {
+        // 1 byte/ns; two connections from rank 0 get half each.
+        let mut net = Net::new(3, 8e9, 0);
+        net.send(0, 0, 1, 1_000, 1, None, 0);
+        net.send(0, 0, 2, 3_000, 2, None, 0);
+        let out = drain(&mut net);
+        // 1 finishes at 2000 (half rate); then 2 has 2000 left at full rate.
+        assert_eq!(out, vec![(2_000, 1), (4_000, 2)]);
+    }
+
+    #[test]
+    fn one_connection_is_in_order() {
+        let mut net = Net::new(2, 8e9, 0);
+        net.send(0, 0, 1, 1_000, 1, None, 0);
+        net.send(0, 0, 1, 1_000, 2, None, 0);
+        let out = drain(&mut net);
+        assert_eq!(out, vec![(1_000, 1), (2_000, 2)]);
+    }
+
+    #[test]
+    fn a_receiver_shares_its_link() {
+        let mut net = Net::new(4, 8e9, 0);
+        for from in 0..3 {
+            net.send(0, from, 3, 1_000, from, None, 0);
+        }
+        let out = drain(&mut net);
+        assert!(out.iter().all(|(t, _)| (3_000..3_010).contains(t)), "{out:?}");
+    }
+
+    #[test]
+    fn a_later_message_joins_the_share() {
+        let mut net = Net::new(3, 8e9, 0);
+        net.send(0, 0, 1, 2_000, 1, None, 0);
+        net.send(1_000, 0, 2, 500, 2, None, 0);
+        let out = drain(&mut net);
+        // From 1000 both share: 2 needs 500 at half rate (1000 ns); 1 has 1000
+        // left, 500 of it shared, then 500 alone.
+        assert_eq!(out, vec![(2_000, 2), (2_500, 1)]);
+    }
+
+    #[test]
+    fn extra_delay_is_added() {
+        let mut net = Net::new(2, 8e9, 10);
+        net.send(0, 0, 1, 100, 1, None, 90);
+        assert_eq!(drain(&mut net), vec![(200, 1)]);
+    }
+}
