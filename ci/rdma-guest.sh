@@ -4,7 +4,8 @@
 # end to end over RDMA: `tidewire train --verify` with transport auto, which
 # must pick RDMA on rxe0. The end-to-end case reports in libtest's format so
 # that ci/test-rdma.sh counts it with the rest. Then tidewire-perf against
-# Debian's perftest, both ways (ci/perf-guest.sh).
+# Debian's perftest, both ways (ci/perf-guest.sh), and RDMA under tc shaping
+# on the veth (ci/rdma-shaped-guest.sh).
 set -u
 rc=0
 for b in "$@"; do
@@ -26,6 +27,20 @@ else
   echo "test result: FAILED. 0 passed; 1 failed; 0 ignored"
   rc=1
 fi
+echo "### tidewire doctor on rxe: the dmabuf and per-QP rate-limit probes"
+out=$(timeout 120 target/release/tidewire doctor 2>&1)
+echo "$out"
+if grep -q 'rdma rxe0 dmabuf' <<<"$out" && grep -q 'rdma rxe0 rate limit' <<<"$out" \
+   && grep -q 'no packet pacing' <<<"$out"; then
+  echo "test doctor_probes_rate_limit_and_dmabuf_on_rxe ... ok"
+  echo "test result: ok. 1 passed; 0 failed; 0 ignored"
+else
+  echo "test doctor_probes_rate_limit_and_dmabuf_on_rxe ... FAILED (wanted rxe0's dmabuf and rate-limit lines, pacing absent)"
+  echo "test result: FAILED. 0 passed; 1 failed; 0 ignored"
+  rc=1
+fi
 echo "### tidewire-perf against perftest (ci/perf-guest.sh)"
 bash ci/perf-guest.sh || rc=1
+echo "### RDMA under a shaped veth (ci/rdma-shaped-guest.sh)"
+bash ci/rdma-shaped-guest.sh || rc=1
 exit $rc

@@ -25,7 +25,8 @@
 #                `tidewire sim` of VGG19 on 256 nodes for 10 iterations, with its wall time
 #  10. soft-roce  ci/test-rdma.sh: the RDMA conformance suite and RDMA-only cases on real rxe
 #                devices in a QEMU VM, `tidewire train --verify` over RDMA, and tidewire-perf
-#                against Debian's perftest both ways (ci/perf-guest.sh)
+#                against Debian's perftest both ways (ci/perf-guest.sh), doctor's rxe probes, and
+#                RDMA write_bw through tbf on the VM's veth within -15%/+5% of the tbf rate
 # The GPU tier says here when it skips, and why.
 # It ends with the plain line "N passed, M failed, K skipped" and exits non-zero on any failure.
 set -uo pipefail

@@ -227,6 +227,25 @@ pub fn rdma() -> Vec<Capability> {
                     format!("{why}; GPU buffers are staged through pinned host memory"),
                 ),
             });
+            out.push(match &d.rate_limit {
+                device::RateLimit::Supported {
+                    min_kbps,
+                    max_kbps,
+                    qp_types,
+                } => cap(
+                    &format!("rdma {} rate limit", d.name),
+                    true,
+                    format!(
+                        "ibv_modify_qp_rate_limit: {min_kbps}..{max_kbps} kbit/s per QP on {}",
+                        qp_types.join(", ")
+                    ),
+                ),
+                device::RateLimit::Unsupported(why) => cap(
+                    &format!("rdma {} rate limit", d.name),
+                    false,
+                    format!("{why}; shape RDMA with tc on its netdev instead (ci/netem, or the soft-RoCE VM's veth)"),
+                ),
+            });
         }
         let usable = list.iter().find(|d| d.usable);
         out.push(cap(

@@ -110,12 +110,56 @@ pub enum Dmabuf {
     Unsupported(String),
 }
 
+/// Per-queue-pair rate limiting (`ibv_modify_qp_rate_limit`, "packet
+/// pacing"), from the device's `packet_pacing_caps`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RateLimit {
+    /// Rates from `min_kbps` to `max_kbps` on these queue-pair types.
+    Supported {
+        min_kbps: u32,
+        max_kbps: u32,
+        qp_types: Vec<&'static str>,
+    },
+    /// Why not.
+    Unsupported(String),
+}
+
+/// Reads packet pacing from `ibv_query_device_ex`'s attributes.
+pub fn rate_limit_of(min_kbps: u32, max_kbps: u32, supported_qpts: u32) -> RateLimit {
+    if max_kbps == 0 || supported_qpts == 0 {
+        return RateLimit::Unsupported(
+            "the device reports no packet pacing (packet_pacing_caps are zero; soft-RoCE/rxe has none)".into(),
+        );
+    }
+    // Bit n stands for enum ibv_qp_type value n.
+    let names = [
+        (2, "RC"),
+        (3, "UC"),
+        (4, "UD"),
+        (8, "RAW_PACKET"),
+        (9, "XRC_SEND"),
+        (10, "XRC_RECV"),
+    ];
+    let qp_types = names
+        .iter()
+        .filter(|(bit, _)| supported_qpts & (1 << bit) != 0)
+        .map(|(_, n)| *n)
+        .collect();
+    RateLimit::Supported {
+        min_kbps,
+        max_kbps,
+        qp_types,
+    }
+}
+
 /// A device as `tidewire doctor` shows it.
 #[derive(Debug, Clone)]
 pub struct DeviceInfoSummary {
     pub name: String,
     pub ports: Vec<PortInfo>,
     pub dmabuf: Dmabuf,
+    /// Per-QP rate limiting (`ibv_modify_qp_rate_limit`).
+    pub rate_limit: RateLimit,
     /// Whether any port is ACTIVE with a usable GID.
     pub usable: bool,
 }
@@ -257,12 +301,21 @@ pub fn list() -> Result<Vec<DeviceInfoSummary>> {
                     name,
                     ports: Vec::new(),
                     dmabuf: Dmabuf::Unsupported(format!("cannot open the device: {e}")),
+                    rate_limit: RateLimit::Unsupported(format!("cannot open the device: {e}")),
                     usable: false,
                 });
                 continue;
             }
         };
-        let nports = ctx.query_device().map(|a| a.phys_port_cnt()).unwrap_or(1);
+        let attr = ctx.query_device();
+        let nports = attr.as_ref().map(|a| a.phys_port_cnt()).unwrap_or(1);
+        let rate_limit = match &attr {
+            Ok(a) => {
+                let pp = a.attr.packet_pacing_caps;
+                rate_limit_of(pp.qp_rate_limit_min, pp.qp_rate_limit_max, pp.supported_qpts)
+            }
+            Err(e) => RateLimit::Unsupported(format!("ibv_query_device_ex failed: {e}")),
+        };
         let mut ports = Vec::new();
         for p in 1..=nports {
             let Ok(attr) = ctx.query_port(p) else { continue };
@@ -288,6 +341,7 @@ pub fn list() -> Result<Vec<DeviceInfoSummary>> {
             name,
             ports,
             dmabuf,
+            rate_limit,
             usable,
         });
     }
@@ -403,6 +457,20 @@ mod tests {
             kind,
             ipv4,
         }
+    }
+
+    #[test]
+    fn packet_pacing_caps_read() {
+        assert!(matches!(rate_limit_of(0, 0, 0), RateLimit::Unsupported(w) if w.contains("rxe")));
+        // mlx5 reports pacing on RAW_PACKET (bit 8) QPs.
+        assert_eq!(
+            rate_limit_of(1, 100_000_000, 1 << 8),
+            RateLimit::Supported {
+                min_kbps: 1,
+                max_kbps: 100_000_000,
+                qp_types: vec!["RAW_PACKET"]
+            }
+        );
     }
 
     #[test]

@@ -72,7 +72,7 @@ use crate::error::{Error, Result, WC_REM_ACCESS_ERR, WC_WR_FLUSH_ERR};
 use crate::frame;
 use crate::memory::{Access, InFlight, MemoryKind, PinOptions, PinnedBuffer, Region, RemoteRegion, Slice};
 use crate::tcp::{TcpConfig, TcpTransport};
-pub use device::{DeviceChoice, DeviceInfoSummary, Dmabuf, GidInfo, PortInfo};
+pub use device::{rate_limit_of, DeviceChoice, DeviceInfoSummary, Dmabuf, GidInfo, PortInfo, RateLimit};
 use wire::{Notice, QpInfo, NOTICE_LEN};
 
 /// How completions are waited for.
