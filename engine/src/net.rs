@@ -186,8 +186,10 @@ impl<P> Net<P> {
                 self.enqueue(from as usize, to, id, t, true);
             }
             Timer::RxStart(id) => {
-                let from = self.msgs[id].as_ref().expect("message in flight").from;
-                let to = self.msgs[id].as_ref().expect("message in flight").to;
+                let (from, to) = {
+                    let m = self.msgs[id].as_ref().expect("message in flight");
+                    (m.from, m.to)
+                };
                 self.enqueue(self.world + to as usize, from, id, t, false);
             }
             Timer::Finish { side, gen } => {

@@ -595,19 +595,9 @@ fn run(cli: &Cli) -> Result<bool, String> {
     }
 
     let eff = effects(&pts);
-    let files = [
-        ("poseidon-bandwidth.png", 0),
-        ("poseidon-scaling.png", 1),
-        ("p3-bandwidth.png", 2),
-    ];
-    for (name, k) in files {
-        let p = cli.out.join(name);
-        match k {
-            0 => plot_poseidon_bandwidth(&pts, &p)?,
-            1 => plot_scaling(&pts, &p)?,
-            _ => plot_p3(&pts, &train, &p)?,
-        }
-    }
+    plot_poseidon_bandwidth(&pts, &cli.out.join("poseidon-bandwidth.png"))?;
+    plot_scaling(&pts, &cli.out.join("poseidon-scaling.png"))?;
+    plot_p3(&pts, &train, &cli.out.join("p3-bandwidth.png"))?;
     let json = serde_json::json!({ "sim": pts, "train": train, "effects": eff });
     let jp = cli.out.join("results.json");
     std::fs::write(&jp, serde_json::to_string_pretty(&json).expect("serializable") + "\n")
