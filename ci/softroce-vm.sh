@@ -148,7 +148,7 @@ if [ -f "$KDIR/vmlinux" ]; then KERNEL=$KDIR/vmlinux; else KERNEL=$KDIR/root/boo
 # busybox + the module subset + /init.  /usr and /etc come from the host over
 # 9p, so everything the tests run is the host's own (Debian) user space.
 MODS=(virtio_pci virtio_mmio 9pnet_virtio 9p veth dummy crc32_generic crc32-pclmul
-      rdma_rxe ib_uverbs rdma_ucm sch_tbf)
+      rdma_rxe ib_uverbs rdma_ucm sch_tbf vgem)
 INITRD=$CACHE/initramfs-$KVER.cpio
 INITRD_STAMP="v8 ${MODS[*]} $(stat -c %Y /bin/busybox)"
 if [ ! -f "$INITRD" ] || [ "$(cat "$INITRD.stamp" 2>/dev/null)" != "$INITRD_STAMP" ]; then

@@ -49,7 +49,7 @@ SHARE=()
 [ -n "${CARGO_TARGET_DIR:-}" ] && SHARE=(--share "$CARGO_TARGET_DIR")
 # The guest runs each binary one test at a time (the VM is emulated, and slow).
 bash ci/softroce-vm.sh ${SHARE[@]+"${SHARE[@]}"} --mem 2048 --timeout "${SOFTROCE_TIMEOUT:-1500}" \
-  --env RUST_BACKTRACE=1 --env TIDEWIRE_REQUIRE_RDMA=1 --env RUST_LOG=warn -- \
+  --env RUST_BACKTRACE=1 --env TIDEWIRE_REQUIRE_RDMA=1 --env TIDEWIRE_REQUIRE_VGEM=1 --env RUST_LOG=warn -- \
   bash ci/rdma-guest.sh "${BINS[@]}" 2>&1 | tee "$LOG"
 vm_rc=${PIPESTATUS[0]}
 

@@ -27,6 +27,8 @@
 #                devices in a QEMU VM, `tidewire train --verify` over RDMA, and tidewire-perf
 #                against Debian's perftest both ways (ci/perf-guest.sh), doctor's rxe probes, and
 #                RDMA write_bw through tbf on the VM's veth within -15%/+5% of the tbf rate
+#  11. nvrtc     the CUDA aggregation kernels compiled by NVRTC (pip's libnvrtc; no GPU needed)
+#  12. gpu       with a GPU: the CUDA tests (kernels bitwise against the CPU), and bench aggregate
 # The GPU tier says here when it skips, and why.
 # It ends with the plain line "N passed, M failed, K skipped" and exits non-zero on any failure.
 set -uo pipefail
@@ -55,6 +57,8 @@ skip() { # name, reason
 # --- setup -----------------------------------------------------------------
 need_pkgs=()
 command -v iperf3 >/dev/null 2>&1 || need_pkgs+=(iperf3)
+# pip fetches libnvrtc (the CUDA kernels' compiler) for the nvrtc tier.
+command -v pip3 >/dev/null 2>&1 || need_pkgs+=(python3-pip)
 command -v cc >/dev/null 2>&1 || need_pkgs+=(build-essential)
 # sideway (the `rdma` feature, built by --all-features) compiles rdma-core stubs with cmake
 # and generates bindings with libclang; libibverbs1 + ibverbs-providers are what it loads at
@@ -156,10 +160,40 @@ tier papers papers
 
 # Real soft-RoCE: rdma_rxe in a QEMU VM (this kernel has no RDMA); see ci/test-rdma.sh.
 tier soft-roce bash ci/test-rdma.sh
+# NVRTC needs no GPU: compile the aggregation kernels with pip's libnvrtc (cached outside
+# the clone) for sm_70/80/90 in both modes, and check the PTX (no FMA in deterministic mode,
+# float4 loads). The test must run, not skip.
+if [ "$(id -u)" -eq 0 ]; then NVRTC_DIR=${TIDEWIRE_NVRTC_DIR:-/var/cache/tidewire-nvrtc}
+else NVRTC_DIR=${TIDEWIRE_NVRTC_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tidewire-nvrtc}; fi
+nvrtc() {
+  local lib=$NVRTC_DIR/nvidia/cuda_nvrtc/lib
+  if [ ! -e "$lib/libnvrtc.so.12" ]; then
+    local tmp; tmp=$(mktemp -d)
+    pip3 download --no-deps --quiet -d "$tmp" 'nvidia-cuda-nvrtc-cu12==12.8.93' || return 1
+    mkdir -p "$NVRTC_DIR" && python3 -m zipfile -e "$tmp"/nvidia_cuda_nvrtc_cu12-*.whl "$NVRTC_DIR" || return 1
+    rm -rf "$tmp"
+  fi
+  local out
+  out=$(LD_LIBRARY_PATH=$lib cargo test --locked -p tidewire-gpu --features cuda --lib kernels_compile_with_nvrtc -- --nocapture 2>&1)
+  local rc=$?
+  echo "$out" | grep -E 'kernels_compile|SKIPPED|test result|panicked'
+  [ $rc -eq 0 ] && ! grep -q SKIPPED <<<"$out" && grep -q 'test cuda::nvrtc_tests::kernels_compile_with_nvrtc ... ok' <<<"$out"
+}
+tier nvrtc nvrtc
+
+# On a machine with a GPU: the CUDA tests must run (a skip fails), and the GPU bench.
+gpu() {
+  local out
+  out=$(cargo test --locked -p tidewire-gpu --features cuda -- --nocapture 2>&1)
+  local rc=$?
+  echo "$out" | grep -E '^test |SKIPPED|test result|panicked'
+  [ $rc -eq 0 ] && ! grep -q 'SKIPPED: .*no CUDA driver' <<<"$out" || return 1
+  cargo run --release --locked -q --features cuda -- bench aggregate
+}
 if command -v nvidia-smi >/dev/null 2>&1; then
-  skip gpu "the CUDA backend arrives with the GPU issue (#6); no GPU test exists yet"
+  tier gpu gpu
 else
-  skip gpu "no GPU on this machine (nvidia-smi not found), and the CUDA backend arrives with issue #6"
+  skip gpu "no GPU on this machine (nvidia-smi not found): the CUDA tests were built and skipped with their reason in the tests tier, and the kernels were compiled by NVRTC in the nvrtc tier"
 fi
 
 # --- summary ---------------------------------------------------------------

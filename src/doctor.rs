@@ -33,6 +33,14 @@ pub fn run() -> Vec<Check> {
         ok: cuda.usable,
         detail: cuda.detail,
     });
+    for (name, ok, detail) in tidewire_gpu::library_checks() {
+        out.push(Check {
+            area: "cuda",
+            name: name.into(),
+            ok,
+            detail,
+        });
+    }
     out.push(from("memory", probe::memlock()));
     out.extend(probe::huge_pages().into_iter().map(|c| from("memory", c)));
     out

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use tidewire_engine::book::LayerKind;
 use tidewire_engine::{Book, EngineError, Server, ServerCommand, Worker, WorkerCommand};
+use tidewire_gpu::agg::Aggregator;
 use tidewire_gpu::cpu::{self, ApplyOp};
 use tidewire_transport::select::{self, Preference};
 use tidewire_transport::{
@@ -125,6 +126,7 @@ struct ServerPart {
     acc: Vec<Vec<f32>>,
     momentum: Vec<f32>,
     local_slots: HashMap<u32, u32>,
+    agg: Aggregator,
 }
 
 struct Node {
@@ -349,7 +351,10 @@ impl Node {
                 pinned(book.p1() * b.sched.slots as usize * slot_bytes)?,
                 Access::REMOTE_WRITE,
             )?;
+            let agg = Aggregator::new(b.aggregation)?;
+            tracing::info!(rank, "{}", agg.describe());
             Some(ServerPart {
+                agg,
                 acc: (0..core.windows()).map(|_| vec![0f32; n]).collect(),
                 momentum: if b.op.needs_momentum() {
                     vec![0f32; n]
@@ -782,6 +787,9 @@ impl Node {
                     s.accumulated = st.accumulated;
                     s.applies = st.applies;
                     s.broadcasts = st.broadcasts;
+                    let ag = sv.agg.stats();
+                    s.cpu_aggregated_bytes = ag.cpu_bytes;
+                    s.gpu_aggregated_bytes = ag.gpu_bytes;
                 }
                 let ts = self.t.counters();
                 s.rx_direct_bytes = ts.rx_direct_bytes;
@@ -1082,12 +1090,12 @@ impl Node {
                         .lease((wi * self.slots as usize + slot as usize) * s.slot_bytes, si.len * 4)?
                 };
                 let s = self.server.as_mut().expect("server");
-                let acc = &mut s.acc[window as usize][at..at + si.len];
-                if first {
-                    acc.copy_from_slice(src.as_f32()?);
-                } else {
-                    cpu::add_assign(acc, src.as_f32()?);
-                }
+                // The aggregator places the chunk on the CPU or the GPU (Nexus) and
+                // adds in call order either way, so the bits do not depend on it.
+                let key = window as u64 * book.chunks().len() as u64 + si.chunk as u64;
+                let chunk_acc = &mut s.acc[window as usize][ch.shard_offset..ch.shard_offset + ch.len];
+                s.agg
+                    .accumulate(key, book.p1(), chunk_acc, at - ch.shard_offset, src.as_f32()?, first)?;
             }
             ServerCommand::ReturnCredit { worker, slot } => {
                 if worker == me {
@@ -1108,8 +1116,10 @@ impl Node {
             ServerCommand::Apply { chunk, window, .. } => {
                 let ch = book.chunks()[chunk as usize];
                 let s = self.server.as_mut().expect("server");
-                let mut dst = s.shard.lease_f32(ch.shard_offset, ch.len)?;
                 let range = ch.shard_offset..ch.shard_offset + ch.len;
+                let key = window as u64 * book.chunks().len() as u64 + chunk as u64;
+                s.agg.finish(key, &mut s.acc[window as usize][range.clone()])?;
+                let mut dst = s.shard.lease_f32(ch.shard_offset, ch.len)?;
                 let mom = if s.momentum.is_empty() {
                     &mut [][..]
                 } else {

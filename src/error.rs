@@ -41,6 +41,9 @@ pub enum Error {
     /// The transport asked for cannot be used here.
     #[error("transport unavailable: {0}")]
     TransportUnavailable(String),
+    /// Server-side aggregation failed, or the GPU asked for is not usable.
+    #[error(transparent)]
+    Aggregation(#[from] tidewire_gpu::agg::AggError),
     /// The session was shut down.
     #[error("the session is shut down")]
     Shutdown,

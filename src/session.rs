@@ -106,6 +106,7 @@ pub struct Builder {
     pub(crate) params: Option<BufferLayout>,
     pub(crate) grads: Option<BufferLayout>,
     pub(crate) listen_ip: Option<IpAddr>,
+    pub(crate) aggregation: tidewire_gpu::agg::Policy,
 }
 
 impl std::fmt::Debug for Builder {
@@ -139,6 +140,7 @@ impl Builder {
             params: None,
             grads: None,
             listen_ip: None,
+            aggregation: tidewire_gpu::agg::Policy::Auto,
         }
     }
     /// Batch size K (the cost model's K, and the rows of U and V).
@@ -179,6 +181,14 @@ impl Builder {
     /// What servers do with a complete chunk.
     pub fn apply(mut self, op: ApplyOp) -> Self {
         self.op = op;
+        self
+    }
+
+    /// Where the server sums contributions: `Cpu`, `Gpu` (an error at build
+    /// without a usable GPU), or `Auto` (default: Nexus's per-chunk choice,
+    /// which is the CPU without a GPU). Sums are bitwise the same either way.
+    pub fn aggregation(mut self, p: tidewire_gpu::agg::Policy) -> Self {
+        self.aggregation = p;
         self
     }
     /// Transport selection.
@@ -443,6 +453,10 @@ pub struct SessionStats {
     pub rx_direct_bytes: u64,
     /// Bytes this rank's transport copied out to the application (messages).
     pub rx_copied_bytes: u64,
+    /// Contribution bytes this rank's server summed on the CPU.
+    pub cpu_aggregated_bytes: u64,
+    /// Contribution bytes this rank's server summed on the GPU (Nexus).
+    pub gpu_aggregated_bytes: u64,
 }
 
 /// A running rank of a job.

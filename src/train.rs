@@ -55,6 +55,10 @@ pub struct TrainArgs {
     /// Sum in arrival order instead of fixed rank order.
     #[arg(long)]
     pub fast: bool,
+    /// Where servers sum contributions: auto (Nexus's per-chunk CPU/GPU choice;
+    /// the CPU without a GPU), cpu, or gpu (fails without a usable GPU).
+    #[arg(long, default_value = "auto")]
+    pub aggregate: tidewire_gpu::agg::Policy,
     /// sgd, mean or sum.
     #[arg(long, default_value = "sgd")]
     pub op: String,
@@ -355,6 +359,7 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
         .policy(args.sync_mode().policy())
         .sched(args.sched())
         .apply(args.apply_op()?)
+        .aggregation(args.aggregate)
         .timeout(Duration::from_secs(args.timeout_s))
         .connect_timeout(Duration::from_secs(args.timeout_s))
         .init_params(move |l, p| s2.init(l, p))

@@ -36,11 +36,30 @@ impl Default for AggregateOpts {
     }
 }
 
-/// The GPU part of the report.
-#[derive(Debug, Clone, Serialize)]
+/// The GPU part of the report (GB/s counted as for the CPU: the sum moves
+/// (P+2)·N·4 bytes, a copy 2·N·4).
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct GpuPart {
+    /// Whether a GPU was measured; `reason` says why not.
     pub measured: bool,
     pub reason: String,
+    pub device: Option<String>,
+    /// The deterministic f32 sum kernel, best repetition.
+    pub sum_gbps: Option<f64>,
+    /// cuMemcpyDtoD of one input, same run.
+    pub d2d_copy_gbps: Option<f64>,
+    /// sum_gbps / d2d_copy_gbps.
+    pub ratio_vs_copy: Option<f64>,
+    /// The sum with bf16 inputs accumulated in f32 (P·N·2 + 2·N·4 bytes).
+    pub bf16_sum_gbps: Option<f64>,
+    /// cuBLAS SGEMM as SF reconstruction (4096×4096 from P·256 factor rows).
+    pub sgemm_gflops: Option<f64>,
+    /// Pinned host→device.
+    pub h2d_gbps: Option<f64>,
+    /// Device→pinned host.
+    pub d2h_gbps: Option<f64>,
+    /// The kernel's result equals the CPU's bitwise on the bench's data.
+    pub matches_cpu_bitwise: Option<bool>,
 }
 
 /// The result; `cpu_sum_gbps` and `triad_gbps` are the best repetitions.
@@ -123,7 +142,7 @@ pub fn aggregate(o: &AggregateOpts, mut progress: impl FnMut(&str)) -> Result<Ag
     }
     let best = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
     let (cpu_sum_gbps, triad_gbps) = (best(&sums), best(&triads));
-    let probe = crate::probe();
+    let gpu = gpu_part(o, &mut progress);
     Ok(AggregateReport {
         inputs: o.inputs,
         mib: o.mib,
@@ -134,15 +153,29 @@ pub fn aggregate(o: &AggregateOpts, mut progress: impl FnMut(&str)) -> Result<Ag
         ratio: cpu_sum_gbps / triad_gbps,
         cpu_sum_gbps_median: median(sums),
         triad_gbps_median: median(triads),
-        gpu: GpuPart {
-            measured: false,
-            reason: if probe.usable {
-                "the GPU kernels arrive with the GPU issue (#6)".into()
-            } else {
-                probe.detail
-            },
-        },
+        gpu,
     })
+}
+
+fn gpu_part(o: &AggregateOpts, progress: &mut impl FnMut(&str)) -> GpuPart {
+    #[cfg(feature = "cuda")]
+    {
+        match crate::cuda::bench::measure(o, |l| progress(l)) {
+            Ok(p) => p,
+            Err(e) => GpuPart {
+                reason: e.to_string(),
+                ..Default::default()
+            },
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (o, progress);
+        GpuPart {
+            reason: crate::probe().detail,
+            ..Default::default()
+        }
+    }
 }
 
 fn mem_available_mib() -> Option<u64> {
@@ -159,8 +192,8 @@ pub fn render(r: &AggregateReport) -> String {
          \x20 cpu sum  {:>7.2} GB/s   (median {:.2})\n\
          \x20 triad    {:>7.2} GB/s   (median {:.2})   STREAM-like a = b + s*c, same run\n\
          \x20 ratio    {:>7.3}\n\
-         \x20 gpu      not measured: {}\n\
-         bytes counted as STREAM does: sum (P+2)*N*4, triad 3*N*4\n",
+         {}\
+         bytes counted as STREAM does: sum (P+2)*N*4, triad 3*N*4, copy 2*N*4\n",
         r.inputs,
         r.mib,
         r.threads,
@@ -170,7 +203,28 @@ pub fn render(r: &AggregateReport) -> String {
         r.triad_gbps,
         r.triad_gbps_median,
         r.ratio,
-        r.gpu.reason
+        render_gpu(&r.gpu)
+    )
+}
+
+fn render_gpu(g: &GpuPart) -> String {
+    if !g.measured {
+        return format!("  gpu      not measured: {}\n", g.reason);
+    }
+    let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
+    format!(
+        "  gpu      {}\n\
+         \x20   sum kernel {:>8} GB/s   d2d copy {} GB/s   ratio {}   bitwise = cpu: {}\n\
+         \x20   bf16 sum   {:>8} GB/s   pinned h2d {} GB/s, d2h {} GB/s   SGEMM {} GFLOP/s\n",
+        g.device.as_deref().unwrap_or("?"),
+        f(g.sum_gbps),
+        f(g.d2d_copy_gbps),
+        g.ratio_vs_copy.map_or("-".into(), |r| format!("{r:.3}")),
+        g.matches_cpu_bitwise.map_or("-".into(), |b| b.to_string()),
+        f(g.bf16_sum_gbps),
+        f(g.h2d_gbps),
+        f(g.d2h_gbps),
+        g.sgemm_gflops.map_or("- (no cuBLAS)".into(), |v| format!("{v:.0}")),
     )
 }
 

@@ -100,6 +100,84 @@ pub fn sum_into(acc: &mut [f32], inputs: &[&[f32]], threads: usize) {
     });
 }
 
+/// An input element type for aggregation: f32, or a 16-bit float that is
+/// widened to f32 (exactly) before it is added.
+pub trait Element: Copy + Send + Sync + 'static {
+    /// The kernel's name for the type.
+    const NAME: &'static str;
+    /// The exact f32 value.
+    fn to_f32(self) -> f32;
+}
+
+impl Element for f32 {
+    const NAME: &'static str = "f32";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Element for half::bf16 {
+    const NAME: &'static str = "bf16";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+
+impl Element for half::f16 {
+    const NAME: &'static str = "f16";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+
+/// [`sum_into`] for any [`Element`]: `acc[i] += f32(inputs[0][i]) + f32(inputs[1][i]) + ...`,
+/// accumulated in f32 in input order, on `threads` threads. bf16 and f16
+/// widen exactly, so the result is bitwise what the GPU's deterministic
+/// kernel produces.
+///
+/// # Panics
+/// If an input's length differs from the accumulator's.
+pub fn sum_into_as<T: Element>(acc: &mut [f32], inputs: &[&[T]], threads: usize) {
+    for (i, x) in inputs.iter().enumerate() {
+        assert_eq!(
+            x.len(),
+            acc.len(),
+            "sum_into_as: input {i} has {} elements, the accumulator {}",
+            x.len(),
+            acc.len()
+        );
+    }
+    let n = acc.len();
+    let threads = threads.clamp(1, n.div_ceil(SUM_CHUNK).max(1));
+    let block = n.div_ceil(threads).div_ceil(SUM_CHUNK) * SUM_CHUNK;
+    std::thread::scope(|s| {
+        for (t, part) in acc.chunks_mut(block.max(1)).enumerate() {
+            let base = t * block;
+            s.spawn(move || {
+                for (c, chunk) in part.chunks_mut(SUM_CHUNK).enumerate() {
+                    let at = base + c * SUM_CHUNK;
+                    let len = chunk.len();
+                    for x in inputs {
+                        for (a, v) in chunk.iter_mut().zip(&x[at..at + len]) {
+                            *a += v.to_f32();
+                        }
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// `x[i] *= s`.
+pub fn scale(x: &mut [f32], s: f32) {
+    for v in x {
+        *v *= s;
+    }
+}
+
 /// STREAM's triad, `a[i] = b[i] + s * c[i]`, on `threads` threads: the memory
 /// bandwidth that [`sum_into`] is judged against.
 ///
@@ -380,5 +458,44 @@ mod tests {
         assert_eq!(w, [0.5, 0.0]);
         apply(op, 2, &acc, &mut w, &mut v);
         assert_eq!(v, [0.95, 1.9]);
+    }
+
+    #[test]
+    fn sum_into_as_widens_exactly_and_keeps_order() {
+        let n = 3 * SUM_CHUNK + 5;
+        let f: Vec<Vec<f32>> = (0..5).map(|p| data(n, 40 + p)).collect();
+        let bf: Vec<Vec<half::bf16>> = f
+            .iter()
+            .map(|v| v.iter().map(|x| half::bf16::from_f32(*x)).collect())
+            .collect();
+        let hf: Vec<Vec<half::f16>> = f
+            .iter()
+            .map(|v| v.iter().map(|x| half::f16::from_f32(*x)).collect())
+            .collect();
+        let base = data(n, 7);
+        // f32 through the generic path equals the tuned one, bitwise.
+        let mut a = base.clone();
+        sum_into(&mut a, &f.iter().map(|v| &v[..]).collect::<Vec<_>>(), 3);
+        let mut b = base.clone();
+        sum_into_as(&mut b, &f.iter().map(|v| &v[..]).collect::<Vec<_>>(), 2);
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+        // bf16/f16: each element is acc + widen(x0) + widen(x1) ... in order.
+        for threads in [1, 4] {
+            let mut c = base.clone();
+            sum_into_as(&mut c, &bf.iter().map(|v| &v[..]).collect::<Vec<_>>(), threads);
+            let mut d = base.clone();
+            sum_into_as(&mut d, &hf.iter().map(|v| &v[..]).collect::<Vec<_>>(), threads);
+            for i in [0, 1, SUM_CHUNK, n - 1] {
+                let want_b = bf.iter().fold(base[i], |a, v| a + v[i].to_f32());
+                let want_h = hf.iter().fold(base[i], |a, v| a + v[i].to_f32());
+                assert_eq!(c[i].to_bits(), want_b.to_bits(), "bf16 at {i}");
+                assert_eq!(d[i].to_bits(), want_h.to_bits(), "f16 at {i}");
+                // The 16-bit inputs are close to the f32 ones, not equal.
+                assert!((c[i] - a[i]).abs() <= 0.05 * (1.0 + a[i].abs()), "{} vs {}", c[i], a[i]);
+            }
+        }
+        let mut x = vec![1.5f32, -2.0];
+        scale(&mut x, 0.5);
+        assert_eq!(x, [0.75, -1.0]);
     }
 }

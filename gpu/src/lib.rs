@@ -1,16 +1,33 @@
 //! GPU memory and aggregation for Tidewire.
 //!
-//! Behind the `cuda` feature, [`cuda`] probes the driver and its GPUs at run
-//! time (cudarc with dynamic loading; a typed error without a driver). Device
-//! buffers, pinned host memory, dmabuf export and the aggregation kernels
-//! arrive with the GPU issue. [`cpu`] holds the CPU path of aggregation, apply
-//! and sufficient-factor reconstruction, and [`bench`] measures it against
-//! the machine's memory bandwidth.
+//! - [`cpu`]: the CPU path of aggregation (f32, and bf16/f16 summed in f32),
+//!   apply (fused SGD with momentum) and sufficient-factor reconstruction
+//!   (GEMM through `matrixmultiply`).
+//! - `cuda` (feature `cuda`): the driver probed at run time (cudarc with
+//!   dynamic loading; a typed error without a driver), device buffers,
+//!   portable non-write-combined pinned host memory, cuMemHostRegister, dmabuf
+//!   export for GPUDirect RDMA, NVRTC-compiled aggregation kernels (cached),
+//!   a stream pool, a deterministic mode that matches [`cpu`] bitwise, and
+//!   cuBLAS SGEMM for sufficient factors.
+//! - [`sched`]: Nexus's CPU/GPU choice per chunk; [`agg`]: the server's
+//!   aggregator that follows it.
+//! - [`bench`]: `tidewire bench aggregate`, against the machine's memory
+//!   bandwidth (and, on a GPU, its device-to-device copy).
 
+pub mod agg;
 pub mod bench;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod sched;
+
+/// Prints a loud skip line for a test that needs what this machine lacks.
+/// It writes to stderr directly, because the test harness captures
+/// `eprintln!`, so the line shows in `cargo test` output and in CI logs.
+pub fn print_skip(what: &str, why: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {what}: {why}");
+}
 
 /// What `tidewire doctor` shows for CUDA.
 #[derive(Debug, Clone)]
@@ -19,6 +36,45 @@ pub struct CudaReport {
     pub usable: bool,
     /// Why (or why not).
     pub detail: String,
+}
+
+/// The CUDA libraries besides the driver, each as (name, present, detail):
+/// NVRTC compiles the aggregation kernels, cuBLAS runs SF reconstruction.
+/// Empty without the `cuda` feature.
+pub fn library_checks() -> Vec<(&'static str, bool, String)> {
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: each call only tries to load its library; no function in it is called.
+        let (nvrtc, cublas) = unsafe {
+            (
+                cudarc::nvrtc::sys::is_culib_present(),
+                cudarc::cublas::sys::is_culib_present(),
+            )
+        };
+        let dir = cuda::ptx_cache_dir().map_or("none".to_string(), |d| d.display().to_string());
+        vec![
+            (
+                "nvrtc",
+                nvrtc,
+                if nvrtc {
+                    format!("libnvrtc loads; kernels are compiled once and cached in {dir}")
+                } else {
+                    cuda::CudaError::NoNvrtc.to_string()
+                },
+            ),
+            (
+                "cublas",
+                cublas,
+                if cublas {
+                    "libcublas loads: SGEMM for sufficient-factor reconstruction".to_string()
+                } else {
+                    cuda::CudaError::NoCublas.to_string()
+                },
+            ),
+        ]
+    }
+    #[cfg(not(feature = "cuda"))]
+    Vec::new()
 }
 
 /// Probes CUDA support without touching the driver when it cannot be used.

@@ -151,6 +151,7 @@ rdma_case!(queue_depth_backpressure_and_credits);
 rdma_case!(read_round_trip);
 rdma_case!(no_payload_copies_on_the_host);
 rdma_case!(dmabuf_unsupported_on_rxe);
+rdma_case!(device_memory_falls_back_to_staging);
 rdma_case!(busy_poll_mode);
 rdma_case!(device_listing_and_selection);
 rdma_case!(tcp_transport_peer_is_refused_with_a_reason);
@@ -513,6 +514,129 @@ mod cases {
                 assert!(r.is_err(), "/dev/null is no dmabuf");
             }
         }
+    }
+
+    /// Device memory on a NIC without dmabuf: a real dmabuf (vgem) is
+    /// refused by rxe, so registration stages through host memory and says
+    /// why; data then moves both ways, pipelined over the staging halves.
+    pub fn device_memory_falls_back_to_staging() {
+        use tidewire_transport::rdma::{DeviceMemory, DmabufHandle, VgemBuffer};
+        let mut vg = match VgemBuffer::new(1 << 20) {
+            Ok(v) => v,
+            Err(why) if std::env::var_os("TIDEWIRE_REQUIRE_VGEM").is_none() => {
+                eprintln!("SKIPPED: device_memory_falls_back_to_staging: {why}");
+                return;
+            }
+            Err(why) => panic!("TIDEWIRE_REQUIRE_VGEM is set, but {why}"),
+        };
+        let len = vg.len();
+        assert!(len >= 1 << 20);
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + (i >> 12)) as u8).collect();
+        vg.copy_from_host(0, &data).unwrap();
+        let mut p = pair_with(|c| c.verify_descriptors = false);
+        // Argument checks come first, whatever the device.
+        struct Bad<'a>(&'a VgemBuffer, u64);
+        impl DeviceMemory for Bad<'_> {
+            fn len(&self) -> usize {
+                self.0.len()
+            }
+            fn dmabuf(&self) -> Result<DmabufHandle<'_>, String> {
+                let h = self.0.dmabuf()?;
+                Ok(DmabufHandle {
+                    iova: h.iova + self.1,
+                    ..h
+                })
+            }
+            fn copy_to_host(&self, o: usize, d: &mut [u8]) -> Result<(), String> {
+                self.0.copy_to_host(o, d)
+            }
+            fn copy_from_host(&mut self, _: usize, _: &[u8]) -> Result<(), String> {
+                Err("read only".into())
+            }
+        }
+        let e = p.c.register_device(&Bad(&vg, 100), 64 << 10).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("modulo"),
+            "{e}"
+        );
+        let e = p.c.register_device(&vg, 100).unwrap_err();
+        assert!(e.to_string().contains("staging of 100 bytes"), "{e}");
+        // The fallback, with its reason.
+        let reg = p.c.register_device(&vg, 64 << 10).unwrap();
+        let what = reg.describe();
+        eprintln!("{what}");
+        let (dev, _, _) = p.c.device();
+        if dev.starts_with("rxe") {
+            assert!(!reg.is_direct(), "{what}");
+            assert!(
+                what.starts_with("staging through 64 KiB") && what.contains("dmabuf registration unsupported on rxe"),
+                "{what}"
+            );
+        }
+        if reg.is_direct() {
+            return; // a NIC with dmabuf: nothing to stage
+        }
+        // Out: vgem -> staging -> RDMA WRITE into the server's region, with at most
+        // two writes in flight (one per staging half).
+        let chunks = reg.plan(0, len).unwrap();
+        assert_eq!(chunks.len(), len / (32 << 10));
+        assert_eq!(
+            (
+                chunks[0].staging_offset,
+                chunks[1].staging_offset,
+                chunks[2].staging_offset
+            ),
+            (0, 32 << 10, 0)
+        );
+        let dst = p.s_remote();
+        let mut done = 0usize;
+        for (i, c) in chunks.iter().enumerate() {
+            if i >= 2 {
+                let want = i - 1;
+                p.pump("a staging half is free again", |e| {
+                    count(&e[1], |x| matches!(x, Event::WriteDone { .. })) >= want
+                });
+            }
+            reg.stage(&vg, *c).unwrap();
+            let slice = reg.staging_slice(*c).unwrap();
+            p.c.write(p.cc, &slice, &dst, c.device_offset as u64, None).unwrap();
+            done += 1;
+        }
+        p.pump("every staged write done", |e| {
+            count(&e[1], |x| matches!(x, Event::WriteDone { .. })) >= done
+        });
+        let mut got = vec![0u8; len];
+        p.s_land.read_at(0, &mut got).unwrap();
+        assert!(got == data, "staged RDMA WRITE delivered other bytes");
+        // In: the server's device memory, staged; the client writes into the
+        // staging region and the server lands each chunk on the device.
+        let mut vs = VgemBuffer::new(256 << 10).unwrap();
+        let sreg = p.s.register_device(&vs, 64 << 10).unwrap();
+        assert!(!sreg.is_direct());
+        let src = p.c.register(buf(256 << 10), Access::LOCAL).unwrap();
+        let incoming: Vec<u8> = (0..256usize << 10).map(|i| (i * 13) as u8 ^ 0x5a).collect();
+        src.write_at(0, &incoming).unwrap();
+        let remote = sreg.remote();
+        for (i, c) in sreg.plan(0, 256 << 10).unwrap().into_iter().enumerate() {
+            p.c.write(
+                p.cc,
+                &src.slice(c.device_offset, c.len).unwrap(),
+                &remote,
+                c.staging_offset as u64,
+                None,
+            )
+            .unwrap();
+            let want = done + i + 1;
+            p.pump("a chunk landed in staging", |e| {
+                count(&e[1], |x| matches!(x, Event::WriteDone { .. })) >= want
+            });
+            sreg.land(&mut vs, c).unwrap();
+        }
+        let mut back = vec![0u8; 256 << 10];
+        vs.copy_to_host(0, &mut back).unwrap();
+        assert!(back == incoming, "staged landing delivered other bytes");
+        // Past the end: refused.
+        assert!(reg.plan(len - 10, 20).is_err());
     }
 
     pub fn busy_poll_mode() {

@@ -46,6 +46,7 @@
 
 mod cm;
 pub mod device;
+pub mod gpudirect;
 pub mod raw;
 pub(crate) mod wire;
 
@@ -73,6 +74,7 @@ use crate::frame;
 use crate::memory::{Access, InFlight, MemoryKind, PinOptions, PinnedBuffer, Region, RemoteRegion, Slice};
 use crate::tcp::{TcpConfig, TcpTransport};
 pub use device::{rate_limit_of, DeviceChoice, DeviceInfoSummary, Dmabuf, GidInfo, PortInfo, RateLimit};
+pub use gpudirect::{DeviceMemory, DevicePath, DeviceRegistration, DmabufHandle, StageChunk, VgemBuffer};
 use wire::{Notice, QpInfo, NOTICE_LEN};
 
 /// How completions are waited for.

@@ -2,7 +2,17 @@
 //!
 //! cudarc panics when it first calls into a missing libcuda, so every entry
 //! point here checks [`driver_present`] first and answers
-//! [`CudaError::NoDriver`] instead.
+//! [`CudaError::NoDriver`] instead; NVRTC and cuBLAS are checked the same
+//! way before their first use.
+//!
+//! [`Gpu`] is one device ready to aggregate: see [`gpu`].
+
+pub mod bench;
+pub mod gpu;
+pub use gpu::{
+    compile_kernels, ptx_cache_dir, DeviceBuffer, DmabufExport, Gpu, GpuElement, GpuOptions, HostRegistration,
+    PinnedHost, KERNELS_SRC, MAX_INPUTS,
+};
 
 use cudarc::driver::{result, sys};
 use serde::Serialize;
@@ -14,12 +24,33 @@ pub enum CudaError {
     /// libcuda.so could not be loaded: no NVIDIA driver on this machine.
     #[error("no CUDA driver: libcuda.so cannot be loaded (no NVIDIA driver on this machine, or it is not on the library path)")]
     NoDriver,
+    /// libnvrtc.so could not be loaded: the kernels cannot be compiled.
+    #[error("no NVRTC: libnvrtc.so cannot be loaded (install the CUDA toolkit's nvrtc, e.g. the cuda-nvrtc package or pip's nvidia-cuda-nvrtc-cu12, and put it on LD_LIBRARY_PATH)")]
+    NoNvrtc,
+    /// libcublas.so could not be loaded: no GPU SGEMM.
+    #[error("no cuBLAS: libcublas.so cannot be loaded (install libcublas, e.g. pip's nvidia-cublas-cu12, and put it on LD_LIBRARY_PATH)")]
+    NoCublas,
+    /// No GPU with this ordinal.
+    #[error("no GPU {0}: the driver lists fewer devices (CUDA_VISIBLE_DEVICES?)")]
+    NoDevice(usize),
+    /// NVRTC rejected the kernels.
+    #[error("NVRTC could not compile the aggregation kernels: {0}")]
+    Compile(String),
+    /// Device or pinned memory could not be allocated.
+    #[error("cannot allocate {0} bytes: {1}")]
+    Alloc(usize, String),
+    /// Device memory cannot be exported as a dmabuf.
+    #[error("no dmabuf export: {0}")]
+    NoDmabuf(String),
+    /// A call's arguments do not fit together.
+    #[error("invalid argument: {0}")]
+    Invalid(String),
     /// A driver call failed.
     #[error("{op} failed: {detail}")]
     Driver { op: &'static str, detail: String },
 }
 
-fn drv(op: &'static str) -> impl FnOnce(result::DriverError) -> CudaError {
+pub(crate) fn drv(op: &'static str) -> impl FnOnce(result::DriverError) -> CudaError {
     move |e| CudaError::Driver {
         op,
         detail: e.to_string(),
@@ -130,5 +161,46 @@ mod tests {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod nvrtc_tests {
+    /// NVRTC needs no GPU and no driver: where libnvrtc is installed (CI
+    /// installs pip's nvidia-cuda-nvrtc-cu12), the kernels are compiled for
+    /// the architectures we target, in both modes.
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        // SAFETY: only tries to load libnvrtc; no NVRTC function is called.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            crate::print_skip("kernels_compile_with_nvrtc", &super::CudaError::NoNvrtc.to_string());
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("tw-ptx-{}", std::process::id()));
+        std::env::set_var("TIDEWIRE_PTX_CACHE", &dir);
+        for arch in ["compute_70", "compute_80", "compute_90"] {
+            for fmad in [false, true] {
+                let ptx = super::compile_kernels(arch, fmad).unwrap_or_else(|e| panic!("{arch}: {e}"));
+                for k in [
+                    "tw_sum_f32",
+                    "tw_sum_bf16",
+                    "tw_sum_f16",
+                    "tw_atomic_add_f32",
+                    "tw_scale_f32",
+                    "tw_apply_f32",
+                ] {
+                    assert!(ptx.contains(&format!(".entry {k}(")), "{arch}: no {k}");
+                }
+                // Deterministic mode: no fused multiply-add anywhere.
+                if !fmad {
+                    assert!(!ptx.contains("fma.rn.f32"), "{arch}: fma with --fmad=false");
+                }
+                // Vector loads are there.
+                assert!(ptx.contains("ld.global.v4.f32"), "{arch}: no float4 loads");
+                // Cached on disk for the next process.
+                assert!(std::fs::read_dir(&dir).unwrap().count() >= 1);
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
