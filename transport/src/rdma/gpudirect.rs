@@ -282,8 +282,14 @@ fn vgem_card() -> std::result::Result<std::path::PathBuf, String> {
         if !name.starts_with("card") || name.contains('-') {
             continue;
         }
-        let drv = std::fs::read_link(e.path().join("device/driver")).ok();
-        if drv.as_ref().and_then(|d| d.file_name()).is_some_and(|n| n == "vgem") {
+        // vgem's platform device has no bound driver: match the device's own name too.
+        let is_vgem = |link: &str| {
+            std::fs::read_link(e.path().join(link))
+                .ok()
+                .and_then(|d| d.file_name().map(|n| n == "vgem"))
+                .unwrap_or(false)
+        };
+        if is_vgem("device") || is_vgem("device/driver") {
             return Ok(std::path::Path::new("/dev/dri").join(name));
         }
     }
