@@ -178,6 +178,13 @@ impl TrainArgs {
     pub fn validate(&self) -> Result<()> {
         self.model()?;
         self.apply_op()?;
+        if self.aggregate == tidewire_gpu::agg::Policy::Gpu {
+            // Refuse before any rank starts, with the probe's reason.
+            let p = tidewire_gpu::probe();
+            if !p.usable {
+                return Err(tidewire_gpu::agg::AggError::NoGpu(p.detail).into());
+            }
+        }
         if self.workers == 0 {
             return Err(Error::Cluster("--workers must be at least 1".into()));
         }
