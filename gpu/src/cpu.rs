@@ -44,6 +44,35 @@ pub fn add_assign(acc: &mut [f32], src: &[f32]) {
 /// which stays in L1 while every input streams through it once.
 const SUM_CHUNK: usize = 4096;
 
+/// Checks every input's length against the accumulator's, then runs
+/// `f(at, chunk)` over [`SUM_CHUNK`]-element chunks of `acc` (`at` is the
+/// chunk's first index), split into contiguous blocks over `threads` threads.
+fn for_chunks<T>(what: &str, acc: &mut [f32], inputs: &[&[T]], threads: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    for (i, x) in inputs.iter().enumerate() {
+        assert_eq!(
+            x.len(),
+            acc.len(),
+            "{what}: input {i} has {} elements, the accumulator {}",
+            x.len(),
+            acc.len()
+        );
+    }
+    let n = acc.len();
+    let threads = threads.clamp(1, n.div_ceil(SUM_CHUNK).max(1));
+    let block = n.div_ceil(threads).div_ceil(SUM_CHUNK) * SUM_CHUNK;
+    let f = &f;
+    std::thread::scope(|s| {
+        for (t, part) in acc.chunks_mut(block.max(1)).enumerate() {
+            let base = t * block;
+            s.spawn(move || {
+                for (c, chunk) in part.chunks_mut(SUM_CHUNK).enumerate() {
+                    f(base + c * SUM_CHUNK, chunk);
+                }
+            });
+        }
+    });
+}
+
 /// `acc[i] += inputs[0][i] + inputs[1][i] + ...`, added in input order for every
 /// element, on `threads` threads (contiguous blocks; 0 means 1).
 ///
@@ -56,46 +85,26 @@ const SUM_CHUNK: usize = 4096;
 /// # Panics
 /// If an input's length differs from the accumulator's.
 pub fn sum_into(acc: &mut [f32], inputs: &[&[f32]], threads: usize) {
-    for (i, x) in inputs.iter().enumerate() {
-        assert_eq!(
-            x.len(),
-            acc.len(),
-            "sum_into: input {i} has {} elements, the accumulator {}",
-            x.len(),
-            acc.len()
-        );
-    }
-    let n = acc.len();
-    let threads = threads.clamp(1, n.div_ceil(SUM_CHUNK).max(1));
-    let block = n.div_ceil(threads).div_ceil(SUM_CHUNK) * SUM_CHUNK;
-    std::thread::scope(|s| {
-        for (t, part) in acc.chunks_mut(block.max(1)).enumerate() {
-            let base = t * block;
-            s.spawn(move || {
-                for (c, chunk) in part.chunks_mut(SUM_CHUNK).enumerate() {
-                    let at = base + c * SUM_CHUNK;
-                    let len = chunk.len();
-                    // Four inputs per pass keep the running sum in registers; the
-                    // additions still happen in input order for every element.
-                    let mut groups = inputs.chunks_exact(4);
-                    for g in groups.by_ref() {
-                        let (x0, x1, x2, x3) = (
-                            &g[0][at..at + len],
-                            &g[1][at..at + len],
-                            &g[2][at..at + len],
-                            &g[3][at..at + len],
-                        );
-                        for i in 0..len {
-                            chunk[i] = (((chunk[i] + x0[i]) + x1[i]) + x2[i]) + x3[i];
-                        }
-                    }
-                    for x in groups.remainder() {
-                        for (a, v) in chunk.iter_mut().zip(&x[at..at + len]) {
-                            *a += *v;
-                        }
-                    }
-                }
-            });
+    for_chunks("sum_into", acc, inputs, threads, |at, chunk| {
+        let len = chunk.len();
+        // Four inputs per pass keep the running sum in registers; the
+        // additions still happen in input order for every element.
+        let mut groups = inputs.chunks_exact(4);
+        for g in groups.by_ref() {
+            let (x0, x1, x2, x3) = (
+                &g[0][at..at + len],
+                &g[1][at..at + len],
+                &g[2][at..at + len],
+                &g[3][at..at + len],
+            );
+            for i in 0..len {
+                chunk[i] = (((chunk[i] + x0[i]) + x1[i]) + x2[i]) + x3[i];
+            }
+        }
+        for x in groups.remainder() {
+            for (a, v) in chunk.iter_mut().zip(&x[at..at + len]) {
+                *a += *v;
+            }
         }
     });
 }
@@ -141,32 +150,12 @@ impl Element for half::f16 {
 /// # Panics
 /// If an input's length differs from the accumulator's.
 pub fn sum_into_as<T: Element>(acc: &mut [f32], inputs: &[&[T]], threads: usize) {
-    for (i, x) in inputs.iter().enumerate() {
-        assert_eq!(
-            x.len(),
-            acc.len(),
-            "sum_into_as: input {i} has {} elements, the accumulator {}",
-            x.len(),
-            acc.len()
-        );
-    }
-    let n = acc.len();
-    let threads = threads.clamp(1, n.div_ceil(SUM_CHUNK).max(1));
-    let block = n.div_ceil(threads).div_ceil(SUM_CHUNK) * SUM_CHUNK;
-    std::thread::scope(|s| {
-        for (t, part) in acc.chunks_mut(block.max(1)).enumerate() {
-            let base = t * block;
-            s.spawn(move || {
-                for (c, chunk) in part.chunks_mut(SUM_CHUNK).enumerate() {
-                    let at = base + c * SUM_CHUNK;
-                    let len = chunk.len();
-                    for x in inputs {
-                        for (a, v) in chunk.iter_mut().zip(&x[at..at + len]) {
-                            *a += v.to_f32();
-                        }
-                    }
-                }
-            });
+    for_chunks("sum_into_as", acc, inputs, threads, |at, chunk| {
+        let len = chunk.len();
+        for x in inputs {
+            for (a, v) in chunk.iter_mut().zip(&x[at..at + len]) {
+                *a += v.to_f32();
+            }
         }
     });
 }

@@ -30,6 +30,26 @@ pub const MAX_INPUTS: usize = 32;
 
 const THREADS: u32 = 256;
 
+/// The entry points of `kernels.cu`.
+pub const KERNELS: [&str; 6] = [
+    "tw_sum_f32",
+    "tw_sum_bf16",
+    "tw_sum_f16",
+    "tw_atomic_add_f32",
+    "tw_scale_f32",
+    "tw_apply_f32",
+];
+
+/// Refuses `len` elements at `at` that do not fit in `total`.
+fn check_range(what: &str, at: usize, len: usize, total: usize) -> Result<(), CudaError> {
+    if at.checked_add(len).map_or(true, |e| e > total) {
+        return Err(CudaError::Invalid(format!(
+            "{what} of {len} elements at {at} does not fit a buffer of {total}"
+        )));
+    }
+    Ok(())
+}
+
 /// How a [`Gpu`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GpuOptions {
@@ -330,14 +350,7 @@ impl Gpu {
         let ptx = compile_kernels(&arch, !opts.deterministic)?;
         let module = ctx.load_module(Ptx::from_src(ptx)).map_err(drv("cuModuleLoadData"))?;
         let mut funcs = HashMap::new();
-        for name in [
-            "tw_sum_f32",
-            "tw_sum_bf16",
-            "tw_sum_f16",
-            "tw_atomic_add_f32",
-            "tw_scale_f32",
-            "tw_apply_f32",
-        ] {
+        for name in KERNELS {
             funcs.insert(name, module.load_function(name).map_err(drv("cuModuleGetFunction"))?);
         }
         let sms = ctx
@@ -398,13 +411,7 @@ impl Gpu {
 
     /// Copies `src` into `dst` from element `at`.
     pub fn copy_in<T: DeviceRepr>(&self, dst: &mut DeviceBuffer<T>, at: usize, src: &[T]) -> Result<(), CudaError> {
-        if at.checked_add(src.len()).map_or(true, |e| e > dst.len()) {
-            return Err(CudaError::Invalid(format!(
-                "copy of {} elements at {at} into a buffer of {}",
-                src.len(),
-                dst.len()
-            )));
-        }
+        check_range("copy in", at, src.len(), dst.len())?;
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         // SAFETY: the destination range was checked to lie inside `dst`; the stream is
         // synchronized before returning, so `src` outlives the copy.
@@ -415,13 +422,7 @@ impl Gpu {
 
     /// Copies `dst.len()` elements of `src` from element `at` to the host.
     pub fn copy_out<T: DeviceRepr>(&self, src: &DeviceBuffer<T>, at: usize, dst: &mut [T]) -> Result<(), CudaError> {
-        if at.checked_add(dst.len()).map_or(true, |e| e > src.len()) {
-            return Err(CudaError::Invalid(format!(
-                "copy of {} elements at {at} out of a buffer of {}",
-                dst.len(),
-                src.len()
-            )));
-        }
+        check_range("copy out", at, dst.len(), src.len())?;
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         // SAFETY: the source range was checked to lie inside `src`; the stream is
         // synchronized before returning, so `dst` outlives the copy.
@@ -595,12 +596,7 @@ impl Gpu {
         for (i, x) in inputs.iter().enumerate() {
             check_len(&format!("sum_into input {i}"), x.len(), n)?;
         }
-        if at.checked_add(n).map_or(true, |e| e > acc.len()) {
-            return Err(CudaError::Invalid(format!(
-                "sum_into: {n} elements at {at} past the accumulator's {}",
-                acc.len()
-            )));
-        }
+        check_range("sum_into", at, n, acc.len())?;
         self.sum_into_queued(acc, at, inputs, init)?;
         self.stream().synchronize().map_err(drv("cuStreamSynchronize"))
     }
@@ -640,14 +636,8 @@ impl Gpu {
         if self.opts.deterministic || xs.len() < 2 || self.streams.len() < 2 {
             return self.sum_into(acc, at, xs, false);
         }
-        for (i, x) in xs.iter().enumerate() {
-            if at.checked_add(x.len()).map_or(true, |e| e > acc.len()) {
-                return Err(CudaError::Invalid(format!(
-                    "accumulate: input {i} of {} elements at {at} past the accumulator's {}",
-                    x.len(),
-                    acc.len()
-                )));
-            }
+        for x in xs {
+            check_range("accumulate", at, x.len(), acc.len())?;
         }
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         for (i, x) in xs.iter().enumerate() {

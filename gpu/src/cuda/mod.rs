@@ -11,7 +11,7 @@ pub mod bench;
 pub mod gpu;
 pub use gpu::{
     compile_kernels, ptx_cache_dir, DeviceBuffer, DmabufExport, Gpu, GpuElement, GpuOptions, HostRegistration,
-    PinnedHost, KERNELS_SRC, MAX_INPUTS,
+    PinnedHost, KERNELS, KERNELS_SRC, MAX_INPUTS,
 };
 
 use cudarc::driver::{result, sys};
@@ -181,14 +181,7 @@ mod nvrtc_tests {
         for arch in ["compute_70", "compute_80", "compute_90"] {
             for fmad in [false, true] {
                 let ptx = super::compile_kernels(arch, fmad).unwrap_or_else(|e| panic!("{arch}: {e}"));
-                for k in [
-                    "tw_sum_f32",
-                    "tw_sum_bf16",
-                    "tw_sum_f16",
-                    "tw_atomic_add_f32",
-                    "tw_scale_f32",
-                    "tw_apply_f32",
-                ] {
+                for k in super::gpu::KERNELS {
                     assert!(ptx.contains(&format!(".entry {k}(")), "{arch}: no {k}");
                 }
                 // Deterministic mode: no fused multiply-add anywhere.
