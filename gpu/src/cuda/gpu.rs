@@ -589,6 +589,18 @@ impl Gpu {
         inputs: &[&DeviceBuffer<T>],
         init: bool,
     ) -> Result<(), CudaError> {
+        self.sum_into_queued(acc, at, inputs, init)?;
+        self.stream().synchronize().map_err(drv("cuStreamSynchronize"))
+    }
+
+    /// [`Gpu::sum_into`]'s checks and launches, without the wait.
+    pub(crate) fn sum_into_queued<T: GpuElement>(
+        &self,
+        acc: &mut DeviceBuffer<f32>,
+        at: usize,
+        inputs: &[&DeviceBuffer<T>],
+        init: bool,
+    ) -> Result<(), CudaError> {
         let Some(first) = inputs.first() else {
             return Err(CudaError::Invalid("sum_into: no inputs".into()));
         };
@@ -597,22 +609,6 @@ impl Gpu {
             check_len(&format!("sum_into input {i}"), x.len(), n)?;
         }
         check_range("sum_into", at, n, acc.len())?;
-        self.sum_into_queued(acc, at, inputs, init)?;
-        self.stream().synchronize().map_err(drv("cuStreamSynchronize"))
-    }
-
-    /// [`Gpu::sum_into`]'s launches without the wait (lengths already checked).
-    pub(crate) fn sum_into_queued<T: GpuElement>(
-        &self,
-        acc: &mut DeviceBuffer<f32>,
-        at: usize,
-        inputs: &[&DeviceBuffer<T>],
-        init: bool,
-    ) -> Result<(), CudaError> {
-        let n = inputs.first().map_or(0, |x| x.len());
-        if n == 0 || inputs.iter().any(|x| x.len() != n) || at.checked_add(n).map_or(true, |e| e > acc.len()) {
-            return Err(CudaError::Invalid("sum_into: inputs do not fit the accumulator".into()));
-        }
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let ptrs: Vec<u64> = inputs.iter().map(|x| x.ptr()).collect();
         let mut init = init;
