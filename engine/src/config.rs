@@ -1,6 +1,6 @@
 //! Scheduling and consistency settings shared by the worker and server cores.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
 
@@ -167,5 +167,32 @@ impl SyncMode {
             base.slice_params = base.chunk_bytes / 4;
         }
         base
+    }
+}
+
+/// What a server does with a chunk once every contribution is summed.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "op")]
+pub enum ApplyOp {
+    /// Reduce only: the output is the sum of the gradients.
+    Sum,
+    /// Reduce only: the output is the mean (sum × 1/P1).
+    Mean,
+    /// Caffe/Poseidon SGD on the mean gradient g:
+    /// `v = momentum·v + lr·(g + weight_decay·w); w -= v`.
+    Sgd {
+        /// Learning rate.
+        lr: f32,
+        /// Momentum.
+        momentum: f32,
+        /// L2 weight decay.
+        weight_decay: f32,
+    },
+}
+
+impl ApplyOp {
+    /// Whether the op keeps a momentum buffer.
+    pub fn needs_momentum(&self) -> bool {
+        matches!(self, ApplyOp::Sgd { momentum, .. } if *momentum != 0.0)
     }
 }

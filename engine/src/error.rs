@@ -47,6 +47,26 @@ pub enum EngineError {
     /// A peer broke the protocol (e.g. a slice outside this server's shard).
     #[error("protocol violation by rank {rank}: {what}")]
     Protocol { rank: u32, what: String },
+    /// Two ranks disagree on a field of the job configuration.
+    #[error("rank {rank} disagrees on the {field}: it has {theirs}, this rank has {ours} (every rank must be started with the same configuration)")]
+    Disagree {
+        rank: u32,
+        field: &'static str,
+        ours: String,
+        theirs: String,
+    },
+    /// A peer went away before it said goodbye.
+    #[error("rank {rank} was lost: {reason}")]
+    PeerLost { rank: u32, reason: String },
+    /// A peer aborted the job and said why.
+    #[error("rank {rank} aborted: {reason}")]
+    PeerAborted { rank: u32, reason: String },
+    /// Nothing happened within the configured time.
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout { what: String, after: std::time::Duration },
+    /// A compute job (accumulate, apply, reconstruct) failed.
+    #[error("compute job failed: {0}")]
+    Job(String),
     /// The session was shut down.
     #[error("the session is shut down")]
     Shutdown,

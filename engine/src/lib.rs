@@ -1,63 +1,82 @@
 //! The sans-IO core of Tidewire.
 //!
-//! It holds Poseidon's information book and cost model, P3's slicing with
-//! priority and credit scheduling, the KV-store shard state machine and the
-//! BSP/SSP bookkeeping. It takes events in (`handle_*`, `grad_ready`,
-//! `sf_ready`) and hands commands out (`poll_command`): write this slice,
-//! send these factors, accumulate, apply, broadcast. It keeps no clock and
-//! draws no random numbers, so the real driver and a deterministic simulator
-//! ([`sim`]) drive the same code.
+//! A [`Node`](node::Node) is one rank: its worker and server cores and the
+//! whole wire protocol between ranks ([`wire`]: hello and agreement on the job
+//! configuration, addressing of one-sided writes, landing-slot credits,
+//! factor blocks split to the transport's message cap, seeding, flow control
+//! within the transport's [`Limits`](node::Limits), and the goodbye). It takes
+//! inputs with the time ([`Input`](node::Input): hand-ins, completions,
+//! arrivals, job completions, ticks) and gives outputs
+//! ([`Output`](node::Output): transmits with their exact addressing and
+//! bytes, compute jobs, layer-ready events). The runtime in the `tidewire`
+//! crate executes them over a transport, and the deterministic simulator
+//! ([`sim`]) executes them over a modelled network: both run the same protocol.
+//!
+//! Underneath are Poseidon's information book and cost model ([`book`],
+//! [`cost`]), P3's slicing with priority and credit scheduling
+//! ([`worker`]), the KV-store shard state machine ([`server`]) and the
+//! BSP/SSP bookkeeping. The core keeps no clock and draws no random numbers.
 //!
 //! Its dependency tree must never contain an I/O crate (io-uring, sideway,
 //! cudarc, or the transport and gpu crates); `ci/test.sh` checks this.
 //!
 //! ```
 //! use std::sync::Arc;
-//! use tidewire_engine::{Book, BookConfig, Cluster, SchedConfig, Server, ServerCommand, Worker, WorkerCommand};
+//! use std::time::Duration;
 //! use tidewire_engine::book::{LayerKind, LayerSpec};
+//! use tidewire_engine::node::{Input, Node, NodeConfig, Output};
+//! use tidewire_engine::{Book, BookConfig, Cluster};
 //!
-//! // One worker (rank 0) and one server (rank 1), one small conv layer.
+//! // A job of one rank that is both worker and server: no peers to talk to,
+//! // so every output is a local compute job.
 //! let book = Arc::new(Book::new(
-//!     Cluster::split(1, 1)?,
+//!     Cluster::colocated(1)?,
 //!     vec![LayerSpec::new("conv1", LayerKind::Conv, 8, 9)],
 //!     BookConfig::default(),
 //! )?);
-//! let mut w = Worker::new(book.clone(), 0, SchedConfig::default())?;
-//! let mut s = Server::new(book.clone(), 1, SchedConfig::default())?;
-//! // Rank 0 seeds the server; the server broadcasts the initial values.
-//! while let Some(WorkerCommand::InitPush { chunk, .. }) = w.poll_command() {
-//!     s.handle_init(0, chunk)?;
+//! let mut node = Node::new(NodeConfig::new(book, 0))?;
+//! let t = Duration::ZERO;
+//! node.handle(t, Input::Tick)?;
+//! let mut ready = false;
+//! let mut layer_ready = false;
+//! // Run every job at once (a runtime hands them to its executors).
+//! let mut pending = Vec::new();
+//! loop {
+//!     while let Some(out) = node.poll_output() {
+//!         match out {
+//!             Output::Job(job) => pending.push(job.id),
+//!             Output::Ready => ready = true,
+//!             Output::LayerReady { layer: 0, iter: 0 } => layer_ready = true,
+//!             other => panic!("{other:?}"),
+//!         }
+//!     }
+//!     if ready && !layer_ready && pending.is_empty() && !node.is_in_flight(0) {
+//!         // Backward produced layer 0's gradient.
+//!         node.handle(t, Input::HandIn { layer: 0, factors: false })?;
+//!         continue;
+//!     }
+//!     let Some(id) = pending.pop() else { break };
+//!     node.handle(t, Input::JobDone { id, data: None })?;
 //! }
-//! while let Some(ServerCommand::Broadcast { chunk, .. }) = s.poll_command() {
-//!     w.handle_params(chunk)?;
-//!     s.handle_broadcast_done(chunk, 0)?;
-//! }
-//! assert!(w.is_initialized());
-//! // Backward produced layer 0's gradient.
-//! w.grad_ready(0)?;
-//! let Some(WorkerCommand::Push { slot, slice, .. }) = w.poll_command() else { panic!() };
-//! s.handle_landed(0, slot, slice)?; // the write landed
-//! w.handle_push_done(slice)?;
-//! let cmds: Vec<_> = std::iter::from_fn(|| s.poll_command()).collect();
-//! assert!(matches!(cmds[0], ServerCommand::Accumulate { first: true, .. }));
-//! assert!(matches!(cmds[2], ServerCommand::Apply { iter: 0, .. }));
-//! w.handle_params(0)?; // the broadcast landed
-//! assert!(matches!(w.poll_command(), Some(WorkerCommand::LayerReady { layer: 0, iter: 0 })));
+//! assert!(ready && layer_ready);
 //! # Ok::<(), tidewire_engine::EngineError>(())
 //! ```
 
+pub mod agree;
 pub mod book;
 pub mod config;
 pub mod cost;
 pub mod error;
 pub mod models;
 pub mod net;
+pub mod node;
 pub mod server;
 pub mod sim;
+pub mod wire;
 pub mod worker;
 
 pub use book::{Book, BookConfig, Cluster, Role, Scheme, SchemePolicy};
-pub use config::{Consistency, QueueOrder, SchedConfig, SyncMode};
+pub use config::{ApplyOp, Consistency, QueueOrder, SchedConfig, SyncMode};
 pub use error::{EngineError, Result};
 pub use server::{Server, ServerCommand};
 pub use worker::{Worker, WorkerCommand};

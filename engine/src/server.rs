@@ -5,10 +5,12 @@
 //!
 //! # Driving it
 //! Execute each [`ServerCommand`] in the order [`Server::poll_command`] returns
-//! them; `Accumulate` and `Apply` are complete when the driver moves on to the
-//! next command (they are synchronous). Report landed writes with
+//! them: `Accumulate` and `Apply` of one shard run in that order (one FIFO
+//! executor), and a `Broadcast` of a chunk starts only once the chunk's
+//! latest `Apply` has run. A landing slot's credit goes back to its worker
+//! once its `Accumulate` has run. Report landed writes with
 //! [`Server::handle_landed`] / [`Server::handle_init`], and finished broadcasts
-//! with [`Server::handle_broadcast_done`].
+//! with [`Server::handle_broadcast_done`]. [`crate::node::Node`] does all this.
 //!
 //! # Memory
 //! Incoming gradients land in `slots × P1` landing slots of
@@ -28,7 +30,8 @@ use crate::error::{EngineError, Result};
 pub enum ServerCommand {
     /// Fold the slice in landing slot `slot` of `worker` into accumulator
     /// `window` (`acc = data` when `first`, else `acc += data`), at the slice's
-    /// place in the shard.
+    /// place in the shard. When it has run, the slot is free again: its
+    /// credit goes back to `worker`.
     Accumulate {
         worker: u32,
         slot: u32,
@@ -36,8 +39,6 @@ pub enum ServerCommand {
         window: u32,
         first: bool,
     },
-    /// Tell `worker` that landing slot `slot` is free again.
-    ReturnCredit { worker: u32, slot: u32 },
     /// Every contribution to `chunk` for `iter` is summed in accumulator
     /// `window`: apply it to the shard's parameters.
     Apply { chunk: u32, iter: u64, window: u32 },
@@ -162,6 +163,10 @@ impl Server {
     pub fn poll_command(&mut self) -> Option<ServerCommand> {
         self.out.pop_front()
     }
+    /// No broadcast is queued or in flight: nothing is owed to any worker now.
+    pub fn is_quiet(&self) -> bool {
+        self.bcast_queue.is_empty() && self.bcast_bytes == 0 && self.bcast_pending.iter().all(|&n| n == 0)
+    }
     /// Iterations applied to `chunk` so far.
     pub fn applied(&self, chunk: u32) -> Option<u64> {
         let lc = *self.chunk_local.get(chunk as usize)?;
@@ -285,7 +290,6 @@ impl Server {
             window: w as u32,
             first: self.folded[sw] == 0,
         });
-        self.out.push_back(ServerCommand::ReturnCredit { worker, slot });
         self.slots_held[wi] -= 1;
         self.stats.accumulated += 1;
         self.folded[sw] += 1;

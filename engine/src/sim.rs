@@ -1,31 +1,44 @@
-//! A deterministic discrete-event simulation of a whole cluster, driving the
-//! product's own [`Worker`] and [`Server`] cores.
+//! A deterministic discrete-event simulation of a whole cluster. Every rank
+//! is the product's own [`Node`]: the same protocol, wire encoding, flow
+//! control, limits and goodbye that the runtime executes over a transport.
 //!
 //! - Virtual time in nanoseconds; ties break by event sequence, so a run is a
 //!   pure function of its [`SimConfig`] (including the seed).
+//! - The transport is modelled with its limits ([`Limits`]): a transmit
+//!   beyond `max_outstanding` per connection, a message over
+//!   `max_message_bytes` or a write over `max_write_bytes` is a violation.
+//!   Messages on a connection arrive in order, and so do writes; the two
+//!   classes are not ordered with each other, as on the real transports.
 //! - Full-duplex NICs ([`crate::net`]): each rank has a transmit and a
 //!   receive side of one link's bandwidth, shared fairly between the
-//!   connections using it; messages on one connection go in order, and every
-//!   transfer pays the latency.
+//!   connections using it; every transfer pays the latency.
+//! - Jobs run on two FIFO executors per rank (server, worker), each with a
+//!   throughput model.
 //! - Worker compute follows a layer-time table (forward, backward per layer).
-//! - Seeded faults: random extra delays, stragglers, a dead rank, a partition
-//!   that heals.
-//! - With `values`, real f32 data moves (gradients, landing slots,
-//!   accumulators, parameters) and the invariants are checked as it runs: BSP
-//!   values exact, nothing lost or applied twice, credits never exceeded, all
-//!   workers equal after each iteration.
+//! - Seeded faults: random extra delays, stragglers, a dead rank (its peers
+//!   see the connection fail `detect_ns` later), a partition that heals, and
+//!   transport back-pressure (`WouldBlock`) on random transmits.
+//! - With `values`, real f32 data moves through every rank's regions and the
+//!   invariants are checked as it runs: the seeding reaches every worker, BSP
+//!   values are exact after every layer's iteration, and at the end every
+//!   worker holds the last iteration's sum and every chunk was applied once
+//!   per iteration (BSP and SSP).
 //!
-//! A failed run returns `Err` with a message that starts with the seed.
+//! A run that fails returns a [`SimError`] whose message starts with the seed.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Duration;
 
-use crate::book::{Book, Scheme};
-use crate::config::{Consistency, SchedConfig, SyncMode};
+use crate::book::{Book, LayerKind, Scheme};
+use crate::config::{ApplyOp, Consistency, SchedConfig, SyncMode};
+use crate::error::EngineError;
 use crate::net::Net;
-use crate::server::{Server, ServerCommand};
-use crate::worker::{Worker, WorkerCommand};
+use crate::node::{
+    Blob, Input, Job, JobKind, Limits, Loc, LocalRegion, Node, NodeConfig, Output, Payload, Queue, SendSrc, TxOp,
+    CELL_BYTES,
+};
 
 /// Faults to inject.
 #[derive(Debug, Clone, Default)]
@@ -38,8 +51,12 @@ pub struct Faults {
     pub stragglers: Vec<(u32, f64)>,
     /// (rank, time ns): the rank dies then; nothing it sends or is sent arrives.
     pub dead: Option<(u32, u64)>,
+    /// How long after a death its peers see their connections fail, ns.
+    pub detect_ns: u64,
     /// (ranks on one side, from ns, to ns): traffic across the cut waits until `to`.
     pub partition: Option<(Vec<u32>, u64, u64)>,
+    /// Probability that the transport refuses a transmit for now (`WouldBlock`).
+    pub block_prob: f64,
 }
 
 /// A simulation run.
@@ -49,8 +66,15 @@ pub struct SimConfig {
     pub book: Arc<Book>,
     /// Scheduling settings.
     pub sched: SchedConfig,
+    /// What servers do with a complete chunk. The value checks need `Sum`.
+    pub apply: ApplyOp,
+    /// The transport's limits.
+    pub limits: Limits,
     /// Whether layers are handed in as their backward ends (WFBP) or after the whole pass.
     pub wait_free: bool,
+    /// Hand FC layers in by their factors even when they sync through the PS
+    /// (the Node forms the gradient), as a framework with SF hooks would.
+    pub fc_factors: bool,
     /// Per-layer (forward, backward) compute, ns.
     pub layer_ns: Vec<(u64, u64)>,
     /// Link bandwidth, bit/s.
@@ -59,6 +83,8 @@ pub struct SimConfig {
     pub latency_ns: u64,
     /// Server aggregation throughput, bytes/s.
     pub agg_bytes_per_s: f64,
+    /// Local copies (seeding and broadcasts to oneself, publishing, capture), bytes/s.
+    pub copy_bytes_per_s: f64,
     /// SF reconstruction GEMM throughput, FLOP/s.
     pub gemm_flops: f64,
     /// Iterations.
@@ -75,7 +101,7 @@ pub struct SimConfig {
 
 impl SimConfig {
     /// A run of `book` in `mode` with sensible rates: 10 Gbit/s, 5 µs, 10 GB/s
-    /// aggregation, 5 TFLOP/s GEMM, no faults.
+    /// aggregation and copies, 5 TFLOP/s GEMM, the TCP transport's limits, no faults.
     pub fn new(book: Arc<Book>, mode: SyncMode, layer_ns: Vec<(u64, u64)>, iters: u64) -> Self {
         SimConfig {
             book,
@@ -83,15 +109,22 @@ impl SimConfig {
                 order: mode.order(),
                 ..SchedConfig::default()
             },
+            apply: ApplyOp::Sum,
+            limits: Limits::default(),
             wait_free: mode.wait_free(),
+            fc_factors: false,
             layer_ns,
             bandwidth_bps: 10e9,
             latency_ns: 5_000,
             agg_bytes_per_s: 10e9,
+            copy_bytes_per_s: 10e9,
             gemm_flops: 5e12,
             iters,
             seed: 1,
-            faults: Faults::default(),
+            faults: Faults {
+                detect_ns: 1_000_000,
+                ..Faults::default()
+            },
             values: false,
             stall_ns: 60_000_000_000,
         }
@@ -117,119 +150,52 @@ pub struct SimReport {
     pub max_slots_held: u32,
     /// Bytes in flight from one worker at once, at most.
     pub max_bytes_in_flight: usize,
+    /// Transmits outstanding on one connection at once, at most.
+    pub max_outstanding: usize,
+    /// Largest message, bytes.
+    pub max_message: u64,
+    /// Largest write, bytes.
+    pub max_write: u64,
+    /// Factor blocks held by one worker at once, at most.
+    pub max_factor_blocks: usize,
+    /// `WouldBlock`s injected.
+    pub blocked: u64,
+    /// Virtual time when the last rank finished its goodbye, ns.
+    pub goodbye_ns: u64,
 }
 
-#[derive(Debug, Clone)]
-enum Ev {
-    /// The worker's compute timer: exactly one is pending per running worker.
-    Step(u32),
-    /// Something the worker may be blocked on changed.
-    Wake(u32),
-    Init {
-        server: u32,
-        from: u32,
-        chunk: u32,
-        data: Vec<f32>,
+/// Why a run failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SimError {
+    /// The configuration cannot run.
+    #[error("seed {seed}: invalid configuration: {error}")]
+    Config { seed: u64, error: EngineError },
+    /// A rank failed with a typed error (expected with a dead rank).
+    #[error("seed {seed}: rank {rank} failed at {at_ns} ns: {error}")]
+    Rank {
+        seed: u64,
+        rank: u32,
+        at_ns: u64,
+        error: EngineError,
     },
-    Landed {
-        server: u32,
-        worker: u32,
-        slot: u32,
-        slice: u32,
-        data: Vec<f32>,
-    },
-    PushDone {
-        worker: u32,
-        slice: u32,
-    },
-    Factors {
-        to: u32,
-        from: u32,
-        layer: u32,
-        iter: u64,
-    },
-    FactorsSent {
-        worker: u32,
-        layer: u32,
-        peer: u32,
-    },
-    Credit {
-        worker: u32,
-        server: u32,
-        slot: u32,
-    },
-    Params {
-        worker: u32,
-        chunk: u32,
-        data: Vec<f32>,
-    },
-    BcastDone {
-        server: u32,
-        chunk: u32,
-        worker: u32,
-    },
-    Applied {
-        worker: u32,
-        layer: u32,
-        iter: u64,
-    },
+    /// No progress for `stall_ns` (a liveness timeout).
+    #[error("seed {seed}: no progress for {stall_ms} ms of virtual time (a liveness timeout): {stuck}")]
+    Stalled { seed: u64, stall_ms: u64, stuck: String },
+    /// An invariant broke: a bug in the protocol or the simulator.
+    #[error("seed {seed}: violation at {at_ns} ns: {what}")]
+    Violation { seed: u64, at_ns: u64, what: String },
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Phase {
-    Fwd(u32),
-    Bwd(u32),
-    Done,
-}
-
-/// (U, V) of one worker's layer.
-type Factors = (Vec<f32>, Vec<f32>);
-
-#[derive(Debug)]
-struct WNode {
-    core: Worker,
-    phase: Phase,
-    iter: u64,
-    waiting: Option<(u32, u64)>,
-    deferred: Vec<u32>,
-    slow: f64,
-    params: Vec<Vec<f32>>,
-    factors: HashMap<(u32, u64, u32), Factors>,
-    wait_ns: u64,
-    finished: Option<u64>,
-}
-
-#[derive(Debug)]
-struct SNode {
-    core: Server,
-    busy: u64,
-    shard: Vec<f32>,
-    acc: Vec<Vec<f32>>,
-    slots: HashMap<(u32, u32), (u32, Vec<f32>)>,
-}
-
-/// The simulator.
-#[derive(Debug)]
-pub struct Sim {
-    cfg: SimConfig,
-    now: u64,
-    seq: u64,
-    queue: BinaryHeap<Reverse<(u64, u64, usize)>>,
-    evs: Vec<Option<Ev>>,
-    /// Indices of `evs` that ran and can be reused.
-    free_evs: Vec<usize>,
-    workers: HashMap<u32, WNode>,
-    servers: HashMap<u32, SNode>,
-    net: Net<Vec<(u64, Ev)>>,
-    net_out: Vec<(u64, Vec<(u64, Ev)>)>,
-    rng: u64,
-    report: SimReport,
-    start: Option<u64>,
-    last_progress: u64,
+impl SimError {
+    /// Whether this is an invariant violation (rather than a rank's typed failure or a stall).
+    pub fn is_violation(&self) -> bool {
+        matches!(self, SimError::Violation { .. } | SimError::Config { .. })
+    }
 }
 
 /// Transfers this small or smaller skip the NIC queues (credits, acks).
-pub const CONTROL_BYTES: usize = 256;
+pub const CONTROL_BYTES: usize = CELL_BYTES;
 
 /// Gradient element `i` of `layer` from worker index `w` in iteration `t`:
 /// small integers plus a worker-specific quarter, so every sum is exact in f32
@@ -248,67 +214,229 @@ pub fn factor_value(w: usize, t: u64, which: u32, i: usize) -> f32 {
     ((w + t as usize + which as usize * 2 + i) % 3) as f32
 }
 
+#[derive(Debug, Clone)]
+enum Ev {
+    /// The worker's compute timer: exactly one is pending per running worker.
+    Step(u32),
+    /// Something the worker may be blocked on changed.
+    Wake(u32),
+    /// An input for a rank's Node.
+    Input(u32, Input),
+    /// A write's bytes arrive at `to`.
+    WriteArrive {
+        from: u32,
+        to: u32,
+        token: u64,
+        src: Loc,
+        dst: Loc,
+        len: u64,
+        imm: Option<u32>,
+    },
+    /// A message arrives at `to`.
+    MsgArrive {
+        from: u32,
+        to: u32,
+        tag: u32,
+        data: Payload,
+    },
+    /// A send left `from`.
+    Sent { from: u32, token: u64 },
+    /// A job finished on its executor.
+    JobDone(u32, Job),
+    /// The dead fault strikes.
+    Kill(u32),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Phase {
+    Fwd(u32),
+    Bwd(u32),
+    Done,
+}
+
+#[derive(Debug)]
+struct WLoop {
+    phase: Phase,
+    iter: u64,
+    waiting: Option<(u32, u64)>,
+    deferred: Vec<u32>,
+    slow: f64,
+    wait_ns: u64,
+    finished: Option<u64>,
+    shutdown_sent: bool,
+}
+
+#[derive(Debug)]
+struct Rank {
+    node: Node,
+    /// Region memory, by `LocalRegion::ALL` index (values mode).
+    mem: Vec<Vec<u8>>,
+    /// Server-side state of the executor: accumulators and momentum.
+    acc: Vec<Vec<f32>>,
+    momentum: Vec<f32>,
+    busy: [u64; 2],
+    /// Transmits posted and not complete, per peer.
+    posted: Vec<usize>,
+    tokens: HashMap<u64, u32>,
+    worker: Option<WLoop>,
+    dead: bool,
+    fatal: Option<(u64, EngineError)>,
+    finished: Option<u64>,
+    /// The Node's timer, as last scheduled.
+    tick_at: Option<u64>,
+}
+
+/// The simulator.
+#[derive(Debug)]
+pub struct Sim {
+    cfg: SimConfig,
+    now: u64,
+    seq: u64,
+    queue: BinaryHeap<Reverse<(u64, u64, usize)>>,
+    evs: Vec<Option<Ev>>,
+    free_evs: Vec<usize>,
+    ranks: Vec<Rank>,
+    net: Net<Ev>,
+    net_out: Vec<(u64, Ev)>,
+    /// Per (from, to, class: 0 writes, 1 messages): last arrival time, and messages in the network.
+    order: HashMap<(u32, u32, u8), u64>,
+    msgs_in_net: HashMap<(u32, u32), usize>,
+    rng: u64,
+    report: SimReport,
+    start: Option<u64>,
+    last_progress: u64,
+    /// `TIDEWIRE_SIM_TRACE=1`: every input and output on stderr.
+    trace: bool,
+}
+
+fn brief_input(i: &Input) -> String {
+    match i {
+        Input::Message { peer, tag, data } => format!("Message from {peer} tag {tag:#x} ({} bytes)", data.len()),
+        Input::JobDone { id, data } => format!("JobDone {id} ({} bytes)", data.as_ref().map_or(0, Vec::len)),
+        other => format!("{other:?}"),
+    }
+}
+
+fn brief_output(o: &Output) -> String {
+    match o {
+        Output::Transmit(t) => match &t.op {
+            TxOp::Send { tag, src } => format!("Send#{} to {} tag {tag:#x} ({} bytes)", t.token, t.peer, src.len()),
+            op => format!("Transmit#{} to {}: {op:?}", t.token, t.peer),
+        },
+        Output::Job(j) => match &j.kind {
+            JobKind::Reconstruct { layer, iter, .. } => format!("Job {} Reconstruct layer {layer} iter {iter}", j.id),
+            k => format!("Job {} {k:?}", j.id),
+        },
+        other => format!("{other:?}"),
+    }
+}
+
+fn ridx(r: LocalRegion) -> usize {
+    LocalRegion::ALL.iter().position(|x| *x == r).expect("listed")
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect()
+}
+
+fn put_f32s(dst: &mut [u8], v: &[f32]) {
+    for (d, x) in dst.chunks_exact_mut(4).zip(v) {
+        d.copy_from_slice(&x.to_le_bytes());
+    }
+}
+
+const EVENT_BUDGET: u64 = 400_000_000;
+
 impl Sim {
     /// Runs a simulation to the end.
-    pub fn run(cfg: SimConfig) -> Result<SimReport, String> {
-        let seed = cfg.seed;
-        let mut sim = Sim::new(cfg).map_err(|e| format!("seed {seed}: {e}"))?;
-        sim.go().map_err(|e| format!("seed {seed}: {e}"))?;
+    pub fn run(cfg: SimConfig) -> Result<SimReport, SimError> {
+        let mut sim = Sim::new(cfg)?;
+        sim.go()?;
         Ok(sim.report)
     }
 
-    fn new(cfg: SimConfig) -> Result<Self, String> {
+    fn new(cfg: SimConfig) -> Result<Self, SimError> {
+        let seed = cfg.seed;
+        let config = |error| SimError::Config { seed, error };
         let book = cfg.book.clone();
         if cfg.layer_ns.len() != book.layers().len() {
-            return Err(format!(
+            return Err(config(EngineError::InvalidConfig(format!(
                 "{} layer times for {} layers",
                 cfg.layer_ns.len(),
                 book.layers().len()
-            ));
+            ))));
         }
         let world = book.cluster().world();
-        let mut workers = HashMap::new();
-        let mut servers = HashMap::new();
-        for &r in book.cluster().workers() {
-            let slow = cfg.faults.stragglers.iter().find(|(w, _)| *w == r).map_or(1.0, |s| s.1);
-            let params = if cfg.values {
-                book.layers()
+        let mut ranks = Vec::with_capacity(world);
+        for r in 0..world as u32 {
+            let mut nc = NodeConfig::new(book.clone(), r);
+            nc.sched = cfg.sched;
+            nc.apply = cfg.apply;
+            nc.limits = cfg.limits;
+            nc.transport = "sim".into();
+            // Setup may take long in virtual time (tiny writes, many retries):
+            // the liveness check is `stall_ns` without progress.
+            nc.startup_timeout = Duration::from_nanos(cfg.stall_ns.saturating_mul(100));
+            let mut node = Node::new(nc).map_err(config)?;
+            let keys = [LocalRegion::Params, LocalRegion::Shard, LocalRegion::Landing].map(|x| {
+                if node.region_bytes(x) > 0 {
+                    ridx(x) as u32 + 1
+                } else {
+                    0
+                }
+            });
+            node.set_keys(keys);
+            let mem = if cfg.values {
+                LocalRegion::ALL
                     .iter()
-                    .enumerate()
-                    .map(|(l, s)| (0..s.params()).map(|i| init_value(l as u32, i)).collect())
+                    .map(|&x| vec![0u8; node.region_bytes(x) as usize])
                     .collect()
             } else {
-                Vec::new()
+                vec![Vec::new(); LocalRegion::ALL.len()]
             };
-            workers.insert(
-                r,
-                WNode {
-                    core: Worker::new(book.clone(), r, cfg.sched).map_err(|e| e.to_string())?,
-                    phase: Phase::Fwd(0),
-                    iter: 0,
-                    waiting: None,
-                    deferred: Vec::new(),
-                    slow,
-                    params,
-                    factors: HashMap::new(),
-                    wait_ns: 0,
-                    finished: None,
-                },
-            );
-        }
-        for &r in book.cluster().servers() {
-            let core = Server::new(book.clone(), r, cfg.sched).map_err(|e| e.to_string())?;
             let n = if cfg.values { book.shard_len(r) } else { 0 };
-            servers.insert(
-                r,
-                SNode {
-                    acc: vec![vec![0.0; n]; core.windows()],
-                    core,
-                    busy: 0,
-                    shard: vec![0.0; n],
-                    slots: HashMap::new(),
+            let role = book.cluster().role(r).expect("in the cluster");
+            let worker = role.is_worker().then(|| WLoop {
+                phase: Phase::Fwd(0),
+                iter: 0,
+                waiting: None,
+                deferred: Vec::new(),
+                slow: cfg.faults.stragglers.iter().find(|(w, _)| *w == r).map_or(1.0, |s| s.1),
+                wait_ns: 0,
+                finished: None,
+                shutdown_sent: false,
+            });
+            let windows = node.windows();
+            let mut rank = Rank {
+                node,
+                mem,
+                acc: vec![vec![0.0; n]; windows],
+                momentum: if cfg.apply.needs_momentum() {
+                    vec![0.0; n]
+                } else {
+                    Vec::new()
                 },
-            );
+                busy: [0; 2],
+                posted: vec![0; world],
+                tokens: HashMap::new(),
+                worker,
+                dead: false,
+                fatal: None,
+                finished: None,
+                tick_at: None,
+            };
+            if cfg.values && role.is_worker() {
+                // Every worker fills its parameters; rank 0's values reach everyone.
+                // Parameters are contiguous here (no caller layout): layer l at its flat offset.
+                for (l, spec) in book.layers().iter().enumerate() {
+                    let off = book.layer_offset(l as u32) * 4;
+                    let v: Vec<f32> = (0..spec.params()).map(|i| init_value(l as u32, i)).collect();
+                    put_f32s(&mut rank.mem[ridx(LocalRegion::Params)][off..off + v.len() * 4], &v);
+                }
+            }
+            ranks.push(rank);
         }
         let net = Net::new(world, cfg.bandwidth_bps, cfg.latency_ns);
         Ok(Sim {
@@ -319,13 +447,15 @@ impl Sim {
             queue: BinaryHeap::new(),
             evs: Vec::new(),
             free_evs: Vec::new(),
-            workers,
-            servers,
+            ranks,
             net,
             net_out: Vec::new(),
+            order: HashMap::new(),
+            msgs_in_net: HashMap::new(),
             report: SimReport::default(),
             start: None,
             last_progress: 0,
+            trace: std::env::var_os("TIDEWIRE_SIM_TRACE").is_some(),
         })
     }
 
@@ -336,6 +466,10 @@ impl Sim {
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
+    }
+
+    fn chance(&mut self, p: f64) -> bool {
+        p > 0.0 && ((self.rand() >> 11) as f64 / (1u64 << 53) as f64) < p
     }
 
     fn at(&mut self, t: u64, ev: Ev) {
@@ -353,321 +487,717 @@ impl Sim {
         self.queue.push(Reverse((t, self.seq, idx)));
     }
 
-    fn dead(&self, rank: u32, t: u64) -> bool {
-        matches!(self.cfg.faults.dead, Some((r, at)) if r == rank && t >= at)
-    }
-
-    /// Sends `bytes` from `from` to `to`, handed to the NIC at `t` (now or
-    /// later). Each `(delay, event)` of `on_arrival` runs `delay` after the
-    /// message arrives; `on_sent` runs when its last byte has left `from`.
-    /// Returns false when a dead end drops it.
-    fn send(
-        &mut self,
-        from: u32,
-        to: u32,
-        bytes: usize,
-        t: u64,
-        on_arrival: Vec<(u64, Ev)>,
-        on_sent: Option<Ev>,
-    ) -> bool {
-        if self.dead(from, t) || self.dead(to, t) {
-            return false;
-        }
-        // A rank's own traffic does not touch the network. Control messages
-        // interleave with bulk data at packet granularity on a real link, so
-        // they pay latency only, not the queue ahead of them.
-        let direct = if from == to {
-            Some(t)
-        } else if bytes <= CONTROL_BYTES {
-            Some(t + self.cfg.latency_ns)
-        } else {
-            None
-        };
-        if let Some(at) = direct {
-            if let Some(ev) = on_sent {
-                self.at(t, ev);
-            }
-            for (d, ev) in on_arrival {
-                self.at(at + d, ev);
-            }
-            return true;
-        }
-        let mut t = t;
-        if let Some((side, a, b)) = &self.cfg.faults.partition {
-            if t >= *a && t < *b && side.contains(&from) != side.contains(&to) {
-                t = *b;
-            }
-        }
-        let mut extra = 0;
-        if self.cfg.faults.delay_prob > 0.0 && self.cfg.faults.delay_max_ns > 0 {
-            let p = (self.rand() >> 11) as f64 / (1u64 << 53) as f64;
-            if p < self.cfg.faults.delay_prob {
-                extra = self.rand() % self.cfg.faults.delay_max_ns;
-            }
-        }
-        let sent = on_sent.map(|ev| vec![(0, ev)]);
-        self.net.send(t, from, to, bytes, on_arrival, sent, extra);
-        true
-    }
-
-    /// What completes a write from `writer` that landed at `at`: an
-    /// acknowledgement one latency after it lands. Both transports send it
-    /// apart from bulk data (RDMA's NIC acknowledgements; the TCP backend's
-    /// control socket), so it does not wait behind the data on its connection.
-    fn ack(&self, at: u32, writer: u32, then: Ev) -> (u64, Ev) {
-        if at == writer {
-            (0, then)
-        } else {
-            (self.cfg.latency_ns, then)
+    fn violation(&self, what: String) -> SimError {
+        SimError::Violation {
+            seed: self.cfg.seed,
+            at_ns: self.now,
+            what,
         }
     }
 
-    fn go(&mut self) -> Result<(), String> {
-        // Rank 0's initial parameters go to the servers first.
-        let ranks: Vec<u32> = self.cfg.book.cluster().workers().to_vec();
-        for &r in &ranks {
-            self.drain_worker(r)?;
-            self.at(0, Ev::Step(r));
+    fn go(&mut self) -> Result<(), SimError> {
+        let world = self.ranks.len() as u32;
+        if let Some((r, t)) = self.cfg.faults.dead {
+            if r < world {
+                self.at(t, Ev::Kill(r));
+            }
         }
-        let max_events = 200_000_000u64;
+        for r in 0..world {
+            for p in (0..world).filter(|&p| p != r) {
+                self.at(0, Ev::Input(r, Input::Connected { peer: p }));
+            }
+            if self.ranks[r as usize].worker.is_some() {
+                self.at(0, Ev::Step(r));
+            } else {
+                self.at(0, Ev::Input(r, Input::Shutdown));
+            }
+            // A rank alone has no connection to wait for.
+            self.at(0, Ev::Input(r, Input::Tick));
+        }
         loop {
             // The network's timers run before the cluster's events of the same time.
             let next_ev = self.queue.peek().map(|Reverse((t, _, _))| *t);
-            if let Some(tn) = self.net.next_time() {
-                if next_ev.map_or(true, |te| tn <= te) {
-                    if tn.saturating_sub(self.last_progress) > self.cfg.stall_ns {
-                        break;
-                    }
-                    self.now = tn;
-                    let mut out = std::mem::take(&mut self.net_out);
-                    self.net.advance(tn, &mut out);
-                    for (at, evs) in out.drain(..) {
-                        for (d, ev) in evs {
-                            self.at(at + d, ev);
-                        }
-                    }
-                    self.net_out = out;
-                    continue;
-                }
-            }
-            let Some(Reverse((t, _, idx))) = self.queue.pop() else {
-                break;
+            let next_net = self.net.next_time();
+            let t = match (next_ev, next_net) {
+                (None, None) => break,
+                (Some(a), Some(b)) => a.min(b),
+                (a, b) => a.or(b).expect("one is set"),
             };
             if t.saturating_sub(self.last_progress) > self.cfg.stall_ns {
                 break;
             }
+            if self.all_settled() {
+                break;
+            }
             self.now = t;
+            if next_net == Some(t) {
+                let mut out = std::mem::take(&mut self.net_out);
+                self.net.advance(t, &mut out);
+                for (at, ev) in out.drain(..) {
+                    self.arrival(at, ev, true);
+                }
+                self.net_out = out;
+                continue;
+            }
+            let Some(Reverse((_, _, idx))) = self.queue.pop() else {
+                break;
+            };
             self.report.events += 1;
-            if self.report.events > max_events {
-                return Err("event budget exhausted".into());
+            if self.report.events > EVENT_BUDGET {
+                return Err(self.violation("event budget exhausted (a livelock?)".into()));
             }
             let ev = self.evs[idx].take().expect("each event runs once");
             self.free_evs.push(idx);
             self.handle(ev)?;
-            if self.workers.values().all(|w| w.finished.is_some()) {
-                break;
-            }
+        }
+        self.finish()
+    }
+
+    /// Every rank is done, failed or dead.
+    fn all_settled(&self) -> bool {
+        self.ranks
+            .iter()
+            .all(|r| r.dead || r.fatal.is_some() || r.finished.is_some())
+    }
+
+    fn finish(&mut self) -> Result<(), SimError> {
+        let seed = self.cfg.seed;
+        // A rank's typed failure, earliest first (a dead peer makes the others fail).
+        if let Some((r, (at, e))) = self
+            .ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.fatal.clone().map(|f| (i, f)))
+            .min_by_key(|(i, (at, _))| (*at, *i))
+        {
+            return Err(SimError::Rank {
+                seed,
+                rank: r as u32,
+                at_ns: at,
+                error: e,
+            });
         }
         let stuck: Vec<String> = self
-            .workers
+            .ranks
             .iter()
-            .filter(|(_, w)| w.finished.is_none())
-            .map(|(r, w)| format!("rank {r} in iteration {} {:?}", w.iter, w.phase))
+            .enumerate()
+            .filter(|(_, r)| !r.dead && r.finished.is_none())
+            .map(|(i, r)| match &r.worker {
+                Some(w) => format!("rank {i} in iteration {} {:?}", w.iter, w.phase),
+                None => format!("rank {i} (server)"),
+            })
             .collect();
         if !stuck.is_empty() {
-            return Err(format!(
-                "no progress for {} ms of virtual time (a liveness timeout): {}",
-                self.cfg.stall_ns / 1_000_000,
-                stuck.join(", ")
-            ));
+            return Err(SimError::Stalled {
+                seed,
+                stall_ms: self.cfg.stall_ns / 1_000_000,
+                stuck: stuck.join(", "),
+            });
         }
-        let end = self.workers.values().filter_map(|w| w.finished).max().unwrap_or(0);
+        if self.net.in_flight() > 0 {
+            return Err(self.violation(format!(
+                "{} transfers still in the network after every rank left",
+                self.net.in_flight()
+            )));
+        }
+        let end = self
+            .ranks
+            .iter()
+            .filter_map(|r| r.worker.as_ref()?.finished)
+            .max()
+            .unwrap_or(0);
         let start = self.start.unwrap_or(0);
         self.report.total_ns = end - start;
+        self.report.goodbye_ns = self.ranks.iter().filter_map(|r| r.finished).max().unwrap_or(0);
         self.report.iteration_s = self.report.total_ns as f64 / 1e9 / self.cfg.iters.max(1) as f64;
-        let n = self.workers.len() as f64 * self.cfg.iters.max(1) as f64;
-        self.report.wait_s = self.workers.values().map(|w| w.wait_ns as f64).sum::<f64>() / 1e9 / n;
-        for s in self.servers.values() {
-            self.report.max_slots_held = self.report.max_slots_held.max(s.core.stats().max_slots_held);
+        let workers: Vec<&WLoop> = self.ranks.iter().filter_map(|r| r.worker.as_ref()).collect();
+        let n = workers.len() as f64 * self.cfg.iters.max(1) as f64;
+        self.report.wait_s = workers.iter().map(|w| w.wait_ns as f64).sum::<f64>() / 1e9 / n;
+        for r in &self.ranks {
+            let s = r.node.stats();
+            self.report.max_slots_held = self.report.max_slots_held.max(s.max_slots_held);
+            self.report.max_bytes_in_flight = self.report.max_bytes_in_flight.max(s.max_bytes_in_flight);
+            self.report.max_outstanding = self.report.max_outstanding.max(s.max_outstanding);
+            self.report.max_message = self.report.max_message.max(s.max_message);
+            self.report.max_write = self.report.max_write.max(s.max_write);
+            self.report.max_factor_blocks = self.report.max_factor_blocks.max(s.max_factor_blocks);
         }
-        for w in self.workers.values() {
-            self.report.max_bytes_in_flight = self.report.max_bytes_in_flight.max(w.core.stats().max_bytes_in_flight);
+        self.check_end()
+    }
+
+    /// After a clean goodbye: every chunk applied once per iteration, and with
+    /// values every worker holds the last iteration's sum (BSP and SSP).
+    fn check_end(&mut self) -> Result<(), SimError> {
+        let book = self.cfg.book.clone();
+        let iters = self.cfg.iters;
+        for (c, ch) in book.chunks().iter().enumerate() {
+            if book.scheme(ch.layer, 0) == Scheme::Sfb {
+                continue;
+            }
+            let got = self.ranks[ch.server as usize].node.applied(c as u32);
+            if got != Some(iters) {
+                return Err(self.violation(format!(
+                    "chunk {c} was applied {got:?} times over {iters} iterations (lost or doubled contributions)"
+                )));
+            }
+        }
+        if !self.cfg.values || self.cfg.apply != ApplyOp::Sum || iters == 0 {
+            return Ok(());
+        }
+        for r in 0..self.ranks.len() {
+            if self.ranks[r].worker.is_none() {
+                continue;
+            }
+            for l in 0..book.layers().len() as u32 {
+                let off = self.params_offset(r, l, false);
+                self.check_values(r, l, iters - 1, LocalRegion::Params, off)?;
+            }
         }
         Ok(())
     }
 
-    fn handle(&mut self, ev: Ev) -> Result<(), String> {
-        let e = |x: crate::EngineError| x.to_string();
+    /// Byte offset of layer `l` in rank `r`'s Params region (or its caller view).
+    fn params_offset(&self, r: usize, l: u32, view: bool) -> u64 {
+        let node = &self.ranks[r].node;
+        if view || !node.is_staged() {
+            node.layer_locs(l).expect("worker").0.offset
+        } else {
+            self.cfg.book.layer_offset(l) as u64 * 4
+        }
+    }
+
+    fn expected(&self, l: u32, iter: u64, i: usize) -> f64 {
+        let book = &self.cfg.book;
+        let spec = &book.layers()[l as usize];
+        let p1 = book.p1();
+        if self.by_factors(l, iter) {
+            let k = book.config().batch;
+            let (row, col) = (i / spec.n, i % spec.n);
+            (0..p1)
+                .map(|wi| {
+                    (0..k)
+                        .map(|kk| {
+                            factor_value(wi, iter, 0, kk * spec.m + row) as f64
+                                * factor_value(wi, iter, 1, kk * spec.n + col) as f64
+                        })
+                        .sum::<f64>()
+                })
+                .sum()
+        } else {
+            (0..p1).map(|wi| grad_value(wi, iter, l, i) as f64).sum()
+        }
+    }
+
+    /// Whether layer `l` is handed in by its factors in `iter`.
+    fn by_factors(&self, l: u32, iter: u64) -> bool {
+        let book = &self.cfg.book;
+        book.layers()[l as usize].kind == LayerKind::Fc && (self.cfg.fc_factors || book.scheme(l, iter) == Scheme::Sfb)
+    }
+
+    fn check_values(&mut self, r: usize, l: u32, iter: u64, region: LocalRegion, off: u64) -> Result<(), SimError> {
+        let n = self.cfg.book.layers()[l as usize].params();
+        let m = &self.ranks[r].mem[ridx(region)];
+        let got = f32s(&m[off as usize..off as usize + n * 4]);
+        for (i, g) in got.iter().enumerate() {
+            let want = self.expected(l, iter, i);
+            if f64::from(*g) != want {
+                return Err(self.violation(format!(
+                    "rank {r} layer {l} element {i} after iteration {iter}: {g} != {want} (lost or doubled contribution)"
+                )));
+            }
+        }
+        self.report.checks += 1;
+        Ok(())
+    }
+
+    fn dead(&self, rank: u32) -> bool {
+        self.ranks[rank as usize].dead
+    }
+
+    fn handle(&mut self, ev: Ev) -> Result<(), SimError> {
         match ev {
             Ev::Step(r) => self.step(r)?,
             Ev::Wake(r) => {
-                let w = &self.workers[&r];
+                let w = self.ranks[r as usize].worker.as_ref().expect("worker");
                 if w.waiting.is_some() || w.phase == Phase::Done {
                     self.step(r)?;
                 }
             }
-            Ev::Init {
-                server,
+            Ev::Input(r, input) => self.feed(r, input)?,
+            Ev::WriteArrive {
                 from,
-                chunk,
-                data,
+                to,
+                token,
+                src,
+                dst,
+                len,
+                imm,
             } => {
+                if self.dead(to) || self.dead(from) {
+                    return Ok(());
+                }
                 if self.cfg.values {
-                    let ch = self.cfg.book.chunks()[chunk as usize];
-                    let s = self.servers.get_mut(&server).expect("server");
-                    s.shard[ch.shard_offset..ch.shard_offset + ch.len].copy_from_slice(&data);
+                    let data = self.ranks[from as usize].mem[ridx(src.region)]
+                        [src.offset as usize..(src.offset + len) as usize]
+                        .to_vec();
+                    let end = (dst.offset + len) as usize;
+                    let have = self.ranks[to as usize].mem[ridx(dst.region)].len();
+                    if end > have {
+                        return Err(self.violation(format!(
+                            "rank {from} wrote {len} bytes at {} into rank {to}'s {:?} of {have} bytes",
+                            dst.offset, dst.region
+                        )));
+                    }
+                    self.ranks[to as usize].mem[ridx(dst.region)][dst.offset as usize..end].copy_from_slice(&data);
                 }
-                self.servers
-                    .get_mut(&server)
-                    .expect("server")
-                    .core
-                    .handle_init(from, chunk)
-                    .map_err(e)?;
-                self.drain_server(server)?;
-            }
-            Ev::Landed {
-                server,
-                worker,
-                slot,
-                slice,
-                data,
-            } => {
-                let s = self.servers.get_mut(&server).expect("server");
-                if s.slots.insert((worker, slot), (slice, data)).is_some() {
-                    return Err(format!(
-                        "worker {worker} wrote into slot {slot} at server {server} while it was full"
-                    ));
+                if let Some(imm) = imm {
+                    self.feed(
+                        to,
+                        Input::Landed {
+                            peer: from,
+                            region: dst.region,
+                            offset: dst.offset,
+                            len,
+                            imm,
+                        },
+                    )?;
                 }
-                let held = s.slots.keys().filter(|(w, _)| *w == worker).count();
-                if held > self.cfg.sched.slots as usize {
-                    return Err(format!(
-                        "credits exceeded: {held} slots of worker {worker} held at server {server}"
-                    ));
+                // The writer learns of the placement one latency later.
+                let at = self.now + self.cfg.latency_ns;
+                self.at(at, Ev::Input(from, Input::Done { token }));
+            }
+            Ev::MsgArrive { from, to, tag, data } => {
+                if !self.dead(to) && !self.dead(from) {
+                    self.feed(to, Input::Message { peer: from, tag, data })?;
                 }
-                s.core.handle_landed(worker, slot, slice).map_err(e)?;
-                self.drain_server(server)?;
             }
-            Ev::PushDone { worker, slice } => {
-                self.workers
-                    .get_mut(&worker)
-                    .expect("worker")
-                    .core
-                    .handle_push_done(slice)
-                    .map_err(e)?;
-                self.drain_worker(worker)?;
-            }
-            Ev::Factors { to, from, layer, iter } => {
-                if self.cfg.values {
-                    let f = self.factors_of(from, layer, iter);
-                    self.workers
-                        .get_mut(&to)
-                        .expect("worker")
-                        .factors
-                        .insert((layer, iter, from), f);
+            Ev::Sent { from, token } => {
+                if !self.dead(from) {
+                    self.feed(from, Input::Done { token })?;
                 }
-                self.workers
-                    .get_mut(&to)
-                    .expect("worker")
-                    .core
-                    .handle_factors_arrived(layer, iter, from)
-                    .map_err(e)?;
-                self.drain_worker(to)?;
             }
-            Ev::FactorsSent { worker, layer, peer } => {
-                self.workers
-                    .get_mut(&worker)
-                    .expect("worker")
-                    .core
-                    .handle_factors_sent(layer, peer)
-                    .map_err(e)?;
-                self.drain_worker(worker)?;
-            }
-            Ev::Credit { worker, server, slot } => {
-                self.workers
-                    .get_mut(&worker)
-                    .expect("worker")
-                    .core
-                    .handle_credit(server, slot)
-                    .map_err(e)?;
-                self.drain_worker(worker)?;
-            }
-            Ev::Params { worker, chunk, data } => {
-                if self.cfg.values {
-                    let ch = self.cfg.book.chunks()[chunk as usize];
-                    let w = self.workers.get_mut(&worker).expect("worker");
-                    w.params[ch.layer as usize][ch.offset..ch.offset + ch.len].copy_from_slice(&data);
+            Ev::JobDone(r, job) => {
+                if self.dead(r) {
+                    return Ok(());
                 }
-                let w = self.workers.get_mut(&worker).expect("worker");
-                w.core.handle_params(chunk).map_err(e)?;
-                if w.waiting.is_some() && w.core.is_initialized() {
-                    self.at(self.now, Ev::Wake(worker));
-                }
-                self.drain_worker(worker)?;
+                let data = self.execute(r, &job)?;
+                self.feed(r, Input::JobDone { id: job.id, data })?;
             }
-            Ev::BcastDone { server, chunk, worker } => {
-                self.servers
-                    .get_mut(&server)
-                    .expect("server")
-                    .core
-                    .handle_broadcast_done(chunk, worker)
-                    .map_err(e)?;
-                self.drain_server(server)?;
-            }
-            Ev::Applied { worker, layer, iter } => {
-                if self.cfg.values {
-                    self.reconstruct(worker, layer, iter);
+            Ev::Kill(r) => {
+                self.ranks[r as usize].dead = true;
+                let detect = self.now + self.cfg.faults.detect_ns;
+                for p in 0..self.ranks.len() as u32 {
+                    if p != r {
+                        self.at(
+                            detect,
+                            Ev::Input(
+                                p,
+                                Input::Closed {
+                                    peer: r,
+                                    error: Some(format!("connection reset: rank {r} died")),
+                                },
+                            ),
+                        );
+                    }
                 }
-                self.workers
-                    .get_mut(&worker)
-                    .expect("worker")
-                    .core
-                    .handle_factors_applied(layer, iter)
-                    .map_err(e)?;
-                self.drain_worker(worker)?;
             }
         }
         Ok(())
     }
 
-    fn factors_of(&self, from: u32, layer: u32, iter: u64) -> (Vec<f32>, Vec<f32>) {
-        let wi = self.cfg.book.cluster().worker_index(from).expect("worker");
-        let l = &self.cfg.book.layers()[layer as usize];
-        let k = self.cfg.book.config().batch;
-        (
-            (0..k * l.m).map(|i| factor_value(wi, iter, 0, i)).collect(),
-            (0..k * l.n).map(|i| factor_value(wi, iter, 1, i)).collect(),
-        )
+    /// A delivery, in per-connection order of its class. `from_net`: it
+    /// went through the NIC queues (rather than the control shortcut).
+    fn arrival(&mut self, at: u64, ev: Ev, from_net: bool) {
+        let (key, at) = match &ev {
+            Ev::WriteArrive { from, to, .. } => ((*from, *to, 0u8), at),
+            Ev::MsgArrive { from, to, .. } => {
+                if from_net {
+                    if let Some(n) = self.msgs_in_net.get_mut(&(*from, *to)) {
+                        *n -= 1;
+                    }
+                }
+                ((*from, *to, 1u8), at)
+            }
+            _ => {
+                self.at(at, ev);
+                return;
+            }
+        };
+        let last = self.order.entry(key).or_insert(0);
+        let at = at.max(*last);
+        *last = at;
+        self.at(at, ev);
     }
 
-    /// Σ_p U_pᵀV_p in worker order, applied with the Sum op.
-    fn reconstruct(&mut self, worker: u32, layer: u32, iter: u64) {
+    /// Feeds an input to a rank's Node and executes what comes out.
+    fn feed(&mut self, r: u32, input: Input) -> Result<(), SimError> {
+        let rank = &mut self.ranks[r as usize];
+        if rank.dead || rank.fatal.is_some() {
+            return Ok(());
+        }
+        if self.trace {
+            eprintln!("{:>12} r{r} <- {}", self.now, brief_input(&input));
+        }
+        if let Input::Done { token } | Input::Blocked { token } = &input {
+            if let Some(p) = rank.tokens.remove(token) {
+                rank.posted[p as usize] -= 1;
+            }
+        }
+        let now = Duration::from_nanos(self.now);
+        if let Err(e) = rank.node.handle(now, input.clone()) {
+            return Err(self.violation(format!("rank {r} refused {input:?}: {e}")));
+        }
+        self.drain(r)
+    }
+
+    fn drain(&mut self, r: u32) -> Result<(), SimError> {
+        let mut blocked: HashSet<u32> = HashSet::new();
+        let mut refused: Vec<u64> = Vec::new();
+        while let Some(out) = self.ranks[r as usize].node.poll_output() {
+            self.last_progress = self.now;
+            if self.trace {
+                eprintln!("{:>12} r{r} -> {}", self.now, brief_output(&out));
+            }
+            match out {
+                Output::Transmit(t) => {
+                    let peer = t.peer;
+                    if blocked.contains(&peer) || self.chance(self.cfg.faults.block_prob) {
+                        blocked.insert(peer);
+                        self.report.blocked += 1;
+                        let rank = &mut self.ranks[r as usize];
+                        rank.posted[peer as usize] += 1;
+                        rank.tokens.insert(t.token, peer);
+                        refused.push(t.token);
+                        continue;
+                    }
+                    self.transmit(r, t)?;
+                }
+                Output::Job(job) => {
+                    let q = match job.queue {
+                        Queue::Server => 0,
+                        Queue::Worker => 1,
+                    };
+                    let dt = self.job_ns(&job);
+                    let rank = &mut self.ranks[r as usize];
+                    let start = self.now.max(rank.busy[q]);
+                    rank.busy[q] = start + dt;
+                    self.at(start + dt, Ev::JobDone(r, job));
+                }
+                Output::PeerKeys { peer, .. } => {
+                    self.at(self.now, Ev::Input(r, Input::PeerRegionsKnown { peer }));
+                }
+                Output::LayerReady { layer, iter } => {
+                    if self.cfg.values
+                        && self.cfg.sched.consistency == Consistency::Bsp
+                        && self.cfg.apply == ApplyOp::Sum
+                    {
+                        let off = self.params_offset(r as usize, layer, true);
+                        let region = if self.ranks[r as usize].node.is_staged() {
+                            LocalRegion::View
+                        } else {
+                            LocalRegion::Params
+                        };
+                        self.check_values(r as usize, layer, iter, region, off)?;
+                    }
+                    let nl = self.cfg.book.layers().len() as u32;
+                    let rank = &mut self.ranks[r as usize];
+                    let synced = (0..nl).all(|l| !rank.node.is_in_flight(l));
+                    let w = rank.worker.as_mut().expect("worker");
+                    if w.phase == Phase::Done && w.finished.is_none() && synced {
+                        w.finished = Some(self.now);
+                    }
+                    if matches!(w.waiting, Some((l, _)) if l == layer) {
+                        self.at(self.now, Ev::Wake(r));
+                    }
+                }
+                Output::Ready => {
+                    if self.cfg.values && self.ranks[r as usize].worker.is_some() {
+                        self.check_seeding(r as usize)?;
+                    }
+                    if self.ranks[r as usize].worker.is_some() {
+                        self.at(self.now, Ev::Wake(r));
+                    }
+                }
+                Output::Finished => self.ranks[r as usize].finished = Some(self.now),
+                Output::Fatal(e) => self.ranks[r as usize].fatal = Some((self.now, e)),
+            }
+        }
+        // Refusals go back before any other input, as the runtime reports them.
+        for token in refused {
+            self.feed(r, Input::Blocked { token })?;
+        }
+        // The Node's timer (retries after back-pressure, the setup deadline).
+        let rank = &mut self.ranks[r as usize];
+        if let Some(t) = rank.node.poll_timeout() {
+            let t = (t.as_nanos() as u64).max(self.now);
+            if rank.tick_at != Some(t) {
+                rank.tick_at = Some(t);
+                self.at(t, Ev::Input(r, Input::Tick));
+            }
+        }
+        Ok(())
+    }
+
+    /// After setup, every worker's view holds rank 0's initial values.
+    fn check_seeding(&mut self, r: usize) -> Result<(), SimError> {
         let book = self.cfg.book.clone();
-        let l = &book.layers()[layer as usize];
-        let k = book.config().batch;
-        let w = self.workers.get_mut(&worker).expect("worker");
-        let mut out = vec![0f32; l.m * l.n];
-        for &p in book.cluster().workers() {
-            let (u, v) = w.factors.remove(&(layer, iter, p)).expect("all factors arrived");
-            for i in 0..l.m {
-                for j in 0..l.n {
-                    out[i * l.n + j] += (0..k).map(|kk| u[kk * l.m + i] * v[kk * l.n + j]).sum::<f32>();
+        for (l, spec) in book.layers().iter().enumerate() {
+            let off = self.params_offset(r, l as u32, true) as usize;
+            let region = if self.ranks[r].node.is_staged() {
+                LocalRegion::View
+            } else {
+                LocalRegion::Params
+            };
+            let got = f32s(&self.ranks[r].mem[ridx(region)][off..off + spec.params() * 4]);
+            if let Some(i) = (0..spec.params()).find(|&i| got[i] != init_value(l as u32, i)) {
+                return Err(self.violation(format!(
+                    "rank {r} layer {l} element {i} after seeding: {} != {}",
+                    got[i],
+                    init_value(l as u32, i)
+                )));
+            }
+        }
+        self.report.checks += 1;
+        Ok(())
+    }
+
+    fn transmit(&mut self, r: u32, t: crate::node::Transmit) -> Result<(), SimError> {
+        let peer = t.peer;
+        let limits = self.cfg.limits;
+        {
+            let rank = &mut self.ranks[r as usize];
+            rank.posted[peer as usize] += 1;
+            rank.tokens.insert(t.token, peer);
+            if rank.posted[peer as usize] > limits.max_outstanding {
+                let n = rank.posted[peer as usize];
+                return Err(self.violation(format!(
+                    "rank {r} has {n} transmits outstanding to rank {peer} (the transport allows {})",
+                    limits.max_outstanding
+                )));
+            }
+        }
+        if peer == r || peer as usize >= self.ranks.len() {
+            return Err(self.violation(format!("rank {r} transmits to rank {peer}")));
+        }
+        if self.dead(r) || self.dead(peer) {
+            return Ok(());
+        }
+        let now = self.now;
+        let mut extra = 0;
+        if self.chance(self.cfg.faults.delay_prob) && self.cfg.faults.delay_max_ns > 0 {
+            extra = self.rand() % self.cfg.faults.delay_max_ns;
+        }
+        let mut post_at = now;
+        if let Some((side, a, b)) = &self.cfg.faults.partition {
+            if now >= *a && now < *b && side.contains(&r) != side.contains(&peer) {
+                post_at = *b;
+            }
+        }
+        match t.op {
+            TxOp::Write { src, dst, len, imm } => {
+                if len as usize > limits.max_write_bytes || len == 0 {
+                    return Err(self.violation(format!(
+                        "rank {r} wrote {len} bytes (the transport allows {})",
+                        limits.max_write_bytes
+                    )));
+                }
+                let ev = Ev::WriteArrive {
+                    from: r,
+                    to: peer,
+                    token: t.token,
+                    src,
+                    dst: Loc {
+                        region: dst.region,
+                        offset: dst.offset,
+                    },
+                    len,
+                    imm,
+                };
+                self.net.send(post_at, r, peer, len as usize, ev, None, extra);
+            }
+            TxOp::Send { tag, src } => {
+                let len = src.len();
+                if len as usize > limits.max_message_bytes {
+                    return Err(self.violation(format!(
+                        "rank {r} sent a message of {len} bytes (the transport allows {})",
+                        limits.max_message_bytes
+                    )));
+                }
+                let data = match src {
+                    SendSrc::Inline { bytes, .. } => {
+                        if bytes.len() > CELL_BYTES {
+                            return Err(self.violation(format!("an inline message of {} bytes", bytes.len())));
+                        }
+                        Payload::Bytes(bytes)
+                    }
+                    SendSrc::Region { at, len } => {
+                        if self.cfg.values {
+                            let m = &self.ranks[r as usize].mem[ridx(at.region)];
+                            Payload::Bytes(m[at.offset as usize..(at.offset + len) as usize].to_vec())
+                        } else {
+                            Payload::Opaque(len as usize)
+                        }
+                    }
+                };
+                let arrive = Ev::MsgArrive {
+                    from: r,
+                    to: peer,
+                    tag,
+                    data,
+                };
+                let sent = Ev::Sent {
+                    from: r,
+                    token: t.token,
+                };
+                let in_net = self.msgs_in_net.get(&(r, peer)).copied().unwrap_or(0);
+                // Control messages interleave with bulk data at packet
+                // granularity, so they pay latency only, unless a message is
+                // ahead of them on the connection.
+                if len as usize <= CONTROL_BYTES && in_net == 0 {
+                    self.at(post_at, sent);
+                    self.arrival(post_at + self.cfg.latency_ns, arrive, false);
+                } else {
+                    *self.msgs_in_net.entry((r, peer)).or_insert(0) += 1;
+                    self.net.send(post_at, r, peer, len as usize, arrive, Some(sent), extra);
                 }
             }
         }
-        w.params[layer as usize] = out;
+        Ok(())
     }
 
-    fn step(&mut self, r: u32) -> Result<(), String> {
+    fn job_ns(&self, job: &Job) -> u64 {
+        let c = &self.cfg;
+        let book = &c.book;
+        let secs = match &job.kind {
+            JobKind::Accumulate { len, .. } => *len as f64 * 4.0 / c.agg_bytes_per_s,
+            JobKind::Apply { len, .. } => *len as f64 * 8.0 / c.agg_bytes_per_s,
+            JobKind::Copy { len, .. } | JobKind::CaptureFactors { len, .. } | JobKind::Publish { len, .. } => {
+                *len as f64 / c.copy_bytes_per_s
+            }
+            JobKind::FactorsToGrad { layer, .. } => {
+                let l = &book.layers()[*layer as usize];
+                2.0 * (book.config().batch * l.m * l.n) as f64 / c.gemm_flops
+            }
+            JobKind::Reconstruct { layer, .. } => {
+                let l = &book.layers()[*layer as usize];
+                2.0 * (book.config().batch * l.m * l.n * book.p1()) as f64 / c.gemm_flops
+            }
+        };
+        (secs * 1e9) as u64
+    }
+
+    /// Performs a job on the rank's memory (values mode); returns captured bytes.
+    fn execute(&mut self, r: u32, job: &Job) -> Result<Option<Vec<u8>>, SimError> {
+        let book = self.cfg.book.clone();
+        let k = book.config().batch;
+        let values = self.cfg.values;
+        let op = self.cfg.apply;
+        let p1 = book.p1();
+        let rank = &mut self.ranks[r as usize];
+        match &job.kind {
+            JobKind::CaptureFactors { factors, len, .. } => {
+                if !values {
+                    return Ok(None);
+                }
+                let m = &rank.mem[ridx(factors.region)];
+                Ok(Some(
+                    m[factors.offset as usize..(factors.offset + len) as usize].to_vec(),
+                ))
+            }
+            _ if !values => Ok(None),
+            JobKind::Accumulate {
+                window,
+                acc_at,
+                src,
+                len,
+                first,
+                ..
+            } => {
+                let m = &rank.mem[ridx(src.region)];
+                let data = f32s(&m[src.offset as usize..src.offset as usize + len * 4]);
+                let acc = &mut rank.acc[*window as usize][*acc_at..acc_at + len];
+                if *first {
+                    acc.copy_from_slice(&data);
+                } else {
+                    for (a, d) in acc.iter_mut().zip(&data) {
+                        *a += *d;
+                    }
+                }
+                Ok(None)
+            }
+            JobKind::Apply {
+                window, shard_at, len, ..
+            } => {
+                let acc = rank.acc[*window as usize][*shard_at..shard_at + len].to_vec();
+                let m = &mut rank.mem[ridx(LocalRegion::Shard)];
+                let range = shard_at * 4..(shard_at + len) * 4;
+                let mut w = f32s(&m[range.clone()]);
+                let mom = if rank.momentum.is_empty() {
+                    &mut [][..]
+                } else {
+                    &mut rank.momentum[*shard_at..shard_at + len]
+                };
+                apply_ref(op, p1, &acc, &mut w, mom);
+                put_f32s(&mut m[range], &w);
+                Ok(None)
+            }
+            JobKind::Copy { src, dst, len } | JobKind::Publish { src, dst, len, .. } => {
+                let data = rank.mem[ridx(src.region)][src.offset as usize..(src.offset + len) as usize].to_vec();
+                rank.mem[ridx(dst.region)][dst.offset as usize..(dst.offset + len) as usize].copy_from_slice(&data);
+                Ok(None)
+            }
+            JobKind::FactorsToGrad { layer, factors, grad } => {
+                let l = &book.layers()[*layer as usize];
+                let fm = &rank.mem[ridx(factors.region)];
+                let uv = f32s(&fm[factors.offset as usize..factors.offset as usize + k * (l.m + l.n) * 4]);
+                let g = outer_sum(&[(&uv[..k * l.m], &uv[k * l.m..])], k, l.m, l.n);
+                let gm = &mut rank.mem[ridx(grad.region)];
+                put_f32s(&mut gm[grad.offset as usize..grad.offset as usize + g.len() * 4], &g);
+                Ok(None)
+            }
+            JobKind::Reconstruct {
+                layer, params, factors, ..
+            } => {
+                let l = &book.layers()[*layer as usize];
+                let mut parts = Vec::with_capacity(factors.len());
+                for b in factors {
+                    match b {
+                        Blob::Bytes(b) if b.len() == k * (l.m + l.n) * 4 => parts.push(f32s(b)),
+                        other => {
+                            return Err(SimError::Violation {
+                                seed: self.cfg.seed,
+                                at_ns: self.now,
+                                what: format!("reconstruction of layer {layer} got factors {other:?}"),
+                            })
+                        }
+                    }
+                }
+                let refs: Vec<(&[f32], &[f32])> = parts.iter().map(|p| (&p[..k * l.m], &p[k * l.m..])).collect();
+                let sum = outer_sum(&refs, k, l.m, l.n);
+                let pm = &mut rank.mem[ridx(params.region)];
+                let range = params.offset as usize..params.offset as usize + sum.len() * 4;
+                let mut w = f32s(&pm[range.clone()]);
+                let mut mom = vec![0.0; if op.needs_momentum() { w.len() } else { 0 }];
+                apply_ref(op, p1, &sum, &mut w, &mut mom);
+                put_f32s(&mut pm[range], &w);
+                Ok(None)
+            }
+        }
+    }
+
+    fn step(&mut self, r: u32) -> Result<(), SimError> {
         let now = self.now;
-        if self.dead(r, now) {
+        if self.dead(r) || self.ranks[r as usize].fatal.is_some() {
             return Ok(());
         }
         let iters = self.cfg.iters;
         let nl = self.cfg.book.layers().len() as u32;
-        let w = self.workers.get_mut(&r).expect("worker");
+        let rank = &mut self.ranks[r as usize];
+        let ready = rank.node.is_ready();
+        let w = rank.worker.as_mut().expect("worker");
         match w.phase {
             Phase::Fwd(l) => {
-                if w.core.is_in_flight(l) || !w.core.is_initialized() {
+                if rank.node.is_in_flight(l) || !ready {
                     if w.waiting.is_none() {
                         w.waiting = Some((l, now));
                     }
@@ -681,6 +1211,11 @@ impl Sim {
                 }
                 if l == 0 && w.iter == 0 && self.start.is_none() {
                     self.start = Some(now);
+                }
+                if iters == 0 {
+                    w.phase = Phase::Done;
+                    self.at(now, Ev::Step(r));
+                    return Ok(());
                 }
                 // The step after the last forward fires when the last layer's backward ends.
                 let mut dt = (self.cfg.layer_ns[l as usize].0 as f64 * w.slow) as u64;
@@ -699,9 +1234,9 @@ impl Sim {
                 if self.cfg.wait_free {
                     self.hand_in(r, l)?;
                 } else {
-                    self.workers.get_mut(&r).expect("worker").deferred.push(l);
+                    self.ranks[r as usize].worker.as_mut().expect("worker").deferred.push(l);
                 }
-                let w = self.workers.get_mut(&r).expect("worker");
+                let w = self.ranks[r as usize].worker.as_mut().expect("worker");
                 if l > 0 {
                     w.phase = Phase::Bwd(l - 1);
                     let dt = (self.cfg.layer_ns[l as usize - 1].1 as f64 * w.slow) as u64;
@@ -711,252 +1246,94 @@ impl Sim {
                     for d in deferred {
                         self.hand_in(r, d)?;
                     }
-                    let w = self.workers.get_mut(&r).expect("worker");
+                    let w = self.ranks[r as usize].worker.as_mut().expect("worker");
                     w.iter += 1;
                     w.phase = if w.iter == iters { Phase::Done } else { Phase::Fwd(0) };
                     self.at(now, Ev::Step(r));
                 }
             }
             Phase::Done => {
-                if w.finished.is_none() && (0..nl).all(|l| !w.core.is_in_flight(l)) {
+                if w.finished.is_none() && (0..nl).all(|l| !rank.node.is_in_flight(l)) {
                     w.finished = Some(now);
                 }
+                if !w.shutdown_sent {
+                    w.shutdown_sent = true;
+                    self.feed(r, Input::Shutdown)?;
+                }
             }
         }
         Ok(())
     }
 
-    fn hand_in(&mut self, r: u32, l: u32) -> Result<(), String> {
-        let lead = {
-            let clocks: Vec<u64> = self.workers.values().map(|w| w.iter).collect();
-            clocks.iter().max().unwrap_or(&0) - clocks.iter().min().unwrap_or(&0)
-        };
-        self.report.max_lead = self.report.max_lead.max(lead);
-        let w = self.workers.get_mut(&r).expect("worker");
-        let scheme = w.core.next_scheme(l).map_err(|e| e.to_string())?;
-        if scheme == Scheme::Sfb {
-            w.core.sf_ready(l).map_err(|e| e.to_string())?;
-        } else {
-            w.core.grad_ready(l).map_err(|e| e.to_string())?;
-        }
-        self.drain_worker(r)
-    }
-
-    fn drain_worker(&mut self, r: u32) -> Result<(), String> {
-        let now = self.now;
+    fn hand_in(&mut self, r: u32, l: u32) -> Result<(), SimError> {
+        let (lo, hi) = self
+            .ranks
+            .iter()
+            .filter_map(|x| x.worker.as_ref().map(|w| w.iter))
+            .fold((u64::MAX, 0), |(lo, hi), i| (lo.min(i), hi.max(i)));
+        self.report.max_lead = self.report.max_lead.max(hi - lo.min(hi));
         let book = self.cfg.book.clone();
-        let wi = book.cluster().worker_index(r).expect("worker");
-        while let Some(cmd) = self.workers.get_mut(&r).expect("worker").core.poll_command() {
-            self.last_progress = now;
-            match cmd {
-                WorkerCommand::InitPush { server, chunk } => {
-                    let ch = book.chunks()[chunk as usize];
-                    let data = if self.cfg.values {
-                        self.workers[&r].params[ch.layer as usize][ch.offset..ch.offset + ch.len].to_vec()
-                    } else {
-                        Vec::new()
-                    };
-                    let init = Ev::Init {
-                        server,
-                        from: r,
-                        chunk,
-                        data,
-                    };
-                    self.send(r, server, ch.len * 4, now, vec![(0, init)], None);
-                }
-                WorkerCommand::Push {
-                    server,
-                    slot,
-                    slice,
-                    iter,
-                } => {
-                    let s = book.slices()[slice as usize];
-                    let data = if self.cfg.values {
-                        (s.offset..s.offset + s.len)
-                            .map(|i| grad_value(wi, iter, s.layer, i))
-                            .collect()
-                    } else {
-                        Vec::new()
-                    };
-                    let landed = Ev::Landed {
-                        server,
-                        worker: r,
-                        slot,
-                        slice,
-                        data,
-                    };
-                    let done = self.ack(server, r, Ev::PushDone { worker: r, slice });
-                    self.send(r, server, s.len * 4, now, vec![(0, landed), done], None);
-                }
-                WorkerCommand::SendFactors { peer, layer, iter } => {
-                    let l = &book.layers()[layer as usize];
-                    let bytes = book.config().batch * (l.m + l.n) * 4;
-                    let factors = Ev::Factors {
-                        to: peer,
-                        from: r,
-                        layer,
-                        iter,
-                    };
-                    let sent = Ev::FactorsSent { worker: r, layer, peer };
-                    self.send(r, peer, bytes, now, vec![(0, factors)], Some(sent));
-                }
-                WorkerCommand::Reconstruct { layer, iter } => {
-                    if self.cfg.values {
-                        let f = self.factors_of(r, layer, iter);
-                        self.workers
-                            .get_mut(&r)
-                            .expect("worker")
-                            .factors
-                            .insert((layer, iter, r), f);
-                    }
-                    let l = &book.layers()[layer as usize];
-                    let flops = 2.0 * (book.config().batch * l.m * l.n * book.p1()) as f64;
-                    let dt = (flops / self.cfg.gemm_flops * 1e9) as u64;
-                    self.at(now + dt, Ev::Applied { worker: r, layer, iter });
-                }
-                WorkerCommand::LayerReady { layer, iter } => {
-                    if self.cfg.values {
-                        self.check_layer(r, layer, iter)?;
-                    }
-                    let w = self.workers.get_mut(&r).expect("worker");
-                    if matches!(w.waiting, Some((l, _)) if l == layer) || w.phase == Phase::Done {
-                        self.at(now, Ev::Wake(r));
-                    }
-                }
+        let iter = self.ranks[r as usize].node.completed(l);
+        let factors = self.by_factors(l, iter);
+        if self.cfg.values {
+            let wi = book.cluster().worker_index(r).expect("worker");
+            let spec = &book.layers()[l as usize];
+            let rank = &mut self.ranks[r as usize];
+            let (_, grad, f) = rank.node.layer_locs(l).expect("worker");
+            if factors {
+                let k = book.config().batch;
+                let f = f.expect("FC layers have factors");
+                let mut uv: Vec<f32> = (0..k * spec.m).map(|i| factor_value(wi, iter, 0, i)).collect();
+                uv.extend((0..k * spec.n).map(|i| factor_value(wi, iter, 1, i)));
+                let m = &mut rank.mem[ridx(LocalRegion::Factors)];
+                put_f32s(&mut m[f.offset as usize..f.offset as usize + uv.len() * 4], &uv);
+            } else {
+                let g: Vec<f32> = (0..spec.params()).map(|i| grad_value(wi, iter, l, i)).collect();
+                let m = &mut rank.mem[ridx(LocalRegion::Grads)];
+                put_f32s(&mut m[grad.offset as usize..grad.offset as usize + g.len() * 4], &g);
             }
         }
-        Ok(())
+        self.feed(r, Input::HandIn { layer: l, factors })
     }
+}
 
-    /// Under BSP the layer now holds exactly Σ_w grad(w, iter) (or the SFB sum).
-    fn check_layer(&mut self, r: u32, layer: u32, iter: u64) -> Result<(), String> {
-        if self.cfg.sched.consistency != Consistency::Bsp {
-            return Ok(());
-        }
-        let book = self.cfg.book.clone();
-        let l = &book.layers()[layer as usize];
-        let w = &self.workers[&r];
-        let got = &w.params[layer as usize];
-        let p1 = book.p1();
-        let scheme = book.scheme(layer, iter);
-        for (i, g) in got.iter().enumerate().take(l.params()) {
-            let want: f64 = match scheme {
-                Scheme::Ps => (0..p1).map(|wi| grad_value(wi, iter, layer, i) as f64).sum(),
-                Scheme::Sfb => {
-                    let k = book.config().batch;
-                    let (row, col) = (i / l.n, i % l.n);
-                    (0..p1)
-                        .map(|wi| {
-                            (0..k)
-                                .map(|kk| {
-                                    factor_value(wi, iter, 0, kk * l.m + row) as f64
-                                        * factor_value(wi, iter, 1, kk * l.n + col) as f64
-                                })
-                                .sum::<f64>()
-                        })
-                        .sum()
-                }
-            };
-            if *g as f64 != want {
-                return Err(format!(
-                    "rank {r} layer {layer} element {i} after iteration {iter}: {g} != {want} (lost or doubled contribution)"
-                ));
+/// Σ_p U_pᵀ·V_p (K×M and K×N each) in f32, in order.
+fn outer_sum(parts: &[(&[f32], &[f32])], k: usize, m: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    for (u, v) in parts {
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] += (0..k).map(|kk| u[kk * m + i] * v[kk * n + j]).sum::<f32>();
             }
         }
-        // Every other worker that finished this iteration holds the same bits.
-        for (&o, ow) in &self.workers {
-            if o != r && ow.core.completed(layer) == iter + 1 && !ow.core.is_in_flight(layer) {
-                let same = ow.params[layer as usize]
-                    .iter()
-                    .zip(got)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                if !same {
-                    return Err(format!(
-                        "ranks {r} and {o} differ on layer {layer} after iteration {iter}"
-                    ));
-                }
-            }
-        }
-        self.report.checks += 1;
-        Ok(())
     }
+    out
+}
 
-    fn drain_server(&mut self, r: u32) -> Result<(), String> {
-        let book = self.cfg.book.clone();
-        let values = self.cfg.values;
-        let mut t = self.now.max(self.servers[&r].busy);
-        while let Some(cmd) = self.servers.get_mut(&r).expect("server").core.poll_command() {
-            self.last_progress = self.now;
-            match cmd {
-                ServerCommand::Accumulate {
-                    worker,
-                    slot,
-                    slice,
-                    window,
-                    first,
-                } => {
-                    let s = self.servers.get_mut(&r).expect("server");
-                    let (landed, data) = s.slots.remove(&(worker, slot)).ok_or("accumulate from an empty slot")?;
-                    if landed != slice {
-                        return Err(format!(
-                            "slot {slot} of worker {worker} holds slice {landed}, not {slice}"
-                        ));
-                    }
-                    let si = book.slices()[slice as usize];
-                    t += (si.len as f64 * 4.0 / self.cfg.agg_bytes_per_s * 1e9) as u64;
-                    if values {
-                        let ch = book.chunks()[si.chunk as usize];
-                        let at = ch.shard_offset + (si.offset - ch.offset);
-                        let acc = &mut s.acc[window as usize][at..at + si.len];
-                        if first {
-                            acc.copy_from_slice(&data);
-                        } else {
-                            for (a, d) in acc.iter_mut().zip(&data) {
-                                *a += *d;
-                            }
-                        }
-                    }
-                }
-                ServerCommand::ReturnCredit { worker, slot } => {
-                    let credit = Ev::Credit {
-                        worker,
-                        server: r,
-                        slot,
-                    };
-                    self.send(r, worker, 16, t, vec![(0, credit)], None);
-                }
-                ServerCommand::Apply { chunk, window, .. } => {
-                    let ch = book.chunks()[chunk as usize];
-                    t += (ch.len as f64 * 8.0 / self.cfg.agg_bytes_per_s * 1e9) as u64;
-                    if values {
-                        let s = self.servers.get_mut(&r).expect("server");
-                        let range = ch.shard_offset..ch.shard_offset + ch.len;
-                        let acc = s.acc[window as usize][range.clone()].to_vec();
-                        s.shard[range].copy_from_slice(&acc);
-                    }
-                }
-                ServerCommand::Broadcast { chunk, worker } => {
-                    let ch = book.chunks()[chunk as usize];
-                    let data = if values {
-                        self.servers[&r].shard[ch.shard_offset..ch.shard_offset + ch.len].to_vec()
-                    } else {
-                        Vec::new()
-                    };
-                    let params = Ev::Params { worker, chunk, data };
-                    let done = self.ack(
-                        worker,
-                        r,
-                        Ev::BcastDone {
-                            server: r,
-                            chunk,
-                            worker,
-                        },
-                    );
-                    self.send(r, worker, ch.len * 4, t, vec![(0, params), done], None);
+/// The apply ops, as `tidewire_gpu::cpu::apply` computes them.
+fn apply_ref(op: ApplyOp, p1: usize, acc: &[f32], params: &mut [f32], momentum: &mut [f32]) {
+    let inv = 1.0f32 / p1 as f32;
+    match op {
+        ApplyOp::Sum => params.copy_from_slice(acc),
+        ApplyOp::Mean => {
+            for (w, a) in params.iter_mut().zip(acc) {
+                *w = *a * inv;
+            }
+        }
+        ApplyOp::Sgd {
+            lr,
+            momentum: mu,
+            weight_decay: wd,
+        } => {
+            for (i, (w, a)) in params.iter_mut().zip(acc).enumerate() {
+                if mu == 0.0 || momentum.is_empty() {
+                    *w -= lr * (*a * inv + wd * *w);
+                } else {
+                    let v = &mut momentum[i];
+                    *v = mu * *v + lr * (*a * inv + wd * *w);
+                    *w -= *v;
                 }
             }
         }
-        self.servers.get_mut(&r).expect("server").busy = t;
-        Ok(())
     }
 }

@@ -3,34 +3,7 @@
 //! produce the same bits. Every function is elementwise or has a fixed evaluation order;
 //! none reassociates a sum, so results do not depend on threads or vector width.
 
-use serde::Serialize;
-
-/// What a server does with a chunk once every contribution is summed.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-#[serde(rename_all = "snake_case", tag = "op")]
-pub enum ApplyOp {
-    /// Reduce only: the output is the sum of the gradients.
-    Sum,
-    /// Reduce only: the output is the mean (sum × 1/P1).
-    Mean,
-    /// Caffe/Poseidon SGD on the mean gradient g:
-    /// `v = momentum·v + lr·(g + weight_decay·w); w -= v`.
-    Sgd {
-        /// Learning rate.
-        lr: f32,
-        /// Momentum.
-        momentum: f32,
-        /// L2 weight decay.
-        weight_decay: f32,
-    },
-}
-
-impl ApplyOp {
-    /// Whether the op keeps a momentum buffer.
-    pub fn needs_momentum(&self) -> bool {
-        matches!(self, ApplyOp::Sgd { momentum, .. } if *momentum != 0.0)
-    }
-}
+pub use tidewire_engine::ApplyOp;
 
 /// `acc[i] += src[i]`.
 pub fn add_assign(acc: &mut [f32], src: &[f32]) {

@@ -1,0 +1,321 @@
+//! What every rank of a job must agree on, field by field.
+//!
+//! [`JobConfig`] gathers the information book (cluster, layer table, dtypes,
+//! batch, chunk and slice sizes, scheme policy), the scheduler settings every
+//! rank depends on (slots, consistency, deterministic order, queue order), the
+//! apply op with its hyper-parameters, and the transport kind. Its
+//! [`fields`](JobConfig::fields) travel in the rendezvous and in every hello;
+//! a mismatch names the field, the rank and both values
+//! ([`EngineError::Disagree`]).
+//!
+//! The credit window (`SchedConfig::credit_bytes`) is deliberately left out:
+//! it shapes only the sender's own scheduling, so ranks may tune it apart.
+
+use crate::book::Book;
+use crate::config::{ApplyOp, Consistency, QueueOrder, SchedConfig};
+use crate::error::EngineError;
+
+/// One agreed field. The id is its wire value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Field {
+    /// Roles of every rank (hash).
+    Cluster = 0,
+    /// Names, kinds and shapes of the layer table (hash).
+    Layers = 1,
+    /// Element types of the layer table (hash).
+    Dtypes = 2,
+    /// Batch size K.
+    Batch = 3,
+    /// KV chunk size in bytes.
+    ChunkBytes = 4,
+    /// Slice size in parameters.
+    SliceParams = 5,
+    /// Scheme policy.
+    Policy = 6,
+    /// Send order.
+    Order = 7,
+    /// Landing slots per worker.
+    Slots = 8,
+    /// BSP or SSP(s).
+    Consistency = 9,
+    /// Fixed-order aggregation.
+    Deterministic = 10,
+    /// Apply op.
+    Apply = 11,
+    /// SGD learning rate (f32 bits).
+    Lr = 12,
+    /// SGD momentum (f32 bits).
+    Momentum = 13,
+    /// SGD weight decay (f32 bits).
+    WeightDecay = 14,
+    /// Transport kind (hash of its name).
+    Transport = 15,
+}
+
+impl Field {
+    /// How many fields there are.
+    pub const COUNT: usize = 16;
+
+    /// The field with wire id `id`.
+    pub fn from_id(id: u8) -> Option<Field> {
+        use Field::*;
+        const ALL: [Field; Field::COUNT] = [
+            Cluster,
+            Layers,
+            Dtypes,
+            Batch,
+            ChunkBytes,
+            SliceParams,
+            Policy,
+            Order,
+            Slots,
+            Consistency,
+            Deterministic,
+            Apply,
+            Lr,
+            Momentum,
+            WeightDecay,
+            Transport,
+        ];
+        ALL.get(id as usize).copied()
+    }
+
+    /// The field's name as users set it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Field::Cluster => "cluster (roles of the ranks)",
+            Field::Layers => "layer table",
+            Field::Dtypes => "layer dtypes",
+            Field::Batch => "batch",
+            Field::ChunkBytes => "chunk_bytes",
+            Field::SliceParams => "slice_params",
+            Field::Policy => "scheme policy",
+            Field::Order => "queue order",
+            Field::Slots => "slots",
+            Field::Consistency => "consistency",
+            Field::Deterministic => "deterministic",
+            Field::Apply => "apply op",
+            Field::Lr => "learning rate",
+            Field::Momentum => "momentum",
+            Field::WeightDecay => "weight decay",
+            Field::Transport => "transport",
+        }
+    }
+
+    /// A value of this field, as text.
+    pub fn render(self, v: u64) -> String {
+        match self {
+            Field::Cluster | Field::Layers | Field::Dtypes | Field::Transport => format!("hash {v:#018x}"),
+            Field::Policy => ["hybrid", "ps", "sfb"].get(v as usize).unwrap_or(&"?").to_string(),
+            Field::Order => ["priority", "fifo"].get(v as usize).unwrap_or(&"?").to_string(),
+            Field::Consistency => match v {
+                0 => "bsp".into(),
+                s => format!("ssp:{}", s - 1),
+            },
+            Field::Deterministic => (v != 0).to_string(),
+            Field::Apply => ["sum", "mean", "sgd"].get(v as usize).unwrap_or(&"?").to_string(),
+            Field::Lr | Field::Momentum | Field::WeightDecay => f32::from_bits(v as u32).to_string(),
+            _ => v.to_string(),
+        }
+    }
+}
+
+/// FNV-1a, for canonical encodings.
+pub(crate) fn fnv(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for b in *p {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        // Separate parts, so ("ab", "c") and ("a", "bc") differ.
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Everything the ranks of one job must agree on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobConfig {
+    fields: Vec<(Field, u64)>,
+}
+
+impl JobConfig {
+    /// The configuration of a job: its book, scheduler settings, apply op and transport kind.
+    pub fn new(book: &Book, sched: &SchedConfig, op: ApplyOp, transport: &str) -> Self {
+        let roles: Vec<u8> = book.cluster().roles().iter().map(|r| *r as u8).collect();
+        let mut layer_parts: Vec<Vec<u8>> = Vec::new();
+        let mut dtypes = Vec::new();
+        for l in book.layers() {
+            let mut b = l.name.as_bytes().to_vec();
+            b.push(0);
+            b.push(l.kind as u8);
+            b.extend_from_slice(&(l.m as u64).to_le_bytes());
+            b.extend_from_slice(&(l.n as u64).to_le_bytes());
+            layer_parts.push(b);
+            dtypes.push(l.dtype as u8);
+        }
+        let parts: Vec<&[u8]> = layer_parts.iter().map(Vec::as_slice).collect();
+        let cfg = book.config();
+        let (apply, lr, mom, wd) = match op {
+            ApplyOp::Sum => (0, 0.0f32, 0.0f32, 0.0f32),
+            ApplyOp::Mean => (1, 0.0, 0.0, 0.0),
+            ApplyOp::Sgd {
+                lr,
+                momentum,
+                weight_decay,
+            } => (2, lr, momentum, weight_decay),
+        };
+        let fields = vec![
+            (Field::Cluster, fnv(&[&roles])),
+            (Field::Layers, fnv(&parts)),
+            (Field::Dtypes, fnv(&[&dtypes])),
+            (Field::Batch, cfg.batch as u64),
+            (Field::ChunkBytes, cfg.chunk_bytes as u64),
+            (Field::SliceParams, cfg.slice_params as u64),
+            (Field::Policy, cfg.policy as u64),
+            (
+                Field::Order,
+                match sched.order {
+                    QueueOrder::Priority => 0,
+                    QueueOrder::Fifo => 1,
+                },
+            ),
+            (Field::Slots, u64::from(sched.slots)),
+            (
+                Field::Consistency,
+                match sched.consistency {
+                    Consistency::Bsp => 0,
+                    Consistency::Ssp(s) => u64::from(s) + 1,
+                },
+            ),
+            (Field::Deterministic, u64::from(sched.deterministic)),
+            (Field::Apply, apply),
+            (Field::Lr, u64::from(lr.to_bits())),
+            (Field::Momentum, u64::from(mom.to_bits())),
+            (Field::WeightDecay, u64::from(wd.to_bits())),
+            (Field::Transport, fnv(&[transport.as_bytes()])),
+        ];
+        JobConfig { fields }
+    }
+
+    /// The fields, in id order.
+    pub fn fields(&self) -> &[(Field, u64)] {
+        &self.fields
+    }
+
+    /// One digest of every field.
+    pub fn digest(&self) -> u64 {
+        let enc: Vec<u8> = self
+            .fields
+            .iter()
+            .flat_map(|(f, v)| std::iter::once(*f as u8).chain(v.to_le_bytes()))
+            .collect();
+        fnv(&[&enc])
+    }
+
+    /// Checks `rank`'s fields against ours; the first difference names the field.
+    pub fn check(&self, rank: u32, theirs: &[(Field, u64)]) -> Result<(), EngineError> {
+        for &(f, ours) in &self.fields {
+            match theirs.iter().find(|(g, _)| *g == f) {
+                Some(&(_, v)) if v == ours => {}
+                Some(&(_, v)) => {
+                    return Err(EngineError::Disagree {
+                        rank,
+                        field: f.name(),
+                        ours: f.render(ours),
+                        theirs: f.render(v),
+                    })
+                }
+                None => {
+                    return Err(EngineError::Disagree {
+                        rank,
+                        field: f.name(),
+                        ours: f.render(ours),
+                        theirs: "absent".into(),
+                    })
+                }
+            }
+        }
+        if theirs.len() != self.fields.len() {
+            return Err(EngineError::Protocol {
+                rank,
+                what: format!("{} configuration fields, expected {}", theirs.len(), self.fields.len()),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::book::{BookConfig, Cluster, LayerKind, LayerSpec};
+    use std::sync::Arc;
+
+    fn book(batch: usize) -> Arc<Book> {
+        Arc::new(
+            Book::new(
+                Cluster::split(2, 1).unwrap(),
+                vec![LayerSpec::new("fc", LayerKind::Fc, 10, 20)],
+                BookConfig {
+                    batch,
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+        )
+    }
+
+    #[test]
+    fn every_field_is_named_on_mismatch() {
+        let s = SchedConfig::default();
+        let a = JobConfig::new(&book(32), &s, ApplyOp::Mean, "tcp");
+        assert!(a.check(1, a.fields()).is_ok());
+        let b = JobConfig::new(&book(64), &s, ApplyOp::Mean, "tcp");
+        let e = a.check(3, b.fields()).unwrap_err();
+        assert_eq!(
+            e,
+            EngineError::Disagree {
+                rank: 3,
+                field: "batch",
+                ours: "32".into(),
+                theirs: "64".into()
+            }
+        );
+        let slots = SchedConfig { slots: 4, ..s };
+        let c = JobConfig::new(&book(32), &slots, ApplyOp::Mean, "tcp");
+        assert!(matches!(
+            a.check(1, c.fields()),
+            Err(EngineError::Disagree { field: "slots", .. })
+        ));
+        let sgd = |lr| ApplyOp::Sgd {
+            lr,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        };
+        let d = JobConfig::new(&book(32), &s, sgd(0.1), "tcp");
+        let e = JobConfig::new(&book(32), &s, sgd(0.2), "tcp");
+        let err = d.check(2, e.fields()).unwrap_err().to_string();
+        assert!(
+            err.contains("learning rate") && err.contains("0.1") && err.contains("0.2"),
+            "{err}"
+        );
+        let f = JobConfig::new(&book(32), &s, ApplyOp::Mean, "rdma");
+        assert!(matches!(
+            a.check(1, f.fields()),
+            Err(EngineError::Disagree { field: "transport", .. })
+        ));
+        assert_ne!(a.digest(), f.digest());
+    }
+
+    #[test]
+    fn field_ids_round_trip() {
+        for i in 0..Field::COUNT as u8 {
+            assert_eq!(Field::from_id(i).map(|f| f as u8), Some(i));
+        }
+        assert_eq!(Field::from_id(Field::COUNT as u8), None);
+    }
+}

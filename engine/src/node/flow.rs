@@ -1,0 +1,495 @@
+//! Flow control toward the transport: per-peer windows of outstanding
+//! requests, FIFO queues behind them, control cells for inline messages, and
+//! back-pressure (`WouldBlock`) turned into a wait.
+//!
+//! Bounds: at most `max_outstanding` transmits per peer are posted and not
+//! completed; at most [`CELLS`] inline messages are in flight in all. What
+//! does not fit waits in the peer's queue, in order: messages to one peer
+//! leave in the order they were queued.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use super::types::{Loc, Output, RemoteLoc, SendSrc, Transmit, TxOp};
+
+/// Bytes of one control cell: the largest inline message.
+pub const CELL_BYTES: usize = 256;
+/// Control cells per rank.
+pub const CELLS: usize = 1024;
+
+/// After a `WouldBlock` with nothing else in flight to that peer, retry after this long.
+const RETRY_AFTER: Duration = Duration::from_millis(1);
+
+/// A transmit that waits for its turn.
+#[derive(Debug, Clone)]
+pub(crate) enum Op {
+    Write {
+        src: Loc,
+        dst: RemoteLoc,
+        len: u64,
+        imm: Option<u32>,
+    },
+    SendRegion {
+        tag: u32,
+        at: Loc,
+        len: u64,
+    },
+    SendInline {
+        tag: u32,
+        bytes: Vec<u8>,
+    },
+}
+
+#[derive(Debug)]
+struct Queued<T> {
+    op: Op,
+    track: T,
+    /// The token it had when it was posted and came back blocked.
+    token: Option<u64>,
+    /// Waits until the peer is open (its hello arrived and its regions are known).
+    gated: bool,
+}
+
+#[derive(Debug)]
+struct PeerFlow<T> {
+    out: usize,
+    queue: VecDeque<Queued<T>>,
+    open: bool,
+    /// The connection ended after the peer's goodbye: nothing more goes to it.
+    gone: bool,
+    /// A `WouldBlock` came back: wait for a completion (or `retry_at`).
+    blocked: bool,
+    retry_at: Option<Duration>,
+}
+
+#[derive(Debug)]
+struct InFlight<T> {
+    peer: u32,
+    cell: Option<u32>,
+    op: Op,
+    track: T,
+    gated: bool,
+}
+
+/// See the module docs. `T` is what the Node remembers about each transmit.
+#[derive(Debug)]
+pub(crate) struct Flow<T> {
+    cap: usize,
+    peers: Vec<PeerFlow<T>>,
+    free_cells: Vec<u32>,
+    inflight: HashMap<u64, InFlight<T>>,
+    next_token: u64,
+    dirty: Vec<u32>,
+    is_dirty: Vec<bool>,
+    /// Peers whose head waits for a free cell.
+    cell_waiters: Vec<u32>,
+    /// Most transmits outstanding to one peer, ever.
+    pub(crate) max_out_seen: usize,
+    /// Tokens in flight to peers whose connection ended: their completions, if any come, mean nothing.
+    dropped: std::collections::HashSet<u64>,
+}
+
+impl<T> Flow<T> {
+    pub(crate) fn new(world: usize, cap: usize) -> Self {
+        Flow {
+            cap,
+            peers: (0..world)
+                .map(|_| PeerFlow {
+                    out: 0,
+                    queue: VecDeque::new(),
+                    open: false,
+                    gone: false,
+                    blocked: false,
+                    retry_at: None,
+                })
+                .collect(),
+            free_cells: (0..CELLS as u32).rev().collect(),
+            inflight: HashMap::new(),
+            next_token: 1,
+            dirty: Vec::new(),
+            is_dirty: vec![false; world],
+            cell_waiters: Vec::new(),
+            max_out_seen: 0,
+            dropped: std::collections::HashSet::new(),
+        }
+    }
+
+    fn mark(&mut self, peer: u32) {
+        if !self.is_dirty[peer as usize] {
+            self.is_dirty[peer as usize] = true;
+            self.dirty.push(peer);
+        }
+    }
+
+    /// Queues a transmit to `peer` (dropped if the peer is gone).
+    pub(crate) fn push(&mut self, peer: u32, op: Op, track: T, gated: bool) {
+        if self.peers[peer as usize].gone {
+            return;
+        }
+        self.peers[peer as usize].queue.push_back(Queued {
+            op,
+            track,
+            token: None,
+            gated,
+        });
+        self.mark(peer);
+    }
+
+    /// The peer's hello arrived and its regions are known: gated transmits may go.
+    pub(crate) fn open(&mut self, peer: u32) {
+        self.peers[peer as usize].open = true;
+        self.mark(peer);
+    }
+
+    /// Posts what the windows allow.
+    pub(crate) fn pump(&mut self, now: Duration, out: &mut VecDeque<Output>) {
+        while let Some(p) = self.dirty.pop() {
+            self.is_dirty[p as usize] = false;
+            self.pump_peer(p, now, out);
+        }
+    }
+
+    fn pump_peer(&mut self, peer: u32, now: Duration, out: &mut VecDeque<Output>) {
+        let pf = &mut self.peers[peer as usize];
+        if pf.blocked {
+            match pf.retry_at {
+                Some(t) if now >= t => {
+                    pf.blocked = false;
+                    pf.retry_at = None;
+                }
+                _ => return,
+            }
+        }
+        while pf.out < self.cap {
+            let Some(head) = pf.queue.front() else { return };
+            if head.gated && !pf.open {
+                return;
+            }
+            let cell = if matches!(head.op, Op::SendInline { .. }) {
+                match self.free_cells.pop() {
+                    Some(c) => Some(c),
+                    None => {
+                        if !self.cell_waiters.contains(&peer) {
+                            self.cell_waiters.push(peer);
+                        }
+                        return;
+                    }
+                }
+            } else {
+                None
+            };
+            let q = pf.queue.pop_front().expect("peeked");
+            pf.out += 1;
+            self.max_out_seen = self.max_out_seen.max(pf.out);
+            let token = self.next_token;
+            self.next_token += 1;
+            out.push_back(Output::Transmit(Transmit {
+                token,
+                peer,
+                op: to_tx(&q.op, cell),
+            }));
+            self.inflight.insert(
+                token,
+                InFlight {
+                    peer,
+                    cell,
+                    op: q.op,
+                    track: q.track,
+                    gated: q.gated,
+                },
+            );
+        }
+    }
+
+    fn release(&mut self, f: &InFlight<T>) {
+        let pf = &mut self.peers[f.peer as usize];
+        pf.out -= 1;
+        if let Some(c) = f.cell {
+            self.free_cells.push(c);
+            for w in std::mem::take(&mut self.cell_waiters) {
+                self.mark(w);
+            }
+        }
+        self.mark(f.peer);
+    }
+
+    /// A transmit completed (or failed): returns its peer and what it was.
+    pub(crate) fn done(&mut self, token: u64) -> Option<(u32, T)> {
+        let f = self.inflight.remove(&token)?;
+        self.release(&f);
+        let pf = &mut self.peers[f.peer as usize];
+        pf.blocked = false;
+        pf.retry_at = None;
+        Some((f.peer, f.track))
+    }
+
+    /// The transport refused a transmit for now: it goes back to the head of
+    /// its queue, and the peer waits for a completion (or a short timer when
+    /// nothing else is in flight to it). Returns false for an unknown token.
+    pub(crate) fn blocked(&mut self, token: u64, now: Duration) -> bool {
+        let Some(f) = self.inflight.remove(&token) else {
+            return false;
+        };
+        self.release(&f);
+        let pf = &mut self.peers[f.peer as usize];
+        // Back in posting order: before everything never posted, after what
+        // came back blocked with an earlier token.
+        let at = pf
+            .queue
+            .iter()
+            .position(|q| !matches!(q.token, Some(t) if t < token))
+            .unwrap_or(pf.queue.len());
+        pf.queue.insert(
+            at,
+            Queued {
+                op: f.op,
+                track: f.track,
+                token: Some(token),
+                gated: f.gated,
+            },
+        );
+        pf.blocked = true;
+        // Other transmits to this peer will complete and unblock it; with none
+        // in flight, only time will.
+        pf.retry_at = if pf.out == 0 { Some(now + RETRY_AFTER) } else { None };
+        true
+    }
+
+    /// The connection to `peer` ended: forgets what was queued for it or in
+    /// flight to it, and returns what each of those was.
+    pub(crate) fn drop_peer(&mut self, peer: u32) -> Vec<T> {
+        let mut tracks = Vec::new();
+        let tokens: Vec<u64> = self
+            .inflight
+            .iter()
+            .filter(|(_, f)| f.peer == peer)
+            .map(|(t, _)| *t)
+            .collect();
+        let mut tokens = tokens;
+        tokens.sort_unstable();
+        for t in tokens {
+            let f = self.inflight.remove(&t).expect("listed");
+            self.release(&f);
+            self.dropped.insert(t);
+            tracks.push(f.track);
+        }
+        let pf = &mut self.peers[peer as usize];
+        tracks.extend(pf.queue.drain(..).map(|q| q.track));
+        pf.blocked = false;
+        pf.retry_at = None;
+        pf.open = false;
+        pf.gone = true;
+        tracks
+    }
+
+    /// Whether the peer's connection ended after its goodbye.
+    pub(crate) fn is_gone(&self, peer: u32) -> bool {
+        self.peers[peer as usize].gone
+    }
+
+    /// Whether `token` was in flight to a peer whose connection ended (and forgets it).
+    pub(crate) fn was_dropped(&mut self, token: u64) -> bool {
+        self.dropped.remove(&token)
+    }
+
+    /// The next retry timer.
+    pub(crate) fn poll_timeout(&self) -> Option<Duration> {
+        self.peers.iter().filter_map(|p| p.retry_at).min()
+    }
+
+    /// Marks peers whose retry timer expired.
+    pub(crate) fn tick(&mut self, now: Duration) {
+        for p in 0..self.peers.len() {
+            if matches!(self.peers[p].retry_at, Some(t) if now >= t) {
+                self.mark(p as u32);
+            }
+        }
+    }
+
+    /// Nothing queued or in flight.
+    pub(crate) fn idle(&self) -> bool {
+        self.inflight.is_empty() && self.peers.iter().all(|p| p.queue.is_empty())
+    }
+
+    /// Transmits outstanding to `peer`.
+    pub(crate) fn outstanding(&self, peer: u32) -> usize {
+        self.peers[peer as usize].out
+    }
+
+    /// Queued or in flight to `peer`.
+    pub(crate) fn pending_to(&self, peer: u32) -> usize {
+        let p = &self.peers[peer as usize];
+        p.out + p.queue.len()
+    }
+
+    /// Emits an inline message at once, ahead of the peer's queue (aborts),
+    /// if its window and a control cell allow. False when they do not: the
+    /// peer then learns of the failure from the closed connection.
+    pub(crate) fn urgent(&mut self, peer: u32, tag: u32, bytes: Vec<u8>, track: T, out: &mut VecDeque<Output>) -> bool {
+        if self.peers[peer as usize].out >= self.cap {
+            return false;
+        }
+        let Some(cell) = self.free_cells.pop() else {
+            return false;
+        };
+        let token = self.next_token;
+        self.next_token += 1;
+        let op = Op::SendInline { tag, bytes };
+        out.push_back(Output::Transmit(Transmit {
+            token,
+            peer,
+            op: to_tx(&op, Some(cell)),
+        }));
+        self.peers[peer as usize].out += 1;
+        self.inflight.insert(
+            token,
+            InFlight {
+                peer,
+                cell: Some(cell),
+                op,
+                track,
+                gated: false,
+            },
+        );
+        true
+    }
+}
+
+fn to_tx(op: &Op, cell: Option<u32>) -> TxOp {
+    match op {
+        Op::Write { src, dst, len, imm } => TxOp::Write {
+            src: *src,
+            dst: *dst,
+            len: *len,
+            imm: *imm,
+        },
+        Op::SendRegion { tag, at, len } => TxOp::Send {
+            tag: *tag,
+            src: SendSrc::Region { at: *at, len: *len },
+        },
+        Op::SendInline { tag, bytes } => TxOp::Send {
+            tag: *tag,
+            src: SendSrc::Inline {
+                cell: cell.expect("inline sends take a cell"),
+                bytes: bytes.clone(),
+            },
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::types::LocalRegion;
+    use super::*;
+
+    fn write(len: u64) -> Op {
+        Op::Write {
+            src: Loc {
+                region: LocalRegion::Grads,
+                offset: 0,
+            },
+            dst: RemoteLoc {
+                region: LocalRegion::Landing,
+                offset: 0,
+            },
+            len,
+            imm: Some(1),
+        }
+    }
+
+    fn tokens(out: &mut VecDeque<Output>) -> Vec<u64> {
+        out.drain(..)
+            .map(|o| match o {
+                Output::Transmit(t) => t.token,
+                o => panic!("{o:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_window_holds_and_completions_refill_it_in_order() {
+        let mut f: Flow<u32> = Flow::new(2, 2);
+        let mut out = VecDeque::new();
+        for i in 0..5 {
+            f.push(1, write(8), i, true);
+        }
+        f.pump(Duration::ZERO, &mut out);
+        assert!(out.is_empty(), "gated until the peer opens");
+        f.open(1);
+        f.pump(Duration::ZERO, &mut out);
+        let t = tokens(&mut out);
+        assert_eq!(t.len(), 2);
+        assert_eq!(f.done(t[0]), Some((1, 0)));
+        f.pump(Duration::ZERO, &mut out);
+        let t2 = tokens(&mut out);
+        assert_eq!(t2.len(), 1);
+        assert_eq!(f.done(t2[0]), Some((1, 2)), "FIFO: the third queued went third");
+        assert_eq!(f.outstanding(1), 1);
+        assert!(f.max_out_seen <= 2);
+    }
+
+    #[test]
+    fn would_block_requeues_at_the_head_and_waits() {
+        let mut f: Flow<u32> = Flow::new(2, 4);
+        let mut out = VecDeque::new();
+        f.open(1);
+        f.push(1, write(8), 7, true);
+        f.push(1, write(8), 8, true);
+        f.pump(Duration::ZERO, &mut out);
+        let t = tokens(&mut out);
+        assert!(f.blocked(t[1], Duration::ZERO));
+        f.pump(Duration::ZERO, &mut out);
+        assert!(out.is_empty(), "blocked until a completion");
+        assert_eq!(f.done(t[0]), Some((1, 7)));
+        f.pump(Duration::ZERO, &mut out);
+        let t = tokens(&mut out);
+        assert_eq!(f.done(t[0]), Some((1, 8)));
+        // Blocked with nothing in flight: a timer retries.
+        f.push(1, write(8), 9, true);
+        f.pump(Duration::ZERO, &mut out);
+        let t = tokens(&mut out);
+        assert!(f.blocked(t[0], Duration::ZERO));
+        let at = f.poll_timeout().expect("a retry timer");
+        f.tick(at);
+        f.pump(at, &mut out);
+        assert_eq!(tokens(&mut out).len(), 1);
+    }
+
+    #[test]
+    fn several_blocked_transmits_keep_their_order() {
+        let mut f: Flow<u32> = Flow::new(2, 8);
+        let mut out = VecDeque::new();
+        f.open(1);
+        for i in 0..4 {
+            f.push(1, write(8), i, true);
+        }
+        f.pump(Duration::ZERO, &mut out);
+        let t = tokens(&mut out);
+        // The first went out; the runtime reports the rest blocked, in order.
+        for &tok in &t[1..] {
+            assert!(f.blocked(tok, Duration::ZERO));
+        }
+        assert_eq!(f.done(t[0]), Some((1, 0)));
+        f.pump(Duration::ZERO, &mut out);
+        let again = tokens(&mut out);
+        let order: Vec<u32> = again.iter().map(|&tok| f.done(tok).unwrap().1).collect();
+        assert_eq!(order, vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn cells_are_bounded_and_recycled() {
+        let mut f: Flow<u32> = Flow::new(2, usize::MAX);
+        let mut out = VecDeque::new();
+        f.open(1);
+        for i in 0..CELLS as u32 + 3 {
+            f.push(1, Op::SendInline { tag: 1, bytes: vec![1] }, i, false);
+        }
+        f.pump(Duration::ZERO, &mut out);
+        let t = tokens(&mut out);
+        assert_eq!(t.len(), CELLS);
+        f.done(t[0]);
+        f.pump(Duration::ZERO, &mut out);
+        assert_eq!(tokens(&mut out).len(), 1);
+        assert!(!f.idle());
+    }
+}

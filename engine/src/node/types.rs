@@ -1,0 +1,336 @@
+//! What goes into a [`Node`](super::Node) and what comes out of it.
+
+use std::time::Duration;
+
+/// A region of this rank's memory, by role. The runtime (or the simulator)
+/// allocates and registers one of each the Node's sizes ask for
+/// ([`Node::region_bytes`](super::Node::region_bytes)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LocalRegion {
+    /// Worker parameters: the landing zone of servers' broadcasts, and under
+    /// BSP also the caller's view. Remote-writable.
+    Params,
+    /// Under SSP: the caller's copy of the parameters, published from
+    /// `Params` when a layer is ready, so no peer ever writes memory the
+    /// caller holds. Local only.
+    View,
+    /// Worker gradients: the source of pushes. Local only.
+    Grads,
+    /// Worker sufficient factors: U (K×M) then V (K×N) per FC layer. Local only.
+    Factors,
+    /// Server shard: the current parameters of this rank's chunks. Remote-writable (seeding).
+    Shard,
+    /// Server landing slots: `slots` per worker. Remote-writable.
+    Landing,
+    /// Control cells: the bytes of inline messages. Local only.
+    Ctrl,
+}
+
+impl LocalRegion {
+    /// Every region, in a fixed order.
+    pub const ALL: [LocalRegion; 7] = [
+        LocalRegion::Params,
+        LocalRegion::View,
+        LocalRegion::Grads,
+        LocalRegion::Factors,
+        LocalRegion::Shard,
+        LocalRegion::Landing,
+        LocalRegion::Ctrl,
+    ];
+
+    /// Whether peers write into it.
+    pub fn remote_write(self) -> bool {
+        matches!(self, LocalRegion::Params | LocalRegion::Shard | LocalRegion::Landing)
+    }
+
+    /// The index of this region's key in a hello (remote-writable regions only).
+    pub fn key_index(self) -> Option<usize> {
+        match self {
+            LocalRegion::Params => Some(0),
+            LocalRegion::Shard => Some(1),
+            LocalRegion::Landing => Some(2),
+            _ => None,
+        }
+    }
+}
+
+/// A place in local memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Loc {
+    /// Which region.
+    pub region: LocalRegion,
+    /// Byte offset.
+    pub offset: u64,
+}
+
+/// A place in a peer's memory: one of its remote-writable regions, named
+/// by the keys in its hello.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RemoteLoc {
+    /// `Params`, `Shard` or `Landing`.
+    pub region: LocalRegion,
+    /// Byte offset.
+    pub offset: u64,
+}
+
+/// What a message carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Payload {
+    /// The bytes.
+    Bytes(Vec<u8>),
+    /// Only the length: for simulations that model time and do not move
+    /// values. The Node checks lengths and hands no data to jobs then.
+    Opaque(usize),
+}
+
+impl Payload {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Payload::Bytes(b) => b.len(),
+            Payload::Opaque(n) => *n,
+        }
+    }
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The source of a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SendSrc {
+    /// `len` bytes of a local region, sent zero-copy.
+    Region { at: Loc, len: u64 },
+    /// Control bytes: the runtime copies them into control cell `cell`
+    /// (at `cell × CELL_BYTES` in the `Ctrl` region) and sends them from there.
+    /// The cell is the Node's until the transmit completes.
+    Inline { cell: u32, bytes: Vec<u8> },
+}
+
+impl SendSrc {
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        match self {
+            SendSrc::Region { len, .. } => *len,
+            SendSrc::Inline { bytes, .. } => bytes.len() as u64,
+        }
+    }
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One transport operation. Its completion comes back as
+/// [`Input::Done`], [`Input::Failed`] or [`Input::Blocked`] with `token`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transmit {
+    /// Names the operation in its completion.
+    pub token: u64,
+    /// The peer's rank.
+    pub peer: u32,
+    /// What to post.
+    pub op: TxOp,
+}
+
+/// See [`Transmit`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TxOp {
+    /// A one-sided write of `len` bytes from `src` to `dst` at the peer,
+    /// with an immediate when `imm` is set.
+    Write {
+        src: Loc,
+        dst: RemoteLoc,
+        len: u64,
+        imm: Option<u32>,
+    },
+    /// A message.
+    Send { tag: u32, src: SendSrc },
+}
+
+impl TxOp {
+    /// Bytes the operation moves.
+    pub fn len(&self) -> u64 {
+        match self {
+            TxOp::Write { len, .. } => *len,
+            TxOp::Send { src, .. } => src.len(),
+        }
+    }
+    /// Whether it moves nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Which executor runs a job. Jobs of one queue run one at a time, in the
+/// order the Node emits them; the two queues run concurrently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Queue {
+    /// Aggregation and apply on this rank's shard.
+    Server,
+    /// Work on this rank's worker buffers: reconstruction, publishing, local broadcasts.
+    Worker,
+}
+
+/// The factors one worker contributed to a layer's iteration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Blob {
+    /// U (K×M) then V (K×N), f32 little-endian.
+    Bytes(Vec<u8>),
+    /// Only the length (see [`Payload::Opaque`]).
+    Opaque(usize),
+}
+
+impl Blob {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Blob::Bytes(b) => b.len(),
+            Blob::Opaque(n) => *n,
+        }
+    }
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A compute job. Its completion comes back as [`Input::JobDone`] (or
+/// [`Input::JobFailed`]) with `id`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Job {
+    /// Names the job in its completion.
+    pub id: u64,
+    /// The executor.
+    pub queue: Queue,
+    /// What to do.
+    pub kind: JobKind,
+}
+
+/// See [`Job`]. Element counts are f32 elements; offsets in `Loc` are bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum JobKind {
+    /// `acc[window][acc_at..acc_at + len] = src` when `first`, else `+= src`.
+    /// `acc` is a copy of the shard per SSP window (`Node::windows`);
+    /// `contributions` is how many the chunk receives in all (for the Nexus
+    /// CPU/GPU placement).
+    Accumulate {
+        window: u32,
+        chunk: u32,
+        acc_at: usize,
+        src: Loc,
+        len: usize,
+        first: bool,
+        contributions: usize,
+    },
+    /// Every contribution to `chunk` for `iter` is summed in `acc[window]`
+    /// over `shard_at..shard_at + len`: apply the op to the shard there.
+    Apply {
+        window: u32,
+        chunk: u32,
+        iter: u64,
+        shard_at: usize,
+        len: usize,
+    },
+    /// Copy `len` bytes (a colocated rank's seeding or broadcast to itself).
+    Copy { src: Loc, dst: Loc, len: u64 },
+    /// `grad = Uᵀ·V` of an FC layer handed in with factors whose scheme is PS.
+    FactorsToGrad { layer: u32, factors: Loc, grad: Loc },
+    /// Copy the layer's U and V (`len` bytes at `factors`) out; the
+    /// completion carries them ([`Input::JobDone`]'s `data`).
+    CaptureFactors { layer: u32, factors: Loc, len: u64 },
+    /// `params` op= Σ_p U_pᵀ·V_p, with every worker's factors in worker order.
+    Reconstruct {
+        layer: u32,
+        iter: u64,
+        params: Loc,
+        factors: Vec<Blob>,
+    },
+    /// Copy a ready layer's parameters to the caller's view, reading memory a
+    /// peer may be writing (relaxed atomic loads).
+    Publish { layer: u32, src: Loc, dst: Loc, len: u64 },
+}
+
+/// An input to [`Node::handle`](super::Node::handle).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    /// The caller handed `layer` in: its gradient (or, with `factors`, its
+    /// U and V) is in place.
+    HandIn { layer: u32, factors: bool },
+    /// The caller wants to leave once every peer that needs this rank is done.
+    Shutdown,
+    /// The transport connection to `peer` is up (authenticated).
+    Connected { peer: u32 },
+    /// The regions whose keys `peer` sent ([`Output::PeerKeys`]) are known to the transport.
+    PeerRegionsKnown { peer: u32 },
+    /// A transmit completed: data placed at the target (writes) or sent (messages).
+    Done { token: u64 },
+    /// A transmit failed; the connection is lost.
+    Failed { token: u64, reason: String },
+    /// The transport refused a transmit for now (`WouldBlock`): it was not posted.
+    Blocked { token: u64 },
+    /// A peer's write with an immediate landed in `region` at `offset`.
+    Landed {
+        peer: u32,
+        region: LocalRegion,
+        offset: u64,
+        len: u64,
+        imm: u32,
+    },
+    /// A message arrived.
+    Message { peer: u32, tag: u32, data: Payload },
+    /// The connection to `peer` ended (`error` is `None` for a graceful close).
+    Closed { peer: u32, error: Option<String> },
+    /// A job finished; `data` holds captured factors.
+    JobDone { id: u64, data: Option<Vec<u8>> },
+    /// A job failed.
+    JobFailed { id: u64, reason: String },
+    /// Time passed (see [`Node::poll_timeout`](super::Node::poll_timeout)).
+    Tick,
+}
+
+/// An output of [`Node::poll_output`](super::Node::poll_output).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    /// Post this.
+    Transmit(Transmit),
+    /// Run this on its queue.
+    Job(Job),
+    /// `peer`'s remote-writable regions have these keys (0: none): tell the
+    /// Node with [`Input::PeerRegionsKnown`] once the transport knows them.
+    PeerKeys { peer: u32, keys: [u32; 3] },
+    /// The layer's iteration is synced: its buffers are the caller's again.
+    LayerReady { layer: u32, iter: u64 },
+    /// Setup is complete: every peer agreed and the initial parameters are in place.
+    Ready,
+    /// Every peer that needed this rank is done: the runtime may close and exit.
+    Finished,
+    /// The rank failed. Abort messages to the peers were emitted before it.
+    Fatal(crate::EngineError),
+}
+
+/// The transport's limits, which the Node never exceeds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Requests in flight per connection (sends and writes together).
+    pub max_outstanding: usize,
+    /// Largest message.
+    pub max_message_bytes: usize,
+    /// Largest one-sided write.
+    pub max_write_bytes: usize,
+}
+
+impl Default for Limits {
+    /// The io_uring TCP backend's defaults.
+    fn default() -> Self {
+        Limits {
+            max_outstanding: 256,
+            max_message_bytes: 16 << 20,
+            max_write_bytes: 1 << 30,
+        }
+    }
+}
+
+/// How long the Node waits before a failed setup is reported.
+pub const DEFAULT_STARTUP: Duration = Duration::from_secs(60);

@@ -1,0 +1,426 @@
+//! The wire encoding of the rank protocol: every message one [`Node`](crate::node::Node)
+//! sends to another.
+//!
+//! A message travels as one transport message: a `tag` (u32) and a payload.
+//! The tag is `0x5457_VVKK`: the bytes `TW`, the protocol version `VV`
+//! ([`VERSION`]) and the kind `KK`. Payloads are little-endian with fixed
+//! layouts, every length is checked, and decoding never panics: a malformed
+//! message is a [`WireError`], which the Node turns into a protocol violation
+//! naming the peer.
+//!
+//! | kind | payload |
+//! |---|---|
+//! | `Hello` | version u16, field count u16, rank u32, world u32, region keys 3×u32, params base u64, then (field id u8, value u64) per field |
+//! | `Credit` | count u16, then count × slot u32 (at most [`MAX_CREDITS`]) |
+//! | `FactorsBegin` | layer u32, iteration u64, total bytes u64 |
+//! | `FactorData` | raw bytes of U then V (f32, little-endian), one fragment |
+//! | `Finished` | writes u64: the sender's worker pushes and sends nothing more; it made `writes` writes with an immediate to the receiver |
+//! | `Bye` | writes u64: the sender needs nothing more and sends nothing more; likewise |
+//! | `Abort` | UTF-8 reason, at most [`MAX_REASON`] bytes |
+//!
+//! Messages on one connection arrive in order, so a factor block is a
+//! `FactorsBegin` followed by its `FactorData` fragments, each at most the
+//! transport's message cap. Other kinds may come between fragments; a second
+//! `FactorsBegin` from the same peer may not.
+
+use crate::agree::Field;
+
+/// The protocol version. A peer with another version is refused at hello.
+pub const VERSION: u8 = 1;
+
+const MAGIC: u32 = 0x5457_0000;
+
+/// Most slots one `Credit` message returns (it fits a 256-byte control cell).
+pub const MAX_CREDITS: usize = 60;
+
+/// Longest abort reason, in bytes (longer reasons are cut at a char boundary).
+pub const MAX_REASON: usize = 240;
+
+/// Largest encoded control message (hello, credit, factors-begin, abort).
+pub const MAX_CONTROL: usize = 256;
+
+/// Message kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Kind {
+    /// The first message on every connection: identity, configuration, region keys.
+    Hello = 1,
+    /// Landing slots a server returns to a worker.
+    Credit = 2,
+    /// A factor block starts.
+    FactorsBegin = 3,
+    /// A fragment of the current factor block.
+    FactorData = 4,
+    /// The sender's worker is done: no more pushes or factors.
+    Finished = 5,
+    /// The sender is done with the job.
+    Bye = 6,
+    /// The sender failed and says why.
+    Abort = 7,
+}
+
+impl Kind {
+    /// The transport tag of this kind, at the current version.
+    pub fn tag(self) -> u32 {
+        MAGIC | (u32::from(VERSION) << 8) | self as u32
+    }
+
+    fn from_u8(k: u8) -> Option<Kind> {
+        Some(match k {
+            1 => Kind::Hello,
+            2 => Kind::Credit,
+            3 => Kind::FactorsBegin,
+            4 => Kind::FactorData,
+            5 => Kind::Finished,
+            6 => Kind::Bye,
+            7 => Kind::Abort,
+            _ => return None,
+        })
+    }
+}
+
+/// Why a message could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// The tag is not a Tidewire tag.
+    #[error("tag {0:#010x} is not a Tidewire message")]
+    NotTidewire(u32),
+    /// The peer speaks another protocol version.
+    #[error("protocol version {theirs} (this build speaks {ours})")]
+    Version { theirs: u8, ours: u8 },
+    /// An unknown message kind.
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+    /// The payload is shorter or longer than its layout.
+    #[error("{kind:?} message of {len} bytes: {what}")]
+    Length { kind: Kind, len: usize, what: &'static str },
+    /// A value out of range.
+    #[error("{kind:?} message: {what}")]
+    Invalid { kind: Kind, what: String },
+}
+
+/// The first message on a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// Protocol version.
+    pub version: u16,
+    /// The sender's rank.
+    pub rank: u32,
+    /// The sender's world size.
+    pub world: u32,
+    /// Opaque keys of the sender's parameter, shard and landing regions (0: none).
+    pub keys: [u32; 3],
+    /// Byte offset where layer 0 starts in the sender's parameter region.
+    pub params_base: u64,
+    /// The sender's job configuration, field by field (see [`crate::agree`]).
+    pub fields: Vec<(Field, u64)>,
+}
+
+/// A decoded message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Msg {
+    /// See [`Hello`].
+    Hello(Hello),
+    /// Landing slots returned.
+    Credit(Vec<u32>),
+    /// A factor block of `total` bytes for `layer`, iteration `iter`, follows.
+    FactorsBegin { layer: u32, iter: u64, total: u64 },
+    /// A fragment (the bytes are the transport message's payload).
+    FactorData,
+    /// The sender's worker is done; it made `writes` writes with an
+    /// immediate to the receiver in all (wait for them to land: writes and
+    /// messages are not ordered).
+    Finished { writes: u64 },
+    /// The sender is done; `writes` as for `Finished`.
+    Bye { writes: u64 },
+    /// The sender aborted.
+    Abort(String),
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    kind: Kind,
+}
+
+impl Reader<'_> {
+    fn take<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], WireError> {
+        if self.b.len() < N {
+            return Err(WireError::Length {
+                kind: self.kind,
+                len: self.b.len(),
+                what,
+            });
+        }
+        let (h, t) = self.b.split_at(N);
+        self.b = t;
+        let mut out = [0u8; N];
+        out.copy_from_slice(h);
+        Ok(out)
+    }
+    fn u8(&mut self, what: &'static str) -> Result<u8, WireError> {
+        Ok(self.take::<1>(what)?[0])
+    }
+    fn u16(&mut self, what: &'static str) -> Result<u16, WireError> {
+        Ok(u16::from_le_bytes(self.take(what)?))
+    }
+    fn u32(&mut self, what: &'static str) -> Result<u32, WireError> {
+        Ok(u32::from_le_bytes(self.take(what)?))
+    }
+    fn u64(&mut self, what: &'static str) -> Result<u64, WireError> {
+        Ok(u64::from_le_bytes(self.take(what)?))
+    }
+    fn end(&self) -> Result<(), WireError> {
+        if self.b.is_empty() {
+            Ok(())
+        } else {
+            Err(WireError::Length {
+                kind: self.kind,
+                len: self.b.len(),
+                what: "trailing bytes",
+            })
+        }
+    }
+}
+
+/// The kind a tag names, checking the magic and the version.
+pub fn kind_of(tag: u32) -> Result<Kind, WireError> {
+    if tag & 0xffff_0000 != MAGIC {
+        return Err(WireError::NotTidewire(tag));
+    }
+    let v = ((tag >> 8) & 0xff) as u8;
+    if v != VERSION {
+        return Err(WireError::Version {
+            theirs: v,
+            ours: VERSION,
+        });
+    }
+    let k = (tag & 0xff) as u8;
+    Kind::from_u8(k).ok_or(WireError::UnknownKind(k))
+}
+
+/// Decodes one message. `FactorData` carries no decoded fields: its bytes are the payload.
+pub fn decode(tag: u32, data: &[u8]) -> Result<Msg, WireError> {
+    let kind = kind_of(tag)?;
+    let mut r = Reader { b: data, kind };
+    let msg = match kind {
+        Kind::Hello => {
+            let version = r.u16("version")?;
+            let n = r.u16("field count")? as usize;
+            let rank = r.u32("rank")?;
+            let world = r.u32("world")?;
+            let keys = [r.u32("key")?, r.u32("key")?, r.u32("key")?];
+            let params_base = r.u64("params base")?;
+            if r.b.len() != n * 9 {
+                return Err(WireError::Length {
+                    kind,
+                    len: data.len(),
+                    what: "field count disagrees with the length",
+                });
+            }
+            let mut fields = Vec::with_capacity(n);
+            for _ in 0..n {
+                let id = r.u8("field id")?;
+                let v = r.u64("field value")?;
+                let f = Field::from_id(id).ok_or_else(|| WireError::Invalid {
+                    kind,
+                    what: format!("unknown configuration field {id}"),
+                })?;
+                fields.push((f, v));
+            }
+            Msg::Hello(Hello {
+                version,
+                rank,
+                world,
+                keys,
+                params_base,
+                fields,
+            })
+        }
+        Kind::Credit => {
+            let n = r.u16("count")? as usize;
+            if n == 0 || n > MAX_CREDITS || r.b.len() != n * 4 {
+                return Err(WireError::Length {
+                    kind,
+                    len: data.len(),
+                    what: "count disagrees with the length, or is 0 or over 60",
+                });
+            }
+            let mut slots = Vec::with_capacity(n);
+            for _ in 0..n {
+                slots.push(r.u32("slot")?);
+            }
+            Msg::Credit(slots)
+        }
+        Kind::FactorsBegin => Msg::FactorsBegin {
+            layer: r.u32("layer")?,
+            iter: r.u64("iteration")?,
+            total: r.u64("total")?,
+        },
+        Kind::FactorData => return Ok(Msg::FactorData),
+        Kind::Finished => Msg::Finished {
+            writes: r.u64("writes")?,
+        },
+        Kind::Bye => Msg::Bye {
+            writes: r.u64("writes")?,
+        },
+        Kind::Abort => {
+            if data.len() > MAX_REASON {
+                return Err(WireError::Length {
+                    kind,
+                    len: data.len(),
+                    what: "reason over 240 bytes",
+                });
+            }
+            let s = std::str::from_utf8(data).map_err(|_| WireError::Invalid {
+                kind,
+                what: "reason is not UTF-8".into(),
+            })?;
+            return Ok(Msg::Abort(s.to_string()));
+        }
+    };
+    r.end()?;
+    Ok(msg)
+}
+
+/// Encodes a control message (every kind but `FactorData`, whose bytes are
+/// the factors themselves). Returns the tag and the payload.
+pub fn encode(msg: &Msg) -> (u32, Vec<u8>) {
+    let mut b = Vec::with_capacity(64);
+    let kind = match msg {
+        Msg::Hello(h) => {
+            b.extend_from_slice(&h.version.to_le_bytes());
+            b.extend_from_slice(&(h.fields.len() as u16).to_le_bytes());
+            b.extend_from_slice(&h.rank.to_le_bytes());
+            b.extend_from_slice(&h.world.to_le_bytes());
+            for k in h.keys {
+                b.extend_from_slice(&k.to_le_bytes());
+            }
+            b.extend_from_slice(&h.params_base.to_le_bytes());
+            for (f, v) in &h.fields {
+                b.push(*f as u8);
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+            Kind::Hello
+        }
+        Msg::Credit(slots) => {
+            debug_assert!(!slots.is_empty() && slots.len() <= MAX_CREDITS);
+            b.extend_from_slice(&(slots.len() as u16).to_le_bytes());
+            for s in slots {
+                b.extend_from_slice(&s.to_le_bytes());
+            }
+            Kind::Credit
+        }
+        Msg::FactorsBegin { layer, iter, total } => {
+            b.extend_from_slice(&layer.to_le_bytes());
+            b.extend_from_slice(&iter.to_le_bytes());
+            b.extend_from_slice(&total.to_le_bytes());
+            Kind::FactorsBegin
+        }
+        Msg::FactorData => Kind::FactorData,
+        Msg::Finished { writes } => {
+            b.extend_from_slice(&writes.to_le_bytes());
+            Kind::Finished
+        }
+        Msg::Bye { writes } => {
+            b.extend_from_slice(&writes.to_le_bytes());
+            Kind::Bye
+        }
+        Msg::Abort(reason) => {
+            let mut end = reason.len().min(MAX_REASON);
+            while !reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            b.extend_from_slice(&reason.as_bytes()[..end]);
+            Kind::Abort
+        }
+    };
+    (kind.tag(), b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_msg() -> impl Strategy<Value = Msg> {
+        let field = (0u8..Field::COUNT as u8).prop_map(|i| Field::from_id(i).expect("in range"));
+        prop_oneof![
+            (
+                any::<u16>(),
+                any::<u32>(),
+                any::<u32>(),
+                any::<[u32; 3]>(),
+                any::<u64>(),
+                proptest::collection::vec((field, any::<u64>()), 0..20)
+            )
+                .prop_map(|(version, rank, world, keys, params_base, fields)| Msg::Hello(Hello {
+                    version,
+                    rank,
+                    world,
+                    keys,
+                    params_base,
+                    fields
+                })),
+            proptest::collection::vec(any::<u32>(), 1..=MAX_CREDITS).prop_map(Msg::Credit),
+            (any::<u32>(), any::<u64>(), any::<u64>()).prop_map(|(layer, iter, total)| Msg::FactorsBegin {
+                layer,
+                iter,
+                total
+            }),
+            any::<u64>().prop_map(|writes| Msg::Finished { writes }),
+            any::<u64>().prop_map(|writes| Msg::Bye { writes }),
+            "[a-zA-Z0-9 ,.:é]{0,80}".prop_map(Msg::Abort),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn every_message_round_trips(m in arb_msg()) {
+            let (tag, bytes) = encode(&m);
+            prop_assert!(bytes.len() <= MAX_CONTROL, "{} bytes", bytes.len());
+            prop_assert_eq!(decode(tag, &bytes).unwrap(), m);
+        }
+
+        #[test]
+        fn decoding_never_panics(tag_kind in 0u8..10, version in prop_oneof![Just(VERSION), any::<u8>()],
+                                 magic in prop_oneof![Just(MAGIC), any::<u32>()],
+                                 data in proptest::collection::vec(any::<u8>(), 0..400)) {
+            let tag = (magic & 0xffff_0000) | (u32::from(version) << 8) | u32::from(tag_kind);
+            let _ = decode(tag, &data);
+        }
+
+        #[test]
+        fn truncations_and_extensions_are_errors(m in arb_msg(), cut in 0usize..64, extra in 1usize..8) {
+            let (tag, bytes) = encode(&m);
+            if !matches!(m, Msg::Abort(_)) {
+                if cut < bytes.len() {
+                    prop_assert!(decode(tag, &bytes[..cut]).is_err());
+                }
+                let mut longer = bytes.clone();
+                longer.extend(std::iter::repeat(0).take(extra));
+                prop_assert!(decode(tag, &longer).is_err());
+            }
+        }
+    }
+
+    #[test]
+    fn tags_carry_magic_version_and_kind() {
+        assert_eq!(kind_of(Kind::Bye.tag()), Ok(Kind::Bye));
+        assert_eq!(kind_of(7), Err(WireError::NotTidewire(7)));
+        let other = MAGIC | (u32::from(VERSION + 1) << 8) | 2;
+        assert!(matches!(kind_of(other), Err(WireError::Version { .. })));
+        assert_eq!(
+            kind_of(MAGIC | (u32::from(VERSION) << 8) | 99),
+            Err(WireError::UnknownKind(99))
+        );
+    }
+
+    #[test]
+    fn long_abort_reasons_are_cut_at_a_char_boundary() {
+        let reason = "é".repeat(200);
+        let (tag, b) = encode(&Msg::Abort(reason));
+        assert!(b.len() <= MAX_REASON);
+        assert!(matches!(decode(tag, &b), Ok(Msg::Abort(s)) if s.chars().all(|c| c == 'é')));
+    }
+}

@@ -1,0 +1,271 @@
+//! The randomized simulation (in the manner of TigerBeetle's VOPR): every
+//! seed draws a whole job — a random layer table, P1 and P2, colocation,
+//! chunk, slice, credit window, slots, batch, sync mode, scheme policy,
+//! consistency, aggregation order, the transport's limits — and faults
+//! (delays, a straggler, a dead rank, a partition that heals, `WouldBlock`s),
+//! runs it on the product's `Node`s in the simulator with real values, and
+//! checks the invariants:
+//! - BSP values are exact after every layer's iteration, and every run that
+//!   finishes leaves every worker with the last iteration's sum (BSP and SSP);
+//! - no contribution is lost or applied twice (every chunk applied once per iteration);
+//! - no bound is exceeded (outstanding transmits, message and write caps,
+//!   landing slots, the credit window);
+//! - every run finishes, or fails with a typed error when a rank dies; none hangs.
+//!
+//! `TIDEWIRE_VOPR_SEEDS=N` runs seeds 1..=N (default 200),
+//! `TIDEWIRE_VOPR_SEED=S` runs one seed and prints its configuration. A
+//! failure prints the seed and the configuration.
+
+use std::sync::Arc;
+
+use tidewire_engine::book::{LayerKind, LayerSpec};
+use tidewire_engine::node::Limits;
+use tidewire_engine::sim::{Faults, Sim, SimConfig, SimError};
+use tidewire_engine::{Book, BookConfig, Cluster, Consistency, EngineError, SchedConfig, SchemePolicy, SyncMode};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+    fn chance(&mut self, p: f64) -> bool {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p
+    }
+    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len() as u64) as usize]
+    }
+}
+
+/// A whole job drawn from `seed`, and whether a rank dies in it.
+fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
+    let mut r = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ 0x5eed);
+    let nl = r.range(1, 6) as usize;
+    let mut layers = Vec::with_capacity(nl);
+    for i in 0..nl {
+        let kind = r.pick(&[LayerKind::Conv, LayerKind::Fc, LayerKind::Fc, LayerKind::Other]);
+        let (m, n) = match kind {
+            LayerKind::Fc => (r.range(1, 48) as usize, r.range(1, 64) as usize),
+            LayerKind::Conv => (r.range(1, 32) as usize, r.range(1, 72) as usize),
+            LayerKind::Other => (r.range(1, 2) as usize, r.range(1, 40) as usize),
+        };
+        layers.push(LayerSpec::new(format!("l{i}"), kind, m, n));
+    }
+    let cluster = if r.chance(0.3) {
+        Cluster::colocated(r.range(1, 5) as usize)?
+    } else {
+        Cluster::split(r.range(1, 5) as usize, r.range(1, 4) as usize)?
+    };
+    let mode = r.pick(&SyncMode::ALL);
+    let mut bc = mode.book_config(BookConfig {
+        batch: r.range(1, 4) as usize,
+        chunk_bytes: 4 * r.range(1, 512) as usize,
+        slice_params: r.range(1, 300) as usize,
+        ..Default::default()
+    });
+    if r.chance(0.3) {
+        bc.policy = r.pick(&[SchemePolicy::Hybrid, SchemePolicy::Ps, SchemePolicy::Sfb]);
+    }
+    let book = Arc::new(Book::new(cluster, layers, bc)?);
+    let nlayers = book.layers().len();
+    let layer_ns: Vec<(u64, u64)> = (0..nlayers)
+        .map(|_| {
+            let f = r.range(1_000, 50_000);
+            (f, 2 * f)
+        })
+        .collect();
+    let iters = r.range(1, 5);
+    let mut cfg = SimConfig::new(book.clone(), mode, layer_ns, iters);
+    cfg.seed = seed;
+    cfg.values = true;
+    cfg.fc_factors = r.chance(0.3);
+    cfg.sched = SchedConfig {
+        order: mode.order(),
+        credit_bytes: if r.chance(0.2) {
+            8 << 20
+        } else {
+            r.range(1, 4096) as usize
+        },
+        slots: r.range(1, 4) as u32,
+        consistency: if r.chance(0.6) {
+            Consistency::Bsp
+        } else {
+            Consistency::Ssp(r.range(0, 3) as u32)
+        },
+        deterministic: r.chance(0.5),
+    };
+    cfg.limits = Limits {
+        max_outstanding: r.pick(&[1, 2, 3, 4, 8, 256]),
+        max_message_bytes: r.pick(&[256, 300, 1024, 4096, 65536, 16 << 20]),
+        max_write_bytes: r.pick(&[4, 8, 60, 512, 4096, 1 << 30]),
+    };
+    cfg.bandwidth_bps = r.pick(&[1e8, 1e9, 1e10]);
+    cfg.latency_ns = r.range(1_000, 100_000);
+    cfg.agg_bytes_per_s = r.pick(&[1e9, 1e10]);
+    cfg.copy_bytes_per_s = r.pick(&[1e9, 1e10]);
+    cfg.gemm_flops = r.pick(&[1e9, 1e12]);
+    // Virtual time is cheap: a long liveness timeout, so that only a real hang trips it.
+    cfg.stall_ns = 5_000_000_000;
+    let world = book.cluster().world() as u32;
+    let mut faults = Faults {
+        detect_ns: r.range(10_000, 5_000_000),
+        ..Faults::default()
+    };
+    if r.chance(0.5) {
+        faults.delay_prob = r.range(1, 50) as f64 / 100.0;
+        faults.delay_max_ns = r.range(1_000, 2_000_000);
+    }
+    if r.chance(0.3) {
+        faults.block_prob = r.range(1, 40) as f64 / 100.0;
+    }
+    if r.chance(0.3) {
+        let w = book.cluster().workers()[r.below(book.p1() as u64) as usize];
+        faults.stragglers = vec![(w, r.range(2, 6) as f64)];
+    }
+    if r.chance(0.2) && world > 1 {
+        let side: Vec<u32> = (0..world).filter(|_| r.chance(0.5)).collect();
+        let from = r.range(0, 2_000_000);
+        faults.partition = Some((side, from, from + r.range(1_000, 20_000_000)));
+    }
+    let dies = r.chance(0.1) && world > 1;
+    if dies {
+        faults.dead = Some((r.below(world as u64) as u32, r.range(0, 20_000_000)));
+    }
+    cfg.faults = faults;
+    Ok((cfg, dies))
+}
+
+fn describe(cfg: &SimConfig) -> String {
+    let b = &cfg.book;
+    let layers: Vec<String> = b
+        .layers()
+        .iter()
+        .map(|l| format!("{}:{:?}{}x{}", l.name, l.kind, l.m, l.n))
+        .collect();
+    format!(
+        "roles {:?}; layers [{}]; {:?}; {:?}; wait_free {} fc_factors {}; {:?}; iters {}; bw {} lat {}; faults {:?}",
+        b.cluster().roles(),
+        layers.join(" "),
+        b.config(),
+        cfg.sched,
+        cfg.wait_free,
+        cfg.fc_factors,
+        cfg.limits,
+        cfg.iters,
+        cfg.bandwidth_bps,
+        cfg.latency_ns,
+        cfg.faults
+    )
+}
+
+/// Runs one seed; `Err` is a failed invariant, with the seed and the configuration.
+fn run_seed(seed: u64) -> Result<&'static str, String> {
+    let (cfg, dies) = match draw(seed) {
+        Ok(x) => x,
+        // A drawn table the book refuses is a valid outcome of the draw, not a failure.
+        Err(EngineError::InvalidConfig(_)) => return Ok("refused"),
+        Err(e) => return Err(format!("seed {seed}: drawing the job failed: {e}")),
+    };
+    let what = describe(&cfg);
+    let book = cfg.book.clone();
+    let (slots, credit, limits) = (cfg.sched.slots, cfg.sched.credit_bytes, cfg.limits);
+    let fail = |m: String| Err(format!("{m}\n  configuration: {what}"));
+    match Sim::run(cfg) {
+        Ok(rep) => {
+            let k = book.config().batch;
+            let biggest = book
+                .layers()
+                .iter()
+                .filter(|l| l.kind == LayerKind::Fc)
+                .map(|l| k * (l.m + l.n) * 4)
+                .chain(std::iter::once(book.max_slice_len() * 4))
+                .max()
+                .unwrap_or(0);
+            if rep.max_slots_held > slots {
+                return fail(format!(
+                    "seed {seed}: {} slots held, {slots} granted",
+                    rep.max_slots_held
+                ));
+            }
+            if rep.max_bytes_in_flight > credit.max(biggest) {
+                return fail(format!(
+                    "seed {seed}: {} bytes in flight, window {credit}",
+                    rep.max_bytes_in_flight
+                ));
+            }
+            if rep.max_outstanding > limits.max_outstanding
+                || rep.max_message as usize > limits.max_message_bytes
+                || rep.max_write as usize > limits.max_write_bytes
+            {
+                return fail(format!("seed {seed}: transport limits exceeded: {rep:?}"));
+            }
+            if rep.checks == 0 {
+                return fail(format!("seed {seed}: a finished run checked no value"));
+            }
+            Ok("finished")
+        }
+        Err(e @ SimError::Rank { .. }) if dies => match &e {
+            SimError::Rank {
+                error: EngineError::PeerLost { .. } | EngineError::PeerAborted { .. },
+                ..
+            } => Ok("failed as expected"),
+            _ => fail(format!("{e} (a rank died: expected a lost peer)")),
+        },
+        Err(e) => fail(e.to_string()),
+    }
+}
+
+#[test]
+fn randomized_jobs_keep_every_invariant() {
+    let seeds: Vec<u64> = match std::env::var("TIDEWIRE_VOPR_SEED") {
+        Ok(s) => vec![s.trim().parse().expect("TIDEWIRE_VOPR_SEED must be a number")],
+        Err(_) => {
+            let n: u64 = std::env::var("TIDEWIRE_VOPR_SEEDS")
+                .ok()
+                .map(|s| s.trim().parse().expect("TIDEWIRE_VOPR_SEEDS must be a number"))
+                .unwrap_or(200);
+            (1..=n).collect()
+        }
+    };
+    if seeds.len() == 1 {
+        if let Ok((cfg, _)) = draw(seeds[0]) {
+            println!("seed {}: {}", seeds[0], describe(&cfg));
+        }
+    }
+    let started = std::time::Instant::now();
+    let (mut finished, mut expected, mut refused) = (0u64, 0u64, 0u64);
+    let mut violations = Vec::new();
+    for &seed in &seeds {
+        match run_seed(seed) {
+            Ok("finished") => finished += 1,
+            Ok("failed as expected") => expected += 1,
+            Ok(_) => refused += 1,
+            Err(e) => {
+                eprintln!("VIOLATION {e}");
+                violations.push(seed);
+            }
+        }
+    }
+    println!(
+        "vopr: {} seeds ({}..={}) in {:.1} s: {finished} finished, {expected} failed with a typed error after a rank died, {refused} drawn tables refused by the book, {} violations",
+        seeds.len(),
+        seeds.first().unwrap_or(&0),
+        seeds.last().unwrap_or(&0),
+        started.elapsed().as_secs_f64(),
+        violations.len()
+    );
+    assert!(
+        violations.is_empty(),
+        "violating seeds: {violations:?} (rerun one with TIDEWIRE_VOPR_SEED=<seed>)"
+    );
+}
