@@ -168,7 +168,9 @@ impl RdmaTransport {
             _ => {}
         }
     }
-    /// Sleeps until the completion channel or the control plane has something, at most `d`.
+    /// Sleeps until the completion channel, the control plane or the waker has
+    /// something, at most `d` (and at most 10 ms: deadlines, the inner control
+    /// plane's timers and rdma_cm events are found by polling).
     pub(super) fn sleep(&mut self, d: Duration) -> Result<()> {
         let Some(ch) = self.channel.clone() else {
             std::hint::spin_loop();
@@ -191,6 +193,9 @@ impl RdmaTransport {
                 return Ok(());
             }
         }
+        if self.wake.is_pending() {
+            return Ok(());
+        }
         let mut fds = [
             libc::pollfd {
                 fd: ch.as_raw_fd(),
@@ -202,10 +207,19 @@ impl RdmaTransport {
                 events: libc::POLLIN,
                 revents: 0,
             },
+            libc::pollfd {
+                fd: self.wake.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
         ];
         let ms = d.as_millis().clamp(1, 10) as i32;
-        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
-        unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+        // SAFETY: `fds` is a valid array of three pollfd for the duration of the call.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if fds[2].revents & libc::POLLIN != 0 {
+            // The flag (taken by `wait`) says whether to return; the doorbell is reset.
+            self.wake.drain();
+        }
         if fds[0].revents & libc::POLLIN != 0 {
             let mut cq = std::ptr::null_mut();
             let mut ctx = std::ptr::null_mut();

@@ -10,7 +10,7 @@ use sideway::ibverbs::device_context::Mtu;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use tracing::info;
 
-use crate::api::{ConnId, Event, PeerInfo, Properties, ReqId, Transport};
+use crate::api::{ConnId, Event, PeerInfo, Properties, ReqId, Transport, WakeFd};
 use crate::error::Result;
 use crate::memory::{Access, MemoryKind, PinOptions, PinnedBuffer, Region};
 use crate::tcp::TcpTransport;
@@ -48,6 +48,8 @@ pub struct RdmaTransport {
     pub(super) stats: RdmaStats,
     /// rdma_cm state, in [`ConnectMode::RdmaCm`].
     pub(super) cm: Option<cm::Cm>,
+    /// The [`Waker`](crate::Waker)'s eventfd and flag; `sleep` polls the eventfd.
+    pub(super) wake: Arc<WakeFd>,
 }
 
 impl std::fmt::Debug for RdmaTransport {
@@ -113,6 +115,7 @@ impl RdmaTransport {
             )?,
             Access::LOCAL,
         )?;
+        let wake = WakeFd::new()?;
         let max_write = dev.max_msg_sz.min(1 << 30) as usize;
         let props = Properties {
             name: format!("rdma-verbs ({} port {} gid {})", dev.name, dev.port, dev.gid_index),
@@ -150,6 +153,7 @@ impl RdmaTransport {
             dmabuf: None,
             stats: RdmaStats::default(),
             cm,
+            wake,
         })
     }
 

@@ -1,9 +1,10 @@
 //! The [`Transport`] implementation: the public, non-blocking API of the backend.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::api::{check_write, ConnId, Event, ListenerId, PeerInfo, Properties, ReqId, Transport};
+use crate::api::{check_write, ConnId, Event, ListenerId, PeerInfo, Properties, ReqId, Transport, Waker};
 use crate::error::{Error, Result};
 use crate::memory::{Access, PinnedBuffer, Region, RemoteRegion, Slice};
 
@@ -123,7 +124,9 @@ impl Transport for RdmaTransport {
         };
         loop {
             self.progress()?;
-            if !self.events.is_empty() {
+            // Any return consumes a pending wake: the caller has control again.
+            if !self.events.is_empty() || self.wake.take() {
+                self.wake.take();
                 return Ok(self.drain(events, max));
             }
             let now = Instant::now();
@@ -156,6 +159,10 @@ impl Transport for RdmaTransport {
             }
         }
         Ok(())
+    }
+
+    fn waker(&self) -> Result<Waker> {
+        Ok(Waker(Arc::clone(&self.wake)))
     }
 
     fn counters(&self) -> crate::api::Counters {

@@ -3,9 +3,10 @@
 //! (headers, iovecs, msghdrs, sockaddrs, receive buffers, and region guards).
 
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::time::Instant;
 
-use crate::api::ReqId;
+use crate::api::{ReqId, WakeFd};
 use crate::frame::{Header, HEADER_LEN};
 use crate::memory::{InFlight, Slice};
 
@@ -150,6 +151,11 @@ pub(super) enum Op {
     Parting {
         _fd: OwnedFd,
         _buf: Vec<u8>,
+    },
+    /// A poll of the waker's eventfd: its completion ends a sleep in
+    /// `io_uring_enter`; it is re-armed after each. Holds the eventfd open.
+    Wake {
+        _wake: Arc<WakeFd>,
     },
     /// DataAttach on the client's data socket.
     AttachSend {

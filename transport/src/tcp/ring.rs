@@ -4,12 +4,13 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use tracing::{debug, info, warn};
 
-use crate::api::{Event, Properties};
+use crate::api::{Event, Properties, WakeFd};
 use crate::error::{Error, Result};
 use crate::frame;
 use crate::memory::{MemoryKind, Region};
@@ -45,6 +46,8 @@ pub struct TcpTransport {
     pub(super) stats: TcpStats,
     pub(super) sockopts: SockOpts,
     pub(super) dirty: Vec<u64>,
+    /// The [`Waker`](crate::Waker)'s eventfd and flag; a poll of it is always armed.
+    pub(super) wake: Arc<WakeFd>,
 }
 
 impl std::fmt::Debug for TcpTransport {
@@ -113,8 +116,9 @@ impl TcpTransport {
             rcvbuf: cfg.rcvbuf_bytes,
             peer_timeout: cfg.peer_timeout,
         };
+        let wake = WakeFd::new()?;
         info!(rank = cfg.rank, "io_uring TCP transport ready");
-        Ok(TcpTransport {
+        let mut t = TcpTransport {
             ring,
             bufring,
             cfg,
@@ -135,7 +139,10 @@ impl TcpTransport {
             stats: TcpStats::default(),
             sockopts,
             dirty: Vec::new(),
-        })
+            wake,
+        };
+        t.arm_wake();
+        Ok(t)
     }
 
     /// Data-path counters.
@@ -223,6 +230,19 @@ impl TcpTransport {
         self.ops[ud as usize] = Some(op);
     }
 
+    /// Arms a one-shot poll of the waker's eventfd (see [`Op::Wake`]).
+    pub(super) fn arm_wake(&mut self) {
+        let fd = self.wake.fd();
+        let ud = self.add_op(Op::Wake {
+            _wake: Arc::clone(&self.wake),
+        });
+        let e = opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
+            .build()
+            .user_data(ud);
+        // SAFETY: a poll references no user memory; the op keeps the eventfd open.
+        unsafe { self.push(e) };
+    }
+
     /// Pushes an SQE.
     ///
     /// # Safety
@@ -275,6 +295,14 @@ impl TcpTransport {
         };
         match op {
             Op::Parting { .. } => {}
+            Op::Wake { .. } => {
+                // Reset the doorbell before re-arming, or the poll would fire at once
+                // again; the pending flag (taken by `wait`) says whether to return.
+                self.wake.drain();
+                if res != -libc::ECANCELED {
+                    self.arm_wake();
+                }
+            }
             Op::Accept { listener } => self.on_accept(ud, listener, res, flags),
             Op::Connect { conn, data, .. } => self.on_connect(conn, data, res),
             Op::FirstHeader { pending, buf } => self.on_first_header(pending, res, &buf),
@@ -320,7 +348,7 @@ impl TcpTransport {
     pub(super) fn progress(&mut self, wait: Option<Duration>) -> Result<()> {
         self.check_deadlines();
         self.flush();
-        let block = wait.filter(|_| self.events.is_empty());
+        let block = wait.filter(|_| self.events.is_empty() && !self.wake.is_pending());
         let r = match block {
             Some(d) => {
                 let ts = types::Timespec::from(d);

@@ -3,11 +3,12 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, info};
 
-use crate::api::{check_write, ConnId, Event, ListenerId, PeerInfo, Properties, ReqId, Transport};
+use crate::api::{check_write, ConnId, Event, ListenerId, PeerInfo, Properties, ReqId, Transport, Waker};
 use crate::auth;
 use crate::error::{Error, Result};
 use crate::frame::{self, Header, Kind};
@@ -257,14 +258,16 @@ impl Transport for TcpTransport {
         // Bounded busy-poll: completions appear in shared memory without a syscall.
         let spin_end = start + self.cfg.busy_poll.min(timeout);
         self.progress(None)?;
-        while self.events.is_empty() && Instant::now() < spin_end {
+        while self.events.is_empty() && !self.wake.is_pending() && Instant::now() < spin_end {
             if self.ring.completion().is_empty() {
                 std::hint::spin_loop();
                 continue;
             }
             self.progress(None)?;
         }
-        if !self.events.is_empty() {
+        // Any return consumes a pending wake: the caller has control again.
+        if !self.events.is_empty() || self.wake.take() {
+            self.wake.take();
             return Ok(self.drain_events(events, max));
         }
         loop {
@@ -273,8 +276,11 @@ impl Transport for TcpTransport {
             if let Some(d) = self.nearest_deadline() {
                 slice = slice.min(d.saturating_duration_since(now) + Duration::from_millis(1));
             }
+            // Sleeps in io_uring_enter until a completion (the waker's eventfd poll
+            // among them), the nearest deadline, or the end of the timeout.
             self.progress(Some(slice))?;
-            if !self.events.is_empty() || Instant::now() >= end {
+            if !self.events.is_empty() || self.wake.take() || Instant::now() >= end {
+                self.wake.take();
                 return Ok(self.drain_events(events, max));
             }
         }
@@ -301,6 +307,10 @@ impl Transport for TcpTransport {
             }
         }
         Ok(())
+    }
+
+    fn waker(&self) -> Result<Waker> {
+        Ok(Waker(Arc::clone(&self.wake)))
     }
 
     fn counters(&self) -> crate::api::Counters {
