@@ -46,3 +46,44 @@ fn idle_wait_is_one_sleep_in_the_kernel() {
     // One non-blocking submit up front, then one blocking enter for the whole second.
     assert!(enters <= 2, "{enters} io_uring_enter calls in an idle 1 s wait");
 }
+
+/// A write the peer never acknowledges fails after `peer_timeout` even while the
+/// writer sleeps in one long `wait`: the acknowledgement deadline bounds the sleep.
+#[test]
+fn unacknowledged_write_ends_a_long_wait() {
+    use std::time::{Duration, Instant};
+    use tidewire_transport::{Access, Error, Event};
+    let mk = |rank, peer_timeout| {
+        let mut cfg = TcpConfig::new(conformance::JOB, rank, JobSecret::new(conformance::SECRET.to_vec()));
+        cfg.busy_poll = Duration::ZERO;
+        cfg.peer_timeout = peer_timeout;
+        TcpTransport::new(cfg).unwrap()
+    };
+    let mut p = conformance::Pair::with(
+        mk(0, Duration::from_secs(30)),
+        mk(1, Duration::from_millis(300)),
+        Tcp::listen_addr(),
+    );
+    let src = p.c.register(conformance::buf(4096), Access::LOCAL).unwrap();
+    let dst = p.s_remote();
+    p.c.write(p.cc, &src.slice(0, 64).unwrap(), &dst, 0, None).unwrap();
+    // The server is never driven again, so it never acknowledges.
+    let start = Instant::now();
+    let mut ev = Vec::new();
+    let timed_out = |ev: &[Event]| {
+        ev.iter().any(|e| {
+            matches!(
+                e,
+                Event::Closed {
+                    error: Some(Error::Timeout { .. }),
+                    ..
+                }
+            )
+        })
+    };
+    while !timed_out(&ev) {
+        assert!(start.elapsed() < Duration::from_secs(5), "no timeout yet: {ev:?}");
+        p.c.wait(&mut ev, 16, Duration::from_secs(10)).unwrap();
+    }
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+}

@@ -228,10 +228,19 @@ impl TcpTransport {
             self.reject_pending(id, e, None);
         }
     }
+    /// The earliest instant at which `check_deadlines` has something to do: a
+    /// live connection's handshake or close deadline, its oldest unacknowledged
+    /// write's `peer_timeout`, or a pending socket's first-frame deadline.
+    /// `wait` sleeps no longer than this.
     pub(super) fn nearest_deadline(&self) -> Option<Instant> {
-        let conn_d = self.conns.values().filter_map(|c| c.deadline).min();
+        let peer_timeout = self.cfg.peer_timeout;
+        let live = || self.conns.values().filter(|c| c.is_live());
+        let conn_d = live().filter_map(|c| c.deadline).min();
+        let ack_d = live()
+            .filter_map(|c| c.awaiting_ack.front().map(|a| a.since + peer_timeout))
+            .min();
         let pend_d = self.pending.values().filter(|p| !p.done).map(|p| p.deadline).min();
-        [conn_d, pend_d].into_iter().flatten().min()
+        [conn_d, ack_d, pend_d].into_iter().flatten().min()
     }
 
     pub(super) fn ready_conn(&mut self, conn: ConnId, op: &'static str) -> Result<&mut Conn> {
