@@ -28,10 +28,23 @@
 //! # Limits
 //! [`Properties::max_message_bytes`] bounds a message, [`Properties::max_write_bytes`]
 //! one write, and [`Properties::max_outstanding`] the requests a connection may
-//! have in flight; beyond it a post returns [`Error::WouldBlock`](crate::Error::WouldBlock)
+//! have in flight; beyond it a post returns [`Error::WouldBlock`]
 //! and the caller polls and retries.
+//!
+//! # Waking
+//! [`Transport::waker`] hands out a [`Waker`] that any thread may call: a
+//! `wait` in progress on the owner's thread returns promptly (possibly with no
+//! event), or, when none is in progress, the next `wait` does. Wakes that
+//! arrive before the owner's `wait` consumes them coalesce into one return. So
+//! a runtime thread can sleep in `wait` with a long timeout and no busy polling
+//! (`busy_poll` zero), and other threads wake it when they hand it work.
 
+use std::fmt;
+use std::io;
 use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -170,6 +183,10 @@ pub trait Transport: Send {
     /// Starts a graceful close: queued work is flushed, then `Event::Closed` follows.
     fn close(&mut self, conn: ConnId) -> Result<()>;
 
+    /// A handle that other threads use to end this transport's `wait` early
+    /// (see [`Waker`]). Every call returns a handle to the same wake-up.
+    fn waker(&self) -> Result<Waker>;
+
     /// Receive-side byte counters: payload placed straight into registered memory,
     /// and bytes user space copied (messages, control frames).
     fn counters(&self) -> Counters {
@@ -204,5 +221,137 @@ pub fn check_write(src: &Slice, dst: &RemoteRegion, dst_offset: u64, max: usize)
             len: src.len() as u64,
             region_len: dst.len,
         }),
+    }
+}
+
+/// Ends a [`Transport::wait`] from any thread; see [`Transport::waker`].
+///
+/// After [`Waker::wake`], a `wait` in progress on the transport's thread
+/// returns promptly, possibly with zero events; when no `wait` is in progress,
+/// the next one returns promptly instead. Wakes coalesce: any number of them
+/// before the owner's `wait` notices makes that `wait` return once. A wake
+/// never makes [`Transport::poll`] return anything, and `poll` does not consume it.
+///
+/// A handle is cheap to clone, `Send` and `Sync`, and may outlive its
+/// transport (waking then does nothing).
+#[derive(Clone)]
+pub struct Waker(pub(crate) Arc<WakeFd>);
+
+impl Waker {
+    /// Wakes the transport's `wait` (now, or the next one). Never blocks; costs
+    /// one `write(2)` to an eventfd unless a wake is already pending.
+    pub fn wake(&self) {
+        self.0.wake();
+    }
+}
+
+impl fmt::Debug for Waker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Waker")
+            .field("eventfd", &self.0.fd.as_raw_fd())
+            .field("pending", &self.0.pending.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+/// The eventfd behind a [`Waker`] and the flag that says a wake is pending.
+///
+/// The flag is the truth and the eventfd only the doorbell: a waker sets the
+/// flag and, if it was clear, writes the eventfd; the owner's `wait` returns
+/// when it [takes](WakeFd::take) a set flag, and sleeps (in io_uring or
+/// `poll(2)`) with the eventfd among what ends the sleep. The owner drains the
+/// eventfd whenever it is readable, so a write that lands after its flag was
+/// taken costs at most one spurious wake-up of the sleep, never a return.
+pub(crate) struct WakeFd {
+    fd: OwnedFd,
+    pending: AtomicBool,
+}
+
+impl fmt::Debug for WakeFd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WakeFd").field("fd", &self.fd.as_raw_fd()).finish()
+    }
+}
+
+impl WakeFd {
+    /// A non-blocking, close-on-exec eventfd with no wake pending.
+    pub(crate) fn new() -> Result<Arc<WakeFd>> {
+        // SAFETY: eventfd has no memory-safety preconditions; the result is checked.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::Io {
+                op: "eventfd (waker)",
+                peer: None,
+                source: io::Error::last_os_error(),
+            });
+        }
+        // SAFETY: eventfd just returned this descriptor and nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Arc::new(WakeFd {
+            fd,
+            pending: AtomicBool::new(false),
+        }))
+    }
+
+    /// The eventfd, readable while a doorbell is undrained.
+    pub(crate) fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    fn wake(&self) {
+        if self.pending.swap(true, Ordering::AcqRel) {
+            return; // already pending: whoever set it rings (or rang) the doorbell
+        }
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live local buffer to our eventfd. EAGAIN
+        // (the counter is saturated) means the doorbell is already ringing.
+        unsafe { libc::write(self.fd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+
+    /// Whether a wake is pending (not yet taken).
+    pub(crate) fn is_pending(&self) -> bool {
+        self.pending.load(Ordering::Acquire)
+    }
+
+    /// Consumes a pending wake: true if there was one.
+    pub(crate) fn take(&self) -> bool {
+        self.pending.swap(false, Ordering::AcqRel)
+    }
+
+    /// Resets the eventfd's counter so it stops being readable (non-blocking).
+    pub(crate) fn drain(&self) {
+        let mut buf = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live local buffer from our
+        // non-blocking eventfd (EAGAIN when already drained).
+        unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waker_is_send_sync_and_coalesces() {
+        fn send_sync<T: Send + Sync + Clone + fmt::Debug>() {}
+        send_sync::<Waker>();
+        let w = Waker(WakeFd::new().unwrap());
+        assert!(!w.0.is_pending());
+        w.wake();
+        w.clone().wake();
+        assert!(w.0.is_pending());
+        let mut pfd = libc::pollfd {
+            fd: w.0.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call.
+        assert_eq!(unsafe { libc::poll(&mut pfd, 1, 0) }, 1, "the doorbell rang");
+        assert!(w.0.take(), "one wake taken");
+        assert!(!w.0.take(), "the second wake coalesced into the first");
+        w.0.drain();
+        pfd.revents = 0;
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::poll(&mut pfd, 1, 0) }, 0, "drained");
     }
 }

@@ -37,7 +37,7 @@ pub mod rdma;
 pub mod select;
 pub mod tcp;
 
-pub use api::{ConnId, Counters, Event, ListenerId, PeerInfo, Properties, ReqId, Transport};
+pub use api::{ConnId, Counters, Event, ListenerId, PeerInfo, Properties, ReqId, Transport, Waker};
 pub use auth::JobSecret;
 pub use error::{Error, FrameError, Result};
 pub use memory::{Access, HugePages, Lease, MemoryKind, PinOptions, PinnedBuffer, Region, RemoteRegion, Slice};

@@ -44,6 +44,9 @@ fn config(o: &Opts, cross: bool) -> RdmaConfig {
     let mut tcp = TcpConfig::new(o.job_id, o.rank, JobSecret::new(o.secret.clone()));
     tcp.handshake_timeout = o.handshake_timeout;
     tcp.max_outstanding = o.max_outstanding;
+    if let Some(b) = o.busy_poll {
+        tcp.busy_poll = b;
+    }
     let mut c = RdmaConfig::new(tcp);
     c.device = choice(o.rank, cross);
     c

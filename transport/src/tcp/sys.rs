@@ -15,6 +15,11 @@ use io_uring::IoUring;
 use crate::error::{Error, Result};
 use crate::memory::{PinOptions, PinnedBuffer};
 
+/// The error of a failed CQE (`res` is `-errno`).
+pub(crate) fn errno(res: i32) -> io::Error {
+    io::Error::from_raw_os_error(-res)
+}
+
 /// Socket tuning shared by both ends.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct SockOpts {

@@ -27,6 +27,8 @@ pub struct Opts {
     pub job_id: u64,
     pub handshake_timeout: Duration,
     pub max_outstanding: usize,
+    /// `busy_poll` of `wait` (the control plane's for RDMA); `None` keeps the backend's default.
+    pub busy_poll: Option<Duration>,
 }
 
 impl Opts {
@@ -37,6 +39,7 @@ impl Opts {
             job_id: JOB,
             handshake_timeout: Duration::from_secs(5),
             max_outstanding: 256,
+            busy_poll: None,
         }
     }
 }
@@ -857,6 +860,108 @@ pub fn connect_refused_is_an_error<B: Backend>() {
     });
 }
 
+/// This thread's CPU time (user + system) so far.
+pub fn thread_cpu() -> Duration {
+    // SAFETY: all-zero is a valid rusage; getrusage fills it.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, writable rusage for the duration of the call.
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) }, 0);
+    let tv = |t: libc::timeval| Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Waits on `t` until a short wait brings no event (what the handshake left behind is consumed).
+pub fn quiesce<T: Transport>(t: &mut T) {
+    let mut ev = Vec::new();
+    for _ in 0..50 {
+        ev.clear();
+        if t.wait(&mut ev, 1024, Duration::from_millis(50)).unwrap() == 0 {
+            return;
+        }
+    }
+    panic!("the transport never went quiet: {ev:#?}");
+}
+
+pub fn waker_ends_wait<B: Backend>() {
+    fn send_sync<W: Send + Sync + Clone + std::fmt::Debug>(_: &W) {}
+    let mut t = B::make(&Opts::rank(0));
+    let w = t.waker().unwrap();
+    send_sync(&w);
+    let mut ev = Vec::new();
+
+    // A wait in progress on this thread, woken from another after ~50 ms.
+    let w2 = w.clone();
+    let th = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        w2.wake();
+    });
+    let start = Instant::now();
+    let n = t.wait(&mut ev, 16, Duration::from_secs(10)).unwrap();
+    let took = start.elapsed();
+    th.join().unwrap();
+    assert!(took < Duration::from_secs(5), "the wake did not end the wait: {took:?}");
+    assert!(
+        took >= Duration::from_millis(40),
+        "returned before the wake ({n} events: {ev:?})"
+    );
+
+    // Wakes before the wait: the next wait returns promptly, and they coalesce into that one return.
+    for _ in 0..100 {
+        w.wake();
+    }
+    let start = Instant::now();
+    t.wait(&mut ev, 16, Duration::from_secs(10)).unwrap();
+    assert!(start.elapsed() < Duration::from_secs(5), "an earlier wake was lost");
+    let start = Instant::now();
+    t.wait(&mut ev, 16, Duration::from_millis(300)).unwrap();
+    assert!(
+        start.elapsed() >= Duration::from_millis(250),
+        "wakes did not coalesce: a second wait returned after {:?}",
+        start.elapsed()
+    );
+
+    // `poll` does not consume a wake.
+    w.wake();
+    t.poll(&mut ev, 16).unwrap();
+    let start = Instant::now();
+    t.wait(&mut ev, 16, Duration::from_secs(10)).unwrap();
+    assert!(start.elapsed() < Duration::from_secs(5), "poll swallowed the wake");
+    assert!(ev.is_empty(), "a bare transport has nothing to report: {ev:?}");
+
+    // A handle may outlive its transport.
+    drop(t);
+    w.wake();
+}
+
+pub fn idle_wait_uses_little_cpu<B: Backend>() {
+    let quiet = |rank| {
+        let mut o = Opts::rank(rank);
+        o.busy_poll = Some(Duration::ZERO);
+        B::make(&o)
+    };
+    let mut p = Pair::with(quiet(0), quiet(1), B::listen_addr());
+    quiesce(&mut p.s);
+    quiesce(&mut p.c);
+    let mut ev = Vec::new();
+    let cpu = thread_cpu();
+    let start = Instant::now();
+    let n = p.c.wait(&mut ev, 16, Duration::from_millis(300)).unwrap();
+    let (wall, cpu) = (start.elapsed(), thread_cpu() - cpu);
+    assert_eq!(n, 0, "an idle connection produced events: {ev:?}");
+    assert!(wall >= Duration::from_millis(250), "the wait ended early: {wall:?}");
+    assert!(
+        cpu < Duration::from_millis(30),
+        "an idle 300 ms wait used {cpu:?} of CPU"
+    );
+    // The connection is still there and the wait still wakes.
+    let w = p.c.waker().unwrap();
+    w.wake();
+    let start = Instant::now();
+    p.c.wait(&mut ev, 16, Duration::from_secs(10)).unwrap();
+    assert!(start.elapsed() < Duration::from_secs(5));
+    assert!(!p.c.remote_regions(p.cc).unwrap().is_empty());
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($b:ty) => {
@@ -864,7 +969,8 @@ macro_rules! conformance_suite {
             one_byte_and_64_mib bad_writes_are_rejected_on_both_sides deregister_while_in_flight_is_refused
             outstanding_bound message_too_large graceful_close_flushes peer_closes_mid_transfer
             wrong_secret_is_refused wrong_job_is_refused wrong_version_is_refused garbage_is_refused
-            forged_auth_is_refused silent_peer_times_out connect_refused_is_an_error);
+            forged_auth_is_refused silent_peer_times_out connect_refused_is_an_error waker_ends_wait
+            idle_wait_uses_little_cpu);
     };
     (@ $b:ty; $($case:ident)*) => {
         $( #[test] fn $case() {

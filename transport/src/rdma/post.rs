@@ -1,0 +1,281 @@
+//! Posting (transmit): operations queue per connection within the
+//! outstanding bound, and are posted in one doorbell per connection within the
+//! send-queue depth and the peer's receive credits.
+
+use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, SetInlineData, SetScatterGatherEntry, WorkRequestFlags};
+
+use crate::api::{check_write, ConnId, ReqId};
+use crate::error::{Error, Result};
+use crate::memory::{InFlight, RemoteRegion, Slice};
+
+use super::error::{io_of, verbs};
+use super::state::{wr_id, Op, OpKind, State, Wr, KIND_META, KIND_SEND};
+use super::wire::NOTICE_LEN;
+use super::RdmaTransport;
+
+impl RdmaTransport {
+    /// Posts a one-sided RDMA READ of `dst.len()` bytes from `src` at
+    /// `src_offset` into the local slice `dst`; `Event::ReadDone` follows.
+    pub fn read(&mut self, conn: ConnId, dst: &Slice, src: &RemoteRegion, src_offset: u64) -> Result<ReqId> {
+        check_write(dst, src, src_offset, self.props.max_write_bytes).map_err(|e| match e {
+            Error::OutOfBounds {
+                region,
+                offset,
+                len,
+                region_len,
+                ..
+            } => Error::OutOfBounds {
+                op: "read",
+                region,
+                offset,
+                len,
+                region_len,
+            },
+            o => o,
+        })?;
+        let lkey = self.lkey_of(dst, "read")?;
+        self.verify_remote(conn, src, "read")?;
+        let wr = Wr::Read {
+            lkey,
+            addr: dst.ptr() as u64,
+            len: dst.len() as u32,
+            rkey: src.rkey,
+            raddr: src.addr + src_offset,
+        };
+        self.enqueue(conn, "read", OpKind::Read, dst, wr)
+    }
+
+    pub(super) fn verify_remote(&self, conn: ConnId, dst: &RemoteRegion, op: &'static str) -> Result<()> {
+        if !self.cfg.verify_descriptors {
+            return Ok(());
+        }
+        let c = self
+            .conns
+            .get(&conn.0)
+            .ok_or(Error::UnknownConnection { op, conn: conn.0 })?;
+        match c.remote.iter().find(|r| r.rkey == dst.rkey) {
+            Some(r) if r.generation == dst.generation && r.addr == dst.addr && r.len == dst.len => Ok(()),
+            Some(r) if r.generation == dst.generation => Err(Error::OutOfBounds {
+                op,
+                region: dst.rkey,
+                offset: dst.addr.wrapping_sub(r.addr),
+                len: dst.len,
+                region_len: r.len,
+            }),
+            _ => Err(Error::UnknownRegion {
+                op,
+                region: dst.rkey,
+                generation: dst.generation,
+            }),
+        }
+    }
+
+    pub(super) fn enqueue(
+        &mut self,
+        conn: ConnId,
+        op: &'static str,
+        kind: OpKind,
+        src: &Slice,
+        wr: Wr,
+    ) -> Result<ReqId> {
+        let max_out = self.cfg.control.max_outstanding;
+        let c = self
+            .conns
+            .get_mut(&conn.0)
+            .ok_or(Error::UnknownConnection { op, conn: conn.0 })?;
+        match c.state {
+            State::Ready => {}
+            State::Handshake | State::Exchange | State::AwaitReady => {
+                return Err(Error::NotConnected { op, conn: conn.0 })
+            }
+            State::Closing | State::Dead => return Err(Error::UnknownConnection { op, conn: conn.0 }),
+        }
+        if c.outstanding() >= max_out {
+            return Err(Error::WouldBlock {
+                op,
+                conn: conn.0,
+                limit: max_out,
+            });
+        }
+        let req = ReqId(self.next_req);
+        self.next_req += 1;
+        let seq = c.next_seq;
+        c.next_seq += 1;
+        let o = Op {
+            seq,
+            req,
+            kind,
+            bytes: src.len(),
+            wrs: wr.work_requests(),
+            _guard: InFlight::new(src.region()),
+        };
+        c.pending.push_back((o, wr));
+        Ok(req)
+    }
+
+    /// Posts queued work, in one doorbell per connection.
+    pub(super) fn post_pending(&mut self) {
+        let ids: Vec<u64> = self
+            .conns
+            .values()
+            .filter(|c| !c.pending.is_empty() && matches!(c.state, State::Ready | State::Closing))
+            .map(|c| c.id)
+            .collect();
+        for id in ids {
+            if let Err(e) = self.post_conn(id) {
+                self.fail_conn(id, e, None);
+            }
+        }
+    }
+
+    pub(super) fn post_conn(&mut self, id: u64) -> Result<()> {
+        let tx_depth = self.cfg.tx_depth;
+        let signal_every = self.cfg.signal_every;
+        let max_inline = self.cfg.max_inline_bytes;
+        let c = self.conns.get_mut(&id).expect("listed");
+        let Some(info) = c.peer_info else { return Ok(()) };
+        let rx_depth_peer = info.rx_depth as u64;
+        // Take what fits: send-queue room and receive credits.
+        let mut batch: Vec<(Op, Wr)> = Vec::new();
+        let mut room = tx_depth - c.wrs_in_flight;
+        let mut stalled = false;
+        while let Some((_, wr)) = c.pending.front() {
+            let need = wr.work_requests();
+            if need > room {
+                break;
+            }
+            if wr.consumes_receive() {
+                if c.credits == 0 {
+                    stalled = true;
+                    break;
+                }
+                c.credits -= 1;
+            }
+            room -= need;
+            batch.push(c.pending.pop_front().expect("front exists"));
+        }
+        if stalled {
+            self.stats.credit_stalls += 1;
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let qp = c.qp.as_mut().expect("ready connections have a queue pair");
+        let mut g = qp.start_post_send();
+        let n = batch.len();
+        let mut wrs = 0u64;
+        let mut signalled = 0u64;
+        let mut inline_bytes = 0u64;
+        let mut payload = 0u64;
+        for (i, (op, wr)) in batch.iter().enumerate() {
+            c.since_signal += op.wrs;
+            let signal = i + 1 == n || c.since_signal >= signal_every;
+            let flags = if signal {
+                c.since_signal = 0;
+                signalled += 1;
+                WorkRequestFlags::Signaled
+            } else {
+                WorkRequestFlags::none()
+            };
+            let id_send = wr_id(id, KIND_SEND, op.seq);
+            match wr {
+                Wr::Send { lkey, addr, len, tag } => {
+                    let inline = *len <= max_inline;
+                    let flags = if inline {
+                        flags | WorkRequestFlags::Inline
+                    } else {
+                        flags
+                    };
+                    let h = g.construct_wr(id_send, flags).setup_send_imm(*tag);
+                    if inline {
+                        // SAFETY: addr..addr+len lies in a registered region kept alive by the op's guard.
+                        let bytes = unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) };
+                        h.setup_inline_data(bytes);
+                        inline_bytes += *len as u64;
+                    } else {
+                        // SAFETY: the sge lies in a registered region the op's guard keeps alive
+                        // until the completion.
+                        unsafe { h.setup_sge(*lkey, *addr, *len) };
+                    }
+                }
+                Wr::Write {
+                    lkey,
+                    addr,
+                    len,
+                    rkey,
+                    raddr,
+                    imm,
+                } => {
+                    if let Some((imm, notice)) = imm {
+                        let slot = c.notices_sent % rx_depth_peer;
+                        c.notices_sent += 1;
+                        let bytes = notice.encode();
+                        // IBV_SEND_INLINE as well as ibv_wr_set_inline_data: rxe's kernel side
+                        // reads the flag to know the data is inline (LOC_QP_OP_ERR without it).
+                        let h = g
+                            .construct_wr(wr_id(id, KIND_META, op.seq), WorkRequestFlags::Inline)
+                            .setup_write(info.ring_rkey, info.ring_addr + slot * NOTICE_LEN as u64);
+                        h.setup_inline_data(&bytes);
+                        let h = g.construct_wr(id_send, flags).setup_write_imm(*rkey, *raddr, *imm);
+                        // SAFETY: as for sends.
+                        unsafe { h.setup_sge(*lkey, *addr, *len) };
+                    } else {
+                        let inline = *len <= max_inline;
+                        let flags = if inline {
+                            flags | WorkRequestFlags::Inline
+                        } else {
+                            flags
+                        };
+                        let h = g.construct_wr(id_send, flags).setup_write(*rkey, *raddr);
+                        if inline {
+                            // SAFETY: as for inline sends.
+                            let b = unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) };
+                            h.setup_inline_data(b);
+                            inline_bytes += *len as u64;
+                        } else {
+                            // SAFETY: as for sends.
+                            unsafe { h.setup_sge(*lkey, *addr, *len) };
+                        }
+                    }
+                }
+                Wr::Read {
+                    lkey,
+                    addr,
+                    len,
+                    rkey,
+                    raddr,
+                } => {
+                    let h = g.construct_wr(id_send, flags).setup_read(*rkey, *raddr);
+                    // SAFETY: the destination lies in a registered region the op's guard keeps alive.
+                    unsafe { h.setup_sge(*lkey, *addr, *len) };
+                }
+            }
+            wrs += op.wrs as u64;
+            payload += op.bytes as u64;
+        }
+        let posted = g.post();
+        self.stats.doorbells += 1;
+        match posted {
+            Ok(()) => {
+                self.stats.work_requests += wrs;
+                self.stats.signalled += signalled;
+                self.stats.tx_inline_payload_bytes += inline_bytes;
+                self.stats.tx_payload_bytes += payload - inline_bytes;
+                let c = self.conns.get_mut(&id).expect("listed");
+                c.wrs_in_flight += wrs as u32;
+                c.inflight.extend(batch.into_iter().map(|(o, _)| o));
+                Ok(())
+            }
+            Err(e) => {
+                let c = self.conns.get_mut(&id).expect("listed");
+                for (o, wr) in batch.into_iter().rev() {
+                    if wr.consumes_receive() {
+                        c.credits += 1;
+                    }
+                    c.pending.push_front((o, wr));
+                }
+                Err(verbs("ibv_wr_complete (post send)", &self.dev.name, io_of(e)))
+            }
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! Configuration and counters of the io_uring TCP backend.
+
+use std::time::Duration;
+
+use crate::auth::JobSecret;
+use crate::frame;
+
+/// Configuration of a [`TcpTransport`](super::TcpTransport).
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    /// Job identity: peers of another job are refused.
+    pub job_id: u64,
+    /// This process's rank, told to peers.
+    pub rank: u32,
+    /// Shared job secret for the HMAC challenge-response.
+    pub secret: JobSecret,
+    /// Submission queue entries (completion queue is twice this).
+    pub ring_entries: u32,
+    /// Requests in flight per connection (sends + writes) before `WouldBlock`.
+    pub max_outstanding: usize,
+    /// Largest message payload (at most 16 MiB).
+    pub max_message_bytes: usize,
+    /// Handshake deadline for both sides.
+    pub handshake_timeout: Duration,
+    /// A peer silent this long with work outstanding is declared dead
+    /// (TCP_USER_TIMEOUT, keepalive, and unacknowledged writes).
+    pub peer_timeout: Duration,
+    /// Deadline for a graceful close before the sockets are cut.
+    pub close_timeout: Duration,
+    /// SO_SNDBUF, when set.
+    pub sndbuf_bytes: Option<usize>,
+    /// SO_RCVBUF, when set.
+    pub rcvbuf_bytes: Option<usize>,
+    /// Writes at least this large go by SEND_ZC; `None` never uses it.
+    /// Default: `None`, because on loopback and veth SEND_ZC measured slower at
+    /// every size (see README, "SEND_ZC threshold").
+    pub send_zc_min_bytes: Option<usize>,
+    /// `wait` first spins this long watching the completion ring (no syscalls)
+    /// before it sleeps in the kernel; it trades CPU for wake-up latency, as
+    /// RDMA busy-polling does. `Duration::ZERO` never spins.
+    pub busy_poll: Duration,
+    /// Provided buffers for control receives (power of two) and their size.
+    pub recv_buffers: u16,
+    pub recv_buffer_bytes: u32,
+}
+
+impl TcpConfig {
+    /// Defaults for a job: 1024-entry ring, 256 outstanding, 10 s handshake, 30 s peer timeout.
+    pub fn new(job_id: u64, rank: u32, secret: JobSecret) -> Self {
+        TcpConfig {
+            job_id,
+            rank,
+            secret,
+            ring_entries: 1024,
+            max_outstanding: 256,
+            max_message_bytes: frame::MAX_MESSAGE_BYTES as usize,
+            handshake_timeout: Duration::from_secs(10),
+            peer_timeout: Duration::from_secs(30),
+            close_timeout: Duration::from_secs(5),
+            sndbuf_bytes: None,
+            rcvbuf_bytes: None,
+            send_zc_min_bytes: None,
+            busy_poll: Duration::from_micros(100),
+            recv_buffers: 256,
+            recv_buffer_bytes: 16 * 1024,
+        }
+    }
+}
+
+/// Counters of the data path.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TcpStats {
+    /// Bytes user space copied on any receive path (control frames and messages
+    /// reassembled from the provided buffers). One-sided write payloads never add here.
+    pub rx_user_copy_bytes: u64,
+    /// Write payload bytes received by a recv whose buffer was the destination region.
+    pub rx_write_direct_bytes: u64,
+    /// Write payload bytes discarded because the write was rejected.
+    pub rx_write_discarded_bytes: u64,
+    /// Payload bytes sent from registered memory (messages and writes).
+    pub tx_payload_bytes: u64,
+    /// Writes sent by SEND_ZC.
+    pub tx_zc_writes: u64,
+    /// Submissions to the kernel (io_uring_enter calls that submitted).
+    pub submits: u64,
+}

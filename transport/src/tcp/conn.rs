@@ -1,0 +1,254 @@
+//! Connection lifecycle: creation, failure, reaping, graceful-close
+//! completion, and the deadlines (handshake, close, write acknowledgement).
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::time::Instant;
+
+use tracing::{debug, debug_span};
+
+use crate::api::{ConnId, Event, ListenerId, ReqId};
+use crate::auth::Transcript;
+use crate::error::{Error, Result};
+use crate::frame::NONCE_LEN;
+
+use super::state::{Conn, Side, State};
+use super::{sys, TcpTransport};
+
+impl TcpTransport {
+    pub(super) fn conn_mut(&mut self, conn: ConnId, op: &'static str) -> Result<&mut Conn> {
+        self.conns
+            .get_mut(&conn.0)
+            .filter(|c| c.is_live())
+            .ok_or(Error::UnknownConnection { op, conn: conn.0 })
+    }
+
+    pub(super) fn new_conn(&mut self, side: Side, addr: SocketAddr, ctrl: OwnedFd, listener: Option<u64>) -> u64 {
+        let id = self.id();
+        let span = debug_span!("conn", id, ?side, peer = %addr);
+        let c = Conn {
+            id,
+            side,
+            state: if side == Side::Client {
+                State::Connecting
+            } else {
+                State::AwaitAuth
+            },
+            peer_addr: addr,
+            peer_rank: u32::MAX,
+            listener,
+            ctrl: Some(ctrl),
+            data: None,
+            transcript: Transcript {
+                job_id: self.cfg.job_id,
+                client_rank: 0,
+                server_rank: 0,
+                client_nonce: [0; NONCE_LEN],
+                server_nonce: [0; NONCE_LEN],
+                token: 0,
+            },
+            deadline: Some(Instant::now() + self.cfg.handshake_timeout),
+            ctrl_rx: Vec::new(),
+            ctrl_rx_armed: false,
+            ctrl_tx: VecDeque::new(),
+            ctrl_tx_busy: false,
+            data_tx: VecDeque::new(),
+            data_tx_busy: false,
+            data_rx_armed: false,
+            awaiting_ack: VecDeque::new(),
+            next_write_seq: 1,
+            ack_to_send: None,
+            outstanding: 0,
+            remote: HashMap::new(),
+            ops: 0,
+            local_close: false,
+            sent_close: false,
+            peer_closed: false,
+            error: None,
+            closed_reported: false,
+            span,
+        };
+        self.conns.insert(id, c);
+        id
+    }
+    /// Fails a connection: records the first error, cuts both sockets so every
+    /// in-flight op completes, and fails all queued work.
+    pub(super) fn fail(&mut self, conn: u64, err: Error) {
+        let Some(c) = self.conns.get_mut(&conn) else { return };
+        if c.state == State::Dead {
+            return;
+        }
+        let _e = c.span.clone().entered();
+        debug!(error = %err, state = c.state.name(), "connection failed");
+        let handshaking = !matches!(c.state, State::Ready | State::Closing);
+        c.state = State::Dead;
+        if c.error.is_none() {
+            c.error = Some(err);
+        }
+        for fd in [&c.ctrl, &c.data].into_iter().flatten() {
+            sys::shutdown(fd, libc::SHUT_RDWR);
+        }
+        let mut failed = Vec::new();
+        for f in c.ctrl_tx.drain(..) {
+            if let Some((req, _)) = f.req {
+                failed.push(req);
+            }
+        }
+        for w in c.data_tx.drain(..) {
+            failed.push(w.req);
+        }
+        for a in c.awaiting_ack.drain(..) {
+            failed.push(a.req);
+        }
+        c.outstanding = c.outstanding.saturating_sub(failed.len());
+        self.tokens.remove(&c.transcript.token);
+        let peer = c.peer();
+        for req in failed {
+            self.events.push_back(Event::OpFailed {
+                conn: ConnId(conn),
+                req,
+                error: Error::ConnectionLost {
+                    conn,
+                    peer: peer.clone(),
+                    during: "an operation queued when the connection failed",
+                    source: None,
+                },
+            });
+        }
+        // A server-side connection that never finished its handshake is reported
+        // as a rejected peer: the application never saw it.
+        if handshaking && c.side == Side::Server {
+            let listener = c.listener.unwrap_or(0);
+            let addr = c.peer_addr;
+            let error = c.error.take().expect("set above");
+            c.closed_reported = true;
+            self.events.push_back(Event::PeerRejected {
+                listener: ListenerId(listener),
+                addr,
+                error,
+            });
+        }
+        self.reap(conn);
+    }
+
+    /// Removes a dead connection once no op references it, reporting `Closed`.
+    pub(super) fn reap(&mut self, conn: u64) {
+        let Some(c) = self.conns.get_mut(&conn) else { return };
+        if c.state != State::Dead || c.ops > 0 {
+            return;
+        }
+        let c = self.conns.remove(&conn).expect("present");
+        self.tokens.remove(&c.transcript.token);
+        if !c.closed_reported {
+            self.events.push_back(Event::Closed {
+                conn: ConnId(conn),
+                error: c.error,
+            });
+        }
+    }
+
+    pub(super) fn lost(&self, conn: u64, during: &'static str, source: Option<io::Error>) -> Error {
+        let peer = self.conns.get(&conn).map(|c| c.peer()).unwrap_or_default();
+        Error::ConnectionLost {
+            conn,
+            peer,
+            during,
+            source,
+        }
+    }
+    pub(super) fn check_close_done(&mut self, conn: u64) {
+        let Some(c) = self.conns.get(&conn) else { return };
+        if c.state == State::Closing && c.peer_closed && c.sent_close && !c.ctrl_tx_busy && c.ctrl_tx.is_empty() {
+            self.finish_close(conn);
+        }
+    }
+
+    pub(super) fn finish_close(&mut self, conn: u64) {
+        let Some(c) = self.conns.get_mut(&conn) else { return };
+        if c.state == State::Dead {
+            return;
+        }
+        debug!(parent: &c.span, "closed gracefully");
+        c.state = State::Dead;
+        for fd in [&c.ctrl, &c.data].into_iter().flatten() {
+            sys::shutdown(fd, libc::SHUT_RDWR);
+        }
+        let leftover: Vec<ReqId> = c.awaiting_ack.drain(..).map(|a| a.req).collect();
+        for req in leftover {
+            self.events.push_back(Event::OpFailed {
+                conn: ConnId(conn),
+                req,
+                error: Error::Cancelled { conn },
+            });
+        }
+        self.reap(conn);
+    }
+    pub(super) fn check_deadlines(&mut self) {
+        let now = Instant::now();
+        let peer_timeout = self.cfg.peer_timeout;
+        let mut expired = Vec::new();
+        for c in self.conns.values() {
+            if !c.is_live() {
+                continue;
+            }
+            if c.deadline.is_some_and(|d| d <= now) {
+                let (op, after) = if c.state == State::Closing {
+                    ("graceful close", self.cfg.close_timeout)
+                } else {
+                    ("handshake", self.cfg.handshake_timeout)
+                };
+                expired.push((c.id, op, after, c.peer()));
+            } else if c.awaiting_ack.front().is_some_and(|a| now - a.since > peer_timeout) {
+                expired.push((c.id, "write acknowledgement", peer_timeout, c.peer()));
+            }
+        }
+        for (id, op, after, peer) in expired {
+            let e = Error::Timeout {
+                op,
+                peer,
+                after_ms: after.as_millis() as u64,
+            };
+            self.fail(id, e);
+        }
+        let late: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| !p.done && p.deadline <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in late {
+            let peer = self.pending[&id].addr.to_string();
+            let e = Error::Timeout {
+                op: "handshake (first frame)",
+                peer,
+                after_ms: self.cfg.handshake_timeout.as_millis() as u64,
+            };
+            self.reject_pending(id, e, None);
+        }
+    }
+    /// The earliest instant at which `check_deadlines` has something to do: a
+    /// live connection's handshake or close deadline, its oldest unacknowledged
+    /// write's `peer_timeout`, or a pending socket's first-frame deadline.
+    /// `wait` sleeps no longer than this.
+    pub(super) fn nearest_deadline(&self) -> Option<Instant> {
+        let peer_timeout = self.cfg.peer_timeout;
+        let live = || self.conns.values().filter(|c| c.is_live());
+        let conn_d = live().filter_map(|c| c.deadline).min();
+        let ack_d = live()
+            .filter_map(|c| c.awaiting_ack.front().map(|a| a.since + peer_timeout))
+            .min();
+        let pend_d = self.pending.values().filter(|p| !p.done).map(|p| p.deadline).min();
+        [conn_d, ack_d, pend_d].into_iter().flatten().min()
+    }
+
+    pub(super) fn ready_conn(&mut self, conn: ConnId, op: &'static str) -> Result<&mut Conn> {
+        let c = self.conn_mut(conn, op)?;
+        match c.state {
+            State::Ready => Ok(c),
+            State::Closing => Err(Error::UnknownConnection { op, conn: conn.0 }),
+            _ => Err(Error::NotConnected { op, conn: conn.0 }),
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! The op table's entries: every submitted SQE is named by one [`Op`], which
+//! owns all memory the kernel may touch until the op's final completion
+//! (headers, iovecs, msghdrs, sockaddrs, receive buffers, and region guards).
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::api::{ReqId, WakeFd};
+use crate::frame::{Header, HEADER_LEN};
+use crate::memory::{InFlight, Slice};
+
+use super::sys::SockAddr;
+
+/// `user_data` of SQEs whose completion nobody waits for (cancels).
+pub(super) const USER_DATA_NONE: u64 = u64::MAX;
+
+/// Payload of a queued control frame.
+pub(super) enum Payload {
+    None,
+    Owned(Vec<u8>),
+    Region { slice: Slice, _guard: InFlight },
+}
+
+impl Payload {
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Payload::None => 0,
+            Payload::Owned(v) => v.len(),
+            Payload::Region { slice, .. } => slice.len(),
+        }
+    }
+    pub(super) fn ptr(&self) -> *const u8 {
+        match self {
+            Payload::None => std::ptr::null(),
+            Payload::Owned(v) => v.as_ptr(),
+            Payload::Region { slice, .. } => slice.ptr(),
+        }
+    }
+}
+
+pub(super) struct TxFrame {
+    pub(super) hdr: [u8; HEADER_LEN],
+    pub(super) payload: Payload,
+    /// User request to complete, with its kind.
+    pub(super) req: Option<(ReqId, bool)>,
+}
+
+pub(super) struct WriteReq {
+    pub(super) req: ReqId,
+    pub(super) hdr: [u8; HEADER_LEN],
+    pub(super) src: Slice,
+    pub(super) guard: InFlight,
+    pub(super) seq: u64,
+}
+
+pub(super) struct AwaitAck {
+    pub(super) seq: u64,
+    pub(super) req: ReqId,
+    pub(super) bytes: usize,
+    pub(super) _guard: InFlight,
+    pub(super) since: Instant,
+}
+
+/// Memory of one gathered SENDMSG.
+pub(super) struct Gather {
+    pub(super) _iov: Vec<libc::iovec>,
+    pub(super) msg: Box<libc::msghdr>,
+    pub(super) total: usize,
+}
+
+impl Gather {
+    pub(super) fn new(parts: impl Iterator<Item = (*const u8, usize)>) -> Box<Gather> {
+        let iov: Vec<libc::iovec> = parts
+            .filter(|&(_, l)| l > 0)
+            .map(|(p, l)| libc::iovec {
+                iov_base: p as *mut libc::c_void,
+                iov_len: l,
+            })
+            .collect();
+        let total = iov.iter().map(|v| v.iov_len).sum();
+        // SAFETY: msghdr is plain old data; all-zero is valid (no name, no control).
+        let mut msg: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
+        // The iovec array lives on the heap; moving the Vec into the Gather keeps its address.
+        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = iov.len();
+        Box::new(Gather { _iov: iov, msg, total })
+    }
+}
+
+pub(super) enum Op {
+    Accept {
+        listener: u64,
+    },
+    Connect {
+        conn: u64,
+        data: bool,
+        _addr: Box<SockAddr>,
+    },
+    /// Server: first frame of an unclassified socket.
+    FirstHeader {
+        pending: u64,
+        buf: Box<[u8; HEADER_LEN]>,
+    },
+    FirstPayload {
+        pending: u64,
+        hdr: Header,
+        buf: Vec<u8>,
+    },
+    CtrlRecv {
+        conn: u64,
+    },
+    CtrlSend {
+        conn: u64,
+        frames: Vec<TxFrame>,
+        _g: Box<Gather>,
+    },
+    DataSend {
+        conn: u64,
+        writes: Vec<WriteReq>,
+        _g: Box<Gather>,
+    },
+    /// Header of a SEND_ZC write (linked to the ZC op that follows).
+    ZcHeader {
+        conn: u64,
+        _hdr: Box<[u8; HEADER_LEN]>,
+    },
+    /// A SEND_ZC payload; freed on its notification.
+    ZcPayload {
+        conn: u64,
+        write: Option<WriteReq>,
+        got_result: bool,
+    },
+    DataRecvHeader {
+        conn: u64,
+        buf: Box<[u8; HEADER_LEN]>,
+    },
+    DataRecvPayload {
+        conn: u64,
+        hdr: Header,
+        _guard: InFlight,
+    },
+    DataDiscard {
+        conn: u64,
+        hdr: Header,
+        remaining: u64,
+        reason: String,
+        buf: Box<[u8]>,
+    },
+    /// Fire-and-forget send that owns its socket (rejects to refused peers).
+    Parting {
+        _fd: OwnedFd,
+        _buf: Vec<u8>,
+    },
+    /// A poll of the waker's eventfd: its completion ends a sleep in
+    /// `io_uring_enter`; it is re-armed after each. Holds the eventfd open.
+    Wake {
+        _wake: Arc<WakeFd>,
+    },
+    /// DataAttach on the client's data socket.
+    AttachSend {
+        conn: u64,
+        _buf: Vec<u8>,
+    },
+}
+
+impl Op {
+    pub(super) fn conn(&self) -> Option<u64> {
+        match self {
+            Op::Connect { conn, .. }
+            | Op::CtrlRecv { conn }
+            | Op::CtrlSend { conn, .. }
+            | Op::DataSend { conn, .. }
+            | Op::ZcHeader { conn, .. }
+            | Op::ZcPayload { conn, .. }
+            | Op::DataRecvHeader { conn, .. }
+            | Op::DataRecvPayload { conn, .. }
+            | Op::DataDiscard { conn, .. }
+            | Op::AttachSend { conn, .. } => Some(*conn),
+            _ => None,
+        }
+    }
+}
+
+// SAFETY: the raw pointers in a Gather point into memory owned by the same op
+// (frames, writes) or by registered regions; nothing is thread-affine, and the
+// transport that owns the op moves between threads as a whole.
+unsafe impl Send for Gather {}

@@ -1,0 +1,447 @@
+//! The [`TcpTransport`] itself: the ring and everything it owns, the op table
+//! that names every submitted SQE, submission, completion dispatch, and the
+//! drop that drains the ring before the memory it references goes away.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
+use tracing::{debug, info, warn};
+
+use crate::api::{Event, Properties, WakeFd};
+use crate::error::{Error, Result};
+use crate::frame;
+use crate::memory::{MemoryKind, Region};
+
+use super::config::{TcpConfig, TcpStats};
+use super::op::{Op, USER_DATA_NONE};
+use super::state::{Conn, Listener, Pending};
+use super::sys::{self, errno, BufRing, SockOpts};
+
+/// Slots of the io_uring fixed-buffer table (regions registered for SEND_ZC).
+const FIXED_SLOTS: u32 = 1024;
+
+/// The io_uring TCP transport. See the module docs.
+pub struct TcpTransport {
+    // Field order matters for drop: the ring goes before the memory it references.
+    pub(super) ring: IoUring,
+    pub(super) bufring: BufRing,
+    pub(super) cfg: TcpConfig,
+    pub(super) props: Properties,
+    pub(super) ops: Vec<Option<Op>>,
+    pub(super) free_ops: Vec<usize>,
+    pub(super) live_ops: usize,
+    pub(super) listeners: HashMap<u64, Listener>,
+    pub(super) pending: HashMap<u64, Pending>,
+    pub(super) conns: HashMap<u64, Conn>,
+    pub(super) tokens: HashMap<u64, u64>,
+    pub(super) regions: HashMap<u32, Region>,
+    pub(super) fixed_free: Vec<u16>,
+    pub(super) fixed_ok: bool,
+    pub(super) events: VecDeque<Event>,
+    pub(super) next_id: u64,
+    pub(super) next_req: u64,
+    pub(super) stats: TcpStats,
+    pub(super) sockopts: SockOpts,
+    pub(super) dirty: Vec<u64>,
+    /// The [`Waker`](crate::Waker)'s eventfd and flag; a poll of it is always armed.
+    pub(super) wake: Arc<WakeFd>,
+}
+
+impl std::fmt::Debug for TcpTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTransport")
+            .field("rank", &self.cfg.rank)
+            .field("conns", &self.conns.len())
+            .field("regions", &self.regions.len())
+            .field("live_ops", &self.live_ops)
+            .finish()
+    }
+}
+
+impl TcpTransport {
+    /// Sets up the ring, the provided-buffer ring and the fixed-buffer table.
+    ///
+    /// Fails with [`Error::UringUnavailable`] (saying why) where io_uring is
+    /// disabled (`kernel.io_uring_disabled`, seccomp) or too old.
+    pub fn new(cfg: TcpConfig) -> Result<Self> {
+        if cfg.max_message_bytes > frame::MAX_MESSAGE_BYTES as usize || cfg.max_message_bytes == 0 {
+            return Err(Error::InvalidArgument {
+                op: "TcpTransport::new",
+                reason: format!("max_message_bytes must be in 1..={}", frame::MAX_MESSAGE_BYTES),
+            });
+        }
+        if !cfg.recv_buffers.is_power_of_two() || cfg.recv_buffer_bytes < 4096 {
+            return Err(Error::InvalidArgument {
+                op: "TcpTransport::new",
+                reason: "recv_buffers must be a power of two and recv_buffer_bytes >= 4096".into(),
+            });
+        }
+        if cfg.max_outstanding == 0 {
+            return Err(Error::InvalidArgument {
+                op: "TcpTransport::new",
+                reason: "max_outstanding must be > 0".into(),
+            });
+        }
+        let ring = IoUring::builder()
+            .setup_cqsize(cfg.ring_entries * 4)
+            .build(cfg.ring_entries)
+            .map_err(|e| Error::UringUnavailable {
+                reason: format!(
+                    "io_uring_setup failed ({e}); check /proc/sys/kernel/io_uring_disabled and any seccomp profile"
+                ),
+                source: Some(e),
+            })?;
+        let bufring = BufRing::new(&ring, cfg.recv_buffers, cfg.recv_buffer_bytes, 0)?;
+        let fixed_ok = match ring.submitter().register_buffers_sparse(FIXED_SLOTS) {
+            Ok(()) => true,
+            Err(e) => {
+                debug!(error = %e, "no io_uring fixed-buffer table; SEND_ZC will use plain buffers");
+                false
+            }
+        };
+        let props = Properties {
+            name: "tcp-io_uring".into(),
+            speed_mbps: None,
+            memory_kinds: vec![MemoryKind::Host],
+            max_message_bytes: cfg.max_message_bytes,
+            max_write_bytes: frame::MAX_WRITE_BYTES as usize,
+            one_sided: false,
+            max_outstanding: cfg.max_outstanding,
+        };
+        let sockopts = SockOpts {
+            sndbuf: cfg.sndbuf_bytes,
+            rcvbuf: cfg.rcvbuf_bytes,
+            peer_timeout: cfg.peer_timeout,
+        };
+        let wake = WakeFd::new()?;
+        info!(rank = cfg.rank, "io_uring TCP transport ready");
+        let mut t = TcpTransport {
+            ring,
+            bufring,
+            cfg,
+            props,
+            ops: Vec::new(),
+            free_ops: Vec::new(),
+            live_ops: 0,
+            listeners: HashMap::new(),
+            pending: HashMap::new(),
+            conns: HashMap::new(),
+            tokens: HashMap::new(),
+            regions: HashMap::new(),
+            fixed_free: (0..FIXED_SLOTS as u16).rev().collect(),
+            fixed_ok,
+            events: VecDeque::new(),
+            next_id: 1,
+            next_req: 1,
+            stats: TcpStats::default(),
+            sockopts,
+            dirty: Vec::new(),
+            wake,
+        };
+        t.arm_wake();
+        Ok(t)
+    }
+
+    /// Data-path counters.
+    pub fn stats(&self) -> TcpStats {
+        self.stats
+    }
+
+    /// Sets the SEND_ZC threshold (`None`: never).
+    pub fn set_send_zc_min_bytes(&mut self, v: Option<usize>) {
+        self.cfg.send_zc_min_bytes = v;
+    }
+
+    /// The io_uring file descriptor: readable when completions are waiting. The
+    /// RDMA backend sleeps on it together with its completion channel.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn ring_fd(&self) -> std::os::fd::RawFd {
+        self.ring.as_raw_fd()
+    }
+
+    pub(super) fn id(&mut self) -> u64 {
+        let i = self.next_id;
+        self.next_id += 1;
+        i
+    }
+
+    // ---------------------------------------------------------------- op table
+
+    pub(super) fn add_op(&mut self, op: Op) -> u64 {
+        if let Some(c) = op.conn() {
+            if let Some(conn) = self.conns.get_mut(&c) {
+                conn.ops += 1;
+            }
+        }
+        if let Op::FirstHeader { pending, .. } | Op::FirstPayload { pending, .. } = &op {
+            if let Some(p) = self.pending.get_mut(pending) {
+                p.ops += 1;
+            }
+        }
+        self.live_ops += 1;
+        match self.free_ops.pop() {
+            Some(i) => {
+                self.ops[i] = Some(op);
+                i as u64
+            }
+            None => {
+                self.ops.push(Some(op));
+                (self.ops.len() - 1) as u64
+            }
+        }
+    }
+
+    pub(super) fn take_op(&mut self, ud: u64) -> Option<Op> {
+        let op = self.ops.get_mut(ud as usize)?.take()?;
+        self.free_ops.push(ud as usize);
+        self.live_ops -= 1;
+        if let Some(c) = op.conn() {
+            if let Some(conn) = self.conns.get_mut(&c) {
+                conn.ops -= 1;
+            }
+        }
+        if let Op::FirstHeader { pending, .. } | Op::FirstPayload { pending, .. } = &op {
+            if let Some(p) = self.pending.get_mut(pending) {
+                p.ops -= 1;
+            }
+        }
+        Some(op)
+    }
+
+    /// Puts an op back in its slot (a multishot op that stays armed).
+    pub(super) fn keep_op(&mut self, ud: u64, op: Op) {
+        // The slot was freed by `take_op` for this very completion; nothing may have reused it.
+        assert!(
+            self.ops[ud as usize].is_none(),
+            "op slot {ud} reused while its multishot op was live"
+        );
+        if let Some(pos) = self.free_ops.iter().rposition(|&i| i == ud as usize) {
+            self.free_ops.swap_remove(pos);
+        }
+        if let Some(c) = op.conn() {
+            if let Some(conn) = self.conns.get_mut(&c) {
+                conn.ops += 1;
+            }
+        }
+        self.live_ops += 1;
+        self.ops[ud as usize] = Some(op);
+    }
+
+    /// Arms a one-shot poll of the waker's eventfd (see [`Op::Wake`]).
+    pub(super) fn arm_wake(&mut self) {
+        let fd = self.wake.fd();
+        let ud = self.add_op(Op::Wake {
+            _wake: Arc::clone(&self.wake),
+        });
+        let e = opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
+            .build()
+            .user_data(ud);
+        // SAFETY: a poll references no user memory; the op keeps the eventfd open.
+        unsafe { self.push(e) };
+    }
+
+    /// Pushes an SQE.
+    ///
+    /// # Safety
+    /// Every buffer the entry references must be owned by the op named by its
+    /// user_data (or by `self`) and stay valid until that op's final completion.
+    pub(super) unsafe fn push(&mut self, e: squeue::Entry) {
+        loop {
+            // SAFETY: forwarded from the caller's contract.
+            if unsafe { self.ring.submission().push(&e) }.is_ok() {
+                return;
+            }
+            if let Err(err) = self.ring.submit() {
+                warn!(error = %err, "io_uring submit failed while the SQ was full");
+            }
+            self.stats.submits += 1;
+        }
+    }
+    // ---------------------------------------------------------------- completions
+
+    pub(super) fn reap_completions(&mut self) {
+        loop {
+            let batch: Vec<(u64, i32, u32)> = self
+                .ring
+                .completion()
+                .take(256)
+                .map(|c| (c.user_data(), c.result(), c.flags()))
+                .collect();
+            if batch.is_empty() {
+                break;
+            }
+            for (ud, res, flags) in batch {
+                if ud == USER_DATA_NONE {
+                    continue;
+                }
+                self.complete(ud, res, flags);
+            }
+        }
+        self.bufring.publish();
+    }
+
+    pub(super) fn complete(&mut self, ud: u64, res: i32, flags: u32) {
+        let Some(op) = self.take_op(ud) else {
+            warn!(ud, res, "completion for an unknown op");
+            return;
+        };
+        let conn_of = op.conn();
+        let pending_of = match &op {
+            Op::FirstHeader { pending, .. } | Op::FirstPayload { pending, .. } => Some(*pending),
+            _ => None,
+        };
+        match op {
+            Op::Parting { .. } => {}
+            Op::Wake { .. } => {
+                // Reset the doorbell before re-arming, or the poll would fire at once
+                // again; the pending flag (taken by `wait`) says whether to return.
+                self.wake.drain();
+                if res != -libc::ECANCELED {
+                    self.arm_wake();
+                }
+            }
+            Op::Accept { listener } => self.on_accept(ud, listener, res, flags),
+            Op::Connect { conn, data, .. } => self.on_connect(conn, data, res),
+            Op::FirstHeader { pending, buf } => self.on_first_header(pending, res, &buf),
+            Op::FirstPayload { pending, hdr, buf } => self.on_first_payload(pending, res, hdr, buf),
+            Op::CtrlRecv { conn } => self.on_ctrl_recv(ud, conn, res, flags),
+            Op::CtrlSend { conn, frames, _g } => self.on_ctrl_sent(conn, res, frames, _g.total),
+            Op::DataSend { conn, writes, _g } => self.on_data_sent(conn, res, writes, _g.total),
+            Op::ZcHeader { conn, .. } => {
+                if res < 0 && res != -libc::ECANCELED {
+                    let e = self.lost(conn, "sending a write header", Some(errno(res)));
+                    self.fail(conn, e);
+                }
+            }
+            Op::ZcPayload {
+                conn,
+                write,
+                got_result,
+            } => self.on_zc(ud, conn, res, flags, write, got_result),
+            Op::DataRecvHeader { conn, buf } => self.on_data_header(conn, res, &buf),
+            Op::DataRecvPayload { conn, hdr, _guard } => self.on_data_payload(conn, res, hdr),
+            Op::DataDiscard {
+                conn,
+                hdr,
+                remaining,
+                reason,
+                buf,
+            } => self.on_discard(conn, res, hdr, remaining, reason, buf),
+            Op::AttachSend { conn, .. } => {
+                if res < 0 {
+                    let e = self.lost(conn, "attaching the data socket", Some(errno(res)));
+                    self.fail(conn, e);
+                }
+            }
+        }
+        if let Some(c) = conn_of {
+            self.reap(c);
+        }
+        if let Some(p) = pending_of {
+            self.reap_pending(p);
+        }
+    }
+
+    pub(super) fn progress(&mut self, wait: Option<Duration>) -> Result<()> {
+        self.check_deadlines();
+        self.flush();
+        let block = wait.filter(|_| self.events.is_empty() && !self.wake.is_pending());
+        let r = match block {
+            Some(d) => {
+                let ts = types::Timespec::from(d);
+                let args = types::SubmitArgs::new().timespec(&ts);
+                self.ring.submitter().submit_with_args(1, &args)
+            }
+            None => self.ring.submit(),
+        };
+        self.stats.submits += 1;
+        match r {
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)
+                ) => {}
+            Err(e) => {
+                return Err(Error::Io {
+                    op: "io_uring_enter",
+                    peer: None,
+                    source: e,
+                })
+            }
+        }
+        self.reap_completions();
+        self.flush();
+        if !self.ring.submission().is_empty() {
+            self.ring.submit().map_err(|e| Error::Io {
+                op: "io_uring_enter",
+                peer: None,
+                source: e,
+            })?;
+            self.stats.submits += 1;
+        }
+        Ok(())
+    }
+
+    pub(super) fn drain_events(&mut self, out: &mut Vec<Event>, max: usize) -> usize {
+        let n = max.min(self.events.len());
+        out.extend(self.events.drain(..n));
+        n
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        for c in self.conns.values() {
+            for fd in [&c.ctrl, &c.data].into_iter().flatten() {
+                sys::shutdown(fd, libc::SHUT_RDWR);
+            }
+        }
+        for p in self.pending.values() {
+            if let Some(fd) = &p.fd {
+                sys::shutdown(fd, libc::SHUT_RDWR);
+            }
+        }
+        for l in self.listeners.values() {
+            sys::shutdown(&l.fd, libc::SHUT_RDWR);
+        }
+        let cancel = opcode::AsyncCancel2::new(types::CancelBuilder::any())
+            .build()
+            .user_data(USER_DATA_NONE);
+        // SAFETY: a cancel references no memory.
+        unsafe { self.push(cancel) };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.live_ops > 0 && Instant::now() < deadline {
+            let ts = types::Timespec::from(Duration::from_millis(10));
+            let args = types::SubmitArgs::new().timespec(&ts);
+            let _ = self.ring.submitter().submit_with_args(1, &args);
+            let batch: Vec<(u64, u32)> = self.ring.completion().map(|c| (c.user_data(), c.flags())).collect();
+            for (ud, flags) in batch {
+                if ud == USER_DATA_NONE {
+                    continue;
+                }
+                let multishot_more = cqueue::more(flags) && !cqueue::notif(flags);
+                if let Some(op) = self.take_op(ud) {
+                    let keep =
+                        multishot_more || matches!(op, Op::ZcPayload { got_result: false, .. } if cqueue::more(flags));
+                    if keep {
+                        self.keep_op(ud, op);
+                    }
+                }
+            }
+        }
+        if self.live_ops > 0 {
+            // The kernel may still write into memory these ops own: leak it rather than free it.
+            warn!(
+                ops = self.live_ops,
+                "io_uring ops did not drain at drop; leaking their buffers"
+            );
+            std::mem::forget(std::mem::take(&mut self.ops));
+            let placeholder = self.regions.drain().collect::<Vec<_>>();
+            std::mem::forget(placeholder);
+        }
+    }
+}

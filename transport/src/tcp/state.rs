@@ -1,0 +1,120 @@
+//! Connection state: listeners, accepted sockets not yet classified, and
+//! connections with their handshake state machine and queues.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::time::Instant;
+
+use crate::api::{ConnId, PeerInfo};
+use crate::auth::Transcript;
+use crate::error::Error;
+use crate::memory::RemoteRegion;
+
+use super::op::{AwaitAck, TxFrame, WriteReq};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Side {
+    Client,
+    Server,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum State {
+    /// Client: TCP connect of the control socket in progress.
+    Connecting,
+    /// Client: Hello sent, waiting for the server's Challenge.
+    AwaitChallenge,
+    /// Client: Auth sent and data socket attached; waiting for Ready.
+    AwaitReady,
+    /// Server: Challenge sent, waiting for the client's Auth.
+    AwaitAuth,
+    /// Server: authenticated, waiting for the data socket.
+    AwaitData,
+    Ready,
+    /// Graceful close under way.
+    Closing,
+    /// Failed or closed; waiting for in-flight ops to drain.
+    Dead,
+}
+
+impl State {
+    /// Whether the handshake is still running (a frame here is the handshake's).
+    pub(super) fn is_handshake(self) -> bool {
+        matches!(
+            self,
+            State::AwaitChallenge | State::AwaitReady | State::AwaitAuth | State::AwaitData
+        )
+    }
+
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            State::Connecting => "Connecting",
+            State::AwaitChallenge => "AwaitChallenge",
+            State::AwaitReady => "AwaitReady",
+            State::AwaitAuth => "AwaitAuth",
+            State::AwaitData => "AwaitData",
+            State::Ready => "Ready",
+            State::Closing => "Closing",
+            State::Dead => "Dead",
+        }
+    }
+}
+
+pub(super) struct Listener {
+    pub(super) fd: OwnedFd,
+    pub(super) addr: SocketAddr,
+    pub(super) accepted: VecDeque<(ConnId, PeerInfo)>,
+    pub(super) armed: bool,
+}
+
+/// A socket accepted but not yet classified by its first frame.
+pub(super) struct Pending {
+    pub(super) fd: Option<OwnedFd>,
+    pub(super) addr: SocketAddr,
+    pub(super) listener: u64,
+    pub(super) deadline: Instant,
+    pub(super) ops: usize,
+    pub(super) done: bool,
+}
+
+pub(super) struct Conn {
+    pub(super) id: u64,
+    pub(super) side: Side,
+    pub(super) state: State,
+    pub(super) peer_addr: SocketAddr,
+    pub(super) peer_rank: u32,
+    pub(super) listener: Option<u64>,
+    pub(super) ctrl: Option<OwnedFd>,
+    pub(super) data: Option<OwnedFd>,
+    pub(super) transcript: Transcript,
+    pub(super) deadline: Option<Instant>,
+    pub(super) ctrl_rx: Vec<u8>,
+    pub(super) ctrl_rx_armed: bool,
+    pub(super) ctrl_tx: VecDeque<TxFrame>,
+    pub(super) ctrl_tx_busy: bool,
+    pub(super) data_tx: VecDeque<WriteReq>,
+    pub(super) data_tx_busy: bool,
+    pub(super) data_rx_armed: bool,
+    pub(super) awaiting_ack: VecDeque<AwaitAck>,
+    pub(super) next_write_seq: u64,
+    pub(super) ack_to_send: Option<u64>,
+    pub(super) outstanding: usize,
+    pub(super) remote: HashMap<u32, RemoteRegion>,
+    pub(super) ops: usize,
+    pub(super) local_close: bool,
+    pub(super) sent_close: bool,
+    pub(super) peer_closed: bool,
+    pub(super) error: Option<Error>,
+    pub(super) closed_reported: bool,
+    pub(super) span: tracing::Span,
+}
+
+impl Conn {
+    pub(super) fn peer(&self) -> String {
+        format!("{} (rank {})", self.peer_addr, self.peer_rank)
+    }
+    pub(super) fn is_live(&self) -> bool {
+        !matches!(self.state, State::Dead)
+    }
+}
