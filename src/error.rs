@@ -1,5 +1,16 @@
 //! The facade's one error type.
+//!
+//! Transport failures keep the transport's own error as a typed source, so a
+//! caller can tell a timeout, a work-completion error or a lost peer apart:
+//!
+//! ```
+//! use tidewire::Error;
+//! fn retryable(e: &Error) -> bool {
+//!     matches!(e.transport(), Some(tidewire::transport::Error::Timeout { .. })) || e.is_peer_lost()
+//! }
+//! ```
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tidewire_engine::EngineError;
@@ -8,24 +19,19 @@ use tidewire_engine::EngineError;
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// Bad use of the engine, or a broken peer protocol.
+    /// Bad use of the engine, a broken peer protocol, a lost or aborting peer,
+    /// or a disagreement on the job configuration (see [`EngineError`]).
     #[error(transparent)]
     Engine(#[from] EngineError),
-    /// A transport call failed.
+    /// A transport call failed; the source is the transport's typed error.
     #[error("transport: {0}")]
-    Transport(String),
+    Transport(#[source] Arc<tidewire_transport::Error>),
     /// The cluster description (environment or config) is incomplete or inconsistent.
     #[error("cluster configuration: {0}")]
     Cluster(String),
     /// Rendezvous with rank 0 failed.
     #[error("rendezvous: {0}")]
     Rendezvous(String),
-    /// A peer went away before it said goodbye.
-    #[error("rank {rank} was lost: {reason}")]
-    PeerLost { rank: u32, reason: String },
-    /// A peer aborted the job and said why.
-    #[error("rank {rank} aborted: {reason}")]
-    PeerAborted { rank: u32, reason: String },
     /// Nothing happened within the configured timeout.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout { what: String, after: Duration },
@@ -44,6 +50,12 @@ pub enum Error {
     /// Server-side aggregation failed, or the GPU asked for is not usable.
     #[error(transparent)]
     Aggregation(#[from] tidewire_gpu::agg::AggError),
+    /// A simulation failed (`tidewire sim`).
+    #[error(transparent)]
+    Sim(#[from] tidewire_engine::sim::SimError),
+    /// A thread could not be started.
+    #[error("cannot start the {what} thread: {reason}")]
+    Thread { what: &'static str, reason: String },
     /// The session was shut down.
     #[error("the session is shut down")]
     Shutdown,
@@ -51,7 +63,29 @@ pub enum Error {
 
 impl From<tidewire_transport::Error> for Error {
     fn from(e: tidewire_transport::Error) -> Self {
-        Error::Transport(e.to_string())
+        Error::Transport(Arc::new(e))
+    }
+}
+
+impl Error {
+    /// The transport's error, when this is one.
+    pub fn transport(&self) -> Option<&tidewire_transport::Error> {
+        match self {
+            Error::Transport(e) => Some(e),
+            _ => None,
+        }
+    }
+    /// Whether a peer was lost or aborted the job.
+    pub fn is_peer_lost(&self) -> bool {
+        matches!(
+            self,
+            Error::Engine(EngineError::PeerLost { .. } | EngineError::PeerAborted { .. })
+        )
+    }
+    /// Whether a wait or a setup step ran out of time.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Error::Timeout { .. } | Error::Engine(EngineError::Timeout { .. }))
+            || matches!(self.transport(), Some(tidewire_transport::Error::Timeout { .. }))
     }
 }
 

@@ -20,15 +20,18 @@ pub use tidewire_engine as engine;
 pub use tidewire_gpu as gpu;
 pub use tidewire_transport as transport;
 
+mod buffers;
 pub mod cluster;
+mod config;
 pub mod doctor;
-mod driver;
 pub mod error;
 pub mod plan;
 pub mod rendezvous;
+mod runtime;
 pub mod session;
 pub mod sim;
+mod stats;
 pub mod train;
 
 pub use error::{Error, Result};
-pub use session::{Builder, LayerBuffers, Session, TransportKind};
+pub use session::{BufferLayout, Builder, LayerBuffers, Session, SessionStats, TransportKind, TransportLimits};

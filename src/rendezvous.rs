@@ -1,6 +1,8 @@
-//! Rendezvous on rank 0: every rank reports its transport address and the hash
-//! of its information book; rank 0 checks that they agree and hands everyone
-//! the address table. It is plain TCP with one JSON line each way; it carries
+//! Rendezvous on rank 0: every rank reports its transport address and its
+//! job configuration field by field ([`JobConfig`]: the book, the scheduler
+//! settings, the apply op, the transport); rank 0 checks that they agree,
+//! naming the first field and rank that differ, and hands everyone the
+//! address table. It is plain TCP with one JSON line each way; it carries
 //! no secrets (the transport authenticates peers with the job secret).
 
 use std::io::{BufRead, BufReader, Write};
@@ -8,6 +10,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use tidewire_engine::agree::{Field, JobConfig};
 use tidewire_engine::EngineError;
 
 use crate::error::{Error, Result};
@@ -18,17 +21,18 @@ struct Join {
     world: usize,
     job: u64,
     addr: SocketAddr,
-    book: u64,
+    /// (field id, value) of every agreed field.
+    config: Vec<(u8, u64)>,
 }
 
-/// A book mismatch: (rank, theirs, ours).
-type Mismatch = (u32, u64, u64);
+/// A disagreement: (rank, field id, its value, rank 0's value).
+type Mismatch = (u32, u8, u64, u64);
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Reply {
     addrs: Vec<SocketAddr>,
     error: Option<String>,
-    /// For a book mismatch: (rank, theirs, ours).
+    /// For a disagreement: (rank, field id, its value, rank 0's value).
     mismatch: Option<Mismatch>,
 }
 
@@ -51,7 +55,14 @@ impl Host {
     }
 
     /// Collects every rank's join and answers it.
-    pub fn run(self, job: u64, world: usize, me: SocketAddr, book: u64, timeout: Duration) -> Result<Vec<SocketAddr>> {
+    pub fn run(
+        self,
+        job: u64,
+        world: usize,
+        me: SocketAddr,
+        config: &JobConfig,
+        timeout: Duration,
+    ) -> Result<Vec<SocketAddr>> {
         let deadline = Instant::now() + timeout;
         self.listener.set_nonblocking(true).map_err(io)?;
         let mut addrs: Vec<Option<SocketAddr>> = vec![None; world];
@@ -95,8 +106,8 @@ impl Host {
                 ));
             } else if j.rank == 0 || j.rank as usize >= world || addrs[j.rank as usize].is_some() {
                 failure = Some((format!("rank {} joined twice or is out of range", j.rank), None));
-            } else if j.book != book {
-                failure = Some(("information books differ".into(), Some((j.rank, j.book, book))));
+            } else if let Some(m) = mismatch(j.rank, config, &j.config) {
+                failure = Some(("the job configurations differ".into(), Some(m)));
             } else {
                 addrs[j.rank as usize] = Some(j.addr);
             }
@@ -125,13 +136,26 @@ impl Host {
     }
 }
 
+/// The first field where `rank`'s configuration differs from rank 0's.
+fn mismatch(rank: u32, ours: &JobConfig, theirs: &[(u8, u64)]) -> Option<Mismatch> {
+    for &(f, v) in ours.fields() {
+        match theirs.iter().find(|(id, _)| *id == f as u8) {
+            Some(&(_, t)) if t == v => {}
+            Some(&(_, t)) => return Some((rank, f as u8, t, v)),
+            None => return Some((rank, f as u8, u64::MAX, v)),
+        }
+    }
+    None
+}
+
 fn to_error(e: String, m: Option<Mismatch>) -> Error {
-    match m {
-        Some((rank, theirs, ours)) => Error::Engine(EngineError::BookMismatch {
+    match m.and_then(|(rank, id, theirs, ours)| Field::from_id(id).map(|f| (rank, f, theirs, ours))) {
+        Some((rank, f, theirs, ours)) => Error::Engine(EngineError::Disagree {
             rank,
-            ours,
-            theirs,
-            hint: "every rank must use the same layer table, cluster, batch, chunk and slice sizes".into(),
+            field: f.name(),
+            theirs: f.render(theirs),
+            reference: "rank 0".into(),
+            ours: f.render(ours),
         }),
         None => Error::Rendezvous(e),
     }
@@ -165,7 +189,7 @@ pub fn join(
     rank: u32,
     world: usize,
     me: SocketAddr,
-    book: u64,
+    config: &JobConfig,
     timeout: Duration,
 ) -> Result<Vec<SocketAddr>> {
     let deadline = Instant::now() + timeout;
@@ -189,7 +213,7 @@ pub fn join(
         world,
         job,
         addr: me,
-        book,
+        config: config.fields().iter().map(|&(f, v)| (f as u8, v)).collect(),
     };
     (&stream)
         .write_all((serde_json::to_string(&j).expect("serializable") + "\n").as_bytes())

@@ -43,82 +43,34 @@
 //!
 //! # Consistency
 //! Under BSP (the default) `wait_layer` returns parameters that include every
-//! worker's gradients of the iteration just handed in, and nothing writes a
-//! layer's buffers while the caller holds them. Under SSP(s) `wait_layer` may
-//! return up to `s` iterations early; servers keep sending newer versions,
-//! and a remote write into a layer the caller is reading can tear individual
-//! values (as in parameter-server SSP systems that read a shared cache).
+//! worker's gradients of the iteration just handed in. Under SSP(s)
+//! `wait_layer` may return up to `s` iterations early; servers keep sending
+//! newer versions into a landing copy, and the caller gets a copy published
+//! from it when the layer is ready. Either way nothing writes a layer's
+//! buffers while the caller holds them: not the engine, and not a peer.
 //! Aggregation under SSP is in arrival order.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 use tidewire_engine::book::{LayerKind, LayerSpec};
-use tidewire_engine::{Book, BookConfig, Cluster, EngineError, Role, SchedConfig, Scheme, SchemePolicy};
-use tidewire_gpu::cpu::ApplyOp;
-use tidewire_transport::{JobSecret, Lease, Region};
+use tidewire_engine::{ApplyOp, Book, Cluster, EngineError, Role, SchedConfig, Scheme, SchemePolicy};
+use tidewire_transport::JobSecret;
 
+pub use crate::buffers::{BufferLayout, LayerBuffers};
 use crate::cluster::ClusterSpec;
-use crate::driver::{self, Request};
+use crate::config::Config;
+pub use crate::config::{TransportKind, TransportLimits};
 use crate::error::{Error, Result};
-
-/// Which transport carries the job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TransportKind {
-    /// RDMA when a usable device exists, TCP otherwise; the choice and the
-    /// reason are logged. Override with `TIDEWIRE_TRANSPORT=tcp|rdma`.
-    Auto,
-    /// io_uring TCP.
-    Tcp,
-    /// RDMA verbs (the `rdma` feature).
-    Rdma,
-}
-
-/// A caller-owned buffer holding every layer's parameters (or gradients), and
-/// where each layer starts in it, in bytes. Layers must not overlap and must
-/// each hold M×N f32 values. Gradients may sit anywhere; parameters must be
-/// back to back in layer order from `offsets[0]` (servers write into them by
-/// offset; a framework's flat parameter buffer has this shape).
-#[derive(Debug)]
-pub struct BufferLayout {
-    /// The memory.
-    pub buffer: tidewire_transport::PinnedBuffer,
-    /// Byte offset of each layer.
-    pub offsets: Vec<usize>,
-}
-
-type InitFn = Box<dyn Fn(u32, &mut [f32]) + Send>;
+use crate::runtime::shared::{Request, Shared};
+pub use crate::stats::SessionStats;
 
 /// Builds a [`Session`].
+#[derive(Debug)]
 pub struct Builder {
-    pub(crate) layers: Vec<LayerSpec>,
-    pub(crate) book: BookConfig,
-    pub(crate) sched: SchedConfig,
-    pub(crate) op: ApplyOp,
-    pub(crate) transport: TransportKind,
-    pub(crate) job: u64,
-    pub(crate) secret: Option<JobSecret>,
-    pub(crate) timeout: Duration,
-    pub(crate) connect_timeout: Duration,
-    pub(crate) init: Option<InitFn>,
-    pub(crate) params: Option<BufferLayout>,
-    pub(crate) grads: Option<BufferLayout>,
-    pub(crate) listen_ip: Option<IpAddr>,
-    pub(crate) aggregation: tidewire_gpu::agg::Policy,
-}
-
-impl std::fmt::Debug for Builder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Builder")
-            .field("layers", &self.layers.len())
-            .field("book", &self.book)
-            .field("sched", &self.sched)
-            .field("op", &self.op)
-            .field("transport", &self.transport)
-            .finish_non_exhaustive()
-    }
+    cfg: Config,
 }
 
 impl Builder {
@@ -127,60 +79,47 @@ impl Builder {
     /// deterministic aggregation, mean, TCP-or-RDMA auto, 60 s timeouts.
     pub fn new(layers: Vec<LayerSpec>) -> Self {
         Builder {
-            layers,
-            book: BookConfig::default(),
-            sched: SchedConfig::default(),
-            op: ApplyOp::Mean,
-            transport: TransportKind::Auto,
-            job: 1,
-            secret: None,
-            timeout: Duration::from_secs(60),
-            connect_timeout: Duration::from_secs(60),
-            init: None,
-            params: None,
-            grads: None,
-            listen_ip: None,
-            aggregation: tidewire_gpu::agg::Policy::Auto,
+            cfg: Config::new(layers),
         }
     }
     /// Batch size K (the cost model's K, and the rows of U and V).
     pub fn batch(mut self, k: usize) -> Self {
-        self.book.batch = k;
+        self.cfg.book.batch = k;
         self
     }
     /// KV chunk size in bytes.
     pub fn chunk_bytes(mut self, b: usize) -> Self {
-        self.book.chunk_bytes = b;
+        self.cfg.book.chunk_bytes = b;
         self
     }
     /// Scheduling slice size in parameters.
     pub fn slice_params(mut self, p: usize) -> Self {
-        self.book.slice_params = p;
+        self.cfg.book.slice_params = p;
         self
     }
     /// Scheme policy (HybComm, or a forced one).
     pub fn policy(mut self, p: SchemePolicy) -> Self {
-        self.book.policy = p;
+        self.cfg.book.policy = p;
         self
     }
     /// Scheduling, credits and consistency.
     pub fn sched(mut self, s: SchedConfig) -> Self {
-        self.sched = s;
+        self.cfg.sched = s;
         self
     }
     /// Consistency model.
     pub fn consistency(mut self, c: tidewire_engine::Consistency) -> Self {
-        self.sched.consistency = c;
+        self.cfg.sched.consistency = c;
         self
     }
     /// Credit window in bytes.
     pub fn credit_bytes(mut self, b: usize) -> Self {
-        self.sched.credit_bytes = b;
+        self.cfg.sched.credit_bytes = b;
         self
     }
     /// What servers do with a complete chunk.
     pub fn apply(mut self, op: ApplyOp) -> Self {
-        self.op = op;
+        self.cfg.op = op;
         self
     }
 
@@ -188,51 +127,59 @@ impl Builder {
     /// without a usable GPU), or `Auto` (default: Nexus's per-chunk choice,
     /// which is the CPU without a GPU). Sums are bitwise the same either way.
     pub fn aggregation(mut self, p: tidewire_gpu::agg::Policy) -> Self {
-        self.aggregation = p;
+        self.cfg.aggregation = p;
         self
     }
     /// Transport selection.
     pub fn transport(mut self, t: TransportKind) -> Self {
-        self.transport = t;
+        self.cfg.transport = t;
+        self
+    }
+    /// Lower limits for the transport (requests in flight per connection,
+    /// largest message); `TIDEWIRE_MAX_OUTSTANDING` and
+    /// `TIDEWIRE_MAX_MESSAGE_BYTES` override them. The engine queues and
+    /// splits to stay within whatever the transport reports.
+    pub fn transport_limits(mut self, l: TransportLimits) -> Self {
+        self.cfg.limits = l;
         self
     }
     /// Job id and secret (every rank the same). Without a secret,
     /// `TIDEWIRE_SECRET` is read at build time.
     pub fn job(mut self, id: u64, secret: JobSecret) -> Self {
-        self.job = id;
-        self.secret = Some(secret);
+        self.cfg.job = id;
+        self.cfg.secret = Some(secret);
         self
     }
     /// How long a wait may last before it fails, and how long a peer may stay silent.
     pub fn timeout(mut self, t: Duration) -> Self {
-        self.timeout = t;
+        self.cfg.timeout = t;
         self
     }
     /// How long rendezvous and connection setup may take.
     pub fn connect_timeout(mut self, t: Duration) -> Self {
-        self.connect_timeout = t;
+        self.cfg.connect_timeout = t;
         self
     }
     /// The IP to listen on (default: the one that reaches rank 0).
     pub fn listen_ip(mut self, ip: IpAddr) -> Self {
-        self.listen_ip = Some(ip);
+        self.cfg.listen_ip = Some(ip);
         self
     }
     /// Fills the initial parameters of each layer. Rank 0's values are
     /// broadcast to everyone, so all replicas start equal.
     pub fn init_params(mut self, f: impl Fn(u32, &mut [f32]) + Send + 'static) -> Self {
-        self.init = Some(Box::new(f));
+        self.cfg.init = Some(Box::new(f));
         self
     }
     /// Registers the caller's own parameter memory (zero-copy) instead of
     /// letting the session allocate it.
     pub fn params_buffer(mut self, layout: BufferLayout) -> Self {
-        self.params = Some(layout);
+        self.cfg.params = Some(layout);
         self
     }
     /// Registers the caller's own gradient memory.
     pub fn grads_buffer(mut self, layout: BufferLayout) -> Self {
-        self.grads = Some(layout);
+        self.cfg.grads = Some(layout);
         self
     }
 
@@ -246,22 +193,22 @@ impl Builder {
     /// parameter broadcast. Returns once every chunk holds rank 0's values.
     pub fn build(mut self, spec: ClusterSpec) -> Result<Session> {
         let cluster = Cluster::from_roles(spec.roles.clone())?;
-        let book = Arc::new(Book::new(cluster, std::mem::take(&mut self.layers), self.book)?);
-        if self.secret.is_none() {
+        let book = Arc::new(Book::new(cluster, std::mem::take(&mut self.cfg.layers), self.cfg.book)?);
+        if self.cfg.secret.is_none() {
             let s = std::env::var("TIDEWIRE_SECRET").map_err(|_| {
                 Error::Cluster(
                     "no job secret: pass Builder::job(id, secret) or set TIDEWIRE_SECRET (same on every rank)".into(),
                 )
             })?;
-            self.secret = Some(JobSecret::new(s.into_bytes()));
+            self.cfg.secret = Some(JobSecret::new(s.into_bytes()));
             if let Ok(j) = std::env::var("TIDEWIRE_JOB") {
-                self.job = j
+                self.cfg.job = j
                     .trim()
                     .parse()
                     .map_err(|_| Error::Cluster(format!("TIDEWIRE_JOB={j:?} is not a number")))?;
             }
         }
-        if let Some(l) = &self.params {
+        if let Some(l) = &self.cfg.params {
             check_layout(&book, l, "parameter")?;
             for (i, &o) in l.offsets.iter().enumerate() {
                 if o - l.offsets[0] != book.layer_offset(i as u32) * 4 {
@@ -273,31 +220,30 @@ impl Builder {
                 }
             }
         }
-        if let Some(l) = &self.grads {
+        if let Some(l) = &self.cfg.grads {
             check_layout(&book, l, "gradient")?;
         }
         let role = book.cluster().role(spec.rank).expect("rank checked by ClusterSpec");
         let (tx, rx) = bounded::<Request>(1024);
-        let shared = Arc::new(Shared {
-            fatal: Mutex::new(None),
-            transport: Mutex::new(None),
-        });
+        let shared = Arc::new(Shared::default());
         let (layers_tx, layers_rx) = bounded(1);
-        let timeout = self.timeout;
-        let handle = driver::spawn(self, book.clone(), spec.clone(), rx, shared.clone(), layers_tx)?;
+        let timeout = self.cfg.timeout;
+        let handle = crate::runtime::spawn(self.cfg, book.clone(), spec.clone(), rx, shared.clone(), layers_tx)?;
         let layers = match layers_rx.recv() {
             Ok(Ok(l)) => l,
             Ok(Err(e)) => {
                 let _ = handle.join();
+                shared.check_panic();
                 return Err(e);
             }
             Err(_) => {
                 let _ = handle.join();
+                shared.check_panic();
                 return Err(shared.fatal().unwrap_or(Error::Shutdown));
             }
         };
         Ok(Session {
-            last_error: Mutex::new(None),
+            last_error: std::sync::Mutex::new(None),
             book,
             timeout,
             rank: spec.rank,
@@ -352,117 +298,10 @@ fn check_layout(book: &Book, l: &BufferLayout, what: &str) -> Result<()> {
     Ok(())
 }
 
-#[derive(Debug)]
-pub(crate) struct Shared {
-    fatal: Mutex<Option<Error>>,
-    /// The backend the driver opened ("tcp" or "rdma") and why.
-    transport: Mutex<Option<(String, String)>>,
-}
-
-impl Shared {
-    pub(crate) fn set_transport(&self, kind: &str, reason: &str) {
-        *self.transport.lock().unwrap_or_else(|p| p.into_inner()) = Some((kind.into(), reason.into()));
-    }
-    pub(crate) fn transport(&self) -> Option<(String, String)> {
-        self.transport.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-    pub(crate) fn fatal(&self) -> Option<Error> {
-        self.fatal.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-    pub(crate) fn set_fatal(&self, e: Error) {
-        let mut f = self.fatal.lock().unwrap_or_else(|p| p.into_inner());
-        if f.is_none() {
-            *f = Some(e);
-        }
-    }
-}
-
-/// One layer's registered buffers, owned by the caller between
-/// [`Session::wait_layer`] and the next hand-in.
-#[derive(Debug)]
-pub struct LayerBuffers {
-    pub(crate) layer: u32,
-    pub(crate) synced_at: Option<std::time::Instant>,
-    pub(crate) params: Lease,
-    pub(crate) grad: Lease,
-    pub(crate) factors: Option<(Lease, usize)>,
-}
-
-impl LayerBuffers {
-    /// The layer index.
-    pub fn layer(&self) -> u32 {
-        self.layer
-    }
-    /// When the engine finished syncing this layer (None before the first sync).
-    pub fn synced_at(&self) -> Option<std::time::Instant> {
-        self.synced_at
-    }
-    /// The parameters (M×N, row major).
-    pub fn params(&self) -> &[f32] {
-        self.params.as_f32().expect("layer buffers are f32 aligned")
-    }
-    /// The parameters, writable. Values written here are local: the next sync overwrites them.
-    pub fn params_mut(&mut self) -> &mut [f32] {
-        self.params.as_f32_mut().expect("layer buffers are f32 aligned")
-    }
-    /// The gradient, for backward to fill.
-    pub fn grad_mut(&mut self) -> &mut [f32] {
-        self.grad.as_f32_mut().expect("layer buffers are f32 aligned")
-    }
-    /// The gradient.
-    pub fn grad(&self) -> &[f32] {
-        self.grad.as_f32().expect("layer buffers are f32 aligned")
-    }
-    /// U (K×M) of an FC layer's sufficient factors; empty for other layers.
-    pub fn u_mut(&mut self) -> &mut [f32] {
-        self.uv_mut().0
-    }
-    /// V (K×N) of an FC layer's sufficient factors; empty for other layers.
-    pub fn v_mut(&mut self) -> &mut [f32] {
-        self.uv_mut().1
-    }
-    /// U and V at once (for code that fills both in one pass).
-    pub fn uv_mut(&mut self) -> (&mut [f32], &mut [f32]) {
-        match &mut self.factors {
-            Some((l, u_len)) => {
-                let u = *u_len;
-                l.as_f32_mut().expect("aligned")[4..].split_at_mut(u)
-            }
-            None => (&mut [], &mut []),
-        }
-    }
-    pub(crate) fn regions(&self) -> (&Region, &Region) {
-        (self.params.region(), self.grad.region())
-    }
-}
-
-/// Counters of a session.
-#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
-pub struct SessionStats {
-    /// Slices pushed to servers.
-    pub pushes: u64,
-    /// Factor messages sent.
-    pub factor_sends: u64,
-    /// Chunks accumulated/applied/broadcast by this rank's server.
-    pub accumulated: u64,
-    /// Chunk applies.
-    pub applies: u64,
-    /// Chunk broadcasts.
-    pub broadcasts: u64,
-    /// Bytes this rank's transport received directly into registered memory.
-    pub rx_direct_bytes: u64,
-    /// Bytes this rank's transport copied out to the application (messages).
-    pub rx_copied_bytes: u64,
-    /// Contribution bytes this rank's server summed on the CPU.
-    pub cpu_aggregated_bytes: u64,
-    /// Contribution bytes this rank's server summed on the GPU (Nexus).
-    pub gpu_aggregated_bytes: u64,
-}
-
 /// A running rank of a job.
 #[derive(Debug)]
 pub struct Session {
-    last_error: Mutex<Option<Error>>,
+    last_error: std::sync::Mutex<Option<Error>>,
     book: Arc<Book>,
     timeout: Duration,
     rank: u32,
@@ -493,6 +332,7 @@ impl Session {
     }
 
     fn check(&self) -> Result<&Sender<Request>> {
+        self.shared.check_panic();
         if let Some(e) = self.shared.fatal() {
             return Err(e);
         }
@@ -522,9 +362,13 @@ impl Session {
     }
 
     fn send(&self, r: Request) -> Result<()> {
-        self.check()?
-            .send(r)
-            .map_err(|_| self.shared.fatal().unwrap_or(Error::Shutdown))
+        self.check()?.send(r).map_err(|_| {
+            self.shared.check_panic();
+            self.shared.fatal().unwrap_or(Error::Shutdown)
+        })?;
+        // The runtime sleeps in the transport until woken.
+        self.shared.wake();
+        Ok(())
     }
 
     /// Hands in a layer whose gradient is in [`LayerBuffers::grad_mut`]. Its
@@ -539,7 +383,11 @@ impl Session {
             }
             .into());
         }
-        self.send(Request::HandIn { buf, factors: false })
+        self.send(Request::HandIn {
+            buf,
+            factors: false,
+            at: Instant::now(),
+        })
     }
 
     /// Hands in an FC layer by its sufficient factors (U, V). Where the layer
@@ -554,7 +402,11 @@ impl Session {
             }
             .into());
         }
-        self.send(Request::HandIn { buf, factors: true })
+        self.send(Request::HandIn {
+            buf,
+            factors: true,
+            at: Instant::now(),
+        })
     }
 
     fn call<T>(&self, what: String, make: impl FnOnce(Sender<Result<T>>) -> Request) -> Result<T> {
@@ -566,7 +418,10 @@ impl Session {
                 what,
                 after: self.timeout(),
             }),
-            Err(_) => Err(self.shared.fatal().unwrap_or(Error::Shutdown)),
+            Err(_) => {
+                self.shared.check_panic();
+                Err(self.shared.fatal().unwrap_or(Error::Shutdown))
+            }
         };
         if let Err(e) = &r {
             *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
@@ -619,13 +474,14 @@ impl Session {
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
+        self.shared.check_panic();
         r
     }
 
     fn shutdown_inner(&self) -> Result<()> {
         let (tx, rx) = bounded(1);
         self.send(Request::Shutdown { reply: tx })?;
-        // Serving the job can take as long as the job: wait on the driver's
+        // Serving the job can take as long as the job: wait on the transport's
         // liveness checks rather than a fixed timeout.
         match rx.recv() {
             Ok(r) => r,
@@ -642,6 +498,7 @@ impl Drop for Session {
                 None => "its session was dropped without shutdown".into(),
             };
             let _ = tx.send(Request::Abort(why));
+            self.shared.wake();
         }
         if let Some(h) = self.handle.take() {
             let _ = h.join();

@@ -175,7 +175,7 @@ fn one_run(model: &Model, cluster: Cluster, args: &SimArgs, mode: SyncMode, batc
     if let Some(c) = args.credit_bytes {
         cfg.sched.credit_bytes = c;
     }
-    Sim::run(cfg).map_err(Error::Cluster)
+    Ok(Sim::run(cfg)?)
 }
 
 /// Runs the simulation (and the one-node reference for the speedup).

@@ -179,18 +179,16 @@ fn caller_owned_buffers_are_used_in_place() {
     s.shutdown().unwrap();
 }
 
-#[test]
-fn ranks_with_different_layer_tables_fail_at_rendezvous() {
+/// Starts two ranks that differ as `tweak` says; both must fail naming `field` and rank 1.
+fn disagreement(field: &str, theirs: Vec<LayerSpec>, tweak: impl FnOnce(Builder) -> Builder + Send + 'static) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
     let master: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let mut other = layers();
-    other[1].n = 5;
     let h = std::thread::spawn(move || {
-        builder(other)
+        tweak(builder(theirs))
             .connect_timeout(Duration::from_secs(10))
             .build(ClusterSpec::new(1, 2, 0, true, master).unwrap())
             .map(|_| ())
@@ -202,10 +200,37 @@ fn ranks_with_different_layer_tables_fail_at_rendezvous() {
     let r1 = h.join().unwrap();
     for r in [r0, r1] {
         match r {
-            Err(Error::Engine(EngineError::BookMismatch { rank: 1, .. })) => {}
-            other => panic!("want a book mismatch naming rank 1, got {other:?}"),
+            Err(Error::Engine(EngineError::Disagree { rank: 1, field: f, .. })) if f == field => {}
+            other => panic!("want a disagreement on {field} naming rank 1, got {other:?}"),
         }
     }
+}
+
+#[test]
+fn ranks_with_different_layer_tables_fail_at_rendezvous() {
+    let mut other = layers();
+    other[1].n = 5;
+    disagreement("layer table", other, |b| b);
+}
+
+#[test]
+fn ranks_with_different_slots_or_learning_rates_fail_at_rendezvous() {
+    disagreement("slots", layers(), |b| {
+        b.sched(tidewire::engine::SchedConfig {
+            slots: 3,
+            ..Default::default()
+        })
+    });
+    disagreement("apply op", layers(), |b| {
+        b.apply(ApplyOp::Sgd {
+            lr: 0.1,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        })
+    });
+    disagreement("consistency", layers(), |b| {
+        b.consistency(tidewire::engine::Consistency::Ssp(1))
+    });
 }
 
 #[test]

@@ -225,16 +225,18 @@ impl JobConfig {
                     return Err(EngineError::Disagree {
                         rank,
                         field: f.name(),
-                        ours: f.render(ours),
                         theirs: f.render(v),
+                        reference: "this rank".into(),
+                        ours: f.render(ours),
                     })
                 }
                 None => {
                     return Err(EngineError::Disagree {
                         rank,
                         field: f.name(),
-                        ours: f.render(ours),
                         theirs: "absent".into(),
+                        reference: "this rank".into(),
+                        ours: f.render(ours),
                     })
                 }
             }
@@ -281,8 +283,9 @@ mod tests {
             EngineError::Disagree {
                 rank: 3,
                 field: "batch",
+                theirs: "64".into(),
+                reference: "this rank".into(),
                 ours: "32".into(),
-                theirs: "64".into()
             }
         );
         let slots = SchedConfig { slots: 4, ..s };

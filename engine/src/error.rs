@@ -36,25 +36,21 @@ pub enum EngineError {
         name: String,
         dtype: &'static str,
     },
-    /// Two ranks disagree on the information book (layer table, cluster or sizes).
-    #[error("rank {rank} has a different information book (hash {theirs:#018x}, ours {ours:#018x}): {hint}")]
-    BookMismatch {
-        rank: u32,
-        ours: u64,
-        theirs: u64,
-        hint: String,
-    },
     /// A peer broke the protocol (e.g. a slice outside this server's shard).
     #[error("protocol violation by rank {rank}: {what}")]
     Protocol { rank: u32, what: String },
     /// Two ranks disagree on a field of the job configuration.
-    #[error("rank {rank} disagrees on the {field}: it has {theirs}, this rank has {ours} (every rank must be started with the same configuration)")]
+    #[error("rank {rank} has {field} = {theirs}, but {reference} has {ours} (every rank must be started with the same configuration)")]
     Disagree {
         rank: u32,
         field: &'static str,
-        ours: String,
         theirs: String,
+        reference: String,
+        ours: String,
     },
+    /// This rank gave up (its session was dropped, or the runtime failed locally).
+    #[error("aborted: {0}")]
+    Aborted(String),
     /// A peer went away before it said goodbye.
     #[error("rank {rank} was lost: {reason}")]
     PeerLost { rank: u32, reason: String },

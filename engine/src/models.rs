@@ -43,6 +43,7 @@ pub const NAMES: &[&str] = &[
     "resnet-50",
     "resnet-152",
     "alexnet",
+    "vgg19-mini",
 ];
 
 impl Model {
@@ -97,6 +98,7 @@ pub fn profile(name: &str) -> Option<Model> {
     let n = name.to_ascii_lowercase().replace('_', "-");
     Some(match n.as_str() {
         "vgg19" | "vgg-19" => vgg19(1000),
+        "vgg19-mini" | "vgg-19-mini" => vgg19_mini(),
         "vgg19-22k" | "vgg-19-22k" => vgg19(21841),
         "googlenet" | "inception-v1" => googlenet(),
         "inception-v3" | "inceptionv3" => inception_v3(),
@@ -154,6 +156,31 @@ fn vgg19(classes: usize) -> Model {
         layers: b.0,
         batch: 32,
         paper_img_s: Some(img_s),
+    }
+}
+
+/// VGG19's shape at an eighth of its width (about 2.1M parameters): the
+/// same 19 layers, a convolution tail and three FC layers, for runs that
+/// must be small (the soft-RoCE VM, quick tests). Its compute model is the
+/// reference rate.
+fn vgg19_mini() -> Model {
+    let mut b = Builder(Vec::new());
+    let (mut inp, mut hw) = (3, 224);
+    for (block, (width, convs)) in [(8, 2), (16, 2), (32, 4), (64, 4), (64, 4)].into_iter().enumerate() {
+        for i in 0..convs {
+            b.conv(format!("conv{}_{}", block + 1, i + 1), width, inp, 3, 3, hw);
+            inp = width;
+        }
+        hw /= 2;
+    }
+    b.fc("fc6", 512, 64 * 7 * 7);
+    b.fc("fc7", 512, 512);
+    b.fc("fc8", 125, 512);
+    Model {
+        name: "vgg19-mini",
+        layers: b.0,
+        batch: 32,
+        paper_img_s: None,
     }
 }
 

@@ -462,6 +462,16 @@ impl Node {
         Some((params, grad, f))
     }
 
+    /// Where `layer`'s parameters land in the `Params` region (the caller's
+    /// view under BSP; the landing zone under SSP). The initial values go here.
+    pub fn params_loc(&self, layer: u32) -> Option<Loc> {
+        self.worker.as_ref()?;
+        Some(Loc {
+            region: LocalRegion::Params,
+            offset: *self.param_off.get(layer as usize)?,
+        })
+    }
+
     /// Accumulator copies of the shard a server keeps (`s + 1` under SSP(s)).
     pub fn windows(&self) -> usize {
         self.server.as_ref().map_or(0, |s| s.core.windows())
@@ -545,6 +555,10 @@ impl Node {
     /// The next output.
     pub fn poll_output(&mut self) -> Option<Output> {
         self.out.pop_front()
+    }
+    /// Whether an output is waiting.
+    pub fn has_output(&self) -> bool {
+        !self.out.is_empty()
     }
 
     /// When the Node next needs an [`Input::Tick`], if ever.
@@ -663,6 +677,7 @@ impl Node {
             }
             Input::JobDone { id, data } => self.job_done(id, data),
             Input::JobFailed { id, reason } => Err(EngineError::Job(format!("job {id}: {reason}"))),
+            Input::Abort { reason } => Err(EngineError::Aborted(reason)),
             Input::Tick => {
                 self.flow.tick(self.now);
                 if !self.ready && self.deadline.is_some_and(|d| self.now >= d) {
@@ -809,8 +824,9 @@ impl Node {
             return Err(EngineError::Disagree {
                 rank: peer,
                 field: "world size",
-                ours: self.peers.len().to_string(),
                 theirs: h.world.to_string(),
+                reference: "this rank".into(),
+                ours: self.peers.len().to_string(),
             });
         }
         self.job.check(peer, &h.fields)?;

@@ -288,6 +288,9 @@ pub enum Input {
     JobFailed { id: u64, reason: String },
     /// Time passed (see [`Node::poll_timeout`](super::Node::poll_timeout)).
     Tick,
+    /// The runtime gives up (a local failure, or the caller dropped its
+    /// session): the Node tells its peers why and fails.
+    Abort { reason: String },
 }
 
 /// An output of [`Node::poll_output`](super::Node::poll_output).

@@ -1,0 +1,110 @@
+//! What a [`Builder`](crate::Builder) collects: the settings of one rank.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use tidewire_engine::book::LayerSpec;
+use tidewire_engine::{ApplyOp, BookConfig, SchedConfig};
+use tidewire_transport::JobSecret;
+
+use crate::buffers::BufferLayout;
+
+/// Which transport carries the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportKind {
+    /// RDMA when a usable device exists, TCP otherwise; the choice and the
+    /// reason are logged. Override with `TIDEWIRE_TRANSPORT=tcp|rdma`.
+    Auto,
+    /// io_uring TCP.
+    Tcp,
+    /// RDMA verbs (the `rdma` feature).
+    Rdma,
+}
+
+/// Lower limits for the transport than its defaults: the engine never
+/// exceeds what the transport reports, so these shape its flow control
+/// (fewer requests in flight, factor blocks split into smaller messages).
+/// `None` keeps the transport's default. Every rank may set its own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransportLimits {
+    /// Requests in flight per connection before the transport answers `WouldBlock`.
+    pub max_outstanding: Option<usize>,
+    /// Largest message, bytes (at least 256; the TCP backend allows up to 16 MiB).
+    pub max_message_bytes: Option<usize>,
+}
+
+impl TransportLimits {
+    /// Reads `TIDEWIRE_MAX_OUTSTANDING` and `TIDEWIRE_MAX_MESSAGE_BYTES` over these.
+    pub fn from_env(self) -> crate::Result<Self> {
+        let read = |name: &str| -> crate::Result<Option<usize>> {
+            match std::env::var(name) {
+                Ok(v) if !v.trim().is_empty() => v
+                    .trim()
+                    .parse()
+                    .map(Some)
+                    .map_err(|_| crate::Error::Cluster(format!("{name}={v:?} is not a number"))),
+                _ => Ok(None),
+            }
+        };
+        Ok(TransportLimits {
+            max_outstanding: read("TIDEWIRE_MAX_OUTSTANDING")?.or(self.max_outstanding),
+            max_message_bytes: read("TIDEWIRE_MAX_MESSAGE_BYTES")?.or(self.max_message_bytes),
+        })
+    }
+}
+
+pub(crate) type InitFn = Box<dyn Fn(u32, &mut [f32]) + Send>;
+
+/// The settings of one rank.
+pub(crate) struct Config {
+    pub(crate) layers: Vec<LayerSpec>,
+    pub(crate) book: BookConfig,
+    pub(crate) sched: SchedConfig,
+    pub(crate) op: ApplyOp,
+    pub(crate) transport: TransportKind,
+    pub(crate) limits: TransportLimits,
+    pub(crate) job: u64,
+    pub(crate) secret: Option<JobSecret>,
+    pub(crate) timeout: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) init: Option<InitFn>,
+    pub(crate) params: Option<BufferLayout>,
+    pub(crate) grads: Option<BufferLayout>,
+    pub(crate) listen_ip: Option<IpAddr>,
+    pub(crate) aggregation: tidewire_gpu::agg::Policy,
+}
+
+impl Config {
+    pub(crate) fn new(layers: Vec<LayerSpec>) -> Self {
+        Config {
+            layers,
+            book: BookConfig::default(),
+            sched: SchedConfig::default(),
+            op: ApplyOp::Mean,
+            transport: TransportKind::Auto,
+            limits: TransportLimits::default(),
+            job: 1,
+            secret: None,
+            timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(60),
+            init: None,
+            params: None,
+            grads: None,
+            listen_ip: None,
+            aggregation: tidewire_gpu::agg::Policy::Auto,
+        }
+    }
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("layers", &self.layers.len())
+            .field("book", &self.book)
+            .field("sched", &self.sched)
+            .field("op", &self.op)
+            .field("transport", &self.transport)
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}

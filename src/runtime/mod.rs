@@ -1,0 +1,940 @@
+//! The runtime: one thread per rank that executes the engine's
+//! [`Node`](tidewire_engine::node::Node) over a transport.
+//!
+//! It holds no protocol of its own. It opens the transport, allocates and
+//! registers the regions the Node asks for, runs the rendezvous, dials the
+//! peers, and then loops: calls from the session, results from the compute
+//! executors and transport events go into the Node as inputs; the Node's
+//! outputs are posted on the transport, queued on an executor, or handed to
+//! the caller. Between inputs it sleeps in the transport's `wait`, which
+//! wakes on a completion or on the waker that the session and the executors
+//! ring: there is no fixed poll interval, and nothing spins while the caller
+//! holds its layers.
+
+pub(crate) mod exec;
+pub(crate) mod shared;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use tidewire_engine::book::LayerKind;
+use tidewire_engine::node::{
+    Input, Limits, LocalRegion, Node, NodeConfig, Output, Payload, SendSrc, Transmit, TxOp, CELL_BYTES,
+};
+use tidewire_engine::{Book, EngineError};
+use tidewire_transport::select::{self, Preference};
+use tidewire_transport::{
+    Access, ConnId, Event, ListenerId, PinOptions, PinnedBuffer, Region, RemoteRegion, ReqId, TcpConfig, Transport,
+};
+
+use crate::buffers::LayerBuffers;
+use crate::cluster::ClusterSpec;
+use crate::config::{Config, TransportKind};
+use crate::error::{Error, Result};
+use crate::rendezvous;
+use crate::stats::SessionStats;
+use exec::{Executors, JobResult, Memory, Reply, ServerSetup};
+use shared::{Request, Shared};
+
+/// Who holds a layer's buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    User,
+    InFlight,
+    Ready,
+}
+
+/// Hand-in latencies kept for the percentiles.
+const LATENCY_SAMPLES: usize = 4096;
+
+fn pinned(len: usize) -> Result<PinnedBuffer> {
+    // The TCP backend does not need locked pages; RDMA registration pins them itself.
+    Ok(PinnedBuffer::with_options(
+        len.max(4096),
+        PinOptions {
+            lock: false,
+            ..Default::default()
+        },
+    )?)
+}
+
+fn preference(kind: TransportKind) -> Preference {
+    match kind {
+        TransportKind::Auto => Preference::Auto,
+        TransportKind::Tcp => Preference::Tcp,
+        TransportKind::Rdma => Preference::Rdma,
+    }
+}
+
+/// Starts the runtime thread. Setup (rendezvous, connections, registration,
+/// the initial broadcast) runs on it; `ready` gets the layer buffers or the error.
+pub(crate) fn spawn(
+    cfg: Config,
+    book: Arc<Book>,
+    spec: ClusterSpec,
+    rx: Receiver<Request>,
+    shared: Arc<Shared>,
+    ready: Sender<Result<Vec<LayerBuffers>>>,
+) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(format!("tidewire-runtime-{}", spec.rank))
+        .spawn(move || {
+            let sh = shared.clone();
+            let ready2 = ready.clone();
+            let r = std::panic::catch_unwind(AssertUnwindSafe(move || {
+                match Runtime::setup(cfg, book, &spec, shared.clone(), rx) {
+                    Ok(mut rt) => rt.run(ready),
+                    Err(e) => {
+                        shared.set_fatal(e.clone());
+                        let _ = ready.send(Err(e));
+                    }
+                }
+            }));
+            if let Err(p) = r {
+                let msg = if let Some(s) = p.downcast_ref::<&str>() {
+                    (*s).to_string()
+                } else if let Some(s) = p.downcast_ref::<String>() {
+                    s.clone()
+                } else {
+                    "a panic without a message".into()
+                };
+                sh.panic
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert(format!("the runtime thread panicked: {msg}"));
+                sh.set_fatal(Error::Shutdown);
+                let _ = ready2.send(Err(Error::Shutdown));
+            }
+        })
+        .map_err(|e| Error::Thread {
+            what: "runtime",
+            reason: e.to_string(),
+        })
+}
+
+struct Runtime {
+    t: Box<dyn Transport>,
+    node: Node,
+    rank: u32,
+    book: Arc<Book>,
+    mem: Arc<Memory>,
+    ex: Executors,
+    jobs: Receiver<JobResult>,
+    rx: Receiver<Request>,
+    shared: Arc<Shared>,
+    epoch: Instant,
+    listener: ListenerId,
+    conn_of: Vec<Option<ConnId>>,
+    rank_of: HashMap<ConnId, u32>,
+    dialing: HashMap<ConnId, u32>,
+    peer_keys: Vec<Option<[u32; 3]>>,
+    peer_regions: Vec<[Option<RemoteRegion>; 3]>,
+    peer_known: Vec<bool>,
+    key_region: HashMap<u32, LocalRegion>,
+    reqs: HashMap<ReqId, u64>,
+    held: Vec<Held>,
+    synced_at: Vec<Option<Instant>>,
+    waiters: HashMap<u32, Sender<Result<LayerBuffers>>>,
+    wait_all: Option<Sender<Result<Vec<LayerBuffers>>>>,
+    ready: Option<Sender<Result<Vec<LayerBuffers>>>>,
+    shutdown: Option<Sender<Result<()>>>,
+    fatal: Option<Error>,
+    finished: bool,
+    hand_in_at: Option<Instant>,
+    latencies: VecDeque<u64>,
+    hand_in_posts: u64,
+    would_block: u64,
+    evs: Vec<Event>,
+}
+
+impl Runtime {
+    fn setup(
+        cfg: Config,
+        book: Arc<Book>,
+        spec: &ClusterSpec,
+        shared: Arc<Shared>,
+        rx: Receiver<Request>,
+    ) -> Result<Self> {
+        let rank = spec.rank;
+        let world = book.cluster().world();
+        let role = book.cluster().role(rank).expect("checked by the builder");
+        let secret = cfg.secret.clone().expect("set by build");
+        let limits = cfg.limits.from_env()?;
+        let mut tcp = TcpConfig::new(cfg.job, rank, secret);
+        // The runtime sleeps in `wait` until there is work: no spinning.
+        tcp.busy_poll = Duration::ZERO;
+        tcp.peer_timeout = cfg.timeout;
+        tcp.handshake_timeout = cfg.connect_timeout;
+        if let Some(n) = limits.max_outstanding {
+            tcp.max_outstanding = n;
+        }
+        if let Some(n) = limits.max_message_bytes {
+            tcp.max_message_bytes = n;
+        }
+        let host = if rank == 0 && world > 1 {
+            Some(rendezvous::Host::bind(spec.master)?)
+        } else {
+            None
+        };
+        #[cfg(feature = "rdma")]
+        let tweak = move |c: &mut tidewire_transport::RdmaConfig| {
+            if let Some(n) = limits.max_message_bytes {
+                c.max_message_bytes = n;
+            }
+        };
+        #[cfg(not(feature = "rdma"))]
+        let tweak = |_: &mut ()| {};
+        let selected = select::open(preference(cfg.transport), tcp, &tweak).map_err(|e| match e {
+            tidewire_transport::Error::RdmaUnavailable { reason } => Error::TransportUnavailable(format!(
+                "RDMA was requested but is unavailable: {reason}; use TIDEWIRE_TRANSPORT=tcp or auto"
+            )),
+            o => o.into(),
+        })?;
+        tracing::info!(rank, transport = selected.kind, reason = %selected.reason, "transport");
+        shared.set_transport(selected.kind, &selected.reason);
+        let mut t = selected.transport;
+        let waker = t.waker()?;
+        shared.set_waker(waker.clone());
+        let ip = match cfg.listen_ip {
+            Some(ip) => ip,
+            None => rendezvous::local_ip_towards(spec.master)?,
+        };
+        let listener = t.listen(SocketAddr::new(ip, 0))?;
+        let me = t.listener_addr(listener)?;
+
+        let props = t.properties().clone();
+        let node_limits = Limits {
+            max_outstanding: props.max_outstanding,
+            max_message_bytes: props.max_message_bytes,
+            max_write_bytes: props.max_write_bytes,
+        };
+        let mut nc = NodeConfig::new(book.clone(), rank);
+        nc.sched = cfg.sched;
+        nc.apply = cfg.op;
+        nc.limits = node_limits;
+        nc.transport = selected.kind.to_string();
+        nc.params = cfg
+            .params
+            .as_ref()
+            .map(|l| l.offsets.iter().map(|&o| o as u64).collect());
+        nc.grads = cfg
+            .grads
+            .as_ref()
+            .map(|l| l.offsets.iter().map(|&o| o as u64).collect());
+        nc.startup_timeout = cfg.connect_timeout;
+        let mut node = Node::new(nc)?;
+
+        // The regions the Node asks for: the caller's own memory where it gave some.
+        let (mut user_params, mut user_grads) = (cfg.params.map(|l| l.buffer), cfg.grads.map(|l| l.buffer));
+        let staged = node.is_staged();
+        let mut mem = Memory::default();
+        let mut key_region = HashMap::new();
+        for r in LocalRegion::ALL {
+            let bytes = node.region_bytes(r) as usize;
+            if bytes == 0 {
+                continue;
+            }
+            let buf = match r {
+                LocalRegion::Params if !staged => user_params.take(),
+                LocalRegion::View => user_params.take(),
+                LocalRegion::Grads => user_grads.take(),
+                _ => None,
+            };
+            let buf = match buf {
+                Some(b) => b,
+                None => pinned(bytes)?,
+            };
+            let access = if r.remote_write() {
+                Access::REMOTE_WRITE
+            } else {
+                Access::LOCAL
+            };
+            let region = t.register(buf, access)?;
+            // Fault the pages in now, so the first iteration does not pay for them.
+            region.fill(0, region.len(), 0)?;
+            if r.remote_write() {
+                key_region.insert(region.key(), r);
+            }
+            mem.insert(r, region);
+        }
+        if let (Some(init), Some(params)) = (&cfg.init, mem.region(LocalRegion::Params)) {
+            for (i, l) in book.layers().iter().enumerate() {
+                let at = node.params_loc(i as u32).expect("worker");
+                let mut lease = params.lease(at.offset as usize, l.params() * 4)?;
+                init(i as u32, lease.as_f32_mut()?);
+            }
+        }
+        let key = |r| mem.region(r).map_or(0, Region::key);
+        node.set_keys([
+            key(LocalRegion::Params),
+            key(LocalRegion::Shard),
+            key(LocalRegion::Landing),
+        ]);
+        let mem = Arc::new(mem);
+
+        let (jobs_tx, jobs) = crossbeam_channel::unbounded();
+        let reply = Reply {
+            tx: jobs_tx,
+            waker,
+            panic: shared.panic.clone(),
+        };
+        let server = role.is_server().then(|| ServerSetup {
+            policy: cfg.aggregation,
+            windows: node.windows(),
+            shard_len: book.shard_len(rank),
+        });
+        let (ex, describe) =
+            Executors::start(book.clone(), cfg.op, mem.clone(), server, role.is_worker(), reply, rank)?;
+        if let Some(d) = describe {
+            tracing::info!(rank, "{d}");
+        }
+
+        let addrs = match host {
+            Some(h) => h.run(cfg.job, world, me, node.job_config(), cfg.connect_timeout)?,
+            None if world > 1 => rendezvous::join(
+                spec.master,
+                cfg.job,
+                rank,
+                world,
+                me,
+                node.job_config(),
+                cfg.connect_timeout,
+            )?,
+            None => vec![me],
+        };
+        let mut dialing = HashMap::new();
+        for (j, addr) in addrs.iter().enumerate().take(rank as usize) {
+            dialing.insert(t.connect(*addr)?, j as u32);
+        }
+        let nl = book.layers().len();
+        Ok(Runtime {
+            t,
+            node,
+            rank,
+            mem,
+            ex,
+            jobs,
+            rx,
+            shared,
+            epoch: Instant::now(),
+            listener,
+            conn_of: vec![None; world],
+            rank_of: HashMap::new(),
+            dialing,
+            peer_keys: vec![None; world],
+            peer_regions: vec![[None; 3]; world],
+            peer_known: vec![false; world],
+            key_region,
+            reqs: HashMap::new(),
+            held: vec![Held::User; if role.is_worker() { nl } else { 0 }],
+            synced_at: vec![None; nl],
+            waiters: HashMap::new(),
+            wait_all: None,
+            ready: None,
+            shutdown: None,
+            fatal: None,
+            finished: false,
+            hand_in_at: None,
+            latencies: VecDeque::new(),
+            hand_in_posts: 0,
+            would_block: 0,
+            evs: Vec::with_capacity(512),
+            book,
+        })
+    }
+
+    fn now(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
+    fn run(&mut self, ready: Sender<Result<Vec<LayerBuffers>>>) {
+        self.ready = Some(ready);
+        // Start the Node's clock, and let a job of one rank begin at once.
+        self.input(Input::Tick);
+        while !self.finished && self.fatal.is_none() {
+            let busy = self.drain_requests() | self.drain_jobs();
+            if self.finished || self.fatal.is_some() {
+                break;
+            }
+            let timeout = if busy { Duration::ZERO } else { self.wait_time() };
+            let mut evs = std::mem::take(&mut self.evs);
+            evs.clear();
+            if let Err(e) = self.t.wait(&mut evs, 512, timeout) {
+                self.input(Input::Abort {
+                    reason: format!("the transport failed: {e}"),
+                });
+            }
+            for ev in evs.drain(..) {
+                self.event(ev);
+            }
+            self.evs = evs;
+            if self.node.poll_timeout().is_some_and(|d| self.now() >= d) {
+                self.input(Input::Tick);
+            }
+        }
+        if let Some(e) = self.fatal.clone() {
+            self.flush(Duration::from_millis(200));
+            self.fail_waiters(e);
+        } else {
+            self.leave();
+        }
+        self.ex.stop();
+    }
+
+    /// How long to sleep: until the Node's next timer, or until woken.
+    fn wait_time(&self) -> Duration {
+        match self.node.poll_timeout() {
+            Some(d) => d.saturating_sub(self.now()),
+            None => Duration::from_secs(3600),
+        }
+    }
+
+    fn drain_requests(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            match self.rx.try_recv() {
+                Ok(r) => {
+                    any = true;
+                    self.request(r);
+                }
+                Err(TryRecvError::Empty) => return any,
+                Err(TryRecvError::Disconnected) => {
+                    self.input(Input::Abort {
+                        reason: "its session was dropped without shutdown".into(),
+                    });
+                    return true;
+                }
+            }
+            if self.fatal.is_some() {
+                return true;
+            }
+        }
+    }
+
+    fn drain_jobs(&mut self) -> bool {
+        let mut any = false;
+        while let Ok(j) = self.jobs.try_recv() {
+            any = true;
+            let input = match j.result {
+                Ok(data) => Input::JobDone { id: j.id, data },
+                Err(reason) => Input::JobFailed { id: j.id, reason },
+            };
+            self.input(input);
+        }
+        any
+    }
+
+    /// Feeds one input, then executes everything the Node has to say.
+    fn input(&mut self, input: Input) {
+        let now = self.now();
+        if let Err(e) = self.node.handle(now, input) {
+            // Only a hand-in or a shutdown answers with an error, and the
+            // session checked what it could before: the job cannot go on.
+            let reason = e.to_string();
+            let _ = self.node.handle(now, Input::Abort { reason });
+        }
+        self.outputs();
+    }
+
+    /// Executes the Node's outputs until it has none. Inputs that outputs
+    /// cause are fed only after the whole drain, refusals (`WouldBlock`)
+    /// first, as the Node requires.
+    fn outputs(&mut self) {
+        while self.node.has_output() {
+            self.drain_outputs();
+        }
+    }
+
+    fn drain_outputs(&mut self) {
+        let mut blocked: HashSet<u32> = HashSet::new();
+        let mut refused = Vec::new();
+        let mut failure: Option<String> = None;
+        let mut known = Vec::new();
+        while let Some(out) = self.node.poll_output() {
+            match out {
+                Output::Transmit(t) => {
+                    if blocked.contains(&t.peer) {
+                        refused.push(t.token);
+                        continue;
+                    }
+                    match self.post(&t) {
+                        Ok(req) => {
+                            self.reqs.insert(req, t.token);
+                            if let Some(at) = self.hand_in_at.take() {
+                                self.latency(at);
+                            }
+                        }
+                        Err(Error::Transport(e)) if matches!(*e, tidewire_transport::Error::WouldBlock { .. }) => {
+                            self.would_block += 1;
+                            blocked.insert(t.peer);
+                            refused.push(t.token);
+                        }
+                        Err(e) => {
+                            if self.fatal.is_none() && failure.is_none() {
+                                failure = Some(format!("posting to rank {} failed: {e}", t.peer));
+                            }
+                        }
+                    }
+                }
+                Output::Job(job) => {
+                    if let Err(e) = self.ex.submit(job) {
+                        failure.get_or_insert(e);
+                    }
+                }
+                Output::PeerKeys { peer, keys } => {
+                    self.peer_keys[peer as usize] = Some(keys);
+                    if self.resolve(peer) {
+                        known.push(peer);
+                    }
+                }
+                Output::LayerReady { layer, .. } => self.layer_ready(layer),
+                Output::Ready => {
+                    let layers = self.all_layers();
+                    if let Some(r) = self.ready.take() {
+                        let _ = r.send(layers);
+                    }
+                }
+                Output::Finished => self.finished = true,
+                Output::Fatal(e) => {
+                    tracing::error!(rank = self.rank, error = %e, "fatal");
+                    let e = Error::Engine(e);
+                    self.shared.set_fatal(e.clone());
+                    if let Some(r) = self.ready.take() {
+                        let _ = r.send(Err(e.clone()));
+                    }
+                    self.fatal.get_or_insert(e);
+                }
+            }
+        }
+        // Refusals go back first, in order, so the Node requeues them in order.
+        let now = self.now();
+        for token in refused {
+            let _ = self.node.handle(now, Input::Blocked { token });
+        }
+        if let Some(reason) = failure {
+            let _ = self.node.handle(now, Input::Abort { reason });
+        }
+        for peer in known {
+            let _ = self.node.handle(now, Input::PeerRegionsKnown { peer });
+        }
+    }
+
+    fn latency(&mut self, at: Instant) {
+        if self.latencies.len() == LATENCY_SAMPLES {
+            self.latencies.pop_front();
+        }
+        self.latencies.push_back(at.elapsed().as_nanos() as u64);
+        self.hand_in_posts += 1;
+    }
+
+    fn post(&mut self, t: &Transmit) -> Result<ReqId> {
+        let conn = self.conn_of[t.peer as usize].ok_or_else(|| {
+            Error::Engine(EngineError::PeerLost {
+                rank: t.peer,
+                reason: "no connection".into(),
+            })
+        })?;
+        let region = |mem: &Memory, r: LocalRegion| -> Result<Region> {
+            mem.get(r)
+                .cloned()
+                .map_err(|e| Error::Engine(EngineError::InvalidConfig(e)))
+        };
+        match &t.op {
+            TxOp::Write { src, dst, len, imm } => {
+                let s = region(&self.mem, src.region)?.slice(src.offset as usize, *len as usize)?;
+                let i = dst.region.key_index().expect("remote-writable");
+                let d = self.peer_regions[t.peer as usize][i].ok_or_else(|| {
+                    Error::Engine(EngineError::Protocol {
+                        rank: t.peer,
+                        what: format!("it announced no {:?} region", dst.region),
+                    })
+                })?;
+                Ok(self.t.write(conn, &s, &d, dst.offset, *imm)?)
+            }
+            TxOp::Send { tag, src } => {
+                let s = match src {
+                    SendSrc::Region { at, len } => {
+                        region(&self.mem, at.region)?.slice(at.offset as usize, *len as usize)?
+                    }
+                    SendSrc::Inline { cell, bytes } => {
+                        let ctrl = region(&self.mem, LocalRegion::Ctrl)?;
+                        let at = *cell as usize * CELL_BYTES;
+                        ctrl.write_at(at, bytes)?;
+                        ctrl.slice(at, bytes.len())?
+                    }
+                };
+                Ok(self.t.send(conn, &s, *tag)?)
+            }
+        }
+    }
+
+    /// Whether the transport now knows every region `peer` announced (true
+    /// once, when it first does): then the Node must hear `PeerRegionsKnown`.
+    fn resolve(&mut self, peer: u32) -> bool {
+        if self.peer_known[peer as usize] {
+            return false;
+        }
+        let (Some(keys), Some(conn)) = (self.peer_keys[peer as usize], self.conn_of[peer as usize]) else {
+            return false;
+        };
+        let Ok(regions) = self.t.remote_regions(conn) else {
+            return false;
+        };
+        let mut found = [None; 3];
+        for i in 0..3 {
+            if keys[i] != 0 {
+                match regions.iter().find(|r| r.rkey == keys[i]) {
+                    Some(r) => found[i] = Some(*r),
+                    None => return false,
+                }
+            }
+        }
+        self.peer_regions[peer as usize] = found;
+        self.peer_known[peer as usize] = true;
+        true
+    }
+
+    fn attach(&mut self, conn: ConnId, rank: u32) {
+        let ok = (rank as usize) < self.conn_of.len() && rank != self.rank && self.conn_of[rank as usize].is_none();
+        if !ok {
+            self.input(Input::Abort {
+                reason: format!("a peer claims rank {rank}, which is taken or outside the world"),
+            });
+            return;
+        }
+        self.conn_of[rank as usize] = Some(conn);
+        self.rank_of.insert(conn, rank);
+        self.input(Input::Connected { peer: rank });
+        if self.resolve(rank) {
+            self.input(Input::PeerRegionsKnown { peer: rank });
+        }
+    }
+
+    fn event(&mut self, ev: Event) {
+        match ev {
+            Event::Connected { conn, peer } => {
+                let want = self.dialing.remove(&conn);
+                if want != Some(peer.rank) {
+                    self.input(Input::Abort {
+                        reason: format!("dialed rank {want:?} at {} but rank {} answered", peer.addr, peer.rank),
+                    });
+                    return;
+                }
+                self.attach(conn, peer.rank);
+            }
+            Event::Incoming { listener, .. } => loop {
+                match self.t.accept(listener) {
+                    Ok(Some((conn, peer))) => self.attach(conn, peer.rank),
+                    Ok(None) => break,
+                    Err(e) => {
+                        self.input(Input::Abort {
+                            reason: format!("accept failed: {e}"),
+                        });
+                        break;
+                    }
+                }
+            },
+            Event::PeerRejected { addr, error, .. } => {
+                tracing::warn!(rank = self.rank, %addr, %error, "refused a connection");
+            }
+            Event::RemoteRegionsChanged { conn } => {
+                if let Some(&r) = self.rank_of.get(&conn) {
+                    if self.resolve(r) {
+                        self.input(Input::PeerRegionsKnown { peer: r });
+                    }
+                }
+            }
+            Event::SendDone { req, .. } | Event::WriteDone { req, .. } | Event::ReadDone { req, .. } => {
+                if let Some(token) = self.reqs.remove(&req) {
+                    self.input(Input::Done { token });
+                }
+            }
+            Event::OpFailed { req, error, .. } => {
+                if let Some(token) = self.reqs.remove(&req) {
+                    self.input(Input::Failed {
+                        token,
+                        reason: error.to_string(),
+                    });
+                }
+            }
+            Event::Message { conn, tag, data } => {
+                if let Some(&peer) = self.rank_of.get(&conn) {
+                    self.input(Input::Message {
+                        peer,
+                        tag,
+                        data: Payload::Bytes(data),
+                    });
+                }
+            }
+            Event::WriteReceived {
+                conn,
+                region,
+                offset,
+                len,
+                imm,
+            } => {
+                let (Some(&peer), Some(&r)) = (self.rank_of.get(&conn), self.key_region.get(&region)) else {
+                    self.input(Input::Abort {
+                        reason: format!("a write into unknown region {region:#x}"),
+                    });
+                    return;
+                };
+                self.input(Input::Landed {
+                    peer,
+                    region: r,
+                    offset,
+                    len,
+                    imm,
+                });
+            }
+            Event::WriteRejected { conn, error } => {
+                let peer = self.rank_of.get(&conn).copied().unwrap_or(u32::MAX);
+                self.input(Input::Abort {
+                    reason: format!("rank {peer}'s write was rejected: {error}"),
+                });
+            }
+            Event::Closed { conn, error } => {
+                let peer = self.rank_of.get(&conn).copied().or_else(|| self.dialing.remove(&conn));
+                if let Some(peer) = peer {
+                    self.input(Input::Closed {
+                        peer,
+                        error: error.map(|e| e.to_string()),
+                    });
+                }
+            }
+            other => tracing::debug!(rank = self.rank, event = ?other, "ignored"),
+        }
+        let _ = self.listener;
+    }
+
+    fn request(&mut self, r: Request) {
+        match r {
+            Request::HandIn { buf, factors, at } => {
+                let layer = buf.layer;
+                let (pr, gr) = buf.regions();
+                let (params, grads) = (self.layer_region(layer, true), self.layer_region(layer, false));
+                if !params.is_some_and(|p| p.same(pr)) || !grads.is_some_and(|g| g.same(gr)) {
+                    self.input(Input::Abort {
+                        reason: format!("layer {layer}'s buffers belong to another session"),
+                    });
+                    return;
+                }
+                if self.held.get(layer as usize) != Some(&Held::User) {
+                    self.input(Input::Abort {
+                        reason: format!("layer {layer} handed in twice"),
+                    });
+                    return;
+                }
+                // The caller's leases end here: the engine may write the layer from now on.
+                drop(buf);
+                self.held[layer as usize] = Held::InFlight;
+                self.hand_in_at = Some(at);
+                self.input(Input::HandIn { layer, factors });
+            }
+            Request::Wait { layer, reply } => match self.held.get(layer as usize) {
+                None | Some(Held::User) => {
+                    let _ = reply.send(Err(Error::NotHandedIn { layer }));
+                }
+                Some(Held::Ready) => {
+                    let _ = reply.send(self.make_buffers(layer));
+                }
+                Some(Held::InFlight) => {
+                    self.waiters.insert(layer, reply);
+                }
+            },
+            Request::WaitAll { reply } => {
+                self.wait_all = Some(reply);
+                self.try_wait_all();
+            }
+            Request::Stats { reply } => {
+                let _ = reply.send(Ok(self.stats()));
+            }
+            Request::Shutdown { reply } => {
+                if self.shutdown.is_some() {
+                    let _ = reply.send(Err(Error::Shutdown));
+                    return;
+                }
+                self.shutdown = Some(reply);
+                self.input(Input::Shutdown);
+            }
+            Request::Abort(why) => self.input(Input::Abort { reason: why }),
+        }
+    }
+
+    fn layer_region(&self, layer: u32, params: bool) -> Option<&Region> {
+        let (p, g, _) = self.node.layer_locs(layer)?;
+        self.mem.region(if params { p.region } else { g.region })
+    }
+
+    fn make_buffers(&mut self, layer: u32) -> Result<LayerBuffers> {
+        let spec = self.book.layer(layer)?.clone();
+        let (p, g, f) = self.node.layer_locs(layer).ok_or(Error::Role {
+            rank: self.rank,
+            role: "worker",
+        })?;
+        let lease = |loc: tidewire_engine::node::Loc, len: usize| -> Result<tidewire_transport::Lease> {
+            let r = self
+                .mem
+                .region(loc.region)
+                .ok_or_else(|| Error::Layout(format!("no {:?} region", loc.region)))?;
+            Ok(r.lease(loc.offset as usize, len)?)
+        };
+        let params = lease(p, spec.params() * 4)?;
+        let grad = lease(g, spec.params() * 4)?;
+        let factors = match (f, spec.kind) {
+            (Some(f), LayerKind::Fc) => {
+                let k = self.book.config().batch;
+                Some((lease(f, k * (spec.m + spec.n) * 4)?, k * spec.m))
+            }
+            _ => None,
+        };
+        self.held[layer as usize] = Held::User;
+        Ok(LayerBuffers {
+            layer,
+            synced_at: self.synced_at[layer as usize],
+            params,
+            grad,
+            factors,
+        })
+    }
+
+    fn all_layers(&mut self) -> Result<Vec<LayerBuffers>> {
+        (0..self.held.len() as u32).map(|l| self.make_buffers(l)).collect()
+    }
+
+    fn layer_ready(&mut self, layer: u32) {
+        let Some(h) = self.held.get_mut(layer as usize) else {
+            return;
+        };
+        *h = Held::Ready;
+        self.synced_at[layer as usize] = Some(Instant::now());
+        if let Some(reply) = self.waiters.remove(&layer) {
+            let b = self.make_buffers(layer);
+            let _ = reply.send(b);
+        }
+        self.try_wait_all();
+    }
+
+    fn try_wait_all(&mut self) {
+        if self.wait_all.is_none() || self.held.contains(&Held::InFlight) {
+            return;
+        }
+        let reply = self.wait_all.take().expect("checked");
+        let ready: Vec<u32> = (0..self.held.len() as u32)
+            .filter(|&l| self.held[l as usize] == Held::Ready)
+            .collect();
+        let bufs: Result<Vec<LayerBuffers>> = ready.into_iter().map(|l| self.make_buffers(l)).collect();
+        let _ = reply.send(bufs);
+    }
+
+    fn stats(&self) -> SessionStats {
+        let n = self.node.stats();
+        let tc = self.t.counters();
+        let agg = self.ex.agg_stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut lat: Vec<u64> = self.latencies.iter().copied().collect();
+        lat.sort_unstable();
+        let pct = |p: f64| -> u64 {
+            if lat.is_empty() {
+                0
+            } else {
+                lat[((lat.len() - 1) as f64 * p).round() as usize]
+            }
+        };
+        SessionStats {
+            pushes: n.pushes,
+            factor_sends: n.factor_sends,
+            accumulated: n.accumulated,
+            applies: n.applies,
+            broadcasts: n.broadcasts,
+            rx_direct_bytes: tc.rx_direct_bytes,
+            rx_copied_bytes: tc.rx_copied_bytes,
+            cpu_aggregated_bytes: agg.cpu_bytes,
+            gpu_aggregated_bytes: agg.gpu_bytes,
+            max_outstanding: n.max_outstanding as u64,
+            max_message_bytes: n.max_message,
+            would_block: self.would_block,
+            hand_in_posts: self.hand_in_posts,
+            hand_in_to_post_p50_ns: pct(0.5),
+            hand_in_to_post_p99_ns: pct(0.99),
+        }
+    }
+
+    /// Waits up to `limit` for posted transmits (the aborts) to leave.
+    fn flush(&mut self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let mut evs = Vec::new();
+        while !self.reqs.is_empty() && Instant::now() < deadline {
+            evs.clear();
+            if self.t.wait(&mut evs, 256, Duration::from_millis(10)).is_err() {
+                break;
+            }
+            for ev in evs.drain(..) {
+                if let Event::SendDone { req, .. } | Event::WriteDone { req, .. } | Event::OpFailed { req, .. } = ev {
+                    self.reqs.remove(&req);
+                }
+            }
+        }
+    }
+
+    fn fail_waiters(&mut self, e: Error) {
+        for (_, r) in self.waiters.drain() {
+            let _ = r.send(Err(e.clone()));
+        }
+        if let Some(r) = self.wait_all.take() {
+            let _ = r.send(Err(e.clone()));
+        }
+        if let Some(r) = self.shutdown.take() {
+            let _ = r.send(Err(e.clone()));
+        }
+        if let Some(r) = self.ready.take() {
+            let _ = r.send(Err(e));
+        }
+        // Calls that arrive from now on fail at once.
+        while let Ok(r) = self.rx.try_recv() {
+            reply_err(r, self.fatal.clone().unwrap_or(Error::Shutdown));
+        }
+    }
+
+    /// Every peer said goodbye: close the connections gracefully and return.
+    fn leave(&mut self) {
+        let conns: Vec<ConnId> = self.conn_of.iter().flatten().copied().collect();
+        for c in &conns {
+            let _ = self.t.close(*c);
+        }
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let mut open: HashSet<ConnId> = conns.into_iter().collect();
+        let mut evs = Vec::new();
+        while !open.is_empty() && Instant::now() < deadline {
+            evs.clear();
+            if self.t.wait(&mut evs, 256, Duration::from_millis(20)).is_err() {
+                break;
+            }
+            for ev in evs.drain(..) {
+                if let Event::Closed { conn, .. } = ev {
+                    open.remove(&conn);
+                }
+            }
+        }
+        if let Some(r) = self.shutdown.take() {
+            let _ = r.send(Ok(()));
+        }
+        while let Ok(r) = self.rx.try_recv() {
+            reply_err(r, Error::Shutdown);
+        }
+    }
+}
+
+fn reply_err(r: Request, e: Error) {
+    match r {
+        Request::Wait { reply, .. } => drop(reply.send(Err(e))),
+        Request::WaitAll { reply } => drop(reply.send(Err(e))),
+        Request::Stats { reply } => drop(reply.send(Err(e))),
+        Request::Shutdown { reply } => drop(reply.send(Err(e))),
+        Request::HandIn { .. } | Request::Abort(_) => {}
+    }
+}

@@ -1,0 +1,38 @@
+//! Counters of a session.
+
+/// Counters of a session (this rank).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
+pub struct SessionStats {
+    /// Slices pushed to servers.
+    pub pushes: u64,
+    /// Factor blocks sent.
+    pub factor_sends: u64,
+    /// Slices this rank's server accumulated.
+    pub accumulated: u64,
+    /// Chunk applies.
+    pub applies: u64,
+    /// Chunk broadcasts.
+    pub broadcasts: u64,
+    /// Bytes this rank's transport received directly into registered memory.
+    pub rx_direct_bytes: u64,
+    /// Bytes this rank's transport copied out to the application (messages).
+    pub rx_copied_bytes: u64,
+    /// Contribution bytes this rank's server summed on the CPU.
+    pub cpu_aggregated_bytes: u64,
+    /// Contribution bytes this rank's server summed on the GPU (Nexus).
+    pub gpu_aggregated_bytes: u64,
+    /// Most transmits outstanding to one peer at once (never above the transport's bound).
+    pub max_outstanding: u64,
+    /// Largest message sent, bytes (never above the transport's cap).
+    pub max_message_bytes: u64,
+    /// Transmits the transport refused for now (`WouldBlock`) and that were retried.
+    pub would_block: u64,
+    /// Hand-ins followed by a post on the wire, and the median and 99th
+    /// percentile of the time from the caller's `grad_ready`/`sf_ready` to
+    /// that first post, over the last 4096 such hand-ins, ns.
+    pub hand_in_posts: u64,
+    /// See `hand_in_posts`.
+    pub hand_in_to_post_p50_ns: u64,
+    /// See `hand_in_posts`.
+    pub hand_in_to_post_p99_ns: u64,
+}
