@@ -38,7 +38,7 @@ for line in sys.stdin:
        and m["target"]["name"] in ("rdma_conformance", "tidewire_transport"):
         print(m["executable"])')
 [ ${#BINS[@]} -eq 2 ] || { echo "expected 2 RDMA test binaries, built ${#BINS[@]}: ${BINS[*]}"; exit 1; }
-cargo build --release --locked -q --features rdma --bin tidewire </dev/null || { echo "release build failed"; exit 1; }
+cargo build --release --locked -q -p tidewire-cli --features rdma --bin tidewire </dev/null || { echo "release build failed"; exit 1; }
 cargo build --release --locked -q -p tidewire-bench --features rdma --bin tidewire-perf </dev/null \
   || { echo "tidewire-perf build failed"; exit 1; }
 echo "built in $((SECONDS - t0)) s: ${BINS[*]} target/release/tidewire target/release/tidewire-perf"

@@ -4,7 +4,8 @@
 # It installs what it needs with apt-get (idempotently), then runs every tier:
 #   1. format    cargo fmt --check
 #   2. lint      cargo clippy --all-targets --all-features -D warnings
-#   3. sans-io   the engine core's dependency tree holds no I/O crate
+#   3. sans-io   the engine core's dependency tree holds no I/O crate, and the library's
+#                (`tidewire`) none of the command's (clap, indicatif, tracing-subscriber)
 #   4. tests     cargo test --workspace --all-features: unit tests, the engine's deterministic
 #                simulation (tier 2), conformance on TCP, the embedding API, and end-to-end
 #                `tidewire train` clusters (VGG19 --verify with 1, 2 and 4 workers, SSP,
@@ -93,6 +94,12 @@ sans_io() {
         | grep -E '^(io-uring|sideway|rdma-mummy-sys|cudarc|tidewire-transport|tidewire-gpu|libc) ' | sort -u)
   if [ -n "$bad" ]; then echo "tidewire-engine depends on I/O crates:"; echo "$bad"; return 1; fi
   echo "tidewire-engine's dependency tree has no I/O crate"
+  # The library a training program embeds compiles none of the CLI's dependencies
+  # (they belong to tidewire-cli, in cli/).
+  bad=$(cargo tree -p tidewire -e normal --prefix none --locked \
+        | grep -E '^(clap|indicatif|tracing-subscriber) ' | sort -u)
+  if [ -n "$bad" ]; then echo "the tidewire library depends on CLI crates:"; echo "$bad"; return 1; fi
+  echo "tidewire's dependency tree has no clap, indicatif or tracing-subscriber"
 }
 tier sans-io sans_io
 
@@ -116,7 +123,7 @@ bench() {
   timeout 300 target/release/tidewire-loopback compare --runs 3 --secs 1 --iters 3000 --json target/loopback-compare.json \
     && timeout 300 target/release/tidewire-overhead --model googlenet --reps 1 --iters 5 --json target/overhead.json \
     && timeout 300 bash bench/compare-tcp.sh --reps 1 --secs 1 \
-    && timeout 300 cargo run --release --locked -q -- bench aggregate --json > target/aggregate.json \
+    && timeout 300 cargo run --release --locked -q -p tidewire-cli -- bench aggregate --json > target/aggregate.json \
     && grep -E '"(cpu_sum_gbps|triad_gbps|ratio)"' target/aggregate.json
 }
 tier bench bench
@@ -126,7 +133,7 @@ tier bench bench
 rdma_fallback() {
   local lib out
   lib=$(readlink -f /usr/lib/x86_64-linux-gnu/libibverbs.so.1) || return 1
-  cargo build --release --locked -q --features rdma --bin tidewire || return 1
+  cargo build --release --locked -q -p tidewire-cli --features rdma --bin tidewire || return 1
   out=$(unshare -m sh -c "mount --bind /dev/null '$lib' && target/release/tidewire doctor && \
         timeout 300 target/release/tidewire train --model googlenet --workers 2 --servers 1 --iters 2 --time-scale 0.05" 2>&1)
   local rc=$?
@@ -142,7 +149,7 @@ fi
 
 # The bandwidth harness: network namespaces and tc (root only).
 netem() {
-  cargo build --release --locked -q --bin tidewire || return 1
+  cargo build --release --locked -q -p tidewire-cli --bin tidewire || return 1
   timeout 300 bash ci/netem/netem.sh check && timeout 600 bash ci/netem/crosscheck.sh
 }
 if [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1; then
@@ -152,7 +159,7 @@ else
 fi
 
 papers() {
-  cargo build --release --locked -q -p tidewire --bin tidewire -p tidewire-bench --bin tidewire-papers || return 1
+  cargo build --release --locked -q -p tidewire-cli --bin tidewire -p tidewire-bench --bin tidewire-papers || return 1
   timeout 600 target/release/tidewire-papers --out target/papers --check || return 1
   timeout 300 target/release/tidewire sim --model vgg19 --nodes 256 --iters 10 --bandwidth 10gbit
 }
@@ -188,7 +195,7 @@ gpu() {
   local rc=$?
   echo "$out" | grep -E '^test |SKIPPED|test result|panicked'
   [ $rc -eq 0 ] && ! grep -q 'SKIPPED: .*no CUDA driver' <<<"$out" || return 1
-  cargo run --release --locked -q --features cuda -- bench aggregate
+  cargo run --release --locked -q -p tidewire-cli --features cuda -- bench aggregate
 }
 if command -v nvidia-smi >/dev/null 2>&1; then
   tier gpu gpu

@@ -9,8 +9,13 @@
 //! buffers once, hand a layer in with [`Session::grad_ready`] (or
 //! [`Session::sf_ready`] with sufficient factors) the moment backward produces
 //! it, and take its updated parameters back with [`Session::wait_layer`] in
-//! forward order. See [`session`] for a complete example, [`cluster`] for the
-//! launcher variables, and [`train`] for the `tidewire train` emulator.
+//! forward order. See [`session`] for a complete example, and [`cluster`] for
+//! the launcher variables.
+//!
+//! This crate has no command-line dependency. The `tidewire` command (`train`,
+//! the local cluster launcher that emulates a training job through this API;
+//! `sim`, `plan`, `doctor` and `bench`) is the separate crate `tidewire-cli`,
+//! in the workspace's `cli/` folder.
 //!
 //! The layers underneath are re-exported: [`transport`] (registered memory and
 //! the narrow Transport API), [`engine`] (the sans-IO core and its simulator)
@@ -21,14 +26,10 @@ pub use tidewire_gpu as gpu;
 pub use tidewire_transport as transport;
 
 pub mod cluster;
-pub mod doctor;
 mod driver;
 pub mod error;
-pub mod plan;
 pub mod rendezvous;
 pub mod session;
-pub mod sim;
-pub mod train;
 
 pub use error::{Error, Result};
 pub use session::{Builder, LayerBuffers, Session, TransportKind};

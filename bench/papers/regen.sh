@@ -9,7 +9,7 @@
 # skipped, and EVAL.md says so.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-cargo build --release --locked -p tidewire --bin tidewire -p tidewire-bench --bin tidewire-papers
+cargo build --release --locked -p tidewire-cli --bin tidewire -p tidewire-bench --bin tidewire-papers
 args=(--out bench/papers)
 if [ "$(id -u)" = 0 ]; then
   args+=(--train)

@@ -19,7 +19,7 @@ use std::time::Instant;
 use clap::Parser;
 use plotters::prelude::*;
 use serde::Serialize;
-use tidewire::sim::{self, SimArgs, SimResult};
+use tidewire_cli::sim::{self, SimArgs, SimResult};
 
 #[derive(Parser, Debug)]
 #[command(
