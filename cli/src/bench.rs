@@ -49,6 +49,6 @@ impl AggregateArgs {
 }
 
 /// Runs `tidewire bench aggregate`, with its progress lines on stderr.
-pub fn aggregate(a: &AggregateArgs) -> Result<bench::AggregateReport, String> {
+pub fn aggregate(a: &AggregateArgs) -> Result<bench::AggregateReport, bench::BenchError> {
     bench::aggregate(&a.opts(), |line| eprintln!("{line}"))
 }
