@@ -22,7 +22,7 @@
 #                namespaces within 10% of its target (dilated above half the ceiling), and
 #                `tidewire train` under it against `tidewire sim` within 15% (4 nodes, 1 and 2 GbE)
 #   9c. papers   bench/papers in simulation: Poseidon's and P3's figures regenerated into
-#                target/papers/, failing if one of the papers' effects does not show; and
+#                $TARGET_DIR/papers/, failing if one of the papers' effects does not show; and
 #                `tidewire sim` of VGG19 on 256 nodes for 10 iterations, with its wall time
 #  10. soft-roce  ci/test-rdma.sh: the RDMA conformance suite and RDMA-only cases on real rxe
 #                devices in a QEMU VM, `tidewire train --verify` over RDMA, and tidewire-perf
@@ -32,6 +32,8 @@
 #  12. gpu       with a GPU: the CUDA tests (kernels bitwise against the CPU), and bench aggregate
 # The GPU tier says here when it skips, and why.
 # It ends with the plain line "N passed, M failed, K skipped" and exits non-zero on any failure.
+# What it builds, and the reports the tiers write, go to cargo's target directory (TARGET_DIR,
+# from ci/target-dir.sh: CARGO_TARGET_DIR when set, else ./target).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -83,6 +85,7 @@ if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 
   rustup component add rustfmt clippy || { echo "rustfmt/clippy missing and rustup could not add them"; exit 1; }
 fi
 export CARGO_TERM_COLOR=never
+. ci/target-dir.sh
 
 # --- tiers -----------------------------------------------------------------
 tier format cargo fmt --all --check
@@ -120,11 +123,13 @@ tier train train
 
 bench() {
   cargo build --release --locked -q -p tidewire-bench --bin tidewire-loopback --bin tidewire-overhead || return 1
-  timeout 300 target/release/tidewire-loopback compare --runs 3 --secs 1 --iters 3000 --json target/loopback-compare.json \
-    && timeout 300 target/release/tidewire-overhead --model googlenet --reps 1 --iters 5 --json target/overhead.json \
+  timeout 300 "$TARGET_DIR/release/tidewire-loopback" compare --runs 3 --secs 1 --iters 3000 \
+      --json "$TARGET_DIR/loopback-compare.json" \
+    && timeout 300 "$TARGET_DIR/release/tidewire-overhead" --model googlenet --reps 1 --iters 5 \
+      --json "$TARGET_DIR/overhead.json" \
     && timeout 300 bash bench/compare-tcp.sh --reps 1 --secs 1 \
-    && timeout 300 cargo run --release --locked -q -p tidewire-cli -- bench aggregate --json > target/aggregate.json \
-    && grep -E '"(cpu_sum_gbps|triad_gbps|ratio)"' target/aggregate.json
+    && timeout 300 cargo run --release --locked -q -p tidewire-cli -- bench aggregate --json > "$TARGET_DIR/aggregate.json" \
+    && grep -E '"(cpu_sum_gbps|triad_gbps|ratio)"' "$TARGET_DIR/aggregate.json"
 }
 tier bench bench
 
@@ -134,8 +139,9 @@ rdma_fallback() {
   local lib out
   lib=$(readlink -f /usr/lib/x86_64-linux-gnu/libibverbs.so.1) || return 1
   cargo build --release --locked -q -p tidewire-cli --features rdma --bin tidewire || return 1
-  out=$(unshare -m sh -c "mount --bind /dev/null '$lib' && target/release/tidewire doctor && \
-        timeout 300 target/release/tidewire train --model googlenet --workers 2 --servers 1 --iters 2 --time-scale 0.05" 2>&1)
+  out=$(unshare -m sh -c "mount --bind /dev/null '$lib' && '$TARGET_DIR/release/tidewire' doctor && \
+        timeout 300 '$TARGET_DIR/release/tidewire' train --model googlenet --workers 2 --servers 1 --iters 2 \
+        --time-scale 0.05" 2>&1)
   local rc=$?
   echo "$out" | grep -E 'libibverbs|^transport|default transport|mean iteration'
   [ $rc -eq 0 ] && grep -q 'transport tcp: falling back to io_uring TCP: RDMA unavailable: libibverbs.so.1 cannot be loaded' <<<"$out" \
@@ -160,8 +166,8 @@ fi
 
 papers() {
   cargo build --release --locked -q -p tidewire-cli --bin tidewire -p tidewire-bench --bin tidewire-papers || return 1
-  timeout 600 target/release/tidewire-papers --out target/papers --check || return 1
-  timeout 300 target/release/tidewire sim --model vgg19 --nodes 256 --iters 10 --bandwidth 10gbit
+  timeout 600 "$TARGET_DIR/release/tidewire-papers" --out "$TARGET_DIR/papers" --check || return 1
+  timeout 300 "$TARGET_DIR/release/tidewire" sim --model vgg19 --nodes 256 --iters 10 --bandwidth 10gbit
 }
 tier papers papers
 
