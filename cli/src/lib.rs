@@ -8,7 +8,7 @@
 //! - [`sim`]: the engine's sans-IO core on a discrete-event network;
 //! - [`plan`]: Poseidon's cost model per layer;
 //! - [`doctor`]: what this machine can use, and why not;
-//! - [`bench`]: microbenchmarks of this machine (CPU and GPU aggregation).
+//! - [`bench`](mod@bench): microbenchmarks of this machine (CPU and GPU aggregation).
 //!
 //! A training program embeds the `tidewire` library, not this crate: this one
 //! brings the command-line dependencies (clap, indicatif, tracing-subscriber).

@@ -7,7 +7,7 @@
 //! and the accumulator read, the accumulator written); the triad 3 x N x 4.
 //!
 //! The options, the report and [`BenchError`] live in `types.rs`; the GPU half
-//! (`gpu.rs`, feature `cuda`) measures through [`crate::cuda`] and fills
+//! (`gpu.rs`, feature `cuda`) measures through the `cuda` module and fills
 //! [`GpuPart`]. The dependencies go one way: this module -> `gpu.rs` ->
 //! `types.rs` and `cuda`; `cuda` knows nothing of the bench.
 
