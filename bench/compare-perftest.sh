@@ -19,9 +19,13 @@
 # the ratio is what compares. perftest itself sometimes fails under TCG
 # ("Correlation coefficient r^2 < 0.9": its CPU-clock calibration); such a run
 # is retried, up to 3 times, and counted.
+#
+# Binaries and outputs are in cargo's target directory (ci/target-dir.sh: CARGO_TARGET_DIR
+# when set, else ./target): $TARGET_DIR/compare-perftest/. The VM sees it at the same path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=target/compare-perftest
+. ci/target-dir.sh
+OUT=$TARGET_DIR/compare-perftest
 JSON=$OUT/compare-perftest.json
 PNG=$OUT/compare-perftest.png
 REPS=3
@@ -36,7 +40,7 @@ while [ $# -gt 0 ]; do
     --sizes) SIZES=$2; shift 2 ;;
     --tests) TESTS=$2; shift 2 ;;
     --enforce) ENFORCE=(--enforce); shift ;;
-    -h|--help) sed -n "2,22p" "$0"; exit 0 ;;
+    -h|--help) sed -n "2,24p" "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)"; exit 2 ;;
   esac
 done
@@ -56,10 +60,10 @@ RAW=$OUT/raw.tsv
 GUEST=$OUT/guest.sh
 cat >"$GUEST" <<'EOF'
 #!/usr/bin/env bash
-# Runs in the VM: REPS SIZES RAW TESTS
+# Runs in the VM: REPS SIZES RAW TESTS, with the tidewire-perf binary in TIDEWIRE_PERF
 set -u
 REPS=$1; SIZES=$2; RAW=$3; TESTS=$4
-P=target/release/tidewire-perf
+P=$TIDEWIRE_PERF
 : >"$RAW"
 port=18600
 row='^ [0-9]+ +[0-9]+ +[0-9]+\.[0-9]+'
@@ -112,7 +116,11 @@ done
 echo "retried runs: $retries"
 EOF
 echo "running $REPS repetitions of $TESTS at sizes: $SIZES"
-bash ci/softroce-vm.sh --mem 1024 --timeout 3000 -- bash "$GUEST" "$REPS" "$SIZES" "$RAW" "$TESTS"
+# The guest sees the clone at the same path; a target directory elsewhere is shared too.
+SHARE=()
+case "$TARGET_DIR/" in "$PWD"/*) ;; *) SHARE=(--share "$TARGET_DIR") ;; esac
+bash ci/softroce-vm.sh ${SHARE[@]+"${SHARE[@]}"} --mem 1024 --timeout 3000 \
+  --env "TIDEWIRE_PERF=$TARGET_DIR/release/tidewire-perf" -- bash "$GUEST" "$REPS" "$SIZES" "$RAW" "$TESTS"
 vm=$?
 [ $vm -eq 0 ] || { echo "the VM run failed (exit $vm)"; exit 1; }
 echo
@@ -123,7 +131,7 @@ has write_bw 65536 && CHECKS+=(--check write_bw:65536:ge:0.95)
 has write_bw 1048576 && CHECKS+=(--check write_bw:1048576:ge:0.95)
 has write_lat 2 && CHECKS+=(--check write_lat:2:le:1.10)
 has write_lat 4096 && CHECKS+=(--check write_lat:4096:le:1.10)
-target/release/tidewire-perf-report --input "$RAW" --json "$JSON" --png "$PNG" "${ENFORCE[@]}" ${CHECKS[@]+"${CHECKS[@]}"}
+"$TARGET_DIR/release/tidewire-perf-report" --input "$RAW" --json "$JSON" --png "$PNG" "${ENFORCE[@]}" ${CHECKS[@]+"${CHECKS[@]}"}
 rc=$?
 echo "raw results: $RAW; $((SECONDS - t0)) s in all"
 exit $rc

@@ -11,9 +11,12 @@
 # ours/iperf3, and writes the same JSON as compare-perftest.sh (the peer's key
 # is "iperf3") and a PNG. The acceptance check: write_bw at 1 MiB >= 0.9x iperf3.
 # Traffic stays on 127.0.0.1. Needs iperf3 (Debian: apt-get install iperf3).
+# Binaries and outputs are in cargo's target directory (ci/target-dir.sh: CARGO_TARGET_DIR
+# when set, else ./target): $TARGET_DIR/compare-tcp/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=target/compare-tcp
+. ci/target-dir.sh
+OUT=$TARGET_DIR/compare-tcp
 JSON=$OUT/compare-tcp.json
 PNG=$OUT/compare-tcp.png
 REPS=3
@@ -28,7 +31,7 @@ while [ $# -gt 0 ]; do
     --secs) SECS=$2; shift 2 ;;
     --sizes) SIZES=$2; shift 2 ;;
     --enforce) ENFORCE=(--enforce); shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)"; exit 2 ;;
   esac
 done
@@ -38,7 +41,7 @@ command -v iperf3 >/dev/null || { echo "iperf3 is missing (Debian: apt-get insta
 mkdir -p "$OUT"
 cargo build --release --locked -q -p tidewire-bench --bin tidewire-perf --bin tidewire-perf-report </dev/null \
   || { echo "build failed"; exit 1; }
-P=target/release/tidewire-perf
+P=$TARGET_DIR/release/tidewire-perf
 RAW=$OUT/raw.tsv
 : >"$RAW"
 port=$((20000 + RANDOM % 20000))
@@ -81,4 +84,4 @@ for rep in $(seq 1 "$REPS"); do
 done
 echo
 echo "medians of $REPS repetitions, $SECS s each (tidewire-perf --transport tcp write_bw vs iperf3, one stream, loopback):"
-target/release/tidewire-perf-report --input "$RAW" --json "$JSON" --png "$PNG" "${ENFORCE[@]}" --check write_bw:1048576:ge:0.9
+"$TARGET_DIR/release/tidewire-perf-report" --input "$RAW" --json "$JSON" --png "$PNG" "${ENFORCE[@]}" --check write_bw:1048576:ge:0.9

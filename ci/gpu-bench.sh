@@ -3,11 +3,13 @@
 # --features cuda: the CUDA tests, `tidewire bench aggregate --json`, and torch's
 # equivalent sum on the same GPU in the same run (bench/gpu/torch_sum.py).
 #   bash ci/gpu-bench.sh [TIDEWIRE_BIN] [TEST_BIN...]
+# TIDEWIRE_BIN defaults to the target directory's release/tidewire (ci/target-dir.sh:
+# cargo's, or ${CARGO_TARGET_DIR:-target} where there is no cargo).
 # libnvrtc and libcublas come from the CUDA toolkit or from pip's nvidia-* wheels
 # (torch's): their lib directories are added to LD_LIBRARY_PATH when found.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bin=${1:-target/release/tidewire}; shift || true
+if [ $# -gt 0 ]; then bin=$1; shift; else . ci/target-dir.sh; bin=$TARGET_DIR/release/tidewire; fi
 for d in $(python3 - <<'PY' 2>/dev/null
 import glob, os, site
 for s in site.getsitepackages():

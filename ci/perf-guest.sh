@@ -9,7 +9,7 @@
 # Each case prints both sides' output and reports in libtest's format, so that
 # ci/test-rdma.sh counts it with the rest. Sizes are small: the VM is emulated.
 set -u
-P=${TIDEWIRE_PERF:-target/release/tidewire-perf}
+P=${TIDEWIRE_PERF:-${CARGO_TARGET_DIR:-target}/release/tidewire-perf}
 SRV_IP=${SOFTROCE_IP:-192.0.2.1}
 PORT=18515
 pass=0; fail=0

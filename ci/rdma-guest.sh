@@ -6,7 +6,10 @@
 # that ci/test-rdma.sh counts it with the rest. Then tidewire-perf against
 # Debian's perftest, both ways (ci/perf-guest.sh), and RDMA under tc shaping
 # on the veth (ci/rdma-shaped-guest.sh).
+# The binaries: TIDEWIRE_BIN (ci/test-rdma.sh passes the path it built; by hand, the
+# default is ${CARGO_TARGET_DIR:-target}/release/tidewire) and TIDEWIRE_PERF (perf-guest.sh).
 set -u
+T=${TIDEWIRE_BIN:-${CARGO_TARGET_DIR:-target}/release/tidewire}
 rc=0
 for b in "$@"; do
   echo "### $b"
@@ -14,7 +17,7 @@ for b in "$@"; do
 done
 
 echo "### tidewire train over RDMA (transport auto, rxe0 <-> rxe0, verified against one process)"
-out=$(TIDEWIRE_TRANSPORT=auto timeout 600 target/release/tidewire train --model googlenet --workers 2 --servers 1 \
+out=$(TIDEWIRE_TRANSPORT=auto timeout 600 "$T" train --model googlenet --workers 2 --servers 1 \
       --iters 3 --time-scale 0.05 --verify 2>&1)
 trc=$?
 echo "$out"
@@ -28,7 +31,7 @@ else
   rc=1
 fi
 echo "### tidewire doctor on rxe: the dmabuf and per-QP rate-limit probes"
-out=$(timeout 120 target/release/tidewire doctor 2>&1)
+out=$(timeout 120 "$T" doctor 2>&1)
 echo "$out"
 if grep -q 'rdma rxe0 dmabuf' <<<"$out" && grep -q 'rdma rxe0 rate limit' <<<"$out" \
    && grep -q 'no packet pacing' <<<"$out"; then

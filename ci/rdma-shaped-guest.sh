@@ -8,7 +8,7 @@
 #      headers are about 6% of a 1024-byte-MTU packet, which tbf counts).
 # Reports in libtest's format, so that ci/test-rdma.sh counts it.
 set -u
-P=${TIDEWIRE_PERF:-target/release/tidewire-perf}
+P=${TIDEWIRE_PERF:-${CARGO_TARGET_DIR:-target}/release/tidewire-perf}
 IP=${SOFTROCE_IP:-192.0.2.1}
 DEV=veth1
 tmp=$(mktemp -d)

@@ -12,8 +12,14 @@
 #
 # Needs root (or sudo) the first time, to apt-get install cmake and
 # libclang-dev (to build sideway's verbs stubs) and the VM's packages.
+#
+# Binaries and the log go to cargo's target directory (ci/target-dir.sh). The VM
+# sees this directory at the same path (it is shared when it lies outside the
+# clone), and the guest scripts get the binaries' paths in TIDEWIRE_BIN and
+# TIDEWIRE_PERF.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. ci/target-dir.sh
 t0=$SECONDS
 
 need=()
@@ -38,18 +44,22 @@ for line in sys.stdin:
        and m["target"]["name"] in ("rdma_conformance", "tidewire_transport"):
         print(m["executable"])')
 [ ${#BINS[@]} -eq 2 ] || { echo "expected 2 RDMA test binaries, built ${#BINS[@]}: ${BINS[*]}"; exit 1; }
-cargo build --release --locked -q --features rdma --bin tidewire </dev/null || { echo "release build failed"; exit 1; }
+cargo build --release --locked -q -p tidewire-cli --features rdma --bin tidewire </dev/null || { echo "release build failed"; exit 1; }
 cargo build --release --locked -q -p tidewire-bench --features rdma --bin tidewire-perf </dev/null \
   || { echo "tidewire-perf build failed"; exit 1; }
-echo "built in $((SECONDS - t0)) s: ${BINS[*]} target/release/tidewire target/release/tidewire-perf"
+TW=$TARGET_DIR/release/tidewire PERF=$TARGET_DIR/release/tidewire-perf
+for b in "$TW" "$PERF"; do [ -x "$b" ] || { echo "$b is missing after the build"; exit 1; }; done
+echo "built in $((SECONDS - t0)) s: ${BINS[*]} $TW $PERF"
 
-LOG=target/softroce-tests.log
-mkdir -p target
+LOG=$TARGET_DIR/softroce-tests.log
+# The guest sees the clone (the current directory) at the same path; a target
+# directory elsewhere (CARGO_TARGET_DIR=/tmp/...) is shared too.
 SHARE=()
-[ -n "${CARGO_TARGET_DIR:-}" ] && SHARE=(--share "$CARGO_TARGET_DIR")
+case "$TARGET_DIR/" in "$PWD"/*) ;; *) SHARE=(--share "$TARGET_DIR") ;; esac
 # The guest runs each binary one test at a time (the VM is emulated, and slow).
 bash ci/softroce-vm.sh ${SHARE[@]+"${SHARE[@]}"} --mem 2048 --timeout "${SOFTROCE_TIMEOUT:-1500}" \
-  --env RUST_BACKTRACE=1 --env TIDEWIRE_REQUIRE_RDMA=1 --env TIDEWIRE_REQUIRE_VGEM=1 --env RUST_LOG=warn -- \
+  --env RUST_BACKTRACE=1 --env TIDEWIRE_REQUIRE_RDMA=1 --env TIDEWIRE_REQUIRE_VGEM=1 --env RUST_LOG=warn \
+  --env "TIDEWIRE_BIN=$TW" --env "TIDEWIRE_PERF=$PERF" -- \
   bash ci/rdma-guest.sh "${BINS[@]}" 2>&1 | tee "$LOG"
 vm_rc=${PIPESTATUS[0]}
 

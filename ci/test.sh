@@ -4,7 +4,8 @@
 # It installs what it needs with apt-get (idempotently), then runs every tier:
 #   1. format    cargo fmt --check
 #   2. lint      cargo clippy --all-targets --all-features -D warnings
-#   3. sans-io   the engine core's dependency tree holds no I/O crate
+#   3. sans-io   the engine core's dependency tree holds no I/O crate, and the library's
+#                (`tidewire`) none of the command's (clap, indicatif, tracing-subscriber)
 #   4. tests     cargo test --workspace --all-features: unit tests, the engine's deterministic
 #                simulation (tier 2), conformance on TCP, the embedding API, and end-to-end
 #                `tidewire train` clusters (VGG19 --verify with 1, 2 and 4 workers, SSP,
@@ -21,7 +22,7 @@
 #                namespaces within 10% of its target (dilated above half the ceiling), and
 #                `tidewire train` under it against `tidewire sim` within 15% (4 nodes, 1 and 2 GbE)
 #   9c. papers   bench/papers in simulation: Poseidon's and P3's figures regenerated into
-#                target/papers/, failing if one of the papers' effects does not show; and
+#                $TARGET_DIR/papers/, failing if one of the papers' effects does not show; and
 #                `tidewire sim` of VGG19 on 256 nodes for 10 iterations, with its wall time
 #  10. soft-roce  ci/test-rdma.sh: the RDMA conformance suite and RDMA-only cases on real rxe
 #                devices in a QEMU VM, `tidewire train --verify` over RDMA, and tidewire-perf
@@ -31,6 +32,8 @@
 #  12. gpu       with a GPU: the CUDA tests (kernels bitwise against the CPU), and bench aggregate
 # The GPU tier says here when it skips, and why.
 # It ends with the plain line "N passed, M failed, K skipped" and exits non-zero on any failure.
+# What it builds, and the reports the tiers write, go to cargo's target directory (TARGET_DIR,
+# from ci/target-dir.sh: CARGO_TARGET_DIR when set, else ./target).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -82,6 +85,7 @@ if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 
   rustup component add rustfmt clippy || { echo "rustfmt/clippy missing and rustup could not add them"; exit 1; }
 fi
 export CARGO_TERM_COLOR=never
+. ci/target-dir.sh
 
 # --- tiers -----------------------------------------------------------------
 tier format cargo fmt --all --check
@@ -93,6 +97,12 @@ sans_io() {
         | grep -E '^(io-uring|sideway|rdma-mummy-sys|cudarc|tidewire-transport|tidewire-gpu|libc) ' | sort -u)
   if [ -n "$bad" ]; then echo "tidewire-engine depends on I/O crates:"; echo "$bad"; return 1; fi
   echo "tidewire-engine's dependency tree has no I/O crate"
+  # The library a training program embeds compiles none of the CLI's dependencies
+  # (they belong to tidewire-cli, in cli/).
+  bad=$(cargo tree -p tidewire -e normal --prefix none --locked \
+        | grep -E '^(clap|indicatif|tracing-subscriber) ' | sort -u)
+  if [ -n "$bad" ]; then echo "the tidewire library depends on CLI crates:"; echo "$bad"; return 1; fi
+  echo "tidewire's dependency tree has no clap, indicatif or tracing-subscriber"
 }
 tier sans-io sans_io
 
@@ -113,11 +123,13 @@ tier train train
 
 bench() {
   cargo build --release --locked -q -p tidewire-bench --bin tidewire-loopback --bin tidewire-overhead || return 1
-  timeout 300 target/release/tidewire-loopback compare --runs 3 --secs 1 --iters 3000 --json target/loopback-compare.json \
-    && timeout 300 target/release/tidewire-overhead --model googlenet --reps 1 --iters 5 --json target/overhead.json \
+  timeout 300 "$TARGET_DIR/release/tidewire-loopback" compare --runs 3 --secs 1 --iters 3000 \
+      --json "$TARGET_DIR/loopback-compare.json" \
+    && timeout 300 "$TARGET_DIR/release/tidewire-overhead" --model googlenet --reps 1 --iters 5 \
+      --json "$TARGET_DIR/overhead.json" \
     && timeout 300 bash bench/compare-tcp.sh --reps 1 --secs 1 \
-    && timeout 300 cargo run --release --locked -q -- bench aggregate --json > target/aggregate.json \
-    && grep -E '"(cpu_sum_gbps|triad_gbps|ratio)"' target/aggregate.json
+    && timeout 300 cargo run --release --locked -q -p tidewire-cli -- bench aggregate --json > "$TARGET_DIR/aggregate.json" \
+    && grep -E '"(cpu_sum_gbps|triad_gbps|ratio)"' "$TARGET_DIR/aggregate.json"
 }
 tier bench bench
 
@@ -126,9 +138,10 @@ tier bench bench
 rdma_fallback() {
   local lib out
   lib=$(readlink -f /usr/lib/x86_64-linux-gnu/libibverbs.so.1) || return 1
-  cargo build --release --locked -q --features rdma --bin tidewire || return 1
-  out=$(unshare -m sh -c "mount --bind /dev/null '$lib' && target/release/tidewire doctor && \
-        timeout 300 target/release/tidewire train --model googlenet --workers 2 --servers 1 --iters 2 --time-scale 0.05" 2>&1)
+  cargo build --release --locked -q -p tidewire-cli --features rdma --bin tidewire || return 1
+  out=$(unshare -m sh -c "mount --bind /dev/null '$lib' && '$TARGET_DIR/release/tidewire' doctor && \
+        timeout 300 '$TARGET_DIR/release/tidewire' train --model googlenet --workers 2 --servers 1 --iters 2 \
+        --time-scale 0.05" 2>&1)
   local rc=$?
   echo "$out" | grep -E 'libibverbs|^transport|default transport|mean iteration'
   [ $rc -eq 0 ] && grep -q 'transport tcp: falling back to io_uring TCP: RDMA unavailable: libibverbs.so.1 cannot be loaded' <<<"$out" \
@@ -142,7 +155,7 @@ fi
 
 # The bandwidth harness: network namespaces and tc (root only).
 netem() {
-  cargo build --release --locked -q --bin tidewire || return 1
+  cargo build --release --locked -q -p tidewire-cli --bin tidewire || return 1
   timeout 300 bash ci/netem/netem.sh check && timeout 600 bash ci/netem/crosscheck.sh
 }
 if [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1; then
@@ -152,9 +165,9 @@ else
 fi
 
 papers() {
-  cargo build --release --locked -q -p tidewire --bin tidewire -p tidewire-bench --bin tidewire-papers || return 1
-  timeout 600 target/release/tidewire-papers --out target/papers --check || return 1
-  timeout 300 target/release/tidewire sim --model vgg19 --nodes 256 --iters 10 --bandwidth 10gbit
+  cargo build --release --locked -q -p tidewire-cli --bin tidewire -p tidewire-bench --bin tidewire-papers || return 1
+  timeout 600 "$TARGET_DIR/release/tidewire-papers" --out "$TARGET_DIR/papers" --check || return 1
+  timeout 300 "$TARGET_DIR/release/tidewire" sim --model vgg19 --nodes 256 --iters 10 --bandwidth 10gbit
 }
 tier papers papers
 
@@ -188,7 +201,7 @@ gpu() {
   local rc=$?
   echo "$out" | grep -E '^test |SKIPPED|test result|panicked'
   [ $rc -eq 0 ] && ! grep -q 'SKIPPED: .*no CUDA driver' <<<"$out" || return 1
-  cargo run --release --locked -q --features cuda -- bench aggregate
+  cargo run --release --locked -q -p tidewire-cli --features cuda -- bench aggregate
 }
 if command -v nvidia-smi >/dev/null 2>&1; then
   tier gpu gpu

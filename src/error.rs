@@ -50,9 +50,6 @@ pub enum Error {
     /// Server-side aggregation failed, or the GPU asked for is not usable.
     #[error(transparent)]
     Aggregation(#[from] tidewire_gpu::agg::AggError),
-    /// A simulation failed (`tidewire sim`).
-    #[error(transparent)]
-    Sim(#[from] tidewire_engine::sim::SimError),
     /// A thread could not be started.
     #[error("cannot start the {what} thread: {reason}")]
     Thread { what: &'static str, reason: String },

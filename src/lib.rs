@@ -9,8 +9,13 @@
 //! buffers once, hand a layer in with [`Session::grad_ready`] (or
 //! [`Session::sf_ready`] with sufficient factors) the moment backward produces
 //! it, and take its updated parameters back with [`Session::wait_layer`] in
-//! forward order. See [`session`] for a complete example, [`cluster`] for the
-//! launcher variables, and [`train`] for the `tidewire train` emulator.
+//! forward order. See [`session`] for a complete example, and [`cluster`] for
+//! the launcher variables.
+//!
+//! This crate has no command-line dependency. The `tidewire` command (`train`,
+//! the local cluster launcher that emulates a training job through this API;
+//! `sim`, `plan`, `doctor` and `bench`) is the separate crate `tidewire-cli`,
+//! in the workspace's `cli/` folder.
 //!
 //! The layers underneath are re-exported: [`transport`] (registered memory and
 //! the narrow Transport API), [`engine`] (the sans-IO core and its simulator)
@@ -23,15 +28,11 @@ pub use tidewire_transport as transport;
 mod buffers;
 pub mod cluster;
 mod config;
-pub mod doctor;
 pub mod error;
-pub mod plan;
 pub mod rendezvous;
 mod runtime;
 pub mod session;
-pub mod sim;
 mod stats;
-pub mod train;
 
 pub use error::{Error, Result};
 pub use session::{BufferLayout, Builder, LayerBuffers, Session, SessionStats, TransportKind, TransportLimits};

@@ -6,14 +6,17 @@
 # Builds tidewire and tidewire-papers, simulates Poseidon's and P3's figures at the
 # papers' scale with `tidewire sim`, and, as root, runs `tidewire train` under the
 # bandwidth harness (ci/netem/) for the P3 figure. Not root: the harness runs are
-# skipped, and EVAL.md says so.
+# skipped, and EVAL.md says so. The binaries are in cargo's target directory
+# (ci/target-dir.sh: CARGO_TARGET_DIR when set, else ./target); tidewire-papers finds
+# tidewire beside itself.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-cargo build --release --locked -p tidewire --bin tidewire -p tidewire-bench --bin tidewire-papers
+. ci/target-dir.sh
+cargo build --release --locked -p tidewire-cli --bin tidewire -p tidewire-bench --bin tidewire-papers
 args=(--out bench/papers)
 if [ "$(id -u)" = 0 ]; then
   args+=(--train)
 else
   echo "regen.sh: SKIPPED the harness runs (tidewire train under ci/netem): they need root" >&2
 fi
-exec target/release/tidewire-papers "${args[@]}" "$@"
+exec "$TARGET_DIR/release/tidewire-papers" "${args[@]}" "$@"

@@ -11,15 +11,18 @@
 # both with `--time-scale D`. `train` runs R times (default 2) and its fastest run counts:
 # four ranks share this machine's two cores, so interference only ever slows `train`
 # (a 5-iteration run at 2 GbE read 0.857 s once and 0.982 s another time).
-# Needs root, and a built target/release/tidewire.
+# Needs root, and a built tidewire (cargo build --release -p tidewire-cli --bin tidewire) in
+# cargo's target directory (ci/target-dir.sh: CARGO_TARGET_DIR when set, else ./target),
+# where the JSON goes too by default.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. ci/target-dir.sh
 MODEL=resnet-50
 NODES=4
 ITERS=10
 RUNS=2
 PROFILES="1gbe 2gbe"
-JSON=target/netem-crosscheck.json
+JSON=$TARGET_DIR/netem-crosscheck.json
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) MODEL=$2; shift 2 ;;
@@ -28,12 +31,12 @@ while [ $# -gt 0 ]; do
     --runs) RUNS=$2; shift 2 ;;
     --profiles) PROFILES=$2; shift 2 ;;
     --json) JSON=$2; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)"; exit 2 ;;
   esac
 done
-T=target/release/tidewire
-[ -x "$T" ] || { echo "build first: cargo build --release"; exit 2; }
+T=$TARGET_DIR/release/tidewire
+[ -x "$T" ] || { echo "$T is missing: build first with cargo build --release -p tidewire-cli --bin tidewire"; exit 2; }
 mkdir -p "$(dirname "$JSON")"
 rows=()
 fail=0

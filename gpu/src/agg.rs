@@ -39,13 +39,13 @@ pub enum Policy {
 }
 
 impl std::str::FromStr for Policy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = AggError;
+    fn from_str(s: &str) -> Result<Self, AggError> {
         match s {
             "cpu" => Ok(Policy::Cpu),
             "gpu" => Ok(Policy::Gpu),
             "auto" => Ok(Policy::Auto),
-            _ => Err(format!("aggregation policy `{s}`: expected cpu, gpu or auto")),
+            _ => Err(AggError::UnknownPolicy(s.to_string())),
         }
     }
 }
@@ -63,6 +63,9 @@ pub enum AggError {
     /// Arguments that do not fit the chunk.
     #[error("aggregation: {0}")]
     Invalid(String),
+    /// A policy name other than cpu, gpu or auto.
+    #[error("aggregation policy `{0}`: expected cpu, gpu or auto")]
+    UnknownPolicy(String),
 }
 
 /// Counters, for stats and the bench.
@@ -457,7 +460,9 @@ mod tests {
 
     #[test]
     fn policy_parses() {
-        assert_eq!("auto".parse::<Policy>(), Ok(Policy::Auto));
-        assert!("fpga".parse::<Policy>().unwrap_err().contains("cpu, gpu or auto"));
+        assert_eq!("auto".parse::<Policy>().unwrap(), Policy::Auto);
+        let e = "fpga".parse::<Policy>().unwrap_err();
+        assert!(matches!(&e, AggError::UnknownPolicy(p) if p == "fpga"), "{e:?}");
+        assert!(e.to_string().contains("cpu, gpu or auto"), "{e}");
     }
 }

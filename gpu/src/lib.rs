@@ -11,7 +11,7 @@
 //!   cuBLAS SGEMM for sufficient factors.
 //! - [`sched`]: Nexus's CPU/GPU choice per chunk; [`agg`]: the server's
 //!   aggregator that follows it.
-//! - [`bench`]: `tidewire bench aggregate`, against the machine's memory
+//! - [`bench`](mod@bench): `tidewire bench aggregate`, against the machine's memory
 //!   bandwidth (and, on a GPU, its device-to-device copy).
 
 pub mod agg;

@@ -55,15 +55,17 @@ struct Report {
     idle_core_share: f64,
 }
 
+/// CPU time of every thread of this process, seconds (from each thread's
+/// `/proc/self/task/*/schedstat`, nanosecond resolution).
 fn cpu_secs() -> f64 {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage writes a whole rusage into the pointer it is given.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
-    assert_eq!(rc, 0, "getrusage");
-    // SAFETY: initialized by the successful call above (and zeroed before).
-    let ru = unsafe { ru.assume_init() };
-    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
-    t(ru.ru_utime) + t(ru.ru_stime)
+    let mut ns = 0u64;
+    for t in std::fs::read_dir("/proc/self/task").expect("procfs") {
+        let p = t.expect("task").path().join("schedstat");
+        if let Ok(s) = std::fs::read_to_string(p) {
+            ns += s.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0);
+        }
+    }
+    ns as f64 / 1e9
 }
 
 /// Median of half the round trip of a 64-byte ping-pong over std TCP on loopback, µs.

@@ -12,7 +12,7 @@
 //! ```
 
 use clap::Parser;
-use tidewire::train::{run_single, IterStat, TrainArgs};
+use tidewire_cli::train::{run_single, IterStat, TrainArgs};
 
 #[derive(Parser)]
 struct Cli {

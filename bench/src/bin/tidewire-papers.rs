@@ -19,7 +19,7 @@ use std::time::Instant;
 use clap::Parser;
 use plotters::prelude::*;
 use serde::Serialize;
-use tidewire::sim::{self, SimArgs, SimResult};
+use tidewire_cli::sim::{self, SimArgs, SimResult};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -34,7 +34,7 @@ struct Cli {
     #[arg(long, default_value_t = 10)]
     iters: u64,
     /// Also run `tidewire train` under the bandwidth harness for the P3
-    /// figure (needs root, iproute2, iperf3 and a built target/release/tidewire).
+    /// figure (needs root, iproute2, iperf3 and a built `tidewire`: see --tidewire).
     #[arg(long)]
     train: bool,
     /// Harness runs as MODEL@PROFILE, comma-separated (with --train).
@@ -46,15 +46,28 @@ struct Cli {
     /// Iterations of each `train` run.
     #[arg(long, default_value_t = 5)]
     train_iters: u64,
-    /// The tidewire binary for --train.
-    #[arg(long, default_value = "target/release/tidewire")]
-    tidewire: PathBuf,
+    /// The tidewire binary for --train (default: the `tidewire` beside this binary,
+    /// in the same target directory, which is where `cargo build --release -p tidewire-cli`
+    /// puts it, CARGO_TARGET_DIR or not).
+    #[arg(long)]
+    tidewire: Option<PathBuf>,
     /// Exit with status 1 when one of the papers' effects does not show.
     #[arg(long)]
     check: bool,
     /// A TTF font for the plots.
     #[arg(long, default_value = tidewire_bench::DEFAULT_FONT)]
     font: PathBuf,
+}
+
+impl Cli {
+    fn tidewire(&self) -> PathBuf {
+        self.tidewire.clone().unwrap_or_else(|| {
+            std::env::current_exe()
+                .ok()
+                .and_then(|e| e.parent().map(|d| d.join("tidewire")))
+                .unwrap_or_else(|| PathBuf::from("target/release/tidewire"))
+        })
+    }
 }
 
 /// One simulated point.
@@ -438,7 +451,7 @@ fn train_under_harness(cli: &Cli, model: &str, profile: &str, sync: &str) -> Res
         --time-scale "$NETEM_DILATION" --netns "$NETEM_NS" --netns-addrs "$NETEM_ADDRS""#;
     let out = Command::new("bash")
         .args(["ci/netem/netem.sh", "run", profile, "4", "--", "sh", "-c", script])
-        .arg(&cli.tidewire)
+        .arg(cli.tidewire())
         .args([model, &cli.train_iters.to_string(), sync])
         .output()
         .map_err(|e| format!("ci/netem/netem.sh: {e}"))?;
@@ -506,10 +519,10 @@ fn run(cli: &Cli) -> Result<bool, String> {
             }
             train_points.push((m.to_string(), prof.to_string()));
         }
-        if !cli.tidewire.exists() {
+        if !cli.tidewire().exists() {
             return Err(format!(
-                "{} is missing: cargo build --release first",
-                cli.tidewire.display()
+                "{} is missing: cargo build --release -p tidewire-cli --bin tidewire first",
+                cli.tidewire().display()
             ));
         }
     }

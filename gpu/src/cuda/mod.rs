@@ -7,7 +7,6 @@
 //!
 //! [`Gpu`] is one device ready to aggregate: see [`gpu`].
 
-pub mod bench;
 pub mod gpu;
 pub use gpu::{
     compile_kernels, ptx_cache_dir, DeviceBuffer, DmabufExport, Gpu, GpuElement, GpuOptions, HostRegistration,

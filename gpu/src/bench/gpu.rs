@@ -5,16 +5,16 @@
 
 use std::time::Instant;
 
-use super::{CudaError, Gpu, GpuOptions};
-use crate::bench::{AggregateOpts, GpuPart};
+use super::types::{AggregateOpts, GpuPart};
 use crate::cpu;
+use crate::cuda::{CudaError, Gpu, GpuOptions};
 
 fn gbps(bytes: f64, ms: f64) -> f64 {
     bytes / (ms / 1e3) / 1e9
 }
 
 /// Measures what [`GpuPart`] reports on GPU 0. `progress` hears one line per step.
-pub fn measure(o: &AggregateOpts, mut progress: impl FnMut(&str)) -> Result<GpuPart, CudaError> {
+pub(super) fn measure(o: &AggregateOpts, mut progress: impl FnMut(&str)) -> Result<GpuPart, CudaError> {
     let g = Gpu::open(GpuOptions::default())?;
     let info = g.info().clone();
     let n = o.mib << 18;

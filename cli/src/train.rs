@@ -18,9 +18,10 @@ use tidewire_engine::models::{self, Model};
 use tidewire_engine::{Book, BookConfig, Cluster, Consistency, SchedConfig, SyncMode};
 use tidewire_gpu::cpu::{self, ApplyOp};
 
-use crate::cluster::ClusterSpec;
+use tidewire::cluster::ClusterSpec;
+use tidewire::session::{Builder, LayerBuffers, Session, SessionStats};
+
 use crate::error::{Error, Result};
-use crate::session::{Builder, Session};
 
 /// Flags of `tidewire train`.
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
@@ -140,7 +141,7 @@ impl TrainArgs {
     /// The model profile.
     pub fn model(&self) -> Result<Model> {
         models::profile(&self.model).ok_or_else(|| {
-            Error::Cluster(format!(
+            Error::Usage(format!(
                 "unknown model {:?}; known: {}",
                 self.model,
                 models::NAMES.join(", ")
@@ -161,7 +162,7 @@ impl TrainArgs {
             },
             "mean" => ApplyOp::Mean,
             "sum" => ApplyOp::Sum,
-            o => return Err(Error::Cluster(format!("--op {o:?}: use sgd, mean or sum"))),
+            o => return Err(Error::Usage(format!("--op {o:?}: use sgd, mean or sum"))),
         })
     }
     fn batch(&self, m: &Model) -> usize {
@@ -186,35 +187,33 @@ impl TrainArgs {
             }
         }
         if self.workers == 0 {
-            return Err(Error::Cluster("--workers must be at least 1".into()));
+            return Err(Error::Usage("--workers must be at least 1".into()));
         }
         if !self.colocate && self.servers == 0 {
-            return Err(Error::Cluster(
-                "--servers must be at least 1 (or use --colocate)".into(),
-            ));
+            return Err(Error::Usage("--servers must be at least 1 (or use --colocate)".into()));
         }
         if self.iters == 0 {
-            return Err(Error::Cluster("--iters must be at least 1".into()));
+            return Err(Error::Usage("--iters must be at least 1".into()));
         }
         if let (Some(ns), Some(addrs)) = (&self.netns, &self.netns_addrs) {
             let (ns, addrs) = (split_list(ns), split_list(addrs));
             if ns.is_empty() || ns.len() != addrs.len() {
-                return Err(Error::Cluster(format!(
+                return Err(Error::Usage(format!(
                     "--netns names {} namespaces and --netns-addrs {} addresses: give one address per namespace",
                     ns.len(),
                     addrs.len()
                 )));
             }
             if let Some(a) = addrs.iter().find(|a| a.parse::<std::net::Ipv4Addr>().is_err()) {
-                return Err(Error::Cluster(format!("--netns-addrs: {a:?} is not an IPv4 address")));
+                return Err(Error::Usage(format!("--netns-addrs: {a:?} is not an IPv4 address")));
             }
         }
         if !(self.time_scale >= 0.0 && self.time_scale.is_finite()) {
-            return Err(Error::Cluster("--time-scale must be a finite number ≥ 0".into()));
+            return Err(Error::Usage("--time-scale must be a finite number ≥ 0".into()));
         }
-        let c = consistency_of(&self.consistency).map_err(Error::Cluster)?;
+        let c = consistency_of(&self.consistency).map_err(Error::Usage)?;
         if self.verify && (c != Consistency::Bsp || self.fast) {
-            return Err(Error::Cluster(
+            return Err(Error::Usage(
                 "--verify needs BSP with deterministic aggregation: SSP and --fast results depend on timing".into(),
             ));
         }
@@ -339,7 +338,7 @@ pub struct NodeResult {
     /// SHA-256 of each layer's final parameters (workers).
     pub digests: Vec<String>,
     /// Session counters.
-    pub stats: crate::session::SessionStats,
+    pub stats: SessionStats,
     /// The transport this rank used and why ("tcp: ..." or "rdma: ...").
     #[serde(default)]
     pub transport: String,
@@ -543,12 +542,13 @@ fn span(from: Option<Instant>, to: Option<Instant>) -> f64 {
     }
 }
 
-fn hand_in(session: &Session, buf: crate::session::LayerBuffers, fc_as_gradients: bool) -> Result<()> {
+fn hand_in(session: &Session, buf: LayerBuffers, fc_as_gradients: bool) -> Result<()> {
     if session.book().layers()[buf.layer() as usize].kind == LayerKind::Fc && !fc_as_gradients {
-        session.sf_ready(buf)
+        session.sf_ready(buf)?;
     } else {
-        session.grad_ready(buf)
+        session.grad_ready(buf)?;
     }
+    Ok(())
 }
 
 /// One worker with no peers, in this process: the trainer loop through the
@@ -748,8 +748,9 @@ pub struct LayerRow {
 }
 
 fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| Error::Rendezvous(e.to_string()))?;
-    Ok(l.local_addr().map_err(|e| Error::Rendezvous(e.to_string()))?.port())
+    let no_port = |e: std::io::Error| Error::Launch(format!("no free rendezvous port on 127.0.0.1: {e}"));
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(no_port)?;
+    Ok(l.local_addr().map_err(no_port)?.port())
 }
 
 fn secret() -> String {
@@ -769,7 +770,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     let model = args.model()?;
     let (p1, p2, world) = args.world();
     let began = Instant::now();
-    let exe = std::env::current_exe().map_err(|e| Error::Cluster(format!("cannot find my own binary: {e}")))?;
+    let exe = std::env::current_exe().map_err(|e| Error::Launch(format!("cannot find my own binary: {e}")))?;
     let secret = secret();
     // Under the bandwidth harness each rank runs in a namespace of its own (round robin),
     // and rank 0's namespace address is the rendezvous; a fresh namespace has every port free.
@@ -808,7 +809,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         }
         let child = c
             .spawn()
-            .map_err(|e| Error::Cluster(format!("cannot start rank {rank}: {e}")))?;
+            .map_err(|e| Error::Launch(format!("cannot start rank {rank}: {e}")))?;
         children.push((rank, child));
     }
     let bar = indicatif::ProgressBar::new(args.iters);
@@ -891,11 +892,11 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         for (rank, tail) in stderr_tails.iter().filter(|(_, t)| !t.is_empty()) {
             msg.push_str(&format!("\n--- rank {rank} stderr ---\n{}", tail.trim_end()));
         }
-        return Err(Error::Cluster(format!("the local cluster failed: {msg}")));
+        return Err(Error::Launch(format!("the local cluster failed: {msg}")));
     }
     let workers: Vec<&NodeResult> = results.iter().filter(|r| r.worker).collect();
     if workers.len() != p1 {
-        return Err(Error::Cluster(format!(
+        return Err(Error::Launch(format!(
             "{} of {p1} workers reported a result",
             workers.len()
         )));

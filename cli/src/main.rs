@@ -3,7 +3,9 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use tidewire::train::TrainArgs;
+use tidewire_cli::bench::BenchCmd;
+use tidewire_cli::train::TrainArgs;
+use tidewire_cli::{doctor, plan, sim, train};
 
 #[derive(Parser)]
 #[command(
@@ -54,34 +56,11 @@ enum Cmd {
     #[command(hide = true)]
     TrainNode(TrainArgs),
     /// Simulate a cluster: the engine's own core on a discrete-event network (any scale).
-    Sim(tidewire::sim::SimArgs),
+    Sim(sim::SimArgs),
     /// Microbenchmarks of this machine.
     Bench {
         #[command(subcommand)]
         what: BenchCmd,
-    },
-}
-
-#[derive(Subcommand)]
-enum BenchCmd {
-    /// CPU aggregation (sum of P inputs into an accumulator) next to a STREAM-like
-    /// triad measured in the same run.
-    Aggregate {
-        /// P: inputs summed into the accumulator.
-        #[arg(long, default_value_t = 8)]
-        inputs: usize,
-        /// MiB per input (and per triad array).
-        #[arg(long, default_value_t = 64)]
-        mib: usize,
-        /// Threads (default: every core).
-        #[arg(long)]
-        threads: Option<usize>,
-        /// Repetitions of each measurement; the best and the median are reported.
-        #[arg(long, default_value_t = 5)]
-        reps: usize,
-        /// Print JSON instead of text.
-        #[arg(long)]
-        json: bool,
     },
 }
 
@@ -93,11 +72,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Doctor { json } => {
-            let checks = tidewire::doctor::run();
+            let checks = doctor::run();
             if json {
                 println!("{}", serde_json::to_string_pretty(&checks).expect("serializable"));
             } else {
-                print!("{}", tidewire::doctor::render(&checks));
+                print!("{}", doctor::render(&checks));
             }
             ExitCode::SUCCESS
         }
@@ -117,13 +96,13 @@ fn main() -> ExitCode {
             } else {
                 None
             };
-            match tidewire::plan::plan(&model, workers, servers, batch, coloc) {
+            match plan::plan(&model, workers, servers, batch, coloc) {
                 Ok(p) if json => {
                     println!("{}", serde_json::to_string_pretty(&p).expect("serializable"));
                     ExitCode::SUCCESS
                 }
                 Ok(p) => {
-                    print!("{}", tidewire::plan::render(&p));
+                    print!("{}", plan::render(&p));
                     ExitCode::SUCCESS
                 }
                 Err(e) => fail(e),
@@ -132,12 +111,12 @@ fn main() -> ExitCode {
         Cmd::Train(args) => {
             // The ranks get the same flags (the launcher's own are harmless to them).
             let node_args: Vec<String> = std::env::args().skip(2).collect();
-            match tidewire::train::launch(&args, node_args) {
+            match train::launch(&args, node_args) {
                 Ok(r) => {
                     if args.json {
                         println!("{}", serde_json::to_string_pretty(&r).expect("serializable"));
                     } else {
-                        print!("{}", tidewire::train::render(&r));
+                        print!("{}", train::render(&r));
                     }
                     if r.verified == Some(false) {
                         ExitCode::from(3)
@@ -149,52 +128,33 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Bench {
-            what:
-                BenchCmd::Aggregate {
-                    inputs,
-                    mib,
-                    threads,
-                    reps,
-                    json,
-                },
-        } => {
-            use tidewire::gpu::bench;
-            let mut o = bench::AggregateOpts {
-                inputs,
-                mib,
-                reps,
-                ..Default::default()
-            };
-            if let Some(t) = threads {
-                o.threads = t;
+            what: BenchCmd::Aggregate(a),
+        } => match tidewire_cli::bench::aggregate(&a) {
+            Ok(r) if a.json => {
+                println!("{}", serde_json::to_string_pretty(&r).expect("serializable"));
+                ExitCode::SUCCESS
             }
-            match bench::aggregate(&o, |line| eprintln!("{line}")) {
-                Ok(r) if json => {
-                    println!("{}", serde_json::to_string_pretty(&r).expect("serializable"));
-                    ExitCode::SUCCESS
-                }
-                Ok(r) => {
-                    print!("{}", bench::render(&r));
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("tidewire: error: bench aggregate: {e}");
-                    ExitCode::FAILURE
-                }
+            Ok(r) => {
+                print!("{}", tidewire_gpu::bench::render(&r));
+                ExitCode::SUCCESS
             }
-        }
-        Cmd::Sim(args) => match tidewire::sim::run(&args) {
+            Err(e) => {
+                eprintln!("tidewire: error: bench aggregate: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Cmd::Sim(args) => match sim::run(&args) {
             Ok(r) => {
                 if args.json {
                     println!("{}", serde_json::to_string_pretty(&r).expect("serializable"));
                 } else {
-                    print!("{}", tidewire::sim::render(&r));
+                    print!("{}", sim::render(&r));
                 }
                 ExitCode::SUCCESS
             }
             Err(e) => fail(e),
         },
-        Cmd::TrainNode(args) => match tidewire::train::run_node(&args) {
+        Cmd::TrainNode(args) => match train::run_node(&args) {
             Ok(r) => {
                 println!("result {}", serde_json::to_string(&r).expect("serializable"));
                 ExitCode::SUCCESS
@@ -204,7 +164,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn fail(e: tidewire::Error) -> ExitCode {
+fn fail(e: tidewire_cli::Error) -> ExitCode {
     eprintln!("tidewire: error: {e}");
     ExitCode::FAILURE
 }

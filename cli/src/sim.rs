@@ -148,7 +148,7 @@ fn consistency_of(s: &str) -> Result<Consistency> {
     s.strip_prefix("ssp:")
         .and_then(|n| n.parse().ok())
         .map(Consistency::Ssp)
-        .ok_or_else(|| Error::Cluster(format!("--consistency {s:?}: use bsp or ssp:S (e.g. ssp:2)")))
+        .ok_or_else(|| Error::Usage(format!("--consistency {s:?}: use bsp or ssp:S (e.g. ssp:2)")))
 }
 
 fn one_run(model: &Model, cluster: Cluster, args: &SimArgs, mode: SyncMode, batch: usize) -> Result<SimReport> {
@@ -159,8 +159,7 @@ fn one_run(model: &Model, cluster: Cluster, args: &SimArgs, mode: SyncMode, batc
             batch,
             ..Default::default()
         }),
-    )
-    .map_err(|e| Error::Cluster(e.to_string()))?;
+    )?;
     let times: Vec<(u64, u64)> = model
         .layer_times(batch, args.time_scale)
         .iter()
@@ -181,20 +180,20 @@ fn one_run(model: &Model, cluster: Cluster, args: &SimArgs, mode: SyncMode, batc
 /// Runs the simulation (and the one-node reference for the speedup).
 pub fn run(args: &SimArgs) -> Result<SimResult> {
     let model = models::profile(&args.model).ok_or_else(|| {
-        Error::Cluster(format!(
+        Error::Usage(format!(
             "unknown model {:?}; known: {}",
             args.model,
             models::NAMES.join(", ")
         ))
     })?;
     if args.iters == 0 {
-        return Err(Error::Cluster("--iters must be at least 1".into()));
+        return Err(Error::Usage("--iters must be at least 1".into()));
     }
     if !(args.latency_us >= 0.0 && args.latency_us.is_finite()) {
-        return Err(Error::Cluster("--latency-us must be a finite number ≥ 0".into()));
+        return Err(Error::Usage("--latency-us must be a finite number ≥ 0".into()));
     }
     if !(args.time_scale > 0.0 && args.time_scale.is_finite()) {
-        return Err(Error::Cluster("--time-scale must be a finite number > 0".into()));
+        return Err(Error::Usage("--time-scale must be a finite number > 0".into()));
     }
     let (workers, servers, colocated) = match (args.nodes, args.workers, args.servers) {
         (Some(n), _, _) => (n, n, true),
@@ -202,7 +201,7 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
         _ => (1, 1, true),
     };
     if workers == 0 || servers == 0 || workers > 4096 || servers > 4096 {
-        return Err(Error::Cluster(format!(
+        return Err(Error::Usage(format!(
             "{workers} workers and {servers} servers: give 1 to 4096 of each"
         )));
     }
@@ -212,17 +211,10 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
         Cluster::colocated(workers)
     } else {
         Cluster::split(workers, servers)
-    }
-    .map_err(|e| Error::Cluster(e.to_string()))?;
+    }?;
     let t0 = Instant::now();
     let rep = one_run(&model, cluster, args, mode, batch)?;
-    let single = one_run(
-        &model,
-        Cluster::colocated(1).map_err(|e| Error::Cluster(e.to_string()))?,
-        args,
-        mode,
-        batch,
-    )?;
+    let single = one_run(&model, Cluster::colocated(1)?, args, mode, batch)?;
     let compute_s = model.iteration_compute(batch, args.time_scale).as_secs_f64();
     let throughput = workers as f64 * batch as f64 / rep.iteration_s;
     let single_tp = batch as f64 / single.iteration_s;

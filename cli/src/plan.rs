@@ -64,14 +64,14 @@ pub struct Plan {
 /// (Poseidon's setting: every node is worker and server).
 pub fn plan(model: &str, workers: usize, servers: usize, batch: usize, colocated: Option<bool>) -> Result<Plan> {
     let m = models::profile(model)
-        .ok_or_else(|| Error::Cluster(format!("unknown model {model:?}; known: {}", models::NAMES.join(", "))))?;
+        .ok_or_else(|| Error::Usage(format!("unknown model {model:?}; known: {}", models::NAMES.join(", "))))?;
     if workers == 0 || servers == 0 || batch == 0 {
-        return Err(Error::Cluster("workers, servers and batch must be at least 1".into()));
+        return Err(Error::Usage("workers, servers and batch must be at least 1".into()));
     }
     let colocated = colocated.unwrap_or(workers == servers);
     let cluster = if colocated {
         if workers != servers {
-            return Err(Error::Cluster(format!(
+            return Err(Error::Usage(format!(
                 "a colocated plan needs as many servers as workers (got {workers} and {servers})"
             )));
         }

@@ -5,83 +5,29 @@
 //! Bytes are counted as STREAM counts them (no write-allocate traffic): the
 //! sum of P inputs into an accumulator moves (P + 2) x N x 4 bytes (P inputs
 //! and the accumulator read, the accumulator written); the triad 3 x N x 4.
+//!
+//! The options, the report and [`BenchError`] live in `types.rs`; the GPU half
+//! (`gpu.rs`, feature `cuda`) measures through the `cuda` module and fills
+//! [`GpuPart`]. The dependencies go one way: this module -> `gpu.rs` ->
+//! `types.rs` and `cuda`; `cuda` knows nothing of the bench.
+
+#[cfg(feature = "cuda")]
+mod gpu;
+mod types;
 
 use std::time::Instant;
 
-use serde::Serialize;
+pub use types::{AggregateOpts, AggregateReport, BenchError, GpuPart};
 
 use crate::cpu;
 
-/// What to measure.
-#[derive(Debug, Clone)]
-pub struct AggregateOpts {
-    /// P, the inputs summed into the accumulator.
-    pub inputs: usize,
-    /// MiB per input (and per triad array).
-    pub mib: usize,
-    /// Threads for both the sum and the triad.
-    pub threads: usize,
-    /// Repetitions of each, alternating; the best and the median are reported.
-    pub reps: usize,
-}
-
-impl Default for AggregateOpts {
-    fn default() -> Self {
-        AggregateOpts {
-            inputs: 8,
-            mib: 64,
-            threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-            reps: 5,
-        }
-    }
-}
-
-/// The GPU part of the report (GB/s counted as for the CPU: the sum moves
-/// (P+2)·N·4 bytes, a copy 2·N·4).
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct GpuPart {
-    /// Whether a GPU was measured; `reason` says why not.
-    pub measured: bool,
-    pub reason: String,
-    pub device: Option<String>,
-    /// The deterministic f32 sum kernel, best repetition.
-    pub sum_gbps: Option<f64>,
-    /// cuMemcpyDtoD of one input, same run.
-    pub d2d_copy_gbps: Option<f64>,
-    /// sum_gbps / d2d_copy_gbps.
-    pub ratio_vs_copy: Option<f64>,
-    /// The sum with bf16 inputs accumulated in f32 (P·N·2 + 2·N·4 bytes).
-    pub bf16_sum_gbps: Option<f64>,
-    /// cuBLAS SGEMM as SF reconstruction (4096×4096 from P·256 factor rows).
-    pub sgemm_gflops: Option<f64>,
-    /// Pinned host→device.
-    pub h2d_gbps: Option<f64>,
-    /// Device→pinned host.
-    pub d2h_gbps: Option<f64>,
-    /// The kernel's result equals the CPU's bitwise on the bench's data.
-    pub matches_cpu_bitwise: Option<bool>,
-}
-
-/// The result; `cpu_sum_gbps` and `triad_gbps` are the best repetitions.
-#[derive(Debug, Clone, Serialize)]
-pub struct AggregateReport {
-    pub inputs: usize,
-    pub mib: usize,
-    pub threads: usize,
-    pub reps: usize,
-    pub cpu_sum_gbps: f64,
-    pub triad_gbps: f64,
-    /// cpu_sum_gbps / triad_gbps.
-    pub ratio: f64,
-    pub cpu_sum_gbps_median: f64,
-    pub triad_gbps_median: f64,
-    pub gpu: GpuPart,
-}
-
-fn alloc(n: usize, v: f32, what: &str) -> Result<Vec<f32>, String> {
+fn alloc(n: usize, v: f32, what: &'static str) -> Result<Vec<f32>, BenchError> {
     let mut x = Vec::new();
-    x.try_reserve_exact(n)
-        .map_err(|_| format!("cannot allocate {} MiB for {what}", (n * 4) >> 20))?;
+    x.try_reserve_exact(n).map_err(|source| BenchError::Alloc {
+        what,
+        mib: (n * 4) >> 20,
+        source,
+    })?;
     x.resize(n, v);
     Ok(x)
 }
@@ -92,19 +38,29 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Runs the measurement. `progress` hears one line per repetition.
-pub fn aggregate(o: &AggregateOpts, mut progress: impl FnMut(&str)) -> Result<AggregateReport, String> {
-    if !(1..=64).contains(&o.inputs) || !(1..=16384).contains(&o.mib) || o.threads == 0 || !(1..=1000).contains(&o.reps)
+pub fn aggregate(o: &AggregateOpts, mut progress: impl FnMut(&str)) -> Result<AggregateReport, BenchError> {
+    if !AggregateOpts::INPUTS.contains(&o.inputs)
+        || !AggregateOpts::MIB.contains(&o.mib)
+        || o.threads == 0
+        || !AggregateOpts::REPS.contains(&o.reps)
     {
-        return Err("need 1..=64 inputs, 1..=16384 MiB, at least 1 thread and 1..=1000 repetitions".into());
+        return Err(BenchError::Options {
+            inputs: o.inputs,
+            mib: o.mib,
+            threads: o.threads,
+            reps: o.reps,
+        });
     }
     let n = o.mib << 18; // f32 elements per MiB: 2^20 / 4
     let need_mib = (o.inputs + 1 + 3) * o.mib;
-    if let Some(avail) = mem_available_mib() {
-        if need_mib as u64 > avail {
-            return Err(format!(
-                "needs {need_mib} MiB ({} inputs + accumulator + 3 triad arrays of {} MiB), but only {avail} MiB are available",
-                o.inputs, o.mib
-            ));
+    if let Some(available_mib) = mem_available_mib() {
+        if need_mib as u64 > available_mib {
+            return Err(BenchError::Memory {
+                need_mib,
+                available_mib,
+                inputs: o.inputs,
+                mib: o.mib,
+            });
         }
     }
     let inputs: Vec<Vec<f32>> = (0..o.inputs)
@@ -138,7 +94,10 @@ pub fn aggregate(o: &AggregateOpts, mut progress: impl FnMut(&str)) -> Result<Ag
     }
     // Keep the results observable so neither loop can be optimized away.
     if !(acc[n / 2].is_finite() && a[n / 2] == 7.0) {
-        return Err("aggregation produced wrong values".into());
+        return Err(BenchError::WrongValues {
+            sum: acc[n / 2],
+            triad: a[n / 2],
+        });
     }
     let best = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
     let (cpu_sum_gbps, triad_gbps) = (best(&sums), best(&triads));
@@ -160,7 +119,7 @@ pub fn aggregate(o: &AggregateOpts, mut progress: impl FnMut(&str)) -> Result<Ag
 fn gpu_part(o: &AggregateOpts, progress: &mut impl FnMut(&str)) -> GpuPart {
     #[cfg(feature = "cuda")]
     {
-        match crate::cuda::bench::measure(o, |l| progress(l)) {
+        match gpu::measure(o, |l| progress(l)) {
             Ok(p) => p,
             Err(e) => GpuPart {
                 reason: e.to_string(),
@@ -257,7 +216,8 @@ mod tests {
                 ..o.clone()
             },
         ] {
-            assert!(aggregate(&bad, |_| {}).is_err());
+            let e = aggregate(&bad, |_| {}).unwrap_err();
+            assert!(matches!(e, BenchError::Options { .. }), "{e:?}");
         }
         let huge = AggregateOpts {
             mib: 16384,
@@ -265,6 +225,7 @@ mod tests {
             ..o
         };
         let e = aggregate(&huge, |_| {}).unwrap_err();
-        assert!(e.contains("MiB"), "{e}");
+        assert!(matches!(e, BenchError::Memory { .. }), "{e:?}");
+        assert!(e.to_string().contains("MiB"), "{e}");
     }
 }
