@@ -90,6 +90,14 @@ pub struct TrainArgs {
     /// Seconds a wait or a silent peer may take before the run fails.
     #[arg(long, default_value_t = 60)]
     pub timeout_s: u64,
+    /// Lower the transport's bound on requests in flight per connection (the
+    /// engine queues within it; TIDEWIRE_MAX_OUTSTANDING does the same).
+    #[arg(long)]
+    pub max_outstanding: Option<usize>,
+    /// Lower the transport's message cap, bytes, at least 256 (larger factor
+    /// blocks are split; TIDEWIRE_MAX_MESSAGE_BYTES does the same).
+    #[arg(long)]
+    pub max_message_bytes: Option<usize>,
     /// Seed of the synthetic gradients.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -226,6 +234,13 @@ impl TrainArgs {
             slice_params: self.slice_params,
             ..Default::default()
         })
+    }
+    /// The transport limits the flags lower.
+    pub fn limits(&self) -> tidewire::TransportLimits {
+        tidewire::TransportLimits {
+            max_outstanding: self.max_outstanding,
+            max_message_bytes: self.max_message_bytes,
+        }
     }
     fn sched(&self) -> SchedConfig {
         let mut s = SchedConfig {
@@ -366,6 +381,7 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
         .sched(args.sched())
         .apply(args.apply_op()?)
         .aggregation(args.aggregate)
+        .transport_limits(args.limits())
         .timeout(Duration::from_secs(args.timeout_s))
         .connect_timeout(Duration::from_secs(args.timeout_s))
         .init_params(move |l, p| s2.init(l, p))
@@ -692,6 +708,8 @@ pub fn reference(args: &TrainArgs, workers: usize) -> Result<Vec<String>> {
 pub struct TrainReport {
     /// Model.
     pub model: String,
+    /// Every WARN or ERROR line the ranks logged (a healthy run has none), as `rank N: line`.
+    pub log_warnings: Vec<String>,
     /// Sync mode.
     pub sync: String,
     /// Consistency.
@@ -845,14 +863,18 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         }));
         err_readers.push(std::thread::spawn(move || {
             let mut tail = String::new();
+            let mut warnings = Vec::new();
             for line in BufReader::new(stderr).lines().map_while(std::result::Result::ok) {
+                if line.contains("WARN") || line.contains("ERROR") {
+                    warnings.push(format!("rank {rank}: {line}"));
+                }
                 tail.push_str(&line);
                 tail.push('\n');
                 if tail.len() > 8192 {
                     tail.drain(..tail.len() - 8192);
                 }
             }
-            (rank, tail)
+            (rank, tail, warnings)
         }));
     }
     let deadline = Duration::from_secs(args.timeout_s)
@@ -886,10 +908,11 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     }
     bar.finish_and_clear();
     let results: Vec<NodeResult> = readers.into_iter().filter_map(|r| r.join().ok().flatten()).collect();
-    let stderr_tails: Vec<(u32, String)> = err_readers.into_iter().filter_map(|r| r.join().ok()).collect();
+    let stderr_tails: Vec<(u32, String, Vec<String>)> =
+        err_readers.into_iter().filter_map(|r| r.join().ok()).collect();
     if !failed.is_empty() {
         let mut msg = failed.join("; ");
-        for (rank, tail) in stderr_tails.iter().filter(|(_, t)| !t.is_empty()) {
+        for (rank, tail, _) in stderr_tails.iter().filter(|(_, t, _)| !t.is_empty()) {
             msg.push_str(&format!("\n--- rank {rank} stderr ---\n{}", tail.trim_end()));
         }
         return Err(Error::Launch(format!("the local cluster failed: {msg}")));
@@ -958,6 +981,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     };
     let k = args.batch(&model);
     Ok(TrainReport {
+        log_warnings: stderr_tails.into_iter().flat_map(|(_, _, w)| w).collect(),
         model: model.name.into(),
         sync: args.sync.clone(),
         consistency: args.consistency.clone(),
@@ -1074,6 +1098,12 @@ pub fn render(r: &TrainReport) -> String {
             let _ = writeln!(s, "verify: FAILED on layers {:?}", r.mismatched_layers);
         }
         None => {}
+    }
+    if !r.log_warnings.is_empty() {
+        let _ = writeln!(s, "the ranks logged {} warnings or errors:", r.log_warnings.len());
+        for w in r.log_warnings.iter().take(20) {
+            let _ = writeln!(s, "  {w}");
+        }
     }
     s
 }
