@@ -59,9 +59,17 @@ pub enum Error {
         region: u32,
         needed: &'static str,
     },
-    /// Deregistration was refused because operations still use the region.
-    #[error("deregister region {region:#x}: {in_flight} operation(s) still in flight; retry after their completions")]
-    RegionBusy { region: u32, in_flight: usize },
+    /// The region (or the range) is in use: deregistration while operations are in
+    /// flight, or a lease or copy of bytes that a live lease covers. Nothing was done.
+    #[error(
+        "{op}: region {region:#x} is in use by {in_flight} in-flight operation(s) or overlapping lease(s); \
+         retry after they complete or are dropped"
+    )]
+    RegionBusy {
+        op: &'static str,
+        region: u32,
+        in_flight: usize,
+    },
     /// The per-connection bound on outstanding requests is reached: poll, then call again.
     #[error("{op} on connection {conn}: {limit} requests outstanding (the bound); poll completions and retry")]
     WouldBlock { op: &'static str, conn: u64, limit: usize },
