@@ -22,6 +22,9 @@
 //!   Where bytes may still be landing, read them with the copies above: they
 //!   read through relaxed atomic loads, never through a slice, so a race with
 //!   the device can tear values but cannot make the program undefined.
+//!
+//! Under Miri, which cannot `mmap`, `mlock` or `madvise`, a [`PinnedBuffer`]
+//! is a zeroed, page-aligned heap allocation and is never locked.
 
 use std::fmt;
 
@@ -29,6 +32,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+#[cfg(not(miri))]
 use memmap2::{MmapMut, MmapOptions};
 
 use crate::error::{Error, Result};
@@ -67,7 +71,11 @@ impl Default for PinOptions {
 }
 
 /// The memory behind a [`PinnedBuffer`]: an anonymous mapping.
+#[cfg(not(miri))]
 type Mapping = MmapMut;
+/// The memory behind a [`PinnedBuffer`] under Miri: a heap allocation.
+#[cfg(miri)]
+type Mapping = heap::HeapMap;
 
 /// A page-aligned, zero-filled, pinned host buffer.
 pub struct PinnedBuffer {
@@ -171,8 +179,10 @@ impl PinnedBuffer {
                     },
                 });
             }
-            buf.locked = true;
-            LOCKED_BYTES.fetch_add(buf.map.len(), Ordering::Relaxed);
+            buf.locked = cfg!(not(miri));
+            if buf.locked {
+                LOCKED_BYTES.fetch_add(buf.map.len(), Ordering::Relaxed);
+            }
         }
         Ok(buf)
     }
@@ -187,7 +197,7 @@ impl PinnedBuffer {
         self.len == 0
     }
 
-    /// Whether the pages are locked in RAM.
+    /// Whether the pages are locked in RAM (never under Miri).
     pub fn is_locked(&self) -> bool {
         self.locked
     }
@@ -204,6 +214,7 @@ impl PinnedBuffer {
 }
 
 /// Maps `len` bytes of zeroed anonymous memory, with the huge-page policy.
+#[cfg(not(miri))]
 fn map_anon(len: usize, huge: HugePages) -> std::io::Result<Mapping> {
     let mut mo = MmapOptions::new();
     mo.len(len);
@@ -220,9 +231,83 @@ fn map_anon(len: usize, huge: HugePages) -> std::io::Result<Mapping> {
     Ok(map)
 }
 
+/// Miri cannot map memory: a zeroed, page-aligned heap allocation (huge pages ignored).
+#[cfg(miri)]
+fn map_anon(len: usize, _huge: HugePages) -> std::io::Result<Mapping> {
+    heap::HeapMap::new(len)
+}
+
 /// `mlock(2)`s the mapping.
+#[cfg(not(miri))]
 fn lock_pages(map: &Mapping) -> std::io::Result<()> {
     map.lock()
+}
+
+/// Miri cannot lock pages: nothing is locked (and [`PinnedBuffer::is_locked`] says so).
+#[cfg(miri)]
+fn lock_pages(_map: &Mapping) -> std::io::Result<()> {
+    Ok(())
+}
+
+#[cfg(miri)]
+mod heap {
+    use std::alloc::{alloc_zeroed, dealloc, Layout};
+    use std::io;
+    use std::ptr::NonNull;
+
+    /// A zeroed, page-aligned heap allocation that stands in for an anonymous
+    /// mapping under Miri; it owns its memory as a `Box<[u8]>` would.
+    pub(crate) struct HeapMap {
+        ptr: NonNull<u8>,
+        layout: Layout,
+    }
+
+    // SAFETY: HeapMap uniquely owns its allocation (like Box<[u8]>); access to the
+    // bytes goes through `&self`/`&mut self` or raw pointers whose users uphold the rules.
+    unsafe impl Send for HeapMap {}
+    // SAFETY: as above; `&HeapMap` only gives out shared reads or raw pointers.
+    unsafe impl Sync for HeapMap {}
+
+    impl HeapMap {
+        pub(crate) fn new(len: usize) -> io::Result<HeapMap> {
+            let layout = Layout::from_size_align(len, super::page_size()).map_err(io::Error::other)?;
+            if layout.size() == 0 {
+                return Err(io::Error::from(io::ErrorKind::InvalidInput));
+            }
+            // SAFETY: the layout has a non-zero size (checked above).
+            let ptr = unsafe { alloc_zeroed(layout) };
+            let ptr = NonNull::new(ptr).ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
+            Ok(HeapMap { ptr, layout })
+        }
+        pub(crate) fn as_ptr(&self) -> *const u8 {
+            self.ptr.as_ptr()
+        }
+        pub(crate) fn len(&self) -> usize {
+            self.layout.size()
+        }
+    }
+
+    impl std::ops::Deref for HeapMap {
+        type Target = [u8];
+        fn deref(&self) -> &[u8] {
+            // SAFETY: the allocation is live, initialized (zeroed) and `len` bytes long.
+            unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len()) }
+        }
+    }
+
+    impl std::ops::DerefMut for HeapMap {
+        fn deref_mut(&mut self) -> &mut [u8] {
+            // SAFETY: as in `deref`; `&mut self` makes this the only borrow.
+            unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len()) }
+        }
+    }
+
+    impl Drop for HeapMap {
+        fn drop(&mut self) {
+            // SAFETY: allocated in `new` with this very layout, freed once.
+            unsafe { dealloc(self.ptr.as_ptr(), self.layout) };
+        }
+    }
 }
 
 impl std::ops::Deref for PinnedBuffer {
@@ -821,8 +906,11 @@ mod tests {
         assert_eq!(b.as_ptr() as usize % page_size(), 0);
         assert_eq!(b.len(), 10_000);
         assert!(b.iter().all(|&x| x == 0));
-        assert!(b.is_locked());
-        assert!(PinnedBuffer::locked_bytes_total() >= 10_000);
+        // Miri cannot lock pages; the buffer says so.
+        assert_eq!(b.is_locked(), cfg!(not(miri)));
+        if b.is_locked() {
+            assert!(PinnedBuffer::locked_bytes_total() >= 10_000);
+        }
     }
 
     #[test]
@@ -845,6 +933,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "fork, setrlimit and mlock are real syscalls")]
     fn over_limit_mlock_reports_memlock() {
         // Lower our own soft limit in a child process so the rest of the test run is unaffected.
         // SAFETY: fork in a test process; the child only calls async-signal-safe-enough
@@ -984,10 +1073,10 @@ mod tests {
     #[test]
     fn leases_from_two_threads_are_exclusive() {
         // Two threads race for overlapping leases and write through them, while
-        // copies run beside them; a lapse in exclusivity is a data race or a
-        // torn pattern (the asserts catch the latter).
+        // copies run beside them; a lapse in exclusivity is a data race (Miri
+        // reports it) or a torn pattern (the asserts catch it).
         let r = region(4096);
-        let rounds = 2000;
+        let rounds = if cfg!(miri) { 20 } else { 2000 };
         let workers: Vec<_> = (1..=2u8)
             .map(|me| {
                 let r = r.clone();
