@@ -161,6 +161,18 @@ pub enum Error {
         status: u32,
         vendor_err: u32,
     },
+    /// Device memory could not be exported as a dmabuf, or copied to or from the
+    /// host: the failure of a `DeviceMemory` implementation (the RDMA backend's
+    /// GPUDirect path), or of creating a vgem buffer.
+    #[error("device memory: {op} failed: {reason}")]
+    DeviceMemory {
+        /// What failed, e.g. `"dmabuf export"`, `"copy to host"`, `"copy from host"`.
+        op: &'static str,
+        reason: String,
+        /// The underlying error (a driver's, an OS error), when there is one.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
     /// Registering device memory by dmabuf is not possible with this device or driver.
     #[error("dmabuf registration unsupported on {device}: {reason}")]
     DmabufUnsupported { device: String, reason: String },
