@@ -49,6 +49,9 @@ fn config(o: &Opts, cross: bool) -> RdmaConfig {
     }
     let mut c = RdmaConfig::new(tcp);
     c.device = choice(o.rank, cross);
+    if let Some(m) = o.max_message_bytes {
+        c.max_message_bytes = m;
+    }
     c
 }
 
