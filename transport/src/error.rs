@@ -59,9 +59,17 @@ pub enum Error {
         region: u32,
         needed: &'static str,
     },
-    /// Deregistration was refused because operations still use the region.
-    #[error("deregister region {region:#x}: {in_flight} operation(s) still in flight; retry after their completions")]
-    RegionBusy { region: u32, in_flight: usize },
+    /// The region (or the range) is in use: deregistration while operations are in
+    /// flight, or a lease or copy of bytes that a live lease covers. Nothing was done.
+    #[error(
+        "{op}: region {region:#x} is in use by {in_flight} in-flight operation(s) or overlapping lease(s); \
+         retry after they complete or are dropped"
+    )]
+    RegionBusy {
+        op: &'static str,
+        region: u32,
+        in_flight: usize,
+    },
     /// The per-connection bound on outstanding requests is reached: poll, then call again.
     #[error("{op} on connection {conn}: {limit} requests outstanding (the bound); poll completions and retry")]
     WouldBlock { op: &'static str, conn: u64, limit: usize },
@@ -152,6 +160,18 @@ pub enum Error {
         peer: String,
         status: u32,
         vendor_err: u32,
+    },
+    /// Device memory could not be exported as a dmabuf, or copied to or from the
+    /// host: the failure of a `DeviceMemory` implementation (the RDMA backend's
+    /// GPUDirect path), or of creating a vgem buffer.
+    #[error("device memory: {op} failed: {reason}")]
+    DeviceMemory {
+        /// What failed, e.g. `"dmabuf export"`, `"copy to host"`, `"copy from host"`.
+        op: &'static str,
+        reason: String,
+        /// The underlying error (a driver's, an OS error), when there is one.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
     /// Registering device memory by dmabuf is not possible with this device or driver.
     #[error("dmabuf registration unsupported on {device}: {reason}")]

@@ -49,6 +49,9 @@ fn config(o: &Opts, cross: bool) -> RdmaConfig {
     }
     let mut c = RdmaConfig::new(tcp);
     c.device = choice(o.rank, cross);
+    if let Some(m) = o.max_message_bytes {
+        c.max_message_bytes = m;
+    }
     c
 }
 
@@ -543,18 +546,22 @@ mod cases {
             fn len(&self) -> usize {
                 self.0.len()
             }
-            fn dmabuf(&self) -> Result<DmabufHandle<'_>, String> {
+            fn dmabuf(&self) -> tidewire_transport::Result<DmabufHandle<'_>> {
                 let h = self.0.dmabuf()?;
                 Ok(DmabufHandle {
                     iova: h.iova + self.1,
                     ..h
                 })
             }
-            fn copy_to_host(&self, o: usize, d: &mut [u8]) -> Result<(), String> {
+            fn copy_to_host(&self, o: usize, d: &mut [u8]) -> tidewire_transport::Result<()> {
                 self.0.copy_to_host(o, d)
             }
-            fn copy_from_host(&mut self, _: usize, _: &[u8]) -> Result<(), String> {
-                Err("read only".into())
+            fn copy_from_host(&mut self, _: usize, _: &[u8]) -> tidewire_transport::Result<()> {
+                Err(Error::DeviceMemory {
+                    op: "copy from host",
+                    reason: "read only".into(),
+                    source: None,
+                })
             }
         }
         let e = p.c.register_device(&Bad(&vg, 100), 64 << 10).unwrap_err();

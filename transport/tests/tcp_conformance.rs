@@ -16,6 +16,9 @@ impl Backend for Tcp {
         if let Some(b) = o.busy_poll {
             cfg.busy_poll = b;
         }
+        if let Some(m) = o.max_message_bytes {
+            cfg.max_message_bytes = m;
+        }
         TcpTransport::new(cfg).expect("io_uring transport")
     }
 }

@@ -7,6 +7,7 @@ use crate::frame;
 use crate::tcp::TcpConfig;
 
 use super::device::DeviceChoice;
+use super::state::CTRL_CELL;
 
 /// How completions are waited for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,6 +152,14 @@ impl RdmaConfig {
         if self.control.max_outstanding == 0 {
             return bad("control.max_outstanding must be at least 1".into());
         }
+        if self.control.max_message_bytes < CTRL_CELL {
+            // The control plane's own messages (QP info, region lists, ABORT reasons) take
+            // up to one cell; a lower cap would drop them (a region list never arrives).
+            return bad(format!(
+                "control.max_message_bytes must be at least {CTRL_CELL} (it bounds the control plane's \
+                 own messages; RDMA messages are bounded by max_message_bytes)"
+            ));
+        }
         Ok(())
     }
 }
@@ -223,6 +232,7 @@ mod tests {
             |c: &mut RdmaConfig| c.signal_every = 0,
             |c: &mut RdmaConfig| c.signal_every = 1000,
             |c: &mut RdmaConfig| c.max_message_bytes = 0,
+            |c: &mut RdmaConfig| c.control.max_message_bytes = 1024,
         ] {
             let mut c = base.clone();
             f(&mut c);

@@ -55,7 +55,8 @@ impl DeviceChoice {
 
 /// Checks that libibverbs can be loaded at all, before any verbs call (the
 /// stubs that sideway links answer EOPNOTSUPP without it, which says nothing).
-pub fn libibverbs_present() -> std::result::Result<(), String> {
+/// Fails with [`Error::RdmaUnavailable`] saying what to install.
+pub fn libibverbs_present() -> Result<()> {
     let name = CString::new("libibverbs.so.1").expect("no NUL");
     // SAFETY: dlopen with a valid C string; the handle is closed at once and no
     // symbol from it is used. Loading runs libibverbs' constructors, which the
@@ -70,10 +71,12 @@ pub fn libibverbs_present() -> std::result::Result<(), String> {
             // SAFETY: non-null dlerror results are valid NUL-terminated strings.
             unsafe { std::ffi::CStr::from_ptr(err) }.to_string_lossy().into_owned()
         };
-        return Err(format!(
-            "libibverbs.so.1 cannot be loaded ({why}); install libibverbs1 and the provider \
-             (Debian: `apt-get install libibverbs1 ibverbs-providers`)"
-        ));
+        return Err(Error::RdmaUnavailable {
+            reason: format!(
+                "libibverbs.so.1 cannot be loaded ({why}); install libibverbs1 and the provider \
+                 (Debian: `apt-get install libibverbs1 ibverbs-providers`)"
+            ),
+        });
     }
     // SAFETY: `h` came from dlopen above and is closed once.
     unsafe { libc::dlclose(h) };
@@ -200,7 +203,7 @@ fn port_state_name(s: PortState) -> &'static str {
 }
 
 fn device_list() -> Result<DeviceList> {
-    libibverbs_present().map_err(|reason| Error::RdmaUnavailable { reason })?;
+    libibverbs_present()?;
     DeviceList::new().map_err(|e| {
         let errno = super::io_of(e);
         let why = if std::path::Path::new("/sys/class/infiniband").exists() {

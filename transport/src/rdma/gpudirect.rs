@@ -41,12 +41,15 @@ pub trait DeviceMemory {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// The dmabuf, or why there is none.
-    fn dmabuf(&self) -> std::result::Result<DmabufHandle<'_>, String>;
-    /// Copies `dst.len()` bytes from `offset` to the host.
-    fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> std::result::Result<(), String>;
-    /// Copies `src` to the device at `offset`.
-    fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> std::result::Result<(), String>;
+    /// The dmabuf, or why there is none (typically [`Error::DeviceMemory`]; any
+    /// error makes [`RdmaTransport::register_device`] stage through host memory).
+    fn dmabuf(&self) -> Result<DmabufHandle<'_>>;
+    /// Copies `dst.len()` bytes from `offset` to the host (failures: typically
+    /// [`Error::DeviceMemory`] with op `"copy to host"`).
+    fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<()>;
+    /// Copies `src` to the device at `offset` (failures: typically
+    /// [`Error::DeviceMemory`] with op `"copy from host"`).
+    fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<()>;
 }
 
 /// How device memory is reachable by peers.
@@ -90,10 +93,6 @@ fn bounds(what: &str, off: usize, len: usize, total: usize) -> Result<()> {
         });
     }
     Ok(())
-}
-
-fn copy_err(op: &'static str) -> impl FnOnce(String) -> Error {
-    move |reason| Error::InvalidArgument { op, reason }
 }
 
 impl DeviceRegistration {
@@ -160,7 +159,6 @@ impl DeviceRegistration {
         bounds("stage (device)", c.device_offset, c.len, mem.len())?;
         let mut lease = region.lease(c.staging_offset, c.len)?;
         mem.copy_to_host(c.device_offset, lease.as_bytes_mut())
-            .map_err(copy_err("stage"))
     }
 
     /// The staging slice a chunk is written from.
@@ -174,7 +172,6 @@ impl DeviceRegistration {
         bounds("land (device)", c.device_offset, c.len, mem.len())?;
         let lease = region.lease(c.staging_offset, c.len)?;
         mem.copy_from_host(c.device_offset, lease.as_bytes())
-            .map_err(copy_err("land"))
     }
 }
 
@@ -212,7 +209,7 @@ impl RdmaTransport {
                     Err(e) => return Err(e),
                 }
             }
-            Err(why) => format!("the memory exports no dmabuf: {why}"),
+            Err(e) => format!("the memory exports no dmabuf: {e}"),
         };
         let region = self.register(PinnedBuffer::new(staging_bytes)?, Access::REMOTE_WRITE)?;
         let reg = DeviceRegistration {
@@ -297,8 +294,18 @@ fn vgem_card() -> std::result::Result<std::path::PathBuf, String> {
 }
 
 impl VgemBuffer {
-    /// A buffer of at least `len` bytes (rounded up to whole pages).
-    pub fn new(len: usize) -> std::result::Result<VgemBuffer, String> {
+    /// A buffer of at least `len` bytes (rounded up to whole pages). Fails with
+    /// [`Error::DeviceMemory`] (op `"vgem buffer"`) saying why, e.g. when the
+    /// vgem module is not loaded.
+    pub fn new(len: usize) -> Result<VgemBuffer> {
+        Self::create(len).map_err(|reason| Error::DeviceMemory {
+            op: "vgem buffer",
+            reason,
+            source: None,
+        })
+    }
+
+    fn create(len: usize) -> std::result::Result<VgemBuffer, String> {
         if len == 0 {
             return Err("a vgem buffer of 0 bytes".into());
         }
@@ -360,24 +367,32 @@ impl DeviceMemory for VgemBuffer {
     fn len(&self) -> usize {
         self.len
     }
-    fn dmabuf(&self) -> std::result::Result<DmabufHandle<'_>, String> {
+    fn dmabuf(&self) -> Result<DmabufHandle<'_>> {
         Ok(DmabufHandle {
             fd: self.dmabuf.as_fd(),
             offset: 0,
             iova: self.map as u64,
         })
     }
-    fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> std::result::Result<(), String> {
+    fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         if offset.checked_add(dst.len()).map_or(true, |e| e > self.len) {
-            return Err(format!("{} bytes at {offset} past {}", dst.len(), self.len));
+            return Err(Error::DeviceMemory {
+                op: "copy to host",
+                reason: format!("{} bytes at {offset} past the vgem buffer's {}", dst.len(), self.len),
+                source: None,
+            });
         }
         // SAFETY: the range lies inside the live mapping (checked) and `dst` cannot alias it.
         unsafe { std::ptr::copy_nonoverlapping(self.map.add(offset), dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
-    fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> std::result::Result<(), String> {
+    fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         if offset.checked_add(src.len()).map_or(true, |e| e > self.len) {
-            return Err(format!("{} bytes at {offset} past {}", src.len(), self.len));
+            return Err(Error::DeviceMemory {
+                op: "copy from host",
+                reason: format!("{} bytes at {offset} past the vgem buffer's {}", src.len(), self.len),
+                source: None,
+            });
         }
         // SAFETY: the range lies inside the live mapping (checked) and `src` cannot alias it.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.add(offset), src.len()) };

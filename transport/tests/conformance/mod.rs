@@ -29,6 +29,8 @@ pub struct Opts {
     pub max_outstanding: usize,
     /// `busy_poll` of `wait` (the control plane's for RDMA); `None` keeps the backend's default.
     pub busy_poll: Option<Duration>,
+    /// The message cap (`Properties::max_message_bytes`); `None` keeps the backend's default.
+    pub max_message_bytes: Option<usize>,
 }
 
 impl Opts {
@@ -40,6 +42,7 @@ impl Opts {
             handshake_timeout: Duration::from_secs(5),
             max_outstanding: 256,
             busy_poll: None,
+            max_message_bytes: None,
         }
     }
 }
@@ -518,6 +521,60 @@ pub fn outstanding_bound<B: Backend>() {
     p.c.write(p.cc, &src.slice(0, 64).unwrap(), &dst, 0, None).unwrap();
 }
 
+/// Limits lowered in the configuration show in `properties` and are enforced:
+/// sends, writes and writes with an immediate share one per-connection window.
+pub fn lowered_limits_are_enforced<B: Backend>() {
+    let lowered = |rank| {
+        let mut o = Opts::rank(rank);
+        o.max_outstanding = 4;
+        o.max_message_bytes = Some(65536);
+        B::make(&o)
+    };
+    let mut p = Pair::with(lowered(0), lowered(1), B::listen_addr());
+    let props = p.c.properties().clone();
+    assert_eq!(
+        (props.max_outstanding, props.max_message_bytes),
+        (4, 65536),
+        "{props:?}"
+    );
+    let src = p.c.register(buf(1 << 20), Access::LOCAL).unwrap();
+    let dst = p.s_remote();
+    let e = p.c.send(p.cc, &src.slice(0, 65537).unwrap(), 1).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::TooLarge {
+                len: 65537,
+                max: 65536,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let post_all = |p: &mut Pair<B::T>| {
+        p.c.send(p.cc, &src.slice(0, 65536).unwrap(), 1).unwrap();
+        p.c.write(p.cc, &src.slice(0, 4096).unwrap(), &dst, 0, None).unwrap();
+        p.c.write(p.cc, &src.slice(0, 4096).unwrap(), &dst, 8192, Some(7))
+            .unwrap();
+        p.c.send(p.cc, &src.slice(0, 10).unwrap(), 2).unwrap();
+        let full = |r: tidewire_transport::Result<_>| matches!(r, Err(Error::WouldBlock { limit: 4, .. }));
+        assert!(full(p.c.send(p.cc, &src.slice(0, 1).unwrap(), 3)));
+        assert!(full(p.c.write(p.cc, &src.slice(0, 1).unwrap(), &dst, 0, None)));
+        assert!(full(p.c.write(p.cc, &src.slice(0, 1).unwrap(), &dst, 0, Some(8))));
+    };
+    post_all(&mut p);
+    p.pump("the window drains", |e| {
+        count(&e[1], |x| matches!(x, Event::SendDone { .. })) == 2
+            && count(&e[1], |x| matches!(x, Event::WriteDone { .. })) == 2
+            && count(
+                &e[0],
+                |x| matches!(x, Event::Message { data, .. } if data.len() == 65536),
+            ) == 1
+            && count(&e[0], |x| matches!(x, Event::WriteReceived { imm: 7, .. })) == 1
+    });
+    post_all(&mut p);
+}
+
 pub fn message_too_large<B: Backend>() {
     let mut p = Pair::<B::T>::new::<B>();
     let max = p.c.properties().max_message_bytes;
@@ -967,7 +1024,7 @@ macro_rules! conformance_suite {
     ($b:ty) => {
         $crate::conformance_suite!(@ $b; connect_accept many_connections send_recv_ordering write_imm_lands_at_offset
             one_byte_and_64_mib bad_writes_are_rejected_on_both_sides deregister_while_in_flight_is_refused
-            outstanding_bound message_too_large graceful_close_flushes peer_closes_mid_transfer
+            outstanding_bound lowered_limits_are_enforced message_too_large graceful_close_flushes peer_closes_mid_transfer
             wrong_secret_is_refused wrong_job_is_refused wrong_version_is_refused garbage_is_refused
             forged_auth_is_refused silent_peer_times_out connect_refused_is_an_error waker_ends_wait
             idle_wait_uses_little_cpu);
