@@ -259,3 +259,12 @@ fn rdma_is_refused_with_a_reason_in_this_build() {
         .unwrap_err();
     assert!(matches!(e, Error::TransportUnavailable(_)), "{e}");
 }
+
+#[test]
+#[should_panic(expected = "the tidewire runtime panicked: the runtime thread panicked: the caller's init panicked")]
+fn a_panic_on_the_runtime_thread_reaches_the_caller_with_its_message() {
+    // init_params runs on the runtime thread, during setup.
+    let _ = builder(layers())
+        .init_params(|_, _| panic!("the caller's init panicked"))
+        .build(solo());
+}

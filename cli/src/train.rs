@@ -710,6 +710,12 @@ pub struct TrainReport {
     pub model: String,
     /// Every WARN or ERROR line the ranks logged (a healthy run has none), as `rank N: line`.
     pub log_warnings: Vec<String>,
+    /// Most requests any rank had in flight to one peer (within the transport's bound).
+    pub max_outstanding: u64,
+    /// Largest message any rank sent, bytes (within the transport's cap).
+    pub max_message_bytes: u64,
+    /// Transmits the transports refused for now and the engine retried, over all ranks.
+    pub would_block: u64,
     /// Sync mode.
     pub sync: String,
     /// Consistency.
@@ -908,8 +914,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     }
     bar.finish_and_clear();
     let results: Vec<NodeResult> = readers.into_iter().filter_map(|r| r.join().ok().flatten()).collect();
-    let stderr_tails: Vec<(u32, String, Vec<String>)> =
-        err_readers.into_iter().filter_map(|r| r.join().ok()).collect();
+    let stderr_tails: Vec<(u32, String, Vec<String>)> = err_readers.into_iter().filter_map(|r| r.join().ok()).collect();
     if !failed.is_empty() {
         let mut msg = failed.join("; ");
         for (rank, tail, _) in stderr_tails.iter().filter(|(_, t, _)| !t.is_empty()) {
@@ -982,6 +987,9 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     let k = args.batch(&model);
     Ok(TrainReport {
         log_warnings: stderr_tails.into_iter().flat_map(|(_, _, w)| w).collect(),
+        max_outstanding: results.iter().map(|r| r.stats.max_outstanding).max().unwrap_or(0),
+        max_message_bytes: results.iter().map(|r| r.stats.max_message_bytes).max().unwrap_or(0),
+        would_block: results.iter().map(|r| r.stats.would_block).sum(),
         model: model.name.into(),
         sync: args.sync.clone(),
         consistency: args.consistency.clone(),

@@ -70,6 +70,9 @@ pub struct SimConfig {
     pub apply: ApplyOp,
     /// The transport's limits.
     pub limits: Limits,
+    /// Per-rank limits instead of `limits` (ranks whose transports differ):
+    /// a message or write must then fit both ends.
+    pub rank_limits: Option<Vec<Limits>>,
     /// Whether layers are handed in as their backward ends (WFBP) or after the whole pass.
     pub wait_free: bool,
     /// Hand FC layers in by their factors even when they sync through the PS
@@ -111,6 +114,7 @@ impl SimConfig {
             },
             apply: ApplyOp::Sum,
             limits: Limits::default(),
+            rank_limits: None,
             wait_free: mode.wait_free(),
             fc_factors: false,
             layer_ns,
@@ -374,7 +378,11 @@ impl Sim {
             let mut nc = NodeConfig::new(book.clone(), r);
             nc.sched = cfg.sched;
             nc.apply = cfg.apply;
-            nc.limits = cfg.limits;
+            nc.limits = cfg
+                .rank_limits
+                .as_ref()
+                .and_then(|l| l.get(r as usize).copied())
+                .unwrap_or(cfg.limits);
             nc.transport = "sim".into();
             // Setup may take long in virtual time (tiny writes, many retries):
             // the liveness check is `stall_ns` without progress.
@@ -645,7 +653,8 @@ impl Sim {
             return Ok(());
         }
         for r in 0..self.ranks.len() {
-            if self.ranks[r].worker.is_none() {
+            // A rank that died after its goodbye stopped receiving: nothing to check there.
+            if self.ranks[r].worker.is_none() || self.ranks[r].dead {
                 continue;
             }
             for l in 0..book.layers().len() as u32 {
@@ -961,9 +970,23 @@ impl Sim {
         Ok(())
     }
 
+    fn limits_of(&self, r: u32) -> Limits {
+        self.cfg
+            .rank_limits
+            .as_ref()
+            .and_then(|l| l.get(r as usize).copied())
+            .unwrap_or(self.cfg.limits)
+    }
+
     fn transmit(&mut self, r: u32, t: crate::node::Transmit) -> Result<(), SimError> {
         let peer = t.peer;
-        let limits = self.cfg.limits;
+        let (mine, theirs) = (self.limits_of(r), self.limits_of(peer));
+        // The sender's bound on requests in flight; messages and writes must fit both ends.
+        let limits = Limits {
+            max_outstanding: mine.max_outstanding,
+            max_message_bytes: mine.max_message_bytes.min(theirs.max_message_bytes),
+            max_write_bytes: mine.max_write_bytes.min(theirs.max_write_bytes),
+        };
         {
             let rank = &mut self.ranks[r as usize];
             rank.posted[peer as usize] += 1;

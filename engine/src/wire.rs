@@ -10,7 +10,7 @@
 //!
 //! | kind | payload |
 //! |---|---|
-//! | `Hello` | version u16, field count u16, rank u32, world u32, region keys 3×u32, params base u64, then (field id u8, value u64) per field |
+//! | `Hello` | version u16, field count u16, rank u32, world u32, region keys 3×u32, params base u64, largest message u64, largest write u64, then (field id u8, value u64) per field |
 //! | `Credit` | count u16, then count × slot u32 (at most [`MAX_CREDITS`]) |
 //! | `FactorsBegin` | layer u32, iteration u64, total bytes u64 |
 //! | `FactorData` | raw bytes of U then V (f32, little-endian), one fragment |
@@ -113,6 +113,10 @@ pub struct Hello {
     pub keys: [u32; 3],
     /// Byte offset where layer 0 starts in the sender's parameter region.
     pub params_base: u64,
+    /// The largest message the sender's transport takes (peers send no larger).
+    pub max_message: u64,
+    /// The largest write the sender's transport takes.
+    pub max_write: u64,
     /// The sender's job configuration, field by field (see [`crate::agree`]).
     pub fields: Vec<(Field, u64)>,
 }
@@ -211,6 +215,8 @@ pub fn decode(tag: u32, data: &[u8]) -> Result<Msg, WireError> {
             let world = r.u32("world")?;
             let keys = [r.u32("key")?, r.u32("key")?, r.u32("key")?];
             let params_base = r.u64("params base")?;
+            let max_message = r.u64("largest message")?;
+            let max_write = r.u64("largest write")?;
             if r.b.len() != n * 9 {
                 return Err(WireError::Length {
                     kind,
@@ -234,6 +240,8 @@ pub fn decode(tag: u32, data: &[u8]) -> Result<Msg, WireError> {
                 world,
                 keys,
                 params_base,
+                max_message,
+                max_write,
                 fields,
             })
         }
@@ -297,6 +305,8 @@ pub fn encode(msg: &Msg) -> (u32, Vec<u8>) {
                 b.extend_from_slice(&k.to_le_bytes());
             }
             b.extend_from_slice(&h.params_base.to_le_bytes());
+            b.extend_from_slice(&h.max_message.to_le_bytes());
+            b.extend_from_slice(&h.max_write.to_le_bytes());
             for (f, v) in &h.fields {
                 b.push(*f as u8);
                 b.extend_from_slice(&v.to_le_bytes());
@@ -352,16 +362,21 @@ mod tests {
                 any::<u32>(),
                 any::<[u32; 3]>(),
                 any::<u64>(),
-                proptest::collection::vec((field, any::<u64>()), 0..20)
+                any::<(u64, u64)>(),
+                proptest::collection::vec((field, any::<u64>()), 0..18)
             )
-                .prop_map(|(version, rank, world, keys, params_base, fields)| Msg::Hello(Hello {
-                    version,
-                    rank,
-                    world,
-                    keys,
-                    params_base,
-                    fields
-                })),
+                .prop_map(
+                    |(version, rank, world, keys, params_base, (max_message, max_write), fields)| Msg::Hello(Hello {
+                        version,
+                        rank,
+                        world,
+                        keys,
+                        params_base,
+                        max_message,
+                        max_write,
+                        fields
+                    })
+                ),
             proptest::collection::vec(any::<u32>(), 1..=MAX_CREDITS).prop_map(Msg::Credit),
             (any::<u32>(), any::<u64>(), any::<u64>()).prop_map(|(layer, iter, total)| Msg::FactorsBegin {
                 layer,

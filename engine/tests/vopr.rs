@@ -12,7 +12,7 @@
 //!   landing slots, the credit window);
 //! - every run finishes, or fails with a typed error when a rank dies; none hangs.
 //!
-//! `TIDEWIRE_VOPR_SEEDS=N` runs seeds 1..=N (default 200),
+//! `TIDEWIRE_VOPR_SEEDS=N` runs N seeds (default 200) from `TIDEWIRE_VOPR_FROM` (default 1),
 //! `TIDEWIRE_VOPR_SEED=S` runs one seed and prints its configuration. A
 //! failure prints the seed and the configuration.
 
@@ -104,11 +104,16 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
         },
         deterministic: r.chance(0.5),
     };
-    cfg.limits = Limits {
+    let limits = |r: &mut Rng| Limits {
         max_outstanding: r.pick(&[1, 2, 3, 4, 8, 256]),
         max_message_bytes: r.pick(&[256, 300, 1024, 4096, 65536, 16 << 20]),
         max_write_bytes: r.pick(&[4, 8, 60, 512, 4096, 1 << 30]),
     };
+    cfg.limits = limits(&mut r);
+    if r.chance(0.2) {
+        // Ranks whose transports differ: each end's limits hold.
+        cfg.rank_limits = Some((0..book.cluster().world()).map(|_| limits(&mut r)).collect());
+    }
     cfg.bandwidth_bps = r.pick(&[1e8, 1e9, 1e10]);
     cfg.latency_ns = r.range(1_000, 100_000);
     cfg.agg_bytes_per_s = r.pick(&[1e9, 1e10]);
@@ -153,7 +158,7 @@ fn describe(cfg: &SimConfig) -> String {
         .map(|l| format!("{}:{:?}{}x{}", l.name, l.kind, l.m, l.n))
         .collect();
     format!(
-        "roles {:?}; layers [{}]; {:?}; {:?}; wait_free {} fc_factors {}; {:?}; iters {}; bw {} lat {}; faults {:?}",
+        "roles {:?}; layers [{}]; {:?}; {:?}; wait_free {} fc_factors {}; {:?} (by rank {:?}); iters {}; bw {} lat {}; faults {:?}",
         b.cluster().roles(),
         layers.join(" "),
         b.config(),
@@ -161,6 +166,7 @@ fn describe(cfg: &SimConfig) -> String {
         cfg.wait_free,
         cfg.fc_factors,
         cfg.limits,
+        cfg.rank_limits,
         cfg.iters,
         cfg.bandwidth_bps,
         cfg.latency_ns,
@@ -179,6 +185,7 @@ fn run_seed(seed: u64) -> Result<&'static str, String> {
     let what = describe(&cfg);
     let book = cfg.book.clone();
     let (slots, credit, limits) = (cfg.sched.slots, cfg.sched.credit_bytes, cfg.limits);
+    let rank_limits = cfg.rank_limits.clone();
     let fail = |m: String| Err(format!("{m}\n  configuration: {what}"));
     match Sim::run(cfg) {
         Ok(rep) => {
@@ -203,9 +210,11 @@ fn run_seed(seed: u64) -> Result<&'static str, String> {
                     rep.max_bytes_in_flight
                 ));
             }
-            if rep.max_outstanding > limits.max_outstanding
-                || rep.max_message as usize > limits.max_message_bytes
-                || rep.max_write as usize > limits.max_write_bytes
+            let all = rank_limits.unwrap_or_else(|| vec![limits]);
+            let cap = |f: fn(&Limits) -> usize| all.iter().map(f).max().unwrap_or(0);
+            if rep.max_outstanding > cap(|l| l.max_outstanding)
+                || rep.max_message as usize > cap(|l| l.max_message_bytes)
+                || rep.max_write as usize > cap(|l| l.max_write_bytes)
             {
                 return fail(format!("seed {seed}: transport limits exceeded: {rep:?}"));
             }
@@ -230,11 +239,14 @@ fn randomized_jobs_keep_every_invariant() {
     let seeds: Vec<u64> = match std::env::var("TIDEWIRE_VOPR_SEED") {
         Ok(s) => vec![s.trim().parse().expect("TIDEWIRE_VOPR_SEED must be a number")],
         Err(_) => {
-            let n: u64 = std::env::var("TIDEWIRE_VOPR_SEEDS")
-                .ok()
-                .map(|s| s.trim().parse().expect("TIDEWIRE_VOPR_SEEDS must be a number"))
-                .unwrap_or(200);
-            (1..=n).collect()
+            let num = |name: &str, default: u64| -> u64 {
+                std::env::var(name)
+                    .ok()
+                    .map(|s| s.trim().parse().unwrap_or_else(|_| panic!("{name} must be a number")))
+                    .unwrap_or(default)
+            };
+            let (from, n) = (num("TIDEWIRE_VOPR_FROM", 1), num("TIDEWIRE_VOPR_SEEDS", 200));
+            (from..from + n).collect()
         }
     };
     if seeds.len() == 1 {

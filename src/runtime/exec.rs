@@ -413,7 +413,7 @@ impl WorkerExec {
                 // element by element through relaxed atomics, never as a slice.
                 let s = self.mem.get(src.region)?;
                 let mut d = self.mem.lease(*dst, *len)?;
-                s.read_at(src.offset as usize, d.as_bytes_mut())
+                s.read_f32_relaxed(src.offset as usize, d.as_f32_mut().map_err(|e| e.to_string())?)
                     .map_err(|e| e.to_string())?;
                 Ok(None)
             }

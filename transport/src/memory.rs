@@ -197,6 +197,30 @@ impl PinnedBuffer {
         self.len == 0
     }
 
+    /// Copies `dst.len()` bytes from `offset` with relaxed atomic loads: for
+    /// a buffer a device writes (receive buffers, a notice ring), read
+    /// without forming a slice over memory that can change meanwhile. Bytes
+    /// being written concurrently may be torn.
+    pub fn read_relaxed(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        match offset.checked_add(dst.len()) {
+            Some(end) if end <= self.len => {}
+            _ => {
+                return Err(Error::OutOfBounds {
+                    op: "PinnedBuffer::read_relaxed",
+                    region: 0,
+                    offset: offset as u64,
+                    len: dst.len() as u64,
+                    region_len: self.len as u64,
+                })
+            }
+        }
+        // SAFETY: the range was checked to lie in the buffer, which lives as long as
+        // `self`; Rust code writes a PinnedBuffer only through `&mut self` (DerefMut),
+        // which cannot coexist with this `&self`; `dst` is a distinct allocation.
+        unsafe { load_relaxed(self.as_ptr().add(offset), dst) };
+        Ok(())
+    }
+
     /// Whether the pages are locked in RAM (never under Miri).
     pub fn is_locked(&self) -> bool {
         self.locked

@@ -152,6 +152,22 @@ enum Track {
     Piece,
 }
 
+/// A transmit that waits for its peer to open: split to the peer's limits then.
+#[derive(Debug, Clone, Copy)]
+enum Early {
+    Write {
+        src: Loc,
+        dst: RemoteLoc,
+        len: u64,
+        imm: u32,
+        track: Track,
+    },
+    Factors {
+        layer: u32,
+        iter: u64,
+    },
+}
+
 #[derive(Debug, Clone, Copy)]
 enum JobTrack {
     Accumulate { worker: u32, slot: u32 },
@@ -170,6 +186,9 @@ struct Peer {
     hello: bool,
     keys: [u32; 3],
     params_base: u64,
+    /// The peer's transport limits, from its hello: nothing larger goes to it.
+    max_message: u64,
+    max_write: u64,
     open: bool,
     /// `Finished` arrived, with the writes the peer made to us.
     finished: Option<u64>,
@@ -233,6 +252,8 @@ pub struct Node {
     landed_from: Vec<u64>,
     /// Transmits to peers that left after their goodbye: complete them.
     moot: Vec<(u32, Track)>,
+    /// Per peer: writes and factor blocks waiting for it to open (its limits).
+    early: Vec<Vec<Early>>,
     stats: NodeStats,
 }
 
@@ -417,6 +438,7 @@ impl Node {
             imm_sent: vec![0; world],
             landed_from: vec![0; world],
             moot: Vec::new(),
+            early: (0..world).map(|_| Vec::new()).collect(),
             stats: NodeStats::default(),
             book,
             rank,
@@ -618,6 +640,18 @@ impl Node {
                 }
                 p.open = true;
                 self.flow.open(peer);
+                for e in std::mem::take(&mut self.early[peer as usize]) {
+                    match e {
+                        Early::Write {
+                            src,
+                            dst,
+                            len,
+                            imm,
+                            track,
+                        } => self.write(peer, src, dst, len, imm, track),
+                        Early::Factors { layer, iter } => self.send_factors(peer, layer, iter),
+                    }
+                }
                 Ok(())
             }
             Input::Done { token } => match self.flow.done(token) {
@@ -756,7 +790,18 @@ impl Node {
     /// Queues a write, split into pieces of at most the transport's write cap;
     /// the last piece carries the immediate and the track.
     fn write(&mut self, peer: u32, src: Loc, dst: RemoteLoc, len: u64, imm: u32, track: Track) {
-        let max = self.limits.max_write_bytes as u64 / 4 * 4;
+        if !self.peers[peer as usize].open {
+            // Split once the peer's limits are known.
+            self.early[peer as usize].push(Early::Write {
+                src,
+                dst,
+                len,
+                imm,
+                track,
+            });
+            return;
+        }
+        let max = self.write_cap(peer);
         let mut off = 0;
         while off < len {
             let n = (len - off).min(max);
@@ -784,6 +829,18 @@ impl Node {
         self.imm_sent[peer as usize] += 1;
     }
 
+    /// The largest message to `peer`: the smaller of the two transports'
+    /// caps (the peer's is known once it is open: transmits that need it
+    /// wait in `early` until then).
+    fn message_cap(&self, peer: u32) -> u64 {
+        (self.limits.max_message_bytes as u64).min(self.peers[peer as usize].max_message)
+    }
+
+    /// The largest write to `peer`, a multiple of 4.
+    fn write_cap(&self, peer: u32) -> u64 {
+        (self.limits.max_write_bytes as u64).min(self.peers[peer as usize].max_write) / 4 * 4
+    }
+
     // ----- setup -------------------------------------------------------------
 
     fn connected(&mut self, peer: u32) -> Result<()> {
@@ -802,6 +859,8 @@ impl Node {
             world,
             keys: self.keys,
             params_base: self.param_off.first().copied().unwrap_or(0),
+            max_message: self.limits.max_message_bytes as u64,
+            max_write: self.limits.max_write_bytes as u64,
             fields: self.job.fields().to_vec(),
         });
         self.send_ctrl(peer, &hello);
@@ -842,10 +901,20 @@ impl Node {
                 )));
             }
         }
+        if h.max_message < wire::MAX_CONTROL as u64 || h.max_write < 4 {
+            return Err(bad(format!(
+                "its transport takes messages of {} bytes and writes of {} (the protocol needs at least {} and 4)",
+                h.max_message,
+                h.max_write,
+                wire::MAX_CONTROL
+            )));
+        }
         let p = self.peer_mut(peer)?;
         p.hello = true;
         p.keys = h.keys;
         p.params_base = h.params_base;
+        p.max_message = h.max_message;
+        p.max_write = h.max_write;
         self.out.push_back(Output::PeerKeys { peer, keys: h.keys });
         Ok(())
     }
@@ -1032,35 +1101,11 @@ impl Node {
                 }
             }
             WorkerCommand::SendFactors { peer, layer, iter } => {
-                let spec = &book.layers()[layer as usize];
-                let total = book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
-                let base = self.factor_off[layer as usize].expect("FC");
-                self.send_ctrl(peer, &Msg::FactorsBegin { layer, iter, total });
-                let frag = self.limits.max_message_bytes as u64;
-                let mut off = 0;
-                while off < total {
-                    let n = (total - off).min(frag);
-                    let last = off + n == total;
-                    self.stats.max_message = self.stats.max_message.max(n);
-                    self.enqueue(
-                        peer,
-                        Op::SendRegion {
-                            tag: Kind::FactorData.tag(),
-                            at: Loc {
-                                region: LocalRegion::Factors,
-                                offset: base + off,
-                            },
-                            len: n,
-                        },
-                        if last {
-                            Track::Factors { layer, peer }
-                        } else {
-                            Track::Piece
-                        },
-                        true,
-                    );
-                    off += n;
+                if !self.peers[peer as usize].open {
+                    self.early[peer as usize].push(Early::Factors { layer, iter });
+                    return Ok(());
                 }
+                self.send_factors(peer, layer, iter);
             }
             WorkerCommand::Reconstruct { layer, iter } => self.reconstruct(layer, iter),
             WorkerCommand::LayerReady { layer, iter } => {
@@ -1072,6 +1117,34 @@ impl Node {
             }
         }
         Ok(())
+    }
+
+    /// Queues a factor block: its begin message, then fragments of at most
+    /// the message cap, sent zero-copy from the factor region.
+    fn send_factors(&mut self, peer: u32, layer: u32, iter: u64) {
+        let spec = &self.book.layers()[layer as usize];
+        let total = self.book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
+        let base = self.factor_off[layer as usize].expect("FC");
+        self.send_ctrl(peer, &Msg::FactorsBegin { layer, iter, total });
+        let frag = self.message_cap(peer);
+        let mut off = 0;
+        while off < total {
+            let n = (total - off).min(frag);
+            let last = off + n == total;
+            self.stats.max_message = self.stats.max_message.max(n);
+            let track = if last {
+                Track::Factors { layer, peer }
+            } else {
+                Track::Piece
+            };
+            let at = Loc {
+                region: LocalRegion::Factors,
+                offset: base + off,
+            };
+            let tag = Kind::FactorData.tag();
+            self.enqueue(peer, Op::SendRegion { tag, at, len: n }, track, true);
+            off += n;
+        }
     }
 
     fn publish(&mut self, layer: u32, iter: Option<u64>) {

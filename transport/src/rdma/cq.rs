@@ -10,7 +10,7 @@ use sideway::ibverbs::queue_pair::{QueuePair, SetScatterGatherEntry};
 use tracing::warn;
 
 use crate::api::{ConnId, Event};
-use crate::error::{Error, Result, WC_REM_ACCESS_ERR, WC_WR_FLUSH_ERR};
+use crate::error::{Error, FrameError, Result, WC_REM_ACCESS_ERR, WC_WR_FLUSH_ERR};
 
 use super::error::{io_of, verbs};
 use super::state::{split_wr_id, wr_id, Op, OpKind, State, KIND_META, KIND_RECV, KIND_SEND};
@@ -116,7 +116,15 @@ impl RdmaTransport {
                     let slot = (c.notices_seen % rx_depth) as usize;
                     c.notices_seen += 1;
                     let ring = &c.ring.as_ref().expect("ring").0;
-                    let notice = Notice::decode(&ring[slot * NOTICE_LEN..(slot + 1) * NOTICE_LEN]);
+                    // The peer's NIC may be writing other slots: copy this one out
+                    // with relaxed loads rather than borrow the ring as a slice.
+                    let mut slot_bytes = [0u8; NOTICE_LEN];
+                    let notice = match ring.read_relaxed(slot * NOTICE_LEN, &mut slot_bytes) {
+                        Ok(()) => Notice::decode(&slot_bytes),
+                        Err(_) => Err(FrameError::Malformed {
+                            what: "notice slot outside the ring",
+                        }),
+                    };
                     match notice {
                         Ok(n) => {
                             self.stats.rx_write_bytes += len as u64;
@@ -136,7 +144,12 @@ impl RdmaTransport {
                         Err(e) => warn!(conn, error = %e, "write with immediate but no notice in the ring slot"),
                     }
                 } else {
-                    let data = rx[idx * msg..idx * msg + len as usize].to_vec();
+                    // Only this receive is complete; the NIC may be filling the others.
+                    let mut data = vec![0u8; len as usize];
+                    if let Err(e) = rx.read_relaxed(idx * msg, &mut data) {
+                        warn!(conn, error = %e, "a receive outside its buffer");
+                        return;
+                    }
                     self.stats.rx_message_copy_bytes += len as u64;
                     let ev = Event::Message {
                         conn: ConnId(conn),

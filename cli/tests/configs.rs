@@ -1,0 +1,144 @@
+//! Ordinary configurations of `tidewire train` that used to crash (the
+//! driver's protocol ran into the transport's outstanding bound and message
+//! cap, and colocated SSP ranks left while their server half was still
+//! needed), and the other settings a new user reaches for: every sync mode,
+//! a tiny credit window, small slices, and a transport whose limits are
+//! lowered. Each run must exit 0, verify bit for bit where it is BSP with
+//! `--verify`, and log no WARN or ERROR line.
+
+use std::process::Command;
+use std::time::Instant;
+
+use serde_json::Value;
+
+/// These start whole clusters (up to 9 processes of VGG19): one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn train(args: &[&str]) -> Value {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let t = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+        .arg("train")
+        .args(["--time-scale", "0.05", "--json"])
+        .args(args)
+        .output()
+        .expect("tidewire runs");
+    assert!(
+        out.status.success(),
+        "tidewire train {} failed ({}):\n{}",
+        args.join(" "),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    println!(
+        "train {}: iteration {:.3} s, verified {}, wall {:.1} s",
+        args.join(" "),
+        r["iteration_s"].as_f64().unwrap_or(f64::NAN),
+        r["verified"],
+        t.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        r["log_warnings"].as_array().map(Vec::len),
+        Some(0),
+        "train {}: a healthy run logs no WARN or ERROR: {:#}",
+        args.join(" "),
+        r["log_warnings"]
+    );
+    if args.contains(&"--verify") {
+        assert_eq!(
+            r["verified"],
+            Value::Bool(true),
+            "train {}: layers {}",
+            args.join(" "),
+            r["mismatched_layers"]
+        );
+    }
+    assert!(r["throughput_samples_s"].as_f64().unwrap_or(0.0) > 0.0);
+    r
+}
+
+#[test]
+fn runs_that_crashed_now_finish() {
+    for run in [
+        &["--model", "vgg19", "--workers", "2", "--servers", "1"][..],
+        &["--model", "resnet-152", "--workers", "2", "--servers", "1"],
+        &["--model", "vgg19-22k", "--workers", "2", "--servers", "1"],
+        &["--model", "vgg19", "--workers", "8", "--servers", "1"],
+        &[
+            "--model",
+            "resnet-50",
+            "--workers",
+            "4",
+            "--servers",
+            "2",
+            "--chunk-bytes",
+            "65536",
+            "--verify",
+        ],
+        // fc6's factors at K = 256 are 29.9 MB, over the 16 MiB message cap: split.
+        &["--model", "vgg19", "--workers", "2", "--servers", "2", "--batch", "256"],
+        // Ranks that finish first stay until every peer that needs them is done.
+        &[
+            "--model",
+            "alexnet",
+            "--workers",
+            "4",
+            "--colocate",
+            "--consistency",
+            "ssp:2",
+        ],
+    ] {
+        let mut a = vec!["--iters", "3"];
+        a.extend_from_slice(run);
+        train(&a);
+    }
+}
+
+#[test]
+fn every_sync_mode_verifies_with_three_workers_and_three_servers() {
+    for sync in ["fifo-ps", "wfbp", "hybrid", "sliced", "p3", "full"] {
+        train(&[
+            "--iters",
+            "2",
+            "--workers",
+            "3",
+            "--servers",
+            "3",
+            "--sync",
+            sync,
+            "--verify",
+        ]);
+    }
+}
+
+#[test]
+fn a_tiny_window_small_slices_and_lowered_transport_limits() {
+    train(&["--iters", "2", "--credit-bytes", "4096"]);
+    train(&["--iters", "2", "--slice-params", "1000", "--sync", "p3", "--verify"]);
+    // At most 4 requests in flight per connection and 64 KiB messages: fc6's
+    // 3.7 MB factor blocks go as 57 fragments, and everything queues.
+    let r = train(&[
+        "--iters",
+        "2",
+        "--workers",
+        "2",
+        "--servers",
+        "2",
+        "--max-outstanding",
+        "4",
+        "--max-message-bytes",
+        "65536",
+        "--verify",
+    ]);
+    assert!(
+        r["layers"].as_array().unwrap().iter().any(|l| l["scheme"] == "sfb"),
+        "the run must send factor blocks to exercise the message cap"
+    );
+    assert!(r["max_outstanding"].as_u64().unwrap() <= 4, "{}", r["max_outstanding"]);
+    assert!(
+        r["max_message_bytes"].as_u64().unwrap() <= 65536,
+        "{}",
+        r["max_message_bytes"]
+    );
+}
