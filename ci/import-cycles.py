@@ -5,8 +5,10 @@ A module is a file under a crate's src/ (foo.rs and foo/mod.rs are module
 `foo`). Module A imports module B when A's file names B by path: `crate::b`,
 `super::b`, `self::b` or, from a parent, a child `b::` declared with `mod b`.
 A cycle is a set of modules that import one another in a ring (A -> B -> A,
-or longer). A parent declaring `mod child;` is not an import; a child using
-its parent's items is one, so a parent must not use its child back.
+or longer). A parent declaring `mod child;` is not an import, nor is a
+re-export (`pub use child::Item;`): a facade depends on nothing. A child
+using its parent's own items is an import, so then the parent must not use
+that child back.
 
 Prints each crate's module map (module: what it imports) with --map, and
 every cycle found. Exits 1 if there is one.
@@ -20,6 +22,9 @@ import sys
 PATH = re.compile(r"\b(crate|super|self)((?:::[A-Za-z_][A-Za-z0-9_]*)+)")
 MOD_DECL = re.compile(r"^\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+([A-Za-z_][A-Za-z0-9_]*)\s*;", re.M)
 COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+# A re-export (`pub use a::b;`, possibly over several lines) is an export, not an import:
+# a facade that lists its children's items depends on nothing.
+REEXPORT = re.compile(r"^\s*pub(?:\([^)]*\))?\s+use\b[^;]*;", re.M | re.S)
 
 
 def modules(src):
@@ -39,34 +44,142 @@ def modules(src):
     return out
 
 
-def resolve(mods, here, kind, parts):
-    """The module a path starting at `here` names (the longest known prefix)."""
+REEXPORTS = {}
+
+
+USE = re.compile(r"^\s*use\b[^;]*;", re.M | re.S)
+
+
+def use_items(stmt):
+    """(kind, path, alias) for every item a `use` or `pub use` statement names."""
+    body = re.sub(r"^\s*(pub(\([^)]*\))?\s+)?use\s+", "", stmt).rstrip().rstrip(";")
+    out = []
+
+    def walk(prefix, body):
+        body = body.strip()
+        if not body:
+            return
+        if body.startswith("{") or ("{" in body and body.rstrip().endswith("}")):
+            head, rest = body.split("{", 1) if not body.startswith("{") else ("", body[1:])
+            rest = rest.rsplit("}", 1)[0]
+            depth, cur, items = 0, "", []
+            for ch in rest:
+                if ch == "{":
+                    depth += 1
+                elif ch == "}":
+                    depth -= 1
+                if ch == "," and depth == 0:
+                    items.append(cur)
+                    cur = ""
+                else:
+                    cur += ch
+            items.append(cur)
+            for it in items:
+                walk(prefix + re.sub(r"\s+", "", head), it)
+            return
+        parts = re.split(r"\s+as\s+", body)
+        full = prefix + re.sub(r"\s+", "", parts[0])
+        segs = [x for x in full.split("::") if x]
+        if not segs or segs[-1] == "*":
+            segs = segs[:-1]
+        if not segs:
+            return
+        alias = parts[1].strip() if len(parts) > 1 else segs[-1]
+        if segs[0] in ("crate", "self", "super"):
+            kind, path = segs[0], segs[1:]
+            if kind == "self" and path and path[0] == "super":
+                kind, path = "super", path[1:]
+        else:
+            kind, path = "self", segs
+        if alias == "self":
+            alias = segs[-2] if len(segs) > 1 else alias
+            path = path[:-1]
+        out.append((kind, path, alias))
+
+    walk("", body)
+    return out
+
+
+def reexports(mods):
+    """(module, name) -> the module that defines `name`, for every `pub use` re-export."""
+    out = {}
+    for m, f in mods.items():
+        text = COMMENT.sub("", open(f, encoding="utf-8").read())
+        for stmt in REEXPORT.findall(text):
+            for kind, path, alias in use_items(stmt):
+                target = resolve(mods, m, kind, path, follow=False)
+                if target is not None and target != m:
+                    out[(m, alias)] = target
+    return out
+
+
+def resolve(mods, here, kind, parts, follow=True):
+    """The module a path starting at `here` names (the longest known prefix),
+    following re-exports to the module that defines the item."""
     if kind == "crate":
         base = []
     elif kind == "self":
         base = list(here)
     else:
-        base = list(here)
-        for p in parts:
-            if p != "super":
-                break
+        base = list(here)[:-1]
+        parts = list(parts)
+        while parts and parts[0] == "super":
+            parts = parts[1:]
             base = base[:-1]
-        parts = [p for p in parts if p != "super"]
-        base = base[:-1]
-    best = None
+    # The path names the base module itself (an item in it), or a module below.
+    best = tuple(base) if tuple(base) in mods else None
+    rest = list(parts)
     cur = list(base)
-    for p in parts:
+    for i, p in enumerate(parts):
         cur.append(p)
         if tuple(cur) in mods:
             best = tuple(cur)
+            rest = parts[i + 1:]
+    # An item the module only re-exports is defined elsewhere.
+    seen = set()
+    while follow and best is not None and rest and (best, rest[0]) in REEXPORTS and best not in seen:
+        seen.add(best)
+        best = REEXPORTS[(best, rest[0])]
+        rest = rest[1:]
     return best
+
+
+INLINE_MOD = re.compile(r"\bmod\s+[A-Za-z_][A-Za-z0-9_]*\s*\{")
+
+
+def flatten_inline_mods(text):
+    """Inside an inline `mod x { ... }` (tests, mostly), `super::` names the
+    file's own module: rewrite it so paths resolve as from the file."""
+    out, i = [], 0
+    for m in INLINE_MOD.finditer(text):
+        if m.start() < i:
+            continue
+        depth, j = 0, m.end() - 1
+        while j < len(text):
+            if text[j] == "{":
+                depth += 1
+            elif text[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    break
+            j += 1
+        out.append(text[i : m.end()])
+        out.append(re.sub(r"(?<!::)\bsuper::", "self::", text[m.end() : j]))
+        i = j
+    out.append(text[i:])
+    return "".join(out)
 
 
 def imports(mods):
     graph = {m: set() for m in mods}
     for m, f in mods.items():
-        text = COMMENT.sub("", open(f, encoding="utf-8").read())
+        text = REEXPORT.sub("", flatten_inline_mods(COMMENT.sub("", open(f, encoding="utf-8").read())))
         children = {m + (c,) for c in MOD_DECL.findall(text)}
+        for stmt in USE.findall(text):
+            for kind, path, _ in use_items(stmt):
+                target = resolve(mods, m, kind, path)
+                if target is not None and target != m and not (target[: len(m)] == m and len(target) > len(m)):
+                    graph[m].add(target)
         for kind, rest in PATH.findall(text):
             parts = [p for p in rest.split("::") if p]
             target = resolve(mods, m, kind, parts)
@@ -119,6 +232,17 @@ def cycles(graph):
     return out
 
 
+def crate_name(c):
+    try:
+        text = open(os.path.join(c, "Cargo.toml"), encoding="utf-8").read()
+        m = re.search(r'^name\s*=\s*"([^"]+)"', text, re.M)
+        if m:
+            return m.group(1)
+    except OSError:
+        pass
+    return os.path.basename(os.path.abspath(c))
+
+
 def name(m):
     return "::".join(m) or "(root)"
 
@@ -133,9 +257,11 @@ def main():
     for c in crates:
         src = os.path.join(c, "src")
         mods = modules(src)
+        REEXPORTS.clear()
+        REEXPORTS.update(reexports(mods))
         graph = imports(mods)
         found = cycles(graph)
-        label = os.path.basename(os.path.abspath(c))
+        label = crate_name(c)
         if show:
             print(f"{label}:")
             for m in sorted(graph):
