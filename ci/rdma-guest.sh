@@ -2,7 +2,7 @@
 # Runs inside the soft-RoCE VM (ci/test-rdma.sh starts it): every RDMA test
 # binary given as an argument, one test at a time, then the README's main job
 # end to end over RDMA: `tidewire train --verify` with transport auto, which
-# must pick RDMA on rxe0. The end-to-end case reports in libtest's format so
+# must pick RDMA on rxe0, and the one-protocol runs scaled down (vgg19-mini). The end-to-end case reports in libtest's format so
 # that ci/test-rdma.sh counts it with the rest. Then tidewire-perf against
 # Debian's perftest, both ways (ci/perf-guest.sh), and RDMA under tc shaping
 # on the veth (ci/rdma-shaped-guest.sh).
@@ -30,6 +30,36 @@ else
   echo "test result: FAILED. 0 passed; 1 failed; 0 ignored"
   rc=1
 fi
+# The one-protocol runs, scaled down for the emulated VM, over RDMA: a VGG19-shaped model
+# (vgg19-mini, 2.1M parameters) with one server; with two servers, so fc6's 467 KB factor
+# blocks go over RDMA's 64 KiB message cap as fragments, with at most 4 requests in flight per
+# queue pair; and colocated SSP, whose ranks stay until every peer that needs them is done.
+# Each must run on RDMA, exit 0, log no WARN or ERROR, and (BSP) verify bit for bit.
+rdma_train() { # name, flags...
+  local name=$1; shift
+  echo "### tidewire train over RDMA: $*"
+  local out trc
+  out=$(TIDEWIRE_TRANSPORT=rdma timeout 600 "$T" train --model vgg19-mini --iters 2 --time-scale 0.05 "$@" 2>&1)
+  trc=$?
+  echo "$out"
+  local want_verify=0
+  [[ " $* " == *" --verify "* ]] && want_verify=1
+  if [ $trc -eq 0 ] && grep -q '^transport rdma: RDMA device rxe' <<<"$out" \
+     && ! grep -q 'logged .* warnings or errors' <<<"$out" \
+     && { [ $want_verify -eq 0 ] || grep -q 'bit for bit' <<<"$out"; }; then
+    echo "test $name ... ok"
+    echo "test result: ok. 1 passed; 0 failed; 0 ignored"
+  else
+    echo "test $name ... FAILED (exit $trc; wanted transport rdma, no warnings, and a verified run where asked)"
+    echo "test result: FAILED. 0 passed; 1 failed; 0 ignored"
+    rc=1
+  fi
+}
+rdma_train train_over_rdma_vgg19_shaped_one_server_verified --workers 2 --servers 1 --verify
+rdma_train train_over_rdma_factors_over_the_message_cap_verified --workers 2 --servers 2 \
+  --max-outstanding 4 --verify
+rdma_train train_over_rdma_colocated_ssp_finishes --workers 3 --colocate --consistency ssp:1
+
 echo "### tidewire doctor on rxe: the dmabuf and per-QP rate-limit probes"
 out=$(timeout 120 "$T" doctor 2>&1)
 echo "$out"

@@ -6,14 +6,19 @@
 #   2. lint      cargo clippy --all-targets --all-features -D warnings
 #   3. sans-io   the engine core's dependency tree holds no I/O crate, and the library's
 #                (`tidewire`) none of the command's (clap, indicatif, tracing-subscriber)
+#   3b. layout   no import cycles between the modules of any crate (ci/import-cycles.py)
 #   4. tests     cargo test --workspace --all-features: unit tests, the engine's deterministic
-#                simulation (tier 2), conformance on TCP, the embedding API, and end-to-end
-#                `tidewire train` clusters (VGG19 --verify with 1, 2 and 4 workers, SSP,
-#                killed and frozen workers), doc tests
+#                simulation (tier 2) and its randomized jobs (1000 VOPR seeds), conformance
+#                on TCP, the embedding API, and end-to-end `tidewire train` clusters (VGG19
+#                --verify with 1, 2 and 4 workers, the configurations that used to crash,
+#                every sync mode, lowered transport limits, SSP, killed and frozen workers),
+#                doc tests
+#   4b. miri     the unsafe code of registered memory under Miri (ci/miri.sh)
 #   5. doctor    tidewire doctor runs and explains itself
 #   6. example   examples/mlp: 3 processes train an MLP; the loss curve equals one process's
 #   7. train     the README's main job, short: tidewire train on the embedded default
-#   8. bench     short loopback comparison against iperf3 and std::net, tidewire-perf over TCP
+#   8. bench     grad_ready-to-wire latency and the idle cost of a session (tidewire-handin),
+#                short loopback comparison against iperf3 and std::net, tidewire-perf over TCP
 #                against iperf3 (bench/compare-tcp.sh, one short round, with its plot), the
 #                single-node engine overhead, and CPU aggregation against a STREAM triad
 #                (informational: performance is judged from full bench runs)
@@ -106,7 +111,17 @@ sans_io() {
 }
 tier sans-io sans_io
 
+# No two modules of a crate import each other, directly or in a ring (ci/import-cycles.py;
+# re-exports are not imports). --map prints each crate's module map.
+tier layout python3 ci/import-cycles.py
+
+# The randomized simulation (engine/tests/vopr.rs) runs 1000 seeds here (200 by default).
+export TIDEWIRE_VOPR_SEEDS=${TIDEWIRE_VOPR_SEEDS:-1000}
 tier tests cargo test --workspace --all-features --locked --no-fail-fast
+
+# Miri checks the unsafe code of registered memory (Region, Lease, PinnedBuffer) for undefined
+# behaviour, data races included; ci/miri.sh installs nightly with miri when it is missing.
+tier miri bash ci/miri.sh
 
 doctor() {
   cargo run --release --locked -q -- doctor && cargo run --release --locked -q -- doctor --json >/dev/null
@@ -122,7 +137,10 @@ train() {
 tier train train
 
 bench() {
-  cargo build --release --locked -q -p tidewire-bench --bin tidewire-loopback --bin tidewire-overhead || return 1
+  cargo build --release --locked -q -p tidewire-bench --bin tidewire-loopback --bin tidewire-overhead \
+    --bin tidewire-handin || return 1
+  timeout 300 "$TARGET_DIR/release/tidewire-handin" --iters 2000 --idle-secs 3 --json "$TARGET_DIR/handin.json" \
+    || return 1
   timeout 300 "$TARGET_DIR/release/tidewire-loopback" compare --runs 3 --secs 1 --iters 3000 \
       --json "$TARGET_DIR/loopback-compare.json" \
     && timeout 300 "$TARGET_DIR/release/tidewire-overhead" --model googlenet --reps 1 --iters 5 \

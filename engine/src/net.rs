@@ -35,7 +35,9 @@
 //! ```
 
 use std::cmp::{Ordering, Reverse};
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
+
+use crate::fxhash::FxHashMap as HashMap;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Tag(f64);
@@ -117,7 +119,7 @@ impl<P> Net<P> {
             bytes_per_ns: bandwidth_bps / 8e9,
             latency_ns,
             sides: (0..2 * world).map(|_| Side::default()).collect(),
-            conns: HashMap::new(),
+            conns: HashMap::default(),
             msgs: Vec::new(),
             free: Vec::new(),
             timers: BinaryHeap::new(),

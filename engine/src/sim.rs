@@ -27,13 +27,14 @@
 //! A run that fails returns a [`SimError`] whose message starts with the seed.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::BinaryHeap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::book::{Book, LayerKind, Scheme};
 use crate::config::{ApplyOp, Consistency, SchedConfig, SyncMode};
 use crate::error::EngineError;
+use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use crate::net::Net;
 use crate::node::{
     Blob, Input, Job, JobKind, Limits, Loc, LocalRegion, Node, NodeConfig, Output, Payload, Queue, SendSrc, TxOp,
@@ -302,15 +303,22 @@ pub struct Sim {
     ranks: Vec<Rank>,
     net: Net<Ev>,
     net_out: Vec<(u64, Ev)>,
-    /// Per (from, to, class: 0 writes, 1 messages): last arrival time, and messages in the network.
-    order: HashMap<(u32, u32, u8), u64>,
-    msgs_in_net: HashMap<(u32, u32), usize>,
+    /// Per (from, to, class: 0 writes, 1 messages): last arrival time, at
+    /// `(from × world + to) × 2 + class`.
+    order: Vec<u64>,
+    /// Per (from, to): messages in the network, at `from × world + to`.
+    msgs_in_net: Vec<usize>,
     rng: u64,
     report: SimReport,
     start: Option<u64>,
     last_progress: u64,
     /// `TIDEWIRE_SIM_TRACE=1`: every input and output on stderr.
     trace: bool,
+    /// Ranks done, failed or dead.
+    settled: usize,
+    /// Sends that left at once (control messages on an idle connection):
+    /// their completions, fed after the drain that posted them.
+    sent_now: Vec<(u32, u64)>,
 }
 
 fn brief_input(i: &Input) -> String {
@@ -428,7 +436,7 @@ impl Sim {
                 },
                 busy: [0; 2],
                 posted: vec![0; world],
-                tokens: HashMap::new(),
+                tokens: HashMap::default(),
                 worker,
                 dead: false,
                 fatal: None,
@@ -458,12 +466,14 @@ impl Sim {
             ranks,
             net,
             net_out: Vec::new(),
-            order: HashMap::new(),
-            msgs_in_net: HashMap::new(),
+            order: vec![0; world * world * 2],
+            msgs_in_net: vec![0; world * world],
             report: SimReport::default(),
             start: None,
             last_progress: 0,
             trace: std::env::var_os("TIDEWIRE_SIM_TRACE").is_some(),
+            settled: 0,
+            sent_now: Vec::new(),
         })
     }
 
@@ -563,9 +573,16 @@ impl Sim {
 
     /// Every rank is done, failed or dead.
     fn all_settled(&self) -> bool {
-        self.ranks
-            .iter()
-            .all(|r| r.dead || r.fatal.is_some() || r.finished.is_some())
+        self.settled == self.ranks.len()
+    }
+
+    /// Counts a rank that just became done, failed or dead (once).
+    fn settle(&mut self, r: u32) {
+        let rank = &self.ranks[r as usize];
+        let n = usize::from(rank.dead) + usize::from(rank.fatal.is_some()) + usize::from(rank.finished.is_some());
+        if n == 1 {
+            self.settled += 1;
+        }
     }
 
     fn finish(&mut self) -> Result<(), SimError> {
@@ -793,7 +810,10 @@ impl Sim {
                 self.feed(r, Input::JobDone { id: job.id, data })?;
             }
             Ev::Kill(r) => {
-                self.ranks[r as usize].dead = true;
+                if !self.ranks[r as usize].dead {
+                    self.ranks[r as usize].dead = true;
+                    self.settle(r);
+                }
                 let detect = self.now + self.cfg.faults.detect_ns;
                 for p in 0..self.ranks.len() as u32 {
                     if p != r {
@@ -817,24 +837,23 @@ impl Sim {
     /// A delivery, in per-connection order of its class. `from_net`: it
     /// went through the NIC queues (rather than the control shortcut).
     fn arrival(&mut self, at: u64, ev: Ev, from_net: bool) {
-        let (key, at) = match &ev {
-            Ev::WriteArrive { from, to, .. } => ((*from, *to, 0u8), at),
+        let world = self.ranks.len();
+        let key = match &ev {
+            Ev::WriteArrive { from, to, .. } => (*from as usize * world + *to as usize) * 2,
             Ev::MsgArrive { from, to, .. } => {
+                let c = *from as usize * world + *to as usize;
                 if from_net {
-                    if let Some(n) = self.msgs_in_net.get_mut(&(*from, *to)) {
-                        *n -= 1;
-                    }
+                    self.msgs_in_net[c] -= 1;
                 }
-                ((*from, *to, 1u8), at)
+                c * 2 + 1
             }
             _ => {
                 self.at(at, ev);
                 return;
             }
         };
-        let last = self.order.entry(key).or_insert(0);
-        let at = at.max(*last);
-        *last = at;
+        let at = at.max(self.order[key]);
+        self.order[key] = at;
         self.at(at, ev);
     }
 
@@ -860,7 +879,7 @@ impl Sim {
     }
 
     fn drain(&mut self, r: u32) -> Result<(), SimError> {
-        let mut blocked: HashSet<u32> = HashSet::new();
+        let mut blocked: HashSet<u32> = HashSet::default();
         let mut refused: Vec<u64> = Vec::new();
         while let Some(out) = self.ranks[r as usize].node.poll_output() {
             self.last_progress = self.now;
@@ -927,13 +946,29 @@ impl Sim {
                         self.at(self.now, Ev::Wake(r));
                     }
                 }
-                Output::Finished => self.ranks[r as usize].finished = Some(self.now),
-                Output::Fatal(e) => self.ranks[r as usize].fatal = Some((self.now, e)),
+                Output::Finished => {
+                    if self.ranks[r as usize].finished.is_none() {
+                        self.ranks[r as usize].finished = Some(self.now);
+                        self.settle(r);
+                    }
+                }
+                Output::Fatal(e) => {
+                    if self.ranks[r as usize].fatal.is_none() {
+                        self.ranks[r as usize].fatal = Some((self.now, e));
+                        self.settle(r);
+                    }
+                }
             }
         }
+        // This drain's sends that completed at once (only this rank's: a drain
+        // posts for its own rank), taken before feeding anything back.
+        let done_now = std::mem::take(&mut self.sent_now);
         // Refusals go back before any other input, as the runtime reports them.
         for token in refused {
             self.feed(r, Input::Blocked { token })?;
+        }
+        for (_, token) in done_now {
+            self.feed(r, Input::Done { token })?;
         }
         // The Node's timer (retries after back-pressure, the setup deadline).
         let rank = &mut self.ranks[r as usize];
@@ -1072,15 +1107,21 @@ impl Sim {
                     from: r,
                     token: t.token,
                 };
-                let in_net = self.msgs_in_net.get(&(r, peer)).copied().unwrap_or(0);
+                let conn = r as usize * self.ranks.len() + peer as usize;
+                let in_net = self.msgs_in_net[conn];
                 // Control messages interleave with bulk data at packet
                 // granularity, so they pay latency only, unless a message is
                 // ahead of them on the connection.
                 if len as usize <= CONTROL_BYTES && in_net == 0 {
-                    self.at(post_at, sent);
+                    if post_at == self.now {
+                        // It has left already: complete it after this drain, without an event.
+                        self.sent_now.push((r, t.token));
+                    } else {
+                        self.at(post_at, sent);
+                    }
                     self.arrival(post_at + self.cfg.latency_ns, arrive, false);
                 } else {
-                    *self.msgs_in_net.entry((r, peer)).or_insert(0) += 1;
+                    self.msgs_in_net[conn] += 1;
                     self.net.send(post_at, r, peer, len as usize, arrive, Some(sent), extra);
                 }
             }

@@ -14,12 +14,13 @@
 //! The core keeps no clock; liveness timeouts belong to whoever drives it.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 
 use crate::book::{Book, LayerKind, Scheme};
 use crate::config::{QueueOrder, SchedConfig};
 use crate::error::{EngineError, Result};
+use crate::fxhash::FxHashMap as HashMap;
 
 /// What the worker core asks its driver to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +86,10 @@ pub struct Worker {
     sf_applied: Vec<u64>,
     sf_arrived: HashMap<(u32, u64), u32>,
     sf_emitted: Vec<Option<u64>>,
-    queues: Vec<BinaryHeap<Reverse<(u64, u64, Item)>>>,
+    /// Items that may go, best first: (iteration, key, item, destination).
+    ready: BinaryHeap<Reverse<(u64, u64, Item, u32)>>,
+    /// Per destination: pushes that wait for a landing slot, best first.
+    parked: Vec<VecDeque<(u64, u64, Item)>>,
     free_slots: Vec<Vec<u32>>,
     bytes_in_flight: usize,
     fifo_seq: u64,
@@ -111,9 +115,10 @@ impl Worker {
             layers: vec![LayerState::default(); book.layers().len()],
             chunk_updates: vec![0; book.chunks().len()],
             sf_applied: vec![0; book.layers().len()],
-            sf_arrived: HashMap::new(),
+            sf_arrived: HashMap::default(),
             sf_emitted: vec![None; book.layers().len()],
-            queues: (0..world).map(|_| BinaryHeap::new()).collect(),
+            ready: BinaryHeap::new(),
+            parked: (0..world).map(|_| VecDeque::new()).collect(),
             free_slots,
             bytes_in_flight: 0,
             fifo_seq: 0,
@@ -211,7 +216,7 @@ impl Worker {
         for s in slices.clone() {
             let server = self.book.chunks()[self.book.slices()[s as usize].chunk as usize].server;
             let key = self.key(s as u64);
-            self.queues[server as usize].push(Reverse((iter, key, Item::Push { slice: s })));
+            self.ready.push(Reverse((iter, key, Item::Push { slice: s }, server)));
         }
         let st = &mut self.layers[layer as usize];
         st.in_flight = true;
@@ -249,7 +254,7 @@ impl Worker {
             .collect();
         let key = self.key(self.book.layer_slices(layer).start as u64);
         for &p in &peers {
-            self.queues[p as usize].push(Reverse((iter, key, Item::Factors { layer })));
+            self.ready.push(Reverse((iter, key, Item::Factors { layer }, p)));
         }
         let st = &mut self.layers[layer as usize];
         st.in_flight = true;
@@ -281,36 +286,29 @@ impl Worker {
         }
     }
 
-    /// Sends the best eligible items while the credit window allows.
+    /// Sends the best eligible items while the credit window allows. A push
+    /// whose server has no free landing slot waits (parked) until a credit
+    /// returns; the best item that may go goes, as P3's priority queue says.
     fn pump(&mut self) {
-        loop {
-            let mut best: Option<(u64, u64, usize)> = None;
-            for (dst, q) in self.queues.iter().enumerate() {
-                let Some(Reverse((iter, key, item))) = q.peek() else {
-                    continue;
-                };
-                if matches!(item, Item::Push { .. }) && self.free_slots[dst].is_empty() {
-                    continue;
-                }
-                if best.map_or(true, |(bi, bk, _)| (*iter, *key) < (bi, bk)) {
-                    best = Some((*iter, *key, dst));
-                }
+        while let Some(&Reverse((iter, key, item, dst))) = self.ready.peek() {
+            if matches!(item, Item::Push { .. }) && self.free_slots[dst as usize].is_empty() {
+                self.ready.pop();
+                self.parked[dst as usize].push_back((iter, key, item));
+                continue;
             }
-            let Some((_, _, dst)) = best else { return };
-            let Reverse((iter, _, item)) = *self.queues[dst].peek().expect("peeked");
             let bytes = self.item_bytes(item);
             if self.bytes_in_flight > 0 && self.bytes_in_flight + bytes > self.cfg.credit_bytes {
                 return;
             }
-            self.queues[dst].pop();
+            self.ready.pop();
             self.bytes_in_flight += bytes;
             self.stats.max_bytes_in_flight = self.stats.max_bytes_in_flight.max(self.bytes_in_flight);
             match item {
                 Item::Push { slice } => {
-                    let slot = self.free_slots[dst].pop().expect("checked");
+                    let slot = self.free_slots[dst as usize].pop().expect("checked");
                     self.stats.pushes += 1;
                     self.out.push_back(WorkerCommand::Push {
-                        server: dst as u32,
+                        server: dst,
                         slot,
                         slice,
                         iter,
@@ -318,11 +316,8 @@ impl Worker {
                 }
                 Item::Factors { layer } => {
                     self.stats.factor_sends += 1;
-                    self.out.push_back(WorkerCommand::SendFactors {
-                        peer: dst as u32,
-                        layer,
-                        iter,
-                    });
+                    self.out
+                        .push_back(WorkerCommand::SendFactors { peer: dst, layer, iter });
                 }
             }
         }
@@ -384,6 +379,10 @@ impl Worker {
             return Err(self.protocol(server, format!("credit for slot {slot} that was not lent")));
         }
         free.push(slot);
+        // The server's parked pushes may go again.
+        for (iter, key, item) in self.parked[server as usize].drain(..) {
+            self.ready.push(Reverse((iter, key, item, server)));
+        }
         self.pump();
         Ok(())
     }

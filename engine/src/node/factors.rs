@@ -5,9 +5,8 @@
 //! Bounds: one open block per peer; blocks are kept only for iterations not
 //! yet reconstructed (at most `s + 1` per layer under SSP(s)).
 
-use std::collections::HashMap;
-
 use super::types::{Blob, Payload};
+use crate::fxhash::FxHashMap as HashMap;
 
 #[derive(Debug)]
 struct Stream {
@@ -31,7 +30,7 @@ impl Inbox {
     pub(crate) fn new(world: usize, p1: usize) -> Self {
         Inbox {
             open: (0..world).map(|_| None).collect(),
-            store: HashMap::new(),
+            store: HashMap::default(),
             p1,
         }
     }

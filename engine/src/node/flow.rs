@@ -7,10 +7,11 @@
 //! does not fit waits in the peer's queue, in order: messages to one peer
 //! leave in the order they were queued.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use super::types::{Loc, Output, RemoteLoc, SendSrc, Transmit, TxOp};
+use crate::fxhash::{FxHashMap, FxHashSet};
 
 /// Bytes of one control cell: the largest inline message.
 pub const CELL_BYTES: usize = 256;
@@ -77,7 +78,7 @@ pub(crate) struct Flow<T> {
     cap: usize,
     peers: Vec<PeerFlow<T>>,
     free_cells: Vec<u32>,
-    inflight: HashMap<u64, InFlight<T>>,
+    inflight: FxHashMap<u64, InFlight<T>>,
     next_token: u64,
     dirty: Vec<u32>,
     is_dirty: Vec<bool>,
@@ -86,7 +87,9 @@ pub(crate) struct Flow<T> {
     /// Most transmits outstanding to one peer, ever.
     pub(crate) max_out_seen: usize,
     /// Tokens in flight to peers whose connection ended: their completions, if any come, mean nothing.
-    dropped: std::collections::HashSet<u64>,
+    dropped: FxHashSet<u64>,
+    /// Peers with a retry timer set (so that `poll_timeout` is O(1) when none is).
+    retrying: usize,
 }
 
 impl<T> Flow<T> {
@@ -104,13 +107,14 @@ impl<T> Flow<T> {
                 })
                 .collect(),
             free_cells: (0..CELLS as u32).rev().collect(),
-            inflight: HashMap::new(),
+            inflight: FxHashMap::default(),
             next_token: 1,
             dirty: Vec::new(),
             is_dirty: vec![false; world],
             cell_waiters: Vec::new(),
             max_out_seen: 0,
-            dropped: std::collections::HashSet::new(),
+            dropped: FxHashSet::default(),
+            retrying: 0,
         }
     }
 
@@ -156,6 +160,7 @@ impl<T> Flow<T> {
                 Some(t) if now >= t => {
                     pf.blocked = false;
                     pf.retry_at = None;
+                    self.retrying -= 1;
                 }
                 _ => return,
             }
@@ -219,7 +224,9 @@ impl<T> Flow<T> {
         self.release(&f);
         let pf = &mut self.peers[f.peer as usize];
         pf.blocked = false;
-        pf.retry_at = None;
+        if pf.retry_at.take().is_some() {
+            self.retrying -= 1;
+        }
         Some((f.peer, f.track))
     }
 
@@ -251,7 +258,13 @@ impl<T> Flow<T> {
         pf.blocked = true;
         // Other transmits to this peer will complete and unblock it; with none
         // in flight, only time will.
+        let was = pf.retry_at.is_some();
         pf.retry_at = if pf.out == 0 { Some(now + RETRY_AFTER) } else { None };
+        match (was, pf.retry_at.is_some()) {
+            (false, true) => self.retrying += 1,
+            (true, false) => self.retrying -= 1,
+            _ => {}
+        }
         true
     }
 
@@ -276,7 +289,9 @@ impl<T> Flow<T> {
         let pf = &mut self.peers[peer as usize];
         tracks.extend(pf.queue.drain(..).map(|q| q.track));
         pf.blocked = false;
-        pf.retry_at = None;
+        if pf.retry_at.take().is_some() {
+            self.retrying -= 1;
+        }
         pf.open = false;
         pf.gone = true;
         tracks
@@ -294,11 +309,17 @@ impl<T> Flow<T> {
 
     /// The next retry timer.
     pub(crate) fn poll_timeout(&self) -> Option<Duration> {
+        if self.retrying == 0 {
+            return None;
+        }
         self.peers.iter().filter_map(|p| p.retry_at).min()
     }
 
     /// Marks peers whose retry timer expired.
     pub(crate) fn tick(&mut self, now: Duration) {
+        if self.retrying == 0 {
+            return;
+        }
         for p in 0..self.peers.len() {
             if matches!(self.peers[p].retry_at, Some(t) if now >= t) {
                 self.mark(p as u32);

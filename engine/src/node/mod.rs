@@ -53,7 +53,7 @@ pub mod factors;
 pub mod flow;
 pub mod types;
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -67,6 +67,7 @@ use crate::agree::JobConfig;
 use crate::book::{Book, LayerKind, Scheme};
 use crate::config::{ApplyOp, Consistency, SchedConfig};
 use crate::error::{EngineError, Result};
+use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use crate::server::{Server, ServerCommand};
 use crate::wire::{self, Hello, Kind, Msg};
 use crate::worker::{Worker, WorkerCommand};
@@ -254,6 +255,8 @@ pub struct Node {
     moot: Vec<(u32, Track)>,
     /// Per peer: writes and factor blocks waiting for it to open (its limits).
     early: Vec<Vec<Early>>,
+    /// Peers that are open (hello and regions known).
+    open_peers: usize,
     stats: NodeStats,
 }
 
@@ -383,7 +386,7 @@ impl Node {
             Some(WorkerSide {
                 core: Worker::new(book.clone(), rank, cfg.sched)?,
                 forming: vec![false; nl],
-                want: HashSet::new(),
+                want: HashSet::default(),
                 publish_started: false,
                 publish_left: 0,
             })
@@ -393,10 +396,10 @@ impl Node {
         let server = if role.is_server() {
             Some(ServerSide {
                 core: Server::new(book.clone(), rank, cfg.sched)?,
-                apply_running: HashMap::new(),
-                deferred: HashMap::new(),
+                apply_running: HashMap::default(),
+                deferred: HashMap::default(),
                 credit_out: BTreeMap::new(),
-                local_slots: HashMap::new(),
+                local_slots: HashMap::default(),
             })
         } else {
             None
@@ -423,7 +426,7 @@ impl Node {
             server,
             peers,
             flow,
-            jobs: HashMap::new(),
+            jobs: HashMap::default(),
             next_job: 1,
             out: VecDeque::new(),
             now: Duration::ZERO,
@@ -439,6 +442,7 @@ impl Node {
             landed_from: vec![0; world],
             moot: Vec::new(),
             early: (0..world).map(|_| Vec::new()).collect(),
+            open_peers: 0,
             stats: NodeStats::default(),
             book,
             rank,
@@ -638,7 +642,10 @@ impl Node {
                         what: "regions known before its hello".into(),
                     });
                 }
-                p.open = true;
+                if !p.open {
+                    p.open = true;
+                    self.open_peers += 1;
+                }
                 self.flow.open(peer);
                 for e in std::mem::take(&mut self.early[peer as usize]) {
                     match e {
@@ -1032,20 +1039,19 @@ impl Node {
         self.check_shutdown();
         self.stats.max_factor_blocks = self.stats.max_factor_blocks.max(self.inbox.held());
         // Writes into a peer's parameters are addressed from the base its hello announced.
-        let mut fresh = VecDeque::new();
-        self.flow.pump(self.now, &mut fresh);
-        for mut o in fresh {
+        let start = self.out.len();
+        self.flow.pump(self.now, &mut self.out);
+        for o in self.out.range_mut(start..) {
             if let Output::Transmit(Transmit {
                 peer,
                 op: TxOp::Write { dst, .. },
                 ..
-            }) = &mut o
+            }) = o
             {
                 if dst.region == LocalRegion::Params {
                     dst.offset += self.peers[*peer as usize].params_base;
                 }
             }
-            self.out.push_back(o);
         }
     }
 
@@ -1563,7 +1569,7 @@ impl Node {
         if self.ready {
             return;
         }
-        if !self.peers.iter().all(|p| p.open) {
+        if self.open_peers + 1 < self.peers.len() {
             return;
         }
         let initialized = match (&mut self.worker, &self.server) {
