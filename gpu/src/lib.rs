@@ -20,14 +20,9 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod sched;
+mod skip;
 
-/// Prints a loud skip line for a test that needs what this machine lacks.
-/// It writes to stderr directly, because the test harness captures
-/// `eprintln!`, so the line shows in `cargo test` output and in CI logs.
-pub fn print_skip(what: &str, why: &str) {
-    use std::io::Write as _;
-    let _ = writeln!(std::io::stderr(), "SKIPPED: {what}: {why}");
-}
+pub use skip::print_skip;
 
 /// What `tidewire doctor` shows for CUDA.
 #[derive(Debug, Clone)]

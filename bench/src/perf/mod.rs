@@ -6,6 +6,7 @@
 //! exchange, [`stats`] the arithmetic, and this module the options and the
 //! report (perftest's header block and tables, plus JSON).
 
+mod error;
 pub mod oob;
 #[cfg(feature = "rdma")]
 pub mod rdma;
@@ -16,33 +17,9 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use error::PerfError;
 pub use oob::{BwReport, Dest, Oob, Signature};
 pub use stats::{BwRow, LatRow};
-
-/// An error that ends the run, with what went wrong and, where it helps, what to do.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PerfError(pub String);
-
-impl PerfError {
-    /// From a message.
-    pub fn new(s: impl Into<String>) -> Self {
-        PerfError(s.into())
-    }
-}
-
-impl std::fmt::Display for PerfError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for PerfError {}
-
-impl From<tidewire_transport::Error> for PerfError {
-    fn from(e: tidewire_transport::Error) -> Self {
-        PerfError(e.to_string())
-    }
-}
 
 /// The six perftest tests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

@@ -20,7 +20,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use super::PerfError;
+use super::error::PerfError;
 
 /// perftest's version string (4.5-0.17 sends "6.06").
 pub const VERSION: &str = "6.06";

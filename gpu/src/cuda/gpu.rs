@@ -18,7 +18,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{self, CompileOptions, Ptx};
 
-use super::{driver_present, drv, CudaError, GpuInfo};
+use super::driver::{self, driver_present, drv, CudaError, GpuInfo};
 use crate::cpu::ApplyOp;
 
 /// The kernels' source; see the file for the exactness argument.
@@ -333,7 +333,7 @@ impl Gpu {
         if !driver_present() {
             return Err(CudaError::NoDriver);
         }
-        let info = super::probe()?
+        let info = driver::probe()?
             .devices
             .into_iter()
             .find(|d| d.ordinal as usize == opts.ordinal)

@@ -84,4 +84,3 @@ pub use mr::{validate_dmabuf_args, DmabufRegion};
 use config::{mtu_code, mtu_from_bytes, mtu_of_code};
 pub(crate) use error::io_of;
 use error::verbs;
-use state::State;
