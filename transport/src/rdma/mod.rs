@@ -55,7 +55,7 @@
 //! - `post`: queueing within the outstanding bound, posting within depth and credits.
 //! - `cq`: completion polling, receive reposting, sleeping on the completion channel.
 //! - `transport`: the [`Transport`](crate::Transport) implementation.
-//! - `cm`: queue pairs through rdma_cm; `device`: device selection and probes;
+//! - `cm`: the rdma_cm wrapper (queue-pair setup through it is in `qp`); `device`: device selection and probes;
 //!   `gpudirect`: device memory by dmabuf or staging; `raw`: raw RC queue pairs
 //!   for the perftest tools; `wire`: control-plane and notice encodings.
 
