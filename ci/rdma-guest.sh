@@ -2,8 +2,9 @@
 # Runs inside the soft-RoCE VM (ci/test-rdma.sh starts it): every RDMA test
 # binary given as an argument, one test at a time, then the README's main job
 # end to end over RDMA: `tidewire train --verify` with transport auto, which
-# must pick RDMA on rxe0, and the one-protocol runs scaled down (vgg19-mini). The end-to-end case reports in libtest's format so
-# that ci/test-rdma.sh counts it with the rest. Then tidewire-perf against
+# must pick RDMA on rxe0, and the one-protocol runs scaled down (vgg19-mini).
+# The end-to-end cases report in libtest's format so that ci/test-rdma.sh
+# counts them with the rest. Then tidewire-perf against
 # Debian's perftest, both ways (ci/perf-guest.sh), and RDMA under tc shaping
 # on the veth (ci/rdma-shaped-guest.sh).
 # The binaries: TIDEWIRE_BIN (ci/test-rdma.sh passes the path it built; by hand, the

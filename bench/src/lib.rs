@@ -11,18 +11,35 @@ pub mod perf;
 /// The font plots use, from Debian's `fonts-dejavu-core`.
 pub const DEFAULT_FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
 
+/// Why a font could not be used for the plots.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FontError {
+    /// The file could not be read.
+    #[error("font {path}: {source} (Debian: apt-get install fonts-dejavu-core, or give --font)")]
+    Read {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not a TrueType font plotters can draw with.
+    #[error("{path}: not a usable TrueType font")]
+    NotTrueType { path: std::path::PathBuf },
+}
+
 /// Registers the TrueType font at `path` as plotters' "sans-serif" (plotters'
 /// bitmap backend draws text only with a registered font).
-pub fn register_font(path: &std::path::Path) -> Result<(), String> {
-    let bytes = std::fs::read(path).map_err(|e| {
-        format!(
-            "font {}: {e} (Debian: apt-get install fonts-dejavu-core, or give --font)",
-            path.display()
-        )
+pub fn register_font(path: &std::path::Path) -> Result<(), FontError> {
+    let bytes = std::fs::read(path).map_err(|source| FontError::Read {
+        path: path.to_path_buf(),
+        source,
     })?;
     let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-    plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, bytes)
-        .map_err(|_| format!("{}: not a usable TrueType font", path.display()))
+    plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, bytes).map_err(|_| {
+        FontError::NotTrueType {
+            path: path.to_path_buf(),
+        }
+    })
 }
 
 /// Median of a non-empty sample (the mean of the middle two for even sizes).

@@ -80,7 +80,7 @@ fn parse_sync(s: &str) -> std::result::Result<String, String> {
 }
 
 /// Parses a bandwidth: `10gbit`, `10gbe`, `10g`, `500mbit`, `2.5gbit/s`, or plain bits per second.
-pub fn parse_bandwidth(s: &str) -> std::result::Result<f64, String> {
+pub fn parse_bandwidth(s: &str) -> Result<f64> {
     let t = s.trim().to_ascii_lowercase();
     let t = t.strip_suffix("/s").unwrap_or(&t);
     let (num, mult) = [
@@ -100,10 +100,10 @@ pub fn parse_bandwidth(s: &str) -> std::result::Result<f64, String> {
     let v: f64 = num
         .trim()
         .parse()
-        .map_err(|_| format!("{s:?}: give a bandwidth like 10gbit, 40gbe or 500mbit"))?;
+        .map_err(|_| Error::Usage(format!("{s:?}: give a bandwidth like 10gbit, 40gbe or 500mbit")))?;
     let bps = v * mult;
     if !(bps.is_finite() && bps >= 1e3) {
-        return Err(format!("{s:?}: give at least 1 kbit/s"));
+        return Err(Error::Usage(format!("{s:?}: give at least 1 kbit/s")));
     }
     Ok(bps)
 }

@@ -526,7 +526,7 @@ fn run(cli: &Cli) -> Result<bool, String> {
             ));
         }
     }
-    tidewire_bench::register_font(&cli.font)?;
+    tidewire_bench::register_font(&cli.font).map_err(|e| e.to_string())?;
     std::fs::create_dir_all(&cli.out).map_err(|e| format!("{}: {e}", cli.out.display()))?;
     let t0 = Instant::now();
 

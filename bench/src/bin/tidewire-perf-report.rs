@@ -223,7 +223,7 @@ fn run(cli: &Cli) -> Result<bool, String> {
 }
 
 fn plot(rows: &[Row], path: &std::path::Path, font: &std::path::Path) -> Result<(), String> {
-    tidewire_bench::register_font(font)?;
+    tidewire_bench::register_font(font).map_err(|e| e.to_string())?;
     let tests: Vec<String> = {
         let mut t: Vec<String> = rows.iter().map(|r| r.test.clone()).collect();
         t.dedup();
