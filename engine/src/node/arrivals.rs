@@ -1,0 +1,249 @@
+//! What arrives: transmit and job completions, peers' writes (checked
+//! against the sender's slots and the chunk's range) and messages (decoded,
+//! checked, and reassembled for factor blocks).
+
+use super::*;
+
+impl Node {
+    pub(super) fn tx_done(&mut self, _peer: u32, track: Track) -> Result<()> {
+        match track {
+            Track::Ctrl | Track::Init | Track::Piece => Ok(()),
+            Track::Push { slice } => self.worker.as_mut().expect("worker").core.handle_push_done(slice),
+            Track::Bcast { chunk, worker } => self
+                .server
+                .as_mut()
+                .expect("server")
+                .core
+                .handle_broadcast_done(chunk, worker),
+            Track::Factors { layer, peer } => self
+                .worker
+                .as_mut()
+                .expect("worker")
+                .core
+                .handle_factors_sent(layer, peer),
+        }
+    }
+
+    pub(super) fn job_done(&mut self, id: u64, data: Option<Vec<u8>>) -> Result<()> {
+        let me = self.rank;
+        let track = self.jobs.remove(&id).ok_or_else(|| EngineError::Protocol {
+            rank: me,
+            what: format!("completion of unknown job {id}"),
+        })?;
+        match track {
+            JobTrack::Accumulate { worker, slot } => {
+                if worker == me {
+                    let s = self.server.as_mut().expect("server");
+                    let slice = s.local_slots.remove(&slot).ok_or_else(|| EngineError::Protocol {
+                        rank: me,
+                        what: format!("local slot {slot} was not taken"),
+                    })?;
+                    let w = self.worker.as_mut().expect("colocated");
+                    w.core.handle_push_done(slice)?;
+                    w.core.handle_credit(me, slot)?;
+                } else {
+                    self.server
+                        .as_mut()
+                        .expect("server")
+                        .credit_out
+                        .entry(worker)
+                        .or_default()
+                        .push(slot);
+                }
+            }
+            JobTrack::Apply { chunk } => {
+                let s = self.server.as_mut().expect("server");
+                s.apply_running.remove(&chunk);
+                for w in s.deferred.remove(&chunk).unwrap_or_default() {
+                    self.broadcast(chunk, w);
+                }
+            }
+            JobTrack::InitCopy { chunk } => self.server.as_mut().expect("server").core.handle_init(me, chunk)?,
+            JobTrack::LocalBcast { chunk } => {
+                self.worker.as_mut().expect("worker").core.handle_params(chunk)?;
+                self.server
+                    .as_mut()
+                    .expect("server")
+                    .core
+                    .handle_broadcast_done(chunk, me)?;
+            }
+            JobTrack::FormGrad { layer } => {
+                let w = self.worker.as_mut().expect("worker");
+                w.forming[layer as usize] = false;
+                w.core.grad_ready(layer)?;
+            }
+            JobTrack::Capture { layer, iter, len } => {
+                let blob = match data {
+                    Some(b) if b.len() == len => Blob::Bytes(b),
+                    Some(b) => {
+                        return Err(EngineError::Job(format!(
+                            "captured {} bytes of factors of layer {layer}, expected {len}",
+                            b.len()
+                        )))
+                    }
+                    None => Blob::Opaque(len),
+                };
+                let wi = self.worker.as_ref().expect("worker").core.index();
+                self.factors_in(layer, iter, wi, blob)?;
+            }
+            JobTrack::Reconstruct { layer, iter } => self
+                .worker
+                .as_mut()
+                .expect("worker")
+                .core
+                .handle_factors_applied(layer, iter)?,
+            JobTrack::Publish { layer, iter } => match iter {
+                Some(iter) => self.out.push_back(Output::LayerReady { layer, iter }),
+                None => self.worker.as_mut().expect("worker").publish_left -= 1,
+            },
+        }
+        Ok(())
+    }
+
+    pub(super) fn landed(&mut self, peer: u32, region: LocalRegion, offset: u64, len: u64, imm: u32) -> Result<()> {
+        self.peer_mut(peer)?;
+        self.landed_from[peer as usize] += 1;
+        let bad = |what: String| EngineError::Protocol { rank: peer, what };
+        let book = self.book.clone();
+        let slots = u64::from(self.sched.slots);
+        let slot_bytes = self.slot_bytes;
+        match region {
+            LocalRegion::Landing => {
+                let s = self
+                    .server
+                    .as_mut()
+                    .ok_or_else(|| bad("a push to a rank that is not a server".into()))?;
+                let wi = book
+                    .cluster()
+                    .worker_index(peer)
+                    .ok_or_else(|| bad("a push from a rank that is not a worker".into()))?
+                    as u64;
+                let si = book
+                    .slices()
+                    .get(imm as usize)
+                    .ok_or_else(|| bad(format!("a push of unknown slice {imm}")))?;
+                let g = offset / slot_bytes;
+                let start = g * slot_bytes;
+                if g / slots != wi || len == 0 || offset + len != start + si.len as u64 * 4 {
+                    return Err(bad(format!(
+                        "a push of slice {imm} ({} bytes) at offset {offset}+{len}, outside the sender's landing slots",
+                        si.len * 4
+                    )));
+                }
+                s.core.handle_landed(peer, (g % slots) as u32, imm)
+            }
+            LocalRegion::Shard => {
+                let s = self
+                    .server
+                    .as_mut()
+                    .ok_or_else(|| bad("seeding a rank that is not a server".into()))?;
+                let ch = book
+                    .chunks()
+                    .get(imm as usize)
+                    .ok_or_else(|| bad(format!("seeding unknown chunk {imm}")))?;
+                let (a, b) = (ch.shard_offset as u64 * 4, (ch.shard_offset + ch.len) as u64 * 4);
+                if ch.server != self.rank || len == 0 || offset < a || offset + len != b {
+                    return Err(bad(format!("seeding chunk {imm} at {offset}+{len}, outside it")));
+                }
+                s.core.handle_init(peer, imm)
+            }
+            LocalRegion::Params => {
+                let base = self.param_off.first().copied().unwrap_or(0);
+                let w = self
+                    .worker
+                    .as_mut()
+                    .ok_or_else(|| bad("parameters for a rank that is not a worker".into()))?;
+                let ch = book
+                    .chunks()
+                    .get(imm as usize)
+                    .ok_or_else(|| bad(format!("parameters of unknown chunk {imm}")))?;
+                let a = base + (book.layer_offset(ch.layer) + ch.offset) as u64 * 4;
+                let b = a + ch.len as u64 * 4;
+                if ch.server != peer || len == 0 || offset < a || offset + len != b {
+                    return Err(bad(format!("parameters of chunk {imm} at {offset}+{len}, outside it")));
+                }
+                w.core.handle_params(imm)
+            }
+            other => Err(bad(format!("a write into the {other:?} region"))),
+        }
+    }
+
+    pub(super) fn message(&mut self, peer: u32, tag: u32, data: Payload) -> Result<()> {
+        let bad = |what: String| EngineError::Protocol { rank: peer, what };
+        let kind = wire::kind_of(tag).map_err(|e| bad(e.to_string()))?;
+        let hello_seen = self.peer_mut(peer)?.hello;
+        if kind != Kind::Hello && !hello_seen {
+            return Err(bad(format!("a {kind:?} message before its hello")));
+        }
+        if kind == Kind::FactorData {
+            if self.worker.is_none() {
+                return Err(bad("factors sent to a rank that is not a worker".into()));
+            }
+            if let Some((layer, iter, blob)) = self.inbox.data(peer, data).map_err(bad)? {
+                let wi = self.book.cluster().worker_index(peer).expect("checked at begin");
+                self.factors_in(layer, iter, wi, blob)?;
+            }
+            return Ok(());
+        }
+        let Payload::Bytes(bytes) = data else {
+            return Err(bad(format!("a {kind:?} message without bytes")));
+        };
+        match wire::decode(tag, &bytes).map_err(|e| bad(e.to_string()))? {
+            Msg::Hello(h) => {
+                if hello_seen {
+                    return Err(bad("a second hello".into()));
+                }
+                self.hello(peer, h)
+            }
+            Msg::Credit(slots) => {
+                let w = self
+                    .worker
+                    .as_mut()
+                    .ok_or_else(|| bad("credit sent to a rank that is not a worker".into()))?;
+                for s in slots {
+                    w.core.handle_credit(peer, s)?;
+                }
+                Ok(())
+            }
+            Msg::FactorsBegin { layer, iter, total } => {
+                let book = self.book.clone();
+                let w = self
+                    .worker
+                    .as_ref()
+                    .ok_or_else(|| bad("factors sent to a rank that is not a worker".into()))?;
+                let _ = w;
+                if book.cluster().worker_index(peer).is_none() {
+                    return Err(bad("factors from a rank that is not a worker".into()));
+                }
+                let spec = book.layer(layer).map_err(|e| bad(e.to_string()))?;
+                let want = book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
+                if spec.kind != LayerKind::Fc || book.scheme(layer, iter) != Scheme::Sfb || total != want {
+                    return Err(bad(format!(
+                        "a factor block of {total} bytes for layer {layer} ({}), which syncs by {:?} ({want} bytes expected)",
+                        spec.name,
+                        book.scheme(layer, iter)
+                    )));
+                }
+                self.inbox.begin(peer, layer, iter, total as usize).map_err(bad)
+            }
+            Msg::FactorData => unreachable!("handled above"),
+            Msg::Finished { writes } => {
+                let p = self.peer_mut(peer)?;
+                if p.finished.is_some() {
+                    return Err(bad("finished twice".into()));
+                }
+                p.finished = Some(writes);
+                Ok(())
+            }
+            Msg::Bye { writes } => {
+                let p = self.peer_mut(peer)?;
+                if p.bye.is_some() {
+                    return Err(bad("said goodbye twice".into()));
+                }
+                p.bye = Some(writes);
+                Ok(())
+            }
+            Msg::Abort(reason) => Err(EngineError::PeerAborted { rank: peer, reason }),
+        }
+    }
+}

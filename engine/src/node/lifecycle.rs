@@ -1,0 +1,118 @@
+//! Readiness after setup, and the goodbye: `Finished` when the worker is
+//! idle, `Bye` when the server owes nothing more, and the exit once every
+//! peer said goodbye.
+
+use super::*;
+
+impl Node {
+    pub(super) fn check_ready(&mut self) {
+        if self.ready {
+            return;
+        }
+        if self.open_peers + 1 < self.peers.len() {
+            return;
+        }
+        let initialized = match (&mut self.worker, &self.server) {
+            (Some(w), _) => {
+                if !w.core.is_initialized() {
+                    false
+                } else if !self.staged {
+                    true
+                } else if !w.publish_started {
+                    w.publish_started = true;
+                    w.publish_left = self.book.layers().len();
+                    for l in 0..self.book.layers().len() as u32 {
+                        self.publish(l, None);
+                    }
+                    false
+                } else {
+                    self.worker.as_ref().expect("worker").publish_left == 0
+                }
+            }
+            (None, Some(s)) => s.core.is_initialized(),
+            (None, None) => true,
+        };
+        if initialized {
+            self.ready = true;
+            self.out.push_back(Output::Ready);
+        }
+    }
+
+    pub(super) fn pending_jobs(&self, queue: Queue) -> usize {
+        self.jobs
+            .values()
+            .filter(|t| {
+                let q = match t {
+                    JobTrack::Accumulate { .. } | JobTrack::Apply { .. } | JobTrack::InitCopy { .. } => Queue::Server,
+                    _ => Queue::Worker,
+                };
+                q == queue
+            })
+            .count()
+    }
+
+    pub(super) fn peer_done(&self, p: u32, count: Option<u64>) -> bool {
+        count.is_some_and(|n| self.landed_from[p as usize] >= n)
+    }
+
+    pub(super) fn check_shutdown(&mut self) {
+        if !self.shutdown || !self.ready || self.done {
+            return;
+        }
+        let world = self.peers.len() as u32;
+        let me = self.rank;
+        if !self.finished_sent {
+            let idle = match &self.worker {
+                None => true,
+                Some(w) => {
+                    (0..self.book.layers().len() as u32).all(|l| !w.core.is_in_flight(l))
+                        && !w.forming.contains(&true)
+                        && w.core.bytes_in_flight() == 0
+                        && self.pending_jobs(Queue::Worker) == 0
+                }
+            };
+            if !idle {
+                return;
+            }
+            self.finished_sent = true;
+            if self.worker.is_some() {
+                for p in (0..world).filter(|&p| p != me) {
+                    let writes = self.imm_sent[p as usize];
+                    self.send_ctrl(p, &Msg::Finished { writes });
+                }
+            }
+        }
+        if !self.bye_sent {
+            let server_done = match &self.server {
+                None => true,
+                Some(s) => {
+                    let workers_done = self
+                        .book
+                        .cluster()
+                        .workers()
+                        .iter()
+                        .all(|&w| w == self.rank || self.peer_done(w, self.peers[w as usize].finished));
+                    workers_done
+                        && s.core.is_quiet()
+                        && s.apply_running.is_empty()
+                        && s.deferred.is_empty()
+                        && s.credit_out.is_empty()
+                        && self.pending_jobs(Queue::Server) == 0
+                }
+            };
+            if !server_done {
+                return;
+            }
+            self.bye_sent = true;
+            for p in (0..world).filter(|&p| p != me) {
+                let writes = self.imm_sent[p as usize];
+                self.send_ctrl(p, &Msg::Bye { writes });
+            }
+        }
+        let everyone = (0..world).all(|p| p == self.rank || self.peer_done(p, self.peers[p as usize].bye));
+        if everyone && self.flow.idle() && self.jobs.is_empty() {
+            self.done = true;
+            self.out.push_back(Output::Finished);
+        }
+    }
+}

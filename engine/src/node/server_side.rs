@@ -1,0 +1,115 @@
+//! The server side: the server core's commands turned into accumulate and
+//! apply jobs, broadcasts (after their chunk's apply ran) and credits (after
+//! the accumulate that read the slot ran).
+
+use super::*;
+
+impl Node {
+    pub(super) fn server_cmd(&mut self, cmd: ServerCommand) -> Result<()> {
+        let book = self.book.clone();
+        let me = self.rank;
+        match cmd {
+            ServerCommand::Accumulate {
+                worker,
+                slot,
+                slice,
+                window,
+                first,
+            } => {
+                let si = book.slices()[slice as usize];
+                let ch = book.chunks()[si.chunk as usize];
+                let src = if worker == me {
+                    Loc {
+                        region: LocalRegion::Grads,
+                        offset: self.grad_off[si.layer as usize] + si.offset as u64 * 4,
+                    }
+                } else {
+                    let wi = book.cluster().worker_index(worker).expect("checked by the core") as u64;
+                    Loc {
+                        region: LocalRegion::Landing,
+                        offset: (wi * u64::from(self.sched.slots) + u64::from(slot)) * self.slot_bytes,
+                    }
+                };
+                self.new_job(
+                    Queue::Server,
+                    JobKind::Accumulate {
+                        window,
+                        chunk: si.chunk,
+                        acc_at: ch.shard_offset + (si.offset - ch.offset),
+                        src,
+                        len: si.len,
+                        first,
+                        contributions: book.p1(),
+                    },
+                    JobTrack::Accumulate { worker, slot },
+                );
+            }
+            ServerCommand::Apply { chunk, iter, window } => {
+                let ch = book.chunks()[chunk as usize];
+                let id = self.next_job;
+                self.new_job(
+                    Queue::Server,
+                    JobKind::Apply {
+                        window,
+                        chunk,
+                        iter,
+                        shard_at: ch.shard_offset,
+                        len: ch.len,
+                    },
+                    JobTrack::Apply { chunk },
+                );
+                self.server.as_mut().expect("server").apply_running.insert(chunk, id);
+            }
+            ServerCommand::Broadcast { chunk, worker } => {
+                let s = self.server.as_mut().expect("server");
+                if s.apply_running.contains_key(&chunk) {
+                    s.deferred.entry(chunk).or_default().push(worker);
+                } else {
+                    self.broadcast(chunk, worker);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn broadcast(&mut self, chunk: u32, worker: u32) {
+        let book = self.book.clone();
+        let ch = book.chunks()[chunk as usize];
+        let src = Loc {
+            region: LocalRegion::Shard,
+            offset: ch.shard_offset as u64 * 4,
+        };
+        let len = ch.len as u64 * 4;
+        if worker == self.rank {
+            let dst = Loc {
+                region: LocalRegion::Params,
+                offset: self.param_off[ch.layer as usize] + ch.offset as u64 * 4,
+            };
+            self.new_job(
+                Queue::Worker,
+                JobKind::Copy { src, dst, len },
+                JobTrack::LocalBcast { chunk },
+            );
+        } else {
+            // Relative to the worker's base; `drive` adds it when the write goes out.
+            let dst = RemoteLoc {
+                region: LocalRegion::Params,
+                offset: (book.layer_offset(ch.layer) + ch.offset) as u64 * 4,
+            };
+            self.write(worker, src, dst, len, chunk, Track::Bcast { chunk, worker });
+        }
+    }
+
+    pub(super) fn flush_credits(&mut self) {
+        let Some(s) = self.server.as_mut() else { return };
+        if s.credit_out.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut s.credit_out);
+        for (w, slots) in pending {
+            for part in slots.chunks(wire::MAX_CREDITS) {
+                self.send_ctrl(w, &Msg::Credit(part.to_vec()));
+            }
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! Setup: the hello each peer gets, the agreement on the job configuration
+//! it checks, and the limits both ends of a connection take.
+
+use super::*;
+
+impl Node {
+    /// The largest message to `peer`: the smaller of the two transports'
+    /// caps (the peer's is known once it is open: transmits that need it
+    /// wait in `early` until then).
+    pub(super) fn message_cap(&self, peer: u32) -> u64 {
+        (self.limits.max_message_bytes as u64).min(self.peers[peer as usize].max_message)
+    }
+
+    /// The largest write to `peer`, a multiple of 4.
+    pub(super) fn write_cap(&self, peer: u32) -> u64 {
+        (self.limits.max_write_bytes as u64).min(self.peers[peer as usize].max_write) / 4 * 4
+    }
+
+    pub(super) fn connected(&mut self, peer: u32) -> Result<()> {
+        let world = self.peers.len() as u32;
+        let p = self.peer_mut(peer)?;
+        if p.connected {
+            return Err(EngineError::Protocol {
+                rank: peer,
+                what: "connected twice".into(),
+            });
+        }
+        p.connected = true;
+        let hello = Msg::Hello(Hello {
+            version: u16::from(wire::VERSION),
+            rank: self.rank,
+            world,
+            keys: self.keys,
+            params_base: self.param_off.first().copied().unwrap_or(0),
+            max_message: self.limits.max_message_bytes as u64,
+            max_write: self.limits.max_write_bytes as u64,
+            fields: self.job.fields().to_vec(),
+        });
+        self.send_ctrl(peer, &hello);
+        Ok(())
+    }
+
+    pub(super) fn hello(&mut self, peer: u32, h: Hello) -> Result<()> {
+        let bad = |what: String| EngineError::Protocol { rank: peer, what };
+        if h.version != u16::from(wire::VERSION) {
+            return Err(bad(format!(
+                "it speaks protocol version {}, this rank {}",
+                h.version,
+                wire::VERSION
+            )));
+        }
+        if h.rank != peer {
+            return Err(bad(format!("its hello names rank {}", h.rank)));
+        }
+        if h.world as usize != self.peers.len() {
+            return Err(EngineError::Disagree {
+                rank: peer,
+                field: "world size",
+                theirs: h.world.to_string(),
+                reference: "this rank".into(),
+                ours: self.peers.len().to_string(),
+            });
+        }
+        self.job.check(peer, &h.fields)?;
+        let role = self.book.cluster().role(peer).expect("in the world");
+        for (i, needed) in [role.is_worker(), role.is_server(), role.is_server()]
+            .into_iter()
+            .enumerate()
+        {
+            if needed && h.keys[i] == 0 && self.needs_region(peer, i) {
+                return Err(bad(format!(
+                    "it announced no {} region",
+                    ["parameter", "shard", "landing"][i]
+                )));
+            }
+        }
+        if h.max_message < wire::MAX_CONTROL as u64 || h.max_write < 4 {
+            return Err(bad(format!(
+                "its transport takes messages of {} bytes and writes of {} (the protocol needs at least {} and 4)",
+                h.max_message,
+                h.max_write,
+                wire::MAX_CONTROL
+            )));
+        }
+        let p = self.peer_mut(peer)?;
+        p.hello = true;
+        p.keys = h.keys;
+        p.params_base = h.params_base;
+        p.max_message = h.max_message;
+        p.max_write = h.max_write;
+        self.out.push_back(Output::PeerKeys { peer, keys: h.keys });
+        Ok(())
+    }
+
+    /// Whether this rank writes into `peer`'s region `i` (0 params, 1 shard, 2 landing).
+    pub(super) fn needs_region(&self, peer: u32, i: usize) -> bool {
+        match i {
+            0 => self.server.is_some(),
+            1 => self.worker.as_ref().is_some_and(|w| w.core.index() == 0) && self.book.shard_len(peer) > 0,
+            _ => self.worker.is_some() && self.book.shard_len(peer) > 0,
+        }
+    }
+}

@@ -1,0 +1,227 @@
+//! The worker side: hand-ins from the caller, and the worker core's
+//! commands turned into writes, factor blocks, jobs and layer-ready events.
+
+use super::*;
+
+impl Node {
+    pub(super) fn hand_in(&mut self, layer: u32, factors: bool) -> Result<()> {
+        if self.shutdown {
+            return Err(EngineError::Shutdown);
+        }
+        let spec = self.book.layer(layer)?.clone();
+        let rank = self.rank;
+        let k = self.book.config().batch as u64;
+        let staged = self.staged;
+        let Some(w) = self.worker.as_mut() else {
+            return Err(EngineError::InvalidConfig(format!("rank {rank} is not a worker")));
+        };
+        if w.forming[layer as usize] || w.core.is_in_flight(layer) {
+            return Err(EngineError::LayerBusy {
+                layer,
+                name: spec.name.clone(),
+                iter: w.core.completed(layer),
+            });
+        }
+        let _ = staged;
+        if !factors {
+            return w.core.grad_ready(layer);
+        }
+        if spec.kind != LayerKind::Fc {
+            return Err(EngineError::NotFullyConnected {
+                layer,
+                name: spec.name.clone(),
+            });
+        }
+        let f = Loc {
+            region: LocalRegion::Factors,
+            offset: self.factor_off[layer as usize].expect("FC layers have factors"),
+        };
+        match w.core.next_scheme(layer)? {
+            Scheme::Sfb => {
+                let iter = w.core.completed(layer);
+                let len = k * (spec.m + spec.n) as u64 * 4;
+                w.core.sf_ready(layer)?;
+                self.new_job(
+                    Queue::Worker,
+                    JobKind::CaptureFactors { layer, factors: f, len },
+                    JobTrack::Capture {
+                        layer,
+                        iter,
+                        len: len as usize,
+                    },
+                );
+            }
+            Scheme::Ps => {
+                w.forming[layer as usize] = true;
+                let grad = Loc {
+                    region: LocalRegion::Grads,
+                    offset: self.grad_off[layer as usize],
+                };
+                self.new_job(
+                    Queue::Worker,
+                    JobKind::FactorsToGrad {
+                        layer,
+                        factors: f,
+                        grad,
+                    },
+                    JobTrack::FormGrad { layer },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn worker_cmd(&mut self, cmd: WorkerCommand) -> Result<()> {
+        let book = self.book.clone();
+        let me = self.rank;
+        match cmd {
+            WorkerCommand::InitPush { server, chunk } => {
+                let ch = book.chunks()[chunk as usize];
+                let src = Loc {
+                    region: LocalRegion::Params,
+                    offset: self.param_off[ch.layer as usize] + ch.offset as u64 * 4,
+                };
+                let len = ch.len as u64 * 4;
+                let shard_at = ch.shard_offset as u64 * 4;
+                if server == me {
+                    let dst = Loc {
+                        region: LocalRegion::Shard,
+                        offset: shard_at,
+                    };
+                    self.new_job(
+                        Queue::Server,
+                        JobKind::Copy { src, dst, len },
+                        JobTrack::InitCopy { chunk },
+                    );
+                } else {
+                    let dst = RemoteLoc {
+                        region: LocalRegion::Shard,
+                        offset: shard_at,
+                    };
+                    self.write(server, src, dst, len, chunk, Track::Init);
+                }
+            }
+            WorkerCommand::Push {
+                server, slot, slice, ..
+            } => {
+                let si = book.slices()[slice as usize];
+                if server == me {
+                    let s = self.server.as_mut().expect("colocated");
+                    s.local_slots.insert(slot, slice);
+                    s.core.handle_landed(me, slot, slice)?;
+                } else {
+                    let wi = self.worker.as_ref().expect("worker").core.index() as u64;
+                    let src = Loc {
+                        region: LocalRegion::Grads,
+                        offset: self.grad_off[si.layer as usize] + si.offset as u64 * 4,
+                    };
+                    let dst = RemoteLoc {
+                        region: LocalRegion::Landing,
+                        offset: (wi * u64::from(self.sched.slots) + u64::from(slot)) * self.slot_bytes,
+                    };
+                    self.write(server, src, dst, si.len as u64 * 4, slice, Track::Push { slice });
+                }
+            }
+            WorkerCommand::SendFactors { peer, layer, iter } => {
+                if !self.peers[peer as usize].open {
+                    self.early[peer as usize].push(Early::Factors { layer, iter });
+                    return Ok(());
+                }
+                self.send_factors(peer, layer, iter);
+            }
+            WorkerCommand::Reconstruct { layer, iter } => self.reconstruct(layer, iter),
+            WorkerCommand::LayerReady { layer, iter } => {
+                if self.staged {
+                    self.publish(layer, Some(iter));
+                } else {
+                    self.out.push_back(Output::LayerReady { layer, iter });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues a factor block: its begin message, then fragments of at most
+    /// the message cap, sent zero-copy from the factor region.
+    pub(super) fn send_factors(&mut self, peer: u32, layer: u32, iter: u64) {
+        let spec = &self.book.layers()[layer as usize];
+        let total = self.book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
+        let base = self.factor_off[layer as usize].expect("FC");
+        self.send_ctrl(peer, &Msg::FactorsBegin { layer, iter, total });
+        let frag = self.message_cap(peer);
+        let mut off = 0;
+        while off < total {
+            let n = (total - off).min(frag);
+            let last = off + n == total;
+            self.stats.max_message = self.stats.max_message.max(n);
+            let track = if last {
+                Track::Factors { layer, peer }
+            } else {
+                Track::Piece
+            };
+            let at = Loc {
+                region: LocalRegion::Factors,
+                offset: base + off,
+            };
+            let tag = Kind::FactorData.tag();
+            self.enqueue(peer, Op::SendRegion { tag, at, len: n }, track, true);
+            off += n;
+        }
+    }
+
+    pub(super) fn publish(&mut self, layer: u32, iter: Option<u64>) {
+        let len = self.book.layers()[layer as usize].params() as u64 * 4;
+        let src = Loc {
+            region: LocalRegion::Params,
+            offset: self.param_off[layer as usize],
+        };
+        let dst = Loc {
+            region: LocalRegion::View,
+            offset: self.view_off[layer as usize],
+        };
+        self.new_job(
+            Queue::Worker,
+            JobKind::Publish { layer, src, dst, len },
+            JobTrack::Publish { layer, iter },
+        );
+    }
+
+    pub(super) fn reconstruct(&mut self, layer: u32, iter: u64) {
+        match self.inbox.take(layer, iter) {
+            Some(factors) => {
+                let params = Loc {
+                    region: LocalRegion::Params,
+                    offset: self.param_off[layer as usize],
+                };
+                self.new_job(
+                    Queue::Worker,
+                    JobKind::Reconstruct {
+                        layer,
+                        iter,
+                        params,
+                        factors,
+                    },
+                    JobTrack::Reconstruct { layer, iter },
+                );
+            }
+            None => {
+                self.worker.as_mut().expect("worker").want.insert((layer, iter));
+            }
+        }
+    }
+
+    pub(super) fn factors_in(&mut self, layer: u32, iter: u64, wi: usize, blob: Blob) -> Result<()> {
+        let from = self.book.cluster().workers()[wi];
+        self.inbox
+            .put(layer, iter, wi, blob)
+            .map_err(|what| EngineError::Protocol { rank: from, what })?;
+        let w = self.worker.as_mut().expect("worker");
+        if from != self.rank {
+            w.core.handle_factors_arrived(layer, iter, from)?;
+        }
+        if w.want.remove(&(layer, iter)) {
+            self.reconstruct(layer, iter);
+        }
+        Ok(())
+    }
+}
