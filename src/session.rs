@@ -46,8 +46,9 @@
 //! worker's gradients of the iteration just handed in. Under SSP(s)
 //! `wait_layer` may return up to `s` iterations early; servers keep sending
 //! newer versions into a landing copy, and the caller gets a copy published
-//! from it when the layer is ready. Either way nothing writes a layer's
-//! buffers while the caller holds them: not the engine, and not a peer.
+//! from it when the layer is ready (each value at least as new as the bound
+//! requires, possibly newer). Either way nothing writes a layer's buffers
+//! while the caller holds them: not the engine, and not a peer.
 //! Aggregation under SSP is in arrival order.
 
 use std::net::{IpAddr, SocketAddr};
@@ -165,14 +166,16 @@ impl Builder {
         self.cfg.listen_ip = Some(ip);
         self
     }
-    /// Fills the initial parameters of each layer. Rank 0's values are
-    /// broadcast to everyone, so all replicas start equal.
+    /// Fills the initial parameters of each layer. Worker rank 0's values
+    /// are broadcast to everyone, so all replicas start equal.
     pub fn init_params(mut self, f: impl Fn(u32, &mut [f32]) + Send + 'static) -> Self {
         self.cfg.init = Some(Box::new(f));
         self
     }
     /// Registers the caller's own parameter memory (zero-copy) instead of
-    /// letting the session allocate it.
+    /// letting the session allocate it. Its values are the initial
+    /// parameters (worker rank 0's go to everyone) unless
+    /// [`Builder::init_params`] overwrites them.
     pub fn params_buffer(mut self, layout: BufferLayout) -> Self {
         self.cfg.params = Some(layout);
         self
@@ -424,6 +427,8 @@ impl Session {
             }
         };
         if let Err(e) = &r {
+            // A job that panicked on an executor failed the rank: raise the panic here.
+            self.shared.check_panic();
             *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
         }
         r

@@ -248,6 +248,9 @@ enum Ev {
     Sent { from: u32, token: u64 },
     /// A job finished on its executor.
     JobDone(u32, Job),
+    /// A rank that left closes its connection to `to` gracefully: after
+    /// everything it sent on it, like TCP's FIN.
+    Fin { from: u32, to: u32 },
     /// The dead fault strikes.
     Kill(u32),
 }
@@ -316,6 +319,8 @@ pub struct Sim {
     trace: bool,
     /// Ranks done, failed or dead.
     settled: usize,
+    /// Graceful closes still in the network (the last ones outlive the run).
+    fins_in_net: usize,
     /// Sends that left at once (control messages on an idle connection):
     /// their completions, fed after the drain that posted them.
     sent_now: Vec<(u32, u64)>,
@@ -473,6 +478,7 @@ impl Sim {
             last_progress: 0,
             trace: std::env::var_os("TIDEWIRE_SIM_TRACE").is_some(),
             settled: 0,
+            fins_in_net: 0,
             sent_now: Vec::new(),
         })
     }
@@ -619,10 +625,10 @@ impl Sim {
                 stuck: stuck.join(", "),
             });
         }
-        if self.net.in_flight() > 0 {
+        if self.net.in_flight() > self.fins_in_net {
             return Err(self.violation(format!(
                 "{} transfers still in the network after every rank left",
-                self.net.in_flight()
+                self.net.in_flight() - self.fins_in_net
             )));
         }
         let end = self
@@ -797,6 +803,17 @@ impl Sim {
                     self.feed(to, Input::Message { peer: from, tag, data })?;
                 }
             }
+            Ev::Fin { from, to } => {
+                if !self.dead(to) {
+                    self.feed(
+                        to,
+                        Input::Closed {
+                            peer: from,
+                            error: None,
+                        },
+                    )?;
+                }
+            }
             Ev::Sent { from, token } => {
                 if !self.dead(from) {
                     self.feed(from, Input::Done { token })?;
@@ -846,6 +863,15 @@ impl Sim {
                     self.msgs_in_net[c] -= 1;
                 }
                 c * 2 + 1
+            }
+            Ev::Fin { from, to } => {
+                // After every write and message on the connection.
+                self.fins_in_net -= 1;
+                let c = *from as usize * world + *to as usize;
+                let at = at.max(self.order[c * 2]).max(self.order[c * 2 + 1]);
+                self.order[c * 2 + 1] = at;
+                self.at(at, ev);
+                return;
             }
             _ => {
                 self.at(at, ev);
@@ -950,6 +976,13 @@ impl Sim {
                     if self.ranks[r as usize].finished.is_none() {
                         self.ranks[r as usize].finished = Some(self.now);
                         self.settle(r);
+                        // The rank leaves: it closes its connections gracefully.
+                        for p in (0..self.ranks.len() as u32).filter(|&p| p != r) {
+                            if !self.dead(p) {
+                                self.fins_in_net += 1;
+                                self.net.send(self.now, r, p, 1, Ev::Fin { from: r, to: p }, None, 0);
+                            }
+                        }
                     }
                 }
                 Output::Fatal(e) => {

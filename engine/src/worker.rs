@@ -89,7 +89,7 @@ pub struct Worker {
     /// Items that may go, best first: (iteration, key, item, destination).
     ready: BinaryHeap<Reverse<(u64, u64, Item, u32)>>,
     /// Per destination: pushes that wait for a landing slot, best first.
-    parked: Vec<VecDeque<(u64, u64, Item)>>,
+    parked: Vec<BinaryHeap<Reverse<(u64, u64, Item)>>>,
     free_slots: Vec<Vec<u32>>,
     bytes_in_flight: usize,
     fifo_seq: u64,
@@ -118,7 +118,7 @@ impl Worker {
             sf_arrived: HashMap::default(),
             sf_emitted: vec![None; book.layers().len()],
             ready: BinaryHeap::new(),
-            parked: (0..world).map(|_| VecDeque::new()).collect(),
+            parked: (0..world).map(|_| BinaryHeap::new()).collect(),
             free_slots,
             bytes_in_flight: 0,
             fifo_seq: 0,
@@ -293,7 +293,7 @@ impl Worker {
         while let Some(&Reverse((iter, key, item, dst))) = self.ready.peek() {
             if matches!(item, Item::Push { .. }) && self.free_slots[dst as usize].is_empty() {
                 self.ready.pop();
-                self.parked[dst as usize].push_back((iter, key, item));
+                self.parked[dst as usize].push(Reverse((iter, key, item)));
                 continue;
             }
             let bytes = self.item_bytes(item);
@@ -379,8 +379,12 @@ impl Worker {
             return Err(self.protocol(server, format!("credit for slot {slot} that was not lent")));
         }
         free.push(slot);
-        // The server's parked pushes may go again.
-        for (iter, key, item) in self.parked[server as usize].drain(..) {
+        // As many of the server's parked pushes as it has free slots may go
+        // again, best first (the rest stay parked: no re-sorting per credit).
+        for _ in 0..free.len() {
+            let Some(Reverse((iter, key, item))) = self.parked[server as usize].pop() else {
+                break;
+            };
             self.ready.push(Reverse((iter, key, item, server)));
         }
         self.pump();
@@ -395,6 +399,15 @@ impl Worker {
             .get(chunk as usize)
             .ok_or_else(|| self.protocol(self.rank, format!("parameters for unknown chunk {chunk}")))?
             .layer;
+        let held = self.uninitialized == 0 && !self.layers[layer as usize].in_flight;
+        if held && self.cfg.consistency == crate::config::Consistency::Bsp {
+            // Under BSP a chunk changes only while its layer is handed in: this
+            // write landed in memory the caller may hold.
+            return Err(self.protocol(
+                self.rank,
+                format!("parameters of chunk {chunk} arrived while its layer {layer} is not handed in"),
+            ));
+        }
         self.chunk_updates[chunk as usize] += 1;
         if self.chunk_updates[chunk as usize] == 1 {
             self.uninitialized -= 1;

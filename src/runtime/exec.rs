@@ -7,8 +7,10 @@
 //! (reconstruction from sufficient factors, forming a gradient from factors,
 //! publishing a layer, local broadcasts) owns the SFB layers' momentum.
 //! Jobs of one queue run in the order the Node emitted them; the two queues
-//! run concurrently. Every job reaches memory through a [`Lease`], so a job
-//! that would touch a range the caller holds fails instead of racing it.
+//! run concurrently. Every job reaches the caller's memory through a
+//! [`Lease`], so a job that would touch a range the caller holds fails instead
+//! of racing it; memory a peer writes (landing slots, and the parameters a
+//! `Publish` reads under SSP) is read with relaxed loads, never as a slice.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -148,6 +150,7 @@ impl Executors {
                         mem,
                         op,
                         stats: agg_stats,
+                        scratch: Vec::new(),
                     };
                     run_queue(rx, &reply, |job| st.run(job));
                 })
@@ -258,6 +261,8 @@ struct ServerExec {
     acc: Vec<Vec<f32>>,
     momentum: Vec<f32>,
     stats: Arc<Mutex<AggStats>>,
+    /// A landing slot's contents, copied out before they are summed.
+    scratch: Vec<f32>,
 }
 
 impl ServerExec {
@@ -275,7 +280,22 @@ impl ServerExec {
                 contributions,
             } => {
                 let ch = book.chunks().get(*chunk as usize).ok_or("unknown chunk")?;
-                let src = self.mem.lease(*src, *len as u64 * 4)?;
+                // A landing slot is memory a peer writes: the protocol keeps it quiet
+                // until its credit goes back, but a peer that broke it could write
+                // now. Copy it out with relaxed loads rather than read it as a slice.
+                let mut scratch = std::mem::take(&mut self.scratch);
+                let lease;
+                let data: &[f32] = if src.region.remote_write() {
+                    scratch.resize(*len, 0.0);
+                    self.mem
+                        .get(src.region)?
+                        .read_f32_relaxed(src.offset as usize, &mut scratch[..*len])
+                        .map_err(|e| e.to_string())?;
+                    &scratch[..*len]
+                } else {
+                    lease = self.mem.lease(*src, *len as u64 * 4)?;
+                    lease.as_f32().map_err(|e| e.to_string())?
+                };
                 let acc = self
                     .acc
                     .get_mut(*window as usize)
@@ -285,15 +305,9 @@ impl ServerExec {
                 let key = u64::from(*window) * nchunks + u64::from(*chunk);
                 let off = acc_at.checked_sub(ch.shard_offset).ok_or("slice before its chunk")?;
                 self.agg
-                    .accumulate(
-                        key,
-                        *contributions,
-                        acc,
-                        off,
-                        src.as_f32().map_err(|e| e.to_string())?,
-                        *first,
-                    )
+                    .accumulate(key, *contributions, acc, off, data, *first)
                     .map_err(|e| e.to_string())?;
+                self.scratch = scratch;
                 None
             }
             JobKind::Apply {

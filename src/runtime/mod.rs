@@ -29,7 +29,7 @@ use tidewire_engine::node::{
 use tidewire_engine::{Book, EngineError};
 use tidewire_transport::select::{self, Preference};
 use tidewire_transport::{
-    Access, ConnId, Event, ListenerId, PinOptions, PinnedBuffer, Region, RemoteRegion, ReqId, TcpConfig, Transport,
+    Access, ConnId, Event, PinOptions, PinnedBuffer, Region, RemoteRegion, ReqId, TcpConfig, Transport,
 };
 
 use crate::buffers::LayerBuffers;
@@ -86,9 +86,13 @@ pub(crate) fn spawn(
         .spawn(move || {
             let sh = shared.clone();
             let ready2 = ready.clone();
-            let r = std::panic::catch_unwind(AssertUnwindSafe(move || {
+            // The runtime lives outside the unwind boundary: a panic is recorded
+            // (and the fatal error set) before its channels close, so a caller
+            // blocked in a call sees the panic, not a bare disconnection.
+            let mut rt: Option<Runtime> = None;
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
                 match Runtime::setup(cfg, book, &spec, shared.clone(), rx) {
-                    Ok(mut rt) => rt.run(ready),
+                    Ok(r) => rt.insert(r).run(ready),
                     Err(e) => {
                         shared.set_fatal(e.clone());
                         let _ = ready.send(Err(e));
@@ -110,6 +114,7 @@ pub(crate) fn spawn(
                 sh.set_fatal(Error::Shutdown);
                 let _ = ready2.send(Err(Error::Shutdown));
             }
+            drop(rt);
         })
         .map_err(|e| Error::Thread {
             what: "runtime",
@@ -128,7 +133,6 @@ struct Runtime {
     rx: Receiver<Request>,
     shared: Arc<Shared>,
     epoch: Instant,
-    listener: ListenerId,
     conn_of: Vec<Option<ConnId>>,
     rank_of: HashMap<ConnId, u32>,
     dialing: HashMap<ConnId, u32>,
@@ -245,9 +249,9 @@ impl Runtime {
                 LocalRegion::Grads => user_grads.take(),
                 _ => None,
             };
-            let buf = match buf {
-                Some(b) => b,
-                None => pinned(bytes)?,
+            let (buf, ours) = match buf {
+                Some(b) => (b, false),
+                None => (pinned(bytes)?, true),
             };
             let access = if r.remote_write() {
                 Access::REMOTE_WRITE
@@ -255,12 +259,27 @@ impl Runtime {
                 Access::LOCAL
             };
             let region = t.register(buf, access)?;
-            // Fault the pages in now, so the first iteration does not pay for them.
-            region.fill(0, region.len(), 0)?;
+            if ours {
+                // Fault our own pages in now, so the first iteration does not pay for
+                // them. The caller's memory keeps its values: they are its initial ones.
+                region.fill(0, region.len(), 0)?;
+            }
             if r.remote_write() {
                 key_region.insert(region.key(), r);
             }
             mem.insert(r, region);
+        }
+        if let (true, Some(view), Some(params)) =
+            (staged, mem.region(LocalRegion::View), mem.region(LocalRegion::Params))
+        {
+            // Under SSP the caller's buffer is the view; the initial values go out from the landing copy.
+            for (i, l) in book.layers().iter().enumerate() {
+                let v = node.layer_locs(i as u32).expect("worker").0;
+                let p = node.params_loc(i as u32).expect("worker");
+                let src = view.lease(v.offset as usize, l.params() * 4)?;
+                let mut dst = params.lease(p.offset as usize, l.params() * 4)?;
+                dst.as_bytes_mut().copy_from_slice(src.as_bytes());
+            }
         }
         if let (Some(init), Some(params)) = (&cfg.init, mem.region(LocalRegion::Params)) {
             for (i, l) in book.layers().iter().enumerate() {
@@ -322,7 +341,6 @@ impl Runtime {
             rx,
             shared,
             epoch: Instant::now(),
-            listener,
             conn_of: vec![None; world],
             rank_of: HashMap::new(),
             dialing,
@@ -662,15 +680,16 @@ impl Runtime {
                     });
                 }
             }
-            Event::Message { conn, tag, data } => {
-                if let Some(&peer) = self.rank_of.get(&conn) {
-                    self.input(Input::Message {
-                        peer,
-                        tag,
-                        data: Payload::Bytes(data),
-                    });
-                }
-            }
+            Event::Message { conn, tag, data } => match self.rank_of.get(&conn) {
+                Some(&peer) => self.input(Input::Message {
+                    peer,
+                    tag,
+                    data: Payload::Bytes(data),
+                }),
+                None => self.input(Input::Abort {
+                    reason: format!("a message on connection {conn:?}, which no peer rank owns"),
+                }),
+            },
             Event::WriteReceived {
                 conn,
                 region,
@@ -678,9 +697,15 @@ impl Runtime {
                 len,
                 imm,
             } => {
-                let (Some(&peer), Some(&r)) = (self.rank_of.get(&conn), self.key_region.get(&region)) else {
+                let Some(&peer) = self.rank_of.get(&conn) else {
                     self.input(Input::Abort {
-                        reason: format!("a write into unknown region {region:#x}"),
+                        reason: format!("a write on connection {conn:?}, which no peer rank owns"),
+                    });
+                    return;
+                };
+                let Some(&r) = self.key_region.get(&region) else {
+                    self.input(Input::Abort {
+                        reason: format!("rank {peer} wrote into unknown region {region:#x}"),
                     });
                     return;
                 };
@@ -709,7 +734,6 @@ impl Runtime {
             }
             other => tracing::debug!(rank = self.rank, event = ?other, "ignored"),
         }
-        let _ = self.listener;
     }
 
     fn request(&mut self, r: Request) {
@@ -733,22 +757,34 @@ impl Runtime {
                 // The caller's leases end here: the engine may write the layer from now on.
                 drop(buf);
                 self.held[layer as usize] = Held::InFlight;
+                // Only a post in this hand-in's own drain counts for the latency
+                // (a colocated layer may post nothing).
                 self.hand_in_at = Some(at);
                 self.input(Input::HandIn { layer, factors });
+                self.hand_in_at = None;
             }
             Request::Wait { layer, reply } => match self.held.get(layer as usize) {
                 None | Some(Held::User) => {
                     let _ = reply.send(Err(Error::NotHandedIn { layer }));
                 }
-                Some(Held::Ready) => {
-                    let _ = reply.send(self.make_buffers(layer));
-                }
+                Some(Held::Ready) => self.give(layer, &reply),
                 Some(Held::InFlight) => {
-                    self.waiters.insert(layer, reply);
+                    if let Some(old) = self.waiters.insert(layer, reply) {
+                        // An earlier call timed out, or another thread waits too: the newest wins.
+                        let _ = old.send(Err(Error::Timeout {
+                            what: format!("layer {layer}: a later wait_layer call took over"),
+                            after: Duration::ZERO,
+                        }));
+                    }
                 }
             },
             Request::WaitAll { reply } => {
-                self.wait_all = Some(reply);
+                if let Some(old) = self.wait_all.replace(reply) {
+                    let _ = old.send(Err(Error::Timeout {
+                        what: "every layer: a later wait_all call took over".into(),
+                        after: Duration::ZERO,
+                    }));
+                }
                 self.try_wait_all();
             }
             Request::Stats { reply } => {
@@ -814,10 +850,18 @@ impl Runtime {
         *h = Held::Ready;
         self.synced_at[layer as usize] = Some(Instant::now());
         if let Some(reply) = self.waiters.remove(&layer) {
-            let b = self.make_buffers(layer);
-            let _ = reply.send(b);
+            self.give(layer, &reply);
         }
         self.try_wait_all();
+    }
+
+    /// Sends a ready layer's buffers to a waiting call. If the call has given
+    /// up (it timed out), the layer stays ready for the next one.
+    fn give(&mut self, layer: u32, reply: &Sender<Result<LayerBuffers>>) {
+        let b = self.make_buffers(layer);
+        if reply.send(b).is_err() {
+            self.held[layer as usize] = Held::Ready;
+        }
     }
 
     fn try_wait_all(&mut self) {
@@ -828,8 +872,13 @@ impl Runtime {
         let ready: Vec<u32> = (0..self.held.len() as u32)
             .filter(|&l| self.held[l as usize] == Held::Ready)
             .collect();
-        let bufs: Result<Vec<LayerBuffers>> = ready.into_iter().map(|l| self.make_buffers(l)).collect();
-        let _ = reply.send(bufs);
+        let bufs: Result<Vec<LayerBuffers>> = ready.iter().map(|&l| self.make_buffers(l)).collect();
+        if reply.send(bufs).is_err() {
+            // The call gave up: the layers stay ready for the next one.
+            for l in ready {
+                self.held[l as usize] = Held::Ready;
+            }
+        }
     }
 
     fn stats(&self) -> SessionStats {

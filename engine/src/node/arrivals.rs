@@ -5,7 +5,7 @@
 use super::*;
 
 impl Node {
-    pub(super) fn tx_done(&mut self, _peer: u32, track: Track) -> Result<()> {
+    pub(super) fn tx_done(&mut self, track: Track) -> Result<()> {
         match track {
             Track::Ctrl | Track::Init | Track::Piece => Ok(()),
             Track::Push { slice } => self.worker.as_mut().expect("worker").core.handle_push_done(slice),
@@ -162,7 +162,11 @@ impl Node {
                 if ch.server != peer || len == 0 || offset < a || offset + len != b {
                     return Err(bad(format!("parameters of chunk {imm} at {offset}+{len}, outside it")));
                 }
-                w.core.handle_params(imm)
+                // The core cannot know who wrote: a violation is the writer's.
+                w.core.handle_params(imm).map_err(|e| match e {
+                    EngineError::Protocol { what, .. } => EngineError::Protocol { rank: peer, what },
+                    other => other,
+                })
             }
             other => Err(bad(format!("a write into the {other:?} region"))),
         }

@@ -24,6 +24,8 @@ pub(crate) struct Inbox {
     open: Vec<Option<Stream>>,
     store: HashMap<(u32, u64), Vec<Option<Blob>>>,
     p1: usize,
+    held: usize,
+    max_held: usize,
 }
 
 impl Inbox {
@@ -32,6 +34,8 @@ impl Inbox {
             open: (0..world).map(|_| None).collect(),
             store: HashMap::default(),
             p1,
+            held: 0,
+            max_held: 0,
         }
     }
 
@@ -94,6 +98,8 @@ impl Inbox {
             return Err(format!("a second factor block for layer {layer} iteration {iter}"));
         }
         e[wi] = Some(blob);
+        self.held += 1;
+        self.max_held = self.max_held.max(self.held);
         Ok(())
     }
 
@@ -104,12 +110,18 @@ impl Inbox {
             return None;
         }
         let e = self.store.remove(&(layer, iter)).expect("present");
+        self.held -= e.len();
         Some(e.into_iter().map(|b| b.expect("checked")).collect())
     }
 
-    /// Blocks held (for the memory bound).
+    /// Blocks held now (for the memory bound).
+    #[cfg(test)]
     pub(crate) fn held(&self) -> usize {
-        self.store.values().map(|v| v.iter().flatten().count()).sum()
+        self.held
+    }
+    /// Most blocks held at once.
+    pub(crate) fn max_held(&self) -> usize {
+        self.max_held
     }
 }
 

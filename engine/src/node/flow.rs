@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use super::types::{Loc, Output, RemoteLoc, SendSrc, Transmit, TxOp};
-use crate::fxhash::{FxHashMap, FxHashSet};
+use crate::fxhash::FxHashMap;
 
 /// Bytes of one control cell: the largest inline message.
 pub const CELL_BYTES: usize = 256;
@@ -86,8 +86,10 @@ pub(crate) struct Flow<T> {
     cell_waiters: Vec<u32>,
     /// Most transmits outstanding to one peer, ever.
     pub(crate) max_out_seen: usize,
-    /// Tokens in flight to peers whose connection ended: their completions, if any come, mean nothing.
-    dropped: FxHashSet<u64>,
+    /// Tokens in flight to peers whose connection ended: their completions,
+    /// if any come, mean nothing, but free the control cell they may hold (the
+    /// transport may still be reading it until then).
+    dropped: FxHashMap<u64, Option<u32>>,
     /// Peers with a retry timer set (so that `poll_timeout` is O(1) when none is).
     retrying: usize,
 }
@@ -113,7 +115,7 @@ impl<T> Flow<T> {
             is_dirty: vec![false; world],
             cell_waiters: Vec::new(),
             max_out_seen: 0,
-            dropped: FxHashSet::default(),
+            dropped: FxHashMap::default(),
             retrying: 0,
         }
     }
@@ -282,8 +284,8 @@ impl<T> Flow<T> {
         tokens.sort_unstable();
         for t in tokens {
             let f = self.inflight.remove(&t).expect("listed");
-            self.release(&f);
-            self.dropped.insert(t);
+            self.peers[peer as usize].out -= 1;
+            self.dropped.insert(t, f.cell);
             tracks.push(f.track);
         }
         let pf = &mut self.peers[peer as usize];
@@ -302,9 +304,21 @@ impl<T> Flow<T> {
         self.peers[peer as usize].gone
     }
 
-    /// Whether `token` was in flight to a peer whose connection ended (and forgets it).
+    /// Whether `token` was in flight to a peer whose connection ended (and
+    /// forgets it, freeing its control cell).
     pub(crate) fn was_dropped(&mut self, token: u64) -> bool {
-        self.dropped.remove(&token)
+        match self.dropped.remove(&token) {
+            Some(cell) => {
+                if let Some(c) = cell {
+                    self.free_cells.push(c);
+                    for w in std::mem::take(&mut self.cell_waiters) {
+                        self.mark(w);
+                    }
+                }
+                true
+            }
+            None => false,
+        }
     }
 
     /// The next retry timer.

@@ -51,8 +51,11 @@ impl Node {
             .count()
     }
 
+    /// Whether the peer's `Finished`/`Bye` (`count`) is settled: the writes it
+    /// counted have landed, or its connection closed gracefully after it (TCP
+    /// and RDMA place every write before the close).
     pub(super) fn peer_done(&self, p: u32, count: Option<u64>) -> bool {
-        count.is_some_and(|n| self.landed_from[p as usize] >= n)
+        count.is_some_and(|n| self.landed_from[p as usize] >= n || self.peers[p as usize].closed)
     }
 
     pub(super) fn check_shutdown(&mut self) {

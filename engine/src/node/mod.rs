@@ -586,6 +586,7 @@ impl Node {
             s.max_slots_held = st.max_slots_held;
         }
         s.max_outstanding = self.flow.max_out_seen;
+        s.max_factor_blocks = self.inbox.max_held();
         s
     }
     /// Applies completed by this rank's server for `chunk`.
@@ -677,7 +678,7 @@ impl Node {
                 Ok(())
             }
             Input::Done { token } => match self.flow.done(token) {
-                Some((peer, track)) => self.tx_done(peer, track),
+                Some((_, track)) => self.tx_done(track),
                 None if self.flow.was_dropped(token) => Ok(()),
                 None => Err(EngineError::Protocol {
                     rank: self.rank,
@@ -688,11 +689,18 @@ impl Node {
                 if self.flow.was_dropped(token) {
                     return Ok(());
                 }
-                let peer = self.flow.done(token).map_or(u32::MAX, |(p, _)| p);
-                Err(EngineError::PeerLost {
-                    rank: peer,
-                    reason: format!("an operation failed: {reason}"),
-                })
+                match self.flow.done(token) {
+                    // It said goodbye: it needs nothing more, so the transmit is moot.
+                    Some((peer, track)) if self.peers[peer as usize].bye.is_some() => self.tx_done(track),
+                    Some((peer, _)) => Err(EngineError::PeerLost {
+                        rank: peer,
+                        reason: format!("an operation failed: {reason}"),
+                    }),
+                    None => Err(EngineError::Protocol {
+                        rank: self.rank,
+                        what: format!("failure of unknown transmit {token}: {reason}"),
+                    }),
+                }
             }
             Input::Blocked { token } => {
                 if self.flow.blocked(token, self.now) || self.flow.was_dropped(token) {
@@ -719,7 +727,7 @@ impl Node {
                     // It needs nothing more: what was still on its way to it
                     // (a peer that died after its goodbye) counts as delivered.
                     for track in self.flow.drop_peer(peer) {
-                        self.tx_done(peer, track)?;
+                        self.tx_done(track)?;
                     }
                     return Ok(());
                 }
@@ -856,9 +864,9 @@ impl Node {
     fn drive(&mut self) {
         loop {
             let mut progressed = false;
-            for (peer, track) in std::mem::take(&mut self.moot) {
+            for (_, track) in std::mem::take(&mut self.moot) {
                 progressed = true;
-                if let Err(e) = self.tx_done(peer, track) {
+                if let Err(e) = self.tx_done(track) {
                     self.fail(e);
                 }
             }
@@ -884,7 +892,6 @@ impl Node {
         self.flush_credits();
         self.check_ready();
         self.check_shutdown();
-        self.stats.max_factor_blocks = self.stats.max_factor_blocks.max(self.inbox.held());
         // Writes into a peer's parameters are addressed from the base its hello announced.
         let start = self.out.len();
         self.flow.pump(self.now, &mut self.out);

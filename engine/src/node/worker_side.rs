@@ -11,7 +11,6 @@ impl Node {
         let spec = self.book.layer(layer)?.clone();
         let rank = self.rank;
         let k = self.book.config().batch as u64;
-        let staged = self.staged;
         let Some(w) = self.worker.as_mut() else {
             return Err(EngineError::InvalidConfig(format!("rank {rank} is not a worker")));
         };
@@ -22,7 +21,6 @@ impl Node {
                 iter: w.core.completed(layer),
             });
         }
-        let _ = staged;
         if !factors {
             return w.core.grad_ready(layer);
         }
