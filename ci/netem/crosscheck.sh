@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # crosscheck.sh - `tidewire train` under the bandwidth harness against `tidewire sim`
-# with the same model, nodes, bandwidth and iterations: the iteration times must
-# agree within 15%.
+# with the same model, nodes, bandwidth and iterations: train's iteration time must lie
+# between 10% under and 20% over the simulator's.
+#
+# The band is one-sided on purpose. The simulator models an ideal machine: every rank
+# has its own CPU and TCP shares a link perfectly. Here four ranks share two cores and
+# their flows share tbf queues, so train's mean lands above it; its fastest steady
+# iterations land on it (2026-11-23, ResNet-50 at 1 GbE: sim 1.457 s, train's mean
+# 1.66-1.75 s over three runs, its fastest iteration 1.467 s). Each row prints train's
+# fastest steady iteration beside its mean. A train faster than the model by more than
+# 10%, or slower by more than 20%, means the two disagree about the protocol.
 #
 # Usage: ci/netem/crosscheck.sh [--model M] [--nodes N] [--iters I] [--runs R] [--profiles "1gbe 2gbe"] [--json FILE]
 #
 # For each profile it sets up N namespaces shaped to the profile (ci/netem/netem.sh run),
 # runs `tidewire train --colocate` with one rank per namespace, then `tidewire sim` at the
 # rate the links were shaped to, and compares their `iteration_s`. A dilated profile runs
-# both with `--time-scale D`. `train` runs R times (default 2) and its fastest run counts:
+# both with `--time-scale D`. `train` runs R times (default 3) and its fastest run counts:
 # four ranks share this machine's two cores, so interference only ever slows `train`
 # (a 5-iteration run at 2 GbE read 0.857 s once and 0.982 s another time).
 # Needs root, and a built tidewire (cargo build --release -p tidewire-cli --bin tidewire) in
@@ -20,7 +28,7 @@ cd "$(dirname "$0")/../.."
 MODEL=resnet-50
 NODES=4
 ITERS=10
-RUNS=2
+RUNS=3
 PROFILES="1gbe 2gbe"
 JSON=$TARGET_DIR/netem-crosscheck.json
 while [ $# -gt 0 ]; do
@@ -31,7 +39,7 @@ while [ $# -gt 0 ]; do
     --runs) RUNS=$2; shift 2 ;;
     --profiles) PROFILES=$2; shift 2 ;;
     --json) JSON=$2; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)"; exit 2 ;;
   esac
 done
@@ -42,7 +50,7 @@ rows=()
 fail=0
 printf '%-8s %-10s %5s %12s %12s %8s  %s\n' profile model nodes "train s/it" "sim s/it" "diff" verdict
 for p in $PROFILES; do
-  tr=""; runs=""
+  tr=""; runs=""; fastest=""
   for ((k = 0; k < RUNS; k++)); do
     out=$(bash ci/netem/netem.sh run "$p" "$NODES" -- sh -c '
       exec "$0" train --model "$1" --workers "$2" --colocate --iters "$3" --json \
@@ -52,9 +60,15 @@ for p in $PROFILES; do
     if [ $rc -ne 0 ]; then
       echo "train under $p failed (exit $rc):"; tail -5 /tmp/crosscheck.err; fail=1; tr=""; break
     fi
-    one=$(python3 -c 'import json,sys; print(json.load(sys.stdin)["iteration_s"])' <<<"$out")
-    runs+="${runs:+ }$one"
-    tr=$(awk -v a="$tr" -v b="$one" 'BEGIN { print (a == "" || b + 0 < a + 0) ? b : a }')
+    # The run's mean, and its fastest steady iteration (not the first, which has no
+    # synchronization before it, nor the last, which waits for the job's end).
+    read -r one steady < <(python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+it = [x["seconds"] for x in d["per_iteration"][1:-1]] or [d["iteration_s"]]
+print(d["iteration_s"], min(it))' <<<"$out")
+    runs+="${runs:+ }$(printf '%.4f' "$one")"
+    if [ -z "$tr" ] || awk -v a="$one" -v b="$tr" 'BEGIN { exit !(a + 0 < b + 0) }'; then tr=$one; fastest=$steady; fi
   done
   [ -n "$tr" ] || continue
   # The harness says what it shaped to, and the dilation.
@@ -63,10 +77,10 @@ for p in $PROFILES; do
   sim=$("$T" sim --model "$MODEL" --nodes "$NODES" --iters "$ITERS" --bandwidth "${rate}gbit" \
         --time-scale "$d" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["iteration_s"])')
   diff=$(awk -v a="$tr" -v b="$sim" 'BEGIN { printf "%+.1f%%", (a - b) / b * 100 }')
-  ok=$(awk -v a="$tr" -v b="$sim" 'BEGIN { r = (a - b) / b; if (r < 0) r = -r; print (r <= 0.15) ? "PASS" : "FAIL" }')
+  ok=$(awk -v a="$tr" -v b="$sim" 'BEGIN { r = (a - b) / b; print (r >= -0.10 && r <= 0.20) ? "PASS" : "FAIL" }')
   [ "$ok" = PASS ] || fail=1
-  printf '%-8s %-10s %5s %12.4f %12.4f %8s  %s (shaped %s Gbit/s, dilation %s; train runs: %s)\n' "$p" "$MODEL" "$NODES" "$tr" "$sim" "$diff" "$ok" "$rate" "$d" "$runs"
-  rows+=("{\"profile\":\"$p\",\"model\":\"$MODEL\",\"nodes\":$NODES,\"shaped_gbps\":$rate,\"dilation\":$d,\"train_iteration_s\":$tr,\"sim_iteration_s\":$sim,\"pass\":$([ "$ok" = PASS ] && echo true || echo false)}")
+  printf '%-8s %-10s %5s %12.4f %12.4f %8s  %s (shaped %s Gbit/s, dilation %s; train runs: %s; fastest steady iteration %.4f s)\n' "$p" "$MODEL" "$NODES" "$tr" "$sim" "$diff" "$ok" "$rate" "$d" "$runs" "$fastest"
+  rows+=("{\"profile\":\"$p\",\"model\":\"$MODEL\",\"nodes\":$NODES,\"shaped_gbps\":$rate,\"dilation\":$d,\"train_iteration_s\":$tr,\"train_fastest_iteration_s\":$fastest,\"sim_iteration_s\":$sim,\"pass\":$([ "$ok" = PASS ] && echo true || echo false)}")
 done
 (IFS=,; echo "{\"rows\":[${rows[*]}]}") >"$JSON"
 echo "json: $JSON"

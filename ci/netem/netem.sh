@@ -7,6 +7,7 @@
 # Usage:
 #   ci/netem/netem.sh check [PROFILE...]     measure each profile with iperf3 between two
 #                                            namespaces; pass if within 10% of its target
+#                                            (up to three measurements each)
 #   ci/netem/netem.sh calibrate              the unshaped ceiling of one TCP stream here
 #   ci/netem/netem.sh run PROFILE NODES -- COMMAND...
 #                                            set up NODES namespaces (tw<run>-n0 ...), shaped
@@ -141,12 +142,21 @@ case "$cmd" in
     for p in "${profiles[@]}"; do
       t=$(profile_bps "$p"); d=$(dilation "$t" "$c"); r=$((t / d))
       shape "$r"
-      m=$(measure 3)
-      e=$(awk -v m="$m" -v r="$r" 'BEGIN { printf "%+.1f%%", (m - r) / r * 100 }')
-      ok=$(awk -v m="$m" -v r="$r" 'BEGIN { print ((m - r) / r <= 0.10 && (r - m) / r <= 0.10) ? "PASS" : "FAIL" }')
+      # Up to three measurements: a shaper that works reads within 10% on a quiet
+      # moment, and this machine's two cores are shared (a busy neighbour can slow one
+      # 3-second iperf3 run); a shaper that lets too much through fails all three.
+      tries=""
+      for attempt in 1 2 3; do
+        m=$(measure 3)
+        e=$(awk -v m="$m" -v r="$r" 'BEGIN { printf "%+.1f%%", (m - r) / r * 100 }')
+        ok=$(awk -v m="$m" -v r="$r" 'BEGIN { print ((m - r) / r <= 0.10 && (r - m) / r <= 0.10) ? "PASS" : "FAIL" }')
+        tries+="${tries:+, }$e"
+        [ "$ok" = PASS ] && break
+      done
       [ "$ok" = PASS ] || fail=1
-      printf '%-8s %6.1f Gb/s %8dx %9.3f Gb/s %9.3f Gb/s %7s  %s\n' "$p" "$(awk -v t="$t" 'BEGIN{print t/1e9}')" "$d" \
-        "$(awk -v r="$r" 'BEGIN{print r/1e9}')" "$(awk -v m="$m" 'BEGIN{print m/1e9}')" "$e" "$ok"
+      note=""; [ "$attempt" -gt 1 ] && note=" (measurements: $tries)"
+      printf '%-8s %6.1f Gb/s %8dx %9.3f Gb/s %9.3f Gb/s %7s  %s%s\n' "$p" "$(awk -v t="$t" 'BEGIN{print t/1e9}')" "$d" \
+        "$(awk -v r="$r" 'BEGIN{print r/1e9}')" "$(awk -v m="$m" 'BEGIN{print m/1e9}')" "$e" "$ok" "$note"
     done
     echo "ceiling $(awk -v c="$c" 'BEGIN{printf "%.2f", c/1e9}') Gbit/s; profiles above half of it run time-dilated (compute x D)"
     exit $fail ;;
@@ -169,6 +179,6 @@ case "$cmd" in
     CHILD=""
     exit $rc
     ;;
-  ""|-h|--help) sed -n '2,27p' "$0" ;;
+  ""|-h|--help) sed -n '2,28p' "$0" ;;
   *) die "unknown command '$cmd' (check, calibrate, run, profiles)" ;;
 esac
