@@ -173,7 +173,9 @@ impl Runtime {
         // The runtime sleeps in `wait` until there is work: no spinning.
         tcp.busy_poll = Duration::ZERO;
         tcp.peer_timeout = cfg.timeout;
-        tcp.handshake_timeout = cfg.connect_timeout;
+        // The handshake keeps its own short deadline (unauthenticated peers hold
+        // resources until it passes); the connect timeout only shortens it.
+        tcp.handshake_timeout = tcp.handshake_timeout.min(cfg.connect_timeout);
         if let Some(n) = limits.max_outstanding {
             tcp.max_outstanding = n;
         }

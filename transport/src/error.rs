@@ -176,6 +176,45 @@ pub enum Error {
     /// Registering device memory by dmabuf is not possible with this device or driver.
     #[error("dmabuf registration unsupported on {device}: {reason}")]
     DmabufUnsupported { device: String, reason: String },
+    /// An accepted connection was closed before it authenticated because
+    /// `limit` others were handshaking too (the oldest goes first).
+    #[error("handshake with {peer} abandoned: {limit} unauthenticated connections were pending (the bound)")]
+    TooManyHandshakes { peer: String, limit: usize },
+    /// The peer broke the protocol after authentication (a write notice for a
+    /// region it was never given, a credit grant past the bound); the
+    /// connection is failed.
+    #[error("protocol violation by {peer} on connection {conn}: {violation}")]
+    Protocol {
+        conn: u64,
+        peer: String,
+        violation: Violation,
+    },
+}
+
+/// What a peer did wrong ([`Error::Protocol`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Violation {
+    /// A write notice names a region that is not registered here, or a stale generation.
+    #[error("write notice for unknown or stale region {region:#x} (generation {generation})")]
+    NoticeUnknownRegion { region: u32, generation: u32 },
+    /// A write notice names a region that does not allow remote writes.
+    #[error("write notice for region {region:#x}, which does not allow remote writes")]
+    NoticeAccess { region: u32 },
+    /// A write notice's range lies (partly) outside its region, or overflows.
+    #[error("write notice range {offset}+{len} is outside region {region:#x} of {region_len} bytes")]
+    NoticeBounds {
+        region: u32,
+        offset: u64,
+        len: u64,
+        region_len: u64,
+    },
+    /// A write notice's length differs from the bytes that landed.
+    #[error("write notice says {noticed} bytes but {landed} landed")]
+    NoticeLength { noticed: u64, landed: u64 },
+    /// A credit grant would raise the credits past what the peer posted, or overflow.
+    #[error("credit grant of {grant} on top of {have} exceeds the maximum of {max}")]
+    CreditOverflow { have: u32, grant: u32, max: u32 },
 }
 
 /// The `IBV_WC_*` name of a work-completion status (without the prefix).
@@ -258,4 +297,7 @@ pub enum FrameError {
     Malformed { what: &'static str },
     #[error("unexpected {kind} frame in state {state}")]
     Unexpected { kind: &'static str, state: &'static str },
+    /// Before authentication the peer made this side hold more than the bound.
+    #[error("{held} bytes held before authentication exceed the bound of {max}")]
+    PreAuthLimit { held: usize, max: usize },
 }

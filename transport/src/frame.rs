@@ -29,6 +29,17 @@ pub const MAX_CONTROL_BYTES: u32 = 1 << 20;
 /// Length of nonces and MACs.
 pub const NONCE_LEN: usize = 32;
 
+/// The most bytes a connection may make this side hold before it has
+/// authenticated (reassembly buffers included). A frame whose header claims
+/// more, or a kind the handshake does not expect, is refused as soon as its
+/// header arrives, before any payload is read.
+pub const PRE_AUTH_MAX_BYTES: usize = 64 * 1024;
+/// The most accepted connections that may be handshaking (not yet
+/// authenticated) at once, per transport. Past it the oldest is closed.
+pub const MAX_PENDING_HANDSHAKES: usize = 64;
+/// The largest `Reject` payload accepted (a UTF-8 reason).
+pub const MAX_REJECT_BYTES: u32 = 1024;
+
 /// Header flag: the write carries an immediate that the receiver must surface.
 pub const FLAG_IMM: u16 = 1;
 /// Header flag on a `Regions` frame: the listed regions are revoked.
@@ -229,6 +240,16 @@ pub fn next_frame(buf: &[u8], max_payload: u32) -> Result<Option<(Header, usize)
         return Ok(None);
     }
     Ok(Some((h, total)))
+}
+
+/// The header at the start of `buf`, as soon as its 40 bytes are in (the
+/// payload need not be). Lets a reader check a frame's kind and length against
+/// its state before it buffers any payload. `Ok(None)`: fewer than 40 bytes.
+pub fn peek_header(buf: &[u8]) -> Result<Option<Header>, FrameError> {
+    if buf.len() < HEADER_LEN {
+        return next_frame(buf, 0).map(|_| None);
+    }
+    Header::decode(buf).map(Some)
 }
 
 /// A little reader over a payload that never panics.
@@ -445,6 +466,7 @@ mod tests {
             let _ = Header::decode(&b);
             let _ = Header::decode_any_version(&b);
             let _ = next_frame(&b, MAX_MESSAGE_BYTES);
+            let _ = peek_header(&b);
             let _ = Hello::decode(&b);
             let _ = Challenge::decode(&b);
             let _ = DataAttach::decode(&b);
@@ -517,6 +539,15 @@ mod tests {
             Err(FrameError::BadMagic(_))
         ));
         assert_eq!(next_frame(&b[..3], 10), Ok(None));
+    }
+
+    #[test]
+    fn peek_header_needs_only_the_header() {
+        let h = Header::new(Kind::Message, MAX_MESSAGE_BYTES);
+        let b = h.encode();
+        assert_eq!(peek_header(&b), Ok(Some(h)), "no payload needed");
+        assert_eq!(peek_header(&b[..39]), Ok(None));
+        assert!(matches!(peek_header(b"GET / HTTP/1.1"), Err(FrameError::BadMagic(_))));
     }
 
     #[test]

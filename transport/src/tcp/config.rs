@@ -20,7 +20,10 @@ pub struct TcpConfig {
     pub max_outstanding: usize,
     /// Largest message payload (at most 16 MiB).
     pub max_message_bytes: usize,
-    /// Handshake deadline for both sides.
+    /// Handshake deadline, separate from any job timeout: an accepted socket
+    /// must finish authenticating, and an outgoing connect must be
+    /// authenticated, this long after the socket was accepted or the connect
+    /// started. Unauthenticated peers hold resources until then, so keep it short.
     pub handshake_timeout: Duration,
     /// A peer silent this long with work outstanding is declared dead
     /// (TCP_USER_TIMEOUT, keepalive, and unacknowledged writes).
@@ -39,13 +42,15 @@ pub struct TcpConfig {
     /// before it sleeps in the kernel; it trades CPU for wake-up latency, as
     /// RDMA busy-polling does. `Duration::ZERO` never spins.
     pub busy_poll: Duration,
-    /// Provided buffers for control receives (power of two) and their size.
+    /// Provided buffers for control receives (power of two) and their size
+    /// (4 KiB ..= [`PRE_AUTH_MAX_BYTES`](crate::frame::PRE_AUTH_MAX_BYTES) / 2,
+    /// so that one receive cannot push an unauthenticated connection past its bound).
     pub recv_buffers: u16,
     pub recv_buffer_bytes: u32,
 }
 
 impl TcpConfig {
-    /// Defaults for a job: 1024-entry ring, 256 outstanding, 10 s handshake, 30 s peer timeout.
+    /// Defaults for a job: 1024-entry ring, 256 outstanding, 5 s handshake, 30 s peer timeout.
     pub fn new(job_id: u64, rank: u32, secret: JobSecret) -> Self {
         TcpConfig {
             job_id,
@@ -54,7 +59,7 @@ impl TcpConfig {
             ring_entries: 1024,
             max_outstanding: 256,
             max_message_bytes: frame::MAX_MESSAGE_BYTES as usize,
-            handshake_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(5),
             peer_timeout: Duration::from_secs(30),
             close_timeout: Duration::from_secs(5),
             sndbuf_bytes: None,
@@ -83,4 +88,12 @@ pub struct TcpStats {
     pub tx_zc_writes: u64,
     /// Submissions to the kernel (io_uring_enter calls that submitted).
     pub submits: u64,
+    /// Unauthenticated connections closed because
+    /// [`MAX_PENDING_HANDSHAKES`](crate::frame::MAX_PENDING_HANDSHAKES) others
+    /// were pending when another was accepted (the oldest is closed).
+    pub handshakes_evicted: u64,
+    /// Unauthenticated connections refused for a frame their handshake state
+    /// does not allow (kind or length, judged on the header alone) or for
+    /// exceeding [`PRE_AUTH_MAX_BYTES`](crate::frame::PRE_AUTH_MAX_BYTES).
+    pub pre_auth_refused: u64,
 }

@@ -49,6 +49,7 @@ impl TcpTransport {
                 server_nonce: [0; NONCE_LEN],
                 token: 0,
             },
+            parked_data: None,
             deadline: Some(Instant::now() + self.cfg.handshake_timeout),
             ctrl_rx: Vec::new(),
             ctrl_rx_armed: false,

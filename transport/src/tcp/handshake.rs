@@ -11,7 +11,7 @@ use tracing::{debug, info, warn};
 use crate::api::{ConnId, Event, ListenerId, PeerInfo};
 use crate::auth::{self, Role as MacRole};
 use crate::error::{Error, FrameError, Result};
-use crate::frame::{self, Header, Kind, HEADER_LEN, NONCE_LEN};
+use crate::frame::{self, Header, Kind, HEADER_LEN, MAX_PENDING_HANDSHAKES, MAX_REJECT_BYTES, NONCE_LEN};
 
 use super::op::{Op, Payload};
 use super::state::{Pending, Side, State};
@@ -20,6 +20,35 @@ use super::TcpTransport;
 
 /// The largest first frame an unauthenticated socket may send.
 const FIRST_FRAME_MAX: u32 = 256;
+/// A `Challenge` payload: rank, nonce, token, MAC.
+const CHALLENGE_LEN: u32 = 4 + NONCE_LEN as u32 + 8 + NONCE_LEN as u32;
+
+/// Whether a control frame with this header may arrive in `state`, judged on
+/// the header alone, before any of its payload is read: during the handshake
+/// only the next handshake frame (at its exact size) or a short `Reject`;
+/// afterwards only an established connection's kinds, messages up to
+/// `max_message`.
+pub(super) fn admissible(state: State, hdr: &Header, max_message: u32) -> std::result::Result<(), FrameError> {
+    let handshake = state.is_handshake();
+    let max = match (state, hdr.kind) {
+        (_, Kind::Reject) if handshake => MAX_REJECT_BYTES,
+        (State::AwaitChallenge, Kind::Challenge) => CHALLENGE_LEN,
+        (State::AwaitAuth, Kind::Auth) => NONCE_LEN as u32,
+        (State::AwaitReady, Kind::Ready) => 0,
+        (State::Ready | State::Closing, Kind::Message) => max_message,
+        (State::Ready | State::Closing, Kind::Ack | Kind::Nack | Kind::Regions | Kind::Close) => hdr.kind.max_payload(),
+        (s, k) => {
+            return Err(FrameError::Unexpected {
+                kind: k.name(),
+                state: s.name(),
+            })
+        }
+    };
+    if hdr.length > max {
+        return Err(FrameError::TooLong { len: hdr.length, max });
+    }
+    Ok(())
+}
 
 impl TcpTransport {
     pub(super) fn send_reject_and_close(&mut self, fd: OwnedFd, reason: &str) {
@@ -109,6 +138,11 @@ impl TcpTransport {
         if let Err(e) = sys::tune(fd.as_raw_fd(), &self.sockopts) {
             warn!(%addr, error = %e, "socket options on an accepted socket");
         }
+        while self.pre_auth_count() >= MAX_PENDING_HANDSHAKES {
+            if !self.evict_oldest_handshake() {
+                break;
+            }
+        }
         let id = self.id();
         let raw = fd.as_raw_fd();
         self.pending.insert(
@@ -127,6 +161,49 @@ impl TcpTransport {
         if !cqueue::more(flags) {
             self.arm_accept(listener);
         }
+    }
+
+    /// Connections accepted here that have not authenticated yet: sockets not
+    /// yet classified by their first frame, and control sockets waiting for the
+    /// client's proof.
+    pub(super) fn pre_auth_count(&self) -> usize {
+        let pending = self.pending.values().filter(|p| !p.done).count();
+        let conns = self
+            .conns
+            .values()
+            .filter(|c| c.side == Side::Server && c.state == State::AwaitAuth)
+            .count();
+        pending + conns
+    }
+
+    /// Closes the unauthenticated connection accepted first (the earliest
+    /// handshake deadline), to make room for a new one. Returns whether there was one.
+    fn evict_oldest_handshake(&mut self) -> bool {
+        let pending = self
+            .pending
+            .iter()
+            .filter(|(_, p)| !p.done)
+            .map(|(&id, p)| (p.deadline, id, true));
+        let conns = self
+            .conns
+            .values()
+            .filter(|c| c.side == Side::Server && c.state == State::AwaitAuth)
+            .filter_map(|c| c.deadline.map(|d| (d, c.id, false)));
+        let Some((_, id, is_pending)) = pending.chain(conns).min() else {
+            return false;
+        };
+        self.stats.handshakes_evicted += 1;
+        let limit = MAX_PENDING_HANDSHAKES;
+        if is_pending {
+            let peer = self.pending[&id].addr.to_string();
+            debug!(%peer, limit, "too many pending handshakes; closing the oldest");
+            self.reject_pending(id, Error::TooManyHandshakes { peer, limit }, None);
+        } else {
+            let peer = self.conns[&id].peer();
+            debug!(%peer, limit, "too many pending handshakes; closing the oldest");
+            self.fail(id, Error::TooManyHandshakes { peer, limit });
+        }
+        true
     }
 
     pub(super) fn reject_pending(&mut self, pending: u64, error: Error, reply: Option<String>) {
@@ -201,6 +278,7 @@ impl TcpTransport {
             return self.reject_pending(pending, e, Some(msg));
         }
         if !matches!(hdr.kind, Kind::Hello | Kind::DataAttach) || hdr.length > FIRST_FRAME_MAX {
+            self.stats.pre_auth_refused += 1;
             let reason = FrameError::Unexpected {
                 kind: hdr.kind.name(),
                 state: "FirstFrame",
@@ -231,7 +309,7 @@ impl TcpTransport {
         if p.done {
             return;
         }
-        let (peer, addr, listener) = (p.addr.to_string(), p.addr, p.listener);
+        let (peer, addr, listener, deadline) = (p.addr.to_string(), p.addr, p.listener, p.deadline);
         if res != hdr.length as i32 {
             let e = Error::ConnectionLost {
                 conn: 0,
@@ -266,6 +344,8 @@ impl TcpTransport {
                 }
                 self.tokens.insert(token, conn);
                 let c = self.conns.get_mut(&conn).expect("just made");
+                // The handshake's deadline runs from the accept, not from the Hello.
+                c.deadline = Some(deadline);
                 c.peer_rank = hello.rank;
                 c.transcript.client_rank = hello.rank;
                 c.transcript.client_nonce = hello.nonce;
@@ -294,44 +374,63 @@ impl TcpTransport {
                     Err(reason) => return self.reject_pending(pending, Error::BadFrame { peer, reason }, None),
                 };
                 let conn = self.tokens.get(&att.token).copied();
-                let ok = conn.and_then(|c| self.conns.get(&c)).is_some_and(|c| {
-                    c.state == State::AwaitData
-                        && auth::verify(&self.cfg.secret, MacRole::Data, &c.transcript, &att.mac)
+                let state = conn.and_then(|c| self.conns.get(&c)).and_then(|c| {
+                    auth::verify(&self.cfg.secret, MacRole::Data, &c.transcript, &att.mac).then_some(c.state)
                 });
-                let Some(conn) = conn.filter(|_| ok) else {
-                    let e = Error::AuthFailed {
-                        peer,
-                        reason: "data socket presented an unknown token or a bad proof",
-                    };
-                    return self.reject_pending(pending, e, Some("authentication failed".into()));
-                };
-                let p = self.pending.get_mut(&pending).expect("checked");
-                p.done = true;
-                let fd = p.fd.take().expect("not done");
-                self.reap_pending(pending);
-                let list = self.announce_list();
-                let c = self.conns.get_mut(&conn).expect("checked");
-                c.data = Some(fd);
-                c.state = State::Ready;
-                c.deadline = None;
-                let info = PeerInfo {
-                    rank: c.peer_rank,
-                    addr: c.peer_addr,
-                };
-                info!(parent: &c.span, rank = c.peer_rank, "peer authenticated; connection ready");
-                self.queue_ctrl(conn, Header::new(Kind::Ready, 0), Payload::None, None);
-                self.send_regions(conn, &list, false);
-                self.arm_data_header(conn);
-                if let Some(l) = self.listeners.get_mut(&listener) {
-                    l.accepted.push_back((ConnId(conn), info));
+                match (conn, state) {
+                    (Some(conn), Some(State::AwaitData)) => self.attach_data(pending, conn),
+                    (Some(conn), Some(State::AwaitAuth)) if self.conns[&conn].parked_data.is_none() => {
+                        // The data socket overtook the Auth frame (its control receive
+                        // is queued behind others): park it until the Auth is in. It
+                        // stays pending, under its deadline and the pending bound.
+                        debug!(pending, conn, "data socket arrived before the Auth frame; parked");
+                        self.conns.get_mut(&conn).expect("checked").parked_data = Some(pending);
+                    }
+                    _ => {
+                        let e = Error::AuthFailed {
+                            peer,
+                            reason: "data socket presented an unknown token or a bad proof",
+                        };
+                        self.reject_pending(pending, e, Some("authentication failed".into()));
+                    }
                 }
-                self.events.push_back(Event::Incoming {
-                    listener: ListenerId(listener),
-                    conn: ConnId(conn),
-                });
             }
             _ => unreachable!("checked in on_first_header"),
         }
+    }
+
+    /// Binds an authenticated data socket (pending, its proof checked) to its
+    /// connection, which has the client's proof too: the connection is ready.
+    pub(super) fn attach_data(&mut self, pending: u64, conn: u64) {
+        let Some(p) = self.pending.get_mut(&pending).filter(|p| !p.done) else {
+            return;
+        };
+        let listener = p.listener;
+        p.done = true;
+        let fd = p.fd.take().expect("not done");
+        self.reap_pending(pending);
+        let list = self.announce_list();
+        let Some(c) = self.conns.get_mut(&conn).filter(|c| c.state == State::AwaitData) else {
+            return;
+        };
+        c.data = Some(fd);
+        c.state = State::Ready;
+        c.deadline = None;
+        let info = PeerInfo {
+            rank: c.peer_rank,
+            addr: c.peer_addr,
+        };
+        info!(parent: &c.span, rank = c.peer_rank, "peer authenticated; connection ready");
+        self.queue_ctrl(conn, Header::new(Kind::Ready, 0), Payload::None, None);
+        self.send_regions(conn, &list, false);
+        self.arm_data_header(conn);
+        if let Some(l) = self.listeners.get_mut(&listener) {
+            l.accepted.push_back((ConnId(conn), info));
+        }
+        self.events.push_back(Event::Incoming {
+            listener: ListenerId(listener),
+            conn: ConnId(conn),
+        });
     }
 
     // ---------------------------------------------------------------- connect side
@@ -449,6 +548,9 @@ impl TcpTransport {
                     });
                 }
                 c.state = State::AwaitData;
+                if let Some(p) = c.parked_data.take() {
+                    self.attach_data(p, conn);
+                }
                 Ok(())
             }
             (State::AwaitReady, Kind::Ready) => {

@@ -25,6 +25,22 @@
 //! from the io_uring fixed-buffer table instead (regions are registered there
 //! when the memlock limit allows). See the README for the measured threshold.
 //!
+//! # Unauthenticated peers
+//! A socket's first frame must be a `Hello` or `DataAttach` of at most 256
+//! bytes; afterwards, while the handshake runs, each control frame is judged
+//! on its header alone (kind and length against the handshake state, see
+//! `handshake::admissible`) before any payload is read. Before it has
+//! authenticated a connection may make this side hold at most
+//! [`PRE_AUTH_MAX_BYTES`](crate::frame::PRE_AUTH_MAX_BYTES) (the reassembly
+//! buffer included; a provided buffer is at most half of it). At most
+//! [`MAX_PENDING_HANDSHAKES`](crate::frame::MAX_PENDING_HANDSHAKES) accepted
+//! connections may be unauthenticated at once: accepting another closes the
+//! oldest at once ([`TcpStats::handshakes_evicted`]), so that silent
+//! connections cannot keep a real peer out (a peer needs milliseconds to
+//! authenticate; an attacker would have to open 64 connections within them).
+//! Every handshake, accepted or dialled, has [`TcpConfig::handshake_timeout`]
+//! from its accept or connect.
+//!
 //! # Safety model
 //! Every submitted SQE has an entry in the op table that owns all memory the
 //! kernel may touch (headers, iovecs, msghdrs, sockaddrs, and a region guard

@@ -73,10 +73,11 @@ impl TcpTransport {
                 reason: format!("max_message_bytes must be in 1..={}", frame::MAX_MESSAGE_BYTES),
             });
         }
-        if !cfg.recv_buffers.is_power_of_two() || cfg.recv_buffer_bytes < 4096 {
+        let max_buf = (frame::PRE_AUTH_MAX_BYTES / 2) as u32;
+        if !cfg.recv_buffers.is_power_of_two() || !(4096..=max_buf).contains(&cfg.recv_buffer_bytes) {
             return Err(Error::InvalidArgument {
                 op: "TcpTransport::new",
-                reason: "recv_buffers must be a power of two and recv_buffer_bytes >= 4096".into(),
+                reason: format!("recv_buffers must be a power of two and recv_buffer_bytes in 4096..={max_buf}"),
             });
         }
         if cfg.max_outstanding == 0 {

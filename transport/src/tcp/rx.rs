@@ -74,13 +74,29 @@ impl TcpTransport {
                 warn!(conn, "multishot recv completion without a buffer");
                 return;
             };
+            let mut over = None;
             if live {
                 let data = self.bufring.data(bid, res as usize);
                 let c = self.conns.get_mut(&conn).expect("live");
-                c.ctrl_rx.extend_from_slice(data);
-                self.stats.rx_user_copy_bytes += res as u64;
+                let held = c.ctrl_rx.len() + data.len();
+                if c.state.is_handshake() && held > frame::PRE_AUTH_MAX_BYTES {
+                    // Not authenticated yet: never hold more than the bound.
+                    over = Some(held);
+                } else {
+                    c.ctrl_rx.extend_from_slice(data);
+                    self.stats.rx_user_copy_bytes += res as u64;
+                }
             }
             self.bufring.push(bid);
+            if let Some(held) = over {
+                self.stats.pre_auth_refused += 1;
+                let peer = self.conns[&conn].peer();
+                let reason = FrameError::PreAuthLimit {
+                    held,
+                    max: frame::PRE_AUTH_MAX_BYTES,
+                };
+                return self.fail(conn, Error::BadFrame { peer, reason });
+            }
             if live {
                 self.parse_ctrl(conn);
             }
@@ -115,7 +131,19 @@ impl TcpTransport {
         let mut buf = std::mem::take(&mut self.conns.get_mut(&conn).expect("live").ctrl_rx);
         let mut used = 0;
         let mut failure = None;
-        while self.conns.get(&conn).is_some_and(|c| c.is_live()) {
+        let max_message = self.cfg.max_message_bytes as u32;
+        while let Some(state) = self.conns.get(&conn).filter(|c| c.is_live()).map(|c| c.state) {
+            // Judge the frame on its header, before any of its payload is buffered.
+            let early = frame::peek_header(&buf[used..])
+                .and_then(|h| h.map_or(Ok(()), |h| super::handshake::admissible(state, &h, max_message)));
+            if let Err(reason) = early {
+                if state.is_handshake() {
+                    self.stats.pre_auth_refused += 1;
+                }
+                let peer = self.conns[&conn].peer();
+                failure = Some(Error::BadFrame { peer, reason });
+                break;
+            }
             match frame::next_frame(&buf[used..], max) {
                 Ok(Some((hdr, total))) => {
                     let payload = &buf[used + HEADER_LEN..used + total];

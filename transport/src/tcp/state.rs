@@ -88,6 +88,9 @@ pub(super) struct Conn {
     pub(super) ctrl: Option<OwnedFd>,
     pub(super) data: Option<OwnedFd>,
     pub(super) transcript: Transcript,
+    /// Server: a data socket (pending id, proof checked) that arrived before the
+    /// client's Auth frame; attached once the Auth is in.
+    pub(super) parked_data: Option<u64>,
     pub(super) deadline: Option<Instant>,
     pub(super) ctrl_rx: Vec<u8>,
     pub(super) ctrl_rx_armed: bool,
