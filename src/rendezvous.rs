@@ -2,18 +2,49 @@
 //! job configuration field by field ([`JobConfig`]: the book, the scheduler
 //! settings, the apply op, the transport); rank 0 checks that they agree,
 //! naming the first field and rank that differ, and hands everyone the
-//! address table. It is plain TCP with one JSON line each way; it carries
-//! no secrets (the transport authenticates peers with the job secret).
+//! address table.
+//!
+//! # Protocol
+//! Plain TCP, one JSON line at a time, each at most [`MAX_LINE`] bytes:
+//! 1. rank 0 → joiner: a fresh 32-byte nonce (`{"nonce": hex}`);
+//! 2. joiner → rank 0: its [`Join`] as a string, its own nonce, and an
+//!    HMAC-SHA256 with the job secret over both nonces and the join
+//!    (`tidewire/v1/rendezvous-join`);
+//! 3. rank 0 → joiner, once every rank has joined: the reply as a string and an
+//!    HMAC over both nonces and the reply (`tidewire/v1/rendezvous-reply`), or
+//!    `{"refused": why}` for a joiner that did not prove the secret.
+//!
+//! A joiner without the secret is refused and the job goes on without noticing;
+//! a recorded join or reply is useless on another connection (fresh nonces on
+//! both sides). Rank 0 serves joiners concurrently, one thread each (at most
+//! [`MAX_JOINERS_IN_FLIGHT`] at once; past it the oldest is cut), each under its own
+//! deadline ([`JOIN_TIMEOUT`] by default), so an idle connection delays
+//! nobody else. The addresses are not secret; the transport authenticates
+//! every connection again.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use serde::{Deserialize, Serialize};
 use tidewire_engine::agree::{Field, JobConfig};
 use tidewire_engine::EngineError;
+use tidewire_transport::auth;
+use tidewire_transport::JobSecret;
 
 use crate::error::{Error, Result};
+
+/// The longest line either side reads (a join, a reply, a challenge).
+pub const MAX_LINE: usize = 64 * 1024;
+/// How long rank 0 gives one connection to send its authenticated join.
+pub const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections rank 0 authenticates at once; another one cuts the oldest.
+pub const MAX_JOINERS_IN_FLIGHT: usize = 256;
+
+const JOIN_LABEL: &[u8] = b"tidewire/v1/rendezvous-join";
+const REPLY_LABEL: &[u8] = b"tidewire/v1/rendezvous-reply";
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Join {
@@ -36,11 +67,41 @@ struct Reply {
     mismatch: Option<Mismatch>,
 }
 
+#[derive(Debug, Serialize, Deserialize)]
+struct Challenge {
+    nonce: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct SignedJoin {
+    join: String,
+    nonce: String,
+    mac: String,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct SignedReply {
+    reply: Option<String>,
+    mac: Option<String>,
+    refused: Option<String>,
+}
+
+/// A joiner that proved the secret, waiting for the table.
+struct Joined {
+    join: Join,
+    stream: TcpStream,
+    nonces: [[u8; 32]; 2],
+}
+
+/// What a connection's thread reports: its id and a proven join, or why it was refused.
+type Outcome = (u64, std::result::Result<Joined, String>);
+
 /// Rank 0's side, bound before the transport listens so that the advertised IP
 /// is known.
 #[derive(Debug)]
 pub struct Host {
     listener: TcpListener,
+    join_timeout: Duration,
 }
 
 impl Host {
@@ -51,12 +112,29 @@ impl Host {
                 "rank 0 cannot bind {master}: {e} (is another job using the port?)"
             ))
         })?;
-        Ok(Host { listener })
+        Ok(Host {
+            listener,
+            join_timeout: JOIN_TIMEOUT,
+        })
     }
 
-    /// Collects every rank's join and answers it.
+    /// How long one connection may take to send its authenticated join
+    /// (default [`JOIN_TIMEOUT`]); past it, it is refused and closed.
+    pub fn join_timeout(mut self, d: Duration) -> Self {
+        self.join_timeout = d;
+        self
+    }
+
+    /// The bound address (its port when bound to port 0).
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.listener.local_addr().map_err(io)
+    }
+
+    /// Collects every rank's authenticated join and answers it. Joiners that
+    /// fail to authenticate are refused and do not affect the job.
     pub fn run(
         self,
+        secret: &JobSecret,
         job: u64,
         world: usize,
         me: SocketAddr,
@@ -67,8 +145,12 @@ impl Host {
         self.listener.set_nonblocking(true).map_err(io)?;
         let mut addrs: Vec<Option<SocketAddr>> = vec![None; world];
         addrs[0] = Some(me);
-        let mut conns: Vec<(u32, TcpStream)> = Vec::new();
+        let mut conns: Vec<Joined> = Vec::new();
         let mut failure: Option<(String, Option<Mismatch>)> = None;
+        let (tx, rx): (Sender<Outcome>, Receiver<Outcome>) = crossbeam_channel::unbounded();
+        // Connections being authenticated: id, a handle to cut it, since when.
+        let mut in_flight: VecDeque<(u64, TcpStream)> = VecDeque::new();
+        let mut next_id = 0u64;
         while addrs.iter().any(Option::is_none) && failure.is_none() {
             if Instant::now() > deadline {
                 let missing: Vec<usize> = (0..world).filter(|&r| addrs[r].is_none()).collect();
@@ -77,23 +159,60 @@ impl Host {
                     after: timeout,
                 });
             }
-            let stream = match self.listener.accept() {
-                Ok((s, _)) => s,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    std::thread::sleep(Duration::from_millis(5));
-                    continue;
+            // Accept everything waiting; each connection gets its own thread and deadline.
+            loop {
+                let (stream, peer) = match self.listener.accept() {
+                    Ok(x) => x,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        // Out of fds and the like: try again on the next turn.
+                        tracing::warn!(error = %e, "rendezvous accept failed");
+                        break;
+                    }
+                };
+                if in_flight.len() >= MAX_JOINERS_IN_FLIGHT {
+                    if let Some((_, oldest)) = in_flight.pop_front() {
+                        tracing::debug!("rendezvous: too many joiners authenticating; cutting the oldest");
+                        let _ = oldest.shutdown(Shutdown::Both);
+                    }
                 }
-                Err(e) => return Err(io(e)),
-            };
-            stream.set_nonblocking(false).map_err(io)?;
-            stream.set_read_timeout(Some(remaining(deadline))).map_err(io)?;
-            let mut line = String::new();
-            if BufReader::new(&stream).read_line(&mut line).is_err() {
-                continue;
+                let id = next_id;
+                next_id += 1;
+                let handle = match stream.try_clone() {
+                    Ok(h) => h,
+                    Err(e) => {
+                        tracing::warn!(%peer, error = %e, "rendezvous: cannot track a connection; dropping it");
+                        continue;
+                    }
+                };
+                let conn_deadline = (Instant::now() + self.join_timeout).min(deadline);
+                let (tx, secret) = (tx.clone(), secret.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("tidewire-rendezvous-join".into())
+                    .spawn(move || {
+                        let r = authenticate(stream, &secret, conn_deadline);
+                        if let Err(why) = &r {
+                            tracing::debug!(%peer, why, "rendezvous: refused a joiner");
+                        }
+                        let _ = tx.send((id, r));
+                    });
+                match spawned {
+                    Ok(_) => in_flight.push_back((id, handle)),
+                    Err(e) => {
+                        tracing::warn!(%peer, error = %e, "rendezvous: cannot start a thread; dropping the joiner");
+                        let _ = handle.shutdown(Shutdown::Both);
+                    }
+                }
             }
-            let Ok(j) = serde_json::from_str::<Join>(&line) else {
-                continue;
+            let (id, outcome) = match rx.recv_timeout(Duration::from_millis(5)) {
+                Ok(x) => x,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => unreachable!("the host holds a sender"),
             };
+            in_flight.retain(|(i, _)| *i != id);
+            let Ok(joined) = outcome else { continue };
+            let j = &joined.join;
             if j.job != job {
                 failure = Some((format!("rank {} belongs to job {}, not {job}", j.rank, j.job), None));
             } else if j.world != world {
@@ -111,7 +230,11 @@ impl Host {
             } else {
                 addrs[j.rank as usize] = Some(j.addr);
             }
-            conns.push((j.rank, stream));
+            conns.push(joined);
+        }
+        // Joiners still authenticating are not part of the job.
+        for (_, h) in in_flight {
+            let _ = h.shutdown(Shutdown::Both);
         }
         let reply = match &failure {
             None => Reply {
@@ -125,15 +248,123 @@ impl Host {
                 mismatch: *m,
             },
         };
-        let line = serde_json::to_string(&reply).expect("serializable") + "\n";
-        for (_, mut c) in conns {
-            let _ = c.write_all(line.as_bytes());
+        let body = serde_json::to_string(&reply).expect("serializable");
+        for mut c in conns {
+            let [host, joiner] = c.nonces;
+            let signed = SignedReply {
+                mac: Some(hex(&auth::mac(secret, REPLY_LABEL, &[&host, &joiner, body.as_bytes()]))),
+                reply: Some(body.clone()),
+                refused: None,
+            };
+            let line = serde_json::to_string(&signed).expect("serializable") + "\n";
+            let _ = c.stream.set_write_timeout(Some(Duration::from_secs(5)));
+            let _ = c.stream.write_all(line.as_bytes());
         }
         match failure {
             None => Ok(reply.addrs),
             Some((e, m)) => Err(to_error(e, m)),
         }
     }
+}
+
+/// One connection on rank 0: challenge, then a join that proves the secret,
+/// all before `deadline`. A refusal is answered (best effort) and closes it.
+fn authenticate(stream: TcpStream, secret: &JobSecret, deadline: Instant) -> std::result::Result<Joined, String> {
+    let host = auth::nonce();
+    let r = (|| {
+        stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+        stream
+            .set_write_timeout(Some(remaining(deadline)))
+            .map_err(|e| e.to_string())?;
+        let line = serde_json::to_string(&Challenge { nonce: hex(&host) }).expect("serializable") + "\n";
+        (&stream)
+            .write_all(line.as_bytes())
+            .map_err(|e| format!("sending the challenge: {e}"))?;
+        let mut reader = BufReader::new(&stream);
+        let line = read_line(&mut reader, &stream, deadline).map_err(|e| format!("reading the join: {e}"))?;
+        let signed: SignedJoin = serde_json::from_slice(&line).map_err(|e| format!("malformed join: {e}"))?;
+        let joiner = unhex32(&signed.nonce).ok_or("malformed joiner nonce")?;
+        let mac = unhex(&signed.mac).ok_or("malformed MAC")?;
+        if !auth::verify_mac(secret, JOIN_LABEL, &[&host, &joiner, signed.join.as_bytes()], &mac) {
+            return Err("authentication failed (the joiner does not have this job's secret)".to_string());
+        }
+        let join: Join = serde_json::from_str(&signed.join).map_err(|e| format!("malformed join: {e}"))?;
+        Ok((join, joiner))
+    })();
+    match r {
+        Ok((join, joiner)) => Ok(Joined {
+            join,
+            stream,
+            nonces: [host, joiner],
+        }),
+        Err(why) => {
+            let refusal = SignedReply {
+                refused: Some(why.clone()),
+                ..Default::default()
+            };
+            let line = serde_json::to_string(&refusal).expect("serializable") + "\n";
+            let _ = stream.set_write_timeout(Some(Duration::from_millis(200)));
+            let _ = (&stream).write_all(line.as_bytes());
+            let _ = stream.shutdown(Shutdown::Both);
+            Err(why)
+        }
+    }
+}
+
+/// Reads one line of at most [`MAX_LINE`] bytes (without its newline) before `deadline`.
+fn read_line(r: &mut impl BufRead, s: &TcpStream, deadline: Instant) -> std::io::Result<Vec<u8>> {
+    read_line_max(r, s, deadline, MAX_LINE)
+}
+
+fn read_line_max(r: &mut impl BufRead, s: &TcpStream, deadline: Instant, max: usize) -> std::io::Result<Vec<u8>> {
+    let mut line = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline passed"));
+        }
+        s.set_read_timeout(Some(left))?;
+        let room = (max + 1 - line.len()) as u64;
+        let n = match r.by_ref().take(room).read_until(b'\n', &mut line) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if line.last() == Some(&b'\n') {
+            line.pop();
+            return Ok(line);
+        }
+        if line.len() > max {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("line longer than {max} bytes"),
+            ));
+        }
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "connection closed",
+            ));
+        }
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 || s.len() > 128 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| s.get(i..i + 2).and_then(|d| u8::from_str_radix(d, 16).ok()))
+        .collect()
+}
+
+fn unhex32(s: &str) -> Option<[u8; 32]> {
+    unhex(s)?.try_into().ok()
 }
 
 /// The first field where `rank`'s configuration differs from rank 0's.
@@ -182,9 +413,12 @@ pub fn local_ip_towards(master: SocketAddr) -> Result<IpAddr> {
     Ok(s.local_addr().map_err(io)?.ip())
 }
 
-/// A non-zero rank's side: joins and waits for the table.
+/// A non-zero rank's side: answers rank 0's challenge with a join that proves
+/// the job secret, and waits for the table (whose MAC proves rank 0 has it too).
+#[allow(clippy::too_many_arguments)]
 pub fn join(
     master: SocketAddr,
+    secret: &JobSecret,
     job: u64,
     rank: u32,
     world: usize,
@@ -208,6 +442,19 @@ pub fn join(
             }
         }
     };
+    let late = |what: &str, e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => Error::Timeout {
+            what: format!("rank 0's rendezvous {what}"),
+            after: timeout,
+        },
+        _ => Error::Rendezvous(format!("reading rank 0's {what}: {e}")),
+    };
+    let mut reader = BufReader::new(&stream);
+    let line = read_line(&mut reader, &stream, deadline).map_err(|e| late("challenge", e))?;
+    let ch: Challenge =
+        serde_json::from_slice(&line).map_err(|e| Error::Rendezvous(format!("bad challenge from rank 0: {e}")))?;
+    let host = unhex32(&ch.nonce).ok_or_else(|| Error::Rendezvous("bad challenge nonce from rank 0".into()))?;
+    let joiner = auth::nonce();
     let j = Join {
         rank,
         world,
@@ -215,19 +462,35 @@ pub fn join(
         addr: me,
         config: config.fields().iter().map(|&(f, v)| (f as u8, v)).collect(),
     };
+    let body = serde_json::to_string(&j).expect("serializable");
+    let signed = SignedJoin {
+        mac: hex(&auth::mac(secret, JOIN_LABEL, &[&host, &joiner, body.as_bytes()])),
+        nonce: hex(&joiner),
+        join: body,
+    };
+    stream.set_write_timeout(Some(remaining(deadline))).map_err(io)?;
     (&stream)
-        .write_all((serde_json::to_string(&j).expect("serializable") + "\n").as_bytes())
+        .write_all((serde_json::to_string(&signed).expect("serializable") + "\n").as_bytes())
         .map_err(io)?;
-    stream.set_read_timeout(Some(remaining(deadline))).map_err(io)?;
-    let mut line = String::new();
-    BufReader::new(&stream)
-        .read_line(&mut line)
-        .map_err(|e| Error::Timeout {
-            what: format!("rank 0's rendezvous reply ({e})"),
-            after: timeout,
-        })?;
-    let r: Reply = serde_json::from_str(&line)
-        .map_err(|e| Error::Rendezvous(format!("bad reply from rank 0: {e} (line {line:?})")))?;
+    // The table grows with the world: allow for it beyond the usual bound.
+    let max = MAX_LINE.max(world.saturating_mul(128));
+    let line = read_line_max(&mut reader, &stream, deadline, max).map_err(|e| late("reply", e))?;
+    let signed: SignedReply =
+        serde_json::from_slice(&line).map_err(|e| Error::Rendezvous(format!("bad reply from rank 0: {e}")))?;
+    if let Some(why) = signed.refused {
+        return Err(Error::Rendezvous(format!(
+            "rank 0 refused this rank: {why} (is the job secret the same on every rank?)"
+        )));
+    }
+    let (Some(body), Some(mac)) = (signed.reply, signed.mac.as_deref().and_then(unhex)) else {
+        return Err(Error::Rendezvous("rank 0's reply has no table or no MAC".into()));
+    };
+    if !auth::verify_mac(secret, REPLY_LABEL, &[&host, &joiner, body.as_bytes()], &mac) {
+        return Err(Error::Rendezvous(
+            "rank 0's reply does not prove the job secret (an impostor, or another job's rank 0)".into(),
+        ));
+    }
+    let r: Reply = serde_json::from_str(&body).map_err(|e| Error::Rendezvous(format!("bad reply from rank 0: {e}")))?;
     if let Some(e) = r.error {
         return Err(to_error(e, r.mismatch));
     }
@@ -238,4 +501,175 @@ pub fn join(
         )));
     }
     Ok(r.addrs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::thread::JoinHandle;
+    use tidewire_engine::book::{LayerKind, LayerSpec};
+    use tidewire_engine::{ApplyOp, Book, BookConfig, Cluster, SchedConfig};
+
+    const JOB: u64 = 77;
+    const WORLD: usize = 3;
+
+    fn secret() -> JobSecret {
+        JobSecret::new(b"rendezvous test secret".to_vec())
+    }
+
+    fn config() -> JobConfig {
+        let book = Book::new(
+            Cluster::split(WORLD, 1).unwrap(),
+            vec![LayerSpec::new("fc", LayerKind::Fc, 10, 20)],
+            BookConfig::default(),
+        )
+        .unwrap();
+        JobConfig::new(&book, &SchedConfig::default(), ApplyOp::Mean, "tcp")
+    }
+
+    fn addr_of(rank: u32) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], 40000 + rank as u16))
+    }
+
+    /// Rank 0 on a fresh port, serving in a thread; returns its address.
+    fn host(join_timeout: Duration) -> (SocketAddr, JoinHandle<Result<Vec<SocketAddr>>>) {
+        let h = Host::bind("127.0.0.1:0".parse().unwrap())
+            .unwrap()
+            .join_timeout(join_timeout);
+        let at = h.local_addr().unwrap();
+        let t =
+            std::thread::spawn(move || h.run(&secret(), JOB, WORLD, addr_of(0), &config(), Duration::from_secs(20)));
+        (at, t)
+    }
+
+    fn joiner(master: SocketAddr, secret: JobSecret, rank: u32) -> JoinHandle<Result<Vec<SocketAddr>>> {
+        std::thread::spawn(move || {
+            join(
+                master,
+                &secret,
+                JOB,
+                rank,
+                WORLD,
+                addr_of(rank),
+                &config(),
+                Duration::from_secs(20),
+            )
+        })
+    }
+
+    fn table() -> Vec<SocketAddr> {
+        (0..WORLD as u32).map(addr_of).collect()
+    }
+
+    /// A raw connection's challenge nonce.
+    fn challenge(s: &TcpStream) -> (BufReader<TcpStream>, [u8; 32]) {
+        let mut r = BufReader::new(s.try_clone().unwrap());
+        let line = read_line(&mut r, s, Instant::now() + Duration::from_secs(5)).unwrap();
+        let c: Challenge = serde_json::from_slice(&line).unwrap();
+        (r, unhex32(&c.nonce).unwrap())
+    }
+
+    fn signed_join(secret: &JobSecret, host: &[u8; 32], rank: u32) -> String {
+        let j = Join {
+            rank,
+            world: WORLD,
+            job: JOB,
+            addr: "10.9.9.9:1".parse().unwrap(),
+            config: config().fields().iter().map(|&(f, v)| (f as u8, v)).collect(),
+        };
+        let body = serde_json::to_string(&j).unwrap();
+        let n = [5u8; 32];
+        let s = SignedJoin {
+            mac: hex(&auth::mac(secret, JOIN_LABEL, &[host, &n, body.as_bytes()])),
+            nonce: hex(&n),
+            join: body,
+        };
+        serde_json::to_string(&s).unwrap() + "\n"
+    }
+
+    /// The answer rank 0 gives a raw connection: `refused` or a reply.
+    fn answer(r: &mut BufReader<TcpStream>) -> SignedReply {
+        let s = r.get_ref().try_clone().unwrap();
+        let line = read_line(r, &s, Instant::now() + Duration::from_secs(5)).unwrap();
+        serde_json::from_slice(&line).unwrap()
+    }
+
+    #[test]
+    fn joiners_without_the_secret_are_refused_and_the_job_goes_on() {
+        let (master, h) = host(JOIN_TIMEOUT);
+        // An impostor with the wrong secret claims rank 2 first.
+        let impostor = joiner(master, JobSecret::new(b"guess".to_vec()), 2).join().unwrap();
+        match impostor {
+            Err(Error::Rendezvous(m)) => assert!(m.contains("refused"), "{m}"),
+            other => panic!("an impostor was not refused: {other:?}"),
+        }
+        // A joiner that sends an unsigned join (the old protocol, or no secret at all).
+        let raw = TcpStream::connect(master).unwrap();
+        let (mut r, _) = challenge(&raw);
+        (&raw)
+            .write_all(b"{\"rank\":2,\"world\":3,\"job\":77,\"addr\":\"10.9.9.9:1\",\"config\":[]}\n")
+            .unwrap();
+        assert!(answer(&mut r).refused.is_some(), "an unsigned join was not refused");
+        // A replay: a join signed (with the right secret) for another connection's challenge.
+        let first = TcpStream::connect(master).unwrap();
+        let (_r1, h1) = challenge(&first);
+        let recorded = signed_join(&secret(), &h1, 2);
+        let second = TcpStream::connect(master).unwrap();
+        let (mut r2, _) = challenge(&second);
+        (&second).write_all(recorded.as_bytes()).unwrap();
+        assert!(answer(&mut r2).refused.is_some(), "a replayed join was accepted");
+        drop(first);
+        // The real ranks still complete, with their own addresses.
+        let (r1, r2) = (joiner(master, secret(), 1), joiner(master, secret(), 2));
+        assert_eq!(r1.join().unwrap().unwrap(), table());
+        assert_eq!(r2.join().unwrap().unwrap(), table());
+        assert_eq!(h.join().unwrap().unwrap(), table());
+    }
+
+    #[test]
+    fn an_idle_connection_does_not_delay_the_others() {
+        let per_conn = Duration::from_secs(10);
+        let (master, h) = host(per_conn);
+        let start = Instant::now();
+        // Connects first and sends nothing; a second one sends an endless line.
+        let _idle = TcpStream::connect(master).unwrap();
+        let long = TcpStream::connect(master).unwrap();
+        let (mut lr, _) = challenge(&long);
+        let _ = (&long).write_all(&vec![b'x'; MAX_LINE + 10]);
+        let (r1, r2) = (joiner(master, secret(), 1), joiner(master, secret(), 2));
+        assert_eq!(r1.join().unwrap().unwrap(), table());
+        assert_eq!(r2.join().unwrap().unwrap(), table());
+        assert_eq!(h.join().unwrap().unwrap(), table());
+        let took = start.elapsed();
+        assert!(
+            took < per_conn / 5,
+            "the rendezvous took {took:?} with an idle connection open (per-connection deadline {per_conn:?})"
+        );
+        assert!(answer(&mut lr).refused.is_some(), "an over-long line was not refused");
+    }
+
+    #[test]
+    fn a_connection_past_its_deadline_is_refused() {
+        let (master, h) = host(Duration::from_millis(300));
+        let idle = TcpStream::connect(master).unwrap();
+        let (mut r, _) = challenge(&idle);
+        let start = Instant::now();
+        let a = answer(&mut r);
+        assert!(a.refused.is_some_and(|m| m.contains("reading the join")));
+        assert!(start.elapsed() < Duration::from_secs(2));
+        let (r1, r2) = (joiner(master, secret(), 1), joiner(master, secret(), 2));
+        assert_eq!(r1.join().unwrap().unwrap(), table());
+        assert_eq!(r2.join().unwrap().unwrap(), table());
+        assert_eq!(h.join().unwrap().unwrap(), table());
+    }
+
+    #[test]
+    fn lines_are_bounded_and_hex_decoding_never_panics() {
+        for s in ["", "0", "zz", "ab", "é1", &"a".repeat(200)] {
+            let _ = unhex(s);
+            let _ = unhex32(s);
+        }
+        assert_eq!(unhex("00ff").unwrap(), vec![0, 255]);
+        assert_eq!(unhex32(&hex(&[9; 32])), Some([9; 32]));
+    }
 }

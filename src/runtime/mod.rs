@@ -169,7 +169,7 @@ impl Runtime {
         let role = book.cluster().role(rank).expect("checked by the builder");
         let secret = cfg.secret.clone().expect("set by build");
         let limits = cfg.limits.from_env()?;
-        let mut tcp = TcpConfig::new(cfg.job, rank, secret);
+        let mut tcp = TcpConfig::new(cfg.job, rank, secret.clone());
         // The runtime sleeps in `wait` until there is work: no spinning.
         tcp.busy_poll = Duration::ZERO;
         tcp.peer_timeout = cfg.timeout;
@@ -316,9 +316,10 @@ impl Runtime {
         }
 
         let addrs = match host {
-            Some(h) => h.run(cfg.job, world, me, node.job_config(), cfg.connect_timeout)?,
+            Some(h) => h.run(&secret, cfg.job, world, me, node.job_config(), cfg.connect_timeout)?,
             None if world > 1 => rendezvous::join(
                 spec.master,
+                &secret,
                 cfg.job,
                 rank,
                 world,

@@ -80,6 +80,36 @@ pub(crate) fn verify(secret: &JobSecret, role: Role, t: &Transcript, mac: &[u8])
     mac_for(secret, role, t).verify_slice(mac).is_ok()
 }
 
+/// A MAC with the job secret over a protocol `label` and `parts` (each
+/// length-prefixed, so no two part lists collide), for the job's other
+/// protocols (the rendezvous) to authenticate with the same secret. Labels
+/// must differ from the transport's and between roles, so that no MAC can be
+/// replayed in another place.
+pub fn mac(secret: &JobSecret, label: &[u8], parts: &[&[u8]]) -> [u8; NONCE_LEN] {
+    labelled(secret, label, parts).finalize().into_bytes().into()
+}
+
+/// Checks a [`mac`] in constant time; a MAC of the wrong length fails.
+pub fn verify_mac(secret: &JobSecret, label: &[u8], parts: &[&[u8]], mac: &[u8]) -> bool {
+    labelled(secret, label, parts).verify_slice(mac).is_ok()
+}
+
+/// A fresh 32-byte nonce from the OS's random source.
+pub fn nonce() -> [u8; NONCE_LEN] {
+    random_nonce()
+}
+
+fn labelled(secret: &JobSecret, label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
+    let mut m = HmacSha256::new_from_slice(&secret.0).expect("HMAC accepts keys of any length");
+    m.update(&(label.len() as u64).to_le_bytes());
+    m.update(label);
+    for p in parts {
+        m.update(&(p.len() as u64).to_le_bytes());
+        m.update(p);
+    }
+    m
+}
+
 /// Fresh random bytes from the OS.
 pub(crate) fn random_nonce() -> [u8; NONCE_LEN] {
     let mut n = [0u8; NONCE_LEN];
@@ -127,5 +157,22 @@ mod tests {
         assert!(!verify(&s, Role::Client, &t2, &mac));
         assert!(!verify(&s, Role::Client, &t(), &mac[..31]));
         assert!(!format!("{s:?}").contains("horse"));
+    }
+
+    #[test]
+    fn labelled_macs_bind_label_parts_and_their_boundaries() {
+        let s = JobSecret::new(b"correct horse".to_vec());
+        let m = mac(&s, b"l", &[b"ab", b"c"]);
+        assert!(verify_mac(&s, b"l", &[b"ab", b"c"], &m));
+        assert!(!verify_mac(&s, b"l", &[b"a", b"bc"], &m), "part boundaries are covered");
+        assert!(!verify_mac(&s, b"k", &[b"ab", b"c"], &m), "the label is covered");
+        assert!(!verify_mac(
+            &JobSecret::new(b"other".to_vec()),
+            b"l",
+            &[b"ab", b"c"],
+            &m
+        ));
+        assert!(!verify_mac(&s, b"l", &[b"ab", b"c"], &m[..16]));
+        assert_ne!(nonce(), nonce());
     }
 }
