@@ -209,6 +209,9 @@ pub enum Violation {
         len: u64,
         region_len: u64,
     },
+    /// A write with an immediate left no valid notice in its ring slot.
+    #[error("write with an immediate but no valid notice in ring slot {slot}")]
+    NoticeMissing { slot: u64 },
     /// A write notice's length differs from the bytes that landed.
     #[error("write notice says {noticed} bytes but {landed} landed")]
     NoticeLength { noticed: u64, landed: u64 },

@@ -161,7 +161,22 @@ impl RdmaTransport {
                 Err(e) => self.fail_conn(id, bad("region list", &e), None),
             },
             wire::TAG_CREDIT => match wire::decode_credit(data) {
-                Ok(n) => self.conns.get_mut(&id).expect("checked").credits += n,
+                Ok(n) => {
+                    let c = self.conns.get_mut(&id).expect("checked");
+                    // Never more than the receives the peer posted (none known yet: none).
+                    let max = c.peer_info.map_or(0, |i| i.rx_depth.min(wire::MAX_RX_DEPTH));
+                    match wire::grant_credits(c.credits, n, max) {
+                        Ok(total) => c.credits = total,
+                        Err(violation) => {
+                            let e = Error::Protocol {
+                                conn: id,
+                                peer: c.peer_name(),
+                                violation,
+                            };
+                            self.fail_conn(id, e, None);
+                        }
+                    }
+                }
                 Err(e) => self.fail_conn(id, bad("credit", &e), None),
             },
             wire::TAG_ABORT => {

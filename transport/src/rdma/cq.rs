@@ -2,19 +2,22 @@
 //! reposting receives, and sleeping on the completion channel and the control
 //! plane's ring.
 
+use std::collections::HashMap;
 use std::os::fd::AsRawFd;
+use std::sync::Weak;
 use std::time::{Duration, Instant};
 
 use sideway::ibverbs::completion::CompletionQueue;
+use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::queue_pair::{QueuePair, SetScatterGatherEntry};
 use tracing::warn;
 
 use crate::api::{ConnId, Event};
-use crate::error::{Error, FrameError, Result, WC_REM_ACCESS_ERR, WC_WR_FLUSH_ERR};
+use crate::error::{Error, FrameError, Result, Violation, WC_REM_ACCESS_ERR, WC_WR_FLUSH_ERR};
 
 use super::error::{io_of, verbs};
-use super::state::{split_wr_id, wr_id, Op, OpKind, State, KIND_META, KIND_RECV, KIND_SEND};
-use super::wire::{self, Notice, NOTICE_LEN};
+use super::state::{split_wr_id, wr_id, Op, OpKind, Registered, State, KIND_META, KIND_RECV, KIND_SEND};
+use super::wire::{self, Notice, NoticeTarget, NOTICE_LEN};
 use super::RdmaTransport;
 
 /// A target whose queue pair failed waits this long for the writer's ABORT, which says why.
@@ -125,7 +128,15 @@ impl RdmaTransport {
                             what: "notice slot outside the ring",
                         }),
                     };
-                    match notice {
+                    // The peer wrote the notice: check it as TCP checks a write header.
+                    let checked = match notice {
+                        Ok(n) => {
+                            let target = notice_target(&self.regions, &self.dmabuf_targets, n.rkey);
+                            wire::check_notice(&n, len as u64, target).map(|()| n)
+                        }
+                        Err(_) => Err(Violation::NoticeMissing { slot: slot as u64 }),
+                    };
+                    match checked {
                         Ok(n) => {
                             self.stats.rx_write_bytes += len as u64;
                             let ev = Event::WriteReceived {
@@ -141,7 +152,16 @@ impl RdmaTransport {
                                 c.early.push(ev);
                             }
                         }
-                        Err(e) => warn!(conn, error = %e, "write with immediate but no notice in the ring slot"),
+                        Err(violation) => {
+                            let e = Error::Protocol {
+                                conn,
+                                peer: peer.clone(),
+                                violation,
+                            };
+                            warn!(conn, error = %e, "a bad write notice; failing the connection");
+                            self.fail_conn(conn, e, None);
+                            return;
+                        }
                     }
                 } else {
                     // Only this receive is complete; the NIC may be filling the others.
@@ -246,6 +266,30 @@ impl RdmaTransport {
         }
         Ok(())
     }
+}
+
+/// The region a notice names, if it is registered here: a host region, or a
+/// dmabuf region that is still alive (generation 0).
+fn notice_target(
+    regions: &HashMap<u32, Registered>,
+    dmabufs: &HashMap<u32, (u64, Weak<MemoryRegion>)>,
+    rkey: u32,
+) -> Option<NoticeTarget> {
+    if let Some(r) = regions.get(&rkey) {
+        return Some(NoticeTarget {
+            generation: r.region.generation(),
+            len: r.region.len() as u64,
+            remote_write: r.region.access().remote_write,
+        });
+    }
+    dmabufs
+        .get(&rkey)
+        .filter(|(_, mr)| mr.strong_count() > 0)
+        .map(|&(len, _)| NoticeTarget {
+            generation: 0,
+            len,
+            remote_write: true,
+        })
 }
 
 fn done_event(conn: u64, o: &Op) -> Event {

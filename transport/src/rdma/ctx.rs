@@ -27,6 +27,9 @@ pub struct RdmaTransport {
     // use, before the CQ, the PD and the device context.
     pub(super) conns: HashMap<u64, Conn>,
     pub(super) regions: HashMap<u32, Registered>,
+    /// Live dmabuf regions by rkey, with their length: targets a write notice
+    /// may name besides `regions` (their owner is the caller's `DmabufRegion`).
+    pub(super) dmabuf_targets: HashMap<u32, (u64, std::sync::Weak<sideway::ibverbs::memory_region::MemoryRegion>)>,
     pub(super) ctrl_cells: Vec<usize>,
     pub(super) ctrl_inflight: HashMap<ReqId, usize>,
     pub(super) ctrl_backlog: VecDeque<(u64, u32, Vec<u8>)>,
@@ -133,6 +136,7 @@ impl RdmaTransport {
         Ok(RdmaTransport {
             conns: HashMap::new(),
             regions: HashMap::new(),
+            dmabuf_targets: HashMap::new(),
             ctrl_cells: (0..CTRL_CELLS).rev().collect(),
             ctrl_inflight: HashMap::new(),
             ctrl_backlog: VecDeque::new(),

@@ -16,12 +16,20 @@
 //!   then the payload as WRITE_WITH_IMM carrying the caller's immediate. RC
 //!   ordering places the notice and every earlier write before the immediate's
 //!   receive completion, so `Event::WriteReceived` can name the region and range.
+//!   The peer writes the notice, so it is checked like a TCP write header
+//!   (`wire::check_notice`: the region is registered here with that
+//!   generation and takes remote writes, the range lies inside it without
+//!   overflow, the length is what landed); a bad or missing notice fails the
+//!   connection with [`Error::Protocol`](crate::Error::Protocol), naming the peer.
 //! - **Messages** are SEND_WITH_IMM (the immediate is the tag) into receive
 //!   buffers pre-posted per connection (`rx_depth` of `max_message_bytes`).
 //!   Each receive is reposted as soon as it completes, and a sender never posts
 //!   more receive-consuming operations (messages and writes with an immediate)
 //!   than the receiver has posted: receive credits flow back over the control
 //!   plane. So no operation ever meets an empty receive queue (no RNR stalls).
+//!   Grants are added with checked arithmetic and may never raise the credits
+//!   past the receives the peer said it posted (`wire::grant_credits`; at most
+//!   `wire::MAX_RX_DEPTH`); a grant past that is [`Error::Protocol`](crate::Error::Protocol).
 //! - **Posting.** Operations queue per connection and are posted at the next
 //!   `poll`/`wait` in one batch (one `ibv_wr_start` ... `ibv_wr_complete`),
 //!   signalled every `signal_every` work requests and at the end of each batch;

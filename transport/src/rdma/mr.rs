@@ -70,6 +70,9 @@ impl RdmaTransport {
     pub(super) fn deregister_host(&mut self, region: &Region) -> Result<()> {
         let known = self.regions.get(&region.key()).is_some_and(|r| r.region.same(region));
         crate::memory::check_deregister(known, region)?;
+        // Writes that already landed are delivered while their notices still
+        // name a registered region (a notice for an unknown one fails its connection).
+        let _ = self.poll_cq();
         let reg = self.regions.remove(&region.key()).expect("checked");
         drop(reg.mr);
         region.0.registered.store(false, std::sync::atomic::Ordering::Release);
@@ -112,6 +115,10 @@ impl RdmaTransport {
             )
         }
         .map_err(|e| verbs("ibv_reg_dmabuf_mr", &self.dev.name, io_of(e)))?;
+        // Peers may write into it with notices: remember it (weakly) so they can be checked.
+        self.dmabuf_targets.retain(|_, (_, mr)| mr.strong_count() > 0);
+        self.dmabuf_targets
+            .insert(mr.rkey(), (len as u64, std::sync::Arc::downgrade(&mr)));
         Ok(DmabufRegion {
             mr,
             iova,

@@ -2,7 +2,7 @@
 //! plane: queue-pair addressing, readiness, region descriptors, receive credits
 //! and the reason for an abort. Decoding never panics.
 
-use crate::error::FrameError;
+use crate::error::{FrameError, Violation};
 
 /// Control-message tags on the inner TCP connection. The inner transport
 /// carries nothing else, so these do not collide with user tags (user
@@ -81,7 +81,12 @@ impl QpInfo {
             ring_rkey: u32_at(48),
             max_msg_sz: u64_at(52),
         };
-        if !(1..=5).contains(&info.mtu) || info.rx_depth == 0 || info.qpn >= 1 << 24 || info.psn >= 1 << 24 {
+        if !(1..=5).contains(&info.mtu)
+            || info.rx_depth == 0
+            || info.rx_depth > MAX_RX_DEPTH
+            || info.qpn >= 1 << 24
+            || info.psn >= 1 << 24
+        {
             return Err(bad);
         }
         Ok(info)
@@ -122,6 +127,61 @@ impl Notice {
             offset: u64::from_le_bytes(b[8..16].try_into().unwrap()),
             len: u64::from_le_bytes(b[16..24].try_into().unwrap()),
         })
+    }
+}
+
+/// The most receives a peer may say it posted (its `rx_depth`): far above what
+/// devices allow per queue pair, and the bound on the credits it can grant.
+pub(crate) const MAX_RX_DEPTH: u32 = 1 << 20;
+
+/// What a notice's target region is here, as far as the check needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct NoticeTarget {
+    pub generation: u32,
+    pub len: u64,
+    pub remote_write: bool,
+}
+
+/// Checks a write notice the peer left in the ring as the TCP backend checks
+/// a write header (`tcp/rx.rs`, `check_incoming`): the region is registered
+/// here (`target`, looked up by the notice's key) with the notice's
+/// generation, it takes remote writes, the range lies inside it without
+/// overflow, and the notice's length is what landed (`landed`, from the
+/// completion).
+pub(crate) fn check_notice(n: &Notice, landed: u64, target: Option<NoticeTarget>) -> Result<(), Violation> {
+    let t = target
+        .filter(|t| t.generation == n.generation)
+        .ok_or(Violation::NoticeUnknownRegion {
+            region: n.rkey,
+            generation: n.generation,
+        })?;
+    if !t.remote_write {
+        return Err(Violation::NoticeAccess { region: n.rkey });
+    }
+    match n.offset.checked_add(n.len) {
+        Some(end) if end <= t.len => {}
+        _ => {
+            return Err(Violation::NoticeBounds {
+                region: n.rkey,
+                offset: n.offset,
+                len: n.len,
+                region_len: t.len,
+            })
+        }
+    }
+    if n.len != landed {
+        return Err(Violation::NoticeLength { noticed: n.len, landed });
+    }
+    Ok(())
+}
+
+/// Adds a credit grant to the credits held: the total may not overflow nor
+/// exceed `max` (the receives the peer posted), since an honest peer never
+/// returns more receives than it has.
+pub(crate) fn grant_credits(have: u32, grant: u32, max: u32) -> Result<u32, Violation> {
+    match have.checked_add(grant) {
+        Some(total) if total <= max => Ok(total),
+        _ => Err(Violation::CreditOverflow { have, grant, max }),
     }
 }
 
@@ -206,5 +266,98 @@ mod tests {
         assert_eq!(decode_abort(&[]), (false, "no reason given".into()));
         assert_eq!(decode_credit(&5u32.to_le_bytes()), Ok(5));
         assert!(decode_credit(&[1, 2, 3]).is_err());
+    }
+
+    #[test]
+    fn a_peer_cannot_claim_more_receives_than_the_bound() {
+        let mut i = info();
+        i.rx_depth = MAX_RX_DEPTH + 1;
+        assert!(QpInfo::decode(&i.encode()).is_err());
+        i.rx_depth = MAX_RX_DEPTH;
+        assert!(QpInfo::decode(&i.encode()).is_ok());
+    }
+
+    const T: NoticeTarget = NoticeTarget {
+        generation: 3,
+        len: 4096,
+        remote_write: true,
+    };
+
+    fn notice(offset: u64, len: u64) -> Notice {
+        Notice {
+            rkey: 0x55,
+            generation: 3,
+            offset,
+            len,
+        }
+    }
+
+    #[test]
+    fn notices_are_checked_like_tcp_writes() {
+        // In range, to the last byte, and an empty write at the end.
+        assert_eq!(check_notice(&notice(0, 4096), 4096, Some(T)), Ok(()));
+        assert_eq!(check_notice(&notice(4095, 1), 1, Some(T)), Ok(()));
+        assert_eq!(check_notice(&notice(4096, 0), 0, Some(T)), Ok(()));
+        // No such region here.
+        assert_eq!(
+            check_notice(&notice(0, 1), 1, None),
+            Err(Violation::NoticeUnknownRegion {
+                region: 0x55,
+                generation: 3
+            })
+        );
+        // A stale (or future) generation.
+        for generation in [2, 4, 0, u32::MAX] {
+            let n = Notice {
+                generation,
+                ..notice(0, 1)
+            };
+            assert!(matches!(
+                check_notice(&n, 1, Some(T)),
+                Err(Violation::NoticeUnknownRegion { .. })
+            ));
+        }
+        // A region that does not take remote writes.
+        let local = NoticeTarget {
+            remote_write: false,
+            ..T
+        };
+        assert_eq!(
+            check_notice(&notice(0, 1), 1, Some(local)),
+            Err(Violation::NoticeAccess { region: 0x55 })
+        );
+        // Out of bounds: one past the end, past the end entirely, and offset + len overflowing u64.
+        for (offset, len) in [(1, 4096), (4096, 1), (u64::MAX, 2), (2, u64::MAX), (u64::MAX, u64::MAX)] {
+            assert!(
+                matches!(
+                    check_notice(&notice(offset, len), len, Some(T)),
+                    Err(Violation::NoticeBounds { .. })
+                ),
+                "{offset}+{len}"
+            );
+        }
+        // A notice that lies about how much landed.
+        assert_eq!(
+            check_notice(&notice(0, 8), 16, Some(T)),
+            Err(Violation::NoticeLength { noticed: 8, landed: 16 })
+        );
+    }
+
+    #[test]
+    fn credit_grants_are_checked() {
+        assert_eq!(grant_credits(0, 64, 64), Ok(64));
+        assert_eq!(grant_credits(10, 5, 64), Ok(15));
+        assert_eq!(grant_credits(64, 0, 64), Ok(64));
+        assert_eq!(
+            grant_credits(60, 5, 64),
+            Err(Violation::CreditOverflow {
+                have: 60,
+                grant: 5,
+                max: 64
+            })
+        );
+        assert!(grant_credits(1, u32::MAX, u32::MAX).is_err(), "overflow");
+        assert!(grant_credits(u32::MAX, 1, u32::MAX).is_err(), "overflow at the top");
+        assert!(grant_credits(0, 1, 0).is_err(), "no receives posted, no credits");
     }
 }
