@@ -444,3 +444,45 @@ fn wrong_kind_or_size_is_refused_on_the_header() {
     }
     assert_eq!(server.stats().pre_auth_refused, 3);
 }
+
+/// The dialling side is protected too: a "server" that answers the Hello with
+/// a Challenge header claiming 1 MiB is refused on that header, at once, not
+/// after the handshake deadline and without buffering the payload.
+#[test]
+fn a_hostile_server_is_refused_on_its_first_header() {
+    let _g = serial();
+    let hs = Duration::from_secs(5);
+    let fake = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = fake.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = fake.accept().unwrap();
+        let mut hello = [0u8; frame::HEADER_LEN + 44];
+        s.read_exact(&mut hello).unwrap();
+        s.write_all(&Header::new(Kind::Challenge, 1 << 20).encode()).unwrap();
+        let _ = s.write_all(&vec![0u8; 256 << 10]);
+        closed_within(&mut s, Duration::from_secs(3))
+    });
+    let mut client = transport(1, hs);
+    let cc = client.connect(addr).unwrap();
+    let start = Instant::now();
+    let mut evs = Vec::new();
+    let error = loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "not refused on the header: {evs:?}"
+        );
+        client.wait(&mut evs, 64, Duration::from_millis(5)).unwrap();
+        if let Some(Event::Closed { error, .. }) = evs
+            .iter()
+            .find(|e| matches!(e, Event::Closed { conn, .. } if *conn == cc))
+        {
+            break error.as_ref().map(|e| e.to_string());
+        }
+    };
+    let error = error.expect("a failure, not a graceful close");
+    assert!(error.contains("Challenge") || error.contains("exceeds"), "{error}");
+    assert!(
+        server.join().unwrap(),
+        "the client left the hostile server's socket open"
+    );
+}
