@@ -105,6 +105,7 @@ impl TcpTransport {
         }
         c.outstanding = c.outstanding.saturating_sub(failed.len());
         self.tokens.remove(&c.transcript.token);
+        let parked = c.parked_data.take();
         let peer = c.peer();
         for req in failed {
             self.events.push_back(Event::OpFailed {
@@ -130,6 +131,16 @@ impl TcpTransport {
                 addr,
                 error,
             });
+        }
+        if let Some(p) = parked {
+            // A data socket waiting for this connection's Auth has nothing to join.
+            let e = Error::ConnectionLost {
+                conn,
+                peer: peer.clone(),
+                during: "the handshake (its control socket failed)",
+                source: None,
+            };
+            self.reject_pending(p, e, None);
         }
         self.reap(conn);
     }
