@@ -8,26 +8,43 @@
 //! Comparison is constant-time (`Mac::verify_slice`).
 
 use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use sha2::{Digest, Sha256};
 
 use crate::frame::NONCE_LEN;
 
 type HmacSha256 = Hmac<Sha256>;
 
 /// A job's shared secret. Its `Debug` never prints the bytes.
+///
+/// The MACs are keyed with SHA-256 of a label, the secret's length and the
+/// secret, never with the raw bytes: HMAC pads a short key with zeros and
+/// hashes a long one, so raw keys `s` and `s\0` (or a long `s` and its
+/// SHA-256) would be one key, and a peer holding either would pass the other's
+/// challenge (found by the `handshake` fuzz target).
 #[derive(Clone)]
-pub struct JobSecret(Vec<u8>);
+pub struct JobSecret {
+    key: [u8; 32],
+    len: usize,
+}
 
 impl std::fmt::Debug for JobSecret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "JobSecret(<{} bytes>)", self.0.len())
+        write!(f, "JobSecret(<{} bytes>)", self.len)
     }
 }
 
 impl JobSecret {
     /// Wraps secret bytes (any length; 32 random bytes recommended).
     pub fn new(bytes: impl Into<Vec<u8>>) -> Self {
-        JobSecret(bytes.into())
+        let bytes = bytes.into();
+        let mut h = Sha256::new();
+        h.update(b"tidewire job secret v1\0");
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(&bytes);
+        JobSecret {
+            key: h.finalize().into(),
+            len: bytes.len(),
+        }
     }
 }
 
@@ -61,7 +78,7 @@ impl Role {
 }
 
 fn mac_for(secret: &JobSecret, role: Role, t: &Transcript) -> HmacSha256 {
-    let mut m = HmacSha256::new_from_slice(&secret.0).expect("HMAC accepts keys of any length");
+    let mut m = HmacSha256::new_from_slice(&secret.key).expect("HMAC accepts keys of any length");
     m.update(role.label());
     m.update(&t.job_id.to_le_bytes());
     m.update(&t.client_rank.to_le_bytes());
@@ -100,7 +117,7 @@ pub fn nonce() -> [u8; NONCE_LEN] {
 }
 
 fn labelled(secret: &JobSecret, label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
-    let mut m = HmacSha256::new_from_slice(&secret.0).expect("HMAC accepts keys of any length");
+    let mut m = HmacSha256::new_from_slice(&secret.key).expect("HMAC accepts keys of any length");
     m.update(&(label.len() as u64).to_le_bytes());
     m.update(label);
     for p in parts {
@@ -141,6 +158,31 @@ mod tests {
             client_nonce: [1; 32],
             server_nonce: [2; 32],
             token: 99,
+        }
+    }
+
+    /// Secrets that raw HMAC keys would make equal (trailing NULs; a long key
+    /// and its SHA-256) are different keys here.
+    #[test]
+    fn secrets_equal_as_raw_hmac_keys_are_different_keys() {
+        use sha2::Digest;
+        let long = vec![7u8; 100];
+        let hashed = Sha256::digest(&long).to_vec();
+        let pairs: [(&[u8], &[u8]); 4] = [
+            (b"", b"\0"),
+            (b"job secret", b"job secret\0\0"),
+            (&long, &hashed),
+            (b"a", b"a\0"),
+        ];
+        for (a, b) in pairs {
+            let proof = prove(&JobSecret::new(a.to_vec()), Role::Server, &t());
+            assert!(verify(&JobSecret::new(a.to_vec()), Role::Server, &t(), &proof));
+            assert!(
+                !verify(&JobSecret::new(b.to_vec()), Role::Server, &t(), &proof),
+                "secret {b:?} verifies a proof made with {a:?}"
+            );
+            let m = mac(&JobSecret::new(a.to_vec()), b"label", &[b"x"]);
+            assert!(!verify_mac(&JobSecret::new(b.to_vec()), b"label", &[b"x"], &m));
         }
     }
 

@@ -48,7 +48,18 @@ pub struct Dest {
 
 impl Dest {
     /// The key message: 108 bytes with a GID, 59 without (perftest's KEY_PRINT_FMT[_GID]).
-    pub fn encode(&self, with_gid: bool) -> Vec<u8> {
+    ///
+    /// Fails when a field is wider than perftest's fixed format (outstanding reads
+    /// over 0xffff, a QPN or PSN of 2^24 or more): the message would not fit its
+    /// fixed size, and cutting it would hand the peer another SRQN (found by the
+    /// `perf_oob` fuzz target).
+    pub fn encode(&self, with_gid: bool) -> Result<Vec<u8>, PerfError> {
+        if self.out_reads > 0xffff || self.qpn >= 1 << 24 || self.psn >= 1 << 24 {
+            return Err(PerfError::new(format!(
+                "cannot send key message: out_reads {:#x}, qpn {:#x} or psn {:#x} exceeds perftest's format (16, 24 and 24 bits)",
+                self.out_reads, self.qpn, self.psn
+            )));
+        }
         let mut s = format!(
             "{:04x}:{:04x}:{:06x}:{:06x}:{:08x}:{:016x}:",
             self.lid, self.out_reads, self.qpn, self.psn, self.rkey, self.vaddr
@@ -63,8 +74,9 @@ impl Dest {
         };
         s.push_str(&format!("{:08x}:", self.srqn));
         let mut v = s.into_bytes();
+        debug_assert!(v.len() <= size, "checked fields fit the fixed size");
         v.resize(size, 0);
-        v
+        Ok(v)
     }
 
     /// Parses a key message of either size.
@@ -358,7 +370,7 @@ impl Oob {
     /// Keys of one queue pair; returns the peer's.
     pub fn keys(&mut self, mine: &Dest, with_gid: bool, stage: &str) -> Result<Dest, PerfError> {
         let t = self.timeout;
-        let r = self.xchg(&mine.encode(with_gid), stage, Some(t))?;
+        let r = self.xchg(&mine.encode(with_gid)?, stage, Some(t))?;
         Dest::decode(&r)
     }
 
@@ -371,7 +383,7 @@ impl Oob {
         stage: &str,
         timeout: Option<Duration>,
     ) -> Result<(), PerfError> {
-        self.xchg(&mine.encode(with_gid), stage, timeout).map(|_| ())
+        self.xchg(&mine.encode(with_gid)?, stage, timeout).map(|_| ())
     }
 
     /// The BW report exchange: five 8-byte big-endian fields, each one exchange.
@@ -449,11 +461,41 @@ mod tests {
         assert_eq!(d.vaddr, 0x55c6fcc37000);
         assert_eq!(d.out_reads, 1);
         assert_eq!(&d.gid[10..], &[0xff, 0xff, 0xc0, 0, 2, 2]);
-        assert_eq!(d.encode(true), CAPTURED);
-        let short = d.encode(false);
+        assert_eq!(d.encode(true).unwrap(), CAPTURED);
+        let short = d.encode(false).unwrap();
         assert_eq!(short.len(), KEY_MSG_SIZE);
         let back = Dest::decode(&short).unwrap();
         assert_eq!(back, Dest { gid: [0; 16], ..d });
+    }
+
+    #[test]
+    fn an_out_of_range_key_message_is_refused_not_cut() {
+        let ok = Dest {
+            lid: 0xffff,
+            out_reads: 0xffff,
+            qpn: (1 << 24) - 1,
+            psn: (1 << 24) - 1,
+            rkey: u32::MAX,
+            vaddr: u64::MAX,
+            gid: [0xff; 16],
+            srqn: 0x1234_5678,
+        };
+        for g in [true, false] {
+            let m = ok.encode(g).unwrap();
+            let back = Dest::decode(&m).unwrap();
+            assert_eq!(back, if g { ok } else { Dest { gid: [0; 16], ..ok } });
+        }
+        for bad in [
+            Dest { qpn: 1 << 24, ..ok },
+            Dest { psn: 1 << 24, ..ok },
+            Dest {
+                out_reads: 0x1_0000,
+                ..ok
+            },
+        ] {
+            assert!(bad.encode(true).is_err(), "{bad:?}");
+            assert!(bad.encode(false).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
