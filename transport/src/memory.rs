@@ -633,6 +633,27 @@ impl Region {
         Ok(())
     }
 
+    /// Receives up to `len` bytes from the non-blocking socket `fd` straight into
+    /// `[offset, offset+len)` (the portable TCP backend's placement of a peer's
+    /// write): the kernel copies into the mapping, and no Rust reference to the
+    /// bytes is formed. The lease table's lock is held for the call, so no local
+    /// copy ([`Region::read_at`], [`Region::write_at`], ...) runs meanwhile. As
+    /// with the io_uring `RECV` and an RDMA NIC, a lease does not stop a peer's
+    /// write: the protocol above keeps leased ranges quiet.
+    pub(crate) fn recv_into(&self, offset: usize, len: usize, fd: std::os::fd::RawFd) -> std::io::Result<usize> {
+        self.check(offset, len, "incoming write")
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let _serialized = self.0.leases.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: [offset, offset+len) lies inside the live, writable mapping (checked
+        // above; `self` keeps it alive). The kernel writes the bytes; no Rust reference
+        // to them exists in this function, and local copies are excluded by the lock.
+        let n = unsafe { libc::recv(fd, self.0.ptr.as_ptr().add(offset).cast(), len, 0) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+
     /// Fills `[offset, offset+len)` with `byte`. Refused with
     /// [`Error::RegionBusy`] while a [`Lease`] covers any of those bytes.
     pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
