@@ -79,9 +79,17 @@ fn pending_handshakes_are_capped() {
         s.poll(&mut ev, 1024).unwrap();
     }
     assert_eq!(s.stats().refused_over_limit, 8);
-    // The silent ones time out; then a real client connects.
+    // The silent ones time out (the handshake deadline); then a real client gets in.
+    let timed_out = |ev: &[Event]| {
+        ev.iter()
+            .filter(|e| matches!(e, Event::PeerRejected { error: Error::Timeout { .. }, .. }))
+            .count()
+    };
+    while timed_out(&ev) < MAX_PENDING_HANDSHAKES {
+        assert!(Instant::now() < deadline, "silent peers did not time out: {ev:?}");
+        s.wait(&mut ev, 1024, Duration::from_millis(100)).unwrap();
+    }
     let mut c = Portable::make(&Opts::rank(1));
-    std::thread::sleep(Duration::from_millis(600));
     let cc = c.connect(addr).unwrap();
     let mut cev = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
