@@ -122,3 +122,63 @@ fn unexpected_kind_refused_before_payload() {
         s.poll(&mut ev, 64).unwrap();
     }
 }
+
+/// The data socket's DataAttach may reach the server before the control
+/// socket's Auth (two sockets race): the server parks it until the Auth is in.
+#[test]
+fn data_attach_before_auth_is_parked_not_refused() {
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+    use tidewire_transport::frame::{self, HEADER_LEN};
+    use tidewire_transport::handshake::{Handshake, Outcome, Params};
+    use tidewire_transport::{Event, Transport};
+    let mut s = Portable::make(&Opts::rank(0));
+    let l = s.listen(Portable::listen_addr()).unwrap();
+    let addr = s.listener_addr(l).unwrap();
+    let p = Params {
+        job_id: conformance::JOB,
+        rank: 7,
+        secret: JobSecret::new(conformance::SECRET.to_vec()),
+    };
+    let now = Instant::now();
+    let (mut hs, hello) = Handshake::client(&p, "server", now, now + Duration::from_secs(5));
+    let mut ctrl = std::net::TcpStream::connect(addr).unwrap();
+    ctrl.write_all(&hello.to_bytes()).unwrap();
+    ctrl.set_nonblocking(true).unwrap();
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (h, total) = loop {
+        s.poll(&mut Vec::new(), 64).unwrap();
+        let mut b = [0u8; 256];
+        if let Ok(n) = ctrl.read(&mut b) {
+            got.extend_from_slice(&b[..n]);
+        }
+        if let Ok(Some(x)) = frame::next_frame(&got, 4096) {
+            break x;
+        }
+        assert!(Instant::now() < deadline, "no challenge");
+    };
+    let hb: [u8; HEADER_LEN] = got[..HEADER_LEN].try_into().unwrap();
+    let h2 = hs.on_header(&hb).map_err(|r| r.error).unwrap();
+    assert_eq!(h, h2);
+    let Outcome::OpenData { send: auth, attach } = hs.on_frame(&p, &h, &got[HEADER_LEN..total]).unwrap() else {
+        panic!("no OpenData")
+    };
+    // The data socket first, and the server driven meanwhile; the Auth only later.
+    let mut data = std::net::TcpStream::connect(addr).unwrap();
+    data.write_all(&attach.to_bytes()).unwrap();
+    let mut ev = Vec::new();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(200) {
+        s.poll(&mut ev, 64).unwrap();
+    }
+    assert!(!ev.iter().any(|e| matches!(e, Event::PeerRejected { .. })), "{ev:?}");
+    ctrl.set_nonblocking(false).unwrap();
+    ctrl.write_all(&auth.to_bytes()).unwrap();
+    while !ev.iter().any(|e| matches!(e, Event::Incoming { .. })) {
+        assert!(Instant::now() < deadline, "never established: {ev:?}");
+        s.poll(&mut ev, 64).unwrap();
+    }
+    let (_, peer) = s.accept(l).unwrap().unwrap();
+    assert_eq!(peer.rank, 7);
+}

@@ -97,6 +97,7 @@ impl PortableTransport {
     /// Refuses an unclassified socket: tells it why (when it should learn) and closes it.
     pub(super) fn refuse_pending(&mut self, id: u64, r: Refusal) {
         let Some(mut p) = self.pending.remove(&id) else { return };
+        self.parked.retain(|&x| x != id);
         let _ = self.poll.registry().deregister(&mut p.sock);
         debug!(addr = %p.addr, error = %r.error, "refusing a peer");
         if let Some(f) = r.reject_frame() {
@@ -198,6 +199,31 @@ impl PortableTransport {
                 self.dirty.push(conn);
             }
             Ok(FirstFrame::DataAttach { token, mac }) => {
+                let conn = self.tokens.get(&token).copied();
+                // The client sends Auth on the control socket before it connects the data
+                // socket, but the two sockets race: read the control socket first, and if
+                // the Auth is still not in, park this socket until it is (or its deadline).
+                if let Some(c) = conn {
+                    let awaiting_auth = |t: &Self| {
+                        t.conns
+                            .get(&c)
+                            .and_then(|x| x.hs.as_ref())
+                            .is_some_and(|h| h.state() == hs::HsState::AwaitAuth)
+                    };
+                    if awaiting_auth(self) {
+                        if let Some(x) = self.conns.get_mut(&c) {
+                            x.ctrl_ready.rd = true;
+                        }
+                        self.read_ctrl(c);
+                        if awaiting_auth(self) {
+                            debug!(conn = c, pending = id, "data socket before the Auth: parked");
+                            if !self.parked.contains(&id) {
+                                self.parked.push(id);
+                            }
+                            return;
+                        }
+                    }
+                }
                 let conn = self.tokens.get(&token).copied();
                 let attached = match conn.and_then(|c| self.conns.get_mut(&c)) {
                     Some(c) if c.data.is_none() => match c.hs.as_mut() {
@@ -351,7 +377,17 @@ impl PortableTransport {
                 }
                 Err(r.error)
             }
-            Ok(Outcome::Continue) => Ok(()),
+            Ok(Outcome::Continue) => {
+                // Server: the Auth verified; a data socket that came first may be waiting.
+                if !self.parked.is_empty() {
+                    for p in std::mem::take(&mut self.parked) {
+                        if self.pending.contains_key(&p) {
+                            self.dirty_pending.push(p);
+                        }
+                    }
+                }
+                Ok(())
+            }
             Ok(Outcome::OpenData { send, attach }) => {
                 c.peer_rank = h.peer_rank();
                 let addr = c.peer_addr;

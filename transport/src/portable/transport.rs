@@ -47,6 +47,10 @@ pub struct PortableTransport {
     pub(super) work: Vec<u64>,
     /// Sockets whose read budget ran out (more to read without a new edge).
     pub(super) again: Vec<Sock>,
+    /// Complete data-socket first frames waiting for their connection's Auth.
+    pub(super) parked: Vec<u64>,
+    /// Parked sockets to classify again (their Auth arrived).
+    pub(super) dirty_pending: Vec<u64>,
     /// Scratch iovecs for gathered sends (reused).
     pub(super) iov: Vec<libc::iovec>,
     /// Scratch for discarding rejected writes.
@@ -137,6 +141,8 @@ impl PortableTransport {
             dirty: Vec::new(),
             work: Vec::new(),
             again: Vec::new(),
+            parked: Vec::new(),
+            dirty_pending: Vec::new(),
             iov: Vec::with_capacity(2 * super::config::GATHER_MAX + 1),
             scratch: vec![0u8; DISCARD_CHUNK].into_boxed_slice(),
             wake,
@@ -163,7 +169,7 @@ impl PortableTransport {
     /// One turn: wait up to `timeout` for readiness, then accept, read, write and
     /// check deadlines.
     pub(super) fn progress(&mut self, timeout: Option<Duration>) -> Result<()> {
-        let busy = !self.again.is_empty() || !self.dirty.is_empty();
+        let busy = !self.again.is_empty() || !self.dirty.is_empty() || !self.dirty_pending.is_empty();
         let timeout = if busy { Some(Duration::ZERO) } else { timeout };
         self.stats.polls += 1;
         match self.poll.poll(&mut self.mio_events, timeout) {
@@ -221,6 +227,9 @@ impl PortableTransport {
         }
         work.clear();
         self.work = work;
+        while let Some(p) = self.dirty_pending.pop() {
+            self.read_first_frame(p);
+        }
         // Driving may queue more output (acks, Ready); flush it in the same turn.
         let mut dirty = std::mem::take(&mut self.dirty);
         dirty.sort_unstable();
