@@ -76,8 +76,9 @@ pub fn open(pref: Preference, control: TcpConfig, tweak: RdmaTweak<'_>) -> Resul
             reason,
         })
     };
-    // io_uring TCP, or the portable backend (with `why` and the reason) where io_uring is unavailable.
-    let tcp = |why: String| -> Result<Selected> {
+    // io_uring TCP with `why`, or the portable backend where io_uring is unavailable
+    // (its reason: `fallback`, the io_uring error, and what is used instead).
+    let tcp = |why: String, fallback: String| -> Result<Selected> {
         match TcpTransport::new(control.clone()) {
             Ok(t) => Ok(Selected {
                 transport: Box::new(t),
@@ -86,20 +87,26 @@ pub fn open(pref: Preference, control: TcpConfig, tweak: RdmaTweak<'_>) -> Resul
             }),
             Err(e @ Error::UringUnavailable { .. }) => {
                 tracing::warn!(error = %e, "io_uring unavailable; using the portable epoll TCP backend");
-                portable(format!("{why}; {e}; using the portable epoll TCP backend"))
+                portable(format!("{fallback}{e}; using the portable epoll TCP backend"))
             }
             Err(e) => Err(e),
         }
     };
     let chosen = match pref {
-        Preference::Tcp => tcp("TCP requested (TIDEWIRE_TRANSPORT=tcp or the caller's choice)".into()),
+        Preference::Tcp => tcp(
+            "TCP requested (TIDEWIRE_TRANSPORT=tcp or the caller's choice)".into(),
+            "TCP requested; ".into(),
+        ),
         Preference::Portable => {
             portable("portable epoll TCP requested (TIDEWIRE_TRANSPORT=portable or the caller's choice)".into())
         }
         Preference::Rdma => open_rdma(&control, tweak),
         Preference::Auto => match open_rdma(&control, tweak) {
             Ok(s) => Ok(s),
-            Err(e) => tcp(format!("falling back to TCP: {e}")),
+            Err(e) => tcp(
+                format!("falling back to io_uring TCP: {e}"),
+                format!("falling back to TCP: {e}; "),
+            ),
         },
     }?;
     tracing::info!(transport = chosen.kind, reason = %chosen.reason, "transport selected");
