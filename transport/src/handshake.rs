@@ -515,7 +515,10 @@ mod tests {
             panic!("no OpenData")
         };
         let h = hs.on_header(&hdr_bytes(&auth)).map_err(|r| r.error)?;
-        assert_eq!(hs.on_frame(&sp, &h, &auth.body).map_err(|r| r.error)?, Outcome::Continue);
+        assert_eq!(
+            hs.on_frame(&sp, &h, &auth.body).map_err(|r| r.error)?,
+            Outcome::Continue
+        );
         let h = first_header("client-data", &hdr_bytes(&attach)).map_err(|r| r.error)?;
         let FirstFrame::DataAttach { token, mac } =
             first_frame(&sp, "client-data", h, &attach.body, 43, now, dl).map_err(|r| r.error)?
@@ -525,7 +528,10 @@ mod tests {
         assert_eq!(token, hs.token());
         let ready = hs.attach(&sp, &mac).map_err(|r| r.error)?;
         let h = c.on_header(&hdr_bytes(&ready)).map_err(|r| r.error)?;
-        assert_eq!(c.on_frame(&cp, &h, &ready.body).map_err(|r| r.error)?, Outcome::Established);
+        assert_eq!(
+            c.on_frame(&cp, &h, &ready.body).map_err(|r| r.error)?,
+            Outcome::Established
+        );
         assert_eq!(c.peer_rank(), 0);
         assert_eq!(hs.peer_rank(), 1);
         Ok(())
@@ -615,7 +621,7 @@ mod tests {
         let seed = std::env::var("TIDEWIRE_SEED")
             .ok()
             .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| auth::random_u64());
+            .unwrap_or_else(auth::random_u64);
         eprintln!("handshake fuzz seed: {seed} (TIDEWIRE_SEED={seed} to replay)");
         let mut x = seed | 1;
         let mut next = move || {

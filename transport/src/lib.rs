@@ -42,8 +42,8 @@ pub mod tcp;
 pub use api::{ConnId, Counters, Event, ListenerId, PeerInfo, Properties, ReqId, Transport, Waker};
 pub use auth::JobSecret;
 pub use error::{Error, FrameError, Result};
-pub use portable::{PortableStats, PortableTransport};
 pub use memory::{Access, HugePages, Lease, MemoryKind, PinOptions, PinnedBuffer, Region, RemoteRegion, Slice};
+pub use portable::{PortableStats, PortableTransport};
 #[cfg(feature = "rdma")]
 pub use rdma::{ConnectMode, CqMode, RdmaConfig, RdmaStats, RdmaTransport};
 pub use tcp::{TcpConfig, TcpStats, TcpTransport};

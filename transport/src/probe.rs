@@ -30,7 +30,11 @@ pub fn portable() -> Capability {
             true,
             "epoll and eventfd work: the fallback where io_uring is not allowed (TIDEWIRE_TRANSPORT=portable)",
         ),
-        Err(e) => cap("portable epoll TCP", false, format!("cannot set up the portable backend: {e}")),
+        Err(e) => cap(
+            "portable epoll TCP",
+            false,
+            format!("cannot set up the portable backend: {e}"),
+        ),
     }
 }
 

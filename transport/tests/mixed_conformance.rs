@@ -8,13 +8,14 @@ mod conformance;
 use std::time::Duration;
 
 use conformance::{Backend, Opts};
+use tidewire_transport::{Access, JobSecret};
 use tidewire_transport::{
     ConnId, Counters, Event, ListenerId, PeerInfo, PinnedBuffer, PortableTransport, Properties, Region, RemoteRegion,
     ReqId, Result, Slice, TcpConfig, TcpTransport, Transport, Waker,
 };
-use tidewire_transport::{Access, JobSecret};
 
 /// Either backend behind one type, so a pair can hold one of each.
+#[derive(Debug)]
 pub enum Either {
     Uring(Box<TcpTransport>),
     Portable(Box<PortableTransport>),

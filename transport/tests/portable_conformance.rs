@@ -45,7 +45,9 @@ fn idle_wait_is_one_sleep_in_epoll() {
     conformance::quiesce(&mut p.c);
     let before = p.c.stats().polls;
     let start = std::time::Instant::now();
-    let n = p.c.wait(&mut Vec::new(), 16, std::time::Duration::from_secs(1)).unwrap();
+    let n =
+        p.c.wait(&mut Vec::new(), 16, std::time::Duration::from_secs(1))
+            .unwrap();
     let polls = p.c.stats().polls - before;
     assert_eq!(n, 0);
     assert!(start.elapsed() >= std::time::Duration::from_millis(950));
@@ -71,7 +73,15 @@ fn pending_handshakes_are_capped() {
     let deadline = Instant::now() + Duration::from_secs(5);
     let over = |ev: &[Event]| {
         ev.iter()
-            .filter(|e| matches!(e, Event::PeerRejected { error: Error::TooLarge { .. }, .. }))
+            .filter(|e| {
+                matches!(
+                    e,
+                    Event::PeerRejected {
+                        error: Error::TooLarge { .. },
+                        ..
+                    }
+                )
+            })
             .count()
     };
     while over(&ev) < 8 {
@@ -82,7 +92,15 @@ fn pending_handshakes_are_capped() {
     // The silent ones time out (the handshake deadline); then a real client gets in.
     let timed_out = |ev: &[Event]| {
         ev.iter()
-            .filter(|e| matches!(e, Event::PeerRejected { error: Error::Timeout { .. }, .. }))
+            .filter(|e| {
+                matches!(
+                    e,
+                    Event::PeerRejected {
+                        error: Error::Timeout { .. },
+                        ..
+                    }
+                )
+            })
             .count()
     };
     while timed_out(&ev) < MAX_PENDING_HANDSHAKES {

@@ -8,7 +8,8 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use tidewire_transport::{
-    Access, ConnId, Error, Event, JobSecret, PinnedBuffer, PortableTransport, Region, RemoteRegion, TcpConfig, TcpTransport, Transport,
+    Access, ConnId, Error, Event, JobSecret, PinnedBuffer, PortableTransport, Region, RemoteRegion, TcpConfig,
+    TcpTransport, Transport,
 };
 
 use super::oob::{Dest, Oob};

@@ -18,7 +18,7 @@ use crate::handshake::{self as hs, FirstFrame, Frame, Handshake, Outcome, Refusa
 use crate::tcp::sys;
 
 use super::config::Sock;
-use super::state::{Pending, Payload, Side, State};
+use super::state::{Payload, Pending, Side, State};
 use super::PortableTransport;
 
 const RW: Interest = Interest::READABLE.add(Interest::WRITABLE);
@@ -179,7 +179,11 @@ impl PortableTransport {
                 let mut p = self.pending.remove(&id).expect("present");
                 let (addr, listener) = (p.addr, p.listener);
                 let conn = self.id();
-                if let Err(e) = self.poll.registry().reregister(&mut p.sock, Sock::Ctrl(conn).token(), RW) {
+                if let Err(e) = self
+                    .poll
+                    .registry()
+                    .reregister(&mut p.sock, Sock::Ctrl(conn).token(), RW)
+                {
                     warn!(%addr, error = %e, "epoll_ctl on a control socket");
                     return;
                 }
@@ -238,7 +242,11 @@ impl PortableTransport {
                 };
                 let conn = conn.expect("attached");
                 let mut p = self.pending.remove(&id).expect("present");
-                if let Err(e) = self.poll.registry().reregister(&mut p.sock, Sock::Data(conn).token(), RW) {
+                if let Err(e) = self
+                    .poll
+                    .registry()
+                    .reregister(&mut p.sock, Sock::Data(conn).token(), RW)
+                {
                     let e = Error::Io {
                         op: "epoll_ctl (data socket)",
                         peer: Some(p.addr),
@@ -259,7 +267,11 @@ impl PortableTransport {
                     addr: c.peer_addr,
                 };
                 let listener = c.listener.unwrap_or(0);
-                info!(conn, rank = info.rank, "peer authenticated; connection ready (portable)");
+                info!(
+                    conn,
+                    rank = info.rank,
+                    "peer authenticated; connection ready (portable)"
+                );
                 self.queue_frame(conn, ready);
                 self.send_regions(conn, &list, false);
                 if let Some(l) = self.listeners.get_mut(&listener) {
@@ -392,7 +404,8 @@ impl PortableTransport {
                 c.peer_rank = h.peer_rank();
                 let addr = c.peer_addr;
                 self.queue_frame(conn, send);
-                let mut d = mio::net::TcpStream::connect(addr).map_err(Self::io_err("connect (data socket)", Some(addr)))?;
+                let mut d =
+                    mio::net::TcpStream::connect(addr).map_err(Self::io_err("connect (data socket)", Some(addr)))?;
                 sys::tune(d.as_raw_fd(), &self.sockopts)?;
                 self.poll
                     .registry()

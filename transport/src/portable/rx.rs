@@ -124,7 +124,9 @@ impl PortableTransport {
     /// Handles every complete frame in the buffer; checks a header as soon as it is in.
     fn parse_ctrl(&mut self, conn: u64) -> Result<()> {
         loop {
-            let Some(c) = self.conns.get_mut(&conn) else { return Ok(()) };
+            let Some(c) = self.conns.get_mut(&conn) else {
+                return Ok(());
+            };
             let rx = &mut c.rx;
             let have = rx.end - rx.start;
             if have < HEADER_LEN {
@@ -149,12 +151,15 @@ impl PortableTransport {
                 return Ok(());
             }
             // Take the buffer out while the frame is handled (no copy, no allocation).
-            let mut rx = std::mem::replace(&mut c.rx, super::state::CtrlRx {
-                buf: Vec::new(),
-                start: 0,
-                end: 0,
-                hdr: None,
-            });
+            let mut rx = std::mem::replace(
+                &mut c.rx,
+                super::state::CtrlRx {
+                    buf: Vec::new(),
+                    start: 0,
+                    end: 0,
+                    hdr: None,
+                },
+            );
             let p = rx.start + HEADER_LEN;
             let r = self.on_ctrl_frame(conn, &hdr, &rx.buf[p..p + hdr.length as usize]);
             rx.start += total;
@@ -168,7 +173,9 @@ impl PortableTransport {
 
     /// One control frame: the handshake's, or an established connection's.
     fn on_ctrl_frame(&mut self, conn: u64, hdr: &Header, payload: &[u8]) -> Result<()> {
-        let Some(c) = self.conns.get_mut(&conn) else { return Ok(()) };
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return Ok(());
+        };
         if c.hs.is_some() {
             return self.on_handshake_frame(conn, hdr, payload);
         }
@@ -209,10 +216,8 @@ impl PortableTransport {
                 self.dirty.push(conn);
             }
             Kind::Regions => {
-                let list = frame::decode_regions(payload).map_err(|reason| Error::BadFrame {
-                    peer: c.peer(),
-                    reason,
-                })?;
+                let list =
+                    frame::decode_regions(payload).map_err(|reason| Error::BadFrame { peer: c.peer(), reason })?;
                 for r in list {
                     if hdr.flags & frame::FLAG_REVOKE != 0 {
                         c.remote.remove(&r.rkey);
@@ -220,7 +225,8 @@ impl PortableTransport {
                         c.remote.insert(r.rkey, r);
                     }
                 }
-                self.events.push_back(Event::RemoteRegionsChanged { conn: ConnId(conn) });
+                self.events
+                    .push_back(Event::RemoteRegionsChanged { conn: ConnId(conn) });
             }
             Kind::Close => {
                 c.peer_closed = true;
@@ -316,7 +322,9 @@ impl PortableTransport {
 
     fn data_step(&mut self, conn: u64, budget: &mut usize) -> Step {
         let c = self.conns.get_mut(&conn).expect("live");
-        let Some(sock) = c.data.as_mut() else { return Step::Blocked };
+        let Some(sock) = c.data.as_mut() else {
+            return Step::Blocked;
+        };
         let fd = sock.as_raw_fd();
         let res = match &mut c.drx {
             DataRx::Header { buf, have } => match sock.read(&mut buf[*have..]) {
@@ -331,9 +339,7 @@ impl PortableTransport {
                 }
                 Err(e) => e,
             },
-            DataRx::Payload {
-                region, hdr, done, ..
-            } => {
+            DataRx::Payload { region, hdr, done, .. } => {
                 let left = hdr.length as u64 - *done;
                 let n = left.min(*budget as u64) as usize;
                 match region.recv_into(hdr.offset as usize + *done as usize, n, fd) {

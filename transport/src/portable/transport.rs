@@ -270,7 +270,13 @@ impl PortableTransport {
 
     // ---------------------------------------------------------------- lifecycle
 
-    pub(super) fn new_conn(&mut self, side: Side, addr: SocketAddr, ctrl: mio::net::TcpStream, listener: Option<u64>) -> u64 {
+    pub(super) fn new_conn(
+        &mut self,
+        side: Side,
+        addr: SocketAddr,
+        ctrl: mio::net::TcpStream,
+        listener: Option<u64>,
+    ) -> u64 {
         let id = self.id();
         let c = Conn {
             id,
@@ -549,7 +555,12 @@ impl Transport for PortableTransport {
         let generation = (self.id() & 0xffff_ffff) as u32;
         let r = Region::new(buf, key, generation, access, None);
         self.regions.insert(key, r.clone());
-        debug!(key = format_args!("{key:#x}"), len = r.len(), ?access, "registered region");
+        debug!(
+            key = format_args!("{key:#x}"),
+            len = r.len(),
+            ?access,
+            "registered region"
+        );
         if access.remote_write {
             self.broadcast_regions(r.remote(), false);
         }
