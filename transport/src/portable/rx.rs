@@ -94,6 +94,11 @@ impl PortableTransport {
                     rx.end += n;
                     budget = budget.saturating_sub(n);
                     self.stats.rx_user_copy_bytes += n as u64;
+                    // A short read of a stream socket drained it (epoll(7)): the next
+                    // byte brings a new edge, so skip the read that would say EAGAIN.
+                    if n < want {
+                        c.ctrl_ready.rd = false;
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => c.ctrl_ready.rd = false,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -330,6 +335,9 @@ impl PortableTransport {
             DataRx::Header { buf, have } => match sock.read(&mut buf[*have..]) {
                 Ok(0) => return Step::Eof,
                 Ok(n) => {
+                    if n < HEADER_LEN - *have {
+                        c.data_ready.rd = false; // a short read drained the socket
+                    }
                     *have += n;
                     if *have < HEADER_LEN {
                         return Step::More;
@@ -344,7 +352,11 @@ impl PortableTransport {
                 let n = left.min(*budget as u64) as usize;
                 match region.recv_into(hdr.offset as usize + *done as usize, n, fd) {
                     Ok(0) => return Step::Eof,
-                    Ok(n) => {
+                    Ok(k) => {
+                        if k < n {
+                            c.data_ready.rd = false; // a short read drained the socket
+                        }
+                        let n = k;
                         *done += n as u64;
                         *budget = budget.saturating_sub(n);
                         self.stats.rx_write_direct_bytes += n as u64;
@@ -362,7 +374,11 @@ impl PortableTransport {
                 let n = (*remaining).min(self.scratch.len() as u64) as usize;
                 match sock.read(&mut self.scratch[..n]) {
                     Ok(0) => return Step::Eof,
-                    Ok(n) => {
+                    Ok(k) => {
+                        if k < n {
+                            c.data_ready.rd = false; // a short read drained the socket
+                        }
+                        let n = k;
                         *remaining -= n as u64;
                         *budget = budget.saturating_sub(n);
                         self.stats.rx_write_discarded_bytes += n as u64;

@@ -231,6 +231,13 @@ impl PortableTransport {
             self.read_first_frame(p);
         }
         // Driving may queue more output (acks, Ready); flush it in the same turn.
+        self.flush_dirty();
+        self.check_deadlines();
+        Ok(())
+    }
+
+    /// Sends what every connection with queued output can send now.
+    pub(super) fn flush_dirty(&mut self) {
         let mut dirty = std::mem::take(&mut self.dirty);
         dirty.sort_unstable();
         dirty.dedup();
@@ -238,9 +245,9 @@ impl PortableTransport {
             self.flush(c);
         }
         dirty.clear();
+        // Flushing may dirty connections again (a close completing); keep those.
+        dirty.append(&mut self.dirty);
         self.dirty = dirty;
-        self.check_deadlines();
-        Ok(())
     }
 
     /// Reads and writes whatever one connection's sockets allow.
@@ -680,7 +687,9 @@ impl Transport for PortableTransport {
         let start = Instant::now();
         let end = start + timeout;
         let spin_end = start + self.cfg.busy_poll.min(timeout);
-        self.progress(Some(Duration::ZERO))?;
+        // Send what the caller queued, then go straight to the (possibly sleeping)
+        // epoll_wait below: it returns at once if anything is ready.
+        self.flush_dirty();
         while self.events.is_empty() && !self.wake.is_pending() && Instant::now() < spin_end {
             self.progress(Some(Duration::ZERO))?;
         }

@@ -125,6 +125,7 @@ impl PortableTransport {
             }
             self.iov.clear();
             let mut skip = c.ctrl_off;
+            let mut total = 0;
             for f in c.ctrl_tx.iter().take(GATHER_MAX) {
                 for (p, l) in [(f.hdr.as_ptr(), HEADER_LEN), (f.payload.ptr(), f.payload.len())] {
                     if skip >= l {
@@ -133,6 +134,7 @@ impl PortableTransport {
                     }
                     // SAFETY: skip < l, so the pointer stays inside the part.
                     self.iov.push(iov(unsafe { p.add(skip) }, l - skip));
+                    total += l - skip;
                     skip = 0;
                 }
             }
@@ -148,6 +150,10 @@ impl PortableTransport {
                     return self.fail(conn, e);
                 }
             };
+            if sent < total {
+                // A short send filled the socket buffer: wait for the next writable edge.
+                c.ctrl_ready.wr = false;
+            }
             let mut n = sent + c.ctrl_off;
             while let Some(f) = c.ctrl_tx.front() {
                 let len = HEADER_LEN + f.payload.len();
@@ -180,6 +186,7 @@ impl PortableTransport {
             let Some(d) = c.data.as_ref() else { return };
             let fd = d.as_raw_fd();
             self.iov.clear();
+            let mut total = 0;
             let attaching = c.attach.is_some();
             if let Some((a, off)) = &c.attach {
                 self.iov.push(iov(a[*off..].as_ptr(), a.len() - off));
@@ -196,6 +203,7 @@ impl PortableTransport {
                         }
                         // SAFETY: skip < l, so the pointer stays inside the part.
                         self.iov.push(iov(unsafe { p.add(skip) }, l - skip));
+                        total += l - skip;
                         skip = 0;
                     }
                 }
@@ -212,6 +220,10 @@ impl PortableTransport {
                     return self.fail(conn, e);
                 }
             };
+            if !attaching && sent < total {
+                // A short send filled the socket buffer: wait for the next writable edge.
+                c.data_ready.wr = false;
+            }
             if attaching {
                 let (a, off) = c.attach.as_mut().expect("attaching");
                 *off += sent;
