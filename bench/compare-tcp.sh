@@ -14,7 +14,8 @@
 # The portable backend (`tidewire-perf --transport portable`) is measured in the same
 # rounds; its medians and ratios are printed after the report (target >= 0.9x iperf3
 # at 1 MiB), then `tidewire-loopback --backend portable rtt` against `std-rtt` at 64 B
-# (median round trip, target <= 1.1x std), both informational.
+# (median round trip, target <= 1.1x std; --busy-poll-us 0: it sleeps in the kernel as the
+# blocking std peer does), both informational.
 # Traffic stays on 127.0.0.1. Needs iperf3 (Debian: apt-get install iperf3).
 # Binaries and outputs are in cargo's target directory (ci/target-dir.sh: CARGO_TARGET_DIR
 # when set, else ./target): $TARGET_DIR/compare-tcp/.
@@ -121,7 +122,7 @@ PY
 L=$TARGET_DIR/release/tidewire-loopback
 rtts=(); stds=()
 for rep in $(seq 1 "$REPS"); do
-  a=$(timeout 120 "$L" --backend portable rtt --size 64 --iters 20000 | grep -oE 'median [0-9.]+' | awk '{print $2}')
+  a=$(timeout 120 "$L" --backend portable --busy-poll-us 0 rtt --size 64 --iters 20000 | grep -oE 'median [0-9.]+' | awk '{print $2}')
   b=$(timeout 120 "$L" std-rtt --size 64 --iters 20000 | grep -oE 'median [0-9.]+' | awk '{print $2}')
   printf 'rep %s 64 B round trip: portable %s us, std %s us\n' "$rep" "${a:-FAILED}" "${b:-FAILED}"
   rtts+=("${a:-nan}"); stds+=("${b:-nan}")
