@@ -16,7 +16,8 @@
 //!                               <---   Ready            (control socket), then Regions
 //! ```
 //!
-//! Pre-authentication hardening, shared with the io_uring backend:
+//! Pre-authentication hardening (named constants, so the io_uring backend can
+//! enforce the very same values):
 //! - a header is checked against the state (kind, version, payload size) as
 //!   soon as its 40 bytes are in, before any payload byte is read
 //!   ([`Handshake::on_header`], [`first_header`]);

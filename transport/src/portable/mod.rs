@@ -32,7 +32,8 @@
 //! close, unacknowledged write) or its timeout; it never spins unless
 //! `busy_poll` asks it to. Steady-state sends, writes and polls allocate
 //! nothing (scratch iovecs, event lists and buffers are reused; peer names are
-//! built only for errors).
+//! built only for errors); a received message's bytes are the one exception,
+//! since `Event::Message` owns them.
 //!
 //! Pre-authentication limits ([`crate::handshake`]): [`PRE_AUTH_MAX_BYTES`]
 //! per connection, [`MAX_PENDING_HANDSHAKES`] unauthenticated inbound sockets
