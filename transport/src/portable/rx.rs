@@ -350,20 +350,34 @@ impl PortableTransport {
             DataRx::Payload { region, hdr, done, .. } => {
                 let left = hdr.length as u64 - *done;
                 let n = left.min(*budget as u64) as usize;
-                match region.recv_into(hdr.offset as usize + *done as usize, n, fd) {
+                let at = hdr.offset as usize + *done as usize;
+                // The write's last chunk: the next header may come in the same recvmsg.
+                let last = n as u64 == left;
+                let mut next = [0u8; HEADER_LEN];
+                let got = if last {
+                    region.recv_into_with_tail(at, n, fd, &mut next)
+                } else {
+                    region.recv_into(at, n, fd)
+                };
+                match got {
                     Ok(0) => return Step::Eof,
                     Ok(k) => {
-                        if k < n {
+                        let asked = if last { n + HEADER_LEN } else { n };
+                        if k < asked {
                             c.data_ready.rd = false; // a short read drained the socket
                         }
-                        let n = k;
-                        *done += n as u64;
-                        *budget = budget.saturating_sub(n);
-                        self.stats.rx_write_direct_bytes += n as u64;
+                        let placed = k.min(n);
+                        *done += placed as u64;
+                        *budget = budget.saturating_sub(k);
+                        self.stats.rx_write_direct_bytes += placed as u64;
                         if *done == hdr.length as u64 {
                             let h = *hdr;
-                            c.drx = DataRx::header();
+                            let extra = k - placed;
+                            c.drx = DataRx::Header { buf: next, have: extra };
                             self.placed(conn, h);
+                            if extra == HEADER_LEN {
+                                return self.on_data_header(conn, &next);
+                            }
                         }
                         return Step::More;
                     }
