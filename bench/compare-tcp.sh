@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# compare-tcp.sh - tidewire-perf over the io_uring TCP transport against iperf3,
-# on loopback, side by side, in one run.
+# compare-tcp.sh - tidewire-perf over the io_uring TCP transport and over the portable
+# (epoll) TCP transport against iperf3, on loopback, side by side, in one run; and the
+# portable backend's 64 B message round trip against a blocking std::net ping-pong.
 #
 # Usage: bench/compare-tcp.sh [--json FILE] [--png FILE] [--reps N] [--secs S] [--sizes "65536 1048576"] [--enforce]
 #
@@ -10,6 +11,11 @@
 # It prints the medians in MB/sec (2^20 bytes/s, perftest's unit), the ratio
 # ours/iperf3, and writes the same JSON as compare-perftest.sh (the peer's key
 # is "iperf3") and a PNG. The acceptance check: write_bw at 1 MiB >= 0.9x iperf3.
+# The portable backend (`tidewire-perf --transport portable`) is measured in the same
+# rounds; its medians and ratios are printed after the report (target >= 0.9x iperf3
+# at 1 MiB), then `tidewire-loopback --backend portable rtt` against `std-rtt` at 64 B
+# (median round trip, target <= 1.1x std; --busy-poll-us 0: it sleeps in the kernel as the
+# blocking std peer does), both informational.
 # Traffic stays on 127.0.0.1. Needs iperf3 (Debian: apt-get install iperf3).
 # Binaries and outputs are in cargo's target directory (ci/target-dir.sh: CARGO_TARGET_DIR
 # when set, else ./target): $TARGET_DIR/compare-tcp/.
@@ -39,20 +45,24 @@ done
 [[ "$SECS" =~ ^[1-9][0-9]*$ ]] || { echo "--secs $SECS: give whole seconds"; exit 2; }
 command -v iperf3 >/dev/null || { echo "iperf3 is missing (Debian: apt-get install iperf3)"; exit 1; }
 mkdir -p "$OUT"
-cargo build --release --locked -q -p tidewire-bench --bin tidewire-perf --bin tidewire-perf-report </dev/null \
+cargo build --release --locked -q -p tidewire-bench --bin tidewire-perf --bin tidewire-perf-report \
+  --bin tidewire-loopback </dev/null \
   || { echo "build failed"; exit 1; }
 P=$TARGET_DIR/release/tidewire-perf
 RAW=$OUT/raw.tsv
 : >"$RAW"
+RAW_PORTABLE=$OUT/raw-portable.tsv
+: >"$RAW_PORTABLE"
 port=$((20000 + RANDOM % 20000))
 row='^ [0-9]+ +[0-9]+ +[0-9]+\.[0-9]+'
 
-ours() { # size -> MB/sec
+ours() { # size [transport] -> MB/sec
   port=$((port + 1))
-  $P write_bw --transport tcp -s "$1" -D "$SECS" -p $port >"$OUT/s.txt" 2>&1 &
+  local tr=${2:-tcp}
+  $P write_bw --transport "$tr" -s "$1" -D "$SECS" -p $port >"$OUT/s.txt" 2>&1 &
   local sp=$!
   sleep 0.3
-  timeout $((SECS + 60)) $P write_bw --transport tcp -s "$1" -D "$SECS" -p $port 127.0.0.1 >"$OUT/c.txt" 2>&1
+  timeout $((SECS + 60)) $P write_bw --transport "$tr" -s "$1" -D "$SECS" -p $port 127.0.0.1 >"$OUT/c.txt" 2>&1
   local rc=$?
   timeout 20 tail --pid=$sp -f /dev/null; kill -9 $sp 2>/dev/null; wait $sp 2>/dev/null
   local line; line=$(grep -E "$row" "$OUT/c.txt" | tail -1)
@@ -74,14 +84,53 @@ peer() { # size -> MB/sec (received)
 
 for rep in $(seq 1 "$REPS"); do
   for s in $SIZES; do
-    if [ $((rep % 2)) -eq 1 ]; then order="iperf3 ours"; else order="ours iperf3"; fi
+    if [ $((rep % 2)) -eq 1 ]; then order="iperf3 ours portable"; else order="portable ours iperf3"; fi
     for tool in $order; do
-      if [ "$tool" = ours ]; then v=$(ours "$s"); else v=$(peer "$s"); fi
-      [ -n "$v" ] && printf 'write_bw\t%s\t%s\t%s\t%s\n' "$s" "$tool" "$rep" "$v" >>"$RAW"
-      printf 'rep %s %8s B %-7s %s MB/sec\n' "$rep" "$s" "$tool" "${v:-FAILED}"
+      case $tool in
+        ours) v=$(ours "$s") ;;
+        portable) v=$(ours "$s" portable) ;;
+        *) v=$(peer "$s") ;;
+      esac
+      if [ "$tool" = portable ]; then
+        [ -n "$v" ] && printf 'write_bw\t%s\t%s\t%s\t%s\n' "$s" "$tool" "$rep" "$v" >>"$RAW_PORTABLE"
+      else
+        [ -n "$v" ] && printf 'write_bw\t%s\t%s\t%s\t%s\n' "$s" "$tool" "$rep" "$v" >>"$RAW"
+      fi
+      printf 'rep %s %8s B %-8s %s MB/sec\n' "$rep" "$s" "$tool" "${v:-FAILED}"
     done
   done
 done
 echo
 echo "medians of $REPS repetitions, $SECS s each (tidewire-perf --transport tcp write_bw vs iperf3, one stream, loopback):"
 "$TARGET_DIR/release/tidewire-perf-report" --input "$RAW" --json "$JSON" --png "$PNG" "${ENFORCE[@]}" --check write_bw:1048576:ge:0.9
+rc=$?
+
+# The portable backend against the same iperf3 rounds (informational).
+echo
+echo "portable (epoll) backend: tidewire-perf --transport portable write_bw vs iperf3, medians of $REPS:"
+python3 - "$RAW" "$RAW_PORTABLE" <<'PY'
+import statistics, sys
+rows = [l.split('\t') for f in sys.argv[1:] for l in open(f) if l.strip()]
+for size in sorted({int(r[1]) for r in rows}):
+    med = lambda tool: statistics.median([float(r[4]) for r in rows if int(r[1]) == size and r[2] == tool] or [float('nan')])
+    p, i, u = med('portable'), med('iperf3'), med('ours')
+    print(f"  {size:>8} B  portable {p:9.1f} MB/sec  io_uring {u:9.1f}  iperf3 {i:9.1f}  portable/iperf3 {p / i:.2f}"
+          + ("  (target >= 0.9)" if size == 1048576 else ""))
+PY
+
+# The portable backend's 64 B round trip against a blocking std::net ping-pong (informational).
+L=$TARGET_DIR/release/tidewire-loopback
+rtts=(); stds=()
+for rep in $(seq 1 "$REPS"); do
+  a=$(timeout 120 "$L" --backend portable --busy-poll-us 0 rtt --size 64 --iters 20000 | grep -oE 'median [0-9.]+' | awk '{print $2}')
+  b=$(timeout 120 "$L" std-rtt --size 64 --iters 20000 | grep -oE 'median [0-9.]+' | awk '{print $2}')
+  printf 'rep %s 64 B round trip: portable %s us, std %s us\n' "$rep" "${a:-FAILED}" "${b:-FAILED}"
+  rtts+=("${a:-nan}"); stds+=("${b:-nan}")
+done
+python3 - "${rtts[*]}" "${stds[*]}" <<'PY'
+import statistics, sys
+a = [float(x) for x in sys.argv[1].split()]; b = [float(x) for x in sys.argv[2].split()]
+ma, mb = statistics.median(a), statistics.median(b)
+print(f"64 B round trip, medians: portable {ma:.2f} us, std ping-pong {mb:.2f} us, ratio {ma / mb:.2f} (target <= 1.1)")
+PY
+exit $rc

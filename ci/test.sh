@@ -23,6 +23,10 @@
 #                single-node engine overhead, and CPU aggregation against a STREAM triad
 #                (informational: performance is judged from full bench runs)
 #   9. rdma-fallback  an `rdma` build where libibverbs is missing falls back to TCP and says why
+#   9a. no-uring io_uring denied (sysctl kernel.io_uring_disabled=2, restored on any exit): the
+#                conformance suite on the portable backend, the TCP selection's fallback, `tidewire
+#                train --verify` on the portable backend (it must say so and why), and `tidewire
+#                doctor` explaining that io_uring is unusable and what is used instead
 #   9b. netem    the bandwidth harness (ci/netem/): every profile measured with iperf3 between
 #                namespaces within 10% of its target (dilated above half the ceiling), and
 #                `tidewire train` under it against `tidewire sim`: between -10% and +20% (4 nodes, 1 and 2 GbE)
@@ -182,6 +186,44 @@ if [ "$(id -u)" -eq 0 ] && command -v unshare >/dev/null 2>&1; then
   tier rdma-fallback rdma_fallback
 else
   skip rdma-fallback "hiding libibverbs needs root (a private mount namespace); run ci/test.sh as root"
+fi
+
+# Life without io_uring: deny it machine-wide with kernel.io_uring_disabled=2 (restored to its
+# previous value on any exit, by a trap in the subshell), then run the portable backend's
+# conformance suite, the selection's fallback, a verified train and doctor. Everything is
+# built before io_uring is denied (cargo and rustc do not need it, but the window stays short).
+no_uring() {
+  cargo build --release --locked -q -p tidewire-cli --bin tidewire || return 1
+  cargo test --release --locked -q -p tidewire-transport --test portable_conformance --no-run || return 1
+  cargo test --release --locked -q -p tidewire-transport --lib --no-run || return 1
+  local prev
+  prev=$(cat /proc/sys/kernel/io_uring_disabled) || return 1
+  (
+    trap 'sysctl -qw kernel.io_uring_disabled='"$prev"' && echo "kernel.io_uring_disabled restored to '"$prev"'"' EXIT
+    sysctl -w kernel.io_uring_disabled=2 || exit 1
+    cargo test --release --locked -q -p tidewire-transport --test portable_conformance || exit 1
+    cargo test --release --locked -q -p tidewire-transport --lib -- select:: || exit 1
+    out=$(timeout 600 "$TARGET_DIR/release/tidewire" train --model googlenet --workers 4 --servers 2 --iters 3 \
+          --time-scale 0.05 --verify 2>&1)
+    rc=$?
+    echo "$out" | grep -E '^transport|mean iteration|verify'
+    [ $rc -eq 0 ] || { echo "$out" | tail -20; echo "train failed without io_uring"; exit 1; }
+    grep -q '^transport portable: .*io_uring unavailable.*using the portable epoll TCP backend' <<<"$out" \
+      || { echo "train did not report the portable transport and why"; exit 1; }
+    grep -q 'bit for bit' <<<"$out" || { echo "train did not verify"; exit 1; }
+    out=$("$TARGET_DIR/release/tidewire" doctor 2>&1)
+    echo "$out" | grep -E 'io_uring|portable|default transport'
+    grep -q 'NO .*io_uring .*io_uring_disabled=2' <<<"$out" || { echo "doctor did not say why io_uring is unusable"; exit 1; }
+    grep -q 'default transport (auto): portable epoll TCP: io_uring is unusable' <<<"$out" \
+      || { echo "doctor did not say what is used instead"; exit 1; }
+  )
+}
+if [ "$(id -u)" -ne 0 ]; then
+  skip no-uring "denying io_uring (sysctl kernel.io_uring_disabled=2) needs root; run ci/test.sh as root"
+elif ! command -v sysctl >/dev/null 2>&1 || [ ! -w /proc/sys/kernel/io_uring_disabled ]; then
+  skip no-uring "this kernel has no writable kernel.io_uring_disabled (Linux 6.6+, and not a read-only /proc/sys), or sysctl is missing"
+else
+  tier no-uring no_uring
 fi
 
 # The bandwidth harness: network namespaces and tc (root only).

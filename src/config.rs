@@ -12,11 +12,16 @@ use crate::buffers::BufferLayout;
 /// Which transport carries the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransportKind {
-    /// RDMA when a usable device exists, TCP otherwise; the choice and the
-    /// reason are logged. Override with `TIDEWIRE_TRANSPORT=tcp|rdma`.
+    /// RDMA when a usable device exists, TCP otherwise (io_uring, or the
+    /// portable epoll backend where io_uring is not allowed); the choice and the
+    /// reason are logged. Override with `TIDEWIRE_TRANSPORT=tcp|portable|rdma|auto`.
     Auto,
-    /// io_uring TCP.
+    /// TCP: io_uring, falling back to the portable epoll backend where io_uring
+    /// cannot be set up.
     Tcp,
+    /// The portable epoll TCP backend (plain non-blocking sockets), even where
+    /// io_uring works. It speaks the io_uring backend's protocol: ranks may mix them.
+    Portable,
     /// RDMA verbs (the `rdma` feature).
     Rdma,
 }

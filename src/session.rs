@@ -452,9 +452,11 @@ impl Session {
         self.call("every layer to sync".into(), |reply| Request::WaitAll { reply })
     }
 
-    /// The transport this rank runs on (`"tcp"` or `"rdma"`) and why it was
-    /// chosen: with [`TransportKind::Auto`], RDMA when a usable device exists,
-    /// else TCP with the reason RDMA was not usable.
+    /// The transport this rank runs on (`"tcp"` for io_uring TCP, `"portable"`
+    /// for the epoll TCP backend, or `"rdma"`) and why it was chosen: with
+    /// [`TransportKind::Auto`], RDMA when a usable device exists, else TCP with
+    /// the reason RDMA was not usable (and, where io_uring is not allowed, why
+    /// the portable backend carries it).
     pub fn transport(&self) -> (String, String) {
         self.shared
             .transport()

@@ -21,10 +21,14 @@ fn from(area: &'static str, c: Capability) -> Check {
     }
 }
 
+/// The name of the portable backend's check.
+pub const PORTABLE: &str = "portable epoll TCP";
+
 /// Runs every probe.
 pub fn run() -> Vec<Check> {
     let mut out = Vec::new();
     out.extend(probe::io_uring().into_iter().map(|c| from("io_uring", c)));
+    out.push(from("io_uring", probe::portable()));
     out.extend(probe::rdma().into_iter().map(|c| from("rdma", c)));
     let cuda = tidewire_gpu::probe();
     out.push(Check {
@@ -72,7 +76,22 @@ pub fn render(checks: &[Check]) -> String {
         match (rdma, uring) {
             (Some(r), _) => format!("RDMA verbs ({}); the control plane is io_uring TCP", r.detail),
             (None, true) => "io_uring TCP (no usable RDMA device; see [rdma] above)".into(),
-            (None, false) => "none: io_uring is unavailable (see above)".into(),
+            (None, false) => {
+                let why = checks
+                    .iter()
+                    .find(|c| c.name == "io_uring")
+                    .map(|c| c.detail.as_str())
+                    .unwrap_or("no io_uring check ran");
+                let portable = checks.iter().find(|c| c.name == PORTABLE).is_some_and(|c| c.ok);
+                if portable {
+                    format!(
+                        "portable epoll TCP: io_uring is unusable here ({why}); the portable backend speaks the same \
+                         protocol and mixes with io_uring ranks (TIDEWIRE_TRANSPORT=portable forces it anywhere)"
+                    )
+                } else {
+                    format!("none: io_uring is unusable ({why}) and the portable backend failed too (see above)")
+                }
+            }
         }
     ));
     s
@@ -113,6 +132,16 @@ mod tests {
         assert!(!cuda.ok && cuda.detail.contains("cuda"), "{cuda:?}");
         let text = render(&checks);
         assert!(text.contains("default transport"));
+        // The portable backend works wherever epoll does, and the summary names the
+        // io_uring TCP backend or, where io_uring is unusable, the portable one and why.
+        let portable = checks.iter().find(|c| c.name == PORTABLE).unwrap();
+        assert!(portable.ok, "{portable:?}");
+        let uring = checks.iter().find(|c| c.name == "io_uring").unwrap();
+        if uring.ok {
+            assert!(text.contains("io_uring TCP"), "{text}");
+        } else {
+            assert!(text.contains("portable epoll TCP: io_uring is unusable"), "{text}");
+        }
         assert!(text.contains("memlock"));
     }
 }

@@ -101,6 +101,13 @@ pub struct TrainArgs {
     /// blocks are split; TIDEWIRE_MAX_MESSAGE_BYTES does the same).
     #[arg(long)]
     pub max_message_bytes: Option<usize>,
+    /// Which transport every rank uses: auto (RDMA when usable, else TCP), tcp
+    /// (io_uring, or the portable epoll backend where io_uring is not allowed),
+    /// portable (the epoll backend even where io_uring works), rdma, or mixed
+    /// (odd ranks portable, even ranks io_uring TCP: the two interoperate).
+    /// TIDEWIRE_TRANSPORT overrides it. Default: auto.
+    #[arg(long)]
+    pub transport: Option<String>,
     /// Seed of the synthetic gradients.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -190,6 +197,7 @@ impl TrainArgs {
     pub fn validate(&self) -> Result<()> {
         self.model()?;
         self.apply_op()?;
+        self.transport_kind(0)?;
         if self.aggregate == tidewire_gpu::agg::Policy::Gpu {
             // Refuse before any rank starts, with the probe's reason.
             let p = tidewire_gpu::probe();
@@ -236,6 +244,23 @@ impl TrainArgs {
             chunk_bytes: self.chunk_bytes,
             slice_params: self.slice_params,
             ..Default::default()
+        })
+    }
+    /// The transport `--transport` asks for, for `rank`.
+    pub fn transport_kind(&self, rank: u32) -> Result<tidewire::TransportKind> {
+        use tidewire::TransportKind as K;
+        Ok(match self.transport.as_deref().unwrap_or("auto") {
+            "auto" => K::Auto,
+            "tcp" => K::Tcp,
+            "portable" => K::Portable,
+            "rdma" => K::Rdma,
+            "mixed" if rank % 2 == 1 => K::Portable,
+            "mixed" => K::Tcp,
+            o => {
+                return Err(Error::Usage(format!(
+                    "--transport {o:?}: use auto, tcp, portable, rdma or mixed"
+                )))
+            }
         })
     }
     /// The transport limits the flags lower.
@@ -385,6 +410,7 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
         .apply(args.apply_op()?)
         .aggregation(args.aggregate)
         .transport_limits(args.limits())
+        .transport(args.transport_kind(spec.rank)?)
         .timeout(Duration::from_secs(args.timeout_s))
         .connect_timeout(Duration::from_secs(args.timeout_s))
         .init_params(move |l, p| s2.init(l, p))

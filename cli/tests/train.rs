@@ -141,6 +141,52 @@ fn colocated_and_every_sync_mode_verify() {
     }
 }
 
+/// A job that mixes the two TCP backends (odd ranks portable, even ranks
+/// io_uring) trains and verifies bit for bit, and each rank reports its backend;
+/// `--transport portable` alone does too.
+#[test]
+fn mixed_and_portable_transports_verify() {
+    let _serial = serial();
+    if std::env::var_os("TIDEWIRE_TRANSPORT").is_some() {
+        eprintln!("SKIPPED: TIDEWIRE_TRANSPORT is set and would override --transport");
+        return;
+    }
+    for transport in ["mixed", "portable"] {
+        let out = tidewire()
+            .args([
+                "train",
+                "--model",
+                "googlenet",
+                "--workers",
+                "3",
+                "--servers",
+                "2",
+                "--iters",
+                "2",
+                "--time-scale",
+                "0.05",
+                "--transport",
+                transport,
+                "--verify",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        let r = json(&out);
+        assert_eq!(r["verified"], Value::Bool(true), "--transport {transport}");
+        let used: Vec<String> = r["transport"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect();
+        assert!(used.iter().any(|t| t.starts_with("portable:")), "{transport}: {used:?}");
+        if transport == "mixed" && tidewire_transport::select::uring_usable().is_ok() {
+            assert!(used.iter().any(|t| t.starts_with("tcp:")), "{used:?}");
+        }
+    }
+}
+
 /// SSP(2) with one worker four times slower: the others run ahead of it, by at
 /// most 2 iterations, and the run completes.
 #[test]

@@ -67,6 +67,7 @@ fn preference(kind: TransportKind) -> Preference {
     match kind {
         TransportKind::Auto => Preference::Auto,
         TransportKind::Tcp => Preference::Tcp,
+        TransportKind::Portable => Preference::Portable,
         TransportKind::Rdma => Preference::Rdma,
     }
 }
@@ -223,7 +224,12 @@ impl Runtime {
         nc.sched = cfg.sched;
         nc.apply = cfg.op;
         nc.limits = node_limits;
-        nc.transport = selected.kind.to_string();
+        // What every rank must agree on is the wire protocol: the io_uring and the
+        // portable TCP backends speak the same one, so a job may mix them.
+        nc.transport = match selected.kind {
+            "portable" => "tcp".to_string(),
+            k => k.to_string(),
+        };
         nc.params = cfg
             .params
             .as_ref()

@@ -39,7 +39,7 @@ pub(crate) enum Request {
 #[derive(Debug, Default)]
 pub(crate) struct Shared {
     fatal: Mutex<Option<Error>>,
-    /// The backend the runtime opened ("tcp" or "rdma") and why.
+    /// The backend the runtime opened ("tcp", "portable" or "rdma") and why.
     transport: Mutex<Option<(String, String)>>,
     /// The first panic of a runtime thread, with its message.
     pub(crate) panic: Arc<Mutex<Option<String>>>,

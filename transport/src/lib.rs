@@ -30,7 +30,9 @@ pub mod api;
 pub mod auth;
 pub mod error;
 pub mod frame;
+pub mod handshake;
 pub mod memory;
+pub mod portable;
 pub mod probe;
 #[cfg(feature = "rdma")]
 pub mod rdma;
@@ -41,6 +43,7 @@ pub use api::{ConnId, Counters, Event, ListenerId, PeerInfo, Properties, ReqId, 
 pub use auth::JobSecret;
 pub use error::{Error, FrameError, Result};
 pub use memory::{Access, HugePages, Lease, MemoryKind, PinOptions, PinnedBuffer, Region, RemoteRegion, Slice};
+pub use portable::{PortableStats, PortableTransport};
 #[cfg(feature = "rdma")]
 pub use rdma::{ConnectMode, CqMode, RdmaConfig, RdmaStats, RdmaTransport};
 pub use tcp::{TcpConfig, TcpStats, TcpTransport};

@@ -633,6 +633,66 @@ impl Region {
         Ok(())
     }
 
+    /// Receives up to `len` bytes from the non-blocking socket `fd` straight into
+    /// `[offset, offset+len)` (the portable TCP backend's placement of a peer's
+    /// write): the kernel copies into the mapping, and no Rust reference to the
+    /// bytes is formed. The lease table's lock is held for the call, so no local
+    /// copy ([`Region::read_at`], [`Region::write_at`], ...) runs meanwhile. As
+    /// with the io_uring `RECV` and an RDMA NIC, a lease does not stop a peer's
+    /// write: the protocol above keeps leased ranges quiet.
+    pub(crate) fn recv_into(&self, offset: usize, len: usize, fd: std::os::fd::RawFd) -> std::io::Result<usize> {
+        self.check(offset, len, "incoming write")
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let _serialized = self.0.leases.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: [offset, offset+len) lies inside the live, writable mapping (checked
+        // above; `self` keeps it alive). The kernel writes the bytes; no Rust reference
+        // to them exists in this function, and local copies are excluded by the lock.
+        let n = unsafe { libc::recv(fd, self.0.ptr.as_ptr().add(offset).cast(), len, 0) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+
+    /// Like [`Region::recv_into`], and bytes past `len` (the start of the next
+    /// frame) go into `tail`: one `recvmsg(2)` with two iovecs. Returns the bytes
+    /// received in all (`> len` means `tail` got the excess).
+    pub(crate) fn recv_into_with_tail(
+        &self,
+        offset: usize,
+        len: usize,
+        fd: std::os::fd::RawFd,
+        tail: &mut [u8],
+    ) -> std::io::Result<usize> {
+        self.check(offset, len, "incoming write")
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let _serialized = self.0.leases.lock().unwrap_or_else(|p| p.into_inner());
+        let mut iov = [
+            libc::iovec {
+                // SAFETY: offset <= len of the mapping (checked above).
+                iov_base: unsafe { self.0.ptr.as_ptr().add(offset) }.cast(),
+                iov_len: len,
+            },
+            libc::iovec {
+                iov_base: tail.as_mut_ptr().cast(),
+                iov_len: tail.len(),
+            },
+        ];
+        // SAFETY: all-zero is a valid msghdr (no name, no control data).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = 2;
+        // SAFETY: the first iovec lies inside the live, writable mapping (checked above;
+        // `self` keeps it alive) and the kernel writes it without any Rust reference to
+        // those bytes existing; local copies are excluded by the lock. The second is a
+        // unique borrow of `tail`. Both outlive the call.
+        let n = unsafe { libc::recvmsg(fd, &mut msg, 0) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+
     /// Fills `[offset, offset+len)` with `byte`. Refused with
     /// [`Error::RegionBusy`] while a [`Lease`] covers any of those bytes.
     pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {

@@ -20,6 +20,24 @@ fn cap(name: &str, ok: bool, detail: impl Into<String>) -> Capability {
     }
 }
 
+/// Whether the portable (epoll) TCP backend can be set up: it needs only epoll,
+/// eventfd and sockets, so it works where io_uring is forbidden.
+pub fn portable() -> Capability {
+    let cfg = crate::TcpConfig::new(0, 0, crate::JobSecret::new(b"probe".to_vec()));
+    match crate::PortableTransport::new(cfg) {
+        Ok(_) => cap(
+            "portable epoll TCP",
+            true,
+            "epoll and eventfd work: the fallback where io_uring is not allowed (TIDEWIRE_TRANSPORT=portable)",
+        ),
+        Err(e) => cap(
+            "portable epoll TCP",
+            false,
+            format!("cannot set up the portable backend: {e}"),
+        ),
+    }
+}
+
 /// io_uring: setup, the opcodes the TCP backend uses, and provided-buffer rings.
 pub fn io_uring() -> Vec<Capability> {
     let disabled = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")

@@ -1,9 +1,14 @@
 //! Transport selection: `Auto` takes RDMA when a usable device with an ACTIVE
 //! port exists, and the io_uring TCP backend otherwise, and says which and why.
-//! `TIDEWIRE_TRANSPORT=tcp|rdma|auto` overrides the caller's preference.
+//! Where io_uring cannot be set up (`kernel.io_uring_disabled`, a seccomp
+//! profile such as Docker's default, gVisor), `Auto` and `Tcp` fall back to the
+//! portable epoll TCP backend, which speaks the same protocol, and the reason
+//! says so. `TIDEWIRE_TRANSPORT=tcp|portable|rdma|auto` overrides the caller's
+//! preference.
 
 use crate::api::Transport;
 use crate::error::{Error, Result};
+use crate::portable::PortableTransport;
 use crate::tcp::{TcpConfig, TcpTransport};
 
 /// Which backend the caller wants.
@@ -12,8 +17,10 @@ pub enum Preference {
     /// RDMA when usable, else TCP.
     #[default]
     Auto,
-    /// io_uring TCP only.
+    /// TCP: io_uring, or the portable epoll backend where io_uring is unavailable.
     Tcp,
+    /// The portable epoll TCP backend, even where io_uring works.
+    Portable,
     /// RDMA verbs only: an error when unusable.
     Rdma,
 }
@@ -25,10 +32,11 @@ impl Preference {
             None | Some("") => Ok(self),
             Some("auto") => Ok(Preference::Auto),
             Some("tcp") => Ok(Preference::Tcp),
+            Some("portable") => Ok(Preference::Portable),
             Some("rdma") => Ok(Preference::Rdma),
             Some(o) => Err(Error::InvalidArgument {
                 op: "TIDEWIRE_TRANSPORT",
-                reason: format!("{o:?}: use tcp, rdma or auto"),
+                reason: format!("{o:?}: use tcp, portable, rdma or auto"),
             }),
         }
     }
@@ -37,7 +45,7 @@ impl Preference {
 /// The opened transport, which backend it is, and why it was chosen.
 pub struct Selected {
     pub transport: Box<dyn Transport>,
-    /// `"tcp"` or `"rdma"`.
+    /// `"tcp"` (io_uring), `"portable"` (epoll) or `"rdma"`.
     pub kind: &'static str,
     pub reason: String,
 }
@@ -60,24 +68,59 @@ pub type RdmaTweak<'a> = &'a dyn Fn(&mut ());
 /// Opens a transport by preference (after `TIDEWIRE_TRANSPORT`), logging the choice.
 pub fn open(pref: Preference, control: TcpConfig, tweak: RdmaTweak<'_>) -> Result<Selected> {
     let pref = pref.from_env()?;
-    let tcp = |reason: String| -> Result<Selected> {
-        let t = TcpTransport::new(control.clone())?;
+    let portable = |reason: String| -> Result<Selected> {
+        let t = PortableTransport::new(control.clone())?;
         Ok(Selected {
             transport: Box::new(t),
-            kind: "tcp",
+            kind: "portable",
             reason,
         })
     };
+    // io_uring TCP with `why`, or the portable backend where io_uring is unavailable
+    // (its reason: `fallback`, the io_uring error, and what is used instead).
+    let tcp = |why: String, fallback: String| -> Result<Selected> {
+        match TcpTransport::new(control.clone()) {
+            Ok(t) => Ok(Selected {
+                transport: Box::new(t),
+                kind: "tcp",
+                reason: why,
+            }),
+            Err(e @ Error::UringUnavailable { .. }) => {
+                tracing::warn!(error = %e, "io_uring unavailable; using the portable epoll TCP backend");
+                portable(format!("{fallback}{e}; using the portable epoll TCP backend"))
+            }
+            Err(e) => Err(e),
+        }
+    };
     let chosen = match pref {
-        Preference::Tcp => tcp("TCP requested (TIDEWIRE_TRANSPORT=tcp or the caller's choice)".into()),
+        Preference::Tcp => tcp(
+            "TCP requested (TIDEWIRE_TRANSPORT=tcp or the caller's choice)".into(),
+            "TCP requested; ".into(),
+        ),
+        Preference::Portable => {
+            portable("portable epoll TCP requested (TIDEWIRE_TRANSPORT=portable or the caller's choice)".into())
+        }
         Preference::Rdma => open_rdma(&control, tweak),
         Preference::Auto => match open_rdma(&control, tweak) {
             Ok(s) => Ok(s),
-            Err(e) => tcp(format!("falling back to io_uring TCP: {e}")),
+            Err(e) => tcp(
+                format!("falling back to io_uring TCP: {e}"),
+                format!("falling back to TCP: {e}; "),
+            ),
         },
     }?;
     tracing::info!(transport = chosen.kind, reason = %chosen.reason, "transport selected");
     Ok(chosen)
+}
+
+/// Whether io_uring can be set up here: `Ok(())`, or the reason it cannot
+/// (what `tidewire doctor` reports).
+pub fn uring_usable() -> std::result::Result<(), String> {
+    let cfg = TcpConfig::new(0, 0, crate::JobSecret::new(b"probe".to_vec()));
+    match TcpTransport::new(cfg) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[cfg(feature = "rdma")]
@@ -117,7 +160,7 @@ mod tests {
         std::env::remove_var("TIDEWIRE_TRANSPORT");
         let s = open(Preference::Auto, cfg.clone(), &|_| {}).unwrap();
         match s.kind {
-            "tcp" => {
+            "tcp" | "portable" => {
                 assert!(
                     s.reason.contains("falling back") && s.reason.contains("RDMA unavailable"),
                     "{}",
@@ -129,11 +172,28 @@ mod tests {
             _ => assert!(s.reason.contains("ACTIVE"), "{}", s.reason),
         }
         let t = open(Preference::Tcp, cfg.clone(), &|_| {}).unwrap();
-        assert_eq!(t.kind, "tcp");
-        assert!(t.transport.properties().name.contains("tcp"));
+        match uring_usable() {
+            Ok(()) => {
+                assert_eq!(t.kind, "tcp");
+                assert!(t.transport.properties().name.contains("io_uring"));
+            }
+            Err(why) => {
+                // io_uring denied here: TCP falls back to the portable backend and says why.
+                assert_eq!(t.kind, "portable", "{why}");
+                assert!(t.reason.contains("io_uring unavailable"), "{}", t.reason);
+                assert!(t.reason.contains("portable epoll"), "{}", t.reason);
+            }
+        }
+        let p = open(Preference::Portable, cfg.clone(), &|_| {}).unwrap();
+        assert_eq!(p.kind, "portable");
+        assert_eq!(p.transport.properties().name, "tcp-portable");
+        std::env::set_var("TIDEWIRE_TRANSPORT", "portable");
+        let p = open(Preference::Tcp, cfg.clone(), &|_| {}).unwrap();
+        assert_eq!(p.kind, "portable");
+        assert!(p.reason.contains("TIDEWIRE_TRANSPORT=portable"), "{}", p.reason);
         std::env::set_var("TIDEWIRE_TRANSPORT", "carrier-pigeon");
         let e = open(Preference::Auto, cfg, &|_| {}).unwrap_err();
         std::env::remove_var("TIDEWIRE_TRANSPORT");
-        assert!(e.to_string().contains("tcp, rdma or auto"), "{e}");
+        assert!(e.to_string().contains("tcp, portable, rdma or auto"), "{e}");
     }
 }

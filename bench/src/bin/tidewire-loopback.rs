@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 use serde::Serialize;
 use tidewire_bench::{gbps, median};
-use tidewire_transport::{Access, ConnId, Event, JobSecret, PinnedBuffer, TcpConfig, TcpTransport, Transport};
+use tidewire_transport::{
+    Access, ConnId, Event, JobSecret, PinnedBuffer, PortableTransport, TcpConfig, TcpTransport, Transport,
+};
 
 #[derive(Parser)]
 #[command(
@@ -30,6 +32,9 @@ struct Cli {
     /// TcpConfig::busy_poll for our transports, in µs (0: sleep in the kernel at once, like blocking std).
     #[arg(long, global = true, default_value_t = 100)]
     busy_poll_us: u64,
+    /// Our TCP backend: uring (io_uring) or portable (epoll, plain non-blocking sockets).
+    #[arg(long, global = true, default_value = "uring")]
+    backend: String,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -90,10 +95,23 @@ enum Cmd {
 
 static BUSY_POLL_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(100);
 
-fn transport(rank: u32) -> TcpTransport {
+static PORTABLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn transport(rank: u32) -> Box<dyn Transport> {
+    transport_zc(rank, None)
+}
+
+/// Our transport (the `--backend`), with SEND_ZC from `zc_min` bytes (io_uring only).
+fn transport_zc(rank: u32, zc_min: Option<usize>) -> Box<dyn Transport> {
     let mut cfg = TcpConfig::new(0xbe4c, rank, JobSecret::new(b"bench".to_vec()));
     cfg.busy_poll = Duration::from_micros(BUSY_POLL_US.load(std::sync::atomic::Ordering::Relaxed));
-    TcpTransport::new(cfg).unwrap_or_else(|e| {
+    cfg.send_zc_min_bytes = zc_min;
+    let t: tidewire_transport::Result<Box<dyn Transport>> = if PORTABLE.load(std::sync::atomic::Ordering::Relaxed) {
+        PortableTransport::new(cfg).map(|t| Box::new(t) as Box<dyn Transport>)
+    } else {
+        TcpTransport::new(cfg).map(|t| Box::new(t) as Box<dyn Transport>)
+    };
+    t.unwrap_or_else(|e| {
         eprintln!("error: {e}");
         std::process::exit(2)
     })
@@ -137,7 +155,7 @@ fn spawn_server(landing: usize) -> (SocketAddr, thread::JoinHandle<()>) {
     (rx.recv().unwrap(), h)
 }
 
-fn connect(t: &mut TcpTransport, addr: SocketAddr, want_region: bool) -> ConnId {
+fn connect(t: &mut dyn Transport, addr: SocketAddr, want_region: bool) -> ConnId {
     let c = t.connect(addr).unwrap();
     let mut ev = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -154,7 +172,7 @@ fn connect(t: &mut TcpTransport, addr: SocketAddr, want_region: bool) -> ConnId 
     }
 }
 
-fn finish(mut t: TcpTransport, c: ConnId, server: thread::JoinHandle<()>) {
+fn finish(mut t: Box<dyn Transport>, c: ConnId, server: thread::JoinHandle<()>) {
     t.close(c).unwrap();
     let mut ev = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -167,11 +185,10 @@ fn finish(mut t: TcpTransport, c: ConnId, server: thread::JoinHandle<()>) {
 /// Returns Gbit/s of acknowledged one-sided writes.
 fn write_bw(size: usize, secs: f64, window: usize, zc_min: Option<usize>) -> f64 {
     let (addr, server) = spawn_server(size.max(1 << 20));
-    let mut t = transport(1);
-    t.set_send_zc_min_bytes(zc_min);
+    let mut t = transport_zc(1, zc_min);
     let src = t.register(pinned(size.max(4096)), Access::LOCAL).unwrap();
     src.fill(0, src.len(), 0x77).unwrap();
-    let c = connect(&mut t, addr, true);
+    let c = connect(&mut *t, addr, true);
     let dst = t.remote_regions(c).unwrap()[0];
     let depth = (window / size).clamp(1, t.properties().max_outstanding);
     let slice = src.slice(0, size).unwrap();
@@ -224,7 +241,7 @@ fn rtt(size: usize, iters: usize) -> Vec<f64> {
     let (addr, server) = spawn_server(4096);
     let mut t = transport(1);
     let src = t.register(pinned(size.max(4096)), Access::LOCAL).unwrap();
-    let c = connect(&mut t, addr, false);
+    let c = connect(&mut *t, addr, false);
     let slice = src.slice(0, size).unwrap();
     let mut ev = Vec::new();
     let mut out = Vec::with_capacity(iters);
@@ -374,6 +391,14 @@ fn row(test: &'static str, unit: &'static str, peer_name: &'static str, ours: Ve
 fn main() {
     let cli = Cli::parse();
     BUSY_POLL_US.store(cli.busy_poll_us, std::sync::atomic::Ordering::Relaxed);
+    match cli.backend.as_str() {
+        "uring" => {}
+        "portable" => PORTABLE.store(true, std::sync::atomic::Ordering::Relaxed),
+        o => {
+            eprintln!("error: --backend {o:?}: use uring or portable");
+            std::process::exit(2)
+        }
+    }
     match cli.cmd {
         Cmd::WriteBw {
             size,

@@ -60,6 +60,8 @@ enum TransportArg {
     Rdma,
     /// The io_uring TCP transport (tidewire-perf on both sides).
     Tcp,
+    /// The portable (epoll) TCP transport: the same wire as `tcp`, without io_uring.
+    Portable,
 }
 
 #[derive(Args)]
@@ -223,8 +225,9 @@ fn opts(test: Test, f: Flags) -> Result<Opts, PerfError> {
         host: f.host,
         transport: match f.transport {
             TransportArg::Rdma => TransportKind::Rdma,
-            TransportArg::Tcp => TransportKind::Tcp,
+            TransportArg::Tcp | TransportArg::Portable => TransportKind::Tcp,
         },
+        tcp_portable: matches!(f.transport, TransportArg::Portable),
         device: f.ib_dev,
         ib_port: f.ib_port,
         gid_index: f.gid_index,

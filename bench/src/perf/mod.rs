@@ -122,6 +122,9 @@ pub struct Opts {
     /// `None`: server.
     pub host: Option<String>,
     pub transport: TransportKind,
+    /// With TCP: the portable (epoll) backend instead of io_uring. The wire is the
+    /// same, so either side may use either backend.
+    pub tcp_portable: bool,
     pub device: Option<String>,
     pub ib_port: u8,
     pub gid_index: Option<u32>,
@@ -482,6 +485,7 @@ mod tests {
             test,
             host: Some("h".into()),
             transport: TransportKind::Rdma,
+            tcp_portable: false,
             device: None,
             ib_port: 1,
             gid_index: None,

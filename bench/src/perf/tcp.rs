@@ -1,4 +1,5 @@
-//! The tests over the io_uring TCP transport, through the [`Transport`] API the
+//! The tests over the TCP transports (io_uring, or the portable epoll backend with
+//! `--transport portable`), through the [`Transport`] API the
 //! engine uses: one-sided writes into a registered region the peer announced,
 //! and messages. Both sides must be tidewire-perf; the out-of-band exchange is
 //! perftest's, plus the transport's listening port.
@@ -7,7 +8,8 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use tidewire_transport::{
-    Access, ConnId, Error, Event, JobSecret, PinnedBuffer, Region, RemoteRegion, TcpConfig, TcpTransport, Transport,
+    Access, ConnId, Error, Event, JobSecret, PinnedBuffer, PortableTransport, Region, RemoteRegion, TcpConfig,
+    TcpTransport, Transport,
 };
 
 use super::oob::{Dest, Oob};
@@ -18,7 +20,7 @@ const JOB: u64 = 0x7464_7065_7266; // "tdperf"
 
 struct Run<'a> {
     o: &'a Opts,
-    t: TcpTransport,
+    t: Box<dyn Transport>,
     conn: ConnId,
     oob: Oob,
     src: Region,
@@ -67,7 +69,11 @@ pub fn run(o: &Opts) -> Result<(Vec<BwRow>, Vec<LatRow>), PerfError> {
             cfg.max_message_bytes
         )));
     }
-    let mut t = TcpTransport::new(cfg).map_err(|e| tcp_err("opening the TCP transport", e))?;
+    let mut t: Box<dyn Transport> = if o.tcp_portable {
+        Box::new(PortableTransport::new(cfg).map_err(|e| tcp_err("opening the portable TCP transport", e))?)
+    } else {
+        Box::new(TcpTransport::new(cfg).map_err(|e| tcp_err("opening the TCP transport", e))?)
+    };
     let half = max.max(super::oob::CYCLE_BUFFER as usize);
     let pinned = |n| PinnedBuffer::new(n).map_err(|e| tcp_err("allocating buffers", e));
     let src = t

@@ -68,7 +68,7 @@ mod op;
 mod ring;
 mod rx;
 mod state;
-mod sys;
+pub(crate) mod sys;
 mod transport;
 mod tx;
 

@@ -1,0 +1,502 @@
+//! Receive: control frames (header-checked, reassembled in a reused buffer) and
+//! the data socket's writes, placed straight into registered regions.
+
+use std::io::{self, Read};
+use std::os::fd::AsRawFd;
+use std::time::Instant;
+
+use tracing::debug;
+
+use crate::api::{ConnId, Event};
+use crate::error::{Error, FrameError, Result};
+use crate::frame::{self, Header, Kind, HEADER_LEN};
+use crate::memory::{InFlight, Region};
+
+use super::config::{Sock, RX_BUDGET};
+use super::state::{DataRx, State};
+use super::PortableTransport;
+
+enum Step {
+    More,
+    Blocked,
+    Eof,
+    Failed(Error),
+}
+
+impl PortableTransport {
+    // ---------------------------------------------------------------- control
+
+    /// Checks a control header against the connection's state, before its payload is read.
+    fn check_ctrl_header(&mut self, conn: u64, b: &[u8; HEADER_LEN]) -> Result<Header> {
+        let max = (self.cfg.max_message_bytes as u32).max(frame::MAX_CONTROL_BYTES);
+        let c = self.conns.get_mut(&conn).expect("live");
+        if let Some(h) = c.hs.as_mut() {
+            return h.on_header(b).map_err(|r| r.error);
+        }
+        let bad = |reason| Error::BadFrame { peer: c.peer(), reason };
+        let hdr = Header::decode(b).map_err(bad)?;
+        if hdr.length > max {
+            return Err(bad(FrameError::TooLong { len: hdr.length, max }));
+        }
+        match (c.state, hdr.kind) {
+            (State::Ready | State::Closing, Kind::Message | Kind::Ack | Kind::Nack | Kind::Regions | Kind::Close) => {
+                Ok(hdr)
+            }
+            (s, k) => Err(bad(FrameError::Unexpected {
+                kind: k.name(),
+                state: s.name(),
+            })),
+        }
+    }
+
+    /// Reads the control socket until it would block (or its budget is spent),
+    /// handling every complete frame.
+    pub(super) fn read_ctrl(&mut self, conn: u64) {
+        let mut budget = RX_BUDGET;
+        loop {
+            // Handle what is buffered.
+            if let Err(e) = self.parse_ctrl(conn) {
+                return self.fail(conn, e);
+            }
+            let Some(c) = self.conns.get_mut(&conn) else { return };
+            if !c.ctrl_ready.rd {
+                return;
+            }
+            if budget == 0 {
+                self.again.push(Sock::Ctrl(conn));
+                return;
+            }
+            let rx = &mut c.rx;
+            let have = rx.end - rx.start;
+            // During the handshake read one frame at a time (header, then payload);
+            // afterwards, as much as fits.
+            let frame_end = match rx.hdr {
+                Some(h) => HEADER_LEN + h.length as usize,
+                None => HEADER_LEN,
+            };
+            let want = if c.hs.is_some() {
+                frame_end - have
+            } else {
+                frame_end.max(rx.buf.len().min(budget)) - have
+            };
+            if rx.start + have + want > rx.buf.len() {
+                rx.buf.copy_within(rx.start..rx.end, 0);
+                rx.start = 0;
+                rx.end = have;
+                if have + want > rx.buf.len() {
+                    rx.buf.resize(have + want, 0);
+                }
+            }
+            let want = want.min(rx.buf.len() - rx.end);
+            match c.ctrl.read(&mut rx.buf[rx.end..rx.end + want]) {
+                Ok(0) => return self.on_ctrl_eof(conn),
+                Ok(n) => {
+                    rx.end += n;
+                    budget = budget.saturating_sub(n);
+                    self.stats.rx_user_copy_bytes += n as u64;
+                    // A short read of a stream socket drained it (epoll(7)): the next
+                    // byte brings a new edge, so skip the read that would say EAGAIN.
+                    if n < want {
+                        c.ctrl_ready.rd = false;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => c.ctrl_ready.rd = false,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let e = self.lost(conn, "control receive", Some(e));
+                    return self.fail(conn, e);
+                }
+            }
+        }
+    }
+
+    fn on_ctrl_eof(&mut self, conn: u64) {
+        let c = self.conns.get_mut(&conn).expect("live");
+        c.ctrl_ready.rd = false;
+        if c.peer_closed || c.state == State::Closing && c.sent_close {
+            return self.finish_close(conn);
+        }
+        let e = match c.state {
+            State::Handshake if c.side == super::state::Side::Server && c.pre_auth() => Error::AuthFailed {
+                peer: c.peer(),
+                reason: "peer hung up before proving the job secret (does it have the same secret?)",
+            },
+            _ => self.lost(conn, "control receive (peer closed)", None),
+        };
+        self.fail(conn, e);
+    }
+
+    /// Handles every complete frame in the buffer; checks a header as soon as it is in.
+    fn parse_ctrl(&mut self, conn: u64) -> Result<()> {
+        loop {
+            let Some(c) = self.conns.get_mut(&conn) else {
+                return Ok(());
+            };
+            let rx = &mut c.rx;
+            let have = rx.end - rx.start;
+            if have < HEADER_LEN {
+                if have == 0 {
+                    rx.start = 0;
+                    rx.end = 0;
+                }
+                return Ok(());
+            }
+            let hdr = match rx.hdr {
+                Some(h) => h,
+                None => {
+                    let b: [u8; HEADER_LEN] = rx.buf[rx.start..rx.start + HEADER_LEN].try_into().expect("40 bytes");
+                    let h = self.check_ctrl_header(conn, &b)?;
+                    self.conns.get_mut(&conn).expect("live").rx.hdr = Some(h);
+                    h
+                }
+            };
+            let c = self.conns.get_mut(&conn).expect("live");
+            let total = HEADER_LEN + hdr.length as usize;
+            if c.rx.end - c.rx.start < total {
+                return Ok(());
+            }
+            // Take the buffer out while the frame is handled (no copy, no allocation).
+            let mut rx = std::mem::replace(
+                &mut c.rx,
+                super::state::CtrlRx {
+                    buf: Vec::new(),
+                    start: 0,
+                    end: 0,
+                    hdr: None,
+                },
+            );
+            let p = rx.start + HEADER_LEN;
+            let r = self.on_ctrl_frame(conn, &hdr, &rx.buf[p..p + hdr.length as usize]);
+            rx.start += total;
+            rx.hdr = None;
+            if let Some(c) = self.conns.get_mut(&conn) {
+                c.rx = rx;
+            }
+            r?;
+        }
+    }
+
+    /// One control frame: the handshake's, or an established connection's.
+    fn on_ctrl_frame(&mut self, conn: u64, hdr: &Header, payload: &[u8]) -> Result<()> {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return Ok(());
+        };
+        if c.hs.is_some() {
+            return self.on_handshake_frame(conn, hdr, payload);
+        }
+        match hdr.kind {
+            Kind::Message => {
+                self.events.push_back(Event::Message {
+                    conn: ConnId(conn),
+                    tag: hdr.imm,
+                    data: payload.to_vec(),
+                });
+            }
+            Kind::Ack => {
+                while c.awaiting_ack.front().is_some_and(|a| a.seq <= hdr.seq) {
+                    let a = c.awaiting_ack.pop_front().expect("front");
+                    c.outstanding -= 1;
+                    self.events.push_back(Event::WriteDone {
+                        conn: ConnId(conn),
+                        req: a.req,
+                        bytes: a.bytes,
+                    });
+                }
+                self.dirty.push(conn);
+            }
+            Kind::Nack => {
+                if let Some(i) = c.awaiting_ack.iter().position(|a| a.seq == hdr.seq) {
+                    let a = c.awaiting_ack.remove(i).expect("index valid");
+                    c.outstanding -= 1;
+                    self.events.push_back(Event::OpFailed {
+                        conn: ConnId(conn),
+                        req: a.req,
+                        error: Error::RemoteAccess {
+                            conn,
+                            seq: hdr.seq,
+                            reason: frame::decode_reason(payload),
+                        },
+                    });
+                }
+                self.dirty.push(conn);
+            }
+            Kind::Regions => {
+                let list =
+                    frame::decode_regions(payload).map_err(|reason| Error::BadFrame { peer: c.peer(), reason })?;
+                for r in list {
+                    if hdr.flags & frame::FLAG_REVOKE != 0 {
+                        c.remote.remove(&r.rkey);
+                    } else {
+                        c.remote.insert(r.rkey, r);
+                    }
+                }
+                self.events
+                    .push_back(Event::RemoteRegionsChanged { conn: ConnId(conn) });
+            }
+            Kind::Close => {
+                c.peer_closed = true;
+                if c.state == State::Ready {
+                    c.state = State::Closing;
+                    c.deadline = Some(Instant::now() + self.cfg.close_timeout);
+                }
+                self.dirty.push(conn);
+                self.check_close_done(conn);
+            }
+            k => {
+                // check_ctrl_header admits no other kind.
+                return Err(Error::BadFrame {
+                    peer: c.peer(),
+                    reason: FrameError::Unexpected {
+                        kind: k.name(),
+                        state: c.state.name(),
+                    },
+                });
+            }
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- data
+
+    /// The io_uring backend's `check_incoming`: region, generation, access, bounds.
+    pub(super) fn check_incoming(&self, hdr: &Header) -> Result<Region> {
+        let op = "incoming write";
+        let r = self
+            .regions
+            .get(&hdr.region)
+            .filter(|r| r.generation() == hdr.generation)
+            .ok_or(Error::UnknownRegion {
+                op,
+                region: hdr.region,
+                generation: hdr.generation,
+            })?;
+        if !r.access().remote_write {
+            return Err(Error::AccessDenied {
+                op,
+                region: hdr.region,
+                needed: "remote write",
+            });
+        }
+        match hdr.offset.checked_add(hdr.length as u64) {
+            Some(end) if end <= r.len() as u64 => Ok(r.clone()),
+            _ => Err(Error::OutOfBounds {
+                op,
+                region: hdr.region,
+                offset: hdr.offset,
+                len: hdr.length as u64,
+                region_len: r.len() as u64,
+            }),
+        }
+    }
+
+    /// Reads the data socket until it would block or its budget is spent.
+    pub(super) fn read_data(&mut self, conn: u64) {
+        let mut budget = RX_BUDGET;
+        loop {
+            let Some(c) = self.conns.get(&conn) else { return };
+            if !c.data_ready.rd || c.data_eof || c.data_connecting {
+                return;
+            }
+            if budget == 0 {
+                self.again.push(Sock::Data(conn));
+                return;
+            }
+            match self.data_step(conn, &mut budget) {
+                Step::More => {}
+                Step::Blocked => {
+                    if let Some(c) = self.conns.get_mut(&conn) {
+                        c.data_ready.rd = false;
+                    }
+                    return;
+                }
+                Step::Eof => {
+                    let c = self.conns.get_mut(&conn).expect("live");
+                    let mid_write = !matches!(c.drx, DataRx::Header { have: 0, .. });
+                    if !mid_write && (c.peer_closed || c.state == State::Closing) {
+                        c.data_eof = true;
+                        c.data_ready.rd = false;
+                        return;
+                    }
+                    let e = self.lost(conn, "data receive (peer closed)", None);
+                    return self.fail(conn, e);
+                }
+                Step::Failed(e) => return self.fail(conn, e),
+            }
+        }
+    }
+
+    fn data_step(&mut self, conn: u64, budget: &mut usize) -> Step {
+        let c = self.conns.get_mut(&conn).expect("live");
+        let Some(sock) = c.data.as_mut() else {
+            return Step::Blocked;
+        };
+        let fd = sock.as_raw_fd();
+        let res = match &mut c.drx {
+            DataRx::Header { buf, have } => match sock.read(&mut buf[*have..]) {
+                Ok(0) => return Step::Eof,
+                Ok(n) => {
+                    if n < HEADER_LEN - *have {
+                        c.data_ready.rd = false; // a short read drained the socket
+                    }
+                    *have += n;
+                    if *have < HEADER_LEN {
+                        return Step::More;
+                    }
+                    let b = *buf;
+                    return self.on_data_header(conn, &b);
+                }
+                Err(e) => e,
+            },
+            DataRx::Payload { region, hdr, done, .. } => {
+                let left = hdr.length as u64 - *done;
+                let n = left.min(*budget as u64) as usize;
+                let at = hdr.offset as usize + *done as usize;
+                // The write's last chunk: the next header may come in the same recvmsg.
+                let last = n as u64 == left;
+                let mut next = [0u8; HEADER_LEN];
+                let got = if last {
+                    region.recv_into_with_tail(at, n, fd, &mut next)
+                } else {
+                    region.recv_into(at, n, fd)
+                };
+                match got {
+                    Ok(0) => return Step::Eof,
+                    Ok(k) => {
+                        let asked = if last { n + HEADER_LEN } else { n };
+                        if k < asked {
+                            c.data_ready.rd = false; // a short read drained the socket
+                        }
+                        let placed = k.min(n);
+                        *done += placed as u64;
+                        *budget = budget.saturating_sub(k);
+                        self.stats.rx_write_direct_bytes += placed as u64;
+                        if *done == hdr.length as u64 {
+                            let h = *hdr;
+                            let extra = k - placed;
+                            c.drx = DataRx::Header { buf: next, have: extra };
+                            self.placed(conn, h);
+                            if extra == HEADER_LEN {
+                                return self.on_data_header(conn, &next);
+                            }
+                        }
+                        return Step::More;
+                    }
+                    Err(e) => e,
+                }
+            }
+            DataRx::Discard { remaining, .. } => {
+                let n = (*remaining).min(self.scratch.len() as u64) as usize;
+                match sock.read(&mut self.scratch[..n]) {
+                    Ok(0) => return Step::Eof,
+                    Ok(k) => {
+                        if k < n {
+                            c.data_ready.rd = false; // a short read drained the socket
+                        }
+                        let n = k;
+                        *remaining -= n as u64;
+                        *budget = budget.saturating_sub(n);
+                        self.stats.rx_write_discarded_bytes += n as u64;
+                        if *remaining == 0 {
+                            let DataRx::Discard { hdr, reason, .. } = std::mem::replace(&mut c.drx, DataRx::header())
+                            else {
+                                unreachable!("matched above")
+                            };
+                            self.nack(conn, hdr, reason);
+                        }
+                        return Step::More;
+                    }
+                    Err(e) => e,
+                }
+            }
+        };
+        match res.kind() {
+            io::ErrorKind::WouldBlock => Step::Blocked,
+            io::ErrorKind::Interrupted => Step::More,
+            _ => Step::Failed(self.lost(conn, "data receive", Some(res))),
+        }
+    }
+
+    fn on_data_header(&mut self, conn: u64, b: &[u8; HEADER_LEN]) -> Step {
+        let hdr = match Header::decode(b) {
+            Ok(h) if h.kind == Kind::Write => h,
+            Ok(h) => {
+                let peer = self.conns[&conn].peer();
+                let reason = FrameError::Unexpected {
+                    kind: h.kind.name(),
+                    state: "DataSocket",
+                };
+                return Step::Failed(Error::BadFrame { peer, reason });
+            }
+            Err(reason) => {
+                let peer = self.conns[&conn].peer();
+                return Step::Failed(Error::BadFrame { peer, reason });
+            }
+        };
+        let checked = self.check_incoming(&hdr);
+        let c = self.conns.get_mut(&conn).expect("live");
+        match checked {
+            Ok(_) if hdr.length == 0 => {
+                c.drx = DataRx::header();
+                self.placed(conn, hdr);
+            }
+            Ok(region) => {
+                let guard = InFlight::new(&region);
+                c.drx = DataRx::Payload {
+                    region,
+                    _guard: guard,
+                    hdr,
+                    done: 0,
+                };
+            }
+            Err(error) => {
+                debug!(conn, error = %error, "rejecting an incoming write; discarding its payload");
+                let reason = error.to_string();
+                self.events.push_back(Event::WriteRejected {
+                    conn: ConnId(conn),
+                    error,
+                });
+                if hdr.length == 0 {
+                    c.drx = DataRx::header();
+                    self.nack(conn, hdr, reason);
+                } else {
+                    c.drx = DataRx::Discard {
+                        hdr,
+                        remaining: hdr.length as u64,
+                        reason,
+                    };
+                }
+            }
+        }
+        Step::More
+    }
+
+    /// A rejected write was drained: acknowledge what came before it, then refuse it.
+    fn nack(&mut self, conn: u64, hdr: Header, reason: String) {
+        let Some(c) = self.conns.get_mut(&conn) else { return };
+        if let Some(seq) = c.ack_to_send.take() {
+            let mut h = Header::new(Kind::Ack, 0);
+            h.seq = seq;
+            self.queue_ctrl(conn, h, super::state::Payload::None, None);
+        }
+        let body = reason.into_bytes();
+        let mut h = Header::new(Kind::Nack, body.len() as u32);
+        h.seq = hdr.seq;
+        self.queue_ctrl(conn, h, super::state::Payload::Owned(body), None);
+    }
+
+    fn placed(&mut self, conn: u64, hdr: Header) {
+        if hdr.flags & frame::FLAG_IMM != 0 {
+            self.events.push_back(Event::WriteReceived {
+                conn: ConnId(conn),
+                region: hdr.region,
+                offset: hdr.offset,
+                len: hdr.length as u64,
+                imm: hdr.imm,
+            });
+        }
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.ack_to_send = Some(hdr.seq);
+        }
+        self.dirty.push(conn);
+    }
+}
