@@ -31,17 +31,16 @@ use crate::auth::{self, JobSecret, Role as MacRole, Transcript};
 use crate::error::{Error, FrameError};
 use crate::frame::{self, Header, Kind, HEADER_LEN, NONCE_LEN};
 
-/// Bytes a connection may deliver before it is authenticated (headers included).
-pub const PRE_AUTH_MAX_BYTES: usize = 64 * 1024;
-/// Unauthenticated inbound handshakes (accepted sockets and connections not yet
-/// authenticated) a listener side holds at once; beyond it, new sockets are closed.
-pub const MAX_PENDING_HANDSHAKES: usize = 64;
+/// Bytes a connection may deliver before it is authenticated (headers included),
+/// and unauthenticated inbound handshakes held at once (past it, the oldest is
+/// closed): one definition for both backends, in [`crate::frame`].
+pub use crate::frame::{MAX_PENDING_HANDSHAKES, PRE_AUTH_MAX_BYTES};
 /// The largest first frame (`Hello`, `DataAttach`) an accepted socket may send.
 pub const FIRST_FRAME_MAX: u32 = 256;
 /// The largest handshake frame payload other than `Reject`.
 pub const HANDSHAKE_FRAME_MAX: u32 = 256;
 /// The largest `Reject` payload accepted during the handshake.
-pub const REJECT_MAX: u32 = 4096;
+pub const REJECT_MAX: u32 = frame::MAX_REJECT_BYTES;
 
 /// Who we are: what every handshake of a transport shares.
 #[derive(Debug, Clone)]

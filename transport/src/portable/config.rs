@@ -13,7 +13,7 @@ pub struct PortableStats {
     pub tx_payload_bytes: u64,
     /// `epoll_wait` calls.
     pub polls: u64,
-    /// Inbound sockets closed because [`MAX_PENDING_HANDSHAKES`](crate::handshake::MAX_PENDING_HANDSHAKES) were in progress.
+    /// Handshakes closed, oldest first, because [`MAX_PENDING_HANDSHAKES`](crate::handshake::MAX_PENDING_HANDSHAKES) were in progress.
     pub refused_over_limit: u64,
 }
 

@@ -35,6 +35,50 @@ impl PortableTransport {
                 .count()
     }
 
+    /// Closes the oldest unauthenticated inbound handshake (an unclassified
+    /// socket or a server connection waiting for the Auth), reporting it as
+    /// [`Error::TooManyHandshakes`]. False when there is none.
+    fn evict_oldest_handshake(&mut self) -> bool {
+        // Every handshake's deadline is its start plus the same timeout, so the
+        // earliest deadline is the oldest.
+        let pend = self.pending.iter().map(|(&id, p)| (p.deadline, false, id)).min();
+        let conn = self
+            .conns
+            .values()
+            .filter(|c| c.side == Side::Server && c.pre_auth())
+            .filter_map(|c| c.deadline.map(|d| (d, true, c.id)))
+            .min();
+        let Some((_, is_conn, id)) = pend.into_iter().chain(conn).min() else {
+            return false;
+        };
+        self.stats.refused_over_limit += 1;
+        if is_conn {
+            let peer = self.conns.get(&id).map(|c| c.peer()).unwrap_or_default();
+            debug!(conn = id, %peer, "evicting the oldest handshake: {MAX_PENDING_HANDSHAKES} pending");
+            self.fail(
+                id,
+                Error::TooManyHandshakes {
+                    peer,
+                    limit: MAX_PENDING_HANDSHAKES,
+                },
+            );
+        } else {
+            let peer = self.pending[&id].addr.to_string();
+            debug!(pending = id, %peer, "evicting the oldest handshake: {MAX_PENDING_HANDSHAKES} pending");
+            self.refuse_pending(
+                id,
+                Refusal {
+                    error: Error::TooManyHandshakes {
+                        peer,
+                        limit: MAX_PENDING_HANDSHAKES,
+                    },
+                    reply: None,
+                },
+            );
+        }
+        true
+    }
+
     pub(super) fn accept_all(&mut self, listener: u64) {
         loop {
             let Some(l) = self.listeners.get(&listener) else { return };
@@ -47,22 +91,13 @@ impl PortableTransport {
                     return;
                 }
             };
-            let n = self.pending_handshakes();
-            if n >= MAX_PENDING_HANDSHAKES {
-                self.stats.refused_over_limit += 1;
-                let _ = sock.shutdown(std::net::Shutdown::Both);
-                drop(sock);
-                debug!(%addr, "refused: {n} handshakes pending");
-                self.events.push_back(Event::PeerRejected {
-                    listener: ListenerId(listener),
-                    addr,
-                    error: Error::TooLarge {
-                        op: "pending handshakes",
-                        len: n as u64 + 1,
-                        max: MAX_PENDING_HANDSHAKES as u64,
-                    },
-                });
-                continue;
+            // At the bound, the oldest handshake goes (as in the io_uring backend):
+            // idle sockets cannot keep a real peer out for longer than it takes
+            // the peer to connect.
+            while self.pending_handshakes() >= MAX_PENDING_HANDSHAKES {
+                if !self.evict_oldest_handshake() {
+                    break;
+                }
             }
             if let Err(e) = sys::tune(sock.as_raw_fd(), &self.sockopts) {
                 warn!(%addr, error = %e, "socket options on an accepted socket");

@@ -37,7 +37,7 @@
 //!
 //! Pre-authentication limits ([`crate::handshake`]): [`PRE_AUTH_MAX_BYTES`]
 //! per connection, [`MAX_PENDING_HANDSHAKES`] unauthenticated inbound sockets
-//! at once (the excess is closed and reported as `PeerRejected`), and the
+//! at once (past it the oldest is closed, reported as `TooManyHandshakes`, as in the io_uring backend), and the
 //! `handshake_timeout` deadline.
 //!
 //! [`PRE_AUTH_MAX_BYTES`]: crate::handshake::PRE_AUTH_MAX_BYTES
