@@ -239,3 +239,24 @@ pub fn join(
     }
     Ok(r.addrs)
 }
+
+/// Not an API: the entry point of fuzz/fuzz_targets/rendezvous.rs. Parses `line`
+/// as rank 0 parses a join (checked against `config`) and as a rank parses rank
+/// 0's reply (an error in it rendered as `join` would return it), and returns
+/// what parsed, re-encoded: (the join, the reply).
+#[doc(hidden)]
+pub fn fuzz_parse_line(line: &str, config: &JobConfig) -> (Option<String>, Option<String>) {
+    let join = serde_json::from_str::<Join>(line).ok().map(|j| {
+        if let Some(m) = mismatch(j.rank, config, &j.config) {
+            let _ = to_error(String::new(), Some(m)).to_string();
+        }
+        serde_json::to_string(&j).expect("serializable")
+    });
+    let reply = serde_json::from_str::<Reply>(line).ok().map(|r| {
+        if let Some(e) = r.error.clone() {
+            let _ = to_error(e, r.mismatch).to_string();
+        }
+        serde_json::to_string(&r).expect("serializable")
+    });
+    (join, reply)
+}
