@@ -17,7 +17,7 @@ fn transcript() -> Transcript {
     }
 }
 
-/// handshake target, fuzz/artifacts/handshake/crash-hmac-key-trailing-nul: HMAC pads
+/// handshake target (input in fuzz/RESULTS.md): HMAC pads
 /// a key shorter than its 64-byte block with zeros, so two job secrets that differ
 /// only by trailing NUL bytes are one key, and a peer holding either passes the
 /// other's challenge (likewise a secret over 64 bytes and its SHA-256).
