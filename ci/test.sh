@@ -14,6 +14,7 @@
 #                every sync mode, lowered transport limits, SSP, killed and frozen workers),
 #                doc tests
 #   4b. miri     the unsafe code of registered memory under Miri (ci/miri.sh)
+#   4c. fuzz     every fuzz target (fuzz/, cargo fuzz) 10 s from its seed corpus, no crash (ci/fuzz.sh)
 #   5. doctor    tidewire doctor runs and explains itself
 #   6. example   examples/mlp: 3 processes train an MLP; the loss curve equals one process's
 #   7. train     the README's main job, short: tidewire train on the embedded default
@@ -139,6 +140,16 @@ tier tests cargo test --workspace --all-features --locked --no-fail-fast
 # Miri checks the unsafe code of registered memory (Region, Lease, PinnedBuffer) for undefined
 # behaviour, data races included; ci/miri.sh installs nightly with miri when it is missing.
 tier miri bash ci/miri.sh
+
+# libFuzzer on every decoder that reads a peer's bytes (fuzz/: frames and stream reassembly,
+# the handshake both sides, rendezvous lines, RDMA wire and notices, perftest's out-of-band
+# messages, the engine's messages), 10 s each from the committed seed corpus; any crash
+# fails. ci/fuzz.sh installs nightly and cargo-fuzz when they are missing.
+if command -v rustup >/dev/null 2>&1; then
+  tier fuzz env FUZZ_SECONDS="${FUZZ_SECONDS:-10}" bash ci/fuzz.sh
+else
+  skip fuzz "rustup is not installed: cargo fuzz needs the nightly toolchain, which ci/fuzz.sh installs with rustup"
+fi
 
 doctor() {
   cargo run --release --locked -q -- doctor && cargo run --release --locked -q -- doctor --json >/dev/null

@@ -282,14 +282,7 @@ fn authenticate(stream: TcpStream, secret: &JobSecret, deadline: Instant) -> std
             .map_err(|e| format!("sending the challenge: {e}"))?;
         let mut reader = BufReader::new(&stream);
         let line = read_line(&mut reader, &stream, deadline).map_err(|e| format!("reading the join: {e}"))?;
-        let signed: SignedJoin = serde_json::from_slice(&line).map_err(|e| format!("malformed join: {e}"))?;
-        let joiner = unhex32(&signed.nonce).ok_or("malformed joiner nonce")?;
-        let mac = unhex(&signed.mac).ok_or("malformed MAC")?;
-        if !auth::verify_mac(secret, JOIN_LABEL, &[&host, &joiner, signed.join.as_bytes()], &mac) {
-            return Err("authentication failed (the joiner does not have this job's secret)".to_string());
-        }
-        let join: Join = serde_json::from_str(&signed.join).map_err(|e| format!("malformed join: {e}"))?;
-        Ok((join, joiner))
+        check_join(&line, secret, &host)
     })();
     match r {
         Ok((join, joiner)) => Ok(Joined {
@@ -309,6 +302,50 @@ fn authenticate(stream: TcpStream, secret: &JobSecret, deadline: Instant) -> std
             Err(why)
         }
     }
+}
+
+/// Rank 0's check of a joiner's signed join line against its challenge nonce
+/// `host`: the join and the joiner's nonce, or why it is refused.
+fn check_join(line: &[u8], secret: &JobSecret, host: &[u8; 32]) -> std::result::Result<(Join, [u8; 32]), String> {
+    let signed: SignedJoin = serde_json::from_slice(line).map_err(|e| format!("malformed join: {e}"))?;
+    let joiner = unhex32(&signed.nonce).ok_or("malformed joiner nonce")?;
+    let mac = unhex(&signed.mac).ok_or("malformed MAC")?;
+    if !auth::verify_mac(secret, JOIN_LABEL, &[host, &joiner, signed.join.as_bytes()], &mac) {
+        return Err("authentication failed (the joiner does not have this job's secret)".to_string());
+    }
+    let join: Join = serde_json::from_str(&signed.join).map_err(|e| format!("malformed join: {e}"))?;
+    Ok((join, joiner))
+}
+
+/// A joiner's check of rank 0's signed reply line: the address table, or why not.
+fn check_reply(line: &[u8], secret: &JobSecret, nonces: [&[u8; 32]; 2], world: usize) -> Result<Vec<SocketAddr>> {
+    let [host, joiner] = nonces;
+    let signed: SignedReply =
+        serde_json::from_slice(line).map_err(|e| Error::Rendezvous(format!("bad reply from rank 0: {e}")))?;
+    if let Some(why) = signed.refused {
+        return Err(Error::Rendezvous(format!(
+            "rank 0 refused this rank: {why} (is the job secret the same on every rank?)"
+        )));
+    }
+    let (Some(body), Some(mac)) = (signed.reply, signed.mac.as_deref().and_then(unhex)) else {
+        return Err(Error::Rendezvous("rank 0's reply has no table or no MAC".into()));
+    };
+    if !auth::verify_mac(secret, REPLY_LABEL, &[host, joiner, body.as_bytes()], &mac) {
+        return Err(Error::Rendezvous(
+            "rank 0's reply does not prove the job secret (an impostor, or another job's rank 0)".into(),
+        ));
+    }
+    let r: Reply = serde_json::from_str(&body).map_err(|e| Error::Rendezvous(format!("bad reply from rank 0: {e}")))?;
+    if let Some(e) = r.error {
+        return Err(to_error(e, r.mismatch));
+    }
+    if r.addrs.len() != world {
+        return Err(Error::Rendezvous(format!(
+            "rank 0 sent {} addresses for {world} ranks",
+            r.addrs.len()
+        )));
+    }
+    Ok(r.addrs)
 }
 
 /// Reads one line of at most [`MAX_LINE`] bytes (without its newline) before `deadline`.
@@ -475,32 +512,67 @@ pub fn join(
     // The table grows with the world: allow for it beyond the usual bound.
     let max = MAX_LINE.max(world.saturating_mul(128));
     let line = read_line_max(&mut reader, &stream, deadline, max).map_err(|e| late("reply", e))?;
-    let signed: SignedReply =
-        serde_json::from_slice(&line).map_err(|e| Error::Rendezvous(format!("bad reply from rank 0: {e}")))?;
-    if let Some(why) = signed.refused {
-        return Err(Error::Rendezvous(format!(
-            "rank 0 refused this rank: {why} (is the job secret the same on every rank?)"
-        )));
-    }
-    let (Some(body), Some(mac)) = (signed.reply, signed.mac.as_deref().and_then(unhex)) else {
-        return Err(Error::Rendezvous("rank 0's reply has no table or no MAC".into()));
+    check_reply(&line, secret, [&host, &joiner], world)
+}
+
+/// Not an API: the entry point of fuzz/fuzz_targets/rendezvous.rs. Parses `line`
+/// as rank 0 parses a join (checked against `config`) and as a rank parses rank
+/// 0's reply (an error in it rendered as `join` would return it), and returns
+/// what parsed, re-encoded: (the join, the reply). It also runs the real checks
+/// of the signed lines, [`check_join`] and [`check_reply`], with `secret` and
+/// fixed nonces (a line the fuzzer did not sign must be refused).
+#[doc(hidden)]
+pub fn fuzz_parse_line(line: &str, config: &JobConfig, secret: &JobSecret) -> (Option<String>, Option<String>) {
+    let nonces = [[1u8; 32], [2u8; 32]];
+    let _ = check_join(line.as_bytes(), secret, &nonces[0]);
+    let _ = check_reply(line.as_bytes(), secret, [&nonces[0], &nonces[1]], 4).map_err(|e| e.to_string());
+    // `line` as the body of a properly signed join and reply: past the MAC, the
+    // checks accept exactly what parses (and a reply only with 4 addresses and no error).
+    let signed = SignedJoin {
+        mac: hex(&auth::mac(
+            secret,
+            JOIN_LABEL,
+            &[&nonces[0], &nonces[1], line.as_bytes()],
+        )),
+        nonce: hex(&nonces[1]),
+        join: line.to_string(),
     };
-    if !auth::verify_mac(secret, REPLY_LABEL, &[&host, &joiner, body.as_bytes()], &mac) {
-        return Err(Error::Rendezvous(
-            "rank 0's reply does not prove the job secret (an impostor, or another job's rank 0)".into(),
-        ));
-    }
-    let r: Reply = serde_json::from_str(&body).map_err(|e| Error::Rendezvous(format!("bad reply from rank 0: {e}")))?;
-    if let Some(e) = r.error {
-        return Err(to_error(e, r.mismatch));
-    }
-    if r.addrs.len() != world {
-        return Err(Error::Rendezvous(format!(
-            "rank 0 sent {} addresses for {world} ranks",
-            r.addrs.len()
-        )));
-    }
-    Ok(r.addrs)
+    let ok = check_join(
+        serde_json::to_string(&signed).expect("serializable").as_bytes(),
+        secret,
+        &nonces[0],
+    );
+    assert_eq!(ok.is_ok(), serde_json::from_str::<Join>(line).is_ok(), "{ok:?}");
+    let signed = SignedReply {
+        mac: Some(hex(&auth::mac(
+            secret,
+            REPLY_LABEL,
+            &[&nonces[0], &nonces[1], line.as_bytes()],
+        ))),
+        reply: Some(line.to_string()),
+        refused: None,
+    };
+    let got = check_reply(
+        serde_json::to_string(&signed).expect("serializable").as_bytes(),
+        secret,
+        [&nonces[0], &nonces[1]],
+        4,
+    );
+    let want = serde_json::from_str::<Reply>(line).is_ok_and(|r| r.error.is_none() && r.addrs.len() == 4);
+    assert_eq!(got.is_ok(), want, "{got:?}");
+    let join = serde_json::from_str::<Join>(line).ok().map(|j| {
+        if let Some(m) = mismatch(j.rank, config, &j.config) {
+            let _ = to_error(String::new(), Some(m)).to_string();
+        }
+        serde_json::to_string(&j).expect("serializable")
+    });
+    let reply = serde_json::from_str::<Reply>(line).ok().map(|r| {
+        if let Some(e) = r.error.clone() {
+            let _ = to_error(e, r.mismatch).to_string();
+        }
+        serde_json::to_string(&r).expect("serializable")
+    });
+    (join, reply)
 }
 
 #[cfg(test)]

@@ -49,8 +49,9 @@ impl JobSecret {
 }
 
 /// The fields every MAC of one handshake covers.
+#[doc(hidden)] // pub for fuzz/ only
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Transcript {
+pub struct Transcript {
     pub job_id: u64,
     pub client_rank: u32,
     pub server_rank: u32,
@@ -60,8 +61,9 @@ pub(crate) struct Transcript {
 }
 
 /// Which proof.
+#[doc(hidden)] // pub for fuzz/ only
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Role {
+pub enum Role {
     Server,
     Client,
     Data,
@@ -89,11 +91,13 @@ fn mac_for(secret: &JobSecret, role: Role, t: &Transcript) -> HmacSha256 {
     m
 }
 
-pub(crate) fn prove(secret: &JobSecret, role: Role, t: &Transcript) -> [u8; NONCE_LEN] {
+#[doc(hidden)] // pub for fuzz/ only
+pub fn prove(secret: &JobSecret, role: Role, t: &Transcript) -> [u8; NONCE_LEN] {
     mac_for(secret, role, t).finalize().into_bytes().into()
 }
 
-pub(crate) fn verify(secret: &JobSecret, role: Role, t: &Transcript, mac: &[u8]) -> bool {
+#[doc(hidden)] // pub for fuzz/ only
+pub fn verify(secret: &JobSecret, role: Role, t: &Transcript, mac: &[u8]) -> bool {
     mac_for(secret, role, t).verify_slice(mac).is_ok()
 }
 

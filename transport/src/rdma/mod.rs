@@ -81,7 +81,8 @@ mod qp;
 pub mod raw;
 mod state;
 mod transport;
-pub(crate) mod wire;
+#[doc(hidden)] // pub for fuzz/ only
+pub mod wire;
 
 pub use config::{ConnectMode, CqMode, RdmaConfig, RdmaStats};
 pub use ctx::RdmaTransport;

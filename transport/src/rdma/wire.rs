@@ -16,12 +16,12 @@ pub(crate) const TAG_ABORT: u32 = 6;
 
 const QP_INFO_MAGIC: &[u8; 4] = b"TWQP";
 const QP_INFO_VERSION: u8 = 1;
-pub(crate) const QP_INFO_LEN: usize = 4 + 1 + 4 + 4 + 2 + 16 + 1 + 4 + 4 + 8 + 4 + 8;
+pub const QP_INFO_LEN: usize = 4 + 1 + 4 + 4 + 2 + 16 + 1 + 4 + 4 + 8 + 4 + 8;
 
 /// One side's queue pair and receive resources, as its peer needs them to
 /// bring the RC connection to RTR/RTS and to address the notification ring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct QpInfo {
+pub struct QpInfo {
     pub qpn: u32,
     pub psn: u32,
     pub lid: u16,
@@ -97,14 +97,14 @@ impl QpInfo {
 /// ring just before its payload: which region, where, and how much. RC
 /// ordering places it before the payload's WRITE_WITH_IMM completes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Notice {
+pub struct Notice {
     pub rkey: u32,
     pub generation: u32,
     pub offset: u64,
     pub len: u64,
 }
 
-pub(crate) const NOTICE_LEN: usize = 32;
+pub const NOTICE_LEN: usize = 32;
 
 impl Notice {
     pub fn encode(&self) -> [u8; NOTICE_LEN] {
@@ -187,20 +187,20 @@ pub(crate) fn grant_credits(have: u32, grant: u32, max: u32) -> Result<u32, Viol
 
 /// An abort: why this side is tearing the connection down. `access` marks a
 /// write the target's device refused (IBV_WC_REM_ACCESS_ERR at the writer).
-pub(crate) fn encode_abort(access: bool, reason: &str) -> Vec<u8> {
+pub fn encode_abort(access: bool, reason: &str) -> Vec<u8> {
     let mut b = vec![access as u8];
     b.extend_from_slice(&reason.as_bytes()[..reason.len().min(1024)]);
     b
 }
 
-pub(crate) fn decode_abort(b: &[u8]) -> (bool, String) {
+pub fn decode_abort(b: &[u8]) -> (bool, String) {
     match b.split_first() {
         Some((&a, rest)) => (a == 1, String::from_utf8_lossy(rest).into_owned()),
         None => (false, "no reason given".into()),
     }
 }
 
-pub(crate) fn decode_credit(b: &[u8]) -> Result<u32, FrameError> {
+pub fn decode_credit(b: &[u8]) -> Result<u32, FrameError> {
     match <[u8; 4]>::try_from(b) {
         Ok(a) => Ok(u32::from_le_bytes(a)),
         Err(_) => Err(FrameError::Malformed { what: "credit" }),
