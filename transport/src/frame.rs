@@ -10,7 +10,8 @@
 //! ```
 //!
 //! Every decoder here takes arbitrary bytes and returns `Result`; none can
-//! panic (see the property tests at the bottom and `tests/frame_fuzz.rs`).
+//! panic (see the property tests at the bottom and the `frame` fuzz target,
+//! `fuzz/fuzz_targets/frame.rs`).
 
 use crate::error::FrameError;
 
