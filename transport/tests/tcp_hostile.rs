@@ -1,9 +1,9 @@
-//! Hostile peers against the io_uring TCP backend: what an unauthenticated
-//! connection can make a server hold, how long it can hold it, and that
-//! legitimate peers still get in meanwhile.
+//! Hostile peers against both TCP backends (io_uring and portable, every case
+//! on each): what an unauthenticated connection can make a server hold, how
+//! long it can hold it, and that legitimate peers still get in meanwhile.
 //!
 //! The attackers are raw `std` sockets in this process; the server is a real
-//! `TcpTransport`, and so is the legitimate peer. The tests in this file run
+//! transport of the backend under test, and so is the legitimate peer. The tests in this file run
 //! one at a time (they read the process's RSS and share one CPU budget).
 
 use std::io::{ErrorKind, Read, Write};
@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use tidewire_transport::error::FrameError;
 use tidewire_transport::frame::{self, Header, Hello, Kind, MAX_PENDING_HANDSHAKES};
 use tidewire_transport::{
-    Access, ConnId, Error, Event, JobSecret, ListenerId, PinOptions, PinnedBuffer, Region, TcpConfig, TcpTransport,
-    Transport,
+    Access, ConnId, Error, Event, JobSecret, ListenerId, PinOptions, PinnedBuffer, PortableTransport, Region,
+    TcpConfig, TcpTransport, Transport,
 };
 
 const JOB: u64 = 0x7e57_4057;
@@ -27,14 +27,58 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn transport(rank: u32, handshake: Duration) -> TcpTransport {
+fn config(rank: u32, handshake: Duration) -> TcpConfig {
     let mut cfg = TcpConfig::new(JOB, rank, JobSecret::new(SECRET.to_vec()));
     cfg.handshake_timeout = handshake;
     cfg.busy_poll = Duration::ZERO;
-    TcpTransport::new(cfg).expect("io_uring transport")
+    cfg
 }
 
-fn region(t: &mut TcpTransport) -> Region {
+/// A backend under test, with the counters these tests read.
+trait Hostile: Transport + Sized {
+    fn make(rank: u32, handshake: Duration) -> Self;
+    /// Handshakes closed because MAX_PENDING_HANDSHAKES others were pending.
+    fn evicted(&self) -> u64;
+    /// Unauthenticated connections refused on a header.
+    fn pre_auth_refused(&self) -> u64;
+    fn stats_line(&self) -> String;
+}
+
+impl Hostile for TcpTransport {
+    fn make(rank: u32, handshake: Duration) -> Self {
+        TcpTransport::new(config(rank, handshake)).expect("io_uring transport")
+    }
+    fn evicted(&self) -> u64 {
+        self.stats().handshakes_evicted
+    }
+    fn pre_auth_refused(&self) -> u64 {
+        self.stats().pre_auth_refused
+    }
+    fn stats_line(&self) -> String {
+        format!("{:?}", self.stats())
+    }
+}
+
+impl Hostile for PortableTransport {
+    fn make(rank: u32, handshake: Duration) -> Self {
+        PortableTransport::new(config(rank, handshake)).expect("portable transport")
+    }
+    fn evicted(&self) -> u64 {
+        self.stats().refused_over_limit
+    }
+    fn pre_auth_refused(&self) -> u64 {
+        self.stats().pre_auth_refused
+    }
+    fn stats_line(&self) -> String {
+        format!("{:?}", self.stats())
+    }
+}
+
+fn transport<T: Hostile>(rank: u32, handshake: Duration) -> T {
+    T::make(rank, handshake)
+}
+
+fn region(t: &mut impl Transport) -> Region {
     let opts = PinOptions {
         lock: false,
         ..Default::default()
@@ -104,10 +148,10 @@ fn still_open(s: &mut TcpStream) -> bool {
 
 /// Connects `client` to the server, has it send one message, and drives both
 /// until the server has it; returns how long that took. Panics after `limit`.
-fn legit_exchange(
-    server: &mut TcpTransport,
+fn legit_exchange<T: Hostile>(
+    server: &mut T,
     l: ListenerId,
-    client: &mut TcpTransport,
+    client: &mut T,
     src: &Region,
     server_evs: &mut Vec<Event>,
     limit: Duration,
@@ -152,8 +196,8 @@ fn legit_exchange(
 
 /// Runs a peer through the server that sends 8 MiB of 16 KiB messages, so that
 /// every provided receive buffer of the server has been used once, then closes it.
-fn warm_up(server: &mut TcpTransport, l: ListenerId, sevs: &mut Vec<Event>) {
-    let mut peer = transport(2, Duration::from_secs(5));
+fn warm_up<T: Hostile>(server: &mut T, l: ListenerId, sevs: &mut Vec<Event>) {
+    let mut peer: T = transport(2, Duration::from_secs(5));
     let opts = PinOptions {
         lock: false,
         ..Default::default()
@@ -192,17 +236,16 @@ fn warm_up(server: &mut TcpTransport, l: ListenerId, sevs: &mut Vec<Event>) {
 /// it) raise this process's RSS by less than 4 MiB, are closed within the
 /// handshake deadline, and a legitimate peer connects and exchanges a message
 /// meanwhile.
-#[test]
-fn fifty_big_frame_claims_before_auth_cost_little_and_are_closed() {
+fn fifty_big_frame_claims_before_auth_cost_little_and_are_closed<T: Hostile>() {
     let _g = serial();
     const ATTACKERS: usize = 50;
     const CHUNK: usize = 1 << 20;
     let hs = Duration::from_millis(1500);
     let slack = Duration::from_millis(1000);
-    let mut server = transport(0, hs);
+    let mut server: T = transport(0, hs);
     let l = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr: SocketAddr = server.listener_addr(l).unwrap();
-    let mut client = transport(1, hs);
+    let mut client: T = transport(1, hs);
     let src = region(&mut client);
     let _dst = region(&mut server);
     // Everything the attack itself needs is allocated (and touched) before the baseline.
@@ -284,7 +327,7 @@ fn fifty_big_frame_claims_before_auth_cost_little_and_are_closed() {
     let late = attack.join().unwrap();
     let after = rss_kib();
     let peak = peak.max(after);
-    let stats = server.stats();
+    let stats = server.stats_line();
     let rejected = sevs
         .iter()
         .filter(|e| {
@@ -311,7 +354,7 @@ fn fifty_big_frame_claims_before_auth_cost_little_and_are_closed() {
         .filter(|e| matches!(e, Event::PeerRejected { .. } | Event::Closed { .. }))
         .collect();
     assert_eq!(rejected, ATTACKERS, "each claim is refused on its header: {others:#?}");
-    assert_eq!(stats.pre_auth_refused, ATTACKERS as u64);
+    assert_eq!(server.pre_auth_refused(), ATTACKERS as u64, "{stats}");
     drop(payload);
 }
 
@@ -320,15 +363,14 @@ fn fifty_big_frame_claims_before_auth_cost_little_and_are_closed() {
 /// legitimate peer out, and it gets in while the newest idle ones are still
 /// open (so not merely because their handshake deadline passed). The idle
 /// ones that were not evicted are closed at their handshake deadline.
-#[test]
-fn idle_connections_past_the_cap_do_not_keep_a_peer_out() {
+fn idle_connections_past_the_cap_do_not_keep_a_peer_out<T: Hostile>() {
     let _g = serial();
     const IDLE: usize = 80;
     let hs = Duration::from_millis(2000);
-    let mut server = transport(0, hs);
+    let mut server: T = transport(0, hs);
     let l = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = server.listener_addr(l).unwrap();
-    let mut client = transport(1, hs);
+    let mut client: T = transport(1, hs);
     let src = region(&mut client);
     let mut sevs = Vec::new();
     let start = Instant::now();
@@ -339,15 +381,15 @@ fn idle_connections_past_the_cap_do_not_keep_a_peer_out() {
         server.wait(&mut sevs, 1024, Duration::from_millis(1)).unwrap();
     }
     let excess = (IDLE - MAX_PENDING_HANDSHAKES) as u64;
-    while server.stats().handshakes_evicted < excess {
+    while server.evicted() < excess {
         assert!(
             start.elapsed() < hs / 2,
             "the server did not accept the idle sockets: {:?}",
-            server.stats()
+            server.stats_line()
         );
         server.wait(&mut sevs, 1024, Duration::from_millis(1)).unwrap();
     }
-    assert_eq!(server.stats().handshakes_evicted, excess);
+    assert_eq!(server.evicted(), excess);
     // The oldest were closed at once, with a typed reason.
     for (i, s) in idle.iter_mut().take(excess as usize).enumerate() {
         assert!(
@@ -364,7 +406,7 @@ fn idle_connections_past_the_cap_do_not_keep_a_peer_out() {
     let took = legit_exchange(&mut server, l, &mut client, &src, &mut sevs, hs / 2);
     eprintln!(
         "legitimate peer got in after {took:?} with 64 idle sockets pending; {:?}",
-        server.stats()
+        server.stats_line()
     );
     let last = idle.last_mut().unwrap();
     assert!(
@@ -405,11 +447,10 @@ fn idle_connections_past_the_cap_do_not_keep_a_peer_out() {
 /// A frame a handshake state does not allow is refused on its header: an
 /// authenticated kind (Message) right after the Hello, and an Auth frame that
 /// claims more than a MAC. The server never waits for the payload.
-#[test]
-fn wrong_kind_or_size_is_refused_on_the_header() {
+fn wrong_kind_or_size_is_refused_on_the_header<T: Hostile>() {
     let _g = serial();
     let hs = Duration::from_secs(5);
-    let mut server = transport(0, hs);
+    let mut server: T = transport(0, hs);
     let l = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = server.listener_addr(l).unwrap();
     let claims = [
@@ -442,14 +483,13 @@ fn wrong_kind_or_size_is_refused_on_the_header() {
             "{h:?}: {sevs:?}"
         );
     }
-    assert_eq!(server.stats().pre_auth_refused, 3);
+    assert_eq!(server.pre_auth_refused(), 3);
 }
 
 /// The dialling side is protected too: a "server" that answers the Hello with
 /// a Challenge header claiming 1 MiB is refused on that header, at once, not
 /// after the handshake deadline and without buffering the payload.
-#[test]
-fn a_hostile_server_is_refused_on_its_first_header() {
+fn a_hostile_server_is_refused_on_its_first_header<T: Hostile>() {
     let _g = serial();
     let hs = Duration::from_secs(5);
     let fake = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -462,7 +502,7 @@ fn a_hostile_server_is_refused_on_its_first_header() {
         let _ = s.write_all(&vec![0u8; 256 << 10]);
         closed_within(&mut s, Duration::from_secs(3))
     });
-    let mut client = transport(1, hs);
+    let mut client: T = transport(1, hs);
     let cc = client.connect(addr).unwrap();
     let start = Instant::now();
     let mut evs = Vec::new();
@@ -486,3 +526,29 @@ fn a_hostile_server_is_refused_on_its_first_header() {
         "the client left the hostile server's socket open"
     );
 }
+
+/// Every case on both TCP backends.
+macro_rules! on {
+    ($backend:ident, $t:ty) => {
+        mod $backend {
+            #[test]
+            fn fifty_big_frame_claims_before_auth_cost_little_and_are_closed() {
+                super::fifty_big_frame_claims_before_auth_cost_little_and_are_closed::<$t>()
+            }
+            #[test]
+            fn idle_connections_past_the_cap_do_not_keep_a_peer_out() {
+                super::idle_connections_past_the_cap_do_not_keep_a_peer_out::<$t>()
+            }
+            #[test]
+            fn wrong_kind_or_size_is_refused_on_the_header() {
+                super::wrong_kind_or_size_is_refused_on_the_header::<$t>()
+            }
+            #[test]
+            fn a_hostile_server_is_refused_on_its_first_header() {
+                super::a_hostile_server_is_refused_on_its_first_header::<$t>()
+            }
+        }
+    };
+}
+on!(uring, tidewire_transport::TcpTransport);
+on!(portable, tidewire_transport::PortableTransport);

@@ -15,6 +15,10 @@ pub struct PortableStats {
     pub polls: u64,
     /// Handshakes closed, oldest first, because [`MAX_PENDING_HANDSHAKES`](crate::handshake::MAX_PENDING_HANDSHAKES) were in progress.
     pub refused_over_limit: u64,
+    /// Unauthenticated sockets and connections refused on a header (a kind,
+    /// version or length their handshake state does not allow, judged before
+    /// any payload byte is read).
+    pub pre_auth_refused: u64,
 }
 
 /// What a poller token names: the low two bits say which socket, the rest the id.

@@ -160,7 +160,10 @@ impl PortableTransport {
                     let b: [u8; HEADER_LEN] = p.buf[..HEADER_LEN].try_into().expect("40 bytes");
                     match hs::first_header(&p.addr.to_string(), &b) {
                         Ok(h) => p.hdr = Some(h),
-                        Err(r) => return self.refuse_pending(id, r),
+                        Err(r) => {
+                            self.stats.pre_auth_refused += 1;
+                            return self.refuse_pending(id, r);
+                        }
                     }
                     continue;
                 }

@@ -31,7 +31,10 @@ impl PortableTransport {
         let max = (self.cfg.max_message_bytes as u32).max(frame::MAX_CONTROL_BYTES);
         let c = self.conns.get_mut(&conn).expect("live");
         if let Some(h) = c.hs.as_mut() {
-            return h.on_header(b).map_err(|r| r.error);
+            return h.on_header(b).map_err(|r| {
+                self.stats.pre_auth_refused += 1;
+                r.error
+            });
         }
         let bad = |reason| Error::BadFrame { peer: c.peer(), reason };
         let hdr = Header::decode(b).map_err(bad)?;
