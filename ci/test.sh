@@ -24,10 +24,12 @@
 #                single-node engine overhead, and CPU aggregation against a STREAM triad
 #                (informational: performance is judged from full bench runs)
 #   9. rdma-fallback  an `rdma` build where libibverbs is missing falls back to TCP and says why
-#   9a. no-uring io_uring denied (sysctl kernel.io_uring_disabled=2, restored on any exit): the
-#                conformance suite on the portable backend, the TCP selection's fallback, `tidewire
-#                train --verify` on the portable backend (it must say so and why), and `tidewire
-#                doctor` explaining that io_uring is unusable and what is used instead
+#   9a. no-uring io_uring denied by a seccomp filter on the test processes (ci/no-uring.c, as
+#                Docker's default profile does): the conformance suite, the hostile-peer cases and
+#                the allocation test on the portable backend, `tidewire train --verify` (it must
+#                say it runs portable and why) and `tidewire doctor` explaining that io_uring is
+#                unusable and what is used instead; as root, train and doctor again with
+#                kernel.io_uring_disabled=2 (restored by a trap on any exit)
 #   9b. netem    the bandwidth harness (ci/netem/): every profile measured with iperf3 between
 #                namespaces within 10% of its target (dilated above half the ceiling), and
 #                `tidewire train` under it against `tidewire sim`: between -10% and +20% (4 nodes, 1 and 2 GbE)
@@ -203,36 +205,75 @@ fi
 # previous value on any exit, by a trap in the subshell), then run the portable backend's
 # conformance suite, the selection's fallback, a verified train and doctor. Everything is
 # built before io_uring is denied (cargo and rustc do not need it, but the window stays short).
-no_uring() {
-  cargo build --release --locked -q -p tidewire-cli --bin tidewire || return 1
-  cargo test --release --locked -q -p tidewire-transport --test portable_conformance --no-run || return 1
-  cargo test --release --locked -q -p tidewire-transport --lib --no-run || return 1
-  local prev
-  prev=$(cat /proc/sys/kernel/io_uring_disabled) || return 1
-  (
-    trap 'sysctl -qw kernel.io_uring_disabled='"$prev"' && echo "kernel.io_uring_disabled restored to '"$prev"'"' EXIT
-    sysctl -w kernel.io_uring_disabled=2 || exit 1
-    cargo test --release --locked -q -p tidewire-transport --test portable_conformance || exit 1
-    cargo test --release --locked -q -p tidewire-transport --lib -- select:: || exit 1
-    out=$(timeout 600 "$TARGET_DIR/release/tidewire" train --model googlenet --workers 4 --servers 2 --iters 3 \
-          --time-scale 0.05 --verify 2>&1)
-    rc=$?
-    echo "$out" | grep -E '^transport|mean iteration|verify'
-    [ $rc -eq 0 ] || { echo "$out" | tail -20; echo "train failed without io_uring"; exit 1; }
-    grep -q '^transport portable: .*io_uring unavailable.*using the portable epoll TCP backend' <<<"$out" \
-      || { echo "train did not report the portable transport and why"; exit 1; }
-    grep -q 'bit for bit' <<<"$out" || { echo "train did not verify"; exit 1; }
-    out=$("$TARGET_DIR/release/tidewire" doctor 2>&1)
-    echo "$out" | grep -E 'io_uring|portable|default transport'
-    grep -q 'NO .*io_uring .*io_uring_disabled=2' <<<"$out" || { echo "doctor did not say why io_uring is unusable"; exit 1; }
-    grep -q 'default transport (auto): portable epoll TCP: io_uring is unusable' <<<"$out" \
-      || { echo "doctor did not say what is used instead"; exit 1; }
-  )
+# Runs "$@" with io_uring denied: by a seccomp filter on the command and its children
+# (ci/no-uring.c, as Docker's default profile does; nothing else on the machine is
+# affected), or, with NO_URING=sysctl, by kernel.io_uring_disabled=2 (restored by a trap).
+denied() {
+  if [ "${NO_URING:-seccomp}" = sysctl ]; then
+    local prev rc
+    prev=$(cat /proc/sys/kernel/io_uring_disabled) || return 1
+    (
+      trap 'sysctl -qw kernel.io_uring_disabled='"$prev"' && echo "kernel.io_uring_disabled restored to '"$prev"'"' EXIT
+      sysctl -qw kernel.io_uring_disabled=2 || exit 1
+      "$@"
+    )
+  else
+    "$TARGET_DIR/no-uring" "$@"
+  fi
 }
-if [ "$(id -u)" -ne 0 ]; then
-  skip no-uring "denying io_uring (sysctl kernel.io_uring_disabled=2) needs root; run ci/test.sh as root"
-elif ! command -v sysctl >/dev/null 2>&1 || [ ! -w /proc/sys/kernel/io_uring_disabled ]; then
-  skip no-uring "this kernel has no writable kernel.io_uring_disabled (Linux 6.6+, and not a read-only /proc/sys), or sysctl is missing"
+no_uring_train_doctor() { # what doctor must name as the reason
+  local why=$1 out rc
+  out=$(denied timeout 600 "$TARGET_DIR/release/tidewire" train --model googlenet --workers 4 --servers 2 --iters 3 \
+        --time-scale 0.05 --verify 2>&1)
+  rc=$?
+  echo "$out" | grep -E '^transport|mean iteration|verify'
+  [ $rc -eq 0 ] || { echo "$out" | tail -20; echo "train failed without io_uring"; return 1; }
+  grep -q '^transport portable: .*io_uring unavailable.*using the portable epoll TCP backend' <<<"$out" \
+    || { echo "train did not report the portable transport and why"; return 1; }
+  grep -q 'bit for bit' <<<"$out" || { echo "train did not verify"; return 1; }
+  out=$(denied "$TARGET_DIR/release/tidewire" doctor 2>&1)
+  echo "$out" | grep -E 'io_uring|portable|default transport'
+  grep -q "NO .*io_uring .*$why" <<<"$out" || { echo "doctor did not say why io_uring is unusable ($why)"; return 1; }
+  grep -q 'default transport (auto): portable epoll TCP: io_uring is unusable' <<<"$out" \
+    || { echo "doctor did not say what is used instead"; return 1; }
+}
+no_uring() {
+  cc -O2 -Wall -o "$TARGET_DIR/no-uring" ci/no-uring.c || return 1
+  cargo build --release --locked -q -p tidewire-cli --bin tidewire || return 1
+  local tests
+  tests=$(cargo test --release --locked -q -p tidewire-transport --lib --test portable_conformance --test tcp_hostile \
+          --test steady_alloc --no-run --message-format=json 2>/dev/null \
+          | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["executable"])') || return 1
+  [ -n "$tests" ] || { echo "no test binaries built"; return 1; }
+  # Proof that the filter bites: io_uring is refused in the denied process.
+  if denied "$TARGET_DIR/release/tidewire" doctor 2>&1 | grep -q '^  ok   io_uring'; then
+    echo "io_uring still works under the denial"; return 1
+  fi
+  echo "== seccomp (as Docker's default profile): the portable suite, hostile peers, allocations, the fallback"
+  local t
+  for t in $tests; do
+    case "$t" in
+      */tcp_hostile-*) denied "$t" -q portable:: || return 1 ;;
+      */steady_alloc-*) denied "$t" -q portable || return 1 ;;
+      */tidewire_transport-*) denied "$t" -q select:: || return 1 ;;
+      *) denied "$t" -q || return 1 ;;
+    esac
+  done
+  echo "== seccomp: train --verify and doctor"
+  no_uring_train_doctor 'seccomp' || return 1
+  if [ "$(id -u)" -eq 0 ] && command -v sysctl >/dev/null 2>&1 && [ -w /proc/sys/kernel/io_uring_disabled ]; then
+    echo "== kernel.io_uring_disabled=2: train --verify and doctor"
+    NO_URING=sysctl no_uring_train_doctor 'io_uring_disabled=2' || return 1
+  else
+    echo "NOTE: the kernel.io_uring_disabled=2 half is skipped: it needs root and a writable sysctl (Linux 6.6+)"
+  fi
+}
+if ! command -v cc >/dev/null 2>&1; then
+  skip no-uring "no C compiler for the seccomp wrapper (ci/no-uring.c); apt-get install build-essential"
 else
   tier no-uring no_uring
 fi
