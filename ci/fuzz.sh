@@ -75,13 +75,14 @@ for t in "${targets[@]}"; do
         "${limit[@]}" -print_final_stats=1 >"$log" 2>&1
     rc=$?
     set -e
-    stats=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -n 1 | sed -E 's/^#([0-9]+)[[:space:]]+DONE[[:space:]]+/\1 runs, /')
+    # A crashed run has no DONE line: the grep finds nothing, and that is not the script's failure.
+    stats=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -n 1 | sed -E 's/^#([0-9]+)[[:space:]]+DONE[[:space:]]+/\1 runs, /' || true)
     if [ $rc -eq 0 ]; then
         say "$t: ok (${stats:-no stats})"
     else
         say "$t: FAILED (exit $rc); the end of $log:"
         tail -n 40 "$log"
-        grep -hoE 'fuzz/artifacts/[^ ]+' "$log" | sort -u | while read -r a; do
+        { grep -hoE 'fuzz/artifacts/[^ ]+' "$log" || true; } | sort -u | while read -r a; do
             say "reproducer: $a (replay: cargo +nightly fuzz run --sanitizer none $t $a)"
         done
         failed+=("$t")

@@ -52,6 +52,8 @@ fuzz_target!(|data: &[u8]| {
         raw[8] = 0; // QPN < 2^24
         raw[12] = 0; // PSN < 2^24
         raw[32] |= 1; // rx_depth > 0
+        raw[34] &= 0x0f; // rx_depth <= MAX_RX_DEPTH (2^20)
+        raw[35] = 0;
         let q = QpInfo::decode(&raw).expect("a well-formed QP info decodes");
         assert_eq!(QpInfo::decode(&q.encode()), Ok(q));
         for cut in [0, 4, 5, QP_INFO_LEN - 1] {
