@@ -75,11 +75,20 @@ impl TcpConfig {
 /// Counters of the data path.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TcpStats {
-    /// Bytes user space copied on any receive path (control frames and messages
-    /// reassembled from the provided buffers). One-sided write payloads never add here.
+    /// Bytes user space copied on the control receive path (control frames and
+    /// messages reassembled from the provided buffers). Write payloads are counted
+    /// in [`rx_write_staged_bytes`](Self::rx_write_staged_bytes) and
+    /// [`rx_write_direct_bytes`](Self::rx_write_direct_bytes), never here.
     pub rx_user_copy_bytes: u64,
     /// Write payload bytes received by a recv whose buffer was the destination region.
     pub rx_write_direct_bytes: u64,
+    /// Write payload bytes that arrived in the data socket's read-ahead buffer and
+    /// were copied from there into the region (one user-space copy): whole small
+    /// writes, and at most one buffer's worth (64 KiB) of the start of a larger one.
+    pub rx_write_staged_bytes: u64,
+    /// Times a data-socket receive ended inside a write header (the rest of the
+    /// header came with a later receive).
+    pub rx_headers_split: u64,
     /// Write payload bytes discarded because the write was rejected.
     pub rx_write_discarded_bytes: u64,
     /// Payload bytes sent from registered memory (messages and writes).

@@ -423,7 +423,7 @@ impl TcpTransport {
         info!(parent: &c.span, rank = c.peer_rank, "peer authenticated; connection ready");
         self.queue_ctrl(conn, Header::new(Kind::Ready, 0), Payload::None, None);
         self.send_regions(conn, &list, false);
-        self.arm_data_header(conn);
+        self.arm_data_rx(conn);
         if let Some(l) = self.listeners.get_mut(&listener) {
             l.accepted.push_back((ConnId(conn), info));
         }
@@ -483,7 +483,7 @@ impl TcpTransport {
                 .user_data(ud);
             // SAFETY: the buffer is owned by the op.
             unsafe { self.push(e) };
-            self.arm_data_header(conn);
+            self.arm_data_rx(conn);
         }
     }
 

@@ -8,16 +8,24 @@
 //!   announcements and write acknowledgements. It is read by one multishot
 //!   `RECV` with a provided-buffer ring; frames are reassembled from there.
 //! - the **data socket** carries one-sided writes only. Its receive side reads
-//!   the 40-byte header into a small buffer, checks the target region, bounds
-//!   and generation, and then issues one `RECV` (MSG_WAITALL) whose buffer is
-//!   the destination inside the registered region: the kernel copies from the
-//!   socket straight into place and user space copies nothing
-//!   ([`TcpStats::rx_user_copy_bytes`] counts the only user-space copies, which
-//!   are control-plane bytes).
+//!   ahead: one `RECV` (no MSG_WAITALL) takes whatever the socket holds into a
+//!   64 KiB staging buffer per connection (owned by the op while in flight,
+//!   reused), and every complete header there is checked (target region,
+//!   bounds, generation). A write whose payload is wholly in the stage is
+//!   copied once from it into the region with [`Region::write_at`](crate::Region::write_at)
+//!   (small writes: one ring round trip serves many); a larger one has its
+//!   staged start copied the same way and the rest received by one `RECV`
+//!   (MSG_WAITALL) whose buffer is the destination inside the region, so the
+//!   kernel copies it straight into place and user space copies at most one
+//!   stage's worth of it. A header cut by a receive's end stays in the stage
+//!   for the next. [`TcpStats::rx_write_staged_bytes`] and
+//!   [`TcpStats::rx_write_direct_bytes`] count the two ways in;
+//!   [`TcpStats::rx_user_copy_bytes`] counts control-plane copies. A staged copy
+//!   into a range under a local lease is refused (the write is rejected), since
+//!   Rust would be writing leased bytes.
 //!
 //! Splitting the two keeps a 64 MiB write from delaying an acknowledgement or a
-//! control message behind it (no head-of-line blocking), and lets the data
-//! socket never read a byte it cannot place directly.
+//! control message behind it (no head-of-line blocking).
 //!
 //! Sends go straight from registered memory: up to 64 queued frames are
 //! gathered into one `SENDMSG` (MSG_WAITALL) whose iovecs point into the

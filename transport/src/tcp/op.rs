@@ -88,6 +88,27 @@ impl Gather {
     }
 }
 
+/// Size of a data socket's read-ahead buffer.
+pub(super) const STAGE_BYTES: usize = 64 * 1024;
+
+/// A data socket's read-ahead buffer: `buf[..len]` holds received bytes not yet
+/// parsed (after parsing, at most a partial header). The bytes live on the heap,
+/// so their address does not change when the stage moves between the connection
+/// and the receive op that owns it while the kernel writes into it.
+pub(super) struct Stage {
+    pub(super) buf: Box<[u8]>,
+    pub(super) len: usize,
+}
+
+impl Stage {
+    pub(super) fn new() -> Stage {
+        Stage {
+            buf: vec![0u8; STAGE_BYTES].into_boxed_slice(),
+            len: 0,
+        }
+    }
+}
+
 pub(super) enum Op {
     Accept {
         listener: u64,
@@ -131,13 +152,16 @@ pub(super) enum Op {
         write: Option<WriteReq>,
         got_result: bool,
     },
-    DataRecvHeader {
+    /// Read-ahead on the data socket: a RECV (no MSG_WAITALL) into the stage's free space.
+    DataRecvStage {
         conn: u64,
-        buf: Box<[u8; HEADER_LEN]>,
+        stage: Stage,
     },
+    /// The rest of a write's payload (`len` bytes), received straight into its region.
     DataRecvPayload {
         conn: u64,
         hdr: Header,
+        len: u32,
         _guard: InFlight,
     },
     DataDiscard {
@@ -173,7 +197,7 @@ impl Op {
             | Op::DataSend { conn, .. }
             | Op::ZcHeader { conn, .. }
             | Op::ZcPayload { conn, .. }
-            | Op::DataRecvHeader { conn, .. }
+            | Op::DataRecvStage { conn, .. }
             | Op::DataRecvPayload { conn, .. }
             | Op::DataDiscard { conn, .. }
             | Op::AttachSend { conn, .. } => Some(*conn),

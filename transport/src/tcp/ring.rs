@@ -322,8 +322,8 @@ impl TcpTransport {
                 write,
                 got_result,
             } => self.on_zc(ud, conn, res, flags, write, got_result),
-            Op::DataRecvHeader { conn, buf } => self.on_data_header(conn, res, &buf),
-            Op::DataRecvPayload { conn, hdr, _guard } => self.on_data_payload(conn, res, hdr),
+            Op::DataRecvStage { conn, stage } => self.on_data_stage(conn, res, stage),
+            Op::DataRecvPayload { conn, hdr, len, _guard } => self.on_data_payload(conn, res, hdr, len),
             Op::DataDiscard {
                 conn,
                 hdr,

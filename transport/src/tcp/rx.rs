@@ -13,7 +13,7 @@ use crate::error::{Error, FrameError, Result};
 use crate::frame::{self, Header, Kind, HEADER_LEN};
 use crate::memory::{InFlight, Region};
 
-use super::op::{Op, Payload};
+use super::op::{Op, Payload, Stage};
 use super::state::State;
 use super::sys::errno;
 use super::TcpTransport;
@@ -40,23 +40,31 @@ impl TcpTransport {
         unsafe { self.push(e) };
     }
 
-    pub(super) fn arm_data_header(&mut self, conn: u64) {
+    /// Resumes the data socket's receive side: parses what the stage already
+    /// holds, then reads ahead into it.
+    pub(super) fn arm_data_rx(&mut self, conn: u64) {
         let Some(c) = self.conns.get_mut(&conn) else { return };
-        if c.data_rx_armed || c.state == State::Dead {
+        if c.data_rx_armed || c.state == State::Dead || c.data.is_none() {
             return;
         }
-        let Some(fd) = c.data.as_ref().map(|f| f.as_raw_fd()) else {
-            return;
-        };
+        let stage = c.data_stage.take().unwrap_or_else(Stage::new);
+        self.parse_stage(conn, stage);
+    }
+
+    /// One RECV, without MSG_WAITALL, into the stage's free space (after
+    /// `parse_stage`, which leaves at most a partial header there).
+    fn recv_stage(&mut self, conn: u64, mut stage: Stage) {
+        let c = self.conns.get_mut(&conn).expect("live");
+        let fd = c.data.as_ref().expect("data socket").as_raw_fd();
         c.data_rx_armed = true;
-        let mut buf = Box::new([0u8; HEADER_LEN]);
-        let ptr = buf.as_mut_ptr();
-        let ud = self.add_op(Op::DataRecvHeader { conn, buf });
-        let e = opcode::Recv::new(types::Fd(fd), ptr, HEADER_LEN as u32)
-            .flags(libc::MSG_WAITALL)
-            .build()
-            .user_data(ud);
-        // SAFETY: the header buffer is boxed inside the op (stable address).
+        let free = &mut stage.buf[stage.len..];
+        let (ptr, n) = (free.as_mut_ptr(), free.len() as u32);
+        debug_assert!(n as usize > HEADER_LEN);
+        let ud = self.add_op(Op::DataRecvStage { conn, stage });
+        let e = opcode::Recv::new(types::Fd(fd), ptr, n).build().user_data(ud);
+        // SAFETY: `ptr..ptr+n` is the free tail of the stage's heap buffer, which the
+        // op owns (moving the `Stage` into it does not move the heap bytes) and frees
+        // only on this RECV's completion; nothing else reads or writes the buffer meanwhile.
         unsafe { self.push(e) };
     }
     // ---------------------------------------------------------------- control receive
@@ -200,6 +208,7 @@ impl TcpTransport {
                 Ok(())
             }
             (State::Ready | State::Closing, Kind::Ack) => {
+                c.acked_through = c.acked_through.max(hdr.seq);
                 while c.awaiting_ack.front().is_some_and(|a| a.seq <= hdr.seq) {
                     let a = c.awaiting_ack.pop_front().expect("front");
                     c.outstanding -= 1;
@@ -225,6 +234,9 @@ impl TcpTransport {
                             reason: frame::decode_reason(payload),
                         },
                     });
+                } else if hdr.seq < c.next_write_seq && hdr.seq > c.acked_through {
+                    // Its send has not completed yet: failed when it does.
+                    c.early_nacks.insert(hdr.seq, frame::decode_reason(payload));
                 }
                 self.dirty.push(conn);
                 Ok(())
@@ -287,16 +299,16 @@ impl TcpTransport {
         }
     }
 
-    pub(super) fn on_data_header(&mut self, conn: u64, res: i32, buf: &[u8; HEADER_LEN]) {
+    pub(super) fn on_data_stage(&mut self, conn: u64, res: i32, mut stage: Stage) {
         let Some(c) = self.conns.get_mut(&conn) else { return };
         c.data_rx_armed = false;
         if c.state == State::Dead {
             return;
         }
-        if res == 0 && (c.peer_closed || c.state == State::Closing) {
+        if res == 0 && stage.len == 0 && (c.peer_closed || c.state == State::Closing) {
             return;
         }
-        if res != HEADER_LEN as i32 {
+        if res <= 0 {
             let during = if res == 0 {
                 "data receive (peer closed)"
             } else {
@@ -305,50 +317,129 @@ impl TcpTransport {
             let e = self.lost(conn, during, (res < 0).then(|| errno(res)));
             return self.fail(conn, e);
         }
-        let peer = c.peer();
-        let hdr = match Header::decode(buf) {
-            Ok(h) if h.kind == Kind::Write => h,
-            Ok(h) => {
-                let reason = FrameError::Unexpected {
-                    kind: h.kind.name(),
-                    state: "DataSocket",
-                };
-                return self.fail(conn, Error::BadFrame { peer, reason });
+        stage.len += res as usize;
+        self.parse_stage(conn, stage);
+    }
+
+    /// Handles every write whose header the stage holds: a payload wholly in the
+    /// stage is copied into its region (or dropped, for a rejected write); one that
+    /// goes on past the stage's end continues with a direct receive into the region
+    /// (or the discard path), after which `arm_data_rx` resumes here. Otherwise the
+    /// partial header left over moves to the front and the stage reads ahead again.
+    fn parse_stage(&mut self, conn: u64, mut stage: Stage) {
+        let mut pos = 0;
+        loop {
+            let Some(c) = self.conns.get(&conn).filter(|c| c.is_live()) else {
+                return;
+            };
+            if stage.len - pos < HEADER_LEN {
+                if stage.len > pos {
+                    self.stats.rx_headers_split += 1;
+                }
+                stage.buf.copy_within(pos..stage.len, 0);
+                stage.len -= pos;
+                return self.recv_stage(conn, stage);
             }
-            Err(reason) => return self.fail(conn, Error::BadFrame { peer, reason }),
-        };
-        let fd = c.data.as_ref().expect("data socket").as_raw_fd();
-        match self.check_incoming(&hdr) {
-            Ok(region) if hdr.length == 0 => {
-                drop(region);
-                self.placed(conn, hdr);
-            }
-            Ok(region) => {
-                // SAFETY: check_incoming proved offset + length <= region length.
-                let dst = unsafe { region.as_ptr().add(hdr.offset as usize) };
-                let guard = InFlight::new(&region);
-                let ud = self.add_op(Op::DataRecvPayload {
-                    conn,
-                    hdr,
-                    _guard: guard,
-                });
-                let e = opcode::Recv::new(types::Fd(fd), dst, hdr.length)
-                    .flags(libc::MSG_WAITALL)
-                    .build()
-                    .user_data(ud);
-                // SAFETY: the destination lies inside a registered region that the op's
-                // guard keeps alive and marks in flight (so it cannot be deregistered).
-                unsafe { self.push(e) };
-            }
-            Err(error) => {
-                debug!(conn, error = %error, "rejecting an incoming write; discarding its payload");
-                self.discard(conn, fd, hdr, hdr.length as u64, error.to_string(), None);
-                self.events.push_back(Event::WriteRejected {
-                    conn: ConnId(conn),
-                    error,
-                });
+            let fd = c.data.as_ref().expect("data socket").as_raw_fd();
+            let raw: &[u8; HEADER_LEN] = stage.buf[pos..pos + HEADER_LEN].try_into().expect("header length");
+            let hdr = match Header::decode(raw) {
+                Ok(h) if h.kind == Kind::Write => h,
+                Ok(h) => {
+                    let peer = c.peer();
+                    let reason = FrameError::Unexpected {
+                        kind: h.kind.name(),
+                        state: "DataSocket",
+                    };
+                    return self.fail(conn, Error::BadFrame { peer, reason });
+                }
+                Err(reason) => {
+                    let peer = c.peer();
+                    return self.fail(conn, Error::BadFrame { peer, reason });
+                }
+            };
+            pos += HEADER_LEN;
+            let avail = (stage.len - pos).min(hdr.length as usize);
+            let staged = &stage.buf[pos..pos + avail];
+            pos += avail;
+            let whole = avail == hdr.length as usize;
+            // The staged part goes in through the lease-respecting copy: a range under
+            // a local lease is refused (the write is rejected) rather than written by Rust.
+            let checked = self.check_incoming(&hdr).and_then(|r| {
+                if avail > 0 {
+                    r.write_at(hdr.offset as usize, staged)?;
+                }
+                Ok(r)
+            });
+            match checked {
+                Ok(_) if whole => {
+                    self.stats.rx_write_staged_bytes += avail as u64;
+                    self.placed_no_arm(conn, hdr);
+                }
+                Ok(region) => {
+                    self.stats.rx_write_staged_bytes += avail as u64;
+                    // The payload runs past the stage's end, so the stage is drained.
+                    debug_assert_eq!(pos, stage.len);
+                    stage.len = 0;
+                    self.conns.get_mut(&conn).expect("live").data_stage = Some(stage);
+                    let len = hdr.length - avail as u32;
+                    // SAFETY: check_incoming proved offset + length <= region length, and
+                    // avail < length, so offset + avail lies inside the region.
+                    let dst = unsafe { region.as_ptr().add(hdr.offset as usize + avail) };
+                    let guard = InFlight::new(&region);
+                    let ud = self.add_op(Op::DataRecvPayload {
+                        conn,
+                        hdr,
+                        len,
+                        _guard: guard,
+                    });
+                    let e = opcode::Recv::new(types::Fd(fd), dst, len)
+                        .flags(libc::MSG_WAITALL)
+                        .build()
+                        .user_data(ud);
+                    // SAFETY: the destination [offset + avail, offset + length) lies inside a
+                    // registered region that the op's guard keeps alive and marks in flight
+                    // (so it cannot be deregistered).
+                    unsafe { self.push(e) };
+                    return;
+                }
+                Err(error) => {
+                    debug!(conn, error = %error, "rejecting an incoming write; discarding its payload");
+                    self.stats.rx_write_discarded_bytes += avail as u64;
+                    let rest = (hdr.length as usize - avail) as u64;
+                    if whole {
+                        self.nack(conn, hdr, error.to_string());
+                        self.events.push_back(Event::WriteRejected {
+                            conn: ConnId(conn),
+                            error,
+                        });
+                    } else {
+                        debug_assert_eq!(pos, stage.len);
+                        stage.len = 0;
+                        self.conns.get_mut(&conn).expect("live").data_stage = Some(stage);
+                        self.discard(conn, fd, hdr, rest, error.to_string(), None);
+                        self.events.push_back(Event::WriteRejected {
+                            conn: ConnId(conn),
+                            error,
+                        });
+                        return;
+                    }
+                }
             }
         }
+    }
+
+    /// Queues the Nack of a rejected write, after the Ack of every write placed before it.
+    fn nack(&mut self, conn: u64, hdr: Header, reason: String) {
+        let c = self.conns.get_mut(&conn).expect("live");
+        if let Some(seq) = c.ack_to_send.take() {
+            let mut h = Header::new(Kind::Ack, 0);
+            h.seq = seq;
+            self.queue_ctrl(conn, h, Payload::None, None);
+        }
+        let body = reason.into_bytes();
+        let mut h = Header::new(Kind::Nack, body.len() as u32);
+        h.seq = hdr.seq;
+        self.queue_ctrl(conn, h, Payload::Owned(body), None);
     }
 
     pub(super) fn discard(
@@ -361,17 +452,8 @@ impl TcpTransport {
         buf: Option<Box<[u8]>>,
     ) {
         if remaining == 0 {
-            let c = self.conns.get_mut(&conn).expect("live");
-            if let Some(seq) = c.ack_to_send.take() {
-                let mut h = Header::new(Kind::Ack, 0);
-                h.seq = seq;
-                self.queue_ctrl(conn, h, Payload::None, None);
-            }
-            let body = reason.into_bytes();
-            let mut h = Header::new(Kind::Nack, body.len() as u32);
-            h.seq = hdr.seq;
-            self.queue_ctrl(conn, h, Payload::Owned(body), None);
-            self.arm_data_header(conn);
+            self.nack(conn, hdr, reason);
+            self.arm_data_rx(conn);
             return;
         }
         let mut buf = buf.unwrap_or_else(|| vec![0u8; DISCARD_CHUNK].into_boxed_slice());
@@ -414,12 +496,12 @@ impl TcpTransport {
         self.discard(conn, fd, hdr, remaining - res as u64, reason, Some(buf));
     }
 
-    pub(super) fn on_data_payload(&mut self, conn: u64, res: i32, hdr: Header) {
+    pub(super) fn on_data_payload(&mut self, conn: u64, res: i32, hdr: Header, len: u32) {
         let Some(c) = self.conns.get(&conn) else { return };
         if c.state == State::Dead {
             return;
         }
-        if res != hdr.length as i32 {
+        if res < 0 || res as u32 != len {
             let e = self.lost(conn, "receiving a write payload", (res < 0).then(|| errno(res)));
             return self.fail(conn, e);
         }
@@ -428,6 +510,12 @@ impl TcpTransport {
     }
 
     pub(super) fn placed(&mut self, conn: u64, hdr: Header) {
+        self.placed_no_arm(conn, hdr);
+        self.arm_data_rx(conn);
+    }
+
+    /// A write is in place: its event (with an immediate) and its Ack to come.
+    fn placed_no_arm(&mut self, conn: u64, hdr: Header) {
         if hdr.flags & frame::FLAG_IMM != 0 {
             self.events.push_back(Event::WriteReceived {
                 conn: ConnId(conn),
@@ -441,6 +529,5 @@ impl TcpTransport {
             c.ack_to_send = Some(hdr.seq);
         }
         self.dirty.push(conn);
-        self.arm_data_header(conn);
     }
 }

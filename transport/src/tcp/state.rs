@@ -11,7 +11,7 @@ use crate::auth::Transcript;
 use crate::error::Error;
 use crate::memory::RemoteRegion;
 
-use super::op::{AwaitAck, TxFrame, WriteReq};
+use super::op::{AwaitAck, Stage, TxFrame, WriteReq};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Side {
@@ -99,7 +99,17 @@ pub(super) struct Conn {
     pub(super) data_tx: VecDeque<WriteReq>,
     pub(super) data_tx_busy: bool,
     pub(super) data_rx_armed: bool,
+    /// The data socket's read-ahead buffer while no receive into it is in flight
+    /// (allocated on the first arm, then reused).
+    pub(super) data_stage: Option<Stage>,
     pub(super) awaiting_ack: VecDeque<AwaitAck>,
+    /// Highest write sequence the peer has acknowledged. The target may place a
+    /// write and acknowledge it before the SENDMSG carrying it (and later writes)
+    /// completes here; such a write is done as soon as its send completes.
+    pub(super) acked_through: u64,
+    /// Nacks (sequence, reason) for writes whose send had not completed yet;
+    /// at most one per write posted.
+    pub(super) early_nacks: HashMap<u64, String>,
     pub(super) next_write_seq: u64,
     pub(super) ack_to_send: Option<u64>,
     pub(super) outstanding: usize,

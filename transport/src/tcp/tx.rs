@@ -9,6 +9,7 @@ use std::time::Instant;
 use io_uring::{cqueue, opcode, squeue, types};
 
 use crate::api::{ConnId, Event, ReqId};
+use crate::error::Error;
 use crate::frame::{self, Header, Kind, HEADER_LEN};
 use crate::memory::{InFlight, RemoteRegion};
 
@@ -267,6 +268,29 @@ impl TcpTransport {
     pub(super) fn ack_wait(&mut self, conn: u64, w: WriteReq) {
         let c = self.conns.get_mut(&conn).expect("caller checked");
         self.stats.tx_payload_bytes += w.src.len() as u64;
+        // The peer may have answered before the send completed here.
+        if let Some(reason) = c.early_nacks.remove(&w.seq) {
+            c.outstanding -= 1;
+            self.events.push_back(Event::OpFailed {
+                conn: ConnId(conn),
+                req: w.req,
+                error: Error::RemoteAccess {
+                    conn,
+                    seq: w.seq,
+                    reason,
+                },
+            });
+            return;
+        }
+        if w.seq <= c.acked_through {
+            c.outstanding -= 1;
+            self.events.push_back(Event::WriteDone {
+                conn: ConnId(conn),
+                req: w.req,
+                bytes: w.src.len(),
+            });
+            return;
+        }
         c.awaiting_ack.push_back(AwaitAck {
             seq: w.seq,
             req: w.req,
