@@ -143,8 +143,9 @@ fn portable_steady_writes_do_not_allocate() {
 }
 
 /// Open (issue 16, the lean hot path): measured 2026-11-23 at 57388 allocations
-/// for 3200 writes (about 18 per write: a boxed header buffer per incoming
-/// write, boxed gathers per send, `format!` on control frames). Run it with
+/// for 3200 writes, 31622 (about 10 per write) once the data socket read ahead
+/// into a reused staging buffer; boxed gathers per send and owned payloads of
+/// control frames remain. Run it with
 /// `cargo test -p tidewire-transport --test steady_alloc -- --ignored --nocapture`.
 #[test]
 #[ignore = "open: the io_uring backend allocates per write (issue 16's lean hot path); portable does not"]
