@@ -62,9 +62,14 @@ tier() { # name, command...
   "$@" > >(tee "$log") 2>&1
   rc=$?
   # tee ends when the last writer closes; a background process the tier left holding the
-  # pipe must not hold the run, so wait for it at most 5 s.
-  local tee_pid=$! i
-  for ((i = 0; i < 50; i++)); do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.1; done
+  # pipe must not hold the run, so wait for it at most 5 s. (bash sets $! for a process
+  # substitution only in some cases, e.g. not when the command is an external program.)
+  local tee_pid=${!:-} i
+  if [ -n "$tee_pid" ]; then
+    for ((i = 0; i < 50; i++)); do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.1; done
+  else
+    sleep 0.2
+  fi
   if [ $rc -eq 0 ]; then
     passed=$((passed + 1)); results+=("PASS  $name ($((SECONDS - t0)) s)")
   else
