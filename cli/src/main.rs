@@ -28,7 +28,7 @@ enum Cmd {
     },
     /// Poseidon's cost model per layer: bytes under PS and SFB, and the scheme chosen.
     Plan {
-        /// Model profile (vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet).
+        /// Model profile (vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet, vgg19-mini).
         #[arg(long)]
         model: String,
         /// P1.
@@ -68,6 +68,8 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TIDEWIRE_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
+        // Colour only on a terminal: a rank's stderr is a pipe that train reads and quotes.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     match cli.cmd {

@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 /// Flags of `tidewire train`.
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
 pub struct TrainArgs {
-    /// Model profile: vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet.
+    /// Model profile: vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet, vgg19-mini.
     #[arg(long, default_value = "vgg19")]
     pub model: String,
     /// Worker processes (P1).
@@ -249,6 +249,14 @@ impl TrainArgs {
     /// The transport `--transport` asks for, for `rank`.
     pub fn transport_kind(&self, rank: u32) -> Result<tidewire::TransportKind> {
         use tidewire::TransportKind as K;
+        // Every rank would refuse a bad TIDEWIRE_TRANSPORT at start-up: say so once, here.
+        if let Ok(v) = std::env::var("TIDEWIRE_TRANSPORT") {
+            if !matches!(v.as_str(), "" | "auto" | "tcp" | "portable" | "rdma") {
+                return Err(Error::Usage(format!(
+                    "TIDEWIRE_TRANSPORT={v:?}: use tcp, portable, rdma or auto (it overrides --transport)"
+                )));
+            }
+        }
         Ok(match self.transport.as_deref().unwrap_or("auto") {
             "auto" => K::Auto,
             "tcp" => K::Tcp,

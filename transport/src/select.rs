@@ -86,7 +86,9 @@ pub fn open(pref: Preference, control: TcpConfig, tweak: RdmaTweak<'_>) -> Resul
                 reason: why,
             }),
             Err(e @ Error::UringUnavailable { .. }) => {
-                tracing::warn!(error = %e, "io_uring unavailable; using the portable epoll TCP backend");
+                // Expected in containers (Docker's default seccomp profile): the reason goes
+                // into `Selected::reason`, which the caller reports; not a warning.
+                tracing::info!(error = %e, "io_uring unavailable; using the portable epoll TCP backend");
                 portable(format!("{fallback}{e}; using the portable epoll TCP backend"))
             }
             Err(e) => Err(e),
