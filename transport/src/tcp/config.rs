@@ -75,8 +75,10 @@ impl TcpConfig {
 /// Counters of the data path.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TcpStats {
-    /// Bytes user space copied on the control receive path (control frames and
-    /// messages reassembled from the provided buffers). Write payloads are counted
+    /// Payload bytes user space copied on the control receive path: every
+    /// message byte once (from a provided buffer into the message's `Vec`), and
+    /// the payload of a control frame cut by a buffer's end (assembled; frames
+    /// whole in a buffer are parsed in place). Write payloads are counted
     /// in [`rx_write_staged_bytes`](Self::rx_write_staged_bytes) and
     /// [`rx_write_direct_bytes`](Self::rx_write_direct_bytes), never here.
     pub rx_user_copy_bytes: u64,

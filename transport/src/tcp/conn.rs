@@ -52,6 +52,7 @@ impl TcpTransport {
             parked_data: None,
             deadline: Some(Instant::now() + self.cfg.handshake_timeout),
             ctrl_rx: Vec::new(),
+            msg_rx: None,
             ctrl_rx_armed: false,
             ctrl_tx: VecDeque::new(),
             ctrl_tx_busy: false,

@@ -421,6 +421,7 @@ impl TcpTransport {
             addr: c.peer_addr,
         };
         info!(parent: &c.span, rank = c.peer_rank, "peer authenticated; connection ready");
+        self.reserve_for_ready(conn);
         self.queue_ctrl(conn, Header::new(Kind::Ready, 0), Payload::None, None);
         self.send_regions(conn, &list, false);
         self.arm_data_rx(conn);
@@ -561,6 +562,7 @@ impl TcpTransport {
                     addr: c.peer_addr,
                 };
                 info!(parent: &c.span, rank = c.peer_rank, "connection ready");
+                self.reserve_for_ready(conn);
                 let list = self.announce_list();
                 self.send_regions(conn, &list, false);
                 self.events.push_back(Event::Connected {

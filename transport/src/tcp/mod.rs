@@ -6,7 +6,12 @@
 //! handshake:
 //! - the **control socket** carries the handshake, messages, region
 //!   announcements and write acknowledgements. It is read by one multishot
-//!   `RECV` with a provided-buffer ring; frames are reassembled from there.
+//!   `RECV` with a provided-buffer ring. Frames whole in a provided buffer are
+//!   handled in place; a frame cut by a buffer's end is assembled in a per-
+//!   connection buffer that holds at most one frame. A message's payload goes
+//!   from the provided buffers straight into the `Vec` that `Event::Message`
+//!   hands the application: one copy in user space, counted in
+//!   [`TcpStats::rx_user_copy_bytes`].
 //! - the **data socket** carries one-sided writes only. Its receive side reads
 //!   ahead: one `RECV` (no MSG_WAITALL) takes whatever the socket holds into a
 //!   64 KiB staging buffer per connection (owned by the op while in flight,
@@ -20,7 +25,7 @@
 //!   stage's worth of it. A header cut by a receive's end stays in the stage
 //!   for the next. [`TcpStats::rx_write_staged_bytes`] and
 //!   [`TcpStats::rx_write_direct_bytes`] count the two ways in;
-//!   [`TcpStats::rx_user_copy_bytes`] counts control-plane copies. A staged copy
+//!   [`TcpStats::rx_user_copy_bytes`] counts the control socket's. A staged copy
 //!   into a range under a local lease is refused (the write is rejected), since
 //!   Rust would be writing leased bytes.
 //!
@@ -53,7 +58,10 @@
 //! Every submitted SQE has an entry in the op table that owns all memory the
 //! kernel may touch (headers, iovecs, msghdrs, sockaddrs, and a region guard
 //! that keeps the region alive and counts it in flight). An entry is freed only
-//! on the op's final completion. On drop the transport shuts every socket down,
+//! on the op's final completion; a send's gather (iovecs and msghdr), its
+//! frame or write list and a SEND_ZC header are then recycled for later sends,
+//! so steady-state sends, receives and polls allocate nothing
+//! (`tests/steady_alloc.rs` counts). On drop the transport shuts every socket down,
 //! cancels all ops and drains their completions before the ring and the
 //! memory go away.
 //!

@@ -62,29 +62,106 @@ pub(super) struct AwaitAck {
     pub(super) since: Instant,
 }
 
-/// Memory of one gathered SENDMSG.
+/// Memory of one gathered SENDMSG: the iovec array and the msghdr pointing at
+/// it. Recycled through [`Pool`], so a steady stream of sends reuses a few of
+/// them and allocates nothing.
 pub(super) struct Gather {
-    pub(super) _iov: Vec<libc::iovec>,
+    iov: Vec<libc::iovec>,
     pub(super) msg: Box<libc::msghdr>,
     pub(super) total: usize,
 }
 
 impl Gather {
-    pub(super) fn new(parts: impl Iterator<Item = (*const u8, usize)>) -> Box<Gather> {
-        let iov: Vec<libc::iovec> = parts
-            .filter(|&(_, l)| l > 0)
-            .map(|(p, l)| libc::iovec {
-                iov_base: p as *mut libc::c_void,
-                iov_len: l,
-            })
-            .collect();
-        let total = iov.iter().map(|v| v.iov_len).sum();
-        // SAFETY: msghdr is plain old data; all-zero is valid (no name, no control).
-        let mut msg: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
-        // The iovec array lives on the heap; moving the Vec into the Gather keeps its address.
-        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
-        msg.msg_iovlen = iov.len();
-        Box::new(Gather { _iov: iov, msg, total })
+    fn empty() -> Box<Gather> {
+        Box::new(Gather {
+            iov: Vec::with_capacity(2 * GATHER_PARTS),
+            // SAFETY: msghdr is plain old data; all-zero is valid (no name, no control).
+            msg: Box::new(unsafe { std::mem::zeroed() }),
+            total: 0,
+        })
+    }
+
+    /// Points the msghdr at `parts` (empty parts skipped).
+    fn fill(&mut self, parts: impl Iterator<Item = (*const u8, usize)>) {
+        self.iov.clear();
+        self.iov.extend(parts.filter(|&(_, l)| l > 0).map(|(p, l)| libc::iovec {
+            iov_base: p as *mut libc::c_void,
+            iov_len: l,
+        }));
+        self.total = self.iov.iter().map(|v| v.iov_len).sum();
+        // The iovec array lives on the heap; moving the Gather (or its Box) keeps its address.
+        self.msg.msg_iov = self.iov.as_mut_ptr();
+        self.msg.msg_iovlen = self.iov.len();
+    }
+}
+
+/// Frames (or writes) gathered into one SENDMSG, at most.
+pub(super) const GATHER_PARTS: usize = 64;
+
+/// How many of each recycled object the pool keeps (one connection needs at most
+/// one control send, one data send and one SEND_ZC header at a time).
+const POOL_KEEP: usize = 64;
+
+/// Recycled memory of finished send ops, so that steady-state sends allocate
+/// nothing: gathers, the frame and write lists a send owns, and SEND_ZC headers.
+/// An op still owns everything the kernel may touch until its completion; only
+/// then does its memory come back here (emptied).
+// The boxes are the point: an op hands the kernel the heap address of its
+// msghdr or header, and recycling the box whole keeps that memory reusable.
+#[allow(clippy::vec_box)]
+#[derive(Default)]
+pub(super) struct Pool {
+    gathers: Vec<Box<Gather>>,
+    frames: Vec<Vec<TxFrame>>,
+    writes: Vec<Vec<WriteReq>>,
+    hdrs: Vec<Box<[u8; HEADER_LEN]>>,
+}
+
+impl Pool {
+    pub(super) fn gather(&mut self, parts: impl Iterator<Item = (*const u8, usize)>) -> Box<Gather> {
+        let mut g = self.gathers.pop().unwrap_or_else(Gather::empty);
+        g.fill(parts);
+        g
+    }
+    pub(super) fn put_gather(&mut self, mut g: Box<Gather>) {
+        if self.gathers.len() < POOL_KEEP {
+            g.iov.clear();
+            g.msg.msg_iov = std::ptr::null_mut();
+            g.msg.msg_iovlen = 0;
+            self.gathers.push(g);
+        }
+    }
+    pub(super) fn frames(&mut self) -> Vec<TxFrame> {
+        self.frames.pop().unwrap_or_else(|| Vec::with_capacity(GATHER_PARTS))
+    }
+    pub(super) fn put_frames(&mut self, mut v: Vec<TxFrame>) {
+        v.clear();
+        if self.frames.len() < POOL_KEEP {
+            self.frames.push(v);
+        }
+    }
+    pub(super) fn writes(&mut self) -> Vec<WriteReq> {
+        self.writes.pop().unwrap_or_else(|| Vec::with_capacity(GATHER_PARTS))
+    }
+    pub(super) fn put_writes(&mut self, mut v: Vec<WriteReq>) {
+        v.clear();
+        if self.writes.len() < POOL_KEEP {
+            self.writes.push(v);
+        }
+    }
+    pub(super) fn hdr(&mut self, hdr: [u8; HEADER_LEN]) -> Box<[u8; HEADER_LEN]> {
+        match self.hdrs.pop() {
+            Some(mut b) => {
+                *b = hdr;
+                b
+            }
+            None => Box::new(hdr),
+        }
+    }
+    pub(super) fn put_hdr(&mut self, b: Box<[u8; HEADER_LEN]>) {
+        if self.hdrs.len() < POOL_KEEP {
+            self.hdrs.push(b);
+        }
     }
 }
 
@@ -134,17 +211,17 @@ pub(super) enum Op {
     CtrlSend {
         conn: u64,
         frames: Vec<TxFrame>,
-        _g: Box<Gather>,
+        g: Box<Gather>,
     },
     DataSend {
         conn: u64,
         writes: Vec<WriteReq>,
-        _g: Box<Gather>,
+        g: Box<Gather>,
     },
     /// Header of a SEND_ZC write (linked to the ZC op that follows).
     ZcHeader {
         conn: u64,
-        _hdr: Box<[u8; HEADER_LEN]>,
+        hdr: Box<[u8; HEADER_LEN]>,
     },
     /// A SEND_ZC payload; freed on its notification.
     ZcPayload {

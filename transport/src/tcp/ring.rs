@@ -16,12 +16,14 @@ use crate::frame;
 use crate::memory::{MemoryKind, Region};
 
 use super::config::{TcpConfig, TcpStats};
-use super::op::{Op, USER_DATA_NONE};
+use super::op::{Op, Pool, USER_DATA_NONE};
 use super::state::{Conn, Listener, Pending};
 use super::sys::{self, errno, BufRing, SockOpts};
 
 /// Slots of the io_uring fixed-buffer table (regions registered for SEND_ZC).
 const FIXED_SLOTS: u32 = 1024;
+/// Completions reaped per batch.
+const CQE_BATCH: usize = 256;
 
 /// The io_uring TCP transport. See the module docs.
 pub struct TcpTransport {
@@ -45,7 +47,16 @@ pub struct TcpTransport {
     pub(super) next_req: u64,
     pub(super) stats: TcpStats,
     pub(super) sockopts: SockOpts,
+    /// Connections with something to send, each at most once.
     pub(super) dirty: Vec<u64>,
+    /// Op slots reserved for the connections made ready so far.
+    pub(super) ops_budget: usize,
+    /// `dirty` while `flush` walks it (the two are swapped, keeping both capacities).
+    pub(super) flushing: Vec<u64>,
+    /// Recycled memory of finished sends.
+    pub(super) pool: Pool,
+    /// One batch of completions (user data, result, flags), reused.
+    pub(super) cqes: Vec<(u64, i32, u32)>,
     /// The [`Waker`](crate::Waker)'s eventfd and flag; a poll of it is always armed.
     pub(super) wake: Arc<WakeFd>,
 }
@@ -140,6 +151,10 @@ impl TcpTransport {
             stats: TcpStats::default(),
             sockopts,
             dirty: Vec::new(),
+            flushing: Vec::new(),
+            ops_budget: 0,
+            pool: Pool::default(),
+            cqes: Vec::with_capacity(CQE_BATCH),
             wake,
         };
         t.arm_wake();
@@ -190,9 +205,39 @@ impl TcpTransport {
             }
             None => {
                 self.ops.push(Some(op));
+                // `take_op` frees into `free_ops`: room for every slot, so it never grows there.
+                self.free_ops
+                    .reserve(self.ops.len().saturating_sub(self.free_ops.len()));
                 (self.ops.len() - 1) as u64
             }
         }
+    }
+
+    /// Marks a connection as having something to send (once per flush).
+    pub(super) fn mark_dirty(&mut self, conn: u64) {
+        if !self.dirty.contains(&conn) {
+            self.dirty.push(conn);
+        }
+    }
+
+    /// A connection just became ready: reserve what its steady traffic can need
+    /// at most (`max_outstanding` writes queued, in flight and awaiting their
+    /// Acks, each with at most two ops: a SEND_ZC header and payload), so that
+    /// the hot path never grows a table. Growth happens here, once per connection.
+    pub(super) fn reserve_for_ready(&mut self, conn: u64) {
+        let n = self.cfg.max_outstanding;
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.data_tx.reserve(n);
+            c.awaiting_ack.reserve(n);
+            c.ctrl_tx.reserve(2 * super::op::GATHER_PARTS);
+        }
+        self.ops_budget += 2 * n + 8;
+        self.ops.reserve(self.ops_budget.saturating_sub(self.ops.len()));
+        self.free_ops
+            .reserve(self.ops.capacity().saturating_sub(self.free_ops.len()));
+        let live = self.conns.len();
+        self.dirty.reserve(live.saturating_sub(self.dirty.len()));
+        self.flushing.reserve(live.saturating_sub(self.flushing.len()));
     }
 
     pub(super) fn take_op(&mut self, ud: u64) -> Option<Op> {
@@ -264,23 +309,27 @@ impl TcpTransport {
     // ---------------------------------------------------------------- completions
 
     pub(super) fn reap_completions(&mut self) {
+        // The batch list is taken and given back (completing an op needs `&mut self`).
+        let mut batch = std::mem::take(&mut self.cqes);
         loop {
-            let batch: Vec<(u64, i32, u32)> = self
-                .ring
-                .completion()
-                .take(256)
-                .map(|c| (c.user_data(), c.result(), c.flags()))
-                .collect();
+            batch.clear();
+            batch.extend(
+                self.ring
+                    .completion()
+                    .take(CQE_BATCH)
+                    .map(|c| (c.user_data(), c.result(), c.flags())),
+            );
             if batch.is_empty() {
                 break;
             }
-            for (ud, res, flags) in batch {
+            for &(ud, res, flags) in &batch {
                 if ud == USER_DATA_NONE {
                     continue;
                 }
                 self.complete(ud, res, flags);
             }
         }
+        self.cqes = batch;
         self.bufring.publish();
     }
 
@@ -309,9 +358,18 @@ impl TcpTransport {
             Op::FirstHeader { pending, buf } => self.on_first_header(pending, res, &buf),
             Op::FirstPayload { pending, hdr, buf } => self.on_first_payload(pending, res, hdr, buf),
             Op::CtrlRecv { conn } => self.on_ctrl_recv(ud, conn, res, flags),
-            Op::CtrlSend { conn, frames, _g } => self.on_ctrl_sent(conn, res, frames, _g.total),
-            Op::DataSend { conn, writes, _g } => self.on_data_sent(conn, res, writes, _g.total),
-            Op::ZcHeader { conn, .. } => {
+            Op::CtrlSend { conn, frames, g } => {
+                let total = g.total;
+                self.pool.put_gather(g);
+                self.on_ctrl_sent(conn, res, frames, total)
+            }
+            Op::DataSend { conn, writes, g } => {
+                let total = g.total;
+                self.pool.put_gather(g);
+                self.on_data_sent(conn, res, writes, total)
+            }
+            Op::ZcHeader { conn, hdr } => {
+                self.pool.put_hdr(hdr);
                 if res < 0 && res != -libc::ECANCELED {
                     let e = self.lost(conn, "sending a write header", Some(errno(res)));
                     self.fail(conn, e);

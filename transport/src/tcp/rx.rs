@@ -14,7 +14,7 @@ use crate::frame::{self, Header, Kind, HEADER_LEN};
 use crate::memory::{InFlight, Region};
 
 use super::op::{Op, Payload, Stage};
-use super::state::State;
+use super::state::{peer_name, State};
 use super::sys::errno;
 use super::TcpTransport;
 
@@ -82,31 +82,33 @@ impl TcpTransport {
                 warn!(conn, "multishot recv completion without a buffer");
                 return;
             };
-            let mut over = None;
             if live {
-                let data = self.bufring.data(bid, res as usize);
-                let c = self.conns.get_mut(&conn).expect("live");
-                let held = c.ctrl_rx.len() + data.len();
-                if c.state.is_handshake() && held > frame::PRE_AUTH_MAX_BYTES {
+                let (ptr, len) = self.bufring.raw(bid, res as usize);
+                // SAFETY: `ptr..ptr+len` is buffer `bid`, which the kernel filled and
+                // handed to us with this completion; it does not write there again until
+                // the buffer is pushed back below, after the last use of `data`, and
+                // nothing in `ingest_ctrl` touches the buffer ring.
+                let data = unsafe { std::slice::from_raw_parts(ptr, len) };
+                let held = self.conns[&conn].ctrl_rx.len() + data.len();
+                let r = if self.conns[&conn].state.is_handshake() && held > frame::PRE_AUTH_MAX_BYTES {
                     // Not authenticated yet: never hold more than the bound.
-                    over = Some(held);
+                    self.stats.pre_auth_refused += 1;
+                    Err(Error::BadFrame {
+                        peer: self.conns[&conn].peer(),
+                        reason: FrameError::PreAuthLimit {
+                            held,
+                            max: frame::PRE_AUTH_MAX_BYTES,
+                        },
+                    })
                 } else {
-                    c.ctrl_rx.extend_from_slice(data);
-                    self.stats.rx_user_copy_bytes += res as u64;
-                }
-            }
-            self.bufring.push(bid);
-            if let Some(held) = over {
-                self.stats.pre_auth_refused += 1;
-                let peer = self.conns[&conn].peer();
-                let reason = FrameError::PreAuthLimit {
-                    held,
-                    max: frame::PRE_AUTH_MAX_BYTES,
+                    self.ingest_ctrl(conn, data)
                 };
-                return self.fail(conn, Error::BadFrame { peer, reason });
-            }
-            if live {
-                self.parse_ctrl(conn);
+                self.bufring.push(bid);
+                if let Err(e) = r {
+                    return self.fail(conn, e);
+                }
+            } else {
+                self.bufring.push(bid);
             }
         } else if !live {
         } else if res == 0 {
@@ -134,48 +136,119 @@ impl TcpTransport {
         }
     }
 
-    pub(super) fn parse_ctrl(&mut self, conn: u64) {
-        let max = (self.cfg.max_message_bytes as u32).max(frame::MAX_CONTROL_BYTES);
-        let mut buf = std::mem::take(&mut self.conns.get_mut(&conn).expect("live").ctrl_rx);
-        let mut used = 0;
-        let mut failure = None;
-        let max_message = self.cfg.max_message_bytes as u32;
-        while let Some(state) = self.conns.get(&conn).filter(|c| c.is_live()).map(|c| c.state) {
-            // Judge the frame on its header, before any of its payload is buffered.
-            let early = frame::peek_header(&buf[used..])
-                .and_then(|h| h.map_or(Ok(()), |h| super::handshake::admissible(state, &h, max_message)));
-            if let Err(reason) = early {
-                if state.is_handshake() {
-                    self.stats.pre_auth_refused += 1;
+    /// The control bytes of one receive, frame by frame. Each frame is judged on
+    /// its header (kind against the handshake state, length against the kind's
+    /// bound) before any of its payload is held. A message's payload goes straight
+    /// into the buffer the application receives: its one copy in user space.
+    /// Other frames are handled in place when `data` holds them whole, else
+    /// assembled in `ctrl_rx` (which holds at most one frame).
+    fn ingest_ctrl(&mut self, conn: u64, mut data: &[u8]) -> Result<()> {
+        while !data.is_empty() {
+            let Some(c) = self.conns.get_mut(&conn).filter(|c| c.is_live()) else {
+                return Ok(());
+            };
+            if let Some((hdr, buf)) = c.msg_rx.as_mut() {
+                let n = (hdr.length as usize - buf.len()).min(data.len());
+                buf.extend_from_slice(&data[..n]);
+                self.stats.rx_user_copy_bytes += n as u64;
+                data = &data[n..];
+                if buf.len() == hdr.length as usize {
+                    let (hdr, buf) = c.msg_rx.take().expect("present");
+                    self.deliver_message(conn, hdr, buf);
                 }
-                let peer = self.conns[&conn].peer();
-                failure = Some(Error::BadFrame { peer, reason });
-                break;
+                continue;
             }
-            match frame::next_frame(&buf[used..], max) {
-                Ok(Some((hdr, total))) => {
-                    let payload = &buf[used + HEADER_LEN..used + total];
-                    if let Err(e) = self.on_ctrl_frame(conn, hdr, payload) {
-                        failure = Some(e);
-                        break;
+            let hdr = if c.ctrl_rx.is_empty() && data.len() >= HEADER_LEN {
+                let hdr = self.judge_header(conn, &data[..HEADER_LEN])?;
+                let total = HEADER_LEN + hdr.length as usize;
+                if hdr.kind == Kind::Message {
+                    data = &data[HEADER_LEN..];
+                    self.start_message(conn, hdr);
+                    continue;
+                }
+                if data.len() >= total {
+                    self.on_ctrl_frame(conn, hdr, &data[HEADER_LEN..total])?;
+                    data = &data[total..];
+                    continue;
+                }
+                hdr
+            } else if c.ctrl_rx.len() < HEADER_LEN {
+                let n = (HEADER_LEN - c.ctrl_rx.len()).min(data.len());
+                c.ctrl_rx.extend_from_slice(&data[..n]);
+                data = &data[n..];
+                if c.ctrl_rx.len() < HEADER_LEN {
+                    // Garbage is refused as soon as its first 4 bytes are in.
+                    if let Err(reason) = frame::peek_header(&c.ctrl_rx) {
+                        return Err(Error::BadFrame { peer: c.peer(), reason });
                     }
-                    used += total;
+                    return Ok(());
                 }
-                Ok(None) => break,
-                Err(reason) => {
-                    let peer = self.conns[&conn].peer();
-                    failure = Some(Error::BadFrame { peer, reason });
-                    break;
+                let raw: [u8; HEADER_LEN] = c.ctrl_rx[..HEADER_LEN].try_into().expect("header length");
+                let hdr = self.judge_header(conn, &raw)?;
+                if hdr.kind == Kind::Message {
+                    self.conns.get_mut(&conn).expect("live").ctrl_rx.clear();
+                    self.start_message(conn, hdr);
+                    continue;
                 }
+                hdr
+            } else {
+                // A judged header is in `ctrl_rx`, with part of its payload.
+                Header::decode(&c.ctrl_rx[..HEADER_LEN]).map_err(|reason| Error::BadFrame { peer: c.peer(), reason })?
+            };
+            // Assemble the rest of a frame (not a message) in `ctrl_rx`.
+            let c = self.conns.get_mut(&conn).expect("live");
+            if c.ctrl_rx.is_empty() {
+                c.ctrl_rx.extend_from_slice(&data[..HEADER_LEN]);
+                data = &data[HEADER_LEN..];
+            }
+            let total = HEADER_LEN + hdr.length as usize;
+            let n = (total - c.ctrl_rx.len()).min(data.len());
+            c.ctrl_rx.extend_from_slice(&data[..n]);
+            self.stats.rx_user_copy_bytes += n as u64;
+            data = &data[n..];
+            if c.ctrl_rx.len() == total {
+                let mut buf = std::mem::take(&mut c.ctrl_rx);
+                let r = self.on_ctrl_frame(conn, hdr, &buf[HEADER_LEN..]);
+                buf.clear();
+                if let Some(c) = self.conns.get_mut(&conn) {
+                    c.ctrl_rx = buf;
+                }
+                r?;
             }
         }
-        buf.drain(..used);
-        if let Some(c) = self.conns.get_mut(&conn) {
-            c.ctrl_rx = buf;
+        Ok(())
+    }
+
+    /// Decodes a control frame's header and judges it against the connection's
+    /// state, before any of its payload is held.
+    fn judge_header(&mut self, conn: u64, raw: &[u8]) -> Result<Header> {
+        let c = &self.conns[&conn];
+        let max_message = self.cfg.max_message_bytes as u32;
+        let judged =
+            Header::decode(raw).and_then(|h| super::handshake::admissible(c.state, &h, max_message).map(|()| h));
+        judged.map_err(|reason| {
+            if c.state.is_handshake() {
+                self.stats.pre_auth_refused += 1;
+            }
+            Error::BadFrame { peer: c.peer(), reason }
+        })
+    }
+
+    /// A message's header is in: its payload goes into a buffer of its own size.
+    fn start_message(&mut self, conn: u64, hdr: Header) {
+        if hdr.length == 0 {
+            return self.deliver_message(conn, hdr, Vec::new());
         }
-        if let Some(e) = failure {
-            self.fail(conn, e);
-        }
+        let c = self.conns.get_mut(&conn).expect("live");
+        c.msg_rx = Some((hdr, Vec::with_capacity(hdr.length as usize)));
+    }
+
+    fn deliver_message(&mut self, conn: u64, hdr: Header, data: Vec<u8>) {
+        self.events.push_back(Event::Message {
+            conn: ConnId(conn),
+            tag: hdr.imm,
+            data,
+        });
     }
 
     /// One reassembled control frame: handshake frames go to the handshake,
@@ -185,28 +258,20 @@ impl TcpTransport {
             return self.on_handshake_frame(conn, hdr, payload);
         }
         let c = self.conns.get_mut(&conn).expect("live");
-        let peer = c.peer();
+        // The name is built only if an error needs it.
+        let (addr, rank) = (c.peer_addr, c.peer_rank);
         let unexpected = |state: State| Error::BadFrame {
-            peer: peer.clone(),
+            peer: peer_name(addr, rank),
             reason: FrameError::Unexpected {
                 kind: hdr.kind.name(),
                 state: state.name(),
             },
         };
         let bad = |reason| Error::BadFrame {
-            peer: peer.clone(),
+            peer: peer_name(addr, rank),
             reason,
         };
         match (c.state, hdr.kind) {
-            (State::Ready | State::Closing, Kind::Message) => {
-                self.stats.rx_user_copy_bytes += payload.len() as u64;
-                self.events.push_back(Event::Message {
-                    conn: ConnId(conn),
-                    tag: hdr.imm,
-                    data: payload.to_vec(),
-                });
-                Ok(())
-            }
             (State::Ready | State::Closing, Kind::Ack) => {
                 c.acked_through = c.acked_through.max(hdr.seq);
                 while c.awaiting_ack.front().is_some_and(|a| a.seq <= hdr.seq) {
@@ -218,7 +283,7 @@ impl TcpTransport {
                         bytes: a.bytes,
                     });
                 }
-                self.dirty.push(conn);
+                self.mark_dirty(conn);
                 Ok(())
             }
             (State::Ready | State::Closing, Kind::Nack) => {
@@ -238,7 +303,7 @@ impl TcpTransport {
                     // Its send has not completed yet: failed when it does.
                     c.early_nacks.insert(hdr.seq, frame::decode_reason(payload));
                 }
-                self.dirty.push(conn);
+                self.mark_dirty(conn);
                 Ok(())
             }
             (State::Ready | State::Closing, Kind::Regions) => {
@@ -260,7 +325,7 @@ impl TcpTransport {
                     c.state = State::Closing;
                     c.deadline = Some(Instant::now() + self.cfg.close_timeout);
                 }
-                self.dirty.push(conn);
+                self.mark_dirty(conn);
                 self.check_close_done(conn);
                 Ok(())
             }
@@ -528,6 +593,6 @@ impl TcpTransport {
         if let Some(c) = self.conns.get_mut(&conn) {
             c.ack_to_send = Some(hdr.seq);
         }
-        self.dirty.push(conn);
+        self.mark_dirty(conn);
     }
 }

@@ -9,6 +9,7 @@ use std::time::Instant;
 use crate::api::{ConnId, PeerInfo};
 use crate::auth::Transcript;
 use crate::error::Error;
+use crate::frame::Header;
 use crate::memory::RemoteRegion;
 
 use super::op::{AwaitAck, Stage, TxFrame, WriteReq};
@@ -92,7 +93,11 @@ pub(super) struct Conn {
     /// client's Auth frame; attached once the Auth is in.
     pub(super) parked_data: Option<u64>,
     pub(super) deadline: Option<Instant>,
+    /// A control frame being assembled (at most one; never a message's payload).
     pub(super) ctrl_rx: Vec<u8>,
+    /// A message being received: its header and its payload so far, straight
+    /// from the receive buffers (the payload's one copy in user space).
+    pub(super) msg_rx: Option<(Header, Vec<u8>)>,
     pub(super) ctrl_rx_armed: bool,
     pub(super) ctrl_tx: VecDeque<TxFrame>,
     pub(super) ctrl_tx_busy: bool,
@@ -123,9 +128,16 @@ pub(super) struct Conn {
     pub(super) span: tracing::Span,
 }
 
+/// A peer's name in errors: its address and rank. Built only when an error or a
+/// log line needs it, never on the hot path.
+pub(super) fn peer_name(addr: SocketAddr, rank: u32) -> String {
+    format!("{addr} (rank {rank})")
+}
+
 impl Conn {
+    /// The peer's name, for errors and logs only (it allocates).
     pub(super) fn peer(&self) -> String {
-        format!("{} (rank {})", self.peer_addr, self.peer_rank)
+        peer_name(self.peer_addr, self.peer_rank)
     }
     pub(super) fn is_live(&self) -> bool {
         !matches!(self.state, State::Dead)

@@ -275,12 +275,13 @@ impl BufRing {
         tail.store(self.tail, Ordering::Release);
     }
 
-    /// The bytes of buffer `bid` that a completion filled.
-    pub fn data(&self, bid: u16, len: usize) -> &[u8] {
+    /// Where the bytes of buffer `bid` that a completion filled lie: for a caller
+    /// that reads them while it mutates the transport (it must not push `bid`
+    /// back before its last read).
+    pub fn raw(&self, bid: u16, len: usize) -> (*const u8, usize) {
         let start = bid as usize * self.size as usize;
         let len = len.min(self.size as usize);
-        // SAFETY: [start, start+len) lies inside buffer `bid`, which the kernel filled and
-        // handed to us; it will not write there again until we `push` the buffer back.
-        unsafe { std::slice::from_raw_parts(self.bufs.as_ptr().add(start), len) }
+        // SAFETY: bid < count, so `start` lies inside `bufs`.
+        (unsafe { self.bufs.as_ptr().add(start) }, len)
     }
 }

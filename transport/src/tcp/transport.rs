@@ -241,7 +241,7 @@ impl Transport for TcpTransport {
             guard: InFlight::new(src.region()),
             seq,
         });
-        self.dirty.push(conn.0);
+        self.mark_dirty(conn.0);
         Ok(req)
     }
 
@@ -294,7 +294,7 @@ impl Transport for TcpTransport {
                 c.state = State::Closing;
                 c.local_close = true;
                 c.deadline = Some(Instant::now() + close_timeout);
-                self.dirty.push(conn.0);
+                self.mark_dirty(conn.0);
             }
             State::Closing => {}
             _ => {

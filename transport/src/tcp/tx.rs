@@ -13,13 +13,13 @@ use crate::error::Error;
 use crate::frame::{self, Header, Kind, HEADER_LEN};
 use crate::memory::{InFlight, RemoteRegion};
 
-use super::op::{AwaitAck, Gather, Op, Payload, TxFrame, WriteReq};
+use super::op::{AwaitAck, Op, Payload, TxFrame, WriteReq};
 use super::state::State;
 use super::sys::errno;
 use super::TcpTransport;
 
 /// Frames (or writes) gathered into one SENDMSG, at most.
-const GATHER_MAX: usize = 64;
+const GATHER_MAX: usize = super::op::GATHER_PARTS;
 /// Payload bytes gathered into one SENDMSG, at most (a single larger one goes alone).
 const GATHER_BYTES_MAX: usize = 8 << 20;
 
@@ -31,7 +31,7 @@ impl TcpTransport {
                 payload,
                 req,
             });
-            self.dirty.push(conn);
+            self.mark_dirty(conn);
         }
     }
 
@@ -74,12 +74,16 @@ impl TcpTransport {
 
     /// Starts sends for every connection with queued frames and no send in flight.
     pub(super) fn flush(&mut self) {
-        let mut dirty = std::mem::take(&mut self.dirty);
-        dirty.sort_unstable();
-        dirty.dedup();
-        for conn in dirty {
+        // Two lists swapped, not a fresh one: flushing allocates nothing once both
+        // have their steady capacity (a flush may mark connections dirty again).
+        std::mem::swap(&mut self.dirty, &mut self.flushing);
+        self.flushing.sort_unstable();
+        self.flushing.dedup();
+        for i in 0..self.flushing.len() {
+            let conn = self.flushing[i];
             self.flush_conn(conn);
         }
+        self.flushing.clear();
     }
 
     pub(super) fn flush_conn(&mut self, conn: u64) {
@@ -129,7 +133,7 @@ impl TcpTransport {
         let Some(fd) = c.ctrl.as_ref().map(|f| f.as_raw_fd()) else {
             return;
         };
-        let mut frames = Vec::new();
+        let mut frames = self.pool.frames();
         let mut bytes = 0;
         while let Some(f) = c.ctrl_tx.front() {
             if !frames.is_empty() && (frames.len() >= GATHER_MAX || bytes + f.payload.len() > GATHER_BYTES_MAX) {
@@ -139,13 +143,13 @@ impl TcpTransport {
             frames.push(c.ctrl_tx.pop_front().expect("front exists"));
         }
         c.ctrl_tx_busy = true;
-        let g = Gather::new(
+        let g = self.pool.gather(
             frames
                 .iter()
                 .flat_map(|f| [(f.hdr.as_ptr(), HEADER_LEN), (f.payload.ptr(), f.payload.len())]),
         );
         let msg = &*g.msg as *const libc::msghdr;
-        let ud = self.add_op(Op::CtrlSend { conn, frames, _g: g });
+        let ud = self.add_op(Op::CtrlSend { conn, frames, g });
         let e = opcode::SendMsg::new(types::Fd(fd), msg)
             .flags((libc::MSG_WAITALL | libc::MSG_NOSIGNAL) as u32)
             .build()
@@ -169,12 +173,12 @@ impl TcpTransport {
         if zc_min.is_some_and(|m| first_len >= m) {
             let w = c.data_tx.pop_front().expect("non-empty");
             c.data_tx_busy = true;
-            let hdr = Box::new(w.hdr);
+            let hdr = self.pool.hdr(w.hdr);
             let hp = hdr.as_ptr();
             let (pp, pl) = (w.src.ptr() as *const u8, w.src.len() as u32);
             let fixed = w.src.region().0.fixed_index;
             self.stats.tx_zc_writes += 1;
-            let ud_h = self.add_op(Op::ZcHeader { conn, _hdr: hdr });
+            let ud_h = self.add_op(Op::ZcHeader { conn, hdr });
             let ud_p = self.add_op(Op::ZcPayload {
                 conn,
                 write: Some(w),
@@ -199,7 +203,7 @@ impl TcpTransport {
             }
             return;
         }
-        let mut writes = Vec::new();
+        let mut writes = self.pool.writes();
         let mut bytes = 0;
         while let Some(w) = c.data_tx.front() {
             if !writes.is_empty()
@@ -213,13 +217,13 @@ impl TcpTransport {
             writes.push(c.data_tx.pop_front().expect("front exists"));
         }
         c.data_tx_busy = true;
-        let g = Gather::new(
+        let g = self.pool.gather(
             writes
                 .iter()
                 .flat_map(|w| [(w.hdr.as_ptr(), HEADER_LEN), (w.src.ptr() as *const u8, w.src.len())]),
         );
         let msg = &*g.msg as *const libc::msghdr;
-        let ud = self.add_op(Op::DataSend { conn, writes, _g: g });
+        let ud = self.add_op(Op::DataSend { conn, writes, g });
         let e = opcode::SendMsg::new(types::Fd(fd), msg)
             .flags((libc::MSG_WAITALL | libc::MSG_NOSIGNAL) as u32)
             .build()
@@ -229,13 +233,13 @@ impl TcpTransport {
     }
     // ---------------------------------------------------------------- send completions
 
-    pub(super) fn on_ctrl_sent(&mut self, conn: u64, res: i32, frames: Vec<TxFrame>, total: usize) {
+    pub(super) fn on_ctrl_sent(&mut self, conn: u64, res: i32, mut frames: Vec<TxFrame>, total: usize) {
         let ok = res >= 0 && res as usize == total;
         if let Some(c) = self.conns.get_mut(&conn) {
             c.ctrl_tx_busy = false;
         }
         let err_src = (res < 0).then(|| errno(res));
-        for f in frames {
+        for f in frames.drain(..) {
             let Some((req, _)) = f.req else { continue };
             if let Some(c) = self.conns.get_mut(&conn) {
                 c.outstanding = c.outstanding.saturating_sub(1);
@@ -256,12 +260,13 @@ impl TcpTransport {
                 });
             }
         }
+        self.pool.put_frames(frames);
         if !ok {
             let e = self.lost(conn, "sending control frames", err_src);
             self.fail(conn, e);
             return;
         }
-        self.dirty.push(conn);
+        self.mark_dirty(conn);
         self.check_close_done(conn);
     }
 
@@ -300,16 +305,17 @@ impl TcpTransport {
         });
     }
 
-    pub(super) fn on_data_sent(&mut self, conn: u64, res: i32, writes: Vec<WriteReq>, total: usize) {
+    pub(super) fn on_data_sent(&mut self, conn: u64, res: i32, mut writes: Vec<WriteReq>, total: usize) {
         let live = self.conns.get(&conn).is_some_and(|c| c.is_live());
         if let Some(c) = self.conns.get_mut(&conn) {
             c.data_tx_busy = false;
         }
         if live && res >= 0 && res as usize == total {
-            for w in writes {
+            for w in writes.drain(..) {
                 self.ack_wait(conn, w);
             }
-            self.dirty.push(conn);
+            self.pool.put_writes(writes);
+            self.mark_dirty(conn);
             return;
         }
         let src = (res < 0).then(|| errno(res));
@@ -356,7 +362,7 @@ impl TcpTransport {
                 seq: w.seq,
             };
             self.ack_wait(conn, mirror);
-            self.dirty.push(conn);
+            self.mark_dirty(conn);
         } else {
             if let Some(c) = self.conns.get_mut(&conn) {
                 c.outstanding = c.outstanding.saturating_sub(1);
