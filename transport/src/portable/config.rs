@@ -3,7 +3,9 @@
 /// Counters of the data path (see [`PortableTransport::stats`](super::PortableTransport::stats)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PortableStats {
-    /// Bytes user space copied on receive (control frames and messages).
+    /// Message bytes user space copied on receive: a message whole in the
+    /// receive buffer is copied out once; the rest of a longer one is read
+    /// straight into the message's own buffer, and control frames are parsed in place.
     pub rx_user_copy_bytes: u64,
     /// Write payload bytes received straight into the destination region.
     pub rx_write_direct_bytes: u64,

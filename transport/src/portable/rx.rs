@@ -69,6 +69,31 @@ impl PortableTransport {
                 self.again.push(Sock::Ctrl(conn));
                 return;
             }
+            if let Some((_, v, filled)) = c.rx.msg.as_mut() {
+                // A message's payload: read into the buffer the application gets.
+                let want = v.len() - *filled;
+                match c.ctrl.read(&mut v[*filled..]) {
+                    Ok(0) => return self.on_ctrl_eof(conn),
+                    Ok(n) => {
+                        *filled += n;
+                        budget = budget.saturating_sub(n);
+                        if n < want {
+                            c.ctrl_ready.rd = false;
+                        }
+                        if *filled == v.len() {
+                            let (hdr, data, _) = c.rx.msg.take().expect("present");
+                            self.deliver_message(conn, &hdr, data);
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => c.ctrl_ready.rd = false,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        let e = self.lost(conn, "control receive", Some(e));
+                        return self.fail(conn, e);
+                    }
+                }
+                continue;
+            }
             let rx = &mut c.rx;
             let have = rx.end - rx.start;
             // During the handshake read one frame at a time (header, then payload);
@@ -96,7 +121,6 @@ impl PortableTransport {
                 Ok(n) => {
                     rx.end += n;
                     budget = budget.saturating_sub(n);
-                    self.stats.rx_user_copy_bytes += n as u64;
                     // A short read of a stream socket drained it (epoll(7)): the next
                     // byte brings a new edge, so skip the read that would say EAGAIN.
                     if n < want {
@@ -156,6 +180,19 @@ impl PortableTransport {
             let c = self.conns.get_mut(&conn).expect("live");
             let total = HEADER_LEN + hdr.length as usize;
             if c.rx.end - c.rx.start < total {
+                if hdr.kind == Kind::Message && c.hs.is_none() {
+                    // Everything buffered belongs to this message: move it into the
+                    // message's own buffer and read the rest straight there.
+                    let p = c.rx.start + HEADER_LEN;
+                    let have = c.rx.end - p;
+                    let mut v = vec![0u8; hdr.length as usize];
+                    v[..have].copy_from_slice(&c.rx.buf[p..c.rx.end]);
+                    self.stats.rx_user_copy_bytes += have as u64;
+                    c.rx.start = 0;
+                    c.rx.end = 0;
+                    c.rx.hdr = None;
+                    c.rx.msg = Some((hdr, v, have));
+                }
                 return Ok(());
             }
             // Take the buffer out while the frame is handled (no copy, no allocation).
@@ -166,6 +203,7 @@ impl PortableTransport {
                     start: 0,
                     end: 0,
                     hdr: None,
+                    msg: None,
                 },
             );
             let p = rx.start + HEADER_LEN;
@@ -179,6 +217,14 @@ impl PortableTransport {
         }
     }
 
+    fn deliver_message(&mut self, conn: u64, hdr: &Header, data: Vec<u8>) {
+        self.events.push_back(Event::Message {
+            conn: ConnId(conn),
+            tag: hdr.imm,
+            data,
+        });
+    }
+
     /// One control frame: the handshake's, or an established connection's.
     fn on_ctrl_frame(&mut self, conn: u64, hdr: &Header, payload: &[u8]) -> Result<()> {
         let Some(c) = self.conns.get_mut(&conn) else {
@@ -189,11 +235,8 @@ impl PortableTransport {
         }
         match hdr.kind {
             Kind::Message => {
-                self.events.push_back(Event::Message {
-                    conn: ConnId(conn),
-                    tag: hdr.imm,
-                    data: payload.to_vec(),
-                });
+                self.stats.rx_user_copy_bytes += payload.len() as u64;
+                self.deliver_message(conn, hdr, payload.to_vec());
             }
             Kind::Ack => {
                 while c.awaiting_ack.front().is_some_and(|a| a.seq <= hdr.seq) {

@@ -111,6 +111,9 @@ pub(super) struct CtrlRx {
     pub(super) end: usize,
     /// The header of the frame at `start`, once checked.
     pub(super) hdr: Option<Header>,
+    /// A message being read straight into its own buffer (header, payload, bytes
+    /// in so far): the socket's reads land in the buffer the application gets.
+    pub(super) msg: Option<(Header, Vec<u8>, usize)>,
 }
 
 impl CtrlRx {
@@ -120,6 +123,7 @@ impl CtrlRx {
             start: 0,
             end: 0,
             hdr: None,
+            msg: None,
         }
     }
 }

@@ -582,6 +582,69 @@ pub fn message_too_large<B: Backend>() {
     assert!(matches!(p.c.send(p.cc, &src.full(), 0), Err(Error::TooLarge { .. })));
 }
 
+/// A message reaches the application with at most one copy in user space: the
+/// receiver's copy counter rises by at most the payload bytes it received
+/// (sizes from 1 byte to the largest message, sent back to back so that
+/// messages straddle receive buffers), and every message arrives intact.
+pub fn messages_are_copied_at_most_once<B: Backend>() {
+    let mut p = Pair::<B::T>::new::<B>();
+    let max =
+        p.c.properties()
+            .max_message_bytes
+            .min(p.s.properties().max_message_bytes);
+    let src = p.c.register(buf(max), Access::LOCAL).unwrap();
+    let sizes: Vec<usize> = [1, 39, 40, 41, 300, 4096, 65_535, 65_536 + 7, 1 << 20, max]
+        .into_iter()
+        .filter(|&n| n <= max)
+        .collect();
+    let seed = 0x5d;
+    src.write_at(0, &pattern(max, seed)).unwrap();
+    // Let the connection settle (region announcements) before counting.
+    quiesce(&mut p.c);
+    quiesce(&mut p.s);
+    let before = p.s.counters().rx_copied_bytes;
+    let mut want = Vec::new();
+    for round in 0..3 {
+        for &n in &sizes {
+            let off = (round * 4099 + n) % (max - n + 1);
+            loop {
+                match p.c.send(p.cc, &src.slice(off, n).unwrap(), want.len() as u32) {
+                    Ok(_) => break,
+                    Err(Error::WouldBlock { .. }) => {
+                        p.c.poll(&mut p.evs[1], 4096).unwrap();
+                        p.s.poll(&mut p.evs[0], 4096).unwrap();
+                    }
+                    Err(e) => panic!("send of {n} bytes: {e}"),
+                }
+            }
+            want.push((off, n));
+        }
+    }
+    let total: usize = want.iter().map(|w| w.1).sum();
+    let k = want.len();
+    p.pump("all messages", |e| {
+        count(&e[0], |x| matches!(x, Event::Message { .. })) == k
+    });
+    let got: Vec<(u32, &Vec<u8>)> = p.evs[0]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Message { tag, data, .. } => Some((*tag, data)),
+            _ => None,
+        })
+        .collect();
+    let all = pattern(max, seed);
+    for (i, (tag, data)) in got.iter().enumerate() {
+        let (off, n) = want[i];
+        assert_eq!(*tag as usize, i, "messages out of order");
+        assert!(data[..] == all[off..off + n], "message {i} ({n} bytes) corrupted");
+    }
+    let copied = p.s.counters().rx_copied_bytes - before;
+    assert!(
+        copied <= total as u64,
+        "user space copied {copied} bytes to deliver {total} message bytes ({k} messages)"
+    );
+}
+
 pub fn graceful_close_flushes<B: Backend>() {
     let mut p = Pair::<B::T>::new::<B>();
     let src = p.c.register(buf(1 << 20), Access::LOCAL).unwrap();
@@ -1024,7 +1087,7 @@ macro_rules! conformance_suite {
     ($b:ty) => {
         $crate::conformance_suite!(@ $b; connect_accept many_connections send_recv_ordering write_imm_lands_at_offset
             one_byte_and_64_mib bad_writes_are_rejected_on_both_sides deregister_while_in_flight_is_refused
-            outstanding_bound lowered_limits_are_enforced message_too_large graceful_close_flushes peer_closes_mid_transfer
+            outstanding_bound lowered_limits_are_enforced message_too_large messages_are_copied_at_most_once graceful_close_flushes peer_closes_mid_transfer
             wrong_secret_is_refused wrong_job_is_refused wrong_version_is_refused garbage_is_refused
             forged_auth_is_refused silent_peer_times_out connect_refused_is_an_error waker_ends_wait
             idle_wait_uses_little_cpu);
