@@ -35,4 +35,13 @@ pub struct SessionStats {
     pub hand_in_to_post_p50_ns: u64,
     /// See `hand_in_posts`.
     pub hand_in_to_post_p99_ns: u64,
+    /// Factor bytes (U and V of every worker) the SF reconstructions read in
+    /// place, in the buffers the transport received them in.
+    #[serde(default)]
+    pub factor_bytes_in_place: u64,
+    /// Factor bytes the SF reconstructions decoded into scratch first: U or V
+    /// of a block split over several messages (over the message cap), or a
+    /// misaligned buffer. 0 when every U and V fits a message.
+    #[serde(default)]
+    pub factor_bytes_decoded: u64,
 }

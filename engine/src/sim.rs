@@ -37,9 +37,9 @@ use crate::error::EngineError;
 use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use crate::net::Net;
 use crate::node::{
-    Blob, Input, Job, JobKind, Limits, Loc, LocalRegion, Node, NodeConfig, Output, Payload, Queue, SendSrc, TxOp,
-    CELL_BYTES,
+    Input, Job, JobKind, Limits, Loc, LocalRegion, Node, NodeConfig, Output, Payload, Queue, SendSrc, TxOp, CELL_BYTES,
 };
+use crate::wire::Kind;
 
 /// Faults to inject.
 #[derive(Debug, Clone, Default)]
@@ -292,6 +292,10 @@ struct Rank {
     finished: Option<u64>,
     /// The Node's timer, as last scheduled.
     tick_at: Option<u64>,
+    /// Values mode: (address, length) of the factor fragments delivered to
+    /// this rank and not yet reconstructed from. A reconstruction must read
+    /// peers' factors in these very buffers: a copy on the way is a violation.
+    delivered: HashSet<(usize, usize)>,
 }
 
 /// The simulator.
@@ -447,6 +451,7 @@ impl Sim {
                 fatal: None,
                 finished: None,
                 tick_at: None,
+                delivered: HashSet::default(),
             };
             if cfg.values && role.is_worker() {
                 // Every worker fills its parameters; rank 0's values reach everyone.
@@ -800,6 +805,9 @@ impl Sim {
             }
             Ev::MsgArrive { from, to, tag, data } => {
                 if !self.dead(to) && !self.dead(from) {
+                    if let (true, Payload::Bytes(b)) = (tag == Kind::FactorData.tag(), &data) {
+                        self.ranks[to as usize].delivered.insert((b.as_ptr() as usize, b.len()));
+                    }
                     self.feed(to, Input::Message { peer: from, tag, data })?;
                 }
             }
@@ -898,8 +906,18 @@ impl Sim {
             }
         }
         let now = Duration::from_nanos(self.now);
-        if let Err(e) = rank.node.handle(now, input.clone()) {
-            return Err(self.violation(format!("rank {r} refused {input:?}: {e}")));
+        // Kept for the report of a refusal; a message's bytes go to the Node
+        // as they are (moved: the receive path copies nothing, see `delivered`).
+        let shown = match &input {
+            Input::Message { peer, tag, data } => Input::Message {
+                peer: *peer,
+                tag: *tag,
+                data: Payload::Opaque(data.len()),
+            },
+            other => other.clone(),
+        };
+        if let Err(e) = rank.node.handle(now, input) {
+            return Err(self.violation(format!("rank {r} refused {shown:?}: {e}")));
         }
         self.drain(r)
     }
@@ -1256,20 +1274,29 @@ impl Sim {
                 layer, params, factors, ..
             } => {
                 let l = &book.layers()[*layer as usize];
-                let mut parts = Vec::with_capacity(factors.len());
-                for b in factors {
-                    match b {
-                        Blob::Bytes(b) if b.len() == k * (l.m + l.n) * 4 => parts.push(f32s(b)),
-                        other => {
-                            return Err(SimError::Violation {
-                                seed: self.cfg.seed,
-                                at_ns: self.now,
-                                what: format!("reconstruction of layer {layer} got factors {other:?}"),
-                            })
+                let me = book.cluster().worker_index(r);
+                let (seed, now) = (self.cfg.seed, self.now);
+                let bad = |what: String| SimError::Violation { seed, at_ns: now, what };
+                let mut scratch = vec![[Vec::new(), Vec::new()]; factors.len()];
+                let mut refs: Vec<(&[f32], &[f32])> = Vec::with_capacity(factors.len());
+                for (wi, (b, [su, sv])) in factors.iter().zip(scratch.iter_mut()).enumerate() {
+                    if Some(wi) != me {
+                        for p in b.pieces() {
+                            if !rank.delivered.remove(&(p.as_ptr() as usize, p.len())) {
+                                return Err(bad(format!(
+                                    "rank {r} reconstructs layer {layer} from {} bytes of worker {wi}'s factors \
+                                     that are not a received message's buffer (a copy on the receive path)",
+                                    p.len()
+                                )));
+                            }
                         }
                     }
+                    let whole = b.len() == k * (l.m + l.n) * 4;
+                    match (b.f32s(0, k * l.m, su), b.f32s(k * l.m * 4, k * l.n, sv)) {
+                        (Some((u, _)), Some((v, _))) if whole => refs.push((u, v)),
+                        _ => return Err(bad(format!("reconstruction of layer {layer} got factors {b:?}"))),
+                    }
                 }
-                let refs: Vec<(&[f32], &[f32])> = parts.iter().map(|p| (&p[..k * l.m], &p[k * l.m..])).collect();
                 let sum = outer_sum(&refs, k, l.m, l.n);
                 let pm = &mut rank.mem[ridx(params.region)];
                 let range = params.offset as usize..params.offset as usize + sum.len() * 4;

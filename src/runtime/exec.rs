@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -82,6 +83,16 @@ pub(crate) struct Executors {
     handles: Vec<JoinHandle<()>>,
     /// The aggregator's counters, refreshed after each server job.
     pub(crate) agg_stats: Arc<Mutex<AggStats>>,
+    /// How the reconstructions read the factors.
+    pub(crate) factor_reads: Arc<FactorReads>,
+}
+
+/// Bytes of factors (U and V, every worker's) the reconstructions read in
+/// place, and bytes they had to decode first (see [`factor_views`]).
+#[derive(Debug, Default)]
+pub(crate) struct FactorReads {
+    pub(crate) in_place: AtomicU64,
+    pub(crate) decoded: AtomicU64,
 }
 
 pub(crate) struct ServerSetup {
@@ -118,6 +129,7 @@ impl Executors {
             worker: None,
             handles: Vec::new(),
             agg_stats: agg_stats.clone(),
+            factor_reads: Arc::default(),
         };
         let mut describe = None;
         if let Some(s) = server {
@@ -176,6 +188,8 @@ impl Executors {
             let mut st = WorkerExec {
                 momentum: HashMap::new(),
                 scratch: Vec::new(),
+                factor_scratch: Vec::new(),
+                reads: ex.factor_reads.clone(),
                 book,
                 mem,
                 op,
@@ -247,10 +261,39 @@ fn run_queue(
     }
 }
 
-fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-        .collect()
+/// Every worker's U (K×M) and V (K×N), in worker order, for
+/// [`cpu::sf_sum`], read where they lie: in the buffers the transport
+/// received them in ([`Blob::f32s`]). No copy when each lies in one buffer at
+/// a 4-byte aligned address: every block that came in one message, and, as
+/// the Node cuts blocks at the U/V boundary
+/// ([`tidewire_engine::node::factors::fragments`]), U or V of a split block
+/// when it fits a message alone. Otherwise (U or V over the message cap, a
+/// peer that cut elsewhere, a misaligned buffer, a big-endian host) that
+/// matrix is decoded into its `scratch`, which is kept for the next job.
+/// Also returns how many bytes were read in place, and how many decoded.
+type Views<'a> = (Vec<(&'a [f32], &'a [f32])>, [u64; 2]);
+fn factor_views<'a>(
+    factors: &'a [Blob],
+    (k, m, n): (usize, usize, usize),
+    scratch: &'a mut Vec<[Vec<f32>; 2]>,
+) -> std::result::Result<Views<'a>, String> {
+    let want = k * (m + n) * 4;
+    if scratch.len() < factors.len() {
+        scratch.resize_with(factors.len(), Default::default);
+    }
+    let mut bytes = [0u64; 2];
+    let mut views = Vec::with_capacity(factors.len());
+    for (b, [su, sv]) in factors.iter().zip(scratch.iter_mut()) {
+        match (b.f32s(0, k * m, su), b.f32s(k * m * 4, k * n, sv)) {
+            (Some((u, du)), Some((v, dv))) if b.len() == want => {
+                bytes[usize::from(du)] += (u.len() * 4) as u64;
+                bytes[usize::from(dv)] += (v.len() * 4) as u64;
+                views.push((u, v));
+            }
+            _ => return Err(format!("factors of {} bytes, expected {want}", b.len())),
+        }
+    }
+    Ok((views, bytes))
 }
 
 struct ServerExec {
@@ -368,6 +411,9 @@ struct WorkerExec {
     op: ApplyOp,
     momentum: HashMap<u32, Vec<f32>>,
     scratch: Vec<f32>,
+    /// Per worker: U and V of a factor block that had to be decoded (see [`factor_views`]).
+    factor_scratch: Vec<[Vec<f32>; 2]>,
+    reads: Arc<FactorReads>,
 }
 
 impl WorkerExec {
@@ -393,17 +439,11 @@ impl WorkerExec {
                 layer, params, factors, ..
             } => {
                 let l = book.layers().get(*layer as usize).ok_or("unknown layer")?;
-                let want = k * (l.m + l.n) * 4;
-                let mut parts = Vec::with_capacity(factors.len());
-                for b in factors {
-                    match b {
-                        Blob::Bytes(b) if b.len() == want => parts.push(f32s(b)),
-                        other => return Err(format!("factors of {} bytes, expected {want}", other.len())),
-                    }
-                }
-                let refs: Vec<(&[f32], &[f32])> = parts.iter().map(|p| p.split_at(k * l.m)).collect();
+                let (uv, [in_place, decoded]) = factor_views(factors, (k, l.m, l.n), &mut self.factor_scratch)?;
+                self.reads.in_place.fetch_add(in_place, Ordering::Relaxed);
+                self.reads.decoded.fetch_add(decoded, Ordering::Relaxed);
                 self.scratch.resize(l.params(), 0.0);
-                cpu::sf_sum(&refs, k, l.m, l.n, &mut self.scratch[..l.params()]);
+                cpu::sf_sum(&uv, k, l.m, l.n, &mut self.scratch[..l.params()]);
                 let mut p = self.mem.lease(*params, (l.params() * 4) as u64)?;
                 let op = self.op;
                 let mom = self.momentum.entry(*layer).or_insert_with(|| {
@@ -433,5 +473,208 @@ impl WorkerExec {
             }
             other => Err(format!("not a worker job: {other:?}")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tidewire_engine::node::factors::fragments;
+
+    use super::*;
+
+    /// splitmix64.
+    fn next(s: &mut u64) -> u64 {
+        *s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = *s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn le(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    /// Values whose products and sums round, so any change of order shows.
+    fn values(rng: &mut u64, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| ((next(rng) % 2001) as f32 - 1000.0) * 1e-3 * (1 << (next(rng) % 12)) as f32)
+            .collect()
+    }
+
+    /// What the reconstruction did before blobs were read in place: each
+    /// block decoded into its own `Vec<f32>`, then `sf_sum`.
+    fn reference(blocks: &[Vec<f32>], k: usize, m: usize, n: usize) -> Vec<u32> {
+        let refs: Vec<(&[f32], &[f32])> = blocks.iter().map(|b| b.split_at(k * m)).collect();
+        let mut out = vec![0f32; m * n];
+        cpu::sf_sum(&refs, k, m, n, &mut out);
+        out.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// The sum's bits and the bytes decoded.
+    fn sum(blobs: &[Blob], k: usize, m: usize, n: usize, scratch: &mut Vec<[Vec<f32>; 2]>) -> (Vec<u32>, u64) {
+        let (uv, [in_place, decoded]) = factor_views(blobs, (k, m, n), scratch).unwrap();
+        assert_eq!(in_place + decoded, (blobs.len() * k * (m + n) * 4) as u64);
+        let mut out = vec![0f32; m * n];
+        cpu::sf_sum(&uv, k, m, n, &mut out);
+        (out.iter().map(|x| x.to_bits()).collect(), decoded)
+    }
+
+    /// The buffer that starts at byte `at` of a blob, if one does.
+    fn piece_at(b: &Blob, at: usize) -> *const u8 {
+        let mut start = 0;
+        for p in b.pieces() {
+            if start == at {
+                return p.as_ptr();
+            }
+            start += p.len();
+        }
+        panic!("no piece starts at {at}")
+    }
+
+    #[test]
+    fn reconstruction_reads_the_received_buffers() {
+        let (k, m, n) = (3, 70, 5);
+        let mut rng = 7;
+        let blocks: Vec<Vec<f32>> = (0..4).map(|_| values(&mut rng, k * (m + n))).collect();
+        // Worker 0: whole; 1: cut at U/V by the Node's rule; 2 and 3: cut
+        // elsewhere, 3 where its V starts at an address that is not 4-aligned.
+        let cap = (k * m * 4) as u64;
+        let bytes: Vec<Vec<u8>> = blocks.iter().map(|b| le(b)).collect();
+        let cut = |b: &[u8], cuts: &[(u64, u64)]| -> Vec<Vec<u8>> {
+            cuts.iter()
+                .map(|&(o, l)| b[o as usize..(o + l) as usize].to_vec())
+                .collect()
+        };
+        let total = bytes[0].len() as u64;
+        let blobs = vec![
+            Blob::Bytes(bytes[0].clone()),
+            Blob::Fragments(cut(&bytes[1], &fragments(cap, total, cap).collect::<Vec<_>>())),
+            Blob::Fragments(cut(&bytes[2], &[(0, 8), (8, total - 8)])),
+            Blob::Fragments(cut(&bytes[3], &[(0, 6), (6, total - 6)])),
+        ];
+        assert_eq!(blobs[1].pieces().len(), 2);
+        let mut scratch = Vec::new();
+        let (uv, [in_place, decoded]) = factor_views(&blobs, (k, m, n), &mut scratch).unwrap();
+        // U and V of the first two are the received buffers themselves.
+        for (w, (u, v)) in uv.iter().enumerate().take(2) {
+            assert_eq!(
+                u.as_ptr().cast::<u8>(),
+                piece_at(&blobs[w], 0),
+                "worker {w}'s U was copied"
+            );
+            let vp = if w == 0 {
+                piece_at(&blobs[0], 0).wrapping_add(k * m * 4)
+            } else {
+                piece_at(&blobs[1], k * m * 4)
+            };
+            assert_eq!(v.as_ptr().cast::<u8>(), vp, "worker {w}'s V was copied");
+        }
+        // The third's U spans two buffers: decoded; its V lies in one: read
+        // there. The fourth's V lies in one buffer too, but misaligned: decoded.
+        assert_eq!(decoded, (k * m * 4 * 2 + k * n * 4) as u64);
+        assert_eq!(in_place, (k * (m + n) * 4 * 2 + k * n * 4) as u64);
+        assert_eq!(
+            uv[2].1.as_ptr().cast::<u8>(),
+            blobs[2].pieces()[1].as_ptr().wrapping_add(k * m * 4 - 8)
+        );
+        let mut out = vec![0f32; m * n];
+        cpu::sf_sum(&uv, k, m, n, &mut out);
+        // Nothing was decoded for the first two.
+        assert_eq!(
+            scratch[0][0].capacity() + scratch[0][1].capacity() + scratch[1][0].capacity(),
+            0
+        );
+        let got: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(got, reference(&blocks, k, m, n));
+        assert!(factor_views(&[Blob::Opaque(total as usize)], (k, m, n), &mut scratch).is_err());
+        assert!(factor_views(&[Blob::Bytes(vec![0; 8])], (k, m, n), &mut scratch).is_err());
+    }
+
+    #[test]
+    fn split_blocks_reconstruct_to_the_bits_of_whole_ones() {
+        let seed = match std::env::var("TIDEWIRE_FACTOR_SEED") {
+            Ok(s) => s.parse().expect("TIDEWIRE_FACTOR_SEED is a u64"),
+            Err(_) => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64),
+        };
+        println!("seed {seed} (replay with TIDEWIRE_FACTOR_SEED={seed})");
+        let mut rng = seed;
+        let mut scratch = Vec::new();
+        let mut decodes = [0u64; 3];
+        for case in 0..60 {
+            let k = 1 + (next(&mut rng) % 9) as usize;
+            let m = 1 + (next(&mut rng) % 150) as usize;
+            let n = 1 + (next(&mut rng) % 40) as usize;
+            let p = 1 + (next(&mut rng) % 4) as usize;
+            let blocks: Vec<Vec<f32>> = (0..p).map(|_| values(&mut rng, k * (m + n))).collect();
+            let want = reference(&blocks, k, m, n);
+            let whole: Vec<Blob> = blocks.iter().map(|b| Blob::Bytes(le(b))).collect();
+            let (got, decoded) = sum(&whole, k, m, n, &mut scratch);
+            assert_eq!(got, want, "seed {seed} case {case}: whole blocks");
+            assert_eq!(decoded, 0, "seed {seed} case {case}: a whole block was decoded");
+            // The Node's cut at a random cap: U and V that fit are read in place.
+            let total = (k * (m + n) * 4) as u64;
+            let cap = 256 + next(&mut rng) % total.max(1);
+            let (ub, vb) = ((k * m * 4) as u64, (k * n * 4) as u64);
+            let frag = cap / 4 * 4;
+            let mut expect = 0;
+            let node: Vec<Blob> = blocks
+                .iter()
+                .map(|b| {
+                    let b = le(b);
+                    let pieces: Vec<Vec<u8>> = fragments(ub, total, cap)
+                        .map(|(o, l)| b[o as usize..(o + l) as usize].to_vec())
+                        .collect();
+                    if total > cap {
+                        expect += [ub, vb].iter().filter(|&&x| x > frag).sum::<u64>();
+                    }
+                    if pieces.len() == 1 {
+                        Blob::Bytes(pieces.concat())
+                    } else {
+                        Blob::Fragments(pieces)
+                    }
+                })
+                .collect();
+            let (got, decoded) = sum(&node, k, m, n, &mut scratch);
+            assert_eq!(got, want, "seed {seed} case {case}: cut by the Node at {cap}");
+            assert_eq!(decoded, expect, "seed {seed} case {case}: cut by the Node at {cap}");
+            decodes[1] += decoded;
+            // Any cut, at any byte, f32s split across fragments included.
+            let any: Vec<Blob> = blocks
+                .iter()
+                .map(|b| {
+                    let b = le(b);
+                    let mut cuts: Vec<usize> = (0..1 + next(&mut rng) % 8)
+                        .map(|_| 1 + next(&mut rng) as usize % b.len())
+                        .collect();
+                    cuts.push(b.len());
+                    cuts.sort_unstable();
+                    cuts.dedup();
+                    let mut from = 0;
+                    let pieces: Vec<Vec<u8>> = cuts
+                        .iter()
+                        .map(|&c| {
+                            let p = b[from..c].to_vec();
+                            from = c;
+                            p
+                        })
+                        .collect();
+                    if pieces.len() == 1 {
+                        Blob::Bytes(pieces.concat())
+                    } else {
+                        Blob::Fragments(pieces)
+                    }
+                })
+                .collect();
+            let (got, decoded) = sum(&any, k, m, n, &mut scratch);
+            assert_eq!(got, want, "seed {seed} case {case}: cut anywhere");
+            decodes[2] += decoded;
+        }
+        println!(
+            "bytes decoded: whole 0, cut by the Node {}, cut anywhere {}",
+            decodes[1], decodes[2]
+        );
     }
 }

@@ -17,6 +17,7 @@ pub(crate) mod shared;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -919,6 +920,8 @@ impl Runtime {
             hand_in_posts: self.hand_in_posts,
             hand_in_to_post_p50_ns: pct(0.5),
             hand_in_to_post_p99_ns: pct(0.99),
+            factor_bytes_in_place: self.ex.factor_reads.in_place.load(Ordering::Relaxed),
+            factor_bytes_decoded: self.ex.factor_reads.decoded.load(Ordering::Relaxed),
         }
     }
 

@@ -4,9 +4,40 @@
 //!
 //! Bounds: one open block per peer; blocks are kept only for iterations not
 //! yet reconstructed (at most `s + 1` per layer under SSP(s)).
+//!
+//! No copy: a fragment's buffer (the transport's message) is moved in and
+//! kept as it came. A block that arrives in one message becomes
+//! [`Blob::Bytes`] of that very buffer; one that arrives in several becomes
+//! [`Blob::Fragments`], never concatenated. The reconstruction reads the f32
+//! values in place ([`Blob::f32s`]).
 
 use super::types::{Blob, Payload};
 use crate::fxhash::FxHashMap as HashMap;
+
+/// How a sender cuts a factor block of `total` bytes whose U takes the first
+/// `u` to a message cap of `cap` bytes: `(offset, length)` of each fragment,
+/// in order. A block that fits is one fragment. A larger one is cut at the
+/// U/V boundary, then into pieces of the cap rounded down to whole f32s, so
+/// U, and V, lies in one fragment whenever it fits a message alone and the
+/// receiver reads it there (at most one message more than cutting blindly).
+/// Receivers accept any cut.
+pub fn fragments(u: u64, total: u64, cap: u64) -> impl Iterator<Item = (u64, u64)> {
+    let (frag, split) = if total <= cap {
+        (total, total)
+    } else {
+        ((cap / 4 * 4).max(4), u.min(total))
+    };
+    let mut off = 0;
+    std::iter::from_fn(move || {
+        if off >= total {
+            return None;
+        }
+        let end = if off < split { split } else { total };
+        let n = (end - off).min(frag);
+        off += n;
+        Some((off - n, n))
+    })
+}
 
 #[derive(Debug)]
 struct Stream {
@@ -14,8 +45,9 @@ struct Stream {
     iter: u64,
     total: usize,
     got: usize,
-    /// `None` once a fragment came as `Payload::Opaque` (simulation).
-    bytes: Option<Vec<u8>>,
+    /// The fragments as they came; `None` once one came as
+    /// `Payload::Opaque` (simulation).
+    pieces: Option<Vec<Vec<u8>>>,
 }
 
 /// See the module docs.
@@ -53,7 +85,7 @@ impl Inbox {
             iter,
             total,
             got: 0,
-            bytes: Some(Vec::with_capacity(total)),
+            pieces: Some(Vec::new()),
         });
         Ok(())
     }
@@ -74,18 +106,19 @@ impl Inbox {
         s.got += n;
         match data {
             Payload::Bytes(b) => {
-                if let Some(v) = s.bytes.as_mut() {
-                    v.extend_from_slice(&b);
+                if let Some(v) = s.pieces.as_mut() {
+                    v.push(b);
                 }
             }
-            Payload::Opaque(_) => s.bytes = None,
+            Payload::Opaque(_) => s.pieces = None,
         }
         if s.got < s.total {
             return Ok(None);
         }
         let s = slot.take().expect("open");
-        let blob = match s.bytes {
-            Some(b) => Blob::Bytes(b),
+        let blob = match s.pieces {
+            Some(mut p) if p.len() == 1 => Blob::Bytes(p.pop().expect("one")),
+            Some(p) => Blob::Fragments(p),
             None => Blob::Opaque(s.total),
         };
         Ok(Some((s.layer, s.iter, blob)))
@@ -138,12 +171,133 @@ mod tests {
         assert_eq!(ib.data(1, Payload::Bytes(vec![1, 2, 3])).unwrap(), None);
         assert!(ib.data(1, Payload::Bytes(vec![0; 3])).is_err(), "overrun");
         let (l, i, b) = ib.data(1, Payload::Bytes(vec![4, 5])).unwrap().unwrap();
-        assert_eq!((l, i, b), (4, 0, Blob::Bytes(vec![1, 2, 3, 4, 5])));
+        assert_eq!((l, i, b), (4, 0, Blob::Fragments(vec![vec![1, 2, 3], vec![4, 5]])));
         ib.put(4, 0, 1, Blob::Bytes(vec![9])).unwrap();
         assert!(ib.take(4, 0).is_none());
         assert!(ib.put(4, 0, 1, Blob::Opaque(1)).is_err());
         ib.put(4, 0, 0, Blob::Opaque(5)).unwrap();
         assert_eq!(ib.take(4, 0).unwrap().len(), 2);
         assert_eq!(ib.held(), 0);
+    }
+
+    /// splitmix64.
+    fn next(s: &mut u64) -> u64 {
+        *s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = *s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn seed() -> u64 {
+        let seed = match std::env::var("TIDEWIRE_FACTOR_SEED") {
+            Ok(s) => s.parse().expect("TIDEWIRE_FACTOR_SEED is a u64"),
+            Err(_) => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64),
+        };
+        println!("seed {seed} (replay with TIDEWIRE_FACTOR_SEED={seed})");
+        seed
+    }
+
+    #[test]
+    fn a_block_in_one_message_is_that_message_s_buffer() {
+        let mut ib = Inbox::new(2, 2);
+        let vals: Vec<f32> = (0..40).map(|i| i as f32 * 0.25 - 3.0).collect();
+        let msg: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let at = msg.as_ptr();
+        ib.begin(1, 0, 7, msg.len()).unwrap();
+        let (_, _, blob) = ib.data(1, Payload::Bytes(msg)).unwrap().unwrap();
+        let Blob::Bytes(b) = &blob else {
+            panic!("a whole block must stay one buffer: {blob:?}")
+        };
+        assert_eq!(b.as_ptr(), at, "the block was copied");
+        // The allocator's buffers are 4-byte aligned, so U and V are read in place.
+        let (mut su, mut sv) = (Vec::new(), Vec::new());
+        let (u, decoded) = blob.f32s(0, 16, &mut su).unwrap();
+        assert!(!decoded);
+        assert_eq!(u.as_ptr().cast::<u8>(), at, "U is not read in the received buffer");
+        let (v, decoded) = blob.f32s(64, 24, &mut sv).unwrap();
+        assert!(!decoded);
+        assert_eq!(v.as_ptr().cast::<u8>(), at.wrapping_add(64));
+        assert_eq!([u, v].concat(), vals);
+        assert_eq!(su.capacity() + sv.capacity(), 0, "nothing was decoded");
+    }
+
+    #[test]
+    fn fragments_are_kept_as_they_came_never_concatenated() {
+        let seed = seed();
+        let mut rng = seed;
+        for case in 0..300 {
+            let total = 1 + (next(&mut rng) % 600) as usize;
+            let bytes: Vec<u8> = (0..total).map(|_| next(&mut rng) as u8).collect();
+            let mut cuts: Vec<usize> = (0..next(&mut rng) % 6)
+                .map(|_| 1 + (next(&mut rng) as usize) % total)
+                .collect();
+            cuts.push(total);
+            cuts.sort_unstable();
+            cuts.dedup();
+            let mut ib = Inbox::new(1, 1);
+            ib.begin(0, 3, case, total).unwrap();
+            let (mut sent, mut from, mut blob) = (Vec::new(), 0, None);
+            for &c in &cuts {
+                let frag = bytes[from..c].to_vec();
+                sent.push((frag.as_ptr(), frag.len()));
+                let r = ib.data(0, Payload::Bytes(frag)).unwrap();
+                assert_eq!(r.is_some(), c == total, "seed {seed} case {case}");
+                blob = r.map(|(_, _, b)| b);
+                from = c;
+            }
+            let blob = blob.unwrap();
+            assert_eq!(
+                matches!(blob, Blob::Bytes(_)),
+                cuts.len() == 1,
+                "seed {seed} case {case}: {blob:?}"
+            );
+            let kept: Vec<_> = blob.pieces().iter().map(|p| (p.as_ptr(), p.len())).collect();
+            assert_eq!(kept, sent, "seed {seed} case {case}: fragments copied or merged");
+            assert_eq!(blob.pieces().concat(), bytes);
+            // Any range of f32 reads back the same bits as decoding the whole
+            // block, in place exactly when it lies in one aligned fragment.
+            let mut scratch = Vec::new();
+            for _ in 0..20 {
+                let at = (next(&mut rng) as usize) % total;
+                let count = (next(&mut rng) as usize) % ((total - at) / 4 + 1);
+                let want: Vec<u32> = bytes[at..at + count * 4]
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+                    .collect();
+                let (got, decoded) = blob.f32s(at, count, &mut scratch).unwrap();
+                let got: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+                assert_eq!(got, want, "seed {seed} case {case}: {count} values at {at}");
+                let mut start = 0;
+                let one = blob.pieces().iter().find_map(|p| {
+                    let s = start;
+                    start += p.len();
+                    (at >= s && at + count * 4 <= start).then(|| p.as_ptr() as usize + at - s)
+                });
+                let in_place = one.is_some_and(|a| a % 4 == 0) && cfg!(target_endian = "little");
+                assert_eq!(decoded, !in_place, "seed {seed} case {case}: {count} values at {at}");
+            }
+            assert!(blob.f32s(total - total % 4, 1 + total % 4, &mut scratch).is_none());
+        }
+    }
+
+    #[test]
+    fn senders_cut_at_the_u_v_boundary_and_on_whole_f32s() {
+        let cut = |u, total, cap| fragments(u, total, cap).collect::<Vec<_>>();
+        assert_eq!(cut(40, 100, 100), [(0, 100)]);
+        assert_eq!(cut(40, 100, 99), [(0, 40), (40, 60)]);
+        assert_eq!(cut(40, 100, 50), [(0, 40), (40, 48), (88, 12)]);
+        assert_eq!(cut(400, 480, 257), [(0, 256), (256, 144), (400, 80)]);
+        // fc6 of VGG19 at K = 32 to 64 KiB messages: 49 + 8 fragments.
+        let (u, v) = (32 * 25088 * 4, 32 * 4096 * 4);
+        assert_eq!(fragments(u, u + v, 65536).count(), 57);
+        for (u, total, cap) in [(4, 8, 4), (1000, 4000, 333), (0, 44, 8), (44, 44, 8)] {
+            let c = cut(u, total, cap);
+            assert!(c.iter().all(|&(_, n)| n > 0 && n <= cap), "{c:?}");
+            assert!(c.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0) && c[0].0 == 0, "{c:?}");
+            assert_eq!(c.last().map(|&(o, n)| o + n), Some(total));
+        }
     }
 }

@@ -15,7 +15,8 @@
 //! - `mod.rs`: the Node, its inputs' dispatch, queueing of transmits and jobs;
 //! - [`types`]: inputs, outputs, jobs, regions, limits;
 //! - [`flow`]: per-peer windows, control cells, back-pressure;
-//! - [`factors`]: factor blocks reassembled and kept until reconstructed;
+//! - [`factors`]: factor blocks kept, in the buffers they came in, until
+//!   reconstructed; how a sender cuts them;
 //! - `setup`: hellos, agreement, the limits both ends take;
 //! - `worker_side`, `server_side`: the cores' commands turned into outputs;
 //! - `arrivals`: completions, peers' writes and messages;
@@ -40,7 +41,8 @@
 //! # Bounds
 //! - Per peer, at most [`Limits::max_outstanding`] transmits are posted and
 //!   not complete; messages are at most [`Limits::max_message_bytes`] (factor
-//!   blocks are split into fragments), writes at most
+//!   blocks are split into fragments, at the U/V boundary first:
+//!   [`factors::fragments`]), writes at most
 //!   [`Limits::max_write_bytes`] (larger ones are split; the last piece
 //!   carries the immediate).
 //! - A worker has at most `credit_bytes` of pushes and factor sends in flight

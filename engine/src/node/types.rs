@@ -173,11 +173,22 @@ pub enum Queue {
     Worker,
 }
 
-/// The factors one worker contributed to a layer's iteration.
+/// The factors one worker contributed to a layer's iteration: U (K×M) then
+/// V (K×N), f32 little-endian.
+///
+/// Received bytes are never copied by the Node: a block that came in one
+/// message is that message's buffer ([`Blob::Bytes`], moved), and a block
+/// that came in several keeps its fragments as they came
+/// ([`Blob::Fragments`]). Consumers read the f32 values in place with
+/// [`Blob::f32s`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Blob {
-    /// U (K×M) then V (K×N), f32 little-endian.
+    /// The whole block in one buffer: one received message, or this rank's
+    /// own captured factors.
     Bytes(Vec<u8>),
+    /// The block's fragments in order, each the buffer of the message that
+    /// carried it (at least two, none empty).
+    Fragments(Vec<Vec<u8>>),
     /// Only the length (see [`Payload::Opaque`]).
     Opaque(usize),
 }
@@ -187,12 +198,98 @@ impl Blob {
     pub fn len(&self) -> usize {
         match self {
             Blob::Bytes(b) => b.len(),
+            Blob::Fragments(f) => f.iter().map(Vec::len).sum(),
             Blob::Opaque(n) => *n,
         }
     }
     /// Whether it is empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The buffers that hold the bytes, in order (none for [`Blob::Opaque`]).
+    pub fn pieces(&self) -> &[Vec<u8>] {
+        match self {
+            Blob::Bytes(b) => std::slice::from_ref(b),
+            Blob::Fragments(f) => f,
+            Blob::Opaque(_) => &[],
+        }
+    }
+
+    /// The `count` f32 values at byte `at`, borrowed from the buffer that
+    /// holds them, when one does, at a 4-byte aligned address, on a
+    /// little-endian host. `None` otherwise (or out of range).
+    pub fn f32s_in_place(&self, at: usize, count: usize) -> Option<&[f32]> {
+        if cfg!(target_endian = "big") {
+            return None;
+        }
+        let end = at.checked_add(count.checked_mul(4)?)?;
+        let mut start = 0;
+        for p in self.pieces() {
+            if at >= start && end <= start + p.len() {
+                return bytemuck::try_cast_slice(&p[at - start..end - start]).ok();
+            }
+            start += p.len();
+        }
+        None
+    }
+
+    /// Decodes the `count` f32 values at byte `at` into `out` (cleared
+    /// first), across buffer boundaries and at any alignment. `false` when
+    /// the range is not all here (or the blob is opaque).
+    pub fn read_f32s(&self, at: usize, count: usize, out: &mut Vec<f32>) -> bool {
+        out.clear();
+        let Some(end) = count.checked_mul(4).and_then(|b| at.checked_add(b)) else {
+            return false;
+        };
+        if end > self.len() || matches!(self, Blob::Opaque(_)) {
+            return false;
+        }
+        out.reserve(count);
+        let mut carry = [0u8; 4];
+        let mut held = 0;
+        let mut start = 0;
+        for p in self.pieces() {
+            let base = start;
+            start += p.len();
+            let (a, b) = (at.max(base), end.min(start));
+            if a >= b {
+                continue;
+            }
+            let mut s = &p[a - base..b - base];
+            if held > 0 {
+                let t = (4 - held).min(s.len());
+                carry[held..held + t].copy_from_slice(&s[..t]);
+                held += t;
+                s = &s[t..];
+                if held < 4 {
+                    continue;
+                }
+                out.push(f32::from_le_bytes(carry));
+            }
+            let whole = s.chunks_exact(4);
+            let rest = whole.remainder();
+            out.extend(whole.map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+            carry[..rest.len()].copy_from_slice(rest);
+            held = rest.len();
+        }
+        debug_assert_eq!((out.len(), held), (count, 0));
+        true
+    }
+
+    /// The `count` f32 values at byte `at`: in place when
+    /// [`f32s_in_place`](Self::f32s_in_place) can, else decoded into
+    /// `scratch` (a copy: only when the values span two of the buffers, or a
+    /// buffer is not 4-byte aligned, or the host is big-endian). The flag
+    /// says whether they were decoded. `None` when the range is not all here.
+    pub fn f32s<'a>(&'a self, at: usize, count: usize, scratch: &'a mut Vec<f32>) -> Option<(&'a [f32], bool)> {
+        if let Some(v) = self.f32s_in_place(at, count) {
+            return Some((v, false));
+        }
+        if !self.read_f32s(at, count, scratch) {
+            return None;
+        }
+        Some((&scratch[..], true))
     }
 }
 

@@ -140,19 +140,18 @@ impl Node {
     }
 
     /// Queues a factor block: its begin message, then fragments of at most
-    /// the message cap, sent zero-copy from the factor region.
+    /// the message cap, sent zero-copy from the factor region, cut as
+    /// [`factors::fragments`] says (at the U/V boundary first, so that the
+    /// receiver reads U and V in place in the fragments they came in).
     pub(super) fn send_factors(&mut self, peer: u32, layer: u32, iter: u64) {
         let spec = &self.book.layers()[layer as usize];
-        let total = self.book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
+        let k = self.book.config().batch as u64;
+        let (u, total) = (k * spec.m as u64 * 4, k * (spec.m + spec.n) as u64 * 4);
         let base = self.factor_off[layer as usize].expect("FC");
         self.send_ctrl(peer, &Msg::FactorsBegin { layer, iter, total });
-        let frag = self.message_cap(peer);
-        let mut off = 0;
-        while off < total {
-            let n = (total - off).min(frag);
-            let last = off + n == total;
+        for (off, n) in factors::fragments(u, total, self.message_cap(peer)) {
             self.stats.max_message = self.stats.max_message.max(n);
-            let track = if last {
+            let track = if off + n == total {
                 Track::Factors { layer, peer }
             } else {
                 Track::Piece
@@ -163,7 +162,6 @@ impl Node {
             };
             let tag = Kind::FactorData.tag();
             self.enqueue(peer, Op::SendRegion { tag, at, len: n }, track, true);
-            off += n;
         }
     }
 
