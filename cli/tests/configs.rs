@@ -142,3 +142,32 @@ fn a_tiny_window_small_slices_and_lowered_transport_limits() {
         r["max_message_bytes"]
     );
 }
+
+#[test]
+fn factor_blocks_split_at_any_message_cap_verify() {
+    // vgg19-mini's fc6 factor block is 466944 bytes (U 65536, V 401408). At
+    // 409600 it goes as two messages, U and V, each read in place by the
+    // receivers; at 1001, a cap that is no multiple of 4, as 66 + 402 fragments
+    // of whole f32s.
+    for cap in ["409600", "1001"] {
+        let r = train(&[
+            "--model",
+            "vgg19-mini",
+            "--iters",
+            "2",
+            "--workers",
+            "3",
+            "--servers",
+            "1",
+            "--max-message-bytes",
+            cap,
+            "--verify",
+        ]);
+        assert!(
+            r["layers"].as_array().unwrap().iter().any(|l| l["scheme"] == "sfb"),
+            "the run must send factor blocks"
+        );
+        let max = r["max_message_bytes"].as_u64().unwrap();
+        assert!(max <= cap.parse().unwrap(), "{max}");
+    }
+}
