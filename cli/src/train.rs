@@ -753,6 +753,12 @@ pub struct TrainReport {
     pub max_message_bytes: u64,
     /// Transmits the transports refused for now and the engine retried, over all ranks.
     pub would_block: u64,
+    /// Peers' factor bytes the SF reconstructions read in place, in the buffers
+    /// the transports received them in, over all ranks.
+    pub factor_bytes_in_place: u64,
+    /// Peers' factor bytes decoded into scratch first (U or V over the message
+    /// cap, so split over messages), over all ranks. 0 when every U and V fits a message.
+    pub factor_bytes_decoded: u64,
     /// Sync mode.
     pub sync: String,
     /// Consistency.
@@ -1041,6 +1047,8 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         max_outstanding: results.iter().map(|r| r.stats.max_outstanding).max().unwrap_or(0),
         max_message_bytes: results.iter().map(|r| r.stats.max_message_bytes).max().unwrap_or(0),
         would_block: results.iter().map(|r| r.stats.would_block).sum(),
+        factor_bytes_in_place: results.iter().map(|r| r.stats.factor_bytes_in_place).sum(),
+        factor_bytes_decoded: results.iter().map(|r| r.stats.factor_bytes_decoded).sum(),
         model: model.name.into(),
         sync: args.sync.clone(),
         consistency: args.consistency.clone(),
