@@ -797,7 +797,8 @@ pub struct TrainReport {
     pub mismatched_layers: Vec<String>,
     /// Wall time of the whole run, s.
     pub wall_s: f64,
-    /// The transports the ranks used, each with the reason (distinct lines).
+    /// The transports the ranks used, each with the reason (distinct lines; with
+    /// the ranks that use each when they differ, as with `--transport mixed`).
     pub transport: Vec<String>,
 }
 
@@ -1083,10 +1084,23 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         mismatched_layers,
         wall_s: began.elapsed().as_secs_f64(),
         transport: {
-            let mut t: Vec<String> = results.iter().map(|r| r.transport.clone()).collect();
-            t.sort();
-            t.dedup();
-            t
+            // One line per distinct transport; the ranks are named when they differ.
+            let mut by: std::collections::BTreeMap<&str, Vec<u32>> = Default::default();
+            for r in &results {
+                by.entry(r.transport.as_str()).or_default().push(r.rank);
+            }
+            let one = by.len() == 1;
+            by.into_iter()
+                .map(|(t, mut ranks)| {
+                    if one {
+                        return t.to_string();
+                    }
+                    ranks.sort_unstable();
+                    let list: Vec<String> = ranks.iter().map(u32::to_string).collect();
+                    let (kind, why) = t.split_once(": ").unwrap_or((t, ""));
+                    format!("{kind} on ranks {}: {why}", list.join(", "))
+                })
+                .collect()
         },
     })
 }

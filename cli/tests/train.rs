@@ -180,9 +180,15 @@ fn mixed_and_portable_transports_verify() {
             .iter()
             .map(|t| t.as_str().unwrap().to_string())
             .collect();
-        assert!(used.iter().any(|t| t.starts_with("portable:")), "{transport}: {used:?}");
         if transport == "mixed" && tidewire_transport::select::uring_usable().is_ok() {
-            assert!(used.iter().any(|t| t.starts_with("tcp:")), "{used:?}");
+            // Each line names the ranks that use it: odd ones portable, even ones io_uring.
+            assert!(
+                used.iter().any(|t| t.starts_with("portable on ranks 1, 3:")),
+                "{used:?}"
+            );
+            assert!(used.iter().any(|t| t.starts_with("tcp on ranks 0, 2, 4:")), "{used:?}");
+        } else {
+            assert!(used.iter().any(|t| t.starts_with("portable")), "{transport}: {used:?}");
         }
     }
 }
