@@ -214,6 +214,9 @@ pub struct RdmaStats {
     pub signalled: u64,
     /// Times a receive-consuming post waited for the peer's credits.
     pub credit_stalls: u64,
+    /// Receive credits returned to the peer: inline RDMA WRITEs of the credit
+    /// word, each its own doorbell (not in `doorbells` or `work_requests`).
+    pub credit_writes: u64,
 }
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
 //! The control plane over the inner TCP transport: control messages in
-//! registered cells (QP info, READY, regions, credits, ABORT), and the inner
-//! transport's events (authenticated connections, messages, closes).
+//! registered cells (QP info, READY, regions, ABORT), and the inner
+//! transport's events (authenticated connections, messages, closes). Receive
+//! credits do not come this way: they are RDMA WRITEs (`post`,
+//! `return_credits`), so steady traffic never touches the control plane.
 
 use crate::api::{ConnId, Event, Transport};
 use crate::error::Error;
@@ -73,18 +75,6 @@ impl RdmaTransport {
             self.ctrl_send(id, tag, frame::encode_regions(&[r]));
         }
     }
-    pub(super) fn return_credits(&mut self) {
-        let owed: Vec<(u64, u32)> = self
-            .conns
-            .values_mut()
-            .filter(|c| c.credit_return > 0 && c.state != State::Dead)
-            .map(|c| (c.id, std::mem::take(&mut c.credit_return)))
-            .collect();
-        for (id, n) in owed {
-            self.ctrl_send(id, wire::TAG_CREDIT, n.to_le_bytes().to_vec());
-        }
-    }
-
     pub(super) fn on_inner(&mut self, ev: Event) {
         match ev {
             Event::Connected { conn, peer } => {
@@ -159,25 +149,6 @@ impl RdmaTransport {
                     }
                 }
                 Err(e) => self.fail_conn(id, bad("region list", &e), None),
-            },
-            wire::TAG_CREDIT => match wire::decode_credit(data) {
-                Ok(n) => {
-                    let c = self.conns.get_mut(&id).expect("checked");
-                    // Never more than the receives the peer posted (none known yet: none).
-                    let max = c.peer_info.map_or(0, |i| i.rx_depth.min(wire::MAX_RX_DEPTH));
-                    match wire::grant_credits(c.credits, n, max) {
-                        Ok(total) => c.credits = total,
-                        Err(violation) => {
-                            let e = Error::Protocol {
-                                conn: id,
-                                peer: c.peer_name(),
-                                violation,
-                            };
-                            self.fail_conn(id, e, None);
-                        }
-                    }
-                }
-                Err(e) => self.fail_conn(id, bad("credit", &e), None),
             },
             wire::TAG_ABORT => {
                 let (access, reason) = wire::decode_abort(data);

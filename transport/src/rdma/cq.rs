@@ -3,54 +3,69 @@
 //! plane's ring.
 
 use std::collections::HashMap;
+use std::mem::MaybeUninit;
 use std::os::fd::AsRawFd;
 use std::sync::Weak;
 use std::time::{Duration, Instant};
 
 use sideway::ibverbs::completion::CompletionQueue;
 use sideway::ibverbs::memory_region::MemoryRegion;
-use sideway::ibverbs::queue_pair::{QueuePair, SetScatterGatherEntry};
+use sideway::ibverbs::queue_pair::QueuePair;
 use tracing::warn;
 
 use crate::api::{ConnId, Event};
 use crate::error::{Error, FrameError, Result, Violation, WC_REM_ACCESS_ERR, WC_WR_FLUSH_ERR};
 
-use super::error::{io_of, verbs};
-use super::state::{split_wr_id, wr_id, Op, OpKind, Registered, State, KIND_META, KIND_RECV, KIND_SEND};
+use super::error::verbs;
+use super::state::{
+    peer_name, split_wr_id, wr_id, Op, OpKind, Registered, State, KIND_CREDIT, KIND_META, KIND_RECV, KIND_SEND,
+};
 use super::wire::{self, Notice, NoticeTarget, NOTICE_LEN};
 use super::RdmaTransport;
 
 /// A target whose queue pair failed waits this long for the writer's ABORT, which says why.
 const ABORT_GRACE: Duration = Duration::from_millis(300);
 
+/// Completions taken per `ibv_poll_cq` call.
+const POLL_BATCH: usize = 64;
+
 impl RdmaTransport {
-    /// Drains the completion queue into events.
+    /// Drains the completion queue into events: `ibv_poll_cq` straight into an
+    /// array on the stack, so nothing is allocated per poll (sideway's
+    /// `start_poll` allocates a `Vec` of work completions per call).
     pub(super) fn poll_cq(&mut self) -> Result<()> {
+        let mut wcs = [MaybeUninit::<rdma_mummy_sys::ibv_wc>::uninit(); POLL_BATCH];
         loop {
-            let mut done: Vec<(u64, u32, u32, u32, u32, u32)> = Vec::with_capacity(64);
-            match self.cq.start_poll() {
-                Ok(mut p) => {
-                    for wc in p.by_ref() {
-                        done.push((wc.wr_id(), wc.status(), wc.vendor_err(), 0, 0, 0));
-                        let last = done.last_mut().expect("pushed");
-                        if last.1 == 0 {
-                            last.3 = wc.opcode();
-                            last.4 = wc.byte_len();
-                            last.5 = wc.imm_data();
-                        }
-                        if done.len() == 64 {
-                            break;
-                        }
-                    }
-                }
-                Err(sideway::ibverbs::completion::PollCompletionQueueError::CompletionQueueEmpty) => return Ok(()),
-                Err(e) => return Err(verbs("ibv_start_poll", &self.dev.name, io_of(e))),
+            // SAFETY: the CQ is live (the transport owns it, and it outlives this call);
+            // ibv_poll_cq writes at most POLL_BATCH entries, which the array has room for.
+            let n = unsafe {
+                rdma_mummy_sys::ibv_poll_cq(
+                    self.cq.cq().as_ptr(),
+                    POLL_BATCH as i32,
+                    wcs.as_mut_ptr().cast::<rdma_mummy_sys::ibv_wc>(),
+                )
+            };
+            if n < 0 {
+                return Err(verbs(
+                    "ibv_poll_cq",
+                    &self.dev.name,
+                    std::io::Error::from_raw_os_error(-n),
+                ));
             }
-            let n = done.len();
-            for (id, status, vendor, opcode, len, imm) in done {
-                self.on_completion(id, status, vendor, opcode, len, imm);
+            let n = n as usize;
+            for wc in &wcs[..n] {
+                // SAFETY: ibv_poll_cq filled the first `n` entries.
+                let wc = unsafe { wc.assume_init_read() };
+                let (opcode, len, imm) = if wc.status == 0 {
+                    // SAFETY: both members of the union are u32s: any bits are valid.
+                    let imm = unsafe { wc.imm_data_invalidated_rkey_union.imm_data };
+                    (wc.opcode, wc.byte_len, imm)
+                } else {
+                    (0, 0, 0)
+                };
+                self.on_completion(wc.wr_id, wc.status, wc.vendor_err, opcode, len, imm);
             }
-            if n < 64 {
+            if n < POLL_BATCH {
                 return Ok(());
             }
         }
@@ -62,11 +77,13 @@ impl RdmaTransport {
         if c.state == State::Dead {
             return;
         }
-        let peer = c.peer_name();
+        // The peer's name is built only when an error is.
+        let peer = c.peer;
         if status != 0 {
             let op = match kind {
                 KIND_RECV => "receive",
                 KIND_META => "write notice",
+                KIND_CREDIT => "credit return",
                 _ => match c.inflight.iter().find(|o| o.seq == seq).map(|o| o.kind) {
                     Some(OpKind::Send) => "send",
                     Some(OpKind::Read) => "read",
@@ -76,7 +93,7 @@ impl RdmaTransport {
             let err = || Error::WorkCompletion {
                 op,
                 conn,
-                peer: peer.clone(),
+                peer: peer_name(peer, conn),
                 status,
                 vendor_err,
             };
@@ -86,6 +103,12 @@ impl RdmaTransport {
                 if c.qp_failed.is_none() {
                     c.qp_failed = Some((err(), Instant::now() + ABORT_GRACE));
                 }
+                return;
+            }
+            if kind == KIND_CREDIT {
+                // No op of the caller's failed: those posted before it completed
+                // (in order, and each batch ends signalled); the rest are cancelled.
+                self.fail_conn(conn, err(), None);
                 return;
             }
             // Everything before `seq` completed (RC completes in order); `seq` failed.
@@ -109,6 +132,7 @@ impl RdmaTransport {
                     self.events.push_back(done_event(conn, &o));
                 }
             }
+            KIND_CREDIT => c.wrs_in_flight = c.wrs_in_flight.saturating_sub(1),
             KIND_RECV => {
                 let msg = self.cfg.max_message_bytes;
                 let idx = seq as usize;
@@ -155,7 +179,7 @@ impl RdmaTransport {
                         Err(violation) => {
                             let e = Error::Protocol {
                                 conn,
-                                peer: peer.clone(),
+                                peer: peer_name(peer, conn),
                                 violation,
                             };
                             warn!(conn, error = %e, "a bad write notice; failing the connection");
@@ -183,16 +207,29 @@ impl RdmaTransport {
                         c.early.push(ev);
                     }
                 }
-                // Repost the same buffer at once, and owe the peer one credit.
-                let (lkey, addr) = (rx_mr.lkey(), rx.as_ptr() as u64 + (idx * msg) as u64);
-                let qp = c.qp.as_mut().expect("live connection");
-                let mut g = qp.start_post_recv();
-                let h = g.construct_wr(wr_id(conn, KIND_RECV, seq));
-                // SAFETY: the buffer is the one that just completed, inside the registered
-                // receive area that outlives the queue pair.
-                unsafe { h.setup_sge(lkey, addr, msg as u32) };
-                if let Err(e) = g.post() {
-                    let e = verbs("ibv_post_recv", &self.dev.name, io_of(e));
+                // Repost the same buffer at once, and owe the peer one credit. One work
+                // request built here and posted with ibv_post_recv: sideway's
+                // start_post_recv allocates two Vecs per post.
+                let mut sge = rdma_mummy_sys::ibv_sge {
+                    addr: rx.as_ptr() as u64 + (idx * msg) as u64,
+                    length: msg as u32,
+                    lkey: rx_mr.lkey(),
+                };
+                let mut wr = rdma_mummy_sys::ibv_recv_wr {
+                    wr_id: wr_id(conn, KIND_RECV, seq),
+                    next: std::ptr::null_mut(),
+                    sg_list: &mut sge,
+                    num_sge: 1,
+                };
+                let mut bad = std::ptr::null_mut();
+                let qp = c.qp.as_ref().expect("live connection");
+                // SAFETY: the queue pair is live (the connection holds it); `wr` and `sge` are
+                // valid for the call, which copies them into the receive queue. The buffer is
+                // the one that just completed, inside the registered receive area, which
+                // outlives the queue pair (field order in `Conn`, and `fail_conn`).
+                let rc = unsafe { rdma_mummy_sys::ibv_post_recv(qp.qp().as_ptr(), &mut wr, &mut bad) };
+                if rc != 0 {
+                    let e = verbs("ibv_post_recv", &self.dev.name, std::io::Error::from_raw_os_error(rc));
                     self.fail_conn(conn, e, None);
                     return;
                 }

@@ -19,7 +19,7 @@ use super::cm;
 use super::config::{mtu_from_bytes, ConnectMode, CqMode, RdmaConfig, RdmaStats};
 use super::device::{self, Dmabuf};
 use super::error::{io_of, verbs};
-use super::state::{Conn, Registered, State, CTRL_CELL, CTRL_CELLS};
+use super::state::{Conn, Op, Registered, State, Wr, CTRL_CELL, CTRL_CELLS};
 
 /// The RDMA verbs transport; see the module docs.
 pub struct RdmaTransport {
@@ -53,6 +53,12 @@ pub struct RdmaTransport {
     pub(super) cm: Option<cm::Cm>,
     /// The [`Waker`](crate::Waker)'s eventfd and flag; `sleep` polls the eventfd.
     pub(super) wake: Arc<WakeFd>,
+    /// Lists a progress step fills and empties, kept (with their capacity) so
+    /// that steady progress allocates nothing: the inner transport's events,
+    /// the connections with work to post, and one connection's batch.
+    pub(super) inner_events: Vec<Event>,
+    pub(super) post_ids: Vec<u64>,
+    pub(super) post_batch: Vec<(Op, Wr)>,
 }
 
 impl std::fmt::Debug for RdmaTransport {
@@ -158,6 +164,9 @@ impl RdmaTransport {
             stats: RdmaStats::default(),
             cm,
             wake,
+            inner_events: Vec::new(),
+            post_ids: Vec::new(),
+            post_batch: Vec::new(),
         })
     }
 
@@ -187,12 +196,16 @@ impl RdmaTransport {
     }
 
     pub(super) fn progress(&mut self) -> Result<()> {
-        let mut inner_events = Vec::new();
-        self.inner.poll(&mut inner_events, 1024)?;
-        self.poll_cq()?;
-        for ev in inner_events {
-            self.on_inner(ev);
+        let mut inner_events = std::mem::take(&mut self.inner_events);
+        inner_events.clear();
+        let polled = self.inner.poll(&mut inner_events, 1024).and_then(|_| self.poll_cq());
+        if polled.is_ok() {
+            for ev in inner_events.drain(..) {
+                self.on_inner(ev);
+            }
         }
+        self.inner_events = inner_events;
+        polled?;
         if self.cm.is_some() {
             self.poll_cm();
         }

@@ -6,7 +6,7 @@
 //!   connection: the same handshake (job id, HMAC challenge, version) and the
 //!   same refusals. Over it the two sides exchange QPN, PSN, GID/LID, MTU and
 //!   the notification ring (`wire::QpInfo`), then READY, region descriptors,
-//!   receive credits, and an ABORT reason when a side fails the connection.
+//!   and an ABORT reason when a side fails the connection.
 //! - **Data plane.** One RC queue pair per connection on one shared completion
 //!   queue. A one-sided [`Transport::write`](crate::Transport::write) is an RDMA WRITE from the
 //!   registered source straight into the peer's registered region: the host
@@ -25,17 +25,27 @@
 //!   buffers pre-posted per connection (`rx_depth` of `max_message_bytes`).
 //!   Each receive is reposted as soon as it completes, and a sender never posts
 //!   more receive-consuming operations (messages and writes with an immediate)
-//!   than the receiver has posted: receive credits flow back over the control
-//!   plane. So no operation ever meets an empty receive queue (no RNR stalls).
+//!   than the receiver has posted. Receive credits flow back as an inline RDMA
+//!   WRITE (one per progress step that reposted receives) of the receiver's
+//!   cumulative repost count into the credit word at the end of the sender's
+//!   notification ring (`wire::credit_word_offset`); the sender reads the word
+//!   when it posts. So no operation ever meets an empty receive queue (no RNR
+//!   stalls), and steady traffic never touches the control plane.
 //!   Grants are added with checked arithmetic and may never raise the credits
 //!   past the receives the peer said it posted (`wire::grant_credits`; at most
-//!   `wire::MAX_RX_DEPTH`); a grant past that is [`Error::Protocol`](crate::Error::Protocol).
+//!   `wire::MAX_RX_DEPTH`); a word that grants past that, read twice alike (a
+//!   single read may be torn mid-write), is [`Error::Protocol`](crate::Error::Protocol).
 //! - **Posting.** Operations queue per connection and are posted at the next
 //!   `poll`/`wait` in one batch (one `ibv_wr_start` ... `ibv_wr_complete`),
 //!   signalled every `signal_every` work requests and at the end of each batch;
 //!   work requests in flight never exceed `tx_depth`.
 //! - **Completions.** Busy-polled, or event-driven through a completion channel
-//!   ([`CqMode`]); `wait` first spins for `control.busy_poll`.
+//!   ([`CqMode`]); `wait` first spins for `control.busy_poll`. `ibv_poll_cq`
+//!   fills an array on the stack.
+//! - **No allocation in steady state.** Posting, polling, notices and credit
+//!   returns reuse the transport's lists and queues; peer names are formatted
+//!   only for errors. A received message's `Vec` (`Event::Message`) is the one
+//!   allocation, per message (`rdma_conformance`'s steady-state cases count them).
 //!
 //! # Zero copy
 //! Sources and targets of writes, reads and messages are registered memory
@@ -60,7 +70,7 @@
 //! - `mr`: memory registration (host and dmabuf), local keys.
 //! - `qp`: queue-pair setup and connection, readiness, failure, deadlines.
 //! - `control`: control messages over the inner TCP transport and its events.
-//! - `post`: queueing within the outstanding bound, posting within depth and credits.
+//! - `post`: queueing within the outstanding bound, posting within depth and credits, credit returns.
 //! - `cq`: completion polling, receive reposting, sleeping on the completion channel.
 //! - `transport`: the [`Transport`](crate::Transport) implementation.
 //! - `cm`: the rdma_cm wrapper (queue-pair setup through it is in `qp`); `device`: device selection and probes;

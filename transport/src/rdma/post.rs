@@ -1,6 +1,8 @@
 //! Posting (transmit): operations queue per connection within the
 //! outstanding bound, and are posted in one doorbell per connection within the
-//! send-queue depth and the peer's receive credits.
+//! send-queue depth and the peer's receive credits; and the credit writes that
+//! return receive credits to the peer. Nothing here allocates in steady state:
+//! the lists it works through are the transport's, reused.
 
 use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, SetInlineData, SetScatterGatherEntry, WorkRequestFlags};
 
@@ -9,8 +11,8 @@ use crate::error::{Error, Result};
 use crate::memory::{InFlight, RemoteRegion, Slice};
 
 use super::error::{io_of, verbs};
-use super::state::{wr_id, Op, OpKind, State, Wr, KIND_META, KIND_SEND};
-use super::wire::NOTICE_LEN;
+use super::state::{wr_id, Op, OpKind, State, Wr, KIND_CREDIT, KIND_META, KIND_SEND};
+use super::wire::{self, NOTICE_LEN};
 use super::RdmaTransport;
 
 impl RdmaTransport {
@@ -115,28 +117,47 @@ impl RdmaTransport {
 
     /// Posts queued work, in one doorbell per connection.
     pub(super) fn post_pending(&mut self) {
-        let ids: Vec<u64> = self
-            .conns
-            .values()
-            .filter(|c| !c.pending.is_empty() && matches!(c.state, State::Ready | State::Closing))
-            .map(|c| c.id)
-            .collect();
-        for id in ids {
+        let mut ids = std::mem::take(&mut self.post_ids);
+        ids.clear();
+        ids.extend(
+            self.conns
+                .values()
+                .filter(|c| !c.pending.is_empty() && matches!(c.state, State::Ready | State::Closing))
+                .map(|c| c.id),
+        );
+        for &id in &ids {
             if let Err(e) = self.post_conn(id) {
                 self.fail_conn(id, e, None);
             }
         }
+        self.post_ids = ids;
     }
 
     pub(super) fn post_conn(&mut self, id: u64) -> Result<()> {
+        let mut batch = std::mem::take(&mut self.post_batch);
+        let r = self.post_conn_batch(id, &mut batch);
+        batch.clear();
+        self.post_batch = batch;
+        r
+    }
+
+    /// [`post_conn`](Self::post_conn) with the transport's reused batch list (empty).
+    fn post_conn_batch(&mut self, id: u64, batch: &mut Vec<(Op, Wr)>) -> Result<()> {
         let tx_depth = self.cfg.tx_depth;
         let signal_every = self.cfg.signal_every;
         let max_inline = self.cfg.max_inline_bytes;
+        let rx_depth = self.cfg.rx_depth;
         let c = self.conns.get_mut(&id).expect("listed");
         let Some(info) = c.peer_info else { return Ok(()) };
         let rx_depth_peer = info.rx_depth as u64;
+        if let Err(violation) = c.refresh_credits(rx_depth) {
+            return Err(Error::Protocol {
+                conn: id,
+                peer: c.peer_name(),
+                violation,
+            });
+        }
         // Take what fits: send-queue room and receive credits.
-        let mut batch: Vec<(Op, Wr)> = Vec::new();
         let mut room = tx_depth - c.wrs_in_flight;
         let mut stalled = false;
         while let Some((_, wr)) = c.pending.front() {
@@ -263,12 +284,12 @@ impl RdmaTransport {
                 self.stats.tx_payload_bytes += payload - inline_bytes;
                 let c = self.conns.get_mut(&id).expect("listed");
                 c.wrs_in_flight += wrs as u32;
-                c.inflight.extend(batch.into_iter().map(|(o, _)| o));
+                c.inflight.extend(batch.drain(..).map(|(o, _)| o));
                 Ok(())
             }
             Err(e) => {
                 let c = self.conns.get_mut(&id).expect("listed");
-                for (o, wr) in batch.into_iter().rev() {
+                for (o, wr) in batch.drain(..).rev() {
                     if wr.consumes_receive() {
                         c.credits += 1;
                     }
@@ -276,6 +297,55 @@ impl RdmaTransport {
                 }
                 Err(verbs("ibv_wr_complete (post send)", &self.dev.name, io_of(e)))
             }
+        }
+    }
+
+    /// Returns receive credits: for each connection with receives reposted since
+    /// the last return, one inline RDMA WRITE (signalled, one send-queue slot) of
+    /// the cumulative count into the credit word at the end of the peer's
+    /// notification ring. RC places it after the reposts, which happened first.
+    /// Without send-queue room now, the credits wait for the next progress step.
+    pub(super) fn return_credits(&mut self) {
+        let tx_depth = self.cfg.tx_depth;
+        // Allocates only when a post fails.
+        let mut failed = Vec::new();
+        for c in self.conns.values_mut() {
+            // Posting needs the queue pair at RTS: from AwaitReady on.
+            if c.credit_return == 0
+                || c.wrs_in_flight >= tx_depth
+                || !matches!(c.state, State::AwaitReady | State::Ready | State::Closing)
+            {
+                continue;
+            }
+            let (Some(info), Some(qp)) = (c.peer_info, c.qp.as_mut()) else {
+                continue;
+            };
+            let total = c.credits_returned.wrapping_add(c.credit_return);
+            let word = total.to_le_bytes();
+            let mut g = qp.start_post_send();
+            // IBV_SEND_INLINE as well as ibv_wr_set_inline_data, as for notices (rxe reads the flag).
+            let h = g
+                .construct_wr(
+                    wr_id(c.id, KIND_CREDIT, 0),
+                    WorkRequestFlags::Signaled | WorkRequestFlags::Inline,
+                )
+                .setup_write(
+                    info.ring_rkey,
+                    info.ring_addr + wire::credit_word_offset(info.rx_depth) as u64,
+                );
+            h.setup_inline_data(&word);
+            match g.post() {
+                Ok(()) => {
+                    c.credits_returned = total;
+                    c.credit_return = 0;
+                    c.wrs_in_flight += 1;
+                    self.stats.credit_writes += 1;
+                }
+                Err(e) => failed.push((c.id, verbs("ibv_wr_complete (credit write)", &self.dev.name, io_of(e)))),
+            }
+        }
+        for (id, e) in failed {
+            self.fail_conn(id, e, None);
         }
     }
 }

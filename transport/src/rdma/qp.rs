@@ -71,7 +71,8 @@ impl RdmaTransport {
             ..Default::default()
         };
         let rx = PinnedBuffer::with_options(rx_depth * msg, unlocked)?;
-        let ring = PinnedBuffer::with_options(rx_depth * NOTICE_LEN, unlocked)?;
+        // A notice slot per receive, then the credit word the peer returns credits in.
+        let ring = PinnedBuffer::with_options(wire::ring_len(cfg.rx_depth), unlocked)?;
         // SAFETY: both buffers are owned by the connection next to their MRs, and the
         // connection drops its queue pair before them (field order in `Conn` and
         // `fail_conn`), so the device never touches freed memory.

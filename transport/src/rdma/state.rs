@@ -2,6 +2,7 @@
 //! the connection state machine, and registered regions.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -9,14 +10,16 @@ use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::queue_pair::ExtendedQueuePair;
 
 use crate::api::{Event, ListenerId, PeerInfo, ReqId};
-use crate::error::Error;
+use crate::error::{Error, Violation};
 use crate::memory::{InFlight, PinnedBuffer, Region, RemoteRegion};
 
-use super::wire::{Notice, QpInfo};
+use super::wire::{self, Notice, QpInfo};
 
 pub(super) const KIND_SEND: u64 = 0;
 pub(super) const KIND_RECV: u64 = 1;
 pub(super) const KIND_META: u64 = 2;
+/// The inline RDMA WRITE that returns receive credits (the peer's credit word).
+pub(super) const KIND_CREDIT: u64 = 3;
 pub(super) const SEQ_BITS: u32 = 38;
 pub(super) const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
 pub(super) const CTRL_CELL: usize = 4096;
@@ -116,6 +119,14 @@ pub(super) struct Conn {
     pub(super) credits: u32,
     /// Receives reposted since credits were last returned.
     pub(super) credit_return: u32,
+    /// Receives reposted and returned, in all (wrapping): what the last credit
+    /// write put in the peer's credit word.
+    pub(super) credits_returned: u32,
+    /// The peer's count last taken from our ring's credit word (wrapping).
+    pub(super) credits_seen: u32,
+    /// A credit word that would grant more than the peer has receives: taken
+    /// for a torn read of a word being written until it reads the same again.
+    pub(super) credit_doubt: Option<u32>,
     pub(super) notices_sent: u64,
     pub(super) notices_seen: u64,
     pub(super) next_seq: u64,
@@ -159,6 +170,9 @@ impl Conn {
             announced: false,
             credits: 0,
             credit_return: 0,
+            credits_returned: 0,
+            credits_seen: 0,
+            credit_doubt: None,
             notices_sent: 0,
             notices_seen: 0,
             next_seq: 0,
@@ -181,11 +195,64 @@ impl Conn {
         self.pending.len() + self.inflight.len()
     }
 
+    /// The peer as errors name it. Allocates: call it only to build an error.
     pub(super) fn peer_name(&self) -> String {
-        match self.peer {
-            Some(p) => format!("rank {} ({})", p.rank, p.addr),
-            None => format!("connection {}", self.id),
+        peer_name(self.peer, self.id)
+    }
+
+    /// Takes the receive credits the peer returned since the last look: the
+    /// cumulative count it wrote into our ring's credit word (`rx_depth` is
+    /// ours, which placed the word). Fails when the word grants more than the
+    /// receives the peer posted, read twice the same.
+    pub(super) fn refresh_credits(&mut self, rx_depth: u32) -> Result<(), Violation> {
+        let (Some((ring, _)), Some(info)) = (&self.ring, self.peer_info) else {
+            return Ok(());
+        };
+        let off = wire::credit_word_offset(rx_depth);
+        assert!(off + 4 <= ring.len(), "the ring holds its credit word");
+        let p = ring.as_ptr().wrapping_add(off);
+        assert!(p.cast::<AtomicU32>().is_aligned(), "the ring is page-aligned");
+        // SAFETY: the word lies inside the ring (checked), is aligned for a u32
+        // (checked), and the ring outlives this borrow of `self`. No Rust code writes
+        // the ring (the connection owns it and only reads it); the peer's device writes
+        // it by DMA, outside the Rust memory model, which an atomic load tolerates (at
+        // worst it sees a torn value, which the doubt below absorbs).
+        let word = unsafe { &*p.cast::<AtomicU32>() };
+        let total = u32::from_le(word.load(Ordering::Acquire));
+        let max = info.rx_depth.min(wire::MAX_RX_DEPTH);
+        self.apply_credit_word(total, max)
+    }
+
+    /// [`refresh_credits`](Self::refresh_credits) once the word is read.
+    pub(super) fn apply_credit_word(&mut self, total: u32, max: u32) -> Result<(), Violation> {
+        let grant = total.wrapping_sub(self.credits_seen);
+        if grant == 0 {
+            self.credit_doubt = None;
+            return Ok(());
         }
+        match wire::grant_credits(self.credits, grant, max) {
+            Ok(credits) => {
+                self.credits = credits;
+                self.credits_seen = total;
+                self.credit_doubt = None;
+                Ok(())
+            }
+            // The same impossible word twice: the peer wrote it.
+            Err(v) if self.credit_doubt == Some(total) => Err(v),
+            // Perhaps caught mid-write (a torn value); look again next time.
+            Err(_) => {
+                self.credit_doubt = Some(total);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A peer as errors name it: its rank and address once authenticated.
+pub(super) fn peer_name(peer: Option<PeerInfo>, id: u64) -> String {
+    match peer {
+        Some(p) => format!("rank {} ({})", p.rank, p.addr),
+        None => format!("connection {id}"),
     }
 }
 
@@ -207,6 +274,35 @@ mod tests {
         }
         // Sequence numbers wrap inside their field without touching the others.
         assert_eq!(split_wr_id(wr_id(3, KIND_SEND, SEQ_MASK + 5)), (3, KIND_SEND, 4));
+    }
+
+    #[test]
+    fn credit_words_grant_what_was_returned_and_no_more() {
+        let mut c = Conn::new(1, None);
+        c.credits = 4; // of 64 the peer posted: 60 in use
+        assert_eq!(c.apply_credit_word(0, 64), Ok(()));
+        assert_eq!(c.credits, 4, "nothing returned yet");
+        c.apply_credit_word(10, 64).unwrap();
+        assert_eq!((c.credits, c.credits_seen), (14, 10));
+        c.apply_credit_word(60, 64).unwrap();
+        assert_eq!(c.credits, 64);
+        // The count wraps.
+        c.credits = 0;
+        c.credits_seen = u32::MAX - 1;
+        c.apply_credit_word(3, 64).unwrap();
+        assert_eq!((c.credits, c.credits_seen), (5, 3));
+        // More than the peer's receives: doubted once (a torn read), then refused.
+        c.credits = 60;
+        assert_eq!(c.apply_credit_word(13, 64), Ok(()));
+        assert_eq!((c.credits, c.credits_seen), (60, 3), "not applied");
+        // A good read in between clears the doubt.
+        c.apply_credit_word(5, 64).unwrap();
+        assert_eq!((c.credits, c.credit_doubt), (62, None));
+        assert_eq!(c.apply_credit_word(1, 64), Ok(()), "backwards: doubted");
+        assert!(matches!(
+            c.apply_credit_word(1, 64),
+            Err(Violation::CreditOverflow { max: 64, .. })
+        ));
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! What the RDMA backend tells its peer over the authenticated TCP control
-//! plane: queue-pair addressing, readiness, region descriptors, receive credits
-//! and the reason for an abort. Decoding never panics.
+//! plane: queue-pair addressing, readiness, region descriptors and the reason
+//! for an abort; and the layout of the notification ring its peer writes into
+//! (write notices, and the credit word that returns receive credits). Decoding
+//! never panics.
 
 use crate::error::{FrameError, Violation};
 
@@ -11,7 +13,8 @@ pub(crate) const TAG_QP_INFO: u32 = 1;
 pub(crate) const TAG_READY: u32 = 2;
 pub(crate) const TAG_REGIONS: u32 = 3;
 pub(crate) const TAG_REVOKE: u32 = 4;
-pub(crate) const TAG_CREDIT: u32 = 5;
+// Tag 5 carried receive credits; they now travel as RDMA WRITEs into the
+// peer's credit word (`CREDIT_WORD_LEN`), and 5 is unknown.
 pub(crate) const TAG_ABORT: u32 = 6;
 
 const QP_INFO_MAGIC: &[u8; 4] = b"TWQP";
@@ -32,7 +35,8 @@ pub struct QpInfo {
     pub rx_depth: u32,
     /// Largest SEND the receive buffers hold.
     pub max_message: u32,
-    /// The notification ring (one 32-byte slot per receive) and its rkey.
+    /// The notification ring and its rkey: one 32-byte slot per receive, then
+    /// the credit word ([`ring_len`], [`credit_word_offset`]).
     pub ring_addr: u64,
     pub ring_rkey: u32,
     /// Largest single RDMA message the device takes (ibv_port_attr.max_msg_sz).
@@ -130,6 +134,24 @@ impl Notice {
     }
 }
 
+/// Bytes at the end of the notification ring for the credit word: the
+/// little-endian `u32` count of receives this side has reposted since the
+/// connection began (wrapping), which the peer writes there with an inline RDMA
+/// WRITE. Its credits are the receives posted at first plus that count, less
+/// the receive-consuming posts it made. A whole notice slot, so the ring stays
+/// a multiple of 32 bytes; the word is its first 4 bytes.
+pub const CREDIT_WORD_LEN: usize = NOTICE_LEN;
+
+/// The length of the notification ring of a side that posted `rx_depth` receives.
+pub fn ring_len(rx_depth: u32) -> usize {
+    (rx_depth as usize + 1) * NOTICE_LEN
+}
+
+/// Where the credit word lies in that ring (4-byte aligned, as the ring is).
+pub fn credit_word_offset(rx_depth: u32) -> usize {
+    rx_depth as usize * NOTICE_LEN
+}
+
 /// The most receives a peer may say it posted (its `rx_depth`): far above what
 /// devices allow per queue pair, and the bound on the credits it can grant.
 pub(crate) const MAX_RX_DEPTH: u32 = 1 << 20;
@@ -200,6 +222,7 @@ pub fn decode_abort(b: &[u8]) -> (bool, String) {
     }
 }
 
+/// The credit word's bytes as a count (little-endian `u32`).
 pub fn decode_credit(b: &[u8]) -> Result<u32, FrameError> {
     match <[u8; 4]>::try_from(b) {
         Ok(a) => Ok(u32::from_le_bytes(a)),
@@ -266,6 +289,15 @@ mod tests {
         assert_eq!(decode_abort(&[]), (false, "no reason given".into()));
         assert_eq!(decode_credit(&5u32.to_le_bytes()), Ok(5));
         assert!(decode_credit(&[1, 2, 3]).is_err());
+    }
+
+    #[test]
+    fn the_credit_word_follows_the_notice_slots() {
+        for d in [1u32, 3, 64, MAX_RX_DEPTH] {
+            assert_eq!(credit_word_offset(d), d as usize * NOTICE_LEN, "after every slot");
+            assert_eq!(ring_len(d), credit_word_offset(d) + CREDIT_WORD_LEN);
+            assert_eq!(credit_word_offset(d) % 4, 0, "the word is aligned for a u32 load");
+        }
     }
 
     #[test]
