@@ -12,7 +12,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use tidewire_transport::rdma::wire::{
-    decode_abort, decode_credit, encode_abort, Notice, QpInfo, NOTICE_LEN, QP_INFO_LEN,
+    decode_abort, decode_credit, encode_abort, Notice, QpInfo, NOTICE_LEN, QP_INFO_LEN, QP_INFO_VERSION,
 };
 
 fuzz_target!(|data: &[u8]| {
@@ -47,7 +47,7 @@ fuzz_target!(|data: &[u8]| {
     if b.len() >= QP_INFO_LEN {
         let mut raw = b[..QP_INFO_LEN].to_vec();
         raw[..4].copy_from_slice(b"TWQP");
-        raw[4] = 1;
+        raw[4] = QP_INFO_VERSION;
         raw[31] = 1 + raw[31] % 5; // MTU
         raw[8] = 0; // QPN < 2^24
         raw[12] = 0; // PSN < 2^24

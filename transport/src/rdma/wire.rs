@@ -18,7 +18,10 @@ pub(crate) const TAG_REVOKE: u32 = 4;
 pub(crate) const TAG_ABORT: u32 = 6;
 
 const QP_INFO_MAGIC: &[u8; 4] = b"TWQP";
-const QP_INFO_VERSION: u8 = 1;
+/// Version of the RDMA connection setup. 2: receive credits are RDMA WRITEs into
+/// the peer's credit word (version 1 sent them as control messages, tag 5), so
+/// the two cannot share a job; a mismatch is refused at setup (`BadVersion`).
+pub const QP_INFO_VERSION: u8 = 2;
 pub const QP_INFO_LEN: usize = 4 + 1 + 4 + 4 + 2 + 16 + 1 + 4 + 4 + 8 + 4 + 8;
 
 /// One side's queue pair and receive resources, as its peer needs them to
