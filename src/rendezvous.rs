@@ -7,7 +7,7 @@
 //! # Protocol
 //! Plain TCP, one JSON line at a time, each at most [`MAX_LINE`] bytes:
 //! 1. rank 0 → joiner: a fresh 32-byte nonce (`{"nonce": hex}`);
-//! 2. joiner → rank 0: its [`Join`] as a string, its own nonce, and an
+//! 2. joiner → rank 0: its `Join` as a string, its own nonce, and an
 //!    HMAC-SHA256 with the job secret over both nonces and the join
 //!    (`tidewire/v1/rendezvous-join`);
 //! 3. rank 0 → joiner, once every rank has joined: the reply as a string and an
