@@ -52,6 +52,7 @@ impl TcpTransport {
             parked_data: None,
             deadline: Some(Instant::now() + self.cfg.handshake_timeout),
             ctrl_rx: Vec::new(),
+            reserved: false,
             msg_rx: None,
             ctrl_rx_armed: false,
             ctrl_tx: VecDeque::new(),
@@ -156,6 +157,9 @@ impl TcpTransport {
             return;
         }
         let c = self.conns.remove(&conn).expect("present");
+        if c.reserved {
+            self.ops_budget -= Self::ops_per_conn(self.cfg.max_outstanding);
+        }
         self.tokens.remove(&c.transcript.token);
         if !c.closed_reported {
             self.events.push_back(Event::Closed {

@@ -49,7 +49,7 @@ pub struct TcpTransport {
     pub(super) sockopts: SockOpts,
     /// Connections with something to send, each at most once.
     pub(super) dirty: Vec<u64>,
-    /// Op slots reserved for the connections made ready so far.
+    /// Op slots reserved for the live connections made ready.
     pub(super) ops_budget: usize,
     /// `dirty` while `flush` walks it (the two are swapped, keeping both capacities).
     pub(super) flushing: Vec<u64>,
@@ -224,14 +224,22 @@ impl TcpTransport {
     /// at most (`max_outstanding` writes queued, in flight and awaiting their
     /// Acks, each with at most two ops: a SEND_ZC header and payload), so that
     /// the hot path never grows a table. Growth happens here, once per connection.
+    pub(super) fn ops_per_conn(max_outstanding: usize) -> usize {
+        2 * max_outstanding + 8
+    }
+
     pub(super) fn reserve_for_ready(&mut self, conn: u64) {
         let n = self.cfg.max_outstanding;
-        if let Some(c) = self.conns.get_mut(&conn) {
-            c.data_tx.reserve(n);
-            c.awaiting_ack.reserve(n);
-            c.ctrl_tx.reserve(2 * super::op::GATHER_PARTS);
-        }
-        self.ops_budget += 2 * n + 8;
+        let Some(c) = self.conns.get_mut(&conn).filter(|c| !c.reserved) else {
+            return;
+        };
+        c.data_tx.reserve(n);
+        c.awaiting_ack.reserve(n);
+        c.ctrl_tx.reserve(2 * super::op::GATHER_PARTS);
+        c.reserved = true;
+        // Given back when the connection is reaped: the tables then grow only past
+        // the most connections ever ready at once, not with every one ever made.
+        self.ops_budget += Self::ops_per_conn(n);
         self.ops.reserve(self.ops_budget.saturating_sub(self.ops.len()));
         self.free_ops
             .reserve(self.ops.capacity().saturating_sub(self.free_ops.len()));

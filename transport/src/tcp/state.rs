@@ -95,6 +95,9 @@ pub(super) struct Conn {
     pub(super) deadline: Option<Instant>,
     /// A control frame being assembled (at most one; never a message's payload).
     pub(super) ctrl_rx: Vec<u8>,
+    /// Its steady-state room is reserved (`reserve_for_ready`), and counted in
+    /// the transport's op budget until it is reaped.
+    pub(super) reserved: bool,
     /// A message being received: its header and its payload so far, straight
     /// from the receive buffers (the payload's one copy in user space).
     pub(super) msg_rx: Option<(Header, Vec<u8>)>,

@@ -279,6 +279,7 @@ impl BufRing {
     /// that reads them while it mutates the transport (it must not push `bid`
     /// back before its last read).
     pub fn raw(&self, bid: u16, len: usize) -> (*const u8, usize) {
+        assert!(bid < self.count, "buffer id {bid} from the kernel is outside the ring");
         let start = bid as usize * self.size as usize;
         let len = len.min(self.size as usize);
         // SAFETY: bid < count, so `start` lies inside `bufs`.
