@@ -23,6 +23,9 @@ use super::state::{
 use super::wire::{self, Notice, NoticeTarget, NOTICE_LEN};
 use super::RdmaTransport;
 
+/// The longest sleep while a connection waits for receive credits (see `sleep`).
+const CREDIT_NAP: Duration = Duration::from_micros(50);
+
 /// A target whose queue pair failed waits this long for the writer's ABORT, which says why.
 const ABORT_GRACE: Duration = Duration::from_millis(300);
 
@@ -46,10 +49,11 @@ impl RdmaTransport {
                 )
             };
             if n < 0 {
+                // A negative return is the provider's own code, not an errno: say it as is.
                 return Err(verbs(
                     "ibv_poll_cq",
                     &self.dev.name,
-                    std::io::Error::from_raw_os_error(-n),
+                    std::io::Error::other(format!("ibv_poll_cq returned {n} (the completion queue is in error)")),
                 ));
             }
             let n = n as usize;
@@ -283,9 +287,20 @@ impl RdmaTransport {
                 revents: 0,
             },
         ];
-        let ms = d.as_millis().clamp(1, 10) as i32;
-        // SAFETY: `fds` is a valid array of three pollfd for the duration of the call.
-        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        // Credits return by RDMA WRITE, which raises no event: while a connection
+        // waits for them, nap at most CREDIT_NAP and look at the word again.
+        let nap = if self.credit_stalled {
+            d.min(CREDIT_NAP)
+        } else {
+            d.clamp(Duration::from_millis(1), Duration::from_millis(10))
+        };
+        let ts = libc::timespec {
+            tv_sec: nap.as_secs() as libc::time_t,
+            tv_nsec: nap.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: `fds` is a valid array of three pollfd and `ts` a valid timespec for
+        // the duration of the call; a null signal mask leaves the mask unchanged.
+        unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
         if fds[2].revents & libc::POLLIN != 0 {
             // The flag (taken by `wait`) says whether to return; the doorbell is reset.
             self.wake.drain();

@@ -58,6 +58,9 @@ pub struct RdmaTransport {
     /// the connections with work to post, and one connection's batch.
     pub(super) inner_events: Vec<Event>,
     pub(super) post_ids: Vec<u64>,
+    /// Some connection waits for receive credits. They come back as RDMA WRITEs,
+    /// which wake nothing here, so `sleep` then naps briefly instead of blocking.
+    pub(super) credit_stalled: bool,
     pub(super) post_batch: Vec<(Op, Wr)>,
 }
 
@@ -166,6 +169,7 @@ impl RdmaTransport {
             wake,
             inner_events: Vec::new(),
             post_ids: Vec::new(),
+            credit_stalled: false,
             post_batch: Vec::new(),
         })
     }

@@ -119,6 +119,7 @@ impl RdmaTransport {
     pub(super) fn post_pending(&mut self) {
         let mut ids = std::mem::take(&mut self.post_ids);
         ids.clear();
+        self.credit_stalled = false;
         ids.extend(
             self.conns
                 .values()
@@ -177,6 +178,7 @@ impl RdmaTransport {
         }
         if stalled {
             self.stats.credit_stalls += 1;
+            self.credit_stalled = true;
         }
         if batch.is_empty() {
             return Ok(());
@@ -321,7 +323,7 @@ impl RdmaTransport {
                 continue;
             };
             let total = c.credits_returned.wrapping_add(c.credit_return);
-            let word = total.to_le_bytes();
+            let word = wire::encode_credit_word(total);
             let mut g = qp.start_post_send();
             // IBV_SEND_INLINE as well as ibv_wr_set_inline_data, as for notices (rxe reads the flag).
             let h = g

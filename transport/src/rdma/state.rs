@@ -2,7 +2,7 @@
 //! the connection state machine, and registered regions.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -202,23 +202,27 @@ impl Conn {
 
     /// Takes the receive credits the peer returned since the last look: the
     /// cumulative count it wrote into our ring's credit word (`rx_depth` is
-    /// ours, which placed the word). Fails when the word grants more than the
+    /// ours, which placed the word; the word checks itself, see
+    /// [`wire::decode_credit_word`]). Fails when the word grants more than the
     /// receives the peer posted, read twice the same.
     pub(super) fn refresh_credits(&mut self, rx_depth: u32) -> Result<(), Violation> {
         let (Some((ring, _)), Some(info)) = (&self.ring, self.peer_info) else {
             return Ok(());
         };
         let off = wire::credit_word_offset(rx_depth);
-        assert!(off + 4 <= ring.len(), "the ring holds its credit word");
+        assert!(off + 8 <= ring.len(), "the ring holds its credit word");
         let p = ring.as_ptr().wrapping_add(off);
-        assert!(p.cast::<AtomicU32>().is_aligned(), "the ring is page-aligned");
-        // SAFETY: the word lies inside the ring (checked), is aligned for a u32
+        assert!(p.cast::<AtomicU64>().is_aligned(), "the ring is page-aligned");
+        // SAFETY: the word lies inside the ring (checked), is aligned for a u64
         // (checked), and the ring outlives this borrow of `self`. No Rust code writes
         // the ring (the connection owns it and only reads it); the peer's device writes
         // it by DMA, outside the Rust memory model, which an atomic load tolerates (at
-        // worst it sees a torn value, which the doubt below absorbs).
-        let word = unsafe { &*p.cast::<AtomicU32>() };
-        let total = u32::from_le(word.load(Ordering::Acquire));
+        // worst it sees a torn value, whose halves then disagree: see `decode_credit_word`).
+        let word = unsafe { &*p.cast::<AtomicU64>() };
+        let Some(total) = wire::decode_credit_word(u64::from_le(word.load(Ordering::Acquire))) else {
+            // Never written yet, or caught mid-write: look again at the next step.
+            return Ok(());
+        };
         let max = info.rx_depth.min(wire::MAX_RX_DEPTH);
         self.apply_credit_word(total, max)
     }
