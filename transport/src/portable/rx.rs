@@ -71,8 +71,9 @@ impl PortableTransport {
             }
             if let Some((_, v, filled)) = c.rx.msg.as_mut() {
                 // A message's payload: read into the buffer the application gets.
-                let want = v.len() - *filled;
-                match c.ctrl.read(&mut v[*filled..]) {
+                // Within the read budget, like every other read (fairness between sockets).
+                let want = (v.len() - *filled).min(budget);
+                match c.ctrl.read(&mut v[*filled..*filled + want]) {
                     Ok(0) => return self.on_ctrl_eof(conn),
                     Ok(n) => {
                         *filled += n;
