@@ -573,10 +573,9 @@ impl Region {
     /// (`Event::WriteReceived`).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         let _quiet = self.quiet_range(offset, dst.len(), "Region::read_at")?;
-        // SAFETY: bounds checked; the mapping is valid for reads while `self` lives; no
-        // lease covers the range and the lease lock is held, so no Rust code writes
-        // it meanwhile (copies that write hold the same lock); `dst` is a `&mut`, so it
-        // cannot alias the range (a lease on this region would be a leased range).
+        // No lease covers the range and the lease lock is held, so no Rust code writes it
+        // meanwhile; `dst` cannot alias it (a `&mut` into a region lies in a leased range).
+        // SAFETY: bounds checked; the mapping is valid for reads while `self` lives.
         unsafe { load_relaxed(self.0.ptr.as_ptr().add(offset), dst) };
         Ok(())
     }
@@ -608,11 +607,9 @@ impl Region {
         let _quiet = self.quiet_range(offset, len, op)?;
         let base = self.0.ptr.as_ptr().wrapping_add(offset).cast::<u32>();
         for (i, d) in dst.iter_mut().enumerate() {
-            // SAFETY: in bounds (checked); aligned: the base is page aligned and `offset`
-            // a multiple of 4; valid while `self` lives; no Rust code writes the range
-            // meanwhile (no lease covers it, the lease lock is held), so every access to
-            // it is atomic or ordered by that lock; `dst` cannot alias it (a `&mut` into
-            // this region would lie in a leased range).
+            // No Rust code writes the range meanwhile (no lease, lock held), so every access
+            // is atomic or ordered by that lock; `dst` cannot alias it (a `&mut` would be leased).
+            // SAFETY: in bounds (checked); aligned (page-aligned base, offset a multiple of 4); live.
             let v = unsafe { AtomicU32::from_ptr(base.add(i)) }.load(Ordering::Relaxed);
             *d = f32::from_bits(v);
         }
@@ -623,12 +620,9 @@ impl Region {
     /// [`Error::RegionBusy`] while a [`Lease`] covers any of those bytes.
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
         let _quiet = self.quiet_range(offset, src.len(), "Region::write_at")?;
-        // SAFETY: bounds checked; the mapping is writable and valid while `self` lives. No
-        // lease covers the range and the lease lock is held for the copy, so no Rust
-        // reference to these bytes exists or can be made meanwhile, and no other copy runs.
-        // `src` does not overlap the range: safe code gets references into a region only
-        // through leases, which lie outside it (an `unsafe` `as_slice` caller must not be
-        // writing, per its contract).
+        // No lease covers the range and the lease lock is held, so no Rust reference to these
+        // bytes exists meanwhile and `src` (a lease, outside the range) cannot overlap them.
+        // SAFETY: bounds checked; the mapping is writable and valid while `self` lives.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.ptr.as_ptr().add(offset), src.len()) };
         Ok(())
     }
@@ -682,10 +676,9 @@ impl Region {
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         msg.msg_iov = iov.as_mut_ptr();
         msg.msg_iovlen = 2;
-        // SAFETY: the first iovec lies inside the live, writable mapping (checked above;
-        // `self` keeps it alive) and the kernel writes it without any Rust reference to
-        // those bytes existing; local copies are excluded by the lock. The second is a
-        // unique borrow of `tail`. Both outlive the call.
+        // The kernel writes the first iovec with no Rust reference to those bytes alive
+        // (local copies are excluded by the lock); the second is a unique borrow of `tail`.
+        // SAFETY: both iovecs lie in live, writable memory (checked above) that outlives the call.
         let n = unsafe { libc::recvmsg(fd, &mut msg, 0) };
         if n < 0 {
             return Err(std::io::Error::last_os_error());

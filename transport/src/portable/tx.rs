@@ -21,10 +21,9 @@ fn sendmsg(fd: RawFd, iov: &mut [libc::iovec]) -> io::Result<usize> {
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = iov.len() as _;
-    // SAFETY: `msg` points at `iov`, whose entries each describe memory that stays
-    // valid and unmodified for the call: frame headers and owned payloads in the
-    // queue, or slices of registered regions that the queued request's InFlight
-    // guard keeps alive. The kernel only reads them.
+    // The iovecs describe frame headers and owned payloads in the queue, or slices of
+    // registered regions that each queued request's InFlight guard keeps alive.
+    // SAFETY: `msg` points at `iov`, whose memory stays valid and unmodified for the call (the kernel only reads it).
     let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
     if n < 0 {
         return Err(io::Error::last_os_error());

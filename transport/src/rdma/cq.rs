@@ -227,10 +227,9 @@ impl RdmaTransport {
                 };
                 let mut bad = std::ptr::null_mut();
                 let qp = c.qp.as_ref().expect("live connection");
-                // SAFETY: the queue pair is live (the connection holds it); `wr` and `sge` are
-                // valid for the call, which copies them into the receive queue. The buffer is
-                // the one that just completed, inside the registered receive area, which
-                // outlives the queue pair (field order in `Conn`, and `fail_conn`).
+                // The buffer is the one that just completed, inside the registered receive
+                // area, which outlives the queue pair (field order in `Conn`, and `fail_conn`).
+                // SAFETY: the queue pair is live; `wr` and `sge` are valid for the call, which copies them.
                 let rc = unsafe { rdma_mummy_sys::ibv_post_recv(qp.qp().as_ptr(), &mut wr, &mut bad) };
                 if rc != 0 {
                     let e = verbs("ibv_post_recv", &self.dev.name, std::io::Error::from_raw_os_error(rc));

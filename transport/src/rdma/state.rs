@@ -213,11 +213,9 @@ impl Conn {
         assert!(off + 8 <= ring.len(), "the ring holds its credit word");
         let p = ring.as_ptr().wrapping_add(off);
         assert!(p.cast::<AtomicU64>().is_aligned(), "the ring is page-aligned");
-        // SAFETY: the word lies inside the ring (checked), is aligned for a u64
-        // (checked), and the ring outlives this borrow of `self`. No Rust code writes
-        // the ring (the connection owns it and only reads it); the peer's device writes
-        // it by DMA, outside the Rust memory model, which an atomic load tolerates (at
-        // worst it sees a torn value, whose halves then disagree: see `decode_credit_word`).
+        // No Rust code writes the ring; the peer's device writes it by DMA, which an atomic
+        // load tolerates (a torn value fails its check: see `decode_credit_word`).
+        // SAFETY: the word is inside the ring and u64-aligned (both checked); the ring outlives `self`'s borrow.
         let word = unsafe { &*p.cast::<AtomicU64>() };
         let Some(total) = wire::decode_credit_word(u64::from_le(word.load(Ordering::Acquire))) else {
             // Never written yet, or caught mid-write: look again at the next step.

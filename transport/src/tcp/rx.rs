@@ -84,10 +84,9 @@ impl TcpTransport {
             };
             if live {
                 let (ptr, len) = self.bufring.raw(bid, res as usize);
-                // SAFETY: `ptr..ptr+len` is buffer `bid`, which the kernel filled and
-                // handed to us with this completion; it does not write there again until
-                // the buffer is pushed back below, after the last use of `data`, and
-                // nothing in `ingest_ctrl` touches the buffer ring.
+                // The kernel does not write buffer `bid` again until it is pushed back
+                // below, after the last use of `data`; `ingest_ctrl` never touches the ring.
+                // SAFETY: `ptr..ptr+len` is buffer `bid`, filled and handed to us by this completion.
                 let data = unsafe { std::slice::from_raw_parts(ptr, len) };
                 let held = self.conns[&conn].ctrl_rx.len() + data.len();
                 let r = if self.conns[&conn].state.is_handshake() && held > frame::PRE_AUTH_MAX_BYTES {
