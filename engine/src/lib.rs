@@ -73,6 +73,8 @@ pub mod net;
 pub mod node;
 pub mod server;
 pub mod sim;
+#[doc(hidden)]
+pub mod testkit;
 pub mod wire;
 pub mod worker;
 

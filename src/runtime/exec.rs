@@ -482,13 +482,15 @@ mod tests {
 
     use super::*;
 
-    /// splitmix64.
-    fn next(s: &mut u64) -> u64 {
-        *s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = *s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+    use tidewire_engine::testkit::next;
+
+    /// A block as the Node hands it over: one message's buffer, or its fragments.
+    fn blob_of(mut pieces: Vec<Vec<u8>>) -> Blob {
+        if pieces.len() == 1 {
+            Blob::Bytes(pieces.pop().expect("one piece"))
+        } else {
+            Blob::Fragments(pieces)
+        }
     }
 
     fn le(v: &[f32]) -> Vec<u8> {
@@ -593,13 +595,7 @@ mod tests {
 
     #[test]
     fn split_blocks_reconstruct_to_the_bits_of_whole_ones() {
-        let seed = match std::env::var("TIDEWIRE_FACTOR_SEED") {
-            Ok(s) => s.parse().expect("TIDEWIRE_FACTOR_SEED is a u64"),
-            Err(_) => std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64),
-        };
-        println!("seed {seed} (replay with TIDEWIRE_FACTOR_SEED={seed})");
+        let seed = tidewire_engine::testkit::seed("TIDEWIRE_FACTOR_SEED");
         let mut rng = seed;
         let mut scratch = Vec::new();
         let mut decodes = [0u64; 3];
@@ -630,11 +626,7 @@ mod tests {
                     if total > cap {
                         expect += [ub, vb].iter().filter(|&&x| x > frag).sum::<u64>();
                     }
-                    if pieces.len() == 1 {
-                        Blob::Bytes(pieces.concat())
-                    } else {
-                        Blob::Fragments(pieces)
-                    }
+                    blob_of(pieces)
                 })
                 .collect();
             let (got, decoded) = sum(&node, k, m, n, &mut scratch);
@@ -661,11 +653,7 @@ mod tests {
                             p
                         })
                         .collect();
-                    if pieces.len() == 1 {
-                        Blob::Bytes(pieces.concat())
-                    } else {
-                        Blob::Fragments(pieces)
-                    }
+                    blob_of(pieces)
                 })
                 .collect();
             let (got, decoded) = sum(&any, k, m, n, &mut scratch);

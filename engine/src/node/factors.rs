@@ -180,24 +180,10 @@ mod tests {
         assert_eq!(ib.held(), 0);
     }
 
-    /// splitmix64.
-    fn next(s: &mut u64) -> u64 {
-        *s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = *s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
+    use crate::testkit::next;
 
     fn seed() -> u64 {
-        let seed = match std::env::var("TIDEWIRE_FACTOR_SEED") {
-            Ok(s) => s.parse().expect("TIDEWIRE_FACTOR_SEED is a u64"),
-            Err(_) => std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64),
-        };
-        println!("seed {seed} (replay with TIDEWIRE_FACTOR_SEED={seed})");
-        seed
+        crate::testkit::seed("TIDEWIRE_FACTOR_SEED")
     }
 
     #[test]
