@@ -117,6 +117,19 @@ pub(super) struct Pool {
     hdrs: Vec<Box<[u8; HEADER_LEN]>>,
 }
 
+/// A recycled list from `lists`, or a new one with room for a whole gather.
+fn take_list<T>(lists: &mut Vec<Vec<T>>) -> Vec<T> {
+    lists.pop().unwrap_or_else(|| Vec::with_capacity(GATHER_PARTS))
+}
+
+/// Keeps `v`, emptied, for a later send (up to `POOL_KEEP` lists).
+fn put_list<T>(lists: &mut Vec<Vec<T>>, mut v: Vec<T>) {
+    v.clear();
+    if lists.len() < POOL_KEEP {
+        lists.push(v);
+    }
+}
+
 impl Pool {
     pub(super) fn gather(&mut self, parts: impl Iterator<Item = (*const u8, usize)>) -> Box<Gather> {
         let mut g = self.gathers.pop().unwrap_or_else(Gather::empty);
@@ -132,22 +145,16 @@ impl Pool {
         }
     }
     pub(super) fn frames(&mut self) -> Vec<TxFrame> {
-        self.frames.pop().unwrap_or_else(|| Vec::with_capacity(GATHER_PARTS))
+        take_list(&mut self.frames)
     }
-    pub(super) fn put_frames(&mut self, mut v: Vec<TxFrame>) {
-        v.clear();
-        if self.frames.len() < POOL_KEEP {
-            self.frames.push(v);
-        }
+    pub(super) fn put_frames(&mut self, v: Vec<TxFrame>) {
+        put_list(&mut self.frames, v)
     }
     pub(super) fn writes(&mut self) -> Vec<WriteReq> {
-        self.writes.pop().unwrap_or_else(|| Vec::with_capacity(GATHER_PARTS))
+        take_list(&mut self.writes)
     }
-    pub(super) fn put_writes(&mut self, mut v: Vec<WriteReq>) {
-        v.clear();
-        if self.writes.len() < POOL_KEEP {
-            self.writes.push(v);
-        }
+    pub(super) fn put_writes(&mut self, v: Vec<WriteReq>) {
+        put_list(&mut self.writes, v)
     }
     pub(super) fn hdr(&mut self, hdr: [u8; HEADER_LEN]) -> Box<[u8; HEADER_LEN]> {
         match self.hdrs.pop() {
