@@ -29,10 +29,13 @@ mod buffers;
 pub mod cluster;
 mod config;
 pub mod error;
+pub mod pushpull;
 pub mod rendezvous;
 mod runtime;
 pub mod session;
 mod stats;
 
 pub use error::{Error, Result};
-pub use session::{BufferLayout, Builder, LayerBuffers, Session, SessionStats, TransportKind, TransportLimits};
+pub use session::{
+    BufferLayout, Builder, LayerBuffers, Pending, Session, SessionStats, TransportKind, TransportLimits,
+};

@@ -438,6 +438,35 @@ impl Session {
         self.timeout
     }
 
+    /// Asks for `layer`'s parameters without blocking: the non-blocking twin
+    /// of [`Session::wait_layer`]. The returned handle completes when the
+    /// layer is synced; poll it with [`Pending::try_take`] or block on
+    /// [`Pending::wait`]. Dropping the handle before it completes loses the
+    /// layer's buffers for the rest of the session.
+    pub fn wait_layer_async(&self, layer: u32) -> Result<Pending<LayerBuffers>> {
+        self.worker()?;
+        self.book.layer(layer)?;
+        self.pending(format!("layer {layer} to sync"), |reply| Request::Wait { layer, reply })
+    }
+
+    /// The non-blocking twin of [`Session::wait_all`].
+    pub fn wait_all_async(&self) -> Result<Pending<Vec<LayerBuffers>>> {
+        self.worker()?;
+        self.pending("every layer to sync".into(), |reply| Request::WaitAll { reply })
+    }
+
+    fn pending<T>(&self, what: String, make: impl FnOnce(Sender<Result<T>>) -> Request) -> Result<Pending<T>> {
+        let (tx, rx) = bounded(1);
+        self.send(make(tx))?;
+        Ok(Pending {
+            rx,
+            what,
+            since: Instant::now(),
+            timeout: self.timeout,
+            shared: self.shared.clone(),
+        })
+    }
+
     /// Blocks until `layer`'s parameters are synced, and returns its buffers.
     pub fn wait_layer(&self, layer: u32) -> Result<LayerBuffers> {
         self.worker()?;
@@ -509,6 +538,67 @@ impl Drop for Session {
         }
         if let Some(h) = self.handle.take() {
             let _ = h.join();
+        }
+    }
+}
+
+/// A request in flight: the completion handle of
+/// [`Session::wait_layer_async`] and [`Session::wait_all_async`].
+///
+/// The session's timeout runs from the request: [`Pending::try_take`] fails
+/// with [`Error::Timeout`] once it has passed, like the blocking call would.
+#[derive(Debug)]
+pub struct Pending<T> {
+    rx: Receiver<Result<T>>,
+    what: String,
+    since: Instant,
+    timeout: Duration,
+    shared: Arc<Shared>,
+}
+
+impl<T> Pending<T> {
+    fn failed(&self) -> Error {
+        self.shared.check_panic();
+        self.shared.fatal().unwrap_or(Error::Shutdown)
+    }
+
+    /// The result if it is there, `Ok(None)` if not yet; never blocks.
+    /// After it returned `Some` (or an error) the handle is spent: later
+    /// calls fail with [`Error::Shutdown`].
+    pub fn try_take(&mut self) -> Result<Option<T>> {
+        match self.rx.try_recv() {
+            Ok(r) => r.map(Some),
+            Err(crossbeam_channel::TryRecvError::Empty) if self.since.elapsed() >= self.timeout => {
+                Err(Error::Timeout {
+                    what: self.what.clone(),
+                    after: self.timeout,
+                })
+            }
+            Err(crossbeam_channel::TryRecvError::Empty) => Ok(None),
+            Err(crossbeam_channel::TryRecvError::Disconnected) => Err(self.failed()),
+        }
+    }
+
+    /// Blocks until the result is there (at most the rest of the session's timeout).
+    pub fn wait(self) -> Result<T> {
+        let left = self.timeout.saturating_sub(self.since.elapsed());
+        match self.rx.recv_timeout(left) {
+            Ok(r) => r,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(Error::Timeout {
+                what: self.what,
+                after: self.timeout,
+            }),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(self.failed()),
+        }
+    }
+
+    /// Blocks at most `d`: `Ok(None)` if the result is not there by then.
+    pub fn wait_for(&mut self, d: Duration) -> Result<Option<T>> {
+        let left = self.timeout.saturating_sub(self.since.elapsed());
+        match self.rx.recv_timeout(d.min(left)) {
+            Ok(r) => r.map(Some),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => self.try_take(),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(self.failed()),
         }
     }
 }

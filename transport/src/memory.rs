@@ -77,9 +77,10 @@ type Mapping = MmapMut;
 #[cfg(miri)]
 type Mapping = heap::HeapMap;
 
-/// A page-aligned, zero-filled, pinned host buffer.
+/// A page-aligned, zero-filled, pinned host buffer, or caller-owned memory
+/// wrapped by [`PinnedBuffer::foreign`].
 pub struct PinnedBuffer {
-    map: Mapping,
+    map: Backing,
     len: usize,
     locked: bool,
     huge: HugePages,
@@ -97,6 +98,65 @@ impl fmt::Debug for PinnedBuffer {
 }
 
 const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// The memory behind a [`PinnedBuffer`]: our own mapping, or the caller's.
+enum Backing {
+    Anon(Mapping),
+    Foreign(Foreign),
+}
+
+/// Caller-owned memory (a framework's tensor): an address, a length, and
+/// whatever keeps the memory alive.
+struct Foreign {
+    ptr: NonNull<u8>,
+    len: usize,
+    _owner: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+// SAFETY: `PinnedBuffer::foreign`'s contract makes the memory behave like an owned
+// allocation for Rust code (valid until drop, no Rust aliasing outside this value);
+// the keep-alive owner is itself Send + Sync.
+unsafe impl Send for Foreign {}
+// SAFETY: as above; `&Foreign` gives out only shared reads and the raw address.
+unsafe impl Sync for Foreign {}
+
+impl Backing {
+    fn as_ptr(&self) -> *const u8 {
+        match self {
+            Backing::Anon(m) => m.as_ptr(),
+            Backing::Foreign(f) => f.ptr.as_ptr(),
+        }
+    }
+    /// Bytes locked for this buffer (the whole mapping), or 0 for foreign memory.
+    fn mapped_len(&self) -> usize {
+        match self {
+            Backing::Anon(m) => m.len(),
+            Backing::Foreign(_) => 0,
+        }
+    }
+}
+
+impl std::ops::Deref for Backing {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Backing::Anon(m) => m,
+            // SAFETY: `PinnedBuffer::foreign`'s caller promised `len` valid, initialized
+            // bytes that no one but this buffer's users touches while it lives.
+            Backing::Foreign(f) => unsafe { std::slice::from_raw_parts(f.ptr.as_ptr(), f.len) },
+        }
+    }
+}
+
+impl std::ops::DerefMut for Backing {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            Backing::Anon(m) => m,
+            // SAFETY: as in `deref`; `&mut self` makes this the only Rust borrow.
+            Backing::Foreign(f) => unsafe { std::slice::from_raw_parts_mut(f.ptr.as_ptr(), f.len) },
+        }
+    }
+}
 
 /// The system page size.
 pub fn page_size() -> usize {
@@ -156,13 +216,16 @@ impl PinnedBuffer {
             source,
         })?;
         let mut buf = Self {
-            map,
+            map: Backing::Anon(map),
             len,
             locked: false,
             huge: opts.huge_pages,
         };
         if opts.lock {
-            if let Err(source) = lock_pages(&buf.map) {
+            let Backing::Anon(map) = &buf.map else {
+                unreachable!("just mapped")
+            };
+            if let Err(source) = lock_pages(map) {
                 let (_, limit) = memlock_limit();
                 let locked_bytes = LOCKED_BYTES.load(Ordering::Relaxed);
                 return Err(match source.raw_os_error() {
@@ -181,10 +244,63 @@ impl PinnedBuffer {
             }
             buf.locked = cfg!(not(miri));
             if buf.locked {
-                LOCKED_BYTES.fetch_add(buf.map.len(), Ordering::Relaxed);
+                LOCKED_BYTES.fetch_add(buf.map.mapped_len(), Ordering::Relaxed);
             }
         }
         Ok(buf)
+    }
+
+    /// Wraps caller-owned host memory (a framework's tensor, a C program's
+    /// array) so that a transport can register it in place: zero-copy, the
+    /// session's pushes read it and the servers' results land in it. Nothing
+    /// is allocated, copied or locked here (an RDMA registration pins the
+    /// pages itself; the TCP backends need no pinning). `owner`, when given,
+    /// is dropped with the buffer: use it to keep the memory alive.
+    ///
+    /// # Safety
+    /// - `ptr..ptr+len` is valid, initialized memory that stays allocated
+    ///   until this buffer and every [`Region`] made from it are dropped.
+    /// - While it lives, code outside this buffer touches the memory only
+    ///   under the protocol of the layer above, exactly as the kernel and the
+    ///   NIC do: never a range while an operation on it is in flight or while
+    ///   it is leased (for a session: only between a layer's sync and its next
+    ///   hand-in). Rust code outside never holds a reference into it.
+    pub unsafe fn foreign(
+        ptr: *mut u8,
+        len: usize,
+        owner: Option<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Result<Self> {
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::InvalidArgument {
+            op: "PinnedBuffer::foreign",
+            reason: "null pointer".into(),
+        })?;
+        if len == 0 {
+            return Err(Error::InvalidArgument {
+                op: "PinnedBuffer::foreign",
+                reason: "length must be > 0".into(),
+            });
+        }
+        if (ptr.as_ptr() as usize).checked_add(len).is_none() || len > isize::MAX as usize {
+            return Err(Error::InvalidArgument {
+                op: "PinnedBuffer::foreign",
+                reason: format!("{len} bytes at {:p} wrap the address space", ptr.as_ptr()),
+            });
+        }
+        Ok(PinnedBuffer {
+            map: Backing::Foreign(Foreign {
+                ptr,
+                len,
+                _owner: owner,
+            }),
+            len,
+            locked: false,
+            huge: HugePages::Off,
+        })
+    }
+
+    /// Whether the memory is the caller's ([`PinnedBuffer::foreign`]).
+    pub fn is_foreign(&self) -> bool {
+        matches!(self.map, Backing::Foreign(_))
     }
 
     /// Usable length in bytes (as requested).
@@ -350,7 +466,7 @@ impl std::ops::DerefMut for PinnedBuffer {
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
         if self.locked {
-            LOCKED_BYTES.fetch_sub(self.map.len(), Ordering::Relaxed);
+            LOCKED_BYTES.fetch_sub(self.map.mapped_len(), Ordering::Relaxed);
         }
     }
 }

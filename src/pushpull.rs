@@ -1,0 +1,232 @@
+//! Nexus's push/pull interface over caller-owned memory: the layer API for
+//! programs that keep their own parameter and gradient tensors (a framework,
+//! a C program, Python).
+//!
+//! The caller registers its own flat parameter and gradient memory with
+//! [`Builder::params_buffer`](crate::Builder::params_buffer) and
+//! [`Builder::grads_buffer`](crate::Builder::grads_buffer) (wrapping it with
+//! [`PinnedBuffer::foreign`](crate::transport::PinnedBuffer::foreign)), and
+//! then names layers by index: [`PushPull::push`] hands layer `l`'s gradient
+//! in, straight from the caller's memory; [`PushPull::pull`] waits until the
+//! servers' result has landed in the caller's parameter memory. Between a
+//! push and its pull the layer belongs to the engine: the caller must not
+//! touch that layer's gradient or parameter bytes.
+//!
+//! ```no_run
+//! use tidewire::engine::book::{LayerKind, LayerSpec};
+//! use tidewire::pushpull::PushPull;
+//! use tidewire::transport::PinnedBuffer;
+//! use tidewire::{BufferLayout, Builder};
+//!
+//! // The framework's own memory: 64 parameters and 64 gradients, f32.
+//! let mut params = vec![0.5f32; 64];
+//! let mut grads = vec![0.0f32; 64];
+//! // SAFETY: both vectors outlive the session (shut down below), and the
+//! // program touches a layer's values only while it holds the layer.
+//! let (p, g) = unsafe {
+//!     (
+//!         PinnedBuffer::foreign(params.as_mut_ptr().cast(), 256, None)?,
+//!         PinnedBuffer::foreign(grads.as_mut_ptr().cast(), 256, None)?,
+//!     )
+//! };
+//! let session = Builder::new(vec![LayerSpec::new("w", LayerKind::Other, 8, 8)])
+//!     .params_buffer(BufferLayout { buffer: p, offsets: vec![0] })
+//!     .grads_buffer(BufferLayout { buffer: g, offsets: vec![0] })
+//!     .build_from_env()?;
+//! let mut pp = PushPull::new(session)?;
+//! for _step in 0..10 {
+//!     // ... backward writes `grads` ...
+//!     pp.push(0)?; // zero-copy from `grads`
+//!     pp.pull(0)?; // `params` now holds the servers' result
+//! }
+//! pp.shutdown()?;
+//! drop((params, grads));
+//! # Ok::<(), tidewire::Error>(())
+//! ```
+//!
+//! [`PushPull::poll`] is the non-blocking pull; [`PushPull::push_factors`]
+//! hands in an FC layer by its sufficient factors.
+
+use crate::error::{Error, Result};
+use crate::session::{LayerBuffers, Pending, Session};
+
+#[derive(Debug)]
+enum Slot {
+    /// The caller's: synced (or never pushed).
+    Held(LayerBuffers),
+    /// Pushed; the engine's until its pull completes.
+    Pushed(Pending<LayerBuffers>),
+    /// A pull failed: the layer is gone for the rest of the session.
+    Lost,
+}
+
+/// Push/pull by layer index over a [`Session`] (see the module docs).
+#[derive(Debug)]
+pub struct PushPull {
+    session: Session,
+    slots: Vec<Slot>,
+}
+
+impl PushPull {
+    /// Wraps a worker's session and takes its layers.
+    pub fn new(mut session: Session) -> Result<Self> {
+        let slots = session
+            .take_layers()?
+            .into_iter()
+            .map(|b| Slot::Held(b.expect("fresh layers")))
+            .collect();
+        Ok(PushPull { session, slots })
+    }
+
+    /// The session underneath (book, schemes, stats, transport).
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
+    /// The number of layers.
+    pub fn layers(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn slot(&mut self, layer: u32) -> Result<&mut Slot> {
+        let n = self.slots.len();
+        self.slots.get_mut(layer as usize).ok_or_else(|| {
+            Error::Engine(tidewire_engine::EngineError::UnknownLayer {
+                layer,
+                layers: n as u32,
+            })
+        })
+    }
+
+    fn take_held(&mut self, layer: u32, what: &str) -> Result<LayerBuffers> {
+        let slot = self.slot(layer)?;
+        match std::mem::replace(slot, Slot::Lost) {
+            Slot::Held(b) => Ok(b),
+            other => {
+                let why = match &other {
+                    Slot::Pushed(_) => "it was pushed and not pulled yet",
+                    _ => "an earlier pull of it failed",
+                };
+                *slot = other;
+                Err(Error::Layout(format!("cannot {what} layer {layer}: {why}")))
+            }
+        }
+    }
+
+    fn hand_in(&mut self, layer: u32, buf: LayerBuffers, factors: bool) -> Result<()> {
+        let r = if factors {
+            self.session.sf_ready(buf)
+        } else {
+            self.session.grad_ready(buf)
+        };
+        // A refused hand-in (wrong scheme, a failed session) consumed the
+        // buffers: the layer is lost, and the error says why.
+        r?;
+        let pending = self.session.wait_layer_async(layer)?;
+        *self.slot(layer)? = Slot::Pushed(pending);
+        Ok(())
+    }
+
+    /// Hands layer `layer`'s gradient in, zero-copy from the registered
+    /// gradient memory. Returns at once; the push proceeds in the background.
+    pub fn push(&mut self, layer: u32) -> Result<()> {
+        let buf = self.take_held(layer, "push")?;
+        if self.session.scheme(layer)? == tidewire_engine::Scheme::Sfb {
+            let name = self.session.book().layers()[layer as usize].name.clone();
+            *self.slot(layer)? = Slot::Held(buf);
+            return Err(tidewire_engine::EngineError::NeedsFactors { layer, name }.into());
+        }
+        self.hand_in(layer, buf, false)
+    }
+
+    /// Hands an FC layer in by its sufficient factors: U (K×M) and V (K×N),
+    /// row major, copied into the session's factor buffer (K×(M+N) values).
+    pub fn push_factors(&mut self, layer: u32, u: &[f32], v: &[f32]) -> Result<()> {
+        let spec = self.session.book().layer(layer)?.clone();
+        let k = self.session.book().config().batch;
+        if u.len() != k * spec.m || v.len() != k * spec.n {
+            return Err(Error::Layout(format!(
+                "layer {layer} ({}): factors of {} and {} values, want U {k}x{} = {} and V {k}x{} = {}",
+                spec.name,
+                u.len(),
+                v.len(),
+                spec.m,
+                k * spec.m,
+                spec.n,
+                k * spec.n
+            )));
+        }
+        let mut buf = self.take_held(layer, "push")?;
+        let (du, dv) = buf.uv_mut();
+        if du.len() != u.len() || dv.len() != v.len() {
+            *self.slot(layer)? = Slot::Held(buf);
+            return Err(tidewire_engine::EngineError::NotFullyConnected { layer, name: spec.name }.into());
+        }
+        du.copy_from_slice(u);
+        dv.copy_from_slice(v);
+        self.hand_in(layer, buf, true)
+    }
+
+    /// Whether `layer` is synced, without blocking. True for a layer that
+    /// was never pushed; an error if its sync failed.
+    pub fn poll(&mut self, layer: u32) -> Result<bool> {
+        let slot = self.slot(layer)?;
+        match slot {
+            Slot::Held(_) => Ok(true),
+            Slot::Pushed(p) => match p.try_take() {
+                Ok(Some(b)) => {
+                    *slot = Slot::Held(b);
+                    Ok(true)
+                }
+                Ok(None) => Ok(false),
+                Err(e) => {
+                    *slot = Slot::Lost;
+                    Err(e)
+                }
+            },
+            Slot::Lost => Err(Error::Layout(format!(
+                "layer {layer} was lost by an earlier failed pull"
+            ))),
+        }
+    }
+
+    /// Blocks until `layer` is synced: its result is in the caller's
+    /// parameter memory. Returns at once for a layer that is not pushed.
+    pub fn pull(&mut self, layer: u32) -> Result<()> {
+        let slot = self.slot(layer)?;
+        match std::mem::replace(slot, Slot::Lost) {
+            Slot::Held(b) => {
+                *slot = Slot::Held(b);
+                Ok(())
+            }
+            Slot::Pushed(p) => {
+                let b = p.wait()?;
+                *slot = Slot::Held(b);
+                Ok(())
+            }
+            Slot::Lost => Err(Error::Layout(format!(
+                "layer {layer} was lost by an earlier failed pull"
+            ))),
+        }
+    }
+
+    /// Pulls every pushed layer, in layer order.
+    pub fn pull_all(&mut self) -> Result<()> {
+        for l in 0..self.slots.len() as u32 {
+            self.pull(l)?;
+        }
+        Ok(())
+    }
+
+    /// Whether `layer` has been pushed and not pulled.
+    pub fn in_flight(&self, layer: u32) -> bool {
+        matches!(self.slots.get(layer as usize), Some(Slot::Pushed(_)))
+    }
+
+    /// Pulls what is in flight, then ends the session (see [`Session::shutdown`]).
+    pub fn shutdown(mut self) -> Result<()> {
+        let pulled = self.pull_all();
+        let r = self.session.shutdown();
+        pulled.and(r)
+    }
+}
