@@ -218,6 +218,18 @@ impl PushPull {
         Ok(())
     }
 
+    /// The buffers of a layer the caller holds (synced, or never pushed):
+    /// safe access to its parameters and gradient for Rust callers.
+    pub fn held(&mut self, layer: u32) -> Result<&mut LayerBuffers> {
+        match self.slot(layer)? {
+            Slot::Held(b) => Ok(b),
+            Slot::Pushed(_) => Err(Error::Layout(format!("layer {layer} is pushed and not pulled yet"))),
+            Slot::Lost => Err(Error::Layout(format!(
+                "layer {layer} was lost by an earlier failed pull"
+            ))),
+        }
+    }
+
     /// Whether `layer` has been pushed and not pulled.
     pub fn in_flight(&self, layer: u32) -> bool {
         matches!(self.slots.get(layer as usize), Some(Slot::Pushed(_)))

@@ -264,7 +264,8 @@ impl PinnedBuffer {
     ///   under the protocol of the layer above, exactly as the kernel and the
     ///   NIC do: never a range while an operation on it is in flight or while
     ///   it is leased (for a session: only between a layer's sync and its next
-    ///   hand-in). Rust code outside never holds a reference into it.
+    ///   hand-in). A Rust reference formed outside this buffer to any of it
+    ///   ends before that range is handed back.
     pub unsafe fn foreign(
         ptr: *mut u8,
         len: usize,
@@ -296,6 +297,17 @@ impl PinnedBuffer {
             locked: false,
             huge: HugePages::Off,
         })
+    }
+
+    /// Takes ownership of the caller's `Vec<f32>` and registers its memory
+    /// in place (the safe form of [`PinnedBuffer::foreign`]: the buffer owns
+    /// the vector, so nothing else can reach it). Not page-aligned, not locked.
+    pub fn from_f32_vec(mut v: Vec<f32>) -> Result<Self> {
+        let (ptr, len) = (v.as_mut_ptr(), v.len() * 4);
+        // SAFETY: the Vec moves into the buffer as its owner; its heap memory does
+        // not move with it, stays allocated until the buffer drops, and no other
+        // reference to it exists once the Vec is moved.
+        unsafe { Self::foreign(ptr.cast(), len, Some(Box::new(v))) }
     }
 
     /// Whether the memory is the caller's ([`PinnedBuffer::foreign`]).
@@ -1060,6 +1072,39 @@ unsafe fn load_relaxed(src: *const u8, dst: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn foreign_memory_is_used_in_place_and_checked() {
+        // SAFETY: a null pointer is refused before anything reads it.
+        let e = unsafe { PinnedBuffer::foreign(std::ptr::null_mut(), 16, None) }.unwrap_err();
+        assert!(e.to_string().contains("null"), "{e}");
+        let mut b = [0u8; 8];
+        // SAFETY: a zero length is refused before anything reads it.
+        let e = unsafe { PinnedBuffer::foreign(b.as_mut_ptr(), 0, None) }.unwrap_err();
+        assert!(e.to_string().contains("> 0"), "{e}");
+        let v: Vec<f32> = (0..300).map(|i| i as f32).collect();
+        let addr = v.as_ptr() as usize;
+        let locked = PinnedBuffer::locked_bytes_total();
+        let buf = PinnedBuffer::from_f32_vec(v).unwrap();
+        assert!(buf.is_foreign() && !buf.is_locked());
+        assert_eq!((buf.as_ptr() as usize, buf.len()), (addr, 1200));
+        assert_eq!(
+            PinnedBuffer::locked_bytes_total(),
+            locked,
+            "foreign memory is not counted as locked"
+        );
+        // Registered and leased like our own memory, in place.
+        let r = Region::new(buf, 9, 1, Access::LOCAL, None);
+        let mut l = r.lease_f32(1, 2).unwrap();
+        assert_eq!(l.as_f32().unwrap(), &[1.0, 2.0]);
+        l.as_f32_mut().unwrap()[0] = -1.0;
+        drop(l);
+        let mut out = [0u8; 4];
+        r.read_at(4, &mut out).unwrap();
+        assert_eq!(f32::from_le_bytes(out), -1.0);
+        assert!(r.lease(1196, 8).is_err(), "bounds are the caller's length");
+        drop(r); // frees the Vec (Miri checks the ownership)
+    }
 
     #[test]
     fn leases_are_exclusive_and_typed() {

@@ -1,0 +1,290 @@
+//! Push/pull over caller-owned memory (`PinnedBuffer::foreign`): randomized
+//! jobs (seeded; the seed is printed), every rank's result checked against
+//! the exact sum, and the interface's misuse errors.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use tidewire::cluster::ClusterSpec;
+use tidewire::engine::book::{LayerKind, LayerSpec};
+use tidewire::engine::testkit::{next, seed};
+use tidewire::engine::{EngineError, Scheme, SchemePolicy};
+use tidewire::gpu::cpu::ApplyOp;
+use tidewire::pushpull::PushPull;
+use tidewire::session::BufferLayout;
+use tidewire::transport::{JobSecret, PinnedBuffer};
+use tidewire::{Builder, Error};
+
+/// A Vec<f32> handed over as caller memory: the buffer owns it from here on.
+fn foreign(n: usize, fill: f32) -> (PinnedBuffer, usize) {
+    let v = vec![fill; n.max(1)];
+    let addr = v.as_ptr() as usize;
+    (PinnedBuffer::from_f32_vec(v).unwrap(), addr)
+}
+
+fn free_master() -> SocketAddr {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("127.0.0.1:{port}").parse().unwrap()
+}
+
+/// The gradient rank `r` pushes for element `i` of layer `l` at step `t`:
+/// small integers, so every sum is exact whatever the order.
+fn grad(r: usize, t: usize, l: usize, i: usize) -> f32 {
+    ((r * 7 + t * 3 + l * 5 + i) % 11) as f32 - 5.0
+}
+
+#[derive(Debug, Clone)]
+struct Job {
+    layers: Vec<LayerSpec>,
+    ranks: usize,
+    steps: usize,
+    batch: usize,
+    policy: SchemePolicy,
+    mean: bool,
+    poll: bool,
+}
+
+fn random_job(s: &mut u64) -> Job {
+    let n = 1 + next(s) as usize % 4;
+    let layers = (0..n)
+        .map(|i| {
+            let kind = [LayerKind::Fc, LayerKind::Conv, LayerKind::Other][next(s) as usize % 3];
+            LayerSpec::new(
+                format!("l{i}"),
+                kind,
+                1 + next(s) as usize % 40,
+                1 + next(s) as usize % 300,
+            )
+        })
+        .collect();
+    Job {
+        layers,
+        ranks: 1 + next(s) as usize % 3,
+        steps: 1 + next(s) as usize % 4,
+        batch: 1 + next(s) as usize % 4,
+        policy: [SchemePolicy::Hybrid, SchemePolicy::Ps, SchemePolicy::Sfb][next(s) as usize % 3],
+        mean: next(s) % 2 == 0,
+        poll: next(s) % 2 == 0,
+    }
+}
+
+/// One rank: returns its parameters after every step, read through `held`.
+fn rank(job: Job, r: usize, master: SocketAddr) -> Result<Vec<Vec<f32>>, Error> {
+    let total: usize = job.layers.iter().map(|l| l.params()).sum();
+    let (params, _) = foreign(total, 0.0);
+    let (grads, _) = foreign(total, 0.0);
+    let mut offsets = Vec::new();
+    let mut at = 0;
+    for l in &job.layers {
+        offsets.push(at * 4);
+        at += l.params();
+    }
+    let session = Builder::new(job.layers.clone())
+        .batch(job.batch)
+        .chunk_bytes(1024)
+        .slice_params(64)
+        .policy(job.policy)
+        .apply(if job.mean { ApplyOp::Mean } else { ApplyOp::Sum })
+        .job(11, JobSecret::new(b"pushpull".to_vec()))
+        .timeout(Duration::from_secs(30))
+        .params_buffer(BufferLayout {
+            buffer: params,
+            offsets: offsets.clone(),
+        })
+        .grads_buffer(BufferLayout { buffer: grads, offsets })
+        .build(ClusterSpec::new(r as u32, job.ranks, 0, true, master)?)?;
+    let mut pp = PushPull::new(session)?;
+    let mut out = Vec::new();
+    let k = job.batch;
+    for t in 0..job.steps {
+        // Backward order: last layer first, each pushed the moment it is "produced".
+        for (l, spec) in job.layers.iter().enumerate().rev() {
+            let l32 = l as u32;
+            if pp.session().scheme(l32)? == Scheme::Sfb {
+                // Refused without factors, and the layer stays the caller's.
+                assert!(matches!(
+                    pp.push(l32),
+                    Err(Error::Engine(EngineError::NeedsFactors { .. }))
+                ));
+                // U = e_(i mod M) rows scaled, V rows chosen so Uᵀ·V has integer entries.
+                let u: Vec<f32> = (0..k * spec.m)
+                    .map(|x| {
+                        if x % spec.m == (x / spec.m + t) % spec.m {
+                            1.0
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                let v: Vec<f32> = (0..k * spec.n).map(|i| grad(r, t, l, i)).collect();
+                assert!(pp.push_factors(l32, &u[1..], &v).is_err(), "short U refused");
+                pp.push_factors(l32, &u, &v)?;
+            } else {
+                let g = pp.held(l32)?;
+                for (i, x) in g.grad_mut().iter_mut().enumerate() {
+                    *x = grad(r, t, l, i);
+                }
+                pp.push(l32)?;
+            }
+            assert!(pp.in_flight(l32));
+            assert!(pp.held(l32).is_err(), "a pushed layer is not the caller's");
+            assert!(pp.push(l32).is_err(), "a second push before the pull is refused");
+        }
+        let mut step = Vec::new();
+        for l in 0..job.layers.len() as u32 {
+            if job.poll {
+                let t0 = Instant::now();
+                while !pp.poll(l)? {
+                    assert!(t0.elapsed() < Duration::from_secs(30), "poll never completed");
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            } else {
+                pp.pull(l)?;
+            }
+            pp.pull(l)?; // a second pull of a synced layer returns at once
+            step.extend_from_slice(pp.held(l)?.params());
+        }
+        out.push(step);
+    }
+    pp.shutdown()?;
+    Ok(out)
+}
+
+/// What every rank must hold after step `t`: the sum (or mean) over ranks.
+fn expected(job: &Job, schemes: &[Scheme], t: usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    for (l, spec) in job.layers.iter().enumerate() {
+        let mut acc = vec![0.0f64; spec.params()];
+        for r in 0..job.ranks {
+            if schemes[l] == Scheme::Sfb {
+                // Uᵀ·V: row a gets V's row k wherever U[k][a] = 1.
+                for kk in 0..job.batch {
+                    let a = (kk + t) % spec.m;
+                    for c in 0..spec.n {
+                        acc[a * spec.n + c] += grad(r, t, l, kk * spec.n + c) as f64;
+                    }
+                }
+            } else {
+                for (i, x) in acc.iter_mut().enumerate() {
+                    *x += grad(r, t, l, i) as f64;
+                }
+            }
+        }
+        let scale = if job.mean { 1.0 / job.ranks as f32 } else { 1.0 };
+        out.extend(acc.iter().map(|&x| x as f32 * scale));
+    }
+    out
+}
+
+#[test]
+fn randomized_push_pull_jobs_over_caller_memory() {
+    let seed = seed("TIDEWIRE_PUSHPULL_SEED");
+    let jobs: usize = std::env::var("TIDEWIRE_PUSHPULL_JOBS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(12);
+    eprintln!("pushpull: seed {seed} (TIDEWIRE_PUSHPULL_SEED), {jobs} jobs");
+    let mut s = seed;
+    for j in 0..jobs {
+        let job = random_job(&mut s);
+        let master = free_master();
+        let handles: Vec<_> = (0..job.ranks)
+            .map(|r| {
+                let job = job.clone();
+                std::thread::spawn(move || rank(job, r, master))
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().expect("rank panicked")).collect();
+        let results: Vec<Vec<Vec<f32>>> = results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|e| panic!("seed {seed} job {j} {job:?}: {e}")))
+            .collect();
+        // The schemes the book chose (the same on every rank: rendezvous checks it).
+        let book = tidewire::engine::Book::new(
+            tidewire::engine::Cluster::from_roles(vec![tidewire::engine::Role::Both; job.ranks]).unwrap(),
+            job.layers.clone(),
+            tidewire::engine::BookConfig {
+                batch: job.batch,
+                chunk_bytes: 1024,
+                slice_params: 64,
+                policy: job.policy,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let schemes: Vec<Scheme> = (0..job.layers.len() as u32).map(|l| book.scheme(l, 0)).collect();
+        for (r, steps) in results.iter().enumerate() {
+            for (t, got) in steps.iter().enumerate() {
+                let want = expected(&job, &schemes, t);
+                assert!(
+                    got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "seed {seed} job {j} rank {r} step {t} ({schemes:?}): {job:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn pull_timeout_and_unknown_layers_are_errors_not_hangs() {
+    let layers = vec![LayerSpec::new("w", LayerKind::Other, 2, 2)];
+    let (p, _) = foreign(4, 1.0);
+    let (g, _) = foreign(4, 0.0);
+    // Rank 0 of a 2-rank job whose peer never comes: build itself times out.
+    let master = free_master();
+    let e = Builder::new(layers.clone())
+        .job(3, JobSecret::new(b"x".to_vec()))
+        .connect_timeout(Duration::from_millis(300))
+        .params_buffer(BufferLayout {
+            buffer: p,
+            offsets: vec![0],
+        })
+        .grads_buffer(BufferLayout {
+            buffer: g,
+            offsets: vec![0],
+        })
+        .build(ClusterSpec::new(0, 2, 0, true, master).unwrap())
+        .unwrap_err();
+    assert!(format!("{e}").to_lowercase().contains("time"), "{e}");
+
+    let (p, _) = foreign(4, 1.0);
+    let (g, _) = foreign(4, 0.0);
+    let s = Builder::new(layers)
+        .job(3, JobSecret::new(b"x".to_vec()))
+        .apply(ApplyOp::Sum)
+        .params_buffer(BufferLayout {
+            buffer: p,
+            offsets: vec![0],
+        })
+        .grads_buffer(BufferLayout {
+            buffer: g,
+            offsets: vec![0],
+        })
+        .build(ClusterSpec::new(0, 1, 0, true, "127.0.0.1:1".parse().unwrap()).unwrap())
+        .unwrap();
+    let mut pp = PushPull::new(s).unwrap();
+    assert_eq!(pp.held(0).unwrap().params(), &[1.0; 4], "the caller's initial values");
+    assert!(matches!(
+        pp.push(5),
+        Err(Error::Engine(EngineError::UnknownLayer { .. }))
+    ));
+    assert!(pp.pull(5).is_err() && pp.poll(5).is_err());
+    assert!(pp.push_factors(0, &[], &[]).is_err(), "not an FC layer");
+    pp.held(0).unwrap().grad_mut().copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
+    pp.push(0).unwrap();
+    pp.pull_all().unwrap();
+    assert_eq!(pp.held(0).unwrap().params(), &[1.0, 2.0, 3.0, 4.0]);
+    pp.shutdown().unwrap();
+}
+
+#[test]
+fn caller_vectors_are_registered_in_place() {
+    let (b, addr) = foreign(10, 2.5);
+    assert!(b.is_foreign() && !b.is_locked());
+    assert_eq!((b.len(), b.as_ptr() as usize), (40, addr), "in place, not copied");
+    assert!(PinnedBuffer::from_f32_vec(Vec::new()).is_err(), "empty refused");
+}
