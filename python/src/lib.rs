@@ -1,0 +1,604 @@
+//! `tidewire._native`: Tidewire's push/pull interface for Python.
+//!
+//! One class, [`Session`], wraps [`tidewire::pushpull::PushPull`] over a
+//! [`tidewire::Builder`] session whose parameter and gradient memory is the
+//! caller's own: two flat float32 host tensors (or NumPy arrays), registered in
+//! place (zero-copy). Layers sit back to back in both, in table order. The
+//! caller names layers by index: `push(l)` hands layer `l`'s gradient in
+//! straight from the gradient tensor, `pull(l)` waits until the servers' result
+//! has landed in the parameter tensor. Between a push and its pull the layer
+//! belongs to the engine: the caller must not read or write that layer's part
+//! of either tensor. `tidewire.torch` builds its DistributedOptimizer on this.
+//!
+//! Every call that waits (the constructor's rendezvous, `pull`, `pull_all`,
+//! `shutdown`) releases the GIL. Errors raise `tidewire.TidewireError` (a
+//! `RuntimeError`) with the Rust error's message.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::time::Duration;
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString, PyTuple};
+use tidewire::cluster::ClusterSpec;
+use tidewire::engine::book::{LayerKind, LayerSpec};
+use tidewire::engine::{ApplyOp, Consistency, Scheme, SchemePolicy};
+use tidewire::pushpull::PushPull;
+use tidewire::transport::{JobSecret, PinnedBuffer};
+use tidewire::{BufferLayout, Builder, TransportKind};
+
+create_exception!(
+    tidewire,
+    TidewireError,
+    PyRuntimeError,
+    "An error from Tidewire (engine, transport, rendezvous, or a misuse of a session); the message is the Rust error's."
+);
+
+fn tw_err(e: tidewire::Error) -> PyErr {
+    TidewireError::new_err(e.to_string())
+}
+
+/// Where a host float32 tensor's memory is: (address, bytes). Accepts a
+/// `torch.Tensor` (CPU, float32, contiguous) or anything with NumPy's
+/// `__array_interface__` (`<f4`, C-contiguous, writable).
+fn host_f32_memory(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(usize, usize)> {
+    let (ptr, nbytes) = if obj.hasattr("data_ptr")? {
+        let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
+        if device != "cpu" {
+            return Err(PyValueError::new_err(format!(
+                "{what}: a {device} tensor; a session registers host memory (stage through a CPU tensor)"
+            )));
+        }
+        let dtype = obj.getattr("dtype")?.str()?.to_string();
+        if dtype != "torch.float32" {
+            return Err(PyValueError::new_err(format!(
+                "{what}: dtype {dtype}, want torch.float32"
+            )));
+        }
+        if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
+            return Err(PyValueError::new_err(format!("{what}: the tensor is not contiguous")));
+        }
+        let ptr: usize = obj.call_method0("data_ptr")?.extract()?;
+        let nbytes: usize = obj.getattr("nbytes")?.extract()?;
+        (ptr, nbytes)
+    } else if obj.hasattr("__array_interface__")? {
+        let ai = obj.getattr("__array_interface__")?;
+        let ai = ai
+            .cast::<PyDict>()
+            .map_err(|_| PyTypeError::new_err(format!("{what}: __array_interface__ is not a dict")))?;
+        let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+            ai.get_item(k)?
+                .ok_or_else(|| PyTypeError::new_err(format!("{what}: __array_interface__ has no {k:?}")))
+        };
+        let typestr: String = get("typestr")?.extract()?;
+        if typestr != "<f4" {
+            return Err(PyValueError::new_err(format!(
+                "{what}: array type {typestr:?}, want float32 ('<f4')"
+            )));
+        }
+        if ai.get_item("strides")?.is_some_and(|s| !s.is_none()) {
+            return Err(PyValueError::new_err(format!("{what}: the array is not C-contiguous")));
+        }
+        let (ptr, readonly): (usize, bool) = get("data")?.extract()?;
+        if readonly {
+            return Err(PyValueError::new_err(format!("{what}: the array is read-only")));
+        }
+        let nbytes: usize = obj.getattr("nbytes")?.extract()?;
+        (ptr, nbytes)
+    } else {
+        return Err(PyTypeError::new_err(format!(
+            "{what}: want a CPU float32 torch.Tensor or a float32 NumPy array, got {}",
+            obj.get_type().name()?
+        )));
+    };
+    if ptr == 0 || ptr % 4 != 0 {
+        return Err(PyValueError::new_err(format!(
+            "{what}: address {ptr:#x} is null or not 4-byte aligned"
+        )));
+    }
+    Ok((ptr, nbytes))
+}
+
+/// The bytes of a factor matrix: `bytes`, `bytearray`, anything with
+/// `tobytes()` (a NumPy array), or a torch tensor (copied through NumPy).
+fn factor_values(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f32>> {
+    let bytes: Vec<u8> = if let Ok(b) = obj.cast::<PyBytes>() {
+        b.as_bytes().to_vec()
+    } else if let Ok(b) = obj.cast::<PyByteArray>() {
+        b.to_vec()
+    } else if obj.hasattr("tobytes")? {
+        obj.call_method0("tobytes")?.cast::<PyBytes>()?.as_bytes().to_vec()
+    } else if obj.hasattr("data_ptr")? {
+        let dtype = obj.getattr("dtype")?.str()?.to_string();
+        if dtype != "torch.float32" {
+            return Err(PyValueError::new_err(format!(
+                "{what}: dtype {dtype}, want torch.float32"
+            )));
+        }
+        let arr = obj
+            .call_method0("detach")?
+            .call_method0("cpu")?
+            .call_method0("contiguous")?
+            .call_method0("numpy")?;
+        arr.call_method0("tobytes")?.cast::<PyBytes>()?.as_bytes().to_vec()
+    } else {
+        return Err(PyTypeError::new_err(format!(
+            "{what}: want float32 bytes, a NumPy array or a torch tensor, got {}",
+            obj.get_type().name()?
+        )));
+    };
+    if bytes.len() % 4 != 0 {
+        return Err(PyValueError::new_err(format!(
+            "{what}: {} bytes is not a whole number of float32 values",
+            bytes.len()
+        )));
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+fn parse_kind(kind: &str, name: &str) -> PyResult<LayerKind> {
+    match kind {
+        "fc" => Ok(LayerKind::Fc),
+        "conv" => Ok(LayerKind::Conv),
+        "other" => Ok(LayerKind::Other),
+        k => Err(PyValueError::new_err(format!(
+            "layer {name:?}: kind {k:?}, want 'fc', 'conv' or 'other'"
+        ))),
+    }
+}
+
+/// `"mean"`, `"sum"`, or `("sgd", lr, momentum, weight_decay)`.
+fn parse_apply(obj: Option<&Bound<'_, PyAny>>) -> PyResult<ApplyOp> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(ApplyOp::Mean);
+    };
+    if let Ok(s) = obj.cast::<PyString>() {
+        return match &*s.to_cow()? {
+            "mean" => Ok(ApplyOp::Mean),
+            "sum" => Ok(ApplyOp::Sum),
+            o => Err(PyValueError::new_err(format!(
+                "apply={o:?}: want 'mean', 'sum' or ('sgd', lr, momentum, weight_decay)"
+            ))),
+        };
+    }
+    let t = obj.cast::<PyTuple>().map_err(|_| {
+        PyTypeError::new_err("apply: want 'mean', 'sum' or a tuple ('sgd', lr, momentum, weight_decay)")
+    })?;
+    let (op, lr, momentum, weight_decay): (String, f32, f32, f32) = t.extract()?;
+    if op != "sgd" {
+        return Err(PyValueError::new_err(format!(
+            "apply=({op:?}, ...): only 'sgd' takes arguments"
+        )));
+    }
+    if !(lr.is_finite() && momentum.is_finite() && weight_decay.is_finite()) {
+        return Err(PyValueError::new_err(
+            "apply=('sgd', ...): lr, momentum and weight_decay must be finite",
+        ));
+    }
+    Ok(ApplyOp::Sgd {
+        lr,
+        momentum,
+        weight_decay,
+    })
+}
+
+/// `"bsp"` or `("ssp", staleness)`.
+fn parse_consistency(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Consistency> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(Consistency::Bsp);
+    };
+    if let Ok(s) = obj.cast::<PyString>() {
+        return match &*s.to_cow()? {
+            "bsp" => Ok(Consistency::Bsp),
+            o => Err(PyValueError::new_err(format!(
+                "consistency={o:?}: want 'bsp' or ('ssp', staleness)"
+            ))),
+        };
+    }
+    let (name, s): (String, u32) = obj
+        .extract()
+        .map_err(|_| PyTypeError::new_err("consistency: want 'bsp' or a tuple ('ssp', staleness)"))?;
+    if name != "ssp" {
+        return Err(PyValueError::new_err(format!(
+            "consistency=({name:?}, ...): want ('ssp', staleness)"
+        )));
+    }
+    Ok(Consistency::Ssp(s))
+}
+
+fn parse_policy(p: &str) -> PyResult<SchemePolicy> {
+    match p {
+        "hybrid" => Ok(SchemePolicy::Hybrid),
+        "ps" => Ok(SchemePolicy::Ps),
+        "sfb" => Ok(SchemePolicy::Sfb),
+        o => Err(PyValueError::new_err(format!(
+            "policy={o:?}: want 'hybrid' (HybComm), 'ps' or 'sfb'"
+        ))),
+    }
+}
+
+fn parse_transport(t: &str) -> PyResult<TransportKind> {
+    match t {
+        "auto" => Ok(TransportKind::Auto),
+        "tcp" => Ok(TransportKind::Tcp),
+        "portable" => Ok(TransportKind::Portable),
+        "rdma" => Ok(TransportKind::Rdma),
+        o => Err(PyValueError::new_err(format!(
+            "transport={o:?}: want 'auto', 'tcp', 'portable' or 'rdma'"
+        ))),
+    }
+}
+
+fn seconds(s: f64, what: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| PyValueError::new_err(format!("{what}={s}: want a positive number of seconds")))
+}
+
+/// One rank's session over caller-owned memory (see the module docs).
+///
+/// The tensors given as `params` and `grads` are held by this object until it
+/// is dropped; the session's registrations of them end before that (the
+/// field order below).
+#[pyclass(frozen, module = "tidewire._native", name = "Session")]
+#[derive(Debug)]
+struct Session {
+    /// The session; `None` once shut down. Declared before `memory`: fields
+    /// drop in declaration order, so the session (its runtime thread and every
+    /// registration of the caller's memory) is gone before the tensors that
+    /// own that memory are released.
+    pp: Mutex<Option<PushPull>>,
+    rank: u32,
+    world: usize,
+    batch: usize,
+    names: Vec<String>,
+    sizes: Vec<usize>,
+    schemes: Vec<Scheme>,
+    transport: (String, String),
+    /// The parameter and gradient tensors (kept alive, see `pp`).
+    memory: [Py<PyAny>; 2],
+}
+
+impl Session {
+    fn lock(&self) -> MutexGuard<'_, Option<PushPull>> {
+        self.pp.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the session with the GIL released.
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut PushPull) -> tidewire::Result<T> + Send,
+    ) -> PyResult<T> {
+        py.detach(|| {
+            let mut g = self.lock();
+            let pp = g.as_mut().ok_or(tidewire::Error::Shutdown)?;
+            f(pp)
+        })
+        .map_err(tw_err)
+    }
+
+    fn check_layer(&self, layer: usize) -> PyResult<()> {
+        if layer >= self.names.len() {
+            return Err(TidewireError::new_err(format!(
+                "layer {layer} does not exist (the session has {} layers)",
+                self.names.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl Session {
+    /// Builds a session: rendezvous with every rank, connections, registration
+    /// of `params` and `grads` in place, and the broadcast of worker rank 0's
+    /// initial values in `params` to every rank. Blocks (GIL released) until
+    /// every rank has joined or `connect_timeout` passes.
+    #[new]
+    #[pyo3(signature = (
+        layers, *, params, grads, rank, world, master, secret, servers = 0, job = 1, batch = 32,
+        apply = None, consistency = None, policy = "hybrid", transport = "auto", timeout = 60.0,
+        connect_timeout = 60.0, chunk_bytes = None, slice_params = None, listen_ip = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        layers: Vec<(String, String, usize, usize)>,
+        params: Bound<'_, PyAny>,
+        grads: Bound<'_, PyAny>,
+        rank: u32,
+        world: usize,
+        master: &str,
+        secret: Bound<'_, PyAny>,
+        servers: usize,
+        job: u64,
+        batch: usize,
+        apply: Option<Bound<'_, PyAny>>,
+        consistency: Option<Bound<'_, PyAny>>,
+        policy: &str,
+        transport: &str,
+        timeout: f64,
+        connect_timeout: f64,
+        chunk_bytes: Option<usize>,
+        slice_params: Option<usize>,
+        listen_ip: Option<&str>,
+    ) -> PyResult<Self> {
+        if layers.is_empty() {
+            return Err(PyValueError::new_err("the layer table is empty"));
+        }
+        let mut specs = Vec::with_capacity(layers.len());
+        for (name, kind, m, n) in &layers {
+            if *m == 0 || *n == 0 {
+                return Err(PyValueError::new_err(format!(
+                    "layer {name:?}: {m}x{n} has no parameters"
+                )));
+            }
+            specs.push(LayerSpec::new(name.clone(), parse_kind(kind, name)?, *m, *n));
+        }
+        let sizes: Vec<usize> = specs.iter().map(LayerSpec::params).collect();
+        let total = sizes
+            .iter()
+            .try_fold(0usize, |a, &s| a.checked_add(s))
+            .and_then(|t| t.checked_mul(4))
+            .ok_or_else(|| PyValueError::new_err("the layer table's size overflows"))?;
+        let mut offsets = Vec::with_capacity(sizes.len());
+        let mut at = 0usize;
+        for s in &sizes {
+            offsets.push(at);
+            at += s * 4;
+        }
+        let (pptr, plen) = host_f32_memory(&params, "params")?;
+        let (gptr, glen) = host_f32_memory(&grads, "grads")?;
+        for (what, len) in [("params", plen), ("grads", glen)] {
+            if len < total {
+                return Err(PyValueError::new_err(format!(
+                    "{what}: {len} bytes, but the layer table needs {total} ({} float32 values)",
+                    total / 4
+                )));
+            }
+        }
+        if pptr < gptr + total && gptr < pptr + total {
+            return Err(PyValueError::new_err("params and grads overlap"));
+        }
+        let secret = if let Ok(s) = secret.cast::<PyString>() {
+            s.to_cow()?.as_bytes().to_vec()
+        } else if let Ok(b) = secret.cast::<PyBytes>() {
+            b.as_bytes().to_vec()
+        } else {
+            return Err(PyTypeError::new_err("secret: want str or bytes"));
+        };
+        if secret.is_empty() {
+            return Err(PyValueError::new_err(
+                "secret is empty: every rank must pass the same non-empty secret",
+            ));
+        }
+        let addr: SocketAddr = master
+            .to_socket_addrs()
+            .map_err(|e| PyValueError::new_err(format!("master {master:?}: {e} (want host:port)")))?
+            .next()
+            .ok_or_else(|| PyValueError::new_err(format!("master {master:?} resolves to nothing")))?;
+        if servers >= world {
+            return Err(PyValueError::new_err(format!(
+                "servers={servers} leaves no worker in a world of {world}"
+            )));
+        }
+        let spec = if servers == 0 {
+            ClusterSpec::new(rank, world, 0, true, addr)
+        } else {
+            ClusterSpec::new(rank, world - servers, servers, false, addr)
+        }
+        .map_err(tw_err)?;
+        let mut b = Builder::new(specs)
+            .batch(batch)
+            .apply(parse_apply(apply.as_ref())?)
+            .consistency(parse_consistency(consistency.as_ref())?)
+            .policy(parse_policy(policy)?)
+            .transport(parse_transport(transport)?)
+            .timeout(seconds(timeout, "timeout")?)
+            .connect_timeout(seconds(connect_timeout, "connect_timeout")?)
+            .job(job, JobSecret::new(secret));
+        if let Some(c) = chunk_bytes {
+            b = b.chunk_bytes(c);
+        }
+        if let Some(s) = slice_params {
+            b = b.slice_params(s);
+        }
+        if let Some(ip) = listen_ip {
+            let ip = ip
+                .parse()
+                .map_err(|e| PyValueError::new_err(format!("listen_ip {ip:?}: {e}")))?;
+            b = b.listen_ip(ip);
+        }
+        // SAFETY: pptr..pptr+total is inside the storage of the tensor `params`
+        // (its address and size were read from the tensor itself just above),
+        // which this object keeps alive in `memory` until after the session
+        // and its runtime thread, which hold every registration of it, are gone
+        // (see `Session::pp`); and, as this class's contract says, Python code
+        // touches a layer's part only while the layer is not pushed.
+        let p = unsafe { PinnedBuffer::foreign(pptr as *mut u8, total, None) }.map_err(|e| tw_err(e.into()))?;
+        // SAFETY: as for `params` just above, for the tensor `grads`.
+        let g = unsafe { PinnedBuffer::foreign(gptr as *mut u8, total, None) }.map_err(|e| tw_err(e.into()))?;
+        b = b
+            .params_buffer(BufferLayout {
+                buffer: p,
+                offsets: offsets.clone(),
+            })
+            .grads_buffer(BufferLayout { buffer: g, offsets });
+        let pp = py
+            .detach(move || b.build(spec).and_then(PushPull::new))
+            .map_err(tw_err)?;
+        let s = pp.session();
+        let schemes = (0..layers.len() as u32)
+            .map(|l| s.scheme(l))
+            .collect::<tidewire::Result<Vec<_>>>()
+            .map_err(tw_err)?;
+        Ok(Session {
+            rank,
+            world,
+            batch: s.book().config().batch,
+            names: layers.into_iter().map(|l| l.0).collect(),
+            sizes,
+            schemes,
+            transport: s.transport(),
+            pp: Mutex::new(Some(pp)),
+            memory: [params.unbind(), grads.unbind()],
+        })
+    }
+
+    /// Hands layer `layer`'s gradient in, straight from the gradient tensor.
+    /// Returns at once. A layer whose scheme is 'sfb' needs `push_factors`.
+    fn push(&self, py: Python<'_>, layer: usize) -> PyResult<()> {
+        self.check_layer(layer)?;
+        self.with(py, |pp| pp.push(layer as u32))
+    }
+
+    /// Hands an FC layer in by its sufficient factors: U (K x M) and V (K x N),
+    /// row major float32 (bytes, a NumPy array or a CPU tensor; copied).
+    fn push_factors(&self, py: Python<'_>, layer: usize, u: Bound<'_, PyAny>, v: Bound<'_, PyAny>) -> PyResult<()> {
+        self.check_layer(layer)?;
+        let u = factor_values(&u, "u")?;
+        let v = factor_values(&v, "v")?;
+        self.with(py, move |pp| pp.push_factors(layer as u32, &u, &v))
+    }
+
+    /// Blocks (GIL released) until `layer` is synced: the servers' result is
+    /// in the parameter tensor. Returns at once for a layer not pushed.
+    fn pull(&self, py: Python<'_>, layer: usize) -> PyResult<()> {
+        self.check_layer(layer)?;
+        self.with(py, |pp| pp.pull(layer as u32))
+    }
+
+    /// Pulls every pushed layer (GIL released).
+    fn pull_all(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |pp| pp.pull_all())
+    }
+
+    /// Whether `layer` is synced, without blocking: True for a layer not
+    /// pushed. False while another thread is inside a call on this session.
+    fn poll(&self, layer: usize) -> PyResult<bool> {
+        self.check_layer(layer)?;
+        let mut g = match self.pp.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return Ok(false),
+        };
+        let pp = g.as_mut().ok_or_else(|| tw_err(tidewire::Error::Shutdown))?;
+        pp.poll(layer as u32).map_err(tw_err)
+    }
+
+    /// Whether `layer` is pushed and not pulled yet.
+    fn in_flight(&self, py: Python<'_>, layer: usize) -> PyResult<bool> {
+        self.check_layer(layer)?;
+        self.with(py, |pp| Ok(pp.in_flight(layer as u32)))
+    }
+
+    /// How `layer` syncs: 'ps' (push the gradient) or 'sfb' (push its
+    /// sufficient factors). Fixed for the session (HybComm's choice).
+    fn scheme(&self, layer: usize) -> PyResult<&'static str> {
+        self.check_layer(layer)?;
+        Ok(match self.schemes[layer] {
+            Scheme::Ps => "ps",
+            Scheme::Sfb => "sfb",
+        })
+    }
+
+    /// The session's counters (a dict of ints).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.with(py, |pp| pp.session().stats())?;
+        let d = PyDict::new(py);
+        let v = serde_json::to_value(s).map_err(|e| TidewireError::new_err(e.to_string()))?;
+        if let serde_json::Value::Object(m) = v {
+            for (k, v) in m {
+                d.set_item(k, v.as_u64().unwrap_or(0))?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Ends the session (GIL released): pulls what is in flight, tells the
+    /// peers, and waits until every peer has said goodbye. Every rank must
+    /// call it. Later calls on this session raise TidewireError.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            let pp = self.lock().take().ok_or(tidewire::Error::Shutdown)?;
+            pp.shutdown()
+        })
+        .map_err(tw_err)
+    }
+
+    /// Whether `shutdown` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.lock().is_none()
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// The number of ranks.
+    #[getter]
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The batch size K the session was built with (rows of U and V).
+    #[getter]
+    fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Layer names, in table order.
+    #[getter]
+    fn layer_names(&self) -> Vec<String> {
+        self.names.clone()
+    }
+
+    /// Parameters (float32 values) of each layer, in table order.
+    #[getter]
+    fn layer_sizes(&self) -> Vec<usize> {
+        self.sizes.clone()
+    }
+
+    /// The transport this rank runs on ('tcp', 'portable' or 'rdma') and why.
+    #[getter]
+    fn transport(&self) -> (String, String) {
+        self.transport.clone()
+    }
+
+    /// The parameter and gradient tensors registered with the session.
+    #[getter]
+    fn memory(&self, py: Python<'_>) -> (Py<PyAny>, Py<PyAny>) {
+        (self.memory[0].clone_ref(py), self.memory[1].clone_ref(py))
+    }
+
+    fn __len__(&self) -> usize {
+        self.names.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<tidewire._native.Session rank {} of {}, {} layers, {}>",
+            self.rank,
+            self.world,
+            self.names.len(),
+            if self.closed() { "closed" } else { "open" }
+        )
+    }
+}
+
+/// Tidewire's native module (see the crate docs).
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Session>()?;
+    m.add("TidewireError", m.py().get_type::<TidewireError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,19 @@
+"""Tidewire for Python.
+
+Tidewire is a communication engine for distributed deep-learning training
+(parameter servers with zero-copy one-sided writes, Poseidon's wait-free
+backprop and hybrid PS / sufficient-factor broadcast, P3's priority slicing).
+This package exposes:
+
+- :class:`tidewire.Session` (from the extension module ``tidewire._native``):
+  push/pull by layer index over caller-owned flat float32 memory;
+- :mod:`tidewire.torch`: a Horovod-like ``DistributedOptimizer`` for PyTorch,
+  with ``init()``, ``rank()``, ``size()``, ``broadcast_parameters`` and
+  ``push_pull`` (import it explicitly: ``import tidewire.torch as tw``);
+- :class:`tidewire.TidewireError`, the exception every Tidewire failure raises
+  (a subclass of ``RuntimeError``; the message is the Rust error's).
+"""
+
+from ._native import Session, TidewireError, __version__
+
+__all__ = ["Session", "TidewireError", "__version__"]

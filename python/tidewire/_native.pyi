@@ -1,0 +1,93 @@
+"""Type stubs for the extension module tidewire._native (Rust, pyo3)."""
+
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+__version__: str
+
+class TidewireError(RuntimeError):
+    """An error from Tidewire (engine, transport, rendezvous, or a misuse of a
+    session); the message is the Rust error's."""
+
+_Apply = Union[str, Tuple[str, float, float, float]]
+_Consistency = Union[str, Tuple[str, int]]
+_Factor = Any  # bytes, bytearray, a float32 NumPy array, or a float32 torch.Tensor
+
+class Session:
+    """One rank's session over caller-owned memory.
+
+    ``params`` and ``grads`` are flat float32 host tensors (CPU, contiguous) or
+    NumPy arrays holding every layer back to back, in table order; they are
+    registered in place (zero-copy) and kept alive by the session. Between
+    ``push(l)`` and the matching ``pull(l)`` the layer belongs to the engine:
+    do not read or write its part of either buffer. Waiting calls release the
+    GIL. Every failure raises :class:`TidewireError`.
+    """
+
+    def __init__(
+        self,
+        layers: List[Tuple[str, str, int, int]],
+        *,
+        params: Any,
+        grads: Any,
+        rank: int,
+        world: int,
+        master: str,
+        secret: Union[str, bytes],
+        servers: int = 0,
+        job: int = 1,
+        batch: int = 32,
+        apply: Optional[_Apply] = None,
+        consistency: Optional[_Consistency] = None,
+        policy: str = "hybrid",
+        transport: str = "auto",
+        timeout: float = 60.0,
+        connect_timeout: float = 60.0,
+        chunk_bytes: Optional[int] = None,
+        slice_params: Optional[int] = None,
+        listen_ip: Optional[str] = None,
+    ) -> None:
+        """Rendezvous, connect, register the memory and broadcast worker rank
+        0's initial ``params`` to every rank (blocks, GIL released).
+
+        ``layers``: ``(name, kind, m, n)`` rows, kind ``'fc'``, ``'conv'`` or
+        ``'other'``, m×n float32 values each. ``apply``: ``'mean'`` (default),
+        ``'sum'`` or ``('sgd', lr, momentum, weight_decay)`` (Caffe-form
+        momentum). ``consistency``: ``'bsp'`` (default) or ``('ssp', s)``.
+        ``policy``: ``'hybrid'`` (HybComm), ``'ps'`` or ``'sfb'``. ``servers``:
+        the last N ranks are servers only (0: every rank is both).
+        """
+    def push(self, layer: int) -> None:
+        """Hand layer ``layer``'s gradient in from ``grads`` (returns at once)."""
+    def push_factors(self, layer: int, u: _Factor, v: _Factor) -> None:
+        """Hand an FC layer in by its sufficient factors U (K×M), V (K×N) (copied)."""
+    def pull(self, layer: int) -> None:
+        """Block until ``layer``'s result is in ``params`` (GIL released)."""
+    def pull_all(self) -> None:
+        """Pull every pushed layer (GIL released)."""
+    def poll(self, layer: int) -> bool:
+        """Whether ``layer`` is synced, without blocking."""
+    def in_flight(self, layer: int) -> bool:
+        """Whether ``layer`` is pushed and not pulled yet."""
+    def scheme(self, layer: int) -> str:
+        """``'ps'`` or ``'sfb'``: how the layer syncs (HybComm's fixed choice)."""
+    def stats(self) -> Dict[str, int]:
+        """The session's counters."""
+    def shutdown(self) -> None:
+        """End the session (collective: every rank calls it; GIL released)."""
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world(self) -> int: ...
+    @property
+    def batch(self) -> int: ...
+    @property
+    def layer_names(self) -> List[str]: ...
+    @property
+    def layer_sizes(self) -> List[int]: ...
+    @property
+    def transport(self) -> Tuple[str, str]: ...
+    @property
+    def memory(self) -> Tuple[Any, Any]: ...
+    def __len__(self) -> int: ...
