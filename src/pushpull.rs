@@ -47,8 +47,14 @@
 //! [`PushPull::poll`] is the non-blocking pull; [`PushPull::push_factors`]
 //! hands in an FC layer by its sufficient factors.
 
+use std::sync::{Arc, Mutex};
+
+use tidewire_gpu::cpu::{narrow, widen, HostType};
+use tidewire_transport::PinnedBuffer;
+
+use crate::cluster::ClusterSpec;
 use crate::error::{Error, Result};
-use crate::session::{LayerBuffers, Pending, Session};
+use crate::session::{BufferLayout, Builder, LayerBuffers, Pending, Session};
 
 #[derive(Debug)]
 enum Slot {
@@ -60,11 +66,25 @@ enum Slot {
     Lost,
 }
 
+/// The caller's memory of another element type than f32, converted at the
+/// edge: gradients widened into the session's f32 buffers at each push,
+/// results narrowed back into the caller's parameters at each pull.
+#[derive(Debug)]
+struct Staged {
+    t: HostType,
+    /// Shared with the build's `init_params` (rank 0's initial values).
+    params: Arc<Mutex<PinnedBuffer>>,
+    grads: PinnedBuffer,
+    /// Element offset and count of each layer in both buffers.
+    at: Vec<(usize, usize)>,
+}
+
 /// Push/pull by layer index over a [`Session`] (see the module docs).
 #[derive(Debug)]
 pub struct PushPull {
     session: Session,
     slots: Vec<Slot>,
+    staged: Option<Staged>,
 }
 
 impl PushPull {
@@ -75,7 +95,104 @@ impl PushPull {
             .into_iter()
             .map(|b| Slot::Held(b.expect("fresh layers")))
             .collect();
-        Ok(PushPull { session, slots })
+        Ok(PushPull {
+            session,
+            slots,
+            staged: None,
+        })
+    }
+
+    /// Builds a session over the caller's flat parameter and gradient
+    /// memory holding `t` values, every layer back to back in layer order
+    /// (both buffers exactly the model's size), and wraps it. The parameters'
+    /// values are the initial ones (worker rank 0's go to everyone).
+    ///
+    /// f32 memory is registered in place (zero-copy). f16, bf16 and f64
+    /// memory is staged: the session keeps f32 buffers, each push widens the
+    /// layer's gradient into them and each pull narrows the result back into
+    /// the caller's parameters (round to nearest even), so the wire and the
+    /// servers' sums are f32; f64 values keep f32's precision.
+    pub fn build(
+        builder: Builder,
+        spec: ClusterSpec,
+        t: HostType,
+        params: PinnedBuffer,
+        grads: PinnedBuffer,
+    ) -> Result<Self> {
+        let mut at = Vec::new();
+        let mut total = 0usize;
+        for l in &builder.cfg.layers {
+            at.push((total, l.params()));
+            total += l.params();
+        }
+        for (what, b) in [("parameter", &params), ("gradient", &grads)] {
+            if b.len() != total * t.size() {
+                return Err(Error::Layout(format!(
+                    "{what} memory holds {} bytes, but the {} layers' {total} {} values need {}",
+                    b.len(),
+                    at.len(),
+                    t.name(),
+                    total * t.size()
+                )));
+            }
+        }
+        if t == HostType::F32 {
+            let offsets: Vec<usize> = at.iter().map(|(o, _)| o * 4).collect();
+            let session = builder
+                .params_buffer(BufferLayout {
+                    buffer: params,
+                    offsets: offsets.clone(),
+                })
+                .grads_buffer(BufferLayout { buffer: grads, offsets })
+                .build(spec)?;
+            return Self::new(session);
+        }
+        let params = Arc::new(Mutex::new(params));
+        let (init, init_at) = (params.clone(), at.clone());
+        let session = builder
+            .init_params(move |l, p| {
+                let (o, n) = init_at[l as usize];
+                let b = init.lock().unwrap_or_else(|e| e.into_inner());
+                widen(t, &b[o * t.size()..(o + n) * t.size()], p);
+            })
+            .build(spec)?;
+        let mut pp = Self::new(session)?;
+        pp.staged = Some(Staged { t, params, grads, at });
+        // Rank 0's initial values, now in the session's buffers, into the caller's.
+        for l in 0..pp.slots.len() as u32 {
+            pp.land(l);
+        }
+        Ok(pp)
+    }
+
+    /// The element type of the caller's memory (f32 unless built by [`PushPull::build`] with another).
+    pub fn host_type(&self) -> HostType {
+        self.staged.as_ref().map_or(HostType::F32, |s| s.t)
+    }
+
+    /// The caller's memory of a staged layer it holds (built by
+    /// [`PushPull::build`] with a type other than f32): its parameters and
+    /// gradient as bytes of that type, for Rust callers that handed their
+    /// memory over. (For f32, [`PushPull::held`] reaches the same memory.)
+    pub fn staged_mut(&mut self, layer: u32) -> Result<(Vec<u8>, &mut [u8])> {
+        self.held(layer)?;
+        let st = self.staged.as_mut().ok_or_else(|| {
+            Error::Layout("staged_mut: the caller's memory is f32, registered in place: use held()".into())
+        })?;
+        let (o, n) = st.at[layer as usize];
+        let sz = st.t.size();
+        let p = st.params.lock().unwrap_or_else(|e| e.into_inner())[o * sz..(o + n) * sz].to_vec();
+        Ok((p, &mut st.grads[o * sz..(o + n) * sz]))
+    }
+
+    /// Narrows a layer that just came back into the caller's parameters.
+    fn land(&mut self, layer: u32) {
+        if let (Some(st), Some(Slot::Held(b))) = (&self.staged, self.slots.get(layer as usize)) {
+            let (o, n) = st.at[layer as usize];
+            let sz = st.t.size();
+            let mut p = st.params.lock().unwrap_or_else(|e| e.into_inner());
+            narrow(st.t, b.params(), &mut p[o * sz..(o + n) * sz]);
+        }
     }
 
     /// The session underneath (book, schemes, stats, transport).
@@ -130,7 +247,12 @@ impl PushPull {
     /// Hands layer `layer`'s gradient in, zero-copy from the registered
     /// gradient memory. Returns at once; the push proceeds in the background.
     pub fn push(&mut self, layer: u32) -> Result<()> {
-        let buf = self.take_held(layer, "push")?;
+        let mut buf = self.take_held(layer, "push")?;
+        if let Some(st) = &self.staged {
+            let (o, n) = st.at[layer as usize];
+            let sz = st.t.size();
+            widen(st.t, &st.grads[o * sz..(o + n) * sz], buf.grad_mut());
+        }
         if self.session.scheme(layer)? == tidewire_engine::Scheme::Sfb {
             let name = self.session.book().layers()[layer as usize].name.clone();
             *self.slot(layer)? = Slot::Held(buf);
@@ -176,6 +298,7 @@ impl PushPull {
             Slot::Pushed(p) => match p.try_take() {
                 Ok(Some(b)) => {
                     *slot = Slot::Held(b);
+                    self.land(layer);
                     Ok(true)
                 }
                 Ok(None) => Ok(false),
@@ -202,6 +325,7 @@ impl PushPull {
             Slot::Pushed(p) => {
                 let b = p.wait()?;
                 *slot = Slot::Held(b);
+                self.land(layer);
                 Ok(())
             }
             Slot::Lost => Err(Error::Layout(format!(

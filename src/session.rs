@@ -71,7 +71,7 @@ pub use crate::stats::SessionStats;
 /// Builds a [`Session`].
 #[derive(Debug)]
 pub struct Builder {
-    cfg: Config,
+    pub(crate) cfg: Config,
 }
 
 impl Builder {

@@ -287,3 +287,100 @@ fn caller_vectors_are_registered_in_place() {
     assert_eq!((b.len(), b.as_ptr() as usize), (40, addr), "in place, not copied");
     assert!(PinnedBuffer::from_f32_vec(Vec::new()).is_err(), "empty refused");
 }
+
+#[test]
+fn f16_bf16_f64_memory_is_staged_and_summed_in_f32() {
+    use tidewire::gpu::cpu::{narrow, widen, HostType};
+    let seed = seed("TIDEWIRE_PUSHPULL_SEED");
+    eprintln!("typed pushpull: seed {seed} (TIDEWIRE_PUSHPULL_SEED)");
+    let mut s = seed;
+    for t in [HostType::F16, HostType::Bf16, HostType::F64, HostType::F32] {
+        let job = random_job(&mut s);
+        let (ranks, mean) = (2usize, next(&mut s) % 2 == 0);
+        let layers: Vec<LayerSpec> = job
+            .layers
+            .iter()
+            .map(|l| LayerSpec::new(l.name.clone(), LayerKind::Conv, l.m, l.n))
+            .collect();
+        let total: usize = layers.iter().map(|l| l.params()).sum();
+        let master = free_master();
+        let hs: Vec<_> = (0..ranks)
+            .map(|r| {
+                let layers = layers.clone();
+                std::thread::spawn(move || -> Result<Vec<Vec<u8>>, Error> {
+                    // Each rank starts from different values: rank 0's (all 1.5) win.
+                    let mut p = vec![0u8; total * t.size()];
+                    narrow(t, &vec![1.5 + r as f32; total], &mut p);
+                    let b = Builder::new(layers.clone())
+                        .apply(if mean { ApplyOp::Mean } else { ApplyOp::Sum })
+                        .chunk_bytes(512)
+                        .slice_params(40)
+                        .job(5, JobSecret::new(b"typed".to_vec()))
+                        .timeout(Duration::from_secs(30));
+                    let spec = ClusterSpec::new(r as u32, ranks, 0, true, master)?;
+                    let mut pp = PushPull::build(
+                        b,
+                        spec,
+                        t,
+                        PinnedBuffer::from_byte_vec(p)?,
+                        PinnedBuffer::from_byte_vec(vec![0u8; total * t.size()])?,
+                    )?;
+                    assert_eq!(pp.host_type(), t);
+                    let mut out = Vec::new();
+                    for l in 0..layers.len() as u32 {
+                        if t == HostType::F32 {
+                            assert_eq!(pp.held(l)?.params()[0], 1.5, "rank 0's initial values");
+                            let g: Vec<f32> = (0..layers[l as usize].params())
+                                .map(|i| grad(r, 0, l as usize, i))
+                                .collect();
+                            pp.held(l)?.grad_mut().copy_from_slice(&g);
+                        } else {
+                            let (p, g) = pp.staged_mut(l)?;
+                            let mut w = vec![0f32; p.len() / t.size()];
+                            widen(t, &p, &mut w);
+                            assert!(w.iter().all(|&x| x == 1.5), "rank 0's initial values");
+                            let vals: Vec<f32> = (0..w.len()).map(|i| grad(r, 0, l as usize, i)).collect();
+                            narrow(t, &vals, g);
+                        }
+                        pp.push(l)?;
+                    }
+                    for l in 0..layers.len() as u32 {
+                        pp.pull(l)?;
+                        out.push(if t == HostType::F32 {
+                            pp.held(l)?.params().iter().flat_map(|x| x.to_le_bytes()).collect()
+                        } else {
+                            pp.staged_mut(l)?.0
+                        });
+                    }
+                    assert!(pp.staged_mut(0).is_err() == (t == HostType::F32));
+                    pp.shutdown()?;
+                    Ok(out)
+                })
+            })
+            .collect();
+        let got: Vec<_> = hs
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap_or_else(|e| panic!("seed {seed} {t:?}: {e}")))
+            .collect();
+        for (l, spec) in layers.iter().enumerate() {
+            let sum: Vec<f32> = (0..spec.params())
+                .map(|i| {
+                    let s: f32 = (0..ranks).map(|r| grad(r, 0, l, i)).sum();
+                    if mean {
+                        s * (1.0 / ranks as f32)
+                    } else {
+                        s
+                    }
+                })
+                .collect();
+            let mut want = vec![0u8; sum.len() * t.size()];
+            narrow(t, &sum, &mut want);
+            for (r, g) in got.iter().enumerate() {
+                assert_eq!(
+                    g[l], want,
+                    "seed {seed} {t:?} rank {r} layer {l}: the f32 result, narrowed"
+                );
+            }
+        }
+    }
+}

@@ -300,9 +300,138 @@ pub fn sf_sum(factors: &[(&[f32], &[f32])], k: usize, m: usize, n: usize, out: &
     }
 }
 
+/// The element type of a caller's memory: what a framework's tensors hold.
+/// Values are widened to f32 for the wire and the servers' sums, and narrowed
+/// back into the caller's type (round to nearest even) when results land.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HostType {
+    /// 32-bit float (no conversion).
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    Bf16,
+    /// 64-bit float: carried and summed as f32, so values keep f32's 24-bit precision.
+    F64,
+}
+
+impl HostType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            HostType::F32 => 4,
+            HostType::F16 | HostType::Bf16 => 2,
+            HostType::F64 => 8,
+        }
+    }
+    /// Name for messages (`f32`, `f16`, `bf16`, `f64`).
+    pub fn name(self) -> &'static str {
+        match self {
+            HostType::F32 => "f32",
+            HostType::F16 => "f16",
+            HostType::Bf16 => "bf16",
+            HostType::F64 => "f64",
+        }
+    }
+}
+
+/// Widens `dst.len()` little-endian values of type `t` from `src` into f32.
+/// Panics if `src` is not exactly `dst.len()` elements long.
+pub fn widen(t: HostType, src: &[u8], dst: &mut [f32]) {
+    assert_eq!(
+        src.len(),
+        dst.len() * t.size(),
+        "widen: {} bytes for {} {}",
+        src.len(),
+        dst.len(),
+        t.name()
+    );
+    match t {
+        HostType::F32 => dst
+            .iter_mut()
+            .zip(src.chunks_exact(4))
+            .for_each(|(d, c)| *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        HostType::F16 => dst
+            .iter_mut()
+            .zip(src.chunks_exact(2))
+            .for_each(|(d, c)| *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
+        HostType::Bf16 => dst
+            .iter_mut()
+            .zip(src.chunks_exact(2))
+            .for_each(|(d, c)| *d = half::bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        HostType::F64 => dst.iter_mut().zip(src.chunks_exact(8)).for_each(|(d, c)| {
+            *d = f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32;
+        }),
+    }
+}
+
+/// Narrows f32 values into `dst` as little-endian values of type `t`.
+/// Panics if `dst` is not exactly `src.len()` elements long.
+pub fn narrow(t: HostType, src: &[f32], dst: &mut [u8]) {
+    assert_eq!(
+        dst.len(),
+        src.len() * t.size(),
+        "narrow: {} bytes for {} {}",
+        dst.len(),
+        src.len(),
+        t.name()
+    );
+    match t {
+        HostType::F32 => dst
+            .chunks_exact_mut(4)
+            .zip(src)
+            .for_each(|(d, s)| d.copy_from_slice(&s.to_le_bytes())),
+        HostType::F16 => dst
+            .chunks_exact_mut(2)
+            .zip(src)
+            .for_each(|(d, s)| d.copy_from_slice(&half::f16::from_f32(*s).to_le_bytes())),
+        HostType::Bf16 => dst
+            .chunks_exact_mut(2)
+            .zip(src)
+            .for_each(|(d, s)| d.copy_from_slice(&half::bf16::from_f32(*s).to_le_bytes())),
+        HostType::F64 => dst
+            .chunks_exact_mut(8)
+            .zip(src)
+            .for_each(|(d, s)| d.copy_from_slice(&f64::from(*s).to_le_bytes())),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_types_round_trip_exactly_where_the_type_can() {
+        // Every f16 and bf16 bit pattern (NaNs aside) widens and narrows back to itself.
+        for bits in 0..=u16::MAX {
+            for t in [HostType::F16, HostType::Bf16] {
+                let mut w = [0f32];
+                widen(t, &bits.to_le_bytes(), &mut w);
+                if w[0].is_nan() {
+                    continue;
+                }
+                let mut back = [0u8; 2];
+                narrow(t, &w, &mut back);
+                assert_eq!(u16::from_le_bytes(back), bits, "{t:?} {bits:#06x}");
+            }
+        }
+        // f64 values that f32 holds exactly come back exactly; others round to nearest.
+        let vals = [0.0f64, -1.5, 8589934592.0, f64::from(f32::MAX), 0.1];
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut w = vec![0f32; vals.len()];
+        widen(HostType::F64, &bytes, &mut w);
+        assert_eq!(w, vec![0.0, -1.5, 8589934592.0, f32::MAX, 0.1f32]);
+        let mut back = vec![0u8; bytes.len()];
+        narrow(HostType::F64, &w, &mut back);
+        assert_eq!(&back[..32], &bytes[..32]);
+        assert_eq!(f64::from_le_bytes(back[32..].try_into().unwrap()), f64::from(0.1f32));
+        // f32 is a plain copy.
+        let mut b = [0u8; 8];
+        narrow(HostType::F32, &[1.0, -2.0], &mut b);
+        let mut w = [0f32; 2];
+        widen(HostType::F32, &b, &mut w);
+        assert_eq!(w, [1.0, -2.0]);
+    }
 
     #[test]
     fn sum_into_is_bitwise_repeated_add_for_any_thread_count() {

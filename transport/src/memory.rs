@@ -310,6 +310,15 @@ impl PinnedBuffer {
         unsafe { Self::foreign(ptr.cast(), len, Some(Box::new(v))) }
     }
 
+    /// Takes ownership of a byte vector and registers its memory in place,
+    /// like [`PinnedBuffer::from_f32_vec`] (no alignment beyond a byte).
+    pub fn from_byte_vec(mut v: Vec<u8>) -> Result<Self> {
+        let (ptr, len) = (v.as_mut_ptr(), v.len());
+        // SAFETY: as in `from_f32_vec`: the buffer owns the Vec, whose heap memory
+        // stays put and unreferenced elsewhere until the buffer drops.
+        unsafe { Self::foreign(ptr, len, Some(Box::new(v))) }
+    }
+
     /// Whether the memory is the caller's ([`PinnedBuffer::foreign`]).
     pub fn is_foreign(&self) -> bool {
         matches!(self.map, Backing::Foreign(_))
