@@ -1,0 +1,198 @@
+"""Multi-process training through tidewire.torch.DistributedOptimizer:
+real processes on loopback, compared rank against rank and against plain
+single-process PyTorch on the global batch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import _common as C
+from conftest import run_ranks
+
+STEPS, BATCH = 6, 16
+
+MODES = {
+    "local": {"opt": "momentum"},
+    "server": {"opt": "momentum", "apply": "server"},
+    "prefetch": {"opt": "momentum", "apply": "server", "prefetch": True},
+    "staged": {"opt": "momentum", "env": {"TIDEWIRE_TORCH_STAGING": "1"}},
+    "passes": {"opt": "momentum", "passes": 2},
+    "model_zero_grad": {"opt": "momentum", "model_zero_grad": True},
+    "sfb": {"model": "wide", "opt": "momentum", "sfb": "always"},
+    "ps": {"model": "wide", "opt": "momentum", "sfb": False},
+    "hybrid": {"model": "wide", "opt": "momentum", "sfb": "auto"},
+    "ssp": {"opt": "momentum", "apply": "server", "consistency": ["ssp", 1]},
+}
+QUIRKS = {q: {"model": q, "opt": "momentum"} for q in ("unused", "frozen", "tied", "bn")}
+
+
+def _with_defaults(runs):
+    return {k: dict({"steps": STEPS, "batch": BATCH}, **v) for k, v in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def modes(tmp_path_factory):
+    r = run_ranks(tmp_path_factory.mktemp("modes"), 2, {"scenario": "multi", "runs": _with_defaults(MODES)},
+                  timeout=150)
+    print(f"\n[modes: {len(MODES)} trainings on 2 ranks in {r.seconds:.1f} s]")
+    return r.results()
+
+
+@pytest.fixture(scope="module")
+def quirks(tmp_path_factory):
+    r = run_ranks(tmp_path_factory.mktemp("quirks"), 2, {"scenario": "multi", "runs": _with_defaults(QUIRKS)},
+                  timeout=120)
+    print(f"\n[quirks: {len(QUIRKS)} trainings on 2 ranks in {r.seconds:.1f} s]")
+    return r.results()
+
+
+def reference(model: str, opt: str, steps: int = STEPS, batch: int = BATCH):
+    """Plain PyTorch, one process, the global batch."""
+    torch.set_num_threads(1)
+    net = C.model(model)
+    o = C.optimizer(opt, net.parameters())
+    losses = C.train(net, o, steps, batch)
+    return net.state_dict(), losses
+
+
+def assert_bitwise_equal(a, b, what):
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+def assert_close(a, b, what, rtol=1e-4, atol=1e-5):
+    assert a.keys() == b.keys(), what
+    for k in a:
+        if a[k].is_floating_point():
+            torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{what}: {k}: {m}")
+        else:
+            assert torch.equal(a[k], b[k]), f"{what}: {k}"
+
+
+def test_every_rank_ends_bitwise_identical(modes):
+    for name in MODES:
+        if name == "ssp":
+            continue  # SSP pulls may be stale on one rank and fresh on the other
+        assert_bitwise_equal(modes[0][name]["state"], modes[1][name]["state"], f"{name}: rank 0 vs rank 1")
+
+
+def test_local_mode_matches_single_process_on_the_global_batch(modes):
+    ref, ref_losses = reference("mlp", "momentum")
+    assert_close(modes[0]["local"]["state"], ref, "local mode vs one process")
+    # The parameters moved: training happened.
+    init = C.model("mlp").state_dict()
+    assert not torch.equal(init["fc1.weight"], ref["fc1.weight"])
+    got = [(a + b) / 2 for a, b in zip(modes[0]["local"]["losses"], modes[1]["local"]["losses"])]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+
+
+def test_server_mode_sgd_momentum_matches_local_mode(modes):
+    assert_close(modes[0]["server"]["state"], modes[0]["local"]["state"], "server vs local (SGD + momentum)")
+
+
+def test_prefetch_p3_matches_server_mode(modes):
+    assert_bitwise_equal(modes[0]["prefetch"]["state"], modes[0]["server"]["state"], "prefetch vs server")
+
+
+def test_staged_path_matches_direct(modes):
+    # The CUDA path's staging (device flat buffers, host copies before push and
+    # after pull), run with CPU "device" tensors.
+    assert_bitwise_equal(modes[0]["staged"]["state"], modes[0]["local"]["state"], "staged vs direct")
+
+
+def test_backward_passes_per_step(modes):
+    # Two half-batches per step: the same gradient as one full batch, up to rounding.
+    assert_close(modes[0]["passes"]["state"], modes[0]["local"]["state"], "2 passes vs 1")
+
+
+def test_model_zero_grad_set_to_none_is_rebound(modes):
+    r = modes[0]["model_zero_grad"]
+    assert r["stats"]["grad_rebinds"] > 0, r["stats"]
+    assert modes[0]["local"]["stats"]["grad_rebinds"] == 0
+    assert_bitwise_equal(r["state"], modes[0]["local"]["state"], "model.zero_grad(set_to_none=True) vs zero_grad()")
+
+
+def test_sfb_two_ranks_matches_ps_only(modes):
+    assert set(modes[0]["sfb"]["stats"]["schemes"].values()) == {"sfb"}
+    assert modes[0]["sfb"]["stats"]["factor_sends"] > 0
+    assert set(modes[0]["ps"]["stats"]["schemes"].values()) == {"ps"}
+    assert_close(modes[0]["sfb"]["state"], modes[0]["ps"]["state"], "SFB vs PS only", rtol=1e-4, atol=1e-5)
+    ref, _ = reference("wide", "momentum")
+    assert_close(modes[0]["ps"]["state"], ref, "PS only vs one process")
+
+
+def test_hybcomm_chooses_per_layer(modes):
+    # Poseidon's cost model, 2 colocated nodes, K = 8: SFB moves 2K(M+N), the PS 2MN.
+    schemes = modes[0]["hybrid"]["stats"]["schemes"]
+    assert schemes == {"fc1": "sfb", "fc2": "sfb", "fc3": "ps"}, schemes
+    assert_close(modes[0]["hybrid"]["state"], modes[0]["ps"]["state"], "HybComm vs PS only")
+
+
+def test_ssp_server_mode_trains(modes):
+    for r in (0, 1):
+        s = modes[r]["ssp"]
+        assert len(s["losses"]) == STEPS
+        assert all(torch.isfinite(v).all() for v in s["state"].values())
+    ref, _ = reference("mlp", "momentum")
+    assert_close(modes[0]["ssp"]["state"], ref, "SSP(1) vs one process", rtol=0.2, atol=0.05)
+
+
+def test_quirk_unused_parameter(quirks):
+    for r in (0, 1):
+        assert len(quirks[r]["unused"]["losses"]) == STEPS
+    assert_bitwise_equal(quirks[0]["unused"]["state"], quirks[1]["unused"]["state"], "unused")
+    init = C.model("unused").state_dict()
+    # Its gradient is zero every step (never None, as with DDP): momentum and weight
+    # decay still apply to it.
+    net = C.model("unused")
+    o = C.optimizer("momentum", net.parameters())
+
+    def zero():
+        o.zero_grad(set_to_none=False)
+        for p in net.unused.parameters():
+            p.grad = torch.zeros_like(p)
+
+    C.train(net, o, STEPS, BATCH, zero=zero)
+    assert_close(quirks[0]["unused"]["state"], net.state_dict(), "unused vs one process")
+    assert not torch.equal(init["fc1.weight"], quirks[0]["unused"]["state"]["fc1.weight"])
+
+
+def test_quirk_frozen_parameter(quirks):
+    s0, s1 = quirks[0]["frozen"]["state"], quirks[1]["frozen"]["state"]
+    assert_bitwise_equal(s0, s1, "frozen")
+    init = C.model("frozen").state_dict()
+    assert torch.equal(s0["fc1.weight"], init["fc1.weight"]), "a frozen parameter moved"
+    assert "fc1" not in quirks[0]["frozen"]["stats"]["schemes"]
+    ref, _ = reference("frozen", "momentum")
+    assert_close(s0, ref, "frozen vs one process")
+
+
+def test_quirk_tied_weights(quirks):
+    s0 = quirks[0]["tied"]["state"]
+    assert_bitwise_equal(s0, quirks[1]["tied"]["state"], "tied")
+    assert torch.equal(s0["a.weight"], s0["b.weight"])
+    schemes = quirks[0]["tied"]["stats"]["schemes"]
+    assert "a" in schemes and "b" in schemes  # b's bias is its own layer; the tied weight counts once, in a
+    ref, _ = reference("tied", "momentum")
+    assert_close(s0, ref, "tied vs one process")
+
+
+def test_quirk_batchnorm_buffers_stay_in_sync(quirks):
+    s0, s1 = quirks[0]["bn"]["state"], quirks[1]["bn"]["state"]
+    assert_bitwise_equal(s0, s1, "bn")
+    assert int(s0["bn.num_batches_tracked"]) == STEPS
+    assert not torch.equal(s0["bn.running_mean"], torch.zeros_like(s0["bn.running_mean"]))
+
+
+def test_three_ranks_adam(tmp_path):
+    runs = {"adam": {"opt": "adam", "steps": 5, "batch": 24}}
+    r = run_ranks(tmp_path, 3, {"scenario": "multi", "runs": runs}, timeout=120)
+    res = r.results()
+    for k in (1, 2):
+        assert_bitwise_equal(res[0]["adam"]["state"], res[k]["adam"]["state"], f"rank 0 vs rank {k}")
+    ref, _ = reference("mlp", "adam", steps=5, batch=24)
+    assert_close(res[0]["adam"]["state"], ref, "3 ranks (Adam) vs one process")
