@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""digits.py - a small MLP on scikit-learn's bundled handwritten digits (8x8,
+1797 images, no download), trained data-parallel by N processes with Tidewire.
+
+    TIDEWIRE_SECRET=s3cret torchrun --nproc-per-node 4 examples/torch/digits.py
+    python examples/torch/digits.py --procs 1          # the same run in one process, plain torch
+
+Each step takes one global batch (--global-batch, default 64) of a permutation
+that depends only on the seed and the epoch; rank r trains on the r-th of N
+equal slices of it, so N processes see exactly the samples one process sees.
+Tidewire averages the gradients (BSP) and the wrapped torch optimizer applies
+them (apply='local'), or the servers apply SGD (--apply server).
+
+--deterministic-check writes a JSON file (--out) with the loss of every step
+(the global mean: each rank's slice mean, averaged over the ranks with
+tw.push_pull), the final test accuracy, and a SHA-256 of the final parameters
+of every rank. examples/torch/check_digits.sh runs it with 4 processes and
+with --procs 1 and compares the two.
+"""
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--global-batch", type=int, default=64, help="samples per step over all ranks (a multiple of N)")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--apply", choices=["local", "server"], default="local",
+                   help="local: servers average, the torch optimizer applies; server: servers apply SGD")
+    p.add_argument("--sfb", default="auto", choices=["auto", "true", "false"],
+                   help="sufficient-factor broadcast for the nn.Linear layers (auto: Poseidon's cost model)")
+    p.add_argument("--prefetch", action="store_true", help="P3 prefetch (with --apply server): step() does not wait")
+    p.add_argument("--procs", type=int, default=None,
+                   help="1: run the whole job in this process (the reference); default: the launcher's world")
+    p.add_argument("--ref-backend", choices=["torch", "tidewire"], default="torch",
+                   help="with --procs 1: plain torch, or Tidewire with a world of one")
+    p.add_argument("--deterministic-check", action="store_true",
+                   help="deterministic algorithms, and write the loss curve and parameter hashes to --out")
+    p.add_argument("--out", default="digits.json", help="the JSON file --deterministic-check writes (rank 0)")
+    return p.parse_args()
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.fc1 = nn.Linear(64, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, 10)
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+def load_data(seed):
+    """Train/test split of load_digits, standardized by the training set's statistics."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
+    mu, sd = xtr.mean(0), xtr.std(0) + 1e-6
+    f = lambda a: torch.from_numpy(((a - mu) / sd).astype(np.float32))
+    return f(xtr), torch.from_numpy(ytr).long(), f(xte), torch.from_numpy(yte).long()
+
+
+def params_sha256(model):
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def accuracy(model, x, y):
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+def main():
+    a = parse_args()
+    if a.deterministic_check:
+        torch.use_deterministic_algorithms(True)
+        torch.set_num_threads(1)
+    torch.manual_seed(a.seed)
+
+    single = a.procs == 1
+    tw = None
+    if single and a.ref_backend == "tidewire":
+        # A world of one, without a launcher.
+        for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+            os.environ.setdefault(k, v)
+        os.environ.setdefault("MASTER_PORT", str(20000 + os.getpid() % 20000))
+    if not single or a.ref_backend == "tidewire":
+        import tidewire.torch as tw
+
+        tw.init()
+    rank, world = (tw.rank(), tw.size()) if tw else (0, 1)
+    if a.procs is not None and a.procs != world:
+        sys.exit(f"--procs {a.procs}, but the launcher started {world} processes")
+    if a.global_batch % world:
+        sys.exit(f"--global-batch {a.global_batch} is not a multiple of {world} processes")
+    b = a.global_batch // world
+
+    xtr, ytr, xte, yte = load_data(a.seed)
+    model = MLP(a.hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
+    if tw:
+        sfb = {"auto": "auto", "true": True, "false": False}[a.sfb]
+        opt = tw.DistributedOptimizer(opt, named_parameters=model.named_parameters(), model=model,
+                                      apply=a.apply, sfb=sfb, consistency="bsp", prefetch=a.prefetch,
+                                      batch_size=b)
+        tw.broadcast_parameters(model.state_dict(), root_rank=0)
+        tw.broadcast_optimizer_state(opt, root_rank=0)
+
+    steps = len(xtr) // a.global_batch  # the last, short batch is dropped: every step has the same size
+    say = (lambda *s: print(*s, flush=True)) if rank == 0 else (lambda *s: None)
+    mode = f"tidewire, {world} processes" if tw else "plain torch, 1 process"
+    say(f"digits: {len(xtr)} train / {len(xte)} test, MLP 64-{a.hidden}-{a.hidden}-10, {mode}, "
+        f"global batch {a.global_batch} ({b} per rank), {steps} steps per epoch, apply={a.apply} sfb={a.sfb}")
+    schemes = opt.tidewire_stats().get("schemes") if tw and hasattr(opt, "tidewire_stats") else None
+    if schemes:
+        say("schemes: " + ", ".join(f"{k} {v}" for k, v in schemes.items()))
+    losses = []
+    t0 = time.time()
+    for epoch in range(a.epochs):
+        perm = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(a.seed * 1000 + epoch))
+        epoch_loss = 0.0
+        for s in range(steps):
+            idx = perm[s * a.global_batch:(s + 1) * a.global_batch][rank * b:(rank + 1) * b]
+            opt.zero_grad()
+            loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
+            loss.backward()
+            opt.step()
+            g = loss.detach().reshape(1).clone()
+            if tw and world > 1:
+                g = tw.push_pull(g, average=True)
+            losses.append(g.item())
+            epoch_loss += g.item()
+        say(f"epoch {epoch + 1:3d}  loss {epoch_loss / steps:.4f}  test accuracy {accuracy(model, xte, yte):.4f}  "
+            f"({time.time() - t0:.1f} s)")
+    if tw:
+        # Pull every layer and end the optimizer's session, so the parameters are final (with
+        # prefetch, step() returns before the servers' values are back). Note: synchronize() is for
+        # the window between backward and step(); called after step() it syncs a stale gradient.
+        opt.close()
+    acc = accuracy(model, xte, yte)
+    say(f"final test accuracy {acc:.4f} ({world} processes, {a.epochs} epochs, {time.time() - t0:.1f} s)")
+
+    if a.deterministic_check:
+        mine = params_sha256(model)
+        # Every rank's hash reaches rank 0 through Tidewire: rank r puts its 32 digest bytes
+        # in row r of a zero matrix, and push_pull sums the rows (small integers: exact in float32).
+        hashes = [mine]
+        if tw and world > 1:
+            m = torch.zeros(world, 32)
+            m[rank] = torch.tensor(list(bytes.fromhex(mine)), dtype=torch.float32)
+            m = tw.push_pull(m, average=False)
+            hashes = [bytes(int(v) for v in row.tolist()).hex() for row in m]
+            if hashes[rank] != mine:
+                sys.exit(f"rank {rank}: its own hash came back altered from push_pull ({hashes[rank]} != {mine})")
+        if rank == 0:
+            out = {
+                "procs": world,
+                "backend": "tidewire" if tw else "torch",
+                "apply": a.apply if tw else None,
+                "sfb": a.sfb if tw else None,
+                "schemes": schemes,
+                "prefetch": a.prefetch if tw else None,
+                "global_batch": a.global_batch,
+                "epochs": a.epochs,
+                "steps": len(losses),
+                "seed": a.seed,
+                "lr": a.lr,
+                "momentum": a.momentum,
+                "loss": losses,
+                "test_accuracy": acc,
+                "param_sha256": hashes,
+                "torch": torch.__version__,
+            }
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+            with open(a.out, "w") as f:
+                json.dump(out, f, indent=1)
+            say(f"wrote {a.out}")
+    if tw:
+        tw.shutdown()
+
+
+if __name__ == "__main__":
+    main()
