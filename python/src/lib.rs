@@ -24,7 +24,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString, PyTuple};
 use tidewire::cluster::ClusterSpec;
 use tidewire::engine::book::{LayerKind, LayerSpec};
-use tidewire::engine::{ApplyOp, Consistency, Scheme, SchemePolicy};
+use tidewire::engine::{ApplyOp, Consistency, Role, Scheme, SchemePolicy};
 use tidewire::pushpull::PushPull;
 use tidewire::transport::{JobSecret, PinnedBuffer};
 use tidewire::{BufferLayout, Builder, TransportKind};
@@ -239,6 +239,23 @@ fn seconds(s: f64, what: &str) -> PyResult<Duration> {
         .map_err(|_| PyValueError::new_err(format!("{what}={s}: want a positive number of seconds")))
 }
 
+/// A worker's session behind its push/pull interface, or a server-only
+/// rank's session, which only serves (from `shutdown`).
+#[derive(Debug)]
+enum Inner {
+    Worker(PushPull),
+    Server(tidewire::Session),
+}
+
+impl Inner {
+    fn session(&self) -> &tidewire::Session {
+        match self {
+            Inner::Worker(pp) => pp.session(),
+            Inner::Server(s) => s,
+        }
+    }
+}
+
 /// One rank's session over caller-owned memory (see the module docs).
 ///
 /// The tensors given as `params` and `grads` are held by this object until it
@@ -251,8 +268,9 @@ struct Session {
     /// drop in declaration order, so the session (its runtime thread and every
     /// registration of the caller's memory) is gone before the tensors that
     /// own that memory are released.
-    pp: Mutex<Option<PushPull>>,
+    pp: Mutex<Option<Inner>>,
     rank: u32,
+    role: Role,
     world: usize,
     batch: usize,
     names: Vec<String>,
@@ -264,22 +282,45 @@ struct Session {
 }
 
 impl Session {
-    fn lock(&self) -> MutexGuard<'_, Option<PushPull>> {
+    fn lock(&self) -> MutexGuard<'_, Option<Inner>> {
         self.pp.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn server_only(&self) -> PyErr {
+        TidewireError::new_err(format!(
+            "rank {} is a server only: it has no layers to push or pull; it serves the job from shutdown(), \
+             which returns once every worker has shut down",
+            self.rank
+        ))
+    }
+
     /// Runs `f` on the session with the GIL released.
+    fn with_inner<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Inner) -> tidewire::Result<T> + Send,
+    ) -> PyResult<T> {
+        py.detach(|| {
+            let mut g = self.lock();
+            let inner = g.as_mut().ok_or(tidewire::Error::Shutdown)?;
+            f(inner)
+        })
+        .map_err(tw_err)
+    }
+
+    /// Runs `f` on a worker's push/pull interface with the GIL released.
     fn with<T: Send>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&mut PushPull) -> tidewire::Result<T> + Send,
     ) -> PyResult<T> {
-        py.detach(|| {
-            let mut g = self.lock();
-            let pp = g.as_mut().ok_or(tidewire::Error::Shutdown)?;
-            f(pp)
+        if !self.role.is_worker() {
+            return Err(self.server_only());
+        }
+        self.with_inner(py, |inner| match inner {
+            Inner::Worker(pp) => f(pp),
+            Inner::Server(_) => Err(tidewire::Error::Shutdown),
         })
-        .map_err(tw_err)
     }
 
     fn check_layer(&self, layer: usize) -> PyResult<()> {
@@ -429,23 +470,31 @@ impl Session {
                 offsets: offsets.clone(),
             })
             .grads_buffer(BufferLayout { buffer: g, offsets });
-        let pp = py
-            .detach(move || b.build(spec).and_then(PushPull::new))
+        let inner = py
+            .detach(move || {
+                let s = b.build(spec)?;
+                if s.role().is_worker() {
+                    PushPull::new(s).map(Inner::Worker)
+                } else {
+                    Ok(Inner::Server(s))
+                }
+            })
             .map_err(tw_err)?;
-        let s = pp.session();
+        let s = inner.session();
         let schemes = (0..layers.len() as u32)
             .map(|l| s.scheme(l))
             .collect::<tidewire::Result<Vec<_>>>()
             .map_err(tw_err)?;
         Ok(Session {
             rank,
+            role: s.role(),
             world,
             batch: s.book().config().batch,
             names: layers.into_iter().map(|l| l.0).collect(),
             sizes,
             schemes,
             transport: s.transport(),
-            pp: Mutex::new(Some(pp)),
+            pp: Mutex::new(Some(inner)),
             memory: [params.unbind(), grads.unbind()],
         })
     }
@@ -487,8 +536,11 @@ impl Session {
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             Err(TryLockError::WouldBlock) => return Ok(false),
         };
-        let pp = g.as_mut().ok_or_else(|| tw_err(tidewire::Error::Shutdown))?;
-        pp.poll(layer as u32).map_err(tw_err)
+        match g.as_mut() {
+            Some(Inner::Worker(pp)) => pp.poll(layer as u32).map_err(tw_err),
+            Some(Inner::Server(_)) => Err(self.server_only()),
+            None => Err(tw_err(tidewire::Error::Shutdown)),
+        }
     }
 
     /// Whether `layer` is pushed and not pulled yet.
@@ -509,7 +561,7 @@ impl Session {
 
     /// The session's counters (a dict of ints).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.with(py, |pp| pp.session().stats())?;
+        let s = self.with_inner(py, |inner| inner.session().stats())?;
         let d = PyDict::new(py);
         let v = serde_json::to_value(s).map_err(|e| TidewireError::new_err(e.to_string()))?;
         if let serde_json::Value::Object(m) = v {
@@ -521,14 +573,26 @@ impl Session {
     }
 
     /// Ends the session (GIL released): pulls what is in flight, tells the
-    /// peers, and waits until every peer has said goodbye. Every rank must
-    /// call it. Later calls on this session raise TidewireError.
+    /// peers, and waits until every peer has said goodbye (a server-only rank
+    /// serves the job until then). Every rank must call it. Later calls on
+    /// this session raise TidewireError.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| {
-            let pp = self.lock().take().ok_or(tidewire::Error::Shutdown)?;
-            pp.shutdown()
+        py.detach(|| match self.lock().take().ok_or(tidewire::Error::Shutdown)? {
+            Inner::Worker(pp) => pp.shutdown(),
+            Inner::Server(mut s) => s.shutdown(),
         })
         .map_err(tw_err)
+    }
+
+    /// This rank's role: 'both' (worker and server shard), 'worker' or
+    /// 'server' (serves only: push and pull raise).
+    #[getter]
+    fn role(&self) -> &'static str {
+        match self.role {
+            Role::Both => "both",
+            Role::Worker => "worker",
+            Role::Server => "server",
+        }
     }
 
     /// Whether `shutdown` was called.

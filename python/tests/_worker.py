@@ -122,6 +122,30 @@ def native(cfg) -> dict:
     return res
 
 
+def native_servers(cfg) -> dict:
+    """Two workers and one server-only rank (servers=1)."""
+    r, w = int(os.environ["TIDEWIRE_RANK"]), int(os.environ["TIDEWIRE_WORLD_SIZE"])
+    params, grads = torch.zeros(8), torch.zeros(8)
+    s = tidewire.Session([("w", "other", 2, 4)], params=params, grads=grads, rank=r, world=w, servers=1,
+                         master=os.environ["TIDEWIRE_MASTER"], secret="s3", apply=("sgd", 0.5, 0.0, 0.0),
+                         timeout=20.0)
+    res = {"role": s.role}
+    if s.role == "server":
+        try:
+            s.push(0)
+        except tidewire.TidewireError as e:
+            res["push"] = str(e)
+        s.shutdown()  # serves until both workers have shut down
+        return res
+    for step in range(3):
+        grads[:] = float(r + 1)
+        s.push(0)
+        s.pull(0)
+    res["params"] = params.clone()
+    s.shutdown()
+    return res
+
+
 def collectives(cfg) -> dict:
     tw.init()
     r, w = tw.rank(), tw.size()
@@ -206,7 +230,7 @@ def gloo(cfg) -> dict:
     return res
 
 
-SCENARIOS = {"multi": multi, "native": native, "collectives": collectives, "mismatch": mismatch,
+SCENARIOS = {"multi": multi, "native": native, "native_servers": native_servers, "collectives": collectives, "mismatch": mismatch,
              "nosecret": nosecret, "gloo": gloo}
 
 

@@ -37,6 +37,15 @@ def test_push_pull_push_factors_poll_two_ranks(tmp_path):
         assert "shut down" in r["after_shutdown"]
 
 
+def test_server_only_rank_serves(tmp_path):
+    res = run_ranks(tmp_path, 3, {"scenario": "native_servers"}, timeout=60).results()
+    assert [r["role"] for r in res] == ["worker", "worker", "server"]
+    assert "is a server only" in res[2]["push"]
+    # Three SGD steps of lr 0.5 on the mean gradient (1 + 2) / 2 from 0.
+    for r in res[:2]:
+        assert torch.equal(r["params"], torch.full((8,), -2.25))
+
+
 def _session(**kw):
     args = dict(params=torch.zeros(6), grads=torch.zeros(6), rank=0, world=1, master="127.0.0.1:1", secret="s")
     args.update(kw)

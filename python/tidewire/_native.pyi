@@ -79,6 +79,10 @@ class Session:
     @property
     def rank(self) -> int: ...
     @property
+    def role(self) -> str:
+        """'both' (worker and server shard), 'worker', or 'server' (serves only,
+        from shutdown(); push and pull raise)."""
+    @property
     def world(self) -> int: ...
     @property
     def batch(self) -> int: ...
