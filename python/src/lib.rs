@@ -14,6 +14,7 @@
 //! `shutdown`) releases the GIL. Errors raise `tidewire.TidewireError` (a
 //! `RuntimeError`) with the Rust error's message.
 
+use std::any::Any;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
@@ -258,16 +259,15 @@ impl Inner {
 
 /// One rank's session over caller-owned memory (see the module docs).
 ///
-/// The tensors given as `params` and `grads` are held by this object until it
-/// is dropped; the session's registrations of them end before that (the
-/// field order below).
+/// The tensors given as `params` and `grads` are held by this object and by
+/// the session's registrations of their memory, until the last of them is
+/// gone. Python code must not resize or re-point them (`resize_`, `set_`)
+/// while the session lives, and must not touch a layer's part of either
+/// between its push and its pull.
 #[pyclass(frozen, module = "tidewire._native", name = "Session")]
 #[derive(Debug)]
 struct Session {
-    /// The session; `None` once shut down. Declared before `memory`: fields
-    /// drop in declaration order, so the session (its runtime thread and every
-    /// registration of the caller's memory) is gone before the tensors that
-    /// own that memory are released.
+    /// The session; `None` once shut down.
     pp: Mutex<Option<Inner>>,
     rank: u32,
     role: Role,
@@ -277,7 +277,8 @@ struct Session {
     sizes: Vec<usize>,
     schemes: Vec<Scheme>,
     transport: (String, String),
-    /// The parameter and gradient tensors (kept alive, see `pp`).
+    /// The parameter and gradient tensors (for the `memory` getter; the
+    /// registered buffers hold their own references).
     memory: [Py<PyAny>; 2],
 }
 
@@ -455,15 +456,21 @@ impl Session {
                 .map_err(|e| PyValueError::new_err(format!("listen_ip {ip:?}: {e}")))?;
             b = b.listen_ip(ip);
         }
-        // SAFETY: pptr..pptr+total is inside the storage of the tensor `params`
-        // (its address and size were read from the tensor itself just above),
-        // which this object keeps alive in `memory` until after the session
-        // and its runtime thread, which hold every registration of it, are gone
-        // (see `Session::pp`); and, as this class's contract says, Python code
-        // touches a layer's part only while the layer is not pushed.
-        let p = unsafe { PinnedBuffer::foreign(pptr as *mut u8, total, None) }.map_err(|e| tw_err(e.into()))?;
-        // SAFETY: as for `params` just above, for the tensor `grads`.
-        let g = unsafe { PinnedBuffer::foreign(gptr as *mut u8, total, None) }.map_err(|e| tw_err(e.into()))?;
+        let (p_owner, g_owner): (Box<dyn Any + Send + Sync>, Box<dyn Any + Send + Sync>) =
+            (Box::new(params.clone().unbind()), Box::new(grads.clone().unbind()));
+        // SAFETY: pptr..pptr+total lies in the storage of the tensor `params`
+        // (address and size read from the tensor itself above, and checked to
+        // cover the layer table). The buffer owns a reference to that tensor,
+        // dropped with the buffer and its last region (even a region the
+        // transport leaks keeps it), so the storage stays allocated while any
+        // of them lives, unless Python code re-points or resizes the tensor,
+        // which this class's contract forbids, as it forbids touching a
+        // layer's part between its push and its pull.
+        let p = unsafe { PinnedBuffer::foreign(pptr as *mut u8, total, Some(p_owner)) };
+        let p = p.map_err(|e| tw_err(e.into()))?;
+        // SAFETY: as for `params` just above, for the tensor `grads`, which this buffer owns a reference to.
+        let g = unsafe { PinnedBuffer::foreign(gptr as *mut u8, total, Some(g_owner)) };
+        let g = g.map_err(|e| tw_err(e.into()))?;
         b = b
             .params_buffer(BufferLayout {
                 buffer: p,

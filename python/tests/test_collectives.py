@@ -106,6 +106,10 @@ def test_environment_parsing(clean_env, monkeypatch):
     assert e.master(0) == "10.0.0.1:30500" and e.master(2) == "10.0.0.1:30502"
     monkeypatch.setenv("TIDEWIRE_PORT_OFFSET", "7")
     assert _read_env("s", None, None).master(1) == "10.0.0.1:29508"
+    monkeypatch.setenv("TIDEWIRE_MASTER", "10.0.0.1:29500")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(tidewire.TidewireError, match="torchrun's agent listens there"):
+        _read_env("s", None, None)
     monkeypatch.setenv("TIDEWIRE_MASTER", "[::1]:4000")
     assert _read_env("s", None, None).master(3) == "[::1]:4003"
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")

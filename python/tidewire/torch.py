@@ -214,6 +214,16 @@ def _read_env(secret: Union[str, bytes, None], master: Optional[str], timeout: O
         )
     if not 0 < base < 65536:
         raise TidewireError(f"Tidewire's base port {base} is outside 1..65535")
+    if env.get("MASTER_PORT", "").strip() == str(base) and size_ > 1:
+        who = (
+            "torchrun's agent listens there (TORCHELASTIC_USE_AGENT_STORE=True)"
+            if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            else "torch.distributed's store uses it"
+        )
+        raise TidewireError(
+            f"Tidewire's rendezvous would listen on MASTER_PORT={base}, but {who}: give "
+            "TIDEWIRE_MASTER another port, or unset it (Tidewire then uses MASTER_PORT + TIDEWIRE_PORT_OFFSET)"
+        )
     if secret is None:
         secret = env.get("TIDEWIRE_SECRET")
     if not secret:
@@ -233,7 +243,7 @@ def _read_env(secret: Union[str, bytes, None], master: Optional[str], timeout: O
             timeout = float(env.get("TIDEWIRE_TIMEOUT", "60"))
         except ValueError:
             raise TidewireError(f"TIDEWIRE_TIMEOUT={env['TIDEWIRE_TIMEOUT']!r} is not a number") from None
-    transport = env.get("TIDEWIRE_TRANSPORT", "auto").strip() or "auto"
+    transport = env.get("TIDEWIRE_TRANSPORT", "auto").strip().lower() or "auto"
     return _Env(rank_, size_, local, source, host, base, secret, job, timeout, transport)
 
 
