@@ -591,6 +591,15 @@ impl Session {
         .map_err(tw_err)
     }
 
+    /// Ends the session at once, without the goodbye: the peers' sessions fail
+    /// with "aborted" instead of waiting for this rank (use it after an error,
+    /// where `shutdown` could wait forever for a layer that cannot complete).
+    /// Does nothing once the session is shut down or aborted.
+    fn abort(&self, py: Python<'_>) {
+        // Dropping the session sends the abort and joins its runtime thread.
+        py.detach(|| drop(self.lock().take()));
+    }
+
     /// This rank's role: 'both' (worker and server shard), 'worker' or
     /// 'server' (serves only: push and pull raise).
     #[getter]

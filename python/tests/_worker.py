@@ -198,6 +198,32 @@ def mismatch(cfg) -> dict:
     return res
 
 
+def straggler(cfg) -> dict:
+    """Rank 1 skips a collective (rank 0 must time out), or dies (rank 0 must hear it)."""
+    tw.init()
+    r = tw.rank()
+    if r == 1:
+        if cfg.get("die"):
+            os._exit(0)  # no shutdown, no goodbye: the process is gone
+        try:
+            tw.shutdown()  # rank 0 gives up on the collective and aborts: this fails, and does not hang
+            return {"shutdown": None}
+        except tidewire.TidewireError as e:
+            return {"shutdown": str(e)}
+    t0 = time.time()
+    try:
+        tw.push_pull(torch.ones(3))
+        err = None
+    except tidewire.TidewireError as e:
+        err = str(e)
+    took = time.time() - t0
+    try:
+        tw.shutdown()
+    except tidewire.TidewireError:
+        pass
+    return {"error": err, "seconds": took}
+
+
 def nosecret(cfg) -> dict:
     try:
         tw.init()
@@ -231,7 +257,7 @@ def gloo(cfg) -> dict:
 
 
 SCENARIOS = {"multi": multi, "native": native, "native_servers": native_servers, "collectives": collectives, "mismatch": mismatch,
-             "nosecret": nosecret, "gloo": gloo}
+             "nosecret": nosecret, "straggler": straggler, "gloo": gloo}
 
 
 def main() -> int:

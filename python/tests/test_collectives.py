@@ -45,6 +45,22 @@ def test_mismatches_raise_on_every_rank_without_hang(tmp_path):
         assert "ranks [1] would build a different DistributedOptimizer" in x["table"], x["table"]
 
 
+def test_a_collective_one_rank_skips_times_out(tmp_path):
+    r = run_ranks(tmp_path, 2, {"scenario": "straggler"}, env={"TIDEWIRE_TIMEOUT": "3"}, timeout=60)
+    x = r.result(0)
+    assert x["error"] and "timed out after 3s" in x["error"], x["error"]
+    assert x["seconds"] < 10
+    assert "abort" in r.result(1)["shutdown"], r.result(1)
+
+
+def test_a_rank_that_dies_fails_the_others(tmp_path):
+    r = run_ranks(tmp_path, 2, {"scenario": "straggler", "die": True}, env={"TIDEWIRE_TIMEOUT": "5"},
+                  timeout=60)
+    x = r.result(0)
+    assert x["error"], "rank 0 did not notice that rank 1 died"
+    assert x["seconds"] < 15, x
+
+
 def test_missing_secret_is_a_clear_error(tmp_path):
     r = run_ranks(tmp_path, 2, {"scenario": "nosecret"}, env={"TIDEWIRE_SECRET": None}, timeout=30)
     for x in r.results():

@@ -74,6 +74,9 @@ class Session:
         """The session's counters."""
     def shutdown(self) -> None:
         """End the session (collective: every rank calls it; GIL released)."""
+    def abort(self) -> None:
+        """End the session at once without the goodbye (after an error): the
+        peers fail with "aborted" instead of waiting for this rank."""
     @property
     def closed(self) -> bool: ...
     @property

@@ -379,6 +379,51 @@ def _quiet(f: Callable[[], None]) -> None:
 # --------------------------------------------------------------------------- utility collectives
 
 
+class _Guard:
+    """A native session that remembers its first failure. After one,
+    :meth:`close` aborts (the peers fail at once) instead of shutting down:
+    a shutdown waits for the layers in flight, which may never complete (a
+    peer that skipped a collective, a timed-out pull)."""
+
+    def __init__(self, session: _native.Session) -> None:
+        self.s = session
+        self.broken: Optional[str] = None
+
+    def _call(self, f: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return f(*args)
+        except TidewireError as e:
+            self.broken = self.broken or str(e)
+            raise
+
+    def push(self, layer: int) -> None:
+        self._call(self.s.push, layer)
+
+    def push_factors(self, layer: int, u: Any, v: Any) -> None:
+        self._call(self.s.push_factors, layer, u, v)
+
+    def pull(self, layer: int) -> None:
+        self._call(self.s.pull, layer)
+
+    def pull_all(self) -> None:
+        self._call(self.s.pull_all)
+
+    def close(self) -> None:
+        if self.s.closed:
+            return
+        if self.broken is not None:
+            self.s.abort()
+            return
+        try:
+            self.s.shutdown()
+        except TidewireError:
+            self.s.abort()
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.s, name)
+
+
 def _digits16(v: int, n: int) -> List[float]:
     return [float((v >> (16 * i)) & 0xFFFF) for i in range(n)]
 
@@ -412,7 +457,7 @@ class _Util:
         total = small + large
         self.grad = torch.zeros(total, dtype=torch.float32)
         self.res = torch.zeros(total, dtype=torch.float32)
-        self.session = _native.Session(
+        self.session = _Guard(_native.Session(
             [("tidewire.scratch.small", "other", 1, small), ("tidewire.scratch.large", "other", 1, large)],
             params=self.res,
             grads=self.grad,
@@ -426,12 +471,11 @@ class _Util:
             transport=env.transport,
             timeout=env.timeout,
             connect_timeout=max(env.timeout, 60.0),
-        )
+        ))
 
     def close(self) -> None:
         with self.lock:
-            if not self.session.closed:
-                self.session.shutdown()
+            self.session.close()
 
     def _layer(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
         o, n = self.offsets[i], self.sizes[i]
@@ -1000,7 +1044,7 @@ class _Tw:
             for info, v in zip(L.params, self._views(self.r_host, L)):
                 v.copy_(info.param.detach())
         self.index = index
-        self.session = _native.Session(
+        self.session = _Guard(_native.Session(
             self._table(),
             params=self.r_host,
             grads=self.g_host,
@@ -1016,7 +1060,7 @@ class _Tw:
             transport=env.transport,
             timeout=self.timeout,
             connect_timeout=max(self.timeout, 60.0),
-        )
+        ))
         if self.staged:
             self.r_dev.copy_(self.r_host)
         for L in self.layers:
@@ -1288,9 +1332,10 @@ class _Tw:
             h.remove()
         self.handles = []
         try:
-            self.pull_all()
+            if self.session.broken is None:
+                self.pull_all()
         finally:
-            self.session.shutdown()
+            self.session.close()
 
     def stats(self) -> Dict[str, Any]:
         s: Dict[str, Any] = dict(self.session.stats())
