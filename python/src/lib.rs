@@ -10,6 +10,10 @@
 //! belongs to the engine: the caller must not read or write that layer's part
 //! of either tensor. `tidewire.torch` builds its DistributedOptimizer on this.
 //!
+//! With `servers=N` the last N ranks are servers only: their session has no
+//! layers, and `shutdown` serves the job until every worker has shut down.
+//! After an error, `abort` ends a session without waiting for its peers.
+//!
 //! Every call that waits (the constructor's rendezvous, `pull`, `pull_all`,
 //! `shutdown`) releases the GIL. Errors raise `tidewire.TidewireError` (a
 //! `RuntimeError`) with the Rust error's message.

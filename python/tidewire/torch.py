@@ -1346,8 +1346,10 @@ class _Tw:
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
-    """Mixed into a subclass of the wrapped optimizer's class by
-    :func:`DistributedOptimizer`; see there."""
+    """What :func:`DistributedOptimizer` returns: an instance of a subclass
+    of the wrapped optimizer's class with this mixed in (``step``,
+    ``zero_grad``, ``synchronize``, ``skip_synchronize``, ``tidewire_stats``,
+    ``close``); see there."""
 
     _tw: _Tw
 
@@ -1458,7 +1460,7 @@ def DistributedOptimizer(
     *,
     broadcast_buffers: Optional[bool] = None,
     timeout: Optional[float] = None,
-) -> torch.optim.Optimizer:
+) -> _DistributedOptimizer:
     """Wraps a torch optimizer so that every rank trains on the average of
     every rank's gradients. Collective (it builds a Tidewire session; every
     rank wraps the same model the same way, in the same order).
@@ -1503,7 +1505,9 @@ def DistributedOptimizer(
         input x (K×in) and a hook on its output takes δ (K×out); U = δ and
         V = [x, 1] (with a bias; the weight and bias are then views into one
         out×(in+1) block), zero-padded to K = ``batch_size`` ×
-        ``backward_passes_per_step`` rows. Eligible: exactly ``nn.Linear``
+        ``backward_passes_per_step`` rows (``batch_size``: this rank's rows
+        per backward pass, the most any step sees; more raise). K is also the
+        cost model's batch. Eligible: exactly ``nn.Linear``
         whose weight is not shared. The first step checks Uᵀ V against
         autograd's gradient.
     ``consistency``
