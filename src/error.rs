@@ -41,6 +41,9 @@ pub enum Error {
     /// A call that needs the buffers of a layer the caller still holds.
     #[error("layer {layer} is not handed in: call grad_ready or sf_ready first")]
     NotHandedIn { layer: u32 },
+    /// Push/pull on a layer in the wrong state (pushed twice, pulled after a failed pull).
+    #[error("layer {layer}: {why}")]
+    LayerState { layer: u32, why: String },
     /// The call needs a worker (or a server) role this rank does not have.
     #[error("rank {rank} is not a {role}")]
     Role { rank: u32, role: &'static str },

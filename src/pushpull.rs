@@ -56,6 +56,13 @@ use crate::cluster::ClusterSpec;
 use crate::error::{Error, Result};
 use crate::session::{BufferLayout, Builder, LayerBuffers, Pending, Session};
 
+fn lost(layer: u32) -> Error {
+    Error::LayerState {
+        layer,
+        why: "an earlier pull of it failed: its buffers are gone for the rest of the session".into(),
+    }
+}
+
 #[derive(Debug)]
 enum Slot {
     /// The caller's: synced (or never pushed).
@@ -88,13 +95,19 @@ pub struct PushPull {
 }
 
 impl PushPull {
-    /// Wraps a worker's session and takes its layers.
+    /// Wraps a session and takes its layers. On a server-only rank there
+    /// is nothing to push or pull (those calls fail with [`Error::Role`]):
+    /// [`PushPull::shutdown`] serves the job.
     pub fn new(mut session: Session) -> Result<Self> {
-        let slots = session
-            .take_layers()?
-            .into_iter()
-            .map(|b| Slot::Held(b.expect("fresh layers")))
-            .collect();
+        let slots = if session.role().is_worker() {
+            session
+                .take_layers()?
+                .into_iter()
+                .map(|b| Slot::Held(b.expect("fresh layers")))
+                .collect()
+        } else {
+            Vec::new()
+        };
         Ok(PushPull {
             session,
             slots,
@@ -206,6 +219,12 @@ impl PushPull {
     }
 
     fn slot(&mut self, layer: u32) -> Result<&mut Slot> {
+        if !self.session.role().is_worker() {
+            return Err(Error::Role {
+                rank: self.session.rank(),
+                role: "worker",
+            });
+        }
         let n = self.slots.len();
         self.slots.get_mut(layer as usize).ok_or_else(|| {
             Error::Engine(tidewire_engine::EngineError::UnknownLayer {
@@ -225,7 +244,10 @@ impl PushPull {
                     _ => "an earlier pull of it failed",
                 };
                 *slot = other;
-                Err(Error::Layout(format!("cannot {what} layer {layer}: {why}")))
+                Err(Error::LayerState {
+                    layer,
+                    why: format!("cannot {what} it: {why}"),
+                })
             }
         }
     }
@@ -263,6 +285,9 @@ impl PushPull {
 
     /// Hands an FC layer in by its sufficient factors: U (K×M) and V (K×N),
     /// row major, copied into the session's factor buffer (K×(M+N) values).
+    /// Where HybComm syncs the layer through the PS ([`Session::scheme`]
+    /// says `Ps`), the gradient Uᵀ·V is formed in the layer's gradient
+    /// memory (the caller's) and pushed from there.
     pub fn push_factors(&mut self, layer: u32, u: &[f32], v: &[f32]) -> Result<()> {
         let spec = self.session.book().layer(layer)?.clone();
         let k = self.session.book().config().batch;
@@ -307,9 +332,7 @@ impl PushPull {
                     Err(e)
                 }
             },
-            Slot::Lost => Err(Error::Layout(format!(
-                "layer {layer} was lost by an earlier failed pull"
-            ))),
+            Slot::Lost => Err(lost(layer)),
         }
     }
 
@@ -328,9 +351,7 @@ impl PushPull {
                 self.land(layer);
                 Ok(())
             }
-            Slot::Lost => Err(Error::Layout(format!(
-                "layer {layer} was lost by an earlier failed pull"
-            ))),
+            Slot::Lost => Err(lost(layer)),
         }
     }
 
@@ -347,10 +368,11 @@ impl PushPull {
     pub fn held(&mut self, layer: u32) -> Result<&mut LayerBuffers> {
         match self.slot(layer)? {
             Slot::Held(b) => Ok(b),
-            Slot::Pushed(_) => Err(Error::Layout(format!("layer {layer} is pushed and not pulled yet"))),
-            Slot::Lost => Err(Error::Layout(format!(
-                "layer {layer} was lost by an earlier failed pull"
-            ))),
+            Slot::Pushed(_) => Err(Error::LayerState {
+                layer,
+                why: "it is pushed and not pulled yet".into(),
+            }),
+            Slot::Lost => Err(lost(layer)),
         }
     }
 
@@ -359,10 +381,22 @@ impl PushPull {
         matches!(self.slots.get(layer as usize), Some(Slot::Pushed(_)))
     }
 
-    /// Pulls what is in flight, then ends the session (see [`Session::shutdown`]).
+    /// Pulls what is in flight, then ends the session (see
+    /// [`Session::shutdown`]). Every in-flight layer is pulled even if one
+    /// fails; the first error is returned, after the session has ended.
     pub fn shutdown(mut self) -> Result<()> {
-        let pulled = self.pull_all();
+        let mut first = None;
+        for l in 0..self.slots.len() as u32 {
+            if self.in_flight(l) {
+                if let Err(e) = self.pull(l) {
+                    first.get_or_insert(e);
+                }
+            }
+        }
         let r = self.session.shutdown();
-        pulled.and(r)
+        match first {
+            Some(e) => Err(e),
+            None => r,
+        }
     }
 }

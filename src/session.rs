@@ -214,7 +214,7 @@ impl Builder {
         if let Some(l) = &self.cfg.params {
             check_layout(&book, l, "parameter")?;
             for (i, &o) in l.offsets.iter().enumerate() {
-                if o - l.offsets[0] != book.layer_offset(i as u32) * 4 {
+                if o.checked_sub(l.offsets[0]) != Some(book.layer_offset(i as u32) * 4) {
                     return Err(Error::Layout(format!(
                         "parameter buffer: layer {i} starts at {o}, but parameters must be back to back from {} (expected {})",
                         l.offsets[0],
@@ -246,7 +246,7 @@ impl Builder {
             }
         };
         Ok(Session {
-            last_error: std::sync::Mutex::new(None),
+            last_error: Arc::new(std::sync::Mutex::new(None)),
             book,
             timeout,
             rank: spec.rank,
@@ -304,7 +304,7 @@ fn check_layout(book: &Book, l: &BufferLayout, what: &str) -> Result<()> {
 /// A running rank of a job.
 #[derive(Debug)]
 pub struct Session {
-    last_error: std::sync::Mutex<Option<Error>>,
+    last_error: Arc<std::sync::Mutex<Option<Error>>>,
     book: Arc<Book>,
     timeout: Duration,
     rank: u32,
@@ -429,7 +429,7 @@ impl Session {
         if let Err(e) = &r {
             // A job that panicked on an executor failed the rank: raise the panic here.
             self.shared.check_panic();
-            *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
+            record(&self.last_error, e);
         }
         r
     }
@@ -464,6 +464,7 @@ impl Session {
             since: Instant::now(),
             timeout: self.timeout,
             shared: self.shared.clone(),
+            last_error: self.last_error.clone(),
         })
     }
 
@@ -504,6 +505,14 @@ impl Session {
         if self.tx.is_none() {
             return Err(Error::Shutdown);
         }
+        // After a wait timed out, layers may be in flight that will never sync
+        // (a peer skipped them, or is stuck): waiting for them could last forever.
+        // Abort instead, telling the peers why, and return that error.
+        let failed = self.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(e) = failed.filter(Error::is_timeout) {
+            self.abort_inner();
+            return Err(e);
+        }
         let r = self.shutdown_inner();
         self.tx = None;
         self.layers = None;
@@ -526,19 +535,43 @@ impl Session {
     }
 }
 
-impl Drop for Session {
-    fn drop(&mut self) {
+impl Session {
+    /// Ends the session at once, without waiting for layers in flight: the
+    /// peers' calls fail with [`EngineError::PeerAborted`] and this reason.
+    /// Use it when this rank cannot go on; [`Session::shutdown`] is the
+    /// graceful end. Every later call fails with `Shutdown`.
+    pub fn abort(&mut self, reason: &str) -> Result<()> {
+        record(
+            &self.last_error,
+            &Error::Engine(EngineError::Aborted(reason.to_string())),
+        );
+        if self.tx.is_none() {
+            return Err(Error::Shutdown);
+        }
+        self.abort_inner();
+        Ok(())
+    }
+
+    fn abort_inner(&mut self) {
         if let Some(tx) = self.tx.take() {
             let why = match self.last_error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                Some(Error::Engine(EngineError::Aborted(r))) => r,
                 Some(e) => format!("it failed: {e}"),
                 None => "its session was dropped without shutdown".into(),
             };
             let _ = tx.send(Request::Abort(why));
             self.shared.wake();
         }
+        self.layers = None;
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.abort_inner();
     }
 }
 
@@ -554,9 +587,24 @@ pub struct Pending<T> {
     since: Instant,
     timeout: Duration,
     shared: Arc<Shared>,
+    last_error: Arc<std::sync::Mutex<Option<Error>>>,
+}
+
+/// Remembers a failed call: after a timed-out wait [`Session::shutdown`]
+/// aborts instead of waiting for layers that may never sync, and an abort
+/// (or a drop) tells the peers why.
+fn record(last: &std::sync::Mutex<Option<Error>>, e: &Error) {
+    *last.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
 }
 
 impl<T> Pending<T> {
+    fn note<V>(&self, r: Result<V>) -> Result<V> {
+        if let Err(e) = &r {
+            record(&self.last_error, e);
+        }
+        r
+    }
+
     fn failed(&self) -> Error {
         self.shared.check_panic();
         self.shared.fatal().unwrap_or(Error::Shutdown)
@@ -566,7 +614,7 @@ impl<T> Pending<T> {
     /// After it returned `Some` (or an error) the handle is spent: later
     /// calls fail with [`Error::Shutdown`].
     pub fn try_take(&mut self) -> Result<Option<T>> {
-        match self.rx.try_recv() {
+        let r = match self.rx.try_recv() {
             Ok(r) => r.map(Some),
             Err(crossbeam_channel::TryRecvError::Empty) if self.since.elapsed() >= self.timeout => {
                 Err(Error::Timeout {
@@ -576,29 +624,34 @@ impl<T> Pending<T> {
             }
             Err(crossbeam_channel::TryRecvError::Empty) => Ok(None),
             Err(crossbeam_channel::TryRecvError::Disconnected) => Err(self.failed()),
-        }
+        };
+        self.note(r)
     }
 
     /// Blocks until the result is there (at most the rest of the session's timeout).
     pub fn wait(self) -> Result<T> {
         let left = self.timeout.saturating_sub(self.since.elapsed());
-        match self.rx.recv_timeout(left) {
+        let r = match self.rx.recv_timeout(left) {
             Ok(r) => r,
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(Error::Timeout {
-                what: self.what,
+                what: self.what.clone(),
                 after: self.timeout,
             }),
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(self.failed()),
-        }
+        };
+        self.note(r)
     }
 
     /// Blocks at most `d`: `Ok(None)` if the result is not there by then.
     pub fn wait_for(&mut self, d: Duration) -> Result<Option<T>> {
         let left = self.timeout.saturating_sub(self.since.elapsed());
         match self.rx.recv_timeout(d.min(left)) {
-            Ok(r) => r.map(Some),
+            Ok(r) => self.note(r.map(Some)),
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => self.try_take(),
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(self.failed()),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                let e = self.failed();
+                self.note(Err(e))
+            }
         }
     }
 }

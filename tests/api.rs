@@ -155,6 +155,15 @@ fn bad_buffers_are_refused_before_anything_starts() {
         .build(solo())
         .unwrap_err();
     assert!(matches!(&e, Error::Layout(m) if m.contains("back to back")), "{e}");
+    // ... and in layer order: a later layer before the first is refused, not a panic.
+    let e = builder(layers())
+        .params_buffer(BufferLayout {
+            buffer: buf(4096),
+            offsets: vec![256, 0],
+        })
+        .build(solo())
+        .unwrap_err();
+    assert!(matches!(&e, Error::Layout(m) if m.contains("back to back")), "{e}");
 }
 
 #[test]

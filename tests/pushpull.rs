@@ -384,3 +384,122 @@ fn f16_bf16_f64_memory_is_staged_and_summed_in_f32() {
         }
     }
 }
+
+#[test]
+fn a_push_no_other_worker_makes_fails_every_rank_instead_of_hanging() {
+    // Rank 0 pushes layer 1; rank 1 pushes nothing and shuts down. The
+    // iteration can never complete: both ranks must hear why, not wait forever.
+    let layers = vec![
+        LayerSpec::new("a", LayerKind::Conv, 4, 8),
+        LayerSpec::new("b", LayerKind::Conv, 4, 300),
+    ];
+    for servers_first in [false, true] {
+        let master = free_master();
+        let hs: Vec<_> = (0..2usize)
+            .map(|r| {
+                let layers = layers.clone();
+                std::thread::spawn(move || -> (Result<(), Error>, Result<(), Error>) {
+                    let b = Builder::new(layers)
+                        .chunk_bytes(256)
+                        .job(9, JobSecret::new(b"stranded".to_vec()))
+                        .timeout(Duration::from_secs(60));
+                    let spec = ClusterSpec::new(r as u32, 2, 0, true, master).unwrap();
+                    let n = 4 * 8 + 4 * 300;
+                    let mut pp = PushPull::build(
+                        b,
+                        spec,
+                        tidewire::gpu::cpu::HostType::F32,
+                        PinnedBuffer::from_f32_vec(vec![0.0; n]).unwrap(),
+                        PinnedBuffer::from_f32_vec(vec![1.0; n]).unwrap(),
+                    )
+                    .unwrap();
+                    if r == 0 {
+                        let t0 = Instant::now();
+                        // The push itself fails if rank 1's goodbye came first.
+                        let pulled = pp.push(1).and_then(|()| {
+                            if servers_first {
+                                std::thread::sleep(Duration::from_millis(200));
+                            }
+                            pp.pull(1)
+                        });
+                        assert!(
+                            t0.elapsed() < Duration::from_secs(20),
+                            "the pull waited {:?}",
+                            t0.elapsed()
+                        );
+                        (pulled, pp.shutdown())
+                    } else {
+                        if !servers_first {
+                            std::thread::sleep(Duration::from_millis(200));
+                        }
+                        (Ok(()), pp.shutdown())
+                    }
+                })
+            })
+            .collect();
+        let t0 = Instant::now();
+        let rs: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}", t0.elapsed());
+        let (pull0, shut0) = &rs[0];
+        let e = pull0.as_ref().expect_err("rank 0's push or pull cannot succeed");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("finished without pushing iteration 0 of layer 1 (b)"),
+            "{msg}"
+        );
+        assert!(shut0.is_err(), "rank 0's shutdown reports the failure");
+        let shut1 = rs[1].1.as_ref().expect_err("rank 1 hears it too");
+        assert!(shut1.to_string().contains("finished without pushing"), "{shut1}");
+    }
+}
+
+#[test]
+fn shutdown_after_a_failed_wait_aborts_instead_of_waiting_forever() {
+    // Rank 1 stays alive and never pushes: rank 0's pull times out, and its
+    // shutdown must not wait for the layer that will never sync.
+    let layers = vec![LayerSpec::new("a", LayerKind::Conv, 4, 8)];
+    let master = free_master();
+    let hs: Vec<_> = (0..2usize)
+        .map(|r| {
+            let layers = layers.clone();
+            std::thread::spawn(move || -> Result<PushPull, Error> {
+                let b = Builder::new(layers)
+                    .job(10, JobSecret::new(b"late".to_vec()))
+                    .timeout(Duration::from_millis(if r == 0 { 500 } else { 30_000 }));
+                let spec = ClusterSpec::new(r as u32, 2, 0, true, master).unwrap();
+                PushPull::build(
+                    b,
+                    spec,
+                    tidewire::gpu::cpu::HostType::F32,
+                    PinnedBuffer::from_f32_vec(vec![0.0; 32]).unwrap(),
+                    PinnedBuffer::from_f32_vec(vec![1.0; 32]).unwrap(),
+                )
+            })
+        })
+        .collect();
+    let mut pps: Vec<PushPull> = hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+    let mut r1 = pps.pop().unwrap();
+    let mut r0 = pps.pop().unwrap();
+    r0.push(0).unwrap();
+    let e = r0.pull(0).unwrap_err();
+    assert!(e.is_timeout(), "{e}");
+    assert!(
+        matches!(r0.push(0), Err(Error::LayerState { layer: 0, .. })),
+        "the layer is lost"
+    );
+    let t0 = Instant::now();
+    let e = r0.shutdown().unwrap_err();
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "shutdown waited {:?}",
+        t0.elapsed()
+    );
+    assert!(e.is_timeout(), "shutdown returns the failure: {e}");
+    // Rank 1 hears why.
+    let e = r1.pull(0).and_then(|()| {
+        r1.push(0)?;
+        r1.pull(0)
+    });
+    let e = e.unwrap_err().to_string();
+    assert!(e.contains("aborted") && e.contains("timed out"), "{e}");
+}

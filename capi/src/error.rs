@@ -70,7 +70,9 @@ pub(crate) fn code_of(e: &tidewire::Error) -> c_int {
         E::Cluster(_) | E::Rendezvous(_) | E::Engine(EngineError::Disagree { .. }) => TW_ERR_CLUSTER,
         E::Transport(_) | E::TransportUnavailable(_) => TW_ERR_TRANSPORT,
         E::Layout(_) | E::Engine(EngineError::WrongSize { .. }) => TW_ERR_LAYOUT,
-        E::NotHandedIn { .. } | E::Role { .. } | E::Engine(EngineError::LayerBusy { .. }) => TW_ERR_STATE,
+        E::NotHandedIn { .. } | E::LayerState { .. } | E::Role { .. } | E::Engine(EngineError::LayerBusy { .. }) => {
+            TW_ERR_STATE
+        }
         E::Engine(
             EngineError::UnknownLayer { .. }
             | EngineError::NeedsFactors { .. }

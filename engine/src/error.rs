@@ -54,6 +54,15 @@ pub enum EngineError {
     /// A peer went away before it said goodbye.
     #[error("rank {rank} was lost: {reason}")]
     PeerLost { rank: u32, reason: String },
+    /// A worker finished (shut down) without pushing an iteration another
+    /// worker pushed: the servers could never complete it.
+    #[error("worker rank {worker} finished without pushing iteration {iter} of layer {layer} ({name}), which another worker pushed: that iteration can never complete (every worker must push the same layers the same number of times)")]
+    Stranded {
+        worker: u32,
+        layer: u32,
+        name: String,
+        iter: u64,
+    },
     /// A peer aborted the job and said why.
     #[error("rank {rank} aborted: {reason}")]
     PeerAborted { rank: u32, reason: String },

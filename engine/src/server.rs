@@ -186,6 +186,20 @@ impl Server {
             .collect()
     }
 
+    /// A slice that worker index `wi` can no longer complete: some other
+    /// worker pushed an iteration of it that `wi` never pushed. Only
+    /// meaningful once `wi` has finished (pushes nothing more): the slice's
+    /// accumulator then waits forever. Returns (global slice, iteration).
+    pub fn stranded_by(&self, wi: usize) -> Option<(u32, u64)> {
+        let nls = self.received.len() / self.p1.max(1);
+        let ls = (0..nls).find(|&ls| {
+            let mine = self.received[wi * nls + ls];
+            (0..self.p1).any(|w| self.received[w * nls + ls] > mine)
+        })?;
+        let global = self.slice_local.iter().position(|&l| l == ls as u32)? as u32;
+        Some((global, self.received[wi * nls + ls]))
+    }
+
     /// Whether contributions are folded in worker order. Only under BSP: under
     /// SSP a slow worker would hold every faster worker's slots, which would
     /// undo the staleness bound, and SSP values depend on timing anyway.

@@ -58,6 +58,34 @@ impl Node {
         count.is_some_and(|n| self.landed_from[p as usize] >= n || self.peers[p as usize].closed)
     }
 
+    /// On a server, once a worker has finished (and its writes landed): a
+    /// slice that another worker pushed further than it can never complete.
+    /// Without this check every rank's shutdown would wait for it forever.
+    pub(super) fn check_stranded(&self) -> Option<EngineError> {
+        let s = self.server.as_ref()?;
+        let book = &self.book;
+        for (wi, &w) in book.cluster().workers().iter().enumerate() {
+            let finished = if w == self.rank {
+                self.finished_sent
+            } else {
+                self.peer_done(w, self.peers[w as usize].finished)
+            };
+            if !finished {
+                continue;
+            }
+            if let Some((slice, iter)) = s.core.stranded_by(wi) {
+                let layer = book.slices()[slice as usize].layer;
+                return Some(EngineError::Stranded {
+                    worker: w,
+                    layer,
+                    name: book.layers()[layer as usize].name.clone(),
+                    iter,
+                });
+            }
+        }
+        None
+    }
+
     pub(super) fn check_shutdown(&mut self) {
         if !self.shutdown || !self.ready || self.done {
             return;

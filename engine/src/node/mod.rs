@@ -893,6 +893,10 @@ impl Node {
         }
         self.flush_credits();
         self.check_ready();
+        if let Some(e) = self.check_stranded() {
+            self.fail(e);
+            return;
+        }
         self.check_shutdown();
         // Writes into a peer's parameters are addressed from the base its hello announced.
         let start = self.out.len();
