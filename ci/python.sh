@@ -11,7 +11,8 @@
 # The wheel goes to $TARGET_DIR/python-wheels/ (TARGET_DIR from ci/target-dir.sh) and is
 # installed into the venv with --force-reinstall. PYTHON picks the interpreter (default
 # python3). Every phase prints how long it took. Works from a fresh clone as root
-# (installs python3-venv with apt-get where `python3 -m venv` is missing).
+# (installs python3-venv with apt-get where `python3 -m venv` is missing). Arguments after
+# `--` are a command to run afterwards with the venv's python (PATH and $PYTHON).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -78,5 +79,12 @@ phase "install"
 
 phase "pytest"
 "$VENV/bin/python" -m pytest -v -rs -p no:cacheprovider --durations=10 python/tests
+# Commands after `--` run with this venv's python first on PATH (and as $PYTHON), e.g.
+# `ci/python.sh -- bash examples/torch/check_digits.sh`.
+if [ "${1:-}" = "--" ] && [ $# -gt 1 ]; then
+  shift
+  phase "$*"
+  PATH="$VENV/bin:$PATH" PYTHON="$VENV/bin/python" "$@"
+fi
 phase ""
 echo "---- python.sh: all phases took $((SECONDS - t_all)) s"

@@ -17,6 +17,9 @@
 #   4c. fuzz     every fuzz target (fuzz/, cargo fuzz) 10 s from its seed corpus, no crash (ci/fuzz.sh)
 #   5. doctor    tidewire doctor runs and explains itself
 #   6. example   examples/mlp: 3 processes train an MLP; the loss curve equals one process's
+#   6b. capi     the C ABI: header current and -pedantic clean, train.c on loopback processes (ci/capi.sh)
+#   6c. python   the Python package: cached venv with torch, maturin wheel, pytest (ci/python.sh),
+#                and examples/torch/check_digits.sh (4 torchrun processes >= 95%, equal to 1 process)
 #   7. train     the README's main job, short: tidewire train on the embedded default
 #   8. bench     grad_ready-to-wire latency and the idle cost of a session (tidewire-handin),
 #                short loopback comparison against iperf3 and std::net, tidewire-perf over TCP
@@ -164,6 +167,18 @@ doctor() {
 tier doctor doctor
 
 tier example timeout 600 cargo run --release --locked -q --example mlp -- --procs 3 --steps 30
+
+# The C ABI (capi/): libtidewire_c, tidewire.h current and clean as C11/C++11, examples/train.c
+# linked shared and static, trained on loopback processes with equal checksums (ci/capi.sh).
+tier capi timeout 900 bash ci/capi.sh
+
+# The Python package (python/): a cached venv with torch from PyPI, the wheel built by maturin,
+# pytest (real processes: quirks, SFB against autograd, DDP/gloo side by side, error paths;
+# the CUDA cases skip loudly without a GPU), then examples/torch's digits check under torchrun.
+python_tier() {
+  timeout 1200 bash ci/python.sh -- bash examples/torch/check_digits.sh
+}
+tier python python_tier
 
 train() {
   timeout 600 cargo run --release --locked -q -- train --model googlenet --workers 4 --servers 2 --iters 5 \
