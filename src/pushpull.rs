@@ -213,6 +213,13 @@ impl PushPull {
         &self.session
     }
 
+    /// The session underneath, by value (on a server-only rank, to serve the
+    /// job with [`Session::shutdown`]). Layers in flight are dropped with
+    /// their pending pulls.
+    pub fn into_session(self) -> Session {
+        self.session
+    }
+
     /// The number of layers.
     pub fn layers(&self) -> usize {
         self.slots.len()

@@ -156,6 +156,26 @@
 #define TW_POLICY_SFB 2
 
 /**
+ * Element type of registered memory: 32-bit float (zero-copy).
+ */
+#define TW_DTYPE_F32 0
+
+/**
+ * IEEE half (staged: widened to float at each push, narrowed at each pull).
+ */
+#define TW_DTYPE_F16 1
+
+/**
+ * bfloat16 (staged like TW_DTYPE_F16).
+ */
+#define TW_DTYPE_BF16 2
+
+/**
+ * double (staged: carried and summed as float, so values keep float's precision).
+ */
+#define TW_DTYPE_F64 3
+
+/**
  * The layer syncs through the parameter server: hand it in with tw_push.
  */
 #define TW_SCHEME_PS 0
@@ -325,6 +345,24 @@ int tw_config_set_job(tw_config *cfg, uint64_t job_id, const char *secret);
 int tw_register(tw_config *cfg, float *params, size_t n_params, float *grads, size_t n_grads);
 
 /**
+ * Like tw_register, for memory of another element type (`dtype`: TW_DTYPE_F32,
+ * TW_DTYPE_F16, TW_DTYPE_BF16 or TW_DTYPE_F64); n_params and n_grads count
+ * elements of that type. TW_DTYPE_F32 is registered in place. The others are
+ * staged: Tidewire keeps float buffers, widens a layer's gradient into them
+ * at each push and narrows the result back into `params` (round to nearest
+ * even) when the pull completes; the wire and the servers' sums are float.
+ *
+ * # Safety
+ * As tw_register, with n_params (n_grads) elements of `dtype`, aligned for it.
+ */
+int tw_register_typed(tw_config *cfg,
+                      int dtype,
+                      void *params,
+                      size_t n_params,
+                      void *grads,
+                      size_t n_grads);
+
+/**
  * Starts this rank with the cluster from the environment: TIDEWIRE_RANK,
  * TIDEWIRE_WORLD_SIZE and TIDEWIRE_MASTER (host:port of rank 0's
  * rendezvous), or torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, or
@@ -477,9 +515,12 @@ const char *tw_transport(const tw_session *s);
  * every rank calls it once at the end of training). The registered memory is
  * the caller's again when it returns, whatever the result. TW_ERR_STATE if
  * layers were lost by earlier failures (the session is still ended and freed).
- * NULL is a no-op returning TW_OK. Every worker must have pushed each layer
- * as often as the others: a push no other worker matches is never complete,
- * and the ranks' finalize calls wait for it.
+ * NULL is a no-op returning TW_OK. Every worker must push each layer as
+ * often as the others: when a worker finalizes without a push another worker
+ * made, that iteration can never complete, and every rank's call fails
+ * (TW_ERR_ENGINE, naming the worker, layer and iteration) instead of waiting.
+ * After a pull timed out, finalize aborts the job rather than wait for layers
+ * that may never sync, and the peers hear why.
  *
  * # Safety
  * `s` is NULL or a live session that no other thread uses during or after the call.

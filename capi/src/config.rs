@@ -1,11 +1,12 @@
 //! `tw_config`: the layer table, the settings and the registered memory of one rank.
 
-use std::ffi::{c_char, c_int, CStr};
+use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ptr::NonNull;
 use std::time::Duration;
 
 use tidewire::engine::book::{LayerKind, LayerSpec};
 use tidewire::engine::{ApplyOp, Consistency, SchemePolicy};
+use tidewire::gpu::cpu::HostType;
 use tidewire::transport::JobSecret;
 use tidewire::TransportKind;
 
@@ -51,11 +52,21 @@ pub const TW_POLICY_PS: c_int = 1;
 /// Sufficient-factor broadcast for every FC layer, the parameter server for the rest.
 pub const TW_POLICY_SFB: c_int = 2;
 
-/// The registered memory: a pointer and a count of floats.
+/// Element type of registered memory: 32-bit float (zero-copy).
+pub const TW_DTYPE_F32: c_int = 0;
+/// IEEE half (staged: widened to float at each push, narrowed at each pull).
+pub const TW_DTYPE_F16: c_int = 1;
+/// bfloat16 (staged like TW_DTYPE_F16).
+pub const TW_DTYPE_BF16: c_int = 2;
+/// double (staged: carried and summed as float, so values keep float's precision).
+pub const TW_DTYPE_F64: c_int = 3;
+
+/// The registered memory: a pointer, a count of elements and their type.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Region {
-    pub(crate) ptr: NonNull<f32>,
+    pub(crate) ptr: NonNull<u8>,
     pub(crate) len: usize,
+    pub(crate) dtype: HostType,
 }
 
 /// A rank's configuration: the layer table, the settings and the registered
@@ -440,7 +451,78 @@ pub unsafe extern "C" fn tw_register(
     grads: *mut f32,
     n_grads: usize,
 ) -> c_int {
-    guard("tw_register", || {
+    // SAFETY: tw_register_typed's contract for TW_DTYPE_F32 is this function's.
+    unsafe {
+        register(
+            "tw_register",
+            cfg,
+            TW_DTYPE_F32,
+            params.cast(),
+            n_params,
+            grads.cast(),
+            n_grads,
+        )
+    }
+}
+
+/// Like tw_register, for memory of another element type (`dtype`: TW_DTYPE_F32,
+/// TW_DTYPE_F16, TW_DTYPE_BF16 or TW_DTYPE_F64); n_params and n_grads count
+/// elements of that type. TW_DTYPE_F32 is registered in place. The others are
+/// staged: Tidewire keeps float buffers, widens a layer's gradient into them
+/// at each push and narrows the result back into `params` (round to nearest
+/// even) when the pull completes; the wire and the servers' sums are float.
+///
+/// # Safety
+/// As tw_register, with n_params (n_grads) elements of `dtype`, aligned for it.
+#[no_mangle]
+pub unsafe extern "C" fn tw_register_typed(
+    cfg: *mut TwConfig,
+    dtype: c_int,
+    params: *mut c_void,
+    n_params: usize,
+    grads: *mut c_void,
+    n_grads: usize,
+) -> c_int {
+    // SAFETY: the caller's contract (# Safety above) is register's.
+    unsafe {
+        register(
+            "tw_register_typed",
+            cfg,
+            dtype,
+            params.cast(),
+            n_params,
+            grads.cast(),
+            n_grads,
+        )
+    }
+}
+
+/// tw_register and tw_register_typed.
+///
+/// # Safety
+/// tw_register_typed's contract.
+unsafe fn register(
+    call: &'static str,
+    cfg: *mut TwConfig,
+    dtype: c_int,
+    params: *mut u8,
+    n_params: usize,
+    grads: *mut u8,
+    n_grads: usize,
+) -> c_int {
+    guard(call, || {
+        let t = match dtype {
+            TW_DTYPE_F32 => HostType::F32,
+            TW_DTYPE_F16 => HostType::F16,
+            TW_DTYPE_BF16 => HostType::Bf16,
+            TW_DTYPE_F64 => HostType::F64,
+            d => {
+                return Err(Fail::arg(format!(
+                    "dtype {d} is none of TW_DTYPE_F32, TW_DTYPE_F16, TW_DTYPE_BF16, TW_DTYPE_F64"
+                )))
+            }
+        };
+        let size = t.size();
         // SAFETY: the caller's contract (# Safety above).
         let cfg = unsafe { config_mut(cfg) }?;
         let p = NonNull::new(params).ok_or_else(|| Fail::null("params"))?;
@@ -451,11 +533,14 @@ pub unsafe extern "C" fn tw_register(
             ));
         }
         for (what, ptr, n) in [("params", params, n_params), ("grads", grads, n_grads)] {
-            if ptr as usize % std::mem::align_of::<f32>() != 0 {
-                return Err(Fail::arg(format!("{what} ({ptr:p}) is not aligned for float")));
+            if ptr as usize % size != 0 {
+                return Err(Fail::arg(format!("{what} ({ptr:p}) is not aligned for {}", t.name())));
             }
-            if n.checked_mul(4).map_or(true, |b| b > isize::MAX as usize) {
-                return Err(Fail::arg(format!("{what}: {n} floats do not fit in memory")));
+            if n.checked_mul(size).map_or(true, |b| b > isize::MAX as usize) {
+                return Err(Fail::arg(format!(
+                    "{what}: {n} {} values do not fit in memory",
+                    t.name()
+                )));
             }
         }
         let total = cfg.total_params()?;
@@ -469,17 +554,28 @@ pub unsafe extern "C" fn tw_register(
                 return Err(Fail::new(
                     TW_ERR_LAYOUT,
                     format!(
-                        "{what} is {n}, but the layers hold {total} floats ({})",
+                        "{what} is {n}, but the layers hold {total} values ({})",
                         table.join(" + ")
                     ),
                 ));
             }
         }
         let (pa, ga) = (params as usize, grads as usize);
-        if pa < ga + n_grads * 4 && ga < pa + n_params * 4 {
+        if pa < ga + n_grads * size && ga < pa + n_params * size {
             return Err(Fail::arg("params and grads overlap: they must be separate memory"));
         }
-        cfg.registered = Some((Region { ptr: p, len: n_params }, Region { ptr: g, len: n_grads }));
+        cfg.registered = Some((
+            Region {
+                ptr: p,
+                len: n_params,
+                dtype: t,
+            },
+            Region {
+                ptr: g,
+                len: n_grads,
+                dtype: t,
+            },
+        ));
         Ok(TW_OK)
     })
 }

@@ -9,7 +9,7 @@ use tidewire::engine::book::LayerKind;
 use tidewire::engine::Scheme;
 use tidewire::pushpull::PushPull;
 use tidewire::transport::PinnedBuffer;
-use tidewire::{BufferLayout, Builder, Session};
+use tidewire::{Builder, Session};
 
 use crate::config::{Region, TwConfig};
 use crate::error::{guard, Fail, TW_ERR_CLUSTER, TW_ERR_INVALID_ARGUMENT, TW_ERR_PANIC, TW_OK};
@@ -111,30 +111,16 @@ fn check_layer(pp: &mut PushPull, layer: u32, push: bool) -> Result<(), Fail> {
 
 fn build(cfg: &TwConfig, spec: ClusterSpec) -> Result<TwSession, Fail> {
     let (params, grads) = cfg.memory()?;
-    let mut offsets = Vec::with_capacity(cfg.layers.len());
-    let mut at = 0usize;
-    for l in &cfg.layers {
-        offsets.push(at * 4);
-        at += l.params();
-    }
     let wrap = |r: Region| -> Result<PinnedBuffer, Fail> {
-        // SAFETY: tw_register's contract: r.len floats at r.ptr (len * 4 bytes, checked
-        // to fit) stay allocated until tw_finalize drops this buffer with the session,
-        // are registered with this session alone, and the caller touches a layer's
-        // values only while it holds the layer, which is PinnedBuffer::foreign's
-        // contract for the session's protocol.
-        let b = unsafe { PinnedBuffer::foreign(r.ptr.as_ptr().cast(), r.len * 4, None) }?;
+        // SAFETY: tw_register's contract: r.len elements of r.dtype at r.ptr (their
+        // byte length checked to fit) stay allocated until tw_finalize drops this buffer
+        // with the session, are registered with this session alone, and the caller
+        // touches a layer's values only while it holds the layer, which is
+        // PinnedBuffer::foreign's contract for the session's protocol.
+        let b = unsafe { PinnedBuffer::foreign(r.ptr.as_ptr(), r.len * r.dtype.size(), None) }?;
         Ok(b)
     };
-    let mut b = Builder::new(cfg.layers.clone())
-        .params_buffer(BufferLayout {
-            buffer: wrap(params)?,
-            offsets: offsets.clone(),
-        })
-        .grads_buffer(BufferLayout {
-            buffer: wrap(grads)?,
-            offsets,
-        });
+    let mut b = Builder::new(cfg.layers.clone());
     if let Some(k) = cfg.batch {
         b = b.batch(k);
     }
@@ -160,13 +146,14 @@ fn build(cfg: &TwConfig, spec: ClusterSpec) -> Result<TwSession, Fail> {
         b = b.job(*id, secret.clone());
     }
     let world = spec.roles.len() as u32;
-    let session = b.build(spec)?;
-    let rank = session.rank();
-    let transport = session.transport().0;
-    let state = if session.role().is_worker() {
-        Rank::Worker(PushPull::new(session)?)
+    // f32 memory is registered in place; f16, bf16 and f64 are staged (PushPull::build).
+    let pp = PushPull::build(b, spec, params.dtype, wrap(params)?, wrap(grads)?)?;
+    let rank = pp.session().rank();
+    let transport = pp.session().transport().0;
+    let state = if pp.session().role().is_worker() {
+        Rank::Worker(pp)
     } else {
-        Rank::Server(session)
+        Rank::Server(pp.into_session())
     };
     Ok(TwSession {
         rank_state: Mutex::new(state),
@@ -527,9 +514,12 @@ pub unsafe extern "C" fn tw_transport(s: *const TwSession) -> *const c_char {
 /// every rank calls it once at the end of training). The registered memory is
 /// the caller's again when it returns, whatever the result. TW_ERR_STATE if
 /// layers were lost by earlier failures (the session is still ended and freed).
-/// NULL is a no-op returning TW_OK. Every worker must have pushed each layer
-/// as often as the others: a push no other worker matches is never complete,
-/// and the ranks' finalize calls wait for it.
+/// NULL is a no-op returning TW_OK. Every worker must push each layer as
+/// often as the others: when a worker finalizes without a push another worker
+/// made, that iteration can never complete, and every rank's call fails
+/// (TW_ERR_ENGINE, naming the worker, layer and iteration) instead of waiting.
+/// After a pull timed out, finalize aborts the job rather than wait for layers
+/// that may never sync, and the peers hear why.
 ///
 /// # Safety
 /// `s` is NULL or a live session that no other thread uses during or after the call.

@@ -289,7 +289,7 @@ fn bad_values_and_sizes_are_refused() {
         fails(
             tw_register(cfg, pp, TOTAL + 1, gp, TOTAL),
             TW_ERR_LAYOUT,
-            &["n_params is 49", "48 floats", "conv 4x9 + fc 3x4"],
+            &["n_params is 49", "48 values", "conv 4x9 + fc 3x4"],
         );
         fails(
             tw_register(cfg, pp, TOTAL, gp, TOTAL - 1),

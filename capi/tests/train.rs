@@ -249,17 +249,27 @@ fn a_pull_that_times_out_loses_the_layer() {
                         assert_eq!(tw_poll(s, 0, &mut done), TW_OK);
                         assert_eq!(done, 1);
                     } else {
-                        // Late, but the iteration completes: rank 0's push is in (a rank
-                        // that never pushed would leave both finalizes waiting for it).
+                        // Too late: rank 0's finalize after its timed-out pull aborted the
+                        // job rather than wait for a layer that might never sync, and
+                        // this rank hears why.
                         std::thread::sleep(std::time::Duration::from_millis(3500));
-                        ok(tw_push(s, 1));
-                        ok(tw_pull(s, 1));
+                        let rc = match tw_push(s, 1) {
+                            TW_OK => tw_pull(s, 1),
+                            rc => rc,
+                        };
+                        assert_eq!(rc, TW_ERR_PEER_LOST, "{}", last_error());
+                        assert!(
+                            last_error().contains("aborted") && last_error().contains("timed out"),
+                            "{}",
+                            last_error()
+                        );
                     }
                     if r == 0 {
                         assert_eq!(tw_finalize(s), TW_ERR_STATE);
                         assert!(last_error().contains("layers [1] were lost"), "{}", last_error());
+                        assert!(last_error().contains("timed out"), "{}", last_error());
                     } else {
-                        ok(tw_finalize(s));
+                        assert_ne!(tw_finalize(s), TW_OK, "the job was aborted");
                     }
                 }
             })
