@@ -32,7 +32,8 @@ use tidewire::engine::book::{LayerKind, LayerSpec};
 use tidewire::engine::{ApplyOp, Consistency, Role, Scheme, SchemePolicy};
 use tidewire::pushpull::PushPull;
 use tidewire::transport::{JobSecret, PinnedBuffer};
-use tidewire::{BufferLayout, Builder, TransportKind};
+use tidewire::gpu::cpu::HostType;
+use tidewire::{Builder, TransportKind};
 
 create_exception!(
     tidewire,
@@ -45,11 +46,12 @@ fn tw_err(e: tidewire::Error) -> PyErr {
     TidewireError::new_err(e.to_string())
 }
 
-/// Where a host float32 tensor's memory is: (address, bytes). Accepts a
-/// `torch.Tensor` (CPU, float32, contiguous) or anything with NumPy's
-/// `__array_interface__` (`<f4`, C-contiguous, writable).
-fn host_f32_memory(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(usize, usize)> {
-    let (ptr, nbytes) = if obj.hasattr("data_ptr")? {
+/// Where a host tensor's memory is: (address, bytes, element type). Accepts a
+/// `torch.Tensor` (CPU, contiguous; float32, float16, bfloat16 or float64) or
+/// anything with NumPy's `__array_interface__` (`<f4`, `<f2` or `<f8`,
+/// C-contiguous, writable).
+fn host_memory(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(usize, usize, HostType)> {
+    let (ptr, nbytes, t) = if obj.hasattr("data_ptr")? {
         let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
         if device != "cpu" {
             return Err(PyValueError::new_err(format!(
@@ -57,17 +59,23 @@ fn host_f32_memory(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(usize, usize
             )));
         }
         let dtype = obj.getattr("dtype")?.str()?.to_string();
-        if dtype != "torch.float32" {
-            return Err(PyValueError::new_err(format!(
-                "{what}: dtype {dtype}, want torch.float32"
-            )));
-        }
+        let t = match dtype.as_str() {
+            "torch.float32" => HostType::F32,
+            "torch.float16" => HostType::F16,
+            "torch.bfloat16" => HostType::Bf16,
+            "torch.float64" => HostType::F64,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "{what}: dtype {dtype}, want torch.float32, float16, bfloat16 or float64"
+                )))
+            }
+        };
         if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
             return Err(PyValueError::new_err(format!("{what}: the tensor is not contiguous")));
         }
         let ptr: usize = obj.call_method0("data_ptr")?.extract()?;
         let nbytes: usize = obj.getattr("nbytes")?.extract()?;
-        (ptr, nbytes)
+        (ptr, nbytes, t)
     } else if obj.hasattr("__array_interface__")? {
         let ai = obj.getattr("__array_interface__")?;
         let ai = ai
@@ -78,11 +86,16 @@ fn host_f32_memory(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(usize, usize
                 .ok_or_else(|| PyTypeError::new_err(format!("{what}: __array_interface__ has no {k:?}")))
         };
         let typestr: String = get("typestr")?.extract()?;
-        if typestr != "<f4" {
-            return Err(PyValueError::new_err(format!(
-                "{what}: array type {typestr:?}, want float32 ('<f4')"
-            )));
-        }
+        let t = match typestr.as_str() {
+            "<f4" => HostType::F32,
+            "<f2" => HostType::F16,
+            "<f8" => HostType::F64,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "{what}: array type {typestr:?}, want float32 ('<f4'), float16 ('<f2') or float64 ('<f8')"
+                )))
+            }
+        };
         if ai.get_item("strides")?.is_some_and(|s| !s.is_none()) {
             return Err(PyValueError::new_err(format!("{what}: the array is not C-contiguous")));
         }
@@ -91,19 +104,20 @@ fn host_f32_memory(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(usize, usize
             return Err(PyValueError::new_err(format!("{what}: the array is read-only")));
         }
         let nbytes: usize = obj.getattr("nbytes")?.extract()?;
-        (ptr, nbytes)
+        (ptr, nbytes, t)
     } else {
         return Err(PyTypeError::new_err(format!(
-            "{what}: want a CPU float32 torch.Tensor or a float32 NumPy array, got {}",
+            "{what}: want a CPU floating-point torch.Tensor or NumPy array, got {}",
             obj.get_type().name()?
         )));
     };
-    if ptr == 0 || ptr % 4 != 0 {
+    if ptr == 0 || ptr % t.size() != 0 {
         return Err(PyValueError::new_err(format!(
-            "{what}: address {ptr:#x} is null or not 4-byte aligned"
+            "{what}: address {ptr:#x} is null or not aligned for {}",
+            t.name()
         )));
     }
-    Ok((ptr, nbytes))
+    Ok((ptr, nbytes, t))
 }
 
 /// The bytes of a factor matrix: `bytes`, `bytearray`, anything with
@@ -387,24 +401,27 @@ impl Session {
             specs.push(LayerSpec::new(name.clone(), parse_kind(kind, name)?, *m, *n));
         }
         let sizes: Vec<usize> = specs.iter().map(LayerSpec::params).collect();
-        let total = sizes
+        let (pptr, plen, t) = host_memory(&params, "params")?;
+        let (gptr, glen, gt) = host_memory(&grads, "grads")?;
+        if gt != t {
+            return Err(PyValueError::new_err(format!(
+                "params are {} but grads are {}: both must have one dtype",
+                t.name(),
+                gt.name()
+            )));
+        }
+        let count = sizes
             .iter()
             .try_fold(0usize, |a, &s| a.checked_add(s))
-            .and_then(|t| t.checked_mul(4))
             .ok_or_else(|| PyValueError::new_err("the layer table's size overflows"))?;
-        let mut offsets = Vec::with_capacity(sizes.len());
-        let mut at = 0usize;
-        for s in &sizes {
-            offsets.push(at);
-            at += s * 4;
-        }
-        let (pptr, plen) = host_f32_memory(&params, "params")?;
-        let (gptr, glen) = host_f32_memory(&grads, "grads")?;
+        let total = count
+            .checked_mul(t.size())
+            .ok_or_else(|| PyValueError::new_err("the layer table's size overflows"))?;
         for (what, len) in [("params", plen), ("grads", glen)] {
             if len < total {
                 return Err(PyValueError::new_err(format!(
-                    "{what}: {len} bytes, but the layer table needs {total} ({} float32 values)",
-                    total / 4
+                    "{what}: {len} bytes, but the layer table needs {total} ({count} {} values)",
+                    t.name()
                 )));
             }
         }
@@ -475,20 +492,16 @@ impl Session {
         // SAFETY: as for `params` just above, for the tensor `grads`, which this buffer owns a reference to.
         let g = unsafe { PinnedBuffer::foreign(gptr as *mut u8, total, Some(g_owner)) };
         let g = g.map_err(|e| tw_err(e.into()))?;
-        b = b
-            .params_buffer(BufferLayout {
-                buffer: p,
-                offsets: offsets.clone(),
-            })
-            .grads_buffer(BufferLayout { buffer: g, offsets });
+        // float32 memory is registered in place; float16, bfloat16 and float64 are
+        // staged through float32 (PushPull::build: widened at push, narrowed at pull).
         let inner = py
             .detach(move || {
-                let s = b.build(spec)?;
-                if s.role().is_worker() {
-                    PushPull::new(s).map(Inner::Worker)
+                let pp = PushPull::build(b, spec, t, p, g)?;
+                Ok(if pp.session().role().is_worker() {
+                    Inner::Worker(pp)
                 } else {
-                    Ok(Inner::Server(s))
-                }
+                    Inner::Server(pp.into_session())
+                })
             })
             .map_err(tw_err)?;
         let s = inner.session();

@@ -116,8 +116,9 @@ def train(net: nn.Module, opt, steps: int, batch: int, rank: int = 0, world: int
         (zero or opt.zero_grad)()
         sub = per // passes
         total = 0.0
+        dtype = next(net.parameters()).dtype
         for k in range(passes):
-            out = net(xs[k * sub : (k + 1) * sub])
+            out = net(xs[k * sub : (k + 1) * sub].to(dtype))
             loss = F.cross_entropy(out, ys[k * sub : (k + 1) * sub]) / passes
             loss.backward()
             total += float(loss.detach())

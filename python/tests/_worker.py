@@ -25,7 +25,7 @@ def save(out_dir: str, rank: int, obj) -> None:
 
 def train_one(cfg) -> dict:
     """Trains one model under a DistributedOptimizer built from ``cfg``."""
-    net = C.model(cfg.get("model", "mlp"))
+    net = C.model(cfg.get("model", "mlp")).to(getattr(torch, cfg.get("dtype", "float32")))
     opt = C.optimizer(cfg.get("opt", "sgd"), [p for p in net.parameters()], lr=cfg.get("lr", 0.05))
     env = {k: os.environ.get(k) for k in cfg.get("env", {})}
     os.environ.update(cfg.get("env", {}))
@@ -199,12 +199,16 @@ def mismatch(cfg) -> dict:
 
 
 def straggler(cfg) -> dict:
-    """Rank 1 skips a collective (rank 0 must time out), or dies (rank 0 must hear it)."""
+    """Rank 1 skips a collective and shuts down (rank 0 must hear that the
+    collective can never complete), stalls first (rank 0 must time out), or
+    dies (rank 0 must hear it)."""
     tw.init()
     r = tw.rank()
     if r == 1:
         if cfg.get("die"):
             os._exit(0)  # no shutdown, no goodbye: the process is gone
+        if cfg.get("stall"):
+            time.sleep(cfg["stall"])  # alive but silent: rank 0's wait must time out
         try:
             tw.shutdown()  # rank 0 gives up on the collective and aborts: this fails, and does not hang
             return {"shutdown": None}

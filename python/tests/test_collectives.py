@@ -45,8 +45,20 @@ def test_mismatches_raise_on_every_rank_without_hang(tmp_path):
         assert "ranks [1] would build a different DistributedOptimizer" in x["table"], x["table"]
 
 
-def test_a_collective_one_rank_skips_times_out(tmp_path):
-    r = run_ranks(tmp_path, 2, {"scenario": "straggler"}, env={"TIDEWIRE_TIMEOUT": "3"}, timeout=60)
+def test_a_collective_one_rank_skips_fails_at_once(tmp_path):
+    # Rank 1 shuts down without the collective: the servers know it can never
+    # complete, so rank 0 fails at once (no need to wait for the timeout).
+    r = run_ranks(tmp_path, 2, {"scenario": "straggler"}, env={"TIDEWIRE_TIMEOUT": "30"}, timeout=60)
+    x = r.result(0)
+    assert x["error"] and "worker rank 1 finished without pushing iteration 0" in x["error"], x["error"]
+    assert x["seconds"] < 10
+    assert "finished without pushing" in r.result(1)["shutdown"], r.result(1)
+
+
+def test_a_collective_one_rank_stalls_in_times_out(tmp_path):
+    # Rank 1 is alive but silent: rank 0's wait times out, and its shutdown
+    # aborts the job instead of waiting for the collective; rank 1 hears why.
+    r = run_ranks(tmp_path, 2, {"scenario": "straggler", "stall": 6}, env={"TIDEWIRE_TIMEOUT": "3"}, timeout=60)
     x = r.result(0)
     assert x["error"] and "timed out after 3s" in x["error"], x["error"]
     assert x["seconds"] < 10

@@ -69,7 +69,8 @@ def test_one_rank_session_over_numpy_arrays():
 @pytest.mark.parametrize(
     "kw, err, match",
     [
-        ({"params": torch.zeros(6, dtype=torch.float64)}, ValueError, "float32"),
+        ({"params": torch.zeros(6, dtype=torch.int32)}, ValueError, "float32, float16, bfloat16 or float64"),
+        ({"params": torch.zeros(6, dtype=torch.float64)}, ValueError, "params are f64 but grads are f32"),
         ({"params": torch.zeros(12)[::2]}, ValueError, "contiguous"),
         ({"grads": torch.zeros(5)}, ValueError, "needs 24"),
         ({"params": [0.0] * 6}, TypeError, "torch.Tensor"),

@@ -156,8 +156,11 @@ def test_construction_errors(job):
     with pytest.raises(ValueError, match="misses 2 parameter"):
         tw.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
                                 named_parameters=list(net.named_parameters())[2:])
-    with pytest.raises(TypeError, match="float32"):
-        d = nn.Linear(2, 2).double()
+    with pytest.raises(TypeError, match="float32, float16, bfloat16 and float64"):
+        d = nn.Linear(2, 2).to(torch.complex64)
+        tw.DistributedOptimizer(torch.optim.SGD(d.parameters(), lr=0.1), named_parameters=d.named_parameters())
+    with pytest.raises(TypeError, match="several dtypes"):
+        d = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
         tw.DistributedOptimizer(torch.optim.SGD(d.parameters(), lr=0.1), named_parameters=d.named_parameters())
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         tw.DistributedOptimizer(object())

@@ -25,6 +25,8 @@ MODES = {
     "ps": {"model": "wide", "opt": "momentum", "sfb": False},
     "hybrid": {"model": "wide", "opt": "momentum", "sfb": "auto"},
     "ssp": {"opt": "momentum", "apply": "server", "consistency": ["ssp", 1]},
+    "f64": {"opt": "momentum", "dtype": "float64"},
+    "bf16": {"opt": "momentum", "dtype": "bfloat16"},
 }
 QUIRKS = {q: {"model": q, "opt": "momentum"} for q in ("unused", "frozen", "tied", "bn")}
 
@@ -49,10 +51,10 @@ def quirks(tmp_path_factory):
     return r.results()
 
 
-def reference(model: str, opt: str, steps: int = STEPS, batch: int = BATCH):
+def reference(model: str, opt: str, steps: int = STEPS, batch: int = BATCH, dtype=torch.float32):
     """Plain PyTorch, one process, the global batch."""
     torch.set_num_threads(1)
-    net = C.model(model)
+    net = C.model(model).to(dtype)
     o = C.optimizer(opt, net.parameters())
     losses = C.train(net, o, steps, batch)
     return net.state_dict(), losses
@@ -88,6 +90,21 @@ def test_local_mode_matches_single_process_on_the_global_batch(modes):
     assert not torch.equal(init["fc1.weight"], ref["fc1.weight"])
     got = [(a + b) / 2 for a, b in zip(modes[0]["local"]["losses"], modes[1]["local"]["losses"])]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+
+
+def test_float64_and_bfloat16_models_are_staged_through_float32(modes):
+    # float64 parameters: widened at push, summed in float32, narrowed at pull; so
+    # the run matches one float64 process to float32's precision, not float64's.
+    ref, _ = reference("mlp", "momentum", dtype=torch.float64)
+    got = modes[0]["f64"]["state"]
+    assert all(v.dtype == torch.float64 for v in got.values() if v.is_floating_point())
+    assert_close(got, ref, "float64 model vs one float64 process", rtol=1e-5, atol=1e-6)
+    # bfloat16 parameters stay bfloat16, and training moves them the way float32 does.
+    bf = modes[0]["bf16"]["state"]
+    assert all(v.dtype == torch.bfloat16 for v in bf.values() if v.is_floating_point())
+    f32 = modes[0]["local"]["state"]
+    assert_close({k: v.float() for k, v in bf.items()}, f32, "bfloat16 vs float32 model", rtol=5e-2, atol=2e-2)
+    assert modes[0]["bf16"]["losses"][-1] < modes[0]["bf16"]["losses"][0], "bfloat16 training lowers the loss"
 
 
 def test_server_mode_sgd_momentum_matches_local_mode(modes):

@@ -102,6 +102,9 @@ __all__ = [
     "PORT_OFFSET",
 ]
 
+#: Parameter dtypes DistributedOptimizer syncs (float32 in place, the others staged through float32).
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
 #: Default offset of Tidewire's base port from ``MASTER_PORT`` (``TIDEWIRE_PORT_OFFSET``).
 PORT_OFFSET = 1000
 #: Float32 values per rank in the header of a utility collective.
@@ -921,10 +924,23 @@ class _Tw:
         if not kept:
             raise ValueError("no parameter to sync: the optimizer has no parameter with requires_grad=True")
         for nm, p in kept:
-            if p.dtype != torch.float32:
-                raise TypeError(f"parameter {nm!r} is {p.dtype}: tidewire.torch syncs float32 parameters")
+            if p.dtype not in _DTYPES:
+                raise TypeError(
+                    f"parameter {nm!r} is {p.dtype}: tidewire.torch syncs float32, float16, bfloat16 and "
+                    "float64 parameters"
+                )
             if p.is_sparse:
                 raise TypeError(f"parameter {nm!r} is sparse: tidewire.torch syncs dense parameters")
+        dtypes = {p.dtype for _, p in kept}
+        if len(dtypes) != 1:
+            raise TypeError(
+                f"parameters of several dtypes ({sorted(map(str, dtypes))}): one DistributedOptimizer syncs one "
+                "dtype (make one optimizer per dtype, or cast the model)"
+            )
+        #: The parameters' dtype: float32 is registered in place; float16, bfloat16 and
+        #: float64 are widened to float32 at each push and narrowed back at each pull
+        #: (the wire and the servers' sums are float32; float64 keeps float32's precision).
+        self.dtype = next(iter(dtypes))
         devices = {p.device for _, p in kept}
         if len(devices) != 1:
             raise ValueError(f"parameters on several devices ({sorted(map(str, devices))}): one device per process")
@@ -1032,11 +1048,11 @@ class _Tw:
                 + (" ..." if len(self.layers) > 8 else "")
             )
         pin = self.device.type == "cuda"
-        self.g_host = torch.zeros(self.total, dtype=torch.float32, pin_memory=pin)
-        self.r_host = torch.zeros(self.total, dtype=torch.float32, pin_memory=pin)
+        self.g_host = torch.zeros(self.total, dtype=self.dtype, pin_memory=pin)
+        self.r_host = torch.zeros(self.total, dtype=self.dtype, pin_memory=pin)
         if self.staged:
-            self.g_dev = torch.zeros(self.total, dtype=torch.float32, device=self.device)
-            self.r_dev = torch.zeros(self.total, dtype=torch.float32, device=self.device)
+            self.g_dev = torch.zeros(self.total, dtype=self.dtype, device=self.device)
+            self.r_dev = torch.zeros(self.total, dtype=self.dtype, device=self.device)
         else:
             self.g_dev, self.r_dev = self.g_host, self.r_host
         # Both modes start from the parameters' values: the session broadcasts rank 0's.
