@@ -30,9 +30,9 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString, PyTuple};
 use tidewire::cluster::ClusterSpec;
 use tidewire::engine::book::{LayerKind, LayerSpec};
 use tidewire::engine::{ApplyOp, Consistency, Role, Scheme, SchemePolicy};
+use tidewire::gpu::cpu::HostType;
 use tidewire::pushpull::PushPull;
 use tidewire::transport::{JobSecret, PinnedBuffer};
-use tidewire::gpu::cpu::HostType;
 use tidewire::{Builder, TransportKind};
 
 create_exception!(
