@@ -17,6 +17,7 @@
 #             copies are in bench/results/)
 #   --python  an interpreter that imports torch and tidewire (default: python3 if it does,
 #             else the bootstrap venv's python with PYTHONPATH as given)
+#   --summarize WORKDIR   run nothing: summarize an earlier run's WORKDIR (printed at its start)
 # Arguments after -- go to every compare_ddp.py (e.g. -- --steps 5 --blocks 4 --batch 32).
 #
 # Ranks are launched here with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (gloo's
@@ -57,6 +58,8 @@ NETS="loopback 1gbe"
 OUTDIR=$TARGET_DIR/compare-ddp
 PY=""
 ARGS=()
+SUMMARIZE=""
+RUNS_TOTAL=
 while [ $# -gt 0 ]; do
   case "$1" in
     --procs) PROCS=$2; shift 2 ;;
@@ -65,6 +68,7 @@ while [ $# -gt 0 ]; do
     --nets) NETS=$2; shift 2 ;;
     --out-dir) OUTDIR=$2; shift 2 ;;
     --python) PY=$2; shift 2 ;;
+    --summarize) SUMMARIZE=$2; shift 2 ;;
     --) shift; ARGS=("$@"); break ;;
     -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)"; exit 2 ;;
@@ -76,11 +80,17 @@ if [ -z "$PY" ]; then
 fi
 "$PY" -c 'import torch, tidewire.torch' || { echo "$PY cannot import torch and tidewire.torch (build it: bash ci/python.sh, or set PYTHONPATH)"; exit 1; }
 mkdir -p "$OUTDIR"
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/compare-ddp.XXXXXX")
-RUNS=$WORK/runs
-mkdir -p "$RUNS"
-echo "runs and logs in $WORK"
 fail=0
+if [ -n "$SUMMARIZE" ]; then
+  WORK=$SUMMARIZE; RUNS=$WORK/runs; REPS=0
+  [ -f "$WORK/cmdline" ] && CMDLINE=$(cat "$WORK/cmdline")
+else
+  WORK=$(mktemp -d "${TMPDIR:-/tmp}/compare-ddp.XXXXXX")
+  RUNS=$WORK/runs
+  mkdir -p "$RUNS"
+  echo "$CMDLINE" >"$WORK/cmdline"
+  echo "runs and logs in $WORK"
+fi
 
 for rep in $(seq 1 "$REPS"); do
   for net in $NETS; do
@@ -127,6 +137,8 @@ done
 "$PY" - "$RUNS" "$OUTDIR" "$PROCS" "$REPS" "$CMDLINE" <<'PY' || fail=1
 import datetime, glob, json, os, statistics, sys
 runs_dir, outdir, procs, reps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+import tidewire
+pkg = {"tidewire_version": tidewire.__version__, "tidewire_from": os.path.dirname(tidewire.__file__)}
 runs = []
 load_file = os.path.join(os.path.dirname(runs_dir), "load.tsv")
 loads = dict(l.split("\t") for l in open(load_file).read().split("\n") if l) if os.path.exists(load_file) else {}
@@ -163,6 +175,7 @@ for net, model in keys:
         "ratio_median": med(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios), "ratios": ratios,
         "gloo_samples_s": [d["gloo_samples_s"] for d in ok], "tidewire_samples_s": [d["tidewire_samples_s"] for d in ok],
         "load1_at_start": [d["load1_at_start"] for d in ok],
+        "load1_min": min(d["load1_at_start"] for d in ok), "load1_max": max(d["load1_at_start"] for d in ok),
         "block_ratio_min": min(min(t / g for t, g in zip(d["block_samples_s"]["tidewire"], d["block_samples_s"]["gloo"])) for d in ok),
         "block_ratio_max": max(max(t / g for t, g in zip(d["block_samples_s"]["tidewire"], d["block_samples_s"]["gloo"])) for d in ok),
         "allclose_all": all(d["allclose"] for d in rs),
@@ -176,7 +189,7 @@ first = runs[0]
 summary = {
     "date": datetime.date.today().isoformat(),
     "command": sys.argv[5],
-    "procs": procs, "reps_requested": reps,
+    "procs": procs, "reps_requested": reps or None, **pkg,
     "settings": {k: first[k] for k in ("batch_per_rank", "warmup", "steps_per_block", "blocks", "apply", "sfb",
                                         "prefetch", "threads", "lr", "momentum", "seed", "rtol", "atol", "torch")},
     "rows": rows, "failed_or_not_close_runs": bad,
@@ -191,15 +204,19 @@ md = [f"# Tidewire vs PyTorch DDP (gloo), {procs} ranks, side by side", "",
       f"Per run: {s['warmup']} untimed steps per system, then {s['blocks']} alternating blocks of "
       f"{s['steps_per_block']} steps each. Throughput = all ranks' samples / the timed blocks' time; "
       f"ratio = Tidewire / gloo; the spread is over runs (min..max) and over single blocks.", "",
-      "| network | model | params | runs | gloo samples/s | Tidewire samples/s | ratio (median) | ratio min..max (runs) | block ratios min..max | allclose (max abs diff) | SFB layers |",
-      "|---|---|---|---|---|---|---|---|---|---|---|"]
+      f"Command: `{summary['command']}`.", "",
+      "| network | model | params | runs | gloo samples/s | Tidewire samples/s | ratio (median) | ratio min..max (runs) | block ratios min..max | allclose (max abs diff) | SFB layers | load at start |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for r in rows:
     md.append(f"| {r['net']} | {r['model']} | {r['params'] / 1e6:.2f} M | {r['reps']} | {r['gloo_samples_s_median']:.1f} | "
               f"{r['tidewire_samples_s_median']:.1f} | **{r['ratio_median']:.2f}** | {r['ratio_min']:.2f}..{r['ratio_max']:.2f} | "
               f"{r['block_ratio_min']:.2f}..{r['block_ratio_max']:.2f} | {'yes' if r['allclose_all'] else 'NO'} "
-              f"({r['max_abs_diff']:.1e}) | {', '.join(r['sfb_layers']) or '-'} |")
+              f"({r['max_abs_diff']:.1e}) | {', '.join(r['sfb_layers']) or '-'} | {r['load1_min']:.1f}..{r['load1_max']:.1f} |")
 md += ["", f"allclose: Tidewire's against DDP's parameters after the run's last step, on every rank, "
-       f"rtol {s['rtol']:g}, atol {s['atol']:g}. Runs that failed or were not close: {bad}."]
+       f"rtol {s['rtol']:g}, atol {s['atol']:g}. Runs that failed or were not close: {bad}.",
+       "", "Load at start: the 1-minute load average when each run began (the machine's other work "
+       "shows there; this benchmark's 4 ranks alone bring it near 4). Medians are over runs; the gloo and "
+       "Tidewire medians are taken separately, so their quotient need not equal the median ratio."]
 open(os.path.join(outdir, "compare-ddp.md"), "w").write("\n".join(md) + "\n")
 print("\n".join(md))
 print(f"\nwrote {outdir}/compare-ddp.json, compare-ddp.md, compare-ddp-raw.tsv")
