@@ -186,18 +186,25 @@ impl Server {
             .collect()
     }
 
-    /// A slice that worker index `wi` can no longer complete: some other
-    /// worker pushed an iteration of it that `wi` never pushed. Only
-    /// meaningful once `wi` has finished (pushes nothing more): the slice's
-    /// accumulator then waits forever. Returns (global slice, iteration).
-    pub fn stranded_by(&self, wi: usize) -> Option<(u32, u64)> {
+    /// A slice that a finished worker can no longer complete: some other
+    /// worker pushed an iteration of it that the finished one (`finished(wi)`:
+    /// it pushes nothing more) never pushed, so its accumulator would wait
+    /// forever. Returns (worker index, global slice, iteration). One pass over
+    /// the shard's slices and workers.
+    pub fn stranded(&self, finished: impl Fn(usize) -> bool) -> Option<(usize, u32, u64)> {
         let nls = self.received.len() / self.p1.max(1);
-        let ls = (0..nls).find(|&ls| {
-            let mine = self.received[wi * nls + ls];
-            (0..self.p1).any(|w| self.received[w * nls + ls] > mine)
-        })?;
-        let global = self.slice_local.iter().position(|&l| l == ls as u32)? as u32;
-        Some((global, self.received[wi * nls + ls]))
+        let done: Vec<usize> = (0..self.p1).filter(|&w| finished(w)).collect();
+        if done.is_empty() {
+            return None;
+        }
+        for ls in 0..nls {
+            let max = (0..self.p1).map(|w| self.received[w * nls + ls]).max().unwrap_or(0);
+            if let Some(&wi) = done.iter().find(|&&w| self.received[w * nls + ls] < max) {
+                let global = self.slice_local.iter().position(|&l| l == ls as u32)? as u32;
+                return Some((wi, global, self.received[wi * nls + ls]));
+            }
+        }
+        None
     }
 
     /// Whether contributions are folded in worker order. Only under BSP: under

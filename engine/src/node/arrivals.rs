@@ -103,6 +103,7 @@ impl Node {
     pub(super) fn landed(&mut self, peer: u32, region: LocalRegion, offset: u64, len: u64, imm: u32) -> Result<()> {
         self.peer_mut(peer)?;
         self.landed_from[peer as usize] += 1;
+        self.stranded_dirty = true;
         let bad = |what: String| EngineError::Protocol { rank: peer, what };
         let book = self.book.clone();
         let slots = u64::from(self.sched.slots);
@@ -237,6 +238,8 @@ impl Node {
                     return Err(bad("finished twice".into()));
                 }
                 p.finished = Some(writes);
+                self.any_finished = true;
+                self.stranded_dirty = true;
                 Ok(())
             }
             Msg::Bye { writes } => {

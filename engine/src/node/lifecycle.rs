@@ -61,29 +61,32 @@ impl Node {
     /// On a server, once a worker has finished (and its writes landed): a
     /// slice that another worker pushed further than it can never complete.
     /// Without this check every rank's shutdown would wait for it forever.
-    pub(super) fn check_stranded(&self) -> Option<EngineError> {
+    /// It runs only after a worker finished, and only when a write landed or
+    /// a peer's state changed since the last run.
+    pub(super) fn check_stranded(&mut self) -> Option<EngineError> {
+        if !self.stranded_dirty || !self.any_finished {
+            return None;
+        }
+        self.stranded_dirty = false;
         let s = self.server.as_ref()?;
         let book = &self.book;
-        for (wi, &w) in book.cluster().workers().iter().enumerate() {
-            let finished = if w == self.rank {
+        let workers = book.cluster().workers();
+        let finished = |wi: usize| {
+            let w = workers[wi];
+            if w == self.rank {
                 self.finished_sent
             } else {
                 self.peer_done(w, self.peers[w as usize].finished)
-            };
-            if !finished {
-                continue;
             }
-            if let Some((slice, iter)) = s.core.stranded_by(wi) {
-                let layer = book.slices()[slice as usize].layer;
-                return Some(EngineError::Stranded {
-                    worker: w,
-                    layer,
-                    name: book.layers()[layer as usize].name.clone(),
-                    iter,
-                });
-            }
-        }
-        None
+        };
+        let (wi, slice, iter) = s.core.stranded(finished)?;
+        let layer = book.slices()[slice as usize].layer;
+        Some(EngineError::Stranded {
+            worker: workers[wi],
+            layer,
+            name: book.layers()[layer as usize].name.clone(),
+            iter,
+        })
     }
 
     pub(super) fn check_shutdown(&mut self) {
@@ -106,6 +109,8 @@ impl Node {
                 return;
             }
             self.finished_sent = true;
+            self.any_finished = true;
+            self.stranded_dirty = true;
             if self.worker.is_some() {
                 for p in (0..world).filter(|&p| p != me) {
                     let writes = self.imm_sent[p as usize];

@@ -268,6 +268,10 @@ pub struct Node {
     fatal: Option<EngineError>,
     imm_sent: Vec<u64>,
     landed_from: Vec<u64>,
+    /// A worker (this rank's, or a peer) has finished: the stranded check is on.
+    any_finished: bool,
+    /// Something the stranded check reads changed since it last ran.
+    stranded_dirty: bool,
     /// Transmits to peers that left after their goodbye: complete them.
     moot: Vec<(u32, Track)>,
     /// Per peer: writes and factor blocks waiting for it to open (its limits).
@@ -457,6 +461,8 @@ impl Node {
             fatal: None,
             imm_sent: vec![0; world],
             landed_from: vec![0; world],
+            any_finished: false,
+            stranded_dirty: false,
             moot: Vec::new(),
             early: (0..world).map(|_| Vec::new()).collect(),
             open_peers: 0,
@@ -723,6 +729,7 @@ impl Node {
             } => self.landed(peer, region, offset, len, imm),
             Input::Message { peer, tag, data } => self.message(peer, tag, data),
             Input::Closed { peer, error } => {
+                self.stranded_dirty = true;
                 let p = self.peer_mut(peer)?;
                 p.closed = true;
                 if p.bye.is_some() {

@@ -107,6 +107,7 @@ impl Node {
                     let s = self.server.as_mut().expect("colocated");
                     s.local_slots.insert(slot, slice);
                     s.core.handle_landed(me, slot, slice)?;
+                    self.stranded_dirty = true;
                 } else {
                     let wi = self.worker.as_ref().expect("worker").core.index() as u64;
                     let src = Loc {
