@@ -91,3 +91,15 @@ impl Error {
 
 /// Shorthand.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// The message of a caught panic (`&str` or `String` payloads), for errors
+/// that report it.
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".into()
+    }
+}

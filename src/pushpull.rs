@@ -18,29 +18,22 @@
 //! use tidewire::transport::PinnedBuffer;
 //! use tidewire::{BufferLayout, Builder};
 //!
-//! // The framework's own memory: 64 parameters and 64 gradients, f32.
-//! let mut params = vec![0.5f32; 64];
-//! let mut grads = vec![0.0f32; 64];
-//! // SAFETY: both vectors outlive the session (shut down below), and the
-//! // program touches a layer's values only while it holds the layer.
-//! let (p, g) = unsafe {
-//!     (
-//!         PinnedBuffer::foreign(params.as_mut_ptr().cast(), 256, None)?,
-//!         PinnedBuffer::foreign(grads.as_mut_ptr().cast(), 256, None)?,
-//!     )
-//! };
+//! // The caller's memory: 64 parameters and 64 gradients, f32, handed over
+//! // (a framework's tensors are wrapped with the unsafe `PinnedBuffer::foreign`).
+//! let p = PinnedBuffer::from_f32_vec(vec![0.5f32; 64])?;
+//! let g = PinnedBuffer::from_f32_vec(vec![0.0f32; 64])?;
 //! let session = Builder::new(vec![LayerSpec::new("w", LayerKind::Other, 8, 8)])
 //!     .params_buffer(BufferLayout { buffer: p, offsets: vec![0] })
 //!     .grads_buffer(BufferLayout { buffer: g, offsets: vec![0] })
 //!     .build_from_env()?;
 //! let mut pp = PushPull::new(session)?;
 //! for _step in 0..10 {
-//!     // ... backward writes `grads` ...
-//!     pp.push(0)?; // zero-copy from `grads`
-//!     pp.pull(0)?; // `params` now holds the servers' result
+//!     pp.held(0)?.grad_mut().fill(0.01); // backward writes the gradient in place
+//!     pp.push(0)?; // zero-copy from the gradient memory
+//!     pp.pull(0)?; // the parameter memory now holds the servers' result
+//!     let _w = pp.held(0)?.params();
 //! }
 //! pp.shutdown()?;
-//! drop((params, grads));
 //! # Ok::<(), tidewire::Error>(())
 //! ```
 //!

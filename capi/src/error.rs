@@ -111,15 +111,7 @@ pub(crate) fn set_last_error(call: &str, msg: &str) {
     });
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".to_string()
-    }
-}
+use tidewire::error::panic_message;
 
 /// Runs `f` for the C call `call`: a failure becomes its code and this thread's
 /// last error, a panic becomes `TW_ERR_PANIC`. Nothing unwinds past here.

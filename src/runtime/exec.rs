@@ -101,15 +101,7 @@ pub(crate) struct ServerSetup {
     pub(crate) shard_len: usize,
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".into()
-    }
-}
+use crate::error::panic_message;
 
 impl Executors {
     /// Starts the executors this rank needs. Returns the aggregator's
