@@ -17,6 +17,10 @@ pub struct SessionStats {
     pub rx_direct_bytes: u64,
     /// Bytes this rank's transport copied out to the application (messages).
     pub rx_copied_bytes: u64,
+    /// Payload bytes this rank's transport sent (writes and messages): its
+    /// NIC's transmit side. With local learners, one rank per node sends for all.
+    #[serde(default)]
+    pub tx_payload_bytes: u64,
     /// Contribution bytes this rank's server summed on the CPU.
     pub cpu_aggregated_bytes: u64,
     /// Contribution bytes this rank's server summed on the GPU (Nexus).

@@ -117,6 +117,23 @@ pub struct TrainArgs {
     /// Compute slowdown of --slow-rank.
     #[arg(long, default_value_t = 3.0)]
     pub slow_factor: f64,
+    /// Learners per worker node (Nexus's local aggregation): each worker rank
+    /// leads L learner processes (itself and L-1 more) that hand their
+    /// gradients to it through shared memory; it sums them in local-rank order,
+    /// pushes once per node and fans the parameters out through a cache.
+    /// `--workers` counts nodes; every node computes L × `--batch` samples.
+    #[arg(long, default_value_t = 1)]
+    pub local_learners: usize,
+    /// With --local-learners L: the flat baseline. Every learner is a rank of
+    /// its own and pushes for itself (L copies per node), and servers sum each
+    /// node's L gradients first, as the local aggregator does, so both runs
+    /// give bitwise the same parameters (every PS-synced layer).
+    #[arg(long)]
+    pub flat: bool,
+    /// Local learners read parameters from the node's cache up to this many
+    /// versions old instead of waiting for the newest (Nexus's parameter cache).
+    #[arg(long, default_value_t = 0)]
+    pub cache_staleness: u64,
     /// Run rank r in network namespace r mod N of this comma- or space-separated list
     /// (`ip netns exec`; root). The bandwidth harness (ci/netem/netem.sh run) passes its
     /// namespaces in NETEM_NS. Needs --netns-addrs.
@@ -186,11 +203,25 @@ impl TrainArgs {
     fn batch(&self, m: &Model) -> usize {
         self.batch.unwrap_or(m.batch)
     }
+    /// (P1, P2, ranks): with --flat every learner is a worker rank.
     fn world(&self) -> (usize, usize, usize) {
-        if self.colocate {
-            (self.workers, self.workers, self.workers)
+        let p1 = if self.flat {
+            self.workers * self.local_learners
         } else {
-            (self.workers, self.servers, self.workers + self.servers)
+            self.workers
+        };
+        if self.colocate {
+            (p1, p1, p1)
+        } else {
+            (p1, self.servers, p1 + self.servers)
+        }
+    }
+    /// Learners behind each worker rank (1 with --flat).
+    fn learners(&self) -> usize {
+        if self.flat {
+            1
+        } else {
+            self.local_learners.max(1)
         }
     }
     /// Checks the flags before anything starts.
@@ -213,6 +244,19 @@ impl TrainArgs {
         }
         if self.iters == 0 {
             return Err(Error::Usage("--iters must be at least 1".into()));
+        }
+        if self.local_learners == 0 {
+            return Err(Error::Usage("--local-learners must be at least 1".into()));
+        }
+        if self.flat && self.local_learners < 2 {
+            return Err(Error::Usage(
+                "--flat compares against --local-learners L with L ≥ 2: give L".into(),
+            ));
+        }
+        if self.verify && self.cache_staleness > 0 {
+            return Err(Error::Usage(
+                "--verify needs --cache-staleness 0: stale parameter reads depend on timing".into(),
+            ));
         }
         if let (Some(ns), Some(addrs)) = (&self.netns, &self.netns_addrs) {
             let (ns, addrs) = (split_list(ns), split_list(addrs));
@@ -240,7 +284,7 @@ impl TrainArgs {
     }
     fn book_config(&self, m: &Model) -> BookConfig {
         self.sync_mode().book_config(BookConfig {
-            batch: self.batch(m),
+            batch: self.batch(m) * self.learners(),
             chunk_bytes: self.chunk_bytes,
             slice_params: self.slice_params,
             ..Default::default()
@@ -283,6 +327,8 @@ impl TrainArgs {
             order: self.sync_mode().order(),
             consistency: consistency_of(&self.consistency).expect("validated"),
             deterministic: !self.fast,
+            fold_group: if self.flat { self.local_learners as u32 } else { 1 },
+            learners: self.learners() as u32,
             ..SchedConfig::default()
         };
         if let Some(c) = self.credit_bytes {
@@ -393,6 +439,16 @@ pub struct NodeResult {
     /// The transport this rank used and why ("tcp: ..." or "rdma: ...").
     #[serde(default)]
     pub transport: String,
+    /// (node, local rank) of a local learner that is not a rank (`--local-learners`).
+    #[serde(default)]
+    pub local: Option<(u32, u32)>,
+    /// Bytes the transport sent before the first iteration (rendezvous, keys,
+    /// seeding the servers' shards).
+    #[serde(default)]
+    pub setup_tx_bytes: u64,
+    /// Bytes received before the first iteration.
+    #[serde(default)]
+    pub setup_rx_bytes: u64,
 }
 
 fn sleep(d: Duration) {
@@ -405,12 +461,17 @@ fn sleep(d: Duration) {
 /// Progress goes to stdout as `progress <iter>` lines, the result as one JSON line.
 pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
     args.validate()?;
-    let spec = ClusterSpec::from_env()?;
     let model = args.model()?;
+    if let Some(local) = LocalEnv::from_env()? {
+        if local.index > 0 {
+            return run_learner(args, &model, &local);
+        }
+    }
+    let spec = ClusterSpec::from_env()?;
     let synth = Arc::new(Synth::new(args.seed));
     let s2 = synth.clone();
     let session = Builder::new(model.layers.clone())
-        .batch(args.batch(&model))
+        .batch(args.batch(&model) * args.learners())
         .chunk_bytes(args.chunk_bytes)
         .slice_params(args.book_config(&model).slice_params)
         .policy(args.sync_mode().policy())
@@ -424,7 +485,19 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
         .init_params(move |l, p| s2.init(l, p))
         .build(spec)?;
     if session.role().is_worker() {
-        worker_loop(
+        let group = match LocalEnv::from_env()? {
+            Some(local) => Some(
+                tidewire::local::LocalGroup::create(
+                    &local.path,
+                    local.nonce,
+                    &local_layout(args, &model),
+                    Duration::from_secs(args.timeout_s),
+                )
+                .map_err(|e| Error::Launch(e.to_string()))?,
+            ),
+            None => None,
+        };
+        let r = worker_loop(
             args,
             &model,
             &synth,
@@ -432,8 +505,15 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
             LoopOpts {
                 progress: true,
                 fc_as_gradients: false,
+                group: group.as_ref(),
             },
-        )
+        );
+        if r.is_err() {
+            if let Some(g) = &group {
+                g.abort();
+            }
+        }
+        r
     } else {
         let rank = session.rank();
         let stats = session.stats()?;
@@ -447,17 +527,147 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
             digests: vec![],
             stats,
             transport: format!("{kind}: {why}"),
+            local: None,
+            setup_tx_bytes: 0,
+            setup_rx_bytes: 0,
         })
     }
 }
 
 #[derive(Debug, Clone, Copy)]
-struct LoopOpts {
+struct LoopOpts<'a> {
     /// Print `progress <iter>` lines for the launcher.
     progress: bool,
     /// Form FC gradients Uᵀ·V in the trainer and hand them in with
     /// `grad_ready` (a framework that does not use sufficient factors).
     fc_as_gradients: bool,
+    /// This worker leads a node's local learners (`--local-learners`).
+    group: Option<&'a tidewire::local::LocalGroup>,
+}
+
+/// A process's place among its node's local learners, from the launcher's
+/// environment (`TIDEWIRE_LOCAL_RANK`, `TIDEWIRE_LOCAL_NODE`, `TIDEWIRE_LOCAL_PATH`,
+/// `TIDEWIRE_LOCAL_NONCE`); `None` without local learners.
+#[derive(Debug, Clone)]
+struct LocalEnv {
+    index: usize,
+    node: usize,
+    path: std::path::PathBuf,
+    nonce: u64,
+}
+
+impl LocalEnv {
+    fn from_env() -> Result<Option<Self>> {
+        let Ok(index) = std::env::var("TIDEWIRE_LOCAL_RANK") else {
+            return Ok(None);
+        };
+        let get = |k: &str| std::env::var(k).map_err(|_| Error::Usage(format!("{k} is not set")));
+        let num = |k: &str, v: String| {
+            v.parse::<u64>()
+                .map_err(|_| Error::Usage(format!("{k}={v:?} is not a number")))
+        };
+        Ok(Some(LocalEnv {
+            index: num("TIDEWIRE_LOCAL_RANK", index)? as usize,
+            node: num("TIDEWIRE_LOCAL_NODE", get("TIDEWIRE_LOCAL_NODE")?)? as usize,
+            path: get("TIDEWIRE_LOCAL_PATH")?.into(),
+            nonce: num("TIDEWIRE_LOCAL_NONCE", get("TIDEWIRE_LOCAL_NONCE")?)?,
+        }))
+    }
+}
+
+/// The node's shared-memory layout: per layer its parameters, and a slot for
+/// a learner's gradient or its U and V (K rows each), whichever is larger.
+fn local_layout(args: &TrainArgs, model: &Model) -> tidewire::local::LocalLayout {
+    let k = args.batch(model);
+    let params = model.layers.iter().map(|l| l.params()).collect();
+    let slots = model
+        .layers
+        .iter()
+        .map(|l| {
+            if l.kind == LayerKind::Fc {
+                l.params().max(k * (l.m + l.n))
+            } else {
+                l.params()
+            }
+        })
+        .collect();
+    tidewire::local::LocalLayout::new(args.local_learners, params, slots)
+}
+
+/// A local learner (local rank ≥ 1): the same compute and synthetic data as a
+/// worker, with gradients handed to the node's leader through shared memory
+/// and parameters read from its cache. Reports its final digests.
+fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<NodeResult> {
+    let synth = Synth::new(args.seed);
+    let layout = local_layout(args, model);
+    let timeout = Duration::from_secs(args.timeout_s);
+    let me = tidewire::local::LocalLearner::attach(&local.path, local.nonce, &layout, local.index, timeout)
+        .map_err(|e| Error::Launch(e.to_string()))?;
+    let k = args.batch(model);
+    let global = local.node * args.local_learners + local.index;
+    let times = model.layer_times(k, args.time_scale);
+    let nl = model.layers.len();
+    let mut params: Vec<Vec<f32>> = model.layers.iter().map(|l| vec![0f32; l.params()]).collect();
+    let mut grad: Vec<Vec<f32>> = model.layers.iter().map(|l| vec![0f32; l.params()]).collect();
+    let mut stats = Vec::new();
+    let mut out = std::io::stdout();
+    let mut prev: Option<Instant> = None;
+    for it in 0..args.iters {
+        let start = Instant::now();
+        let mut blocked = Duration::ZERO;
+        for l in 0..nl {
+            let t = Instant::now();
+            me.params(l, it.saturating_sub(args.cache_staleness), &mut params[l])?;
+            blocked += t.elapsed();
+            sleep(times[l].0);
+        }
+        if let (Some(p), Some(last)) = (prev, stats.last_mut()) {
+            let last: &mut IterStat = last;
+            last.seconds = (start - p).as_secs_f64();
+        }
+        prev = Some(start);
+        let forward_done_unix = unix_now();
+        for l in (0..nl).rev() {
+            sleep(times[l].1);
+            let spec = &model.layers[l];
+            if spec.kind == LayerKind::Fc {
+                let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
+                synth.factors(global, it, l as u32, &mut u, &mut v);
+                me.hand_in(l, it, &[&u, &v])?;
+            } else {
+                synth.grad(global, it, l as u32, &mut grad[l]);
+                me.hand_in(l, it, &[&grad[l]])?;
+            }
+        }
+        stats.push(IterStat {
+            iter: it,
+            seconds: 0.0,
+            blocked_s: blocked.as_secs_f64(),
+            sync_span_s: 0.0,
+            exposed_s: 0.0,
+            forward_done_unix,
+            backward_done_unix: unix_now(),
+        });
+        let _ = writeln!(out, "progress {}", it + 1);
+        let _ = out.flush();
+    }
+    for (l, p) in params.iter_mut().enumerate() {
+        me.params(l, args.iters, p)?;
+    }
+    if let (Some(p), Some(last)) = (prev, stats.last_mut()) {
+        last.seconds = p.elapsed().as_secs_f64();
+    }
+    Ok(NodeResult {
+        rank: u32::MAX,
+        worker: true,
+        iters: stats,
+        digests: params.iter().map(|p| digest(p)).collect(),
+        stats: SessionStats::default(),
+        transport: String::new(),
+        local: Some((local.node as u32, local.index as u32)),
+        setup_tx_bytes: 0,
+        setup_rx_bytes: 0,
+    })
 }
 
 fn worker_loop(
@@ -480,6 +690,9 @@ fn worker_loop(
     let wait_free = args.sync_mode().wait_free();
     let nl = book.layers().len();
     let mut layers = session.take_layers()?;
+    // Set-up traffic (rendezvous, keys, the servers' seeding), before any
+    // iteration: reported apart from the training traffic.
+    let setup = session.stats()?;
     let mut stats: Vec<IterStat> = Vec::new();
     let mut starts: Vec<Instant> = Vec::new();
     let mut first_hand_in = None;
@@ -495,6 +708,10 @@ fn worker_loop(
                 blocked += t.elapsed();
                 last_sync = last_sync.max(b.synced_at());
                 layers[l] = Some(b);
+            }
+            if let Some(g) = opts.group {
+                // The fan-out: once per node, into the learners' cache.
+                g.publish(l, it, layers[l].as_ref().expect("held by the trainer").params())?;
             }
             sleep(times[l].0);
         }
@@ -517,6 +734,43 @@ fn worker_loop(
             sleep(times[l].1);
             let mut buf = layers[l].take().expect("held by the trainer");
             let spec = &book.layers()[l];
+            if let Some(g) = opts.group {
+                // Learner 0 of node `wi`: its own gradient first, then the
+                // node's other learners in local-rank order; one hand-in.
+                let global = wi * args.local_learners;
+                let (km, kn) = (k * spec.m, k * spec.n);
+                let as_factors = spec.kind == LayerKind::Fc && book.scheme(l as u32, it) == Scheme::Sfb;
+                if as_factors {
+                    let (u, v) = buf.uv_mut();
+                    synth.factors(global, it, l as u32, &mut u[..km], &mut v[..kn]);
+                    g.stack_into(l, it, &mut [u, v])?;
+                } else if spec.kind == LayerKind::Fc {
+                    // Through the PS: each learner's Uᵀ·V, summed in order (as
+                    // a flat run's Nodes form them, one per worker).
+                    let (mut u, mut v) = (vec![0f32; km], vec![0f32; kn]);
+                    synth.factors(global, it, l as u32, &mut u, &mut v);
+                    cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, buf.grad_mut());
+                    let mut tmp = vec![0f32; spec.params()];
+                    let grad = buf.grad_mut();
+                    g.for_each_slot(l, it, km + kn, &mut u, |_, uv| {
+                        cpu::sf_rows(&uv[..km], &uv[km..], k, spec.m, spec.n, 0, &mut tmp);
+                        cpu::add_assign(grad, &tmp);
+                    })?;
+                } else {
+                    synth.grad(global, it, l as u32, buf.grad_mut());
+                    g.sum_into(l, it, buf.grad_mut())?;
+                }
+                if wait_free {
+                    first_hand_in.get_or_insert_with(Instant::now);
+                    if l == 0 {
+                        backward_done_unix = unix_now();
+                    }
+                    hand_in(&session, buf, !as_factors)?;
+                } else {
+                    deferred.push((buf, !as_factors));
+                }
+                continue;
+            }
             if spec.kind == LayerKind::Fc && opts.fc_as_gradients {
                 let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
                 synth.factors(wi, it, l as u32, &mut u, &mut v);
@@ -534,16 +788,16 @@ fn worker_loop(
                 }
                 hand_in(&session, buf, opts.fc_as_gradients)?;
             } else {
-                deferred.push(buf);
+                deferred.push((buf, opts.fc_as_gradients));
             }
         }
         let last = deferred.len().saturating_sub(1);
-        for (i, buf) in deferred.into_iter().enumerate() {
+        for (i, (buf, as_grad)) in deferred.into_iter().enumerate() {
             first_hand_in.get_or_insert_with(Instant::now);
             if i == last {
                 backward_done_unix = unix_now();
             }
-            hand_in(&session, buf, opts.fc_as_gradients)?;
+            hand_in(&session, buf, as_grad)?;
         }
         stats.push(IterStat {
             iter: it,
@@ -566,6 +820,11 @@ fn worker_loop(
         let _ = writeln!(out, "progress {}", args.iters);
         let _ = out.flush();
     }
+    if let Some(g) = opts.group {
+        for (l, b) in all.iter().enumerate() {
+            g.publish(l, args.iters, b.params())?;
+        }
+    }
     let digests = all.iter().map(|b| digest(b.params())).collect();
     let st = session.stats()?;
     let (kind, why) = session.transport();
@@ -578,6 +837,9 @@ fn worker_loop(
         digests,
         stats: st,
         transport: format!("{kind}: {why}"),
+        local: None,
+        setup_tx_bytes: setup.tx_payload_bytes,
+        setup_rx_bytes: setup.rx_direct_bytes + setup.rx_copied_bytes,
     })
 }
 
@@ -635,6 +897,7 @@ pub fn run_single(args: &TrainArgs, engine: bool) -> Result<Vec<IterStat>> {
             LoopOpts {
                 progress: false,
                 fc_as_gradients: true,
+                group: None,
             },
         )?;
         return Ok(r.iters);
@@ -705,35 +968,83 @@ pub fn run_single(args: &TrainArgs, engine: bool) -> Result<Vec<IterStat>> {
 }
 
 /// The single-process reference: the same synthetic gradients, summed in
-/// worker-rank order, applied with the same op. Returns each layer's digest.
-pub fn reference(args: &TrainArgs, workers: usize) -> Result<Vec<String>> {
+/// the engine's deterministic order, applied with the same op. Returns each
+/// layer's digest.
+///
+/// The order: every node's learners in local-rank order into the node's sum
+/// (the local aggregator, or a flat run's servers with `fold_group = L`), then
+/// the node sums in node order. An FC layer synced by SFB is rebuilt from
+/// every worker rank's factors in rank order: a flat run's per learner, a
+/// local group's stacked (one Uᵀ·V over the node's L·K rows).
+pub fn reference(args: &TrainArgs, book: &Book) -> Result<Vec<String>> {
     let model = args.model()?;
     let synth = Synth::new(args.seed);
     let op = args.apply_op()?;
     let k = args.batch(&model);
+    let lrn = args.local_learners.max(1);
+    let nodes = args.workers;
     let mut out = Vec::new();
     let max = model.layers.iter().map(|l| l.params()).max().unwrap_or(0);
-    let (mut acc, mut g) = (vec![0f32; max], vec![0f32; max]);
+    let (mut acc, mut part, mut g) = (vec![0f32; max], vec![0f32; max], vec![0f32; max]);
     for (li, spec) in model.layers.iter().enumerate() {
         let n = spec.params();
         let mut w = vec![0f32; n];
         synth.init(li as u32, &mut w);
         let mut mom = if op.needs_momentum() { vec![0f32; n] } else { Vec::new() };
-        let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
+        let (mut u, mut v) = (vec![0f32; lrn * k * spec.m], vec![0f32; lrn * k * spec.n]);
+        let (km, kn) = (k * spec.m, k * spec.n);
         for it in 0..args.iters {
-            for wi in 0..workers {
-                let dst = if wi == 0 { &mut acc[..n] } else { &mut g[..n] };
+            let sfb = spec.kind == LayerKind::Fc && book.scheme(li as u32, it) == Scheme::Sfb;
+            // One learner's gradient (global learner index `gi`).
+            let mut grad_of = |gi: usize, dst: &mut [f32]| {
                 if spec.kind == LayerKind::Fc {
-                    synth.factors(wi, it, li as u32, &mut u, &mut v);
-                    cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, dst);
+                    synth.factors(gi, it, li as u32, &mut u[..km], &mut v[..kn]);
+                    cpu::sf_rows(&u[..km], &v[..kn], k, spec.m, spec.n, 0, dst);
                 } else {
-                    synth.grad(wi, it, li as u32, dst);
+                    synth.grad(gi, it, li as u32, dst);
                 }
-                if wi > 0 {
-                    cpu::add_assign(&mut acc[..n], &g[..n]);
+            };
+            if sfb && (args.flat || lrn == 1) {
+                for gi in 0..nodes * lrn {
+                    if gi == 0 {
+                        grad_of(gi, &mut acc[..n]);
+                    } else {
+                        grad_of(gi, &mut g[..n]);
+                        cpu::add_assign(&mut acc[..n], &g[..n]);
+                    }
+                }
+            } else if sfb {
+                for node in 0..nodes {
+                    for j in 0..lrn {
+                        let gi = node * lrn + j;
+                        synth.factors(
+                            gi,
+                            it,
+                            li as u32,
+                            &mut u[j * km..(j + 1) * km],
+                            &mut v[j * kn..(j + 1) * kn],
+                        );
+                    }
+                    let dst = if node == 0 { &mut acc[..n] } else { &mut g[..n] };
+                    cpu::sf_rows(&u, &v, lrn * k, spec.m, spec.n, 0, dst);
+                    if node > 0 {
+                        cpu::add_assign(&mut acc[..n], &g[..n]);
+                    }
+                }
+            } else {
+                for node in 0..nodes {
+                    let dst = if node == 0 { &mut acc[..n] } else { &mut part[..n] };
+                    grad_of(node * lrn, dst);
+                    for j in 1..lrn {
+                        grad_of(node * lrn + j, &mut g[..n]);
+                        cpu::add_assign(dst, &g[..n]);
+                    }
+                    if node > 0 {
+                        cpu::add_assign(&mut acc[..n], &part[..n]);
+                    }
                 }
             }
-            cpu::apply(op, workers, &acc[..n], &mut w, &mut mom);
+            cpu::apply(op, nodes * lrn, &acc[..n], &mut w, &mut mom);
         }
         out.push(digest(&w));
     }
@@ -759,6 +1070,18 @@ pub struct TrainReport {
     /// Peers' factor bytes decoded into scratch first (U or V over the message
     /// cap, so split over messages), over all ranks. 0 when every U and V fits a message.
     pub factor_bytes_decoded: u64,
+    /// Learners per worker node (`--local-learners`), and whether each was a
+    /// rank of its own (`--flat`) rather than behind a local aggregator.
+    pub local_learners: usize,
+    /// See `local_learners`.
+    pub flat: bool,
+    /// Per worker node: payload bytes its NIC sent and received while training
+    /// (the transports' counters, summed over the node's ranks: one with local
+    /// aggregation, L with --flat; a colocated node's server traffic included;
+    /// the set-up before the first iteration, such as seeding, not counted).
+    pub node_tx_bytes: Vec<u64>,
+    /// See `node_tx_bytes`.
+    pub node_rx_bytes: Vec<u64>,
     /// Sync mode.
     pub sync: String,
     /// Consistency.
@@ -795,6 +1118,10 @@ pub struct TrainReport {
     pub verified: Option<bool>,
     /// Layers that differ (name), when verification failed.
     pub mismatched_layers: Vec<String>,
+    /// SHA-256 of every layer's final parameters on worker rank 0, to compare
+    /// runs (a flat run and a local-aggregation one give the same, for
+    /// example).
+    pub digests: Vec<String>,
     /// Wall time of the whole run, s.
     pub wall_s: f64,
     /// The transports the ranks used, each with the reason (distinct lines; with
@@ -830,6 +1157,23 @@ fn secret() -> String {
         b = (t.as_nanos() ^ u128::from(std::process::id())).to_le_bytes();
     }
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The environment of node `node`'s local learners: the shared file (in
+/// /dev/shm where it exists) and this run's nonce.
+fn local_env(c: &mut Command, node: usize, secret: &str) {
+    let dir = if std::path::Path::new("/dev/shm").is_dir() {
+        std::path::PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let nonce = u64::from_str_radix(&secret[..16.min(secret.len())], 16).unwrap_or(1);
+    c.env("TIDEWIRE_LOCAL_NODE", node.to_string())
+        .env(
+            "TIDEWIRE_LOCAL_PATH",
+            dir.join(format!("tidewire-train-{}-{node}", &secret[..12.min(secret.len())])),
+        )
+        .env("TIDEWIRE_LOCAL_NONCE", nonce.to_string());
 }
 
 /// Launches the local cluster, follows it, verifies, and reports.
@@ -875,11 +1219,45 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         } else {
             c.env("TIDEWIRE_SERVERS", p2.to_string());
         }
+        let hier = args.local_learners > 1 && !args.flat;
+        if hier && (rank as usize) < p1 {
+            c.env("TIDEWIRE_LOCAL_RANK", "0");
+            local_env(&mut c, rank as usize, &secret);
+        }
         let child = c
             .spawn()
             .map_err(|e| Error::Launch(format!("cannot start rank {rank}: {e}")))?;
         children.push((rank, child));
     }
+    // Local learners 1..L of every node: processes that are not ranks. They
+    // take "rank" numbers after the ranks' for the launcher's bookkeeping only.
+    if args.local_learners > 1 && !args.flat {
+        for node in 0..p1 {
+            for j in 1..args.local_learners {
+                let mut c = match &netns {
+                    Some((ns, _)) => {
+                        let mut c = Command::new("ip");
+                        c.args(["netns", "exec", &ns[node % ns.len()]]).arg(&exe);
+                        c
+                    }
+                    None => Command::new(&exe),
+                };
+                c.arg("train-node")
+                    .args(&node_args)
+                    .env("TIDEWIRE_LOCAL_RANK", j.to_string())
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped());
+                local_env(&mut c, node, &secret);
+                let id = (world + node * (args.local_learners - 1) + j - 1) as u32;
+                let child = c
+                    .spawn()
+                    .map_err(|e| Error::Launch(format!("cannot start local learner {j} of node {node}: {e}")))?;
+                children.push((id, child));
+            }
+        }
+    }
+    let world = children.len();
     let bar = indicatif::ProgressBar::new(args.iters);
     if args.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -980,11 +1358,19 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         }
         return Err(Error::Launch(format!("the local cluster failed: {msg}")));
     }
-    let workers: Vec<&NodeResult> = results.iter().filter(|r| r.worker).collect();
+    let workers: Vec<&NodeResult> = results.iter().filter(|r| r.worker && r.local.is_none()).collect();
     if workers.len() != p1 {
         return Err(Error::Launch(format!(
             "{} of {p1} workers reported a result",
             workers.len()
+        )));
+    }
+    let learners: Vec<&NodeResult> = results.iter().filter(|r| r.local.is_some()).collect();
+    let want_learners = if args.flat { 0 } else { p1 * (args.local_learners - 1) };
+    if learners.len() != want_learners {
+        return Err(Error::Launch(format!(
+            "{} of {want_learners} local learners reported a result",
+            learners.len()
         )));
     }
     let book = Book::new(
@@ -1026,9 +1412,9 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         spans.iter().sum::<f64>() / spans.len() as f64
     };
     let (verified, mismatched_layers) = if args.verify {
-        let want = reference(args, p1)?;
+        let want = reference(args, &book)?;
         let mut bad: Vec<String> = Vec::new();
-        for w in &workers {
+        for w in workers.iter().chain(&learners) {
             for (l, d) in w.digests.iter().enumerate() {
                 if want.get(l) != Some(d) && !bad.contains(&model.layers[l].name) {
                     bad.push(model.layers[l].name.clone());
@@ -1051,6 +1437,12 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         factor_bytes_in_place: results.iter().map(|r| r.stats.factor_bytes_in_place).sum(),
         factor_bytes_decoded: results.iter().map(|r| r.stats.factor_bytes_decoded).sum(),
         model: model.name.into(),
+        local_learners: args.local_learners,
+        flat: args.flat,
+        node_tx_bytes: per_node(&results, args, |r| r.stats.tx_payload_bytes - r.setup_tx_bytes),
+        node_rx_bytes: per_node(&results, args, |r| {
+            r.stats.rx_direct_bytes + r.stats.rx_copied_bytes - r.setup_rx_bytes
+        }),
         sync: args.sync.clone(),
         consistency: args.consistency.clone(),
         workers: p1,
@@ -1061,7 +1453,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         time_scale: args.time_scale,
         compute_s: model.iteration_compute(k, args.time_scale).as_secs_f64(),
         iteration_s,
-        throughput_samples_s: (p1 * k) as f64 / iteration_s,
+        throughput_samples_s: (p1 * args.learners() * k) as f64 / iteration_s,
         hidden_fraction,
         per_iteration: per,
         workers_detail: {
@@ -1082,6 +1474,11 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
             .collect(),
         verified,
         mismatched_layers,
+        digests: workers
+            .iter()
+            .find(|w| w.rank == 0)
+            .map(|w| w.digests.clone())
+            .unwrap_or_default(),
         wall_s: began.elapsed().as_secs_f64(),
         transport: {
             // One line per distinct transport; the ranks are named when they differ.
@@ -1105,6 +1502,19 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     })
 }
 
+/// Sums a counter over each worker node's ranks (worker ranks `0..P1`; with
+/// --flat, node `i` is ranks `i·L..(i+1)·L`).
+fn per_node(results: &[NodeResult], args: &TrainArgs, f: impl Fn(&NodeResult) -> u64) -> Vec<u64> {
+    let per = if args.flat { args.local_learners } else { 1 };
+    let mut out = vec![0u64; args.workers];
+    for r in results.iter().filter(|r| r.local.is_none() && r.worker) {
+        if let Some(n) = out.get_mut(r.rank as usize / per) {
+            *n += f(r);
+        }
+    }
+    out
+}
+
 /// The report as text.
 pub fn render(r: &TrainReport) -> String {
     use std::fmt::Write;
@@ -1124,6 +1534,21 @@ pub fn render(r: &TrainReport) -> String {
     );
     for t in &r.transport {
         let _ = writeln!(s, "transport {t}");
+    }
+    if r.local_learners > 1 {
+        let mb = |v: &[u64]| v.iter().sum::<u64>() as f64 / v.len().max(1) as f64 / 1e6;
+        let _ = writeln!(
+            s,
+            "{} learners per node ({}): each node's NIC sent {:.1} MB and received {:.1} MB on average",
+            r.local_learners,
+            if r.flat {
+                "flat: every learner is a rank"
+            } else {
+                "local aggregation: one rank per node"
+            },
+            mb(&r.node_tx_bytes),
+            mb(&r.node_rx_bytes)
+        );
     }
     let sfb = r.layers.iter().filter(|l| l.scheme == Scheme::Sfb).count();
     let _ = writeln!(
@@ -1155,7 +1580,7 @@ pub fn render(r: &TrainReport) -> String {
             "{:>5} {:>10.3} {:>12.1} {:>10.3} {:>10.3} {:>8}",
             i.iter,
             i.seconds,
-            (r.workers * r.batch) as f64 / i.seconds,
+            (r.workers * r.batch * if r.flat { 1 } else { r.local_learners.max(1) }) as f64 / i.seconds,
             i.blocked_s,
             i.sync_span_s,
             hidden

@@ -51,11 +51,15 @@ pub enum Field {
     WeightDecay = 14,
     /// Transport kind (hash of its name).
     Transport = 15,
+    /// Workers per deterministic fold group.
+    FoldGroup = 16,
+    /// Local learners per worker rank.
+    Learners = 17,
 }
 
 impl Field {
     /// How many fields there are.
-    pub const COUNT: usize = 16;
+    pub const COUNT: usize = 18;
 
     /// The field with wire id `id`.
     pub fn from_id(id: u8) -> Option<Field> {
@@ -77,6 +81,8 @@ impl Field {
             Momentum,
             WeightDecay,
             Transport,
+            FoldGroup,
+            Learners,
         ];
         ALL.get(id as usize).copied()
     }
@@ -100,6 +106,8 @@ impl Field {
             Field::Momentum => "momentum",
             Field::WeightDecay => "weight decay",
             Field::Transport => "transport",
+            Field::FoldGroup => "fold group (--local-learners of a flat run)",
+            Field::Learners => "local learners per worker",
         }
     }
 
@@ -197,6 +205,8 @@ impl JobConfig {
             (Field::Momentum, u64::from(mom.to_bits())),
             (Field::WeightDecay, u64::from(wd.to_bits())),
             (Field::Transport, fnv(&[transport.as_bytes()])),
+            (Field::FoldGroup, u64::from(sched.fold_group)),
+            (Field::Learners, u64::from(sched.learners)),
         ];
         JobConfig { fields }
     }

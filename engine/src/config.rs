@@ -53,6 +53,17 @@ pub struct SchedConfig {
     /// Sum in fixed worker-rank order (bitwise reproducible) rather than arrival
     /// order. Applies under BSP; SSP always sums in arrival order.
     pub deterministic: bool,
+    /// Deterministic order in groups (Nexus's nodes): workers `g·G..(g+1)·G`
+    /// are summed in rank order into a partial sum first, and the partial sums
+    /// are folded in group order, exactly as a node-local aggregator with `G`
+    /// learners and its leader would. So a flat run with `fold_group = G`
+    /// gives bitwise the parameters of the hierarchical run with `G` local
+    /// learners per worker. 1 (the default) is the plain worker order.
+    pub fold_group: u32,
+    /// Learners behind every worker rank (Nexus's local learners: a worker
+    /// pushes the sum of its node's `learners` gradients). The mean and SGD
+    /// divide the sum by workers × learners, the number of gradients in it.
+    pub learners: u32,
 }
 
 impl Default for SchedConfig {
@@ -63,6 +74,8 @@ impl Default for SchedConfig {
             slots: 8,
             consistency: Consistency::Bsp,
             deterministic: true,
+            fold_group: 1,
+            learners: 1,
         }
     }
 }
@@ -75,6 +88,11 @@ impl SchedConfig {
         }
         if self.credit_bytes == 0 {
             return Err(EngineError::InvalidConfig("credit_bytes must be at least 1".into()));
+        }
+        if self.fold_group == 0 || self.learners == 0 {
+            return Err(EngineError::InvalidConfig(
+                "fold_group and learners must be at least 1".into(),
+            ));
         }
         if self.consistency.staleness() > 64 {
             return Err(EngineError::InvalidConfig(

@@ -59,6 +59,8 @@ impl Ord for Tag {
 /// One side of one NIC.
 #[derive(Debug, Default)]
 struct Side {
+    /// Bytes per ns of this side (the link's, or a host's loopback).
+    rate: f64,
     /// Virtual time: bytes served to each active connection since the start.
     v: f64,
     /// When `v` was last brought up to date, ns.
@@ -97,12 +99,17 @@ enum Timer {
 #[derive(Debug)]
 pub struct Net<P> {
     world: usize,
-    bytes_per_ns: f64,
+    /// Rank → host: ranks of one host share its NIC.
+    host: Vec<usize>,
+    hosts: usize,
     latency_ns: u64,
-    /// `0..world` transmit sides, `world..2 world` receive sides.
+    /// Payload bytes each host's NIC sent and received (loopback not counted).
+    nic_bytes: Vec<[u64; 2]>,
+    /// `0..hosts` transmit sides, `hosts..2 hosts` receive sides, then one
+    /// loopback side per host (messages between ranks of one host: no NIC).
     sides: Vec<Side>,
-    /// Per (side, peer): the connection's messages on that side, head first.
-    conns: HashMap<(usize, u32), VecDeque<usize>>,
+    /// Per (side, from, to): the connection's messages on that side, head first.
+    conns: HashMap<(usize, u32, u32), VecDeque<usize>>,
     msgs: Vec<Option<Msg<P>>>,
     free: Vec<usize>,
     timers: BinaryHeap<Reverse<(u64, u64, Timer)>>,
@@ -114,11 +121,36 @@ impl<P> Net<P> {
     /// A network of `world` ranks with links of `bandwidth_bps` bit/s each way
     /// and `latency_ns` one way.
     pub fn new(world: usize, bandwidth_bps: f64, latency_ns: u64) -> Self {
+        Self::with_hosts(
+            (0..world as u32).collect(),
+            bandwidth_bps,
+            latency_ns,
+            bandwidth_bps / 8.0,
+        )
+    }
+
+    /// A network whose rank `r` lives on host `host[r]` (hosts numbered from
+    /// 0): the ranks of one host share its NIC's two sides, and a message
+    /// between two of them stays inside the host, at `local_bytes_per_s` with
+    /// the same latency, without touching the NIC.
+    pub fn with_hosts(host: Vec<u32>, bandwidth_bps: f64, latency_ns: u64, local_bytes_per_s: f64) -> Self {
+        let world = host.len();
+        let hosts = host.iter().map(|&h| h as usize + 1).max().unwrap_or(0);
+        let rate = bandwidth_bps / 8e9;
+        let side = |rate: f64| Side {
+            rate,
+            ..Side::default()
+        };
         Net {
             world,
-            bytes_per_ns: bandwidth_bps / 8e9,
+            host: host.iter().map(|&h| h as usize).collect(),
+            hosts,
+            nic_bytes: vec![[0; 2]; hosts],
             latency_ns,
-            sides: (0..2 * world).map(|_| Side::default()).collect(),
+            sides: (0..2 * hosts)
+                .map(|_| side(rate))
+                .chain((0..hosts).map(|_| side(local_bytes_per_s / 1e9)))
+                .collect(),
             conns: HashMap::default(),
             msgs: Vec::new(),
             free: Vec::new(),
@@ -126,6 +158,16 @@ impl<P> Net<P> {
             seq: 0,
             in_flight: 0,
         }
+    }
+
+    /// Payload bytes host `h`'s NIC has sent and received so far.
+    pub fn nic_bytes(&self, h: usize) -> [u64; 2] {
+        self.nic_bytes[h]
+    }
+
+    /// Hosts.
+    pub fn hosts(&self) -> usize {
+        self.hosts
     }
 
     /// Messages posted and not yet delivered.
@@ -181,18 +223,25 @@ impl<P> Net<P> {
         debug_assert_eq!(due, t);
         match timer {
             Timer::Post(id) => {
-                let (from, to) = {
+                let (from, to, bytes) = {
                     let m = self.msgs[id].as_ref().expect("posted message");
-                    (m.from, m.to)
+                    (m.from, m.to, m.bytes)
                 };
-                self.enqueue(from as usize, to, id, t, true);
+                let (hf, ht) = (self.host[from as usize], self.host[to as usize]);
+                if hf == ht {
+                    self.enqueue(2 * self.hosts + hf, (from, to), id, t, true);
+                } else {
+                    self.nic_bytes[hf][0] += bytes as u64;
+                    self.nic_bytes[ht][1] += bytes as u64;
+                    self.enqueue(hf, (from, to), id, t, true);
+                }
             }
             Timer::RxStart(id) => {
                 let (from, to) = {
                     let m = self.msgs[id].as_ref().expect("message in flight");
                     (m.from, m.to)
                 };
-                self.enqueue(self.world + to as usize, from, id, t, false);
+                self.enqueue(self.hosts + self.host[to as usize], (from, to), id, t, false);
             }
             Timer::Finish { side, gen } => {
                 if self.sides[side].gen != gen {
@@ -200,7 +249,7 @@ impl<P> Net<P> {
                 }
                 self.catch_up(side, t);
                 // One byte-nanosecond of slack absorbs the rounding of the timer.
-                let slack = self.bytes_per_ns.max(1e-9) * 2.0;
+                let slack = self.sides[side].rate.max(1e-9) * 2.0;
                 let mut done = Vec::new();
                 {
                     let s = &mut self.sides[side];
@@ -230,7 +279,7 @@ impl<P> Net<P> {
         let s = &mut self.sides[side];
         let n = s.heads.len();
         if n > 0 && t > s.last {
-            s.v += (t - s.last) as f64 * self.bytes_per_ns / n as f64;
+            s.v += (t - s.last) as f64 * s.rate / n as f64;
         }
         s.last = s.last.max(t);
     }
@@ -242,15 +291,15 @@ impl<P> Net<P> {
             return;
         };
         let n = s.heads.len() as f64;
-        let dt = ((tag.0 - s.v).max(0.0) * n / self.bytes_per_ns).ceil() as u64;
+        let dt = ((tag.0 - s.v).max(0.0) * n / s.rate).ceil() as u64;
         let gen = s.gen;
         self.timer(t + dt, Timer::Finish { side, gen });
     }
 
     /// Puts message `id` on its connection's queue at `side`; it starts there
     /// now if the connection was idle.
-    fn enqueue(&mut self, side: usize, peer: u32, id: usize, t: u64, tx: bool) {
-        let q = self.conns.entry((side, peer)).or_default();
+    fn enqueue(&mut self, side: usize, (from, to): (u32, u32), id: usize, t: u64, tx: bool) {
+        let q = self.conns.entry((side, from, to)).or_default();
         q.push_back(id);
         if q.len() == 1 {
             self.start(side, id, t, tx);
@@ -263,31 +312,35 @@ impl<P> Net<P> {
         let s = &mut self.sides[side];
         s.heads.push(Reverse((Tag(s.v + bytes), id)));
         self.reschedule(side, t);
-        if tx {
+        if tx && side < self.hosts {
             self.timer(t + self.latency_ns, Timer::RxStart(id));
         }
     }
 
     fn finished(&mut self, side: usize, id: usize, t: u64, out: &mut Vec<(u64, P)>) {
-        let tx = side < self.world;
+        let tx = side < self.hosts || side >= 2 * self.hosts;
         let lat = self.latency_ns;
-        let (peer, deliver_at) = {
+        let loopback = side >= 2 * self.hosts;
+        let (key, deliver_at) = {
             let m = self.msgs[id].as_mut().expect("message in flight");
-            let peer = if tx {
+            let key = (m.from, m.to);
+            if tx {
                 m.sent = Some(t);
+                if loopback {
+                    // Inside the host: no receiving NIC to cross.
+                    m.received = Some(t);
+                }
                 if let Some(p) = m.on_sent.take() {
                     out.push((t, p));
                 }
-                m.to
             } else {
                 m.received = Some(t);
-                m.from
-            };
+            }
             let at = match (m.sent, m.received) {
                 (Some(s), Some(r)) => Some(r.max(s + lat) + m.extra_ns),
                 _ => None,
             };
-            (peer, at)
+            (key, at)
         };
         if let Some(at) = deliver_at {
             let m = self.msgs[id].take().expect("message in flight");
@@ -295,12 +348,12 @@ impl<P> Net<P> {
             self.free.push(id);
             self.in_flight -= 1;
         }
-        let q = self.conns.get_mut(&(side, peer)).expect("connection");
+        let q = self.conns.get_mut(&(side, key.0, key.1)).expect("connection");
         q.pop_front();
         if let Some(&next) = q.front() {
             self.start(side, next, t, tx);
         } else {
-            self.conns.remove(&(side, peer));
+            self.conns.remove(&(side, key.0, key.1));
         }
     }
 }
@@ -366,6 +419,21 @@ mod tests {
         // From 1000 both share: 2 needs 500 at half rate (1000 ns); 1 has 1000
         // left, 500 of it shared, then 500 alone.
         assert_eq!(out, vec![(2_000, 2), (2_500, 1)]);
+    }
+
+    #[test]
+    fn ranks_of_one_host_share_its_nic_and_talk_inside_it() {
+        // Hosts: {0, 1} and {2}. 0 and 1 both send to 2: they share host 0's
+        // transmit side. 0 → 1 stays inside the host (2 bytes/ns), off the NIC.
+        let mut net = Net::with_hosts(vec![0, 0, 1], 8e9, 0, 2e9);
+        net.send(0, 0, 2, 1_000, 1, None, 0);
+        net.send(0, 1, 2, 1_000, 2, None, 0);
+        net.send(0, 0, 1, 1_000, 3, None, 0);
+        let out = drain(&mut net);
+        assert_eq!(out[0], (500, 3), "{out:?}");
+        assert!(out[1..].iter().all(|(t, _)| (2_000..2_010).contains(t)), "{out:?}");
+        assert_eq!(net.nic_bytes(0), [2_000, 0]);
+        assert_eq!(net.nic_bytes(1), [0, 2_000]);
     }
 
     #[test]

@@ -38,7 +38,14 @@ pub enum ServerCommand {
         slice: u32,
         window: u32,
         first: bool,
+        /// Into the group's partial sum rather than the accumulator
+        /// ([`SchedConfig::fold_group`]): the same place in a second buffer.
+        partial: bool,
     },
+    /// A fold group's partial sum of `slice` is complete: `acc[window] +=
+    /// partial[window]` over the slice (never the first contribution: group 0
+    /// folds straight into the accumulator).
+    FoldPartial { slice: u32, window: u32 },
     /// Every contribution to `chunk` for `iter` is summed in accumulator
     /// `window`: apply it to the shard's parameters.
     Apply { chunk: u32, iter: u64, window: u32 },
@@ -207,6 +214,19 @@ impl Server {
         None
     }
 
+    /// How many folds the accumulator of a slice receives per iteration: one
+    /// per worker, or with fold groups ([`SchedConfig::fold_group`]) one per
+    /// member of group 0 and one per later group (its partial sum).
+    pub fn acc_contributions(&self) -> usize {
+        let g = self.cfg.fold_group.max(1) as usize;
+        if !self.deterministic() || g == 1 || self.p1 <= g {
+            return self.p1;
+        }
+        let groups = self.p1.div_ceil(g);
+        // Group 0's g members, then one fold per later group.
+        g + groups - 1
+    }
+
     /// Whether contributions are folded in worker order. Only under BSP: under
     /// SSP a slow worker would hold every faster worker's slots, which would
     /// undo the staleness bound, and SSP values depend on timing anyway.
@@ -304,13 +324,28 @@ impl Server {
 
     fn fold(&mut self, wi: usize, slot: u32, slice: u32, sw: usize, w: usize) {
         let worker = self.book.cluster().workers()[wi];
+        // Fold groups (deterministic order only, where `wi == folded[sw]`):
+        // group 0 sums straight into the accumulator; every later group of two
+        // or more sums into the partial buffer, which joins the accumulator
+        // once the group is complete. That is what a node's local aggregator
+        // and then the server compute for the same learners.
+        let g = self.cfg.fold_group.max(1) as usize;
+        let grouped = self.deterministic() && g > 1 && wi >= g && self.p1.min(wi / g * g + g) - wi / g * g > 1;
+        let pos = wi % g;
         self.out.push_back(ServerCommand::Accumulate {
             worker,
             slot,
             slice,
             window: w as u32,
-            first: self.folded[sw] == 0,
+            first: if grouped { pos == 0 } else { self.folded[sw] == 0 },
+            partial: grouped,
         });
+        if grouped && (pos == g - 1 || wi == self.p1 - 1) {
+            self.out.push_back(ServerCommand::FoldPartial {
+                slice,
+                window: w as u32,
+            });
+        }
         self.slots_held[wi] -= 1;
         self.stats.accumulated += 1;
         self.folded[sw] += 1;

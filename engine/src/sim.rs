@@ -101,6 +101,22 @@ pub struct SimConfig {
     pub values: bool,
     /// A run with no progress for this long fails (a liveness timeout), ns.
     pub stall_ns: u64,
+    /// Rank → host (`None`: every rank on a host of its own). The ranks of a
+    /// host share its NIC, and talk to each other inside it at
+    /// `local_bytes_per_s`: a flat run of Nexus's learners, L ranks per node.
+    pub hosts: Option<Vec<u32>>,
+    /// Learners behind each worker rank (Nexus's local aggregation). The
+    /// learners compute in parallel with it; before layer l goes out, the
+    /// L-1 others' gradients (or factors) reach the leader and are summed,
+    /// `(L-1)·bytes / local_bytes_per_s`, and once it is synced its parameters
+    /// are published into the node's cache and read by the learners,
+    /// `2·bytes / local_bytes_per_s`, before their next forward pass can use
+    /// it. Both run on one FIFO per node, beside the compute. Set
+    /// `sched.learners` to the same (the mean's divisor).
+    pub local_learners: u32,
+    /// Memory bandwidth between a node's learners (shared memory, PCIe or
+    /// NVLink), bytes/s; also the loopback rate of `hosts`.
+    pub local_bytes_per_s: f64,
 }
 
 impl SimConfig {
@@ -132,6 +148,9 @@ impl SimConfig {
             },
             values: false,
             stall_ns: 60_000_000_000,
+            hosts: None,
+            local_learners: 1,
+            local_bytes_per_s: 10e9,
         }
     }
 }
@@ -167,6 +186,14 @@ pub struct SimReport {
     pub blocked: u64,
     /// Virtual time when the last rank finished its goodbye, ns.
     pub goodbye_ns: u64,
+    /// Per host (per rank without `hosts`): payload bytes its NIC sent and
+    /// received over the whole run.
+    pub nic_bytes: Vec<[u64; 2]>,
+    /// Local aggregation (learners' gradients to the leader and summed), mean
+    /// per worker rank per iteration, s.
+    pub local_agg_s: f64,
+    /// Publishing parameters to the node's learners, mean per worker rank per iteration, s.
+    pub fanout_s: f64,
 }
 
 /// Why a run failed.
@@ -281,6 +308,8 @@ struct Rank {
     mem: Vec<Vec<u8>>,
     /// Server-side state of the executor: accumulators and momentum.
     acc: Vec<Vec<f32>>,
+    /// Fold groups' partial sums, shaped like `acc` (values mode, `fold_group > 1`).
+    partial: Vec<Vec<f32>>,
     momentum: Vec<f32>,
     busy: [u64; 2],
     /// Transmits posted and not complete, per peer.
@@ -292,6 +321,12 @@ struct Rank {
     finished: Option<u64>,
     /// The Node's timer, as last scheduled.
     tick_at: Option<u64>,
+    /// The node's local FIFO (aggregation, fan-out) is busy until then.
+    local_busy: u64,
+    /// Per layer: when its newest parameters reach the node's learners.
+    local_avail: Vec<u64>,
+    /// Time spent on local aggregation and on fan-out, ns.
+    local_ns: [u64; 2],
     /// Values mode: (address, length) of the factor fragments delivered to
     /// this rank and not yet reconstructed from. A reconstruction must read
     /// peers' factors in these very buffers: a copy on the way is a violation.
@@ -438,6 +473,11 @@ impl Sim {
                 node,
                 mem,
                 acc: vec![vec![0.0; n]; windows],
+                partial: if cfg.values && cfg.sched.fold_group > 1 {
+                    vec![vec![0.0; n]; windows]
+                } else {
+                    Vec::new()
+                },
                 momentum: if cfg.apply.needs_momentum() {
                     vec![0.0; n]
                 } else {
@@ -451,6 +491,9 @@ impl Sim {
                 fatal: None,
                 finished: None,
                 tick_at: None,
+                local_busy: 0,
+                local_avail: vec![0; book.layers().len()],
+                local_ns: [0; 2],
                 delivered: HashSet::default(),
             };
             if cfg.values && role.is_worker() {
@@ -464,7 +507,23 @@ impl Sim {
             }
             ranks.push(rank);
         }
-        let net = Net::new(world, cfg.bandwidth_bps, cfg.latency_ns);
+        let hosts = match &cfg.hosts {
+            Some(h) if h.len() == world => h.clone(),
+            Some(h) => {
+                return Err(SimError::Config {
+                    seed: cfg.seed,
+                    error: EngineError::InvalidConfig(format!("{} hosts given for {world} ranks", h.len())),
+                })
+            }
+            None => (0..world as u32).collect(),
+        };
+        if cfg.local_learners == 0 || !(cfg.local_bytes_per_s > 0.0) {
+            return Err(SimError::Config {
+                seed: cfg.seed,
+                error: EngineError::InvalidConfig("local_learners ≥ 1 and local_bytes_per_s > 0".into()),
+            });
+        }
+        let net = Net::with_hosts(hosts, cfg.bandwidth_bps, cfg.latency_ns, cfg.local_bytes_per_s);
         Ok(Sim {
             rng: cfg.seed ^ 0x9e37_79b9_7f4a_7c15,
             cfg,
@@ -649,6 +708,10 @@ impl Sim {
         let workers: Vec<&WLoop> = self.ranks.iter().filter_map(|r| r.worker.as_ref()).collect();
         let n = workers.len() as f64 * self.cfg.iters.max(1) as f64;
         self.report.wait_s = workers.iter().map(|w| w.wait_ns as f64).sum::<f64>() / 1e9 / n;
+        let local = |i: usize| self.ranks.iter().map(|r| r.local_ns[i] as f64).sum::<f64>() / 1e9 / n;
+        self.report.local_agg_s = local(0);
+        self.report.fanout_s = local(1);
+        self.report.nic_bytes = (0..self.net.hosts()).map(|h| self.net.nic_bytes(h)).collect();
         for r in &self.ranks {
             let s = r.node.stats();
             self.report.max_slots_held = self.report.max_slots_held.max(s.max_slots_held);
@@ -972,14 +1035,30 @@ impl Sim {
                         self.check_values(r as usize, layer, iter, region, off)?;
                     }
                     let nl = self.cfg.book.layers().len() as u32;
+                    let fan = if self.cfg.local_learners > 1 {
+                        let bytes = self.cfg.book.layers()[layer as usize].params() as f64 * 4.0;
+                        (2.0 * bytes / self.cfg.local_bytes_per_s * 1e9) as u64
+                    } else {
+                        0
+                    };
+                    let now = self.now;
                     let rank = &mut self.ranks[r as usize];
+                    let avail = if fan > 0 {
+                        let start = now.max(rank.local_busy);
+                        rank.local_busy = start + fan;
+                        rank.local_ns[1] += fan;
+                        start + fan
+                    } else {
+                        now
+                    };
+                    rank.local_avail[layer as usize] = rank.local_avail[layer as usize].max(avail);
                     let synced = (0..nl).all(|l| !rank.node.is_in_flight(l));
                     let w = rank.worker.as_mut().expect("worker");
                     if w.phase == Phase::Done && w.finished.is_none() && synced {
-                        w.finished = Some(self.now);
+                        w.finished = Some(avail.max(rank.local_busy));
                     }
                     if matches!(w.waiting, Some((l, _)) if l == layer) {
-                        self.at(self.now, Ev::Wake(r));
+                        self.at(avail, Ev::Wake(r));
                     }
                 }
                 Output::Ready => {
@@ -1184,7 +1263,7 @@ impl Sim {
         let c = &self.cfg;
         let book = &c.book;
         let secs = match &job.kind {
-            JobKind::Accumulate { len, .. } => *len as f64 * 4.0 / c.agg_bytes_per_s,
+            JobKind::Accumulate { len, .. } | JobKind::FoldPartial { len, .. } => *len as f64 * 4.0 / c.agg_bytes_per_s,
             JobKind::Apply { len, .. } => *len as f64 * 8.0 / c.agg_bytes_per_s,
             JobKind::Copy { len, .. } | JobKind::CaptureFactors { len, .. } | JobKind::Publish { len, .. } => {
                 *len as f64 / c.copy_bytes_per_s
@@ -1207,7 +1286,8 @@ impl Sim {
         let k = book.config().batch;
         let values = self.cfg.values;
         let op = self.cfg.apply;
-        let p1 = book.p1();
+        // The mean and SGD divide by every gradient in the sum.
+        let p1 = book.p1() * self.cfg.sched.learners as usize;
         let rank = &mut self.ranks[r as usize];
         match &job.kind {
             JobKind::CaptureFactors { factors, len, .. } => {
@@ -1226,17 +1306,28 @@ impl Sim {
                 src,
                 len,
                 first,
+                partial,
                 ..
             } => {
                 let m = &rank.mem[ridx(src.region)];
                 let data = f32s(&m[src.offset as usize..src.offset as usize + len * 4]);
-                let acc = &mut rank.acc[*window as usize][*acc_at..acc_at + len];
+                let into = if *partial { &mut rank.partial } else { &mut rank.acc };
+                let acc = &mut into[*window as usize][*acc_at..acc_at + len];
                 if *first {
                     acc.copy_from_slice(&data);
                 } else {
                     for (a, d) in acc.iter_mut().zip(&data) {
                         *a += *d;
                     }
+                }
+                Ok(None)
+            }
+            JobKind::FoldPartial {
+                window, acc_at, len, ..
+            } => {
+                let w = *window as usize;
+                for i in *acc_at..acc_at + len {
+                    rank.acc[w][i] += rank.partial[w][i];
                 }
                 Ok(None)
             }
@@ -1321,9 +1412,16 @@ impl Sim {
         let w = rank.worker.as_mut().expect("worker");
         match w.phase {
             Phase::Fwd(l) => {
-                if rank.node.is_in_flight(l) || !ready {
+                let avail = rank.local_avail[l as usize];
+                let node_wait = rank.node.is_in_flight(l) || !ready;
+                if node_wait || avail > now {
                     if w.waiting.is_none() {
                         w.waiting = Some((l, now));
+                    }
+                    if !node_wait {
+                        // Only the node's learners are behind (a local hand-in
+                        // or fan-out): nothing else will wake it.
+                        self.at(avail, Ev::Wake(r));
                     }
                     return Ok(());
                 }
@@ -1378,7 +1476,7 @@ impl Sim {
             }
             Phase::Done => {
                 if w.finished.is_none() && (0..nl).all(|l| !rank.node.is_in_flight(l)) {
-                    w.finished = Some(now);
+                    w.finished = Some(now.max(rank.local_busy));
                 }
                 if !w.shutdown_sent {
                     w.shutdown_sent = true;
@@ -1416,6 +1514,29 @@ impl Sim {
                 let m = &mut rank.mem[ridx(LocalRegion::Grads)];
                 put_f32s(&mut m[grad.offset as usize..grad.offset as usize + g.len() * 4], &g);
             }
+        }
+        let lrn = self.cfg.local_learners as usize;
+        if lrn > 1 {
+            // The node's other learners' gradients (or factors) reach the
+            // leader and are summed (stacked) before the one hand-in.
+            let spec = &book.layers()[l as usize];
+            let per = if factors {
+                (book.config().batch / lrn) * (spec.m + spec.n)
+            } else {
+                spec.params()
+            } as f64
+                * 4.0;
+            let d = ((lrn - 1) as f64 * per / self.cfg.local_bytes_per_s * 1e9) as u64;
+            let now = self.now;
+            let rank = &mut self.ranks[r as usize];
+            let start = now.max(rank.local_busy);
+            rank.local_busy = start + d;
+            rank.local_ns[0] += d;
+            // Until the hand-in, the layer's next forward cannot start: the
+            // Node does not know yet that it is in flight.
+            rank.local_avail[l as usize] = rank.local_avail[l as usize].max(start + d);
+            self.at(start + d, Ev::Input(r, Input::HandIn { layer: l, factors }));
+            return Ok(());
         }
         self.feed(r, Input::HandIn { layer: l, factors })
     }

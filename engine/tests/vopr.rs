@@ -103,6 +103,14 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
             Consistency::Ssp(r.range(0, 3) as u32)
         },
         deterministic: r.chance(0.5),
+        // Fold groups (a flat run standing in for Nexus's local learners),
+        // and learners behind each worker (the mean's divisor).
+        fold_group: if r.chance(0.3) {
+            r.range(2, book.p1() as u64 + 2) as u32
+        } else {
+            1
+        },
+        learners: 1,
     };
     let limits = |r: &mut Rng| Limits {
         max_outstanding: r.pick(&[1, 2, 3, 4, 8, 256]),

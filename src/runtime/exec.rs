@@ -106,15 +106,19 @@ use crate::error::panic_message;
 impl Executors {
     /// Starts the executors this rank needs. Returns the aggregator's
     /// description for the log, or its error (a GPU asked for and not usable).
+    /// `apply` is the op and the local learners per worker (the mean and SGD
+    /// divide by workers × learners).
     pub(crate) fn start(
         book: Arc<Book>,
-        op: ApplyOp,
+        apply: (ApplyOp, u32),
         mem: Arc<Memory>,
         server: Option<ServerSetup>,
         worker: bool,
         reply: Reply,
         rank: u32,
     ) -> Result<(Self, Option<String>)> {
+        let (op, learners) = apply;
+        let gradients = book.p1() * learners.max(1) as usize;
         let agg_stats = Arc::new(Mutex::new(AggStats::default()));
         let mut ex = Executors {
             server: None,
@@ -149,6 +153,9 @@ impl Executors {
                             Vec::new()
                         },
                         acc: (0..s.windows).map(|_| vec![0.0; s.shard_len]).collect(),
+                        partial: Vec::new(),
+                        windows: s.windows,
+                        gradients,
                         agg,
                         book,
                         mem,
@@ -178,6 +185,7 @@ impl Executors {
         if worker {
             let (tx, rx) = crossbeam_channel::unbounded::<Job>();
             let mut st = WorkerExec {
+                gradients,
                 momentum: HashMap::new(),
                 scratch: Vec::new(),
                 factor_scratch: Vec::new(),
@@ -294,6 +302,12 @@ struct ServerExec {
     op: ApplyOp,
     agg: Aggregator,
     acc: Vec<Vec<f32>>,
+    /// Fold groups' partial sums, shaped like `acc`; allocated at the first
+    /// use (only a deterministic run with `fold_group > 1` has them).
+    partial: Vec<Vec<f32>>,
+    windows: usize,
+    /// Gradients in every sum (workers × local learners): the mean's divisor.
+    gradients: usize,
     momentum: Vec<f32>,
     stats: Arc<Mutex<AggStats>>,
     /// A landing slot's contents, copied out before they are summed.
@@ -312,6 +326,7 @@ impl ServerExec {
                 src,
                 len,
                 first,
+                partial,
                 contributions,
             } => {
                 let ch = book.chunks().get(*chunk as usize).ok_or("unknown chunk")?;
@@ -331,18 +346,64 @@ impl ServerExec {
                     lease = self.mem.lease(*src, *len as u64 * 4)?;
                     lease.as_f32().map_err(|e| e.to_string())?
                 };
+                if *partial {
+                    // A fold group's partial sum: on the CPU, in group order.
+                    if self.partial.is_empty() {
+                        let n = self.acc.first().map_or(0, Vec::len);
+                        self.partial = (0..self.windows).map(|_| vec![0.0; n]).collect();
+                    }
+                    let dst = self
+                        .partial
+                        .get_mut(*window as usize)
+                        .ok_or("unknown window")?
+                        .get_mut(*acc_at..acc_at + len)
+                        .ok_or("slice outside the shard")?;
+                    if *first {
+                        dst.copy_from_slice(data);
+                    } else {
+                        cpu::add_assign(dst, data);
+                    }
+                } else {
+                    let acc = self
+                        .acc
+                        .get_mut(*window as usize)
+                        .ok_or("unknown window")?
+                        .get_mut(ch.shard_offset..ch.shard_offset + ch.len)
+                        .ok_or("chunk outside the shard")?;
+                    let key = u64::from(*window) * nchunks + u64::from(*chunk);
+                    let off = acc_at.checked_sub(ch.shard_offset).ok_or("slice before its chunk")?;
+                    self.agg
+                        .accumulate(key, *contributions, acc, off, data, *first)
+                        .map_err(|e| e.to_string())?;
+                }
+                self.scratch = scratch;
+                None
+            }
+            JobKind::FoldPartial {
+                window,
+                chunk,
+                acc_at,
+                len,
+                contributions,
+            } => {
+                let ch = book.chunks().get(*chunk as usize).ok_or("unknown chunk")?;
+                let w = *window as usize;
+                let part = self
+                    .partial
+                    .get(w)
+                    .and_then(|p| p.get(*acc_at..acc_at + len))
+                    .ok_or("a fold group's partial sum that was never formed")?;
                 let acc = self
                     .acc
-                    .get_mut(*window as usize)
+                    .get_mut(w)
                     .ok_or("unknown window")?
                     .get_mut(ch.shard_offset..ch.shard_offset + ch.len)
                     .ok_or("chunk outside the shard")?;
                 let key = u64::from(*window) * nchunks + u64::from(*chunk);
                 let off = acc_at.checked_sub(ch.shard_offset).ok_or("slice before its chunk")?;
                 self.agg
-                    .accumulate(key, *contributions, acc, off, data, *first)
+                    .accumulate(key, *contributions, acc, off, part, false)
                     .map_err(|e| e.to_string())?;
-                self.scratch = scratch;
                 None
             }
             JobKind::Apply {
@@ -375,7 +436,7 @@ impl ServerExec {
                 };
                 cpu::apply(
                     self.op,
-                    book.p1(),
+                    self.gradients,
                     acc,
                     dst.as_f32_mut().map_err(|e| e.to_string())?,
                     mom,
@@ -398,6 +459,8 @@ fn copy(mem: &Memory, src: Loc, dst: Loc, len: u64) -> std::result::Result<Optio
 }
 
 struct WorkerExec {
+    /// Gradients in every sum (workers × local learners): the mean's divisor.
+    gradients: usize,
     book: Arc<Book>,
     mem: Arc<Memory>,
     op: ApplyOp,
@@ -447,7 +510,7 @@ impl WorkerExec {
                 });
                 cpu::apply(
                     op,
-                    book.p1(),
+                    self.gradients,
                     &self.scratch[..l.params()],
                     p.as_f32_mut().map_err(|e| e.to_string())?,
                     mom,

@@ -316,8 +316,15 @@ impl Runtime {
             windows: node.windows(),
             shard_len: book.shard_len(rank),
         });
-        let (ex, describe) =
-            Executors::start(book.clone(), cfg.op, mem.clone(), server, role.is_worker(), reply, rank)?;
+        let (ex, describe) = Executors::start(
+            book.clone(),
+            (cfg.op, cfg.sched.learners),
+            mem.clone(),
+            server,
+            role.is_worker(),
+            reply,
+            rank,
+        )?;
         if let Some(d) = describe {
             tracing::info!(rank, "{d}");
         }
@@ -911,6 +918,7 @@ impl Runtime {
             applies: n.applies,
             broadcasts: n.broadcasts,
             rx_direct_bytes: tc.rx_direct_bytes,
+            tx_payload_bytes: tc.tx_payload_bytes,
             rx_copied_bytes: tc.rx_copied_bytes,
             cpu_aggregated_bytes: agg.cpu_bytes,
             gpu_aggregated_bytes: agg.gpu_bytes,

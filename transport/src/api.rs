@@ -187,8 +187,9 @@ pub trait Transport: Send {
     /// (see [`Waker`]). Every call returns a handle to the same wake-up.
     fn waker(&self) -> Result<Waker>;
 
-    /// Receive-side byte counters: payload placed straight into registered memory,
-    /// and bytes user space copied (messages, control frames).
+    /// Byte counters: payload placed straight into registered memory, bytes
+    /// user space copied on receive (messages, control frames), and payload
+    /// bytes sent (writes and messages: what this rank put on its NIC).
     fn counters(&self) -> Counters {
         Counters::default()
     }
@@ -201,6 +202,9 @@ pub struct Counters {
     pub rx_direct_bytes: u64,
     /// Bytes user space copied on receive.
     pub rx_copied_bytes: u64,
+    /// Payload bytes of this rank's writes and messages that went out (headers
+    /// and framing not counted).
+    pub tx_payload_bytes: u64,
 }
 
 /// Checks a write against the remote descriptor and the local source; shared by backends.

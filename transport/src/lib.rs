@@ -37,6 +37,7 @@ pub mod probe;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod select;
+pub mod shm;
 pub mod tcp;
 
 pub use api::{ConnId, Counters, Event, ListenerId, PeerInfo, Properties, ReqId, Transport, Waker};

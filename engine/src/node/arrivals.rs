@@ -51,6 +51,7 @@ impl Node {
                         .push(slot);
                 }
             }
+            JobTrack::FoldPartial => {}
             JobTrack::Apply { chunk } => {
                 let s = self.server.as_mut().expect("server");
                 s.apply_running.remove(&chunk);

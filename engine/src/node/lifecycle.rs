@@ -43,7 +43,10 @@ impl Node {
             .values()
             .filter(|t| {
                 let q = match t {
-                    JobTrack::Accumulate { .. } | JobTrack::Apply { .. } | JobTrack::InitCopy { .. } => Queue::Server,
+                    JobTrack::Accumulate { .. }
+                    | JobTrack::FoldPartial
+                    | JobTrack::Apply { .. }
+                    | JobTrack::InitCopy { .. } => Queue::Server,
                     _ => Queue::Worker,
                 };
                 q == queue

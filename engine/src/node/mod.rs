@@ -189,6 +189,7 @@ enum Early {
 #[derive(Debug, Clone, Copy)]
 enum JobTrack {
     Accumulate { worker: u32, slot: u32 },
+    FoldPartial,
     Apply { chunk: u32 },
     InitCopy { chunk: u32 },
     LocalBcast { chunk: u32 },

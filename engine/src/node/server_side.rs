@@ -15,6 +15,7 @@ impl Node {
                 slice,
                 window,
                 first,
+                partial,
             } => {
                 let si = book.slices()[slice as usize];
                 let ch = book.chunks()[si.chunk as usize];
@@ -39,9 +40,25 @@ impl Node {
                         src,
                         len: si.len,
                         first,
-                        contributions: book.p1(),
+                        partial,
+                        contributions: self.server.as_ref().expect("server").core.acc_contributions(),
                     },
                     JobTrack::Accumulate { worker, slot },
+                );
+            }
+            ServerCommand::FoldPartial { slice, window } => {
+                let si = book.slices()[slice as usize];
+                let ch = book.chunks()[si.chunk as usize];
+                self.new_job(
+                    Queue::Server,
+                    JobKind::FoldPartial {
+                        window,
+                        chunk: si.chunk,
+                        acc_at: ch.shard_offset + (si.offset - ch.offset),
+                        len: si.len,
+                        contributions: self.server.as_ref().expect("server").core.acc_contributions(),
+                    },
+                    JobTrack::FoldPartial,
                 );
             }
             ServerCommand::Apply { chunk, iter, window } => {

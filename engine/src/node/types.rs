@@ -308,7 +308,9 @@ pub struct Job {
 /// See [`Job`]. Element counts are f32 elements; offsets in `Loc` are bytes.
 #[derive(Debug, Clone, PartialEq)]
 pub enum JobKind {
-    /// `acc[window][acc_at..acc_at + len] = src` when `first`, else `+= src`.
+    /// `acc[window][acc_at..acc_at + len] = src` when `first`, else `+= src`;
+    /// with `partial`, the same into the fold group's partial sum instead
+    /// (a second buffer shaped like `acc`; see [`crate::SchedConfig::fold_group`]).
     /// `acc` is a copy of the shard per SSP window (`Node::windows`);
     /// `contributions` is how many the chunk receives in all (for the Nexus
     /// CPU/GPU placement).
@@ -319,6 +321,16 @@ pub enum JobKind {
         src: Loc,
         len: usize,
         first: bool,
+        partial: bool,
+        contributions: usize,
+    },
+    /// `acc[window][acc_at..acc_at + len] += partial[window][..same]`: a fold
+    /// group's partial sum joins the accumulator.
+    FoldPartial {
+        window: u32,
+        chunk: u32,
+        acc_at: usize,
+        len: usize,
         contributions: usize,
     },
     /// Every contribution to `chunk` for `iter` is summed in `acc[window]`

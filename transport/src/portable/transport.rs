@@ -744,6 +744,7 @@ impl Transport for PortableTransport {
         crate::api::Counters {
             rx_direct_bytes: self.stats.rx_write_direct_bytes,
             rx_copied_bytes: self.stats.rx_user_copy_bytes,
+            tx_payload_bytes: self.stats.tx_payload_bytes,
         }
     }
 }

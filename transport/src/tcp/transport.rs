@@ -316,7 +316,9 @@ impl Transport for TcpTransport {
     fn counters(&self) -> crate::api::Counters {
         crate::api::Counters {
             rx_direct_bytes: self.stats.rx_write_direct_bytes,
-            rx_copied_bytes: self.stats.rx_user_copy_bytes,
+            // Staged write bytes were copied from the read-ahead buffer into the region.
+            rx_copied_bytes: self.stats.rx_user_copy_bytes + self.stats.rx_write_staged_bytes,
+            tx_payload_bytes: self.stats.tx_payload_bytes,
         }
     }
 }

@@ -1,0 +1,192 @@
+//! Nexus's local aggregation end to end (`tidewire train --local-learners L`):
+//! real learner processes sharing memory with their node's leader rank, against
+//! the flat run of the same learners (`--flat`: every learner a rank).
+//!
+//! Randomized and seeded (`TIDEWIRE_LOCAL_SEED`, printed): nodes, learners,
+//! sync mode, chunk and slice sizes, transport, and whether servers are
+//! colocated. Every run verifies bit for bit against the single-process
+//! reference; the local-aggregation run and the flat run agree bit for bit on
+//! every layer both sync through the PS; and with separate servers each node's
+//! NIC carries L times less with local aggregation (the transports' counters).
+
+use std::process::Command;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn train(args: &[String]) -> Value {
+    let t = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+        .arg("train")
+        .args(["--json", "--model", "vgg19-mini", "--time-scale", "0"])
+        .args(args)
+        .output()
+        .expect("tidewire runs");
+    assert!(
+        out.status.success(),
+        "tidewire train {} failed ({}):\n{}",
+        args.join(" "),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    println!("  train {}: wall {:.1} s", args.join(" "), t.elapsed().as_secs_f64());
+    assert_eq!(
+        r["log_warnings"].as_array().map(Vec::len),
+        Some(0),
+        "{:#}",
+        r["log_warnings"]
+    );
+    r
+}
+
+/// splitmix64.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
+        xs[self.below(xs.len() as u64) as usize]
+    }
+}
+
+fn seed() -> u64 {
+    std::env::var("TIDEWIRE_LOCAL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64 % 1_000_000)
+}
+
+fn strs(v: &Value, key: &str) -> Vec<String> {
+    v[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("{key} in {v:#}"))
+        .iter()
+        .map(|x| x.as_str().map_or_else(|| x.to_string(), str::to_string))
+        .collect()
+}
+
+fn bytes(v: &Value, key: &str) -> Vec<f64> {
+    v[key].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+}
+
+#[test]
+fn local_aggregation_equals_the_flat_run_and_cuts_each_nic_by_l() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let seed = seed();
+    let cases: u64 = std::env::var("TIDEWIRE_LOCAL_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4);
+    println!("local learners: seed {seed} (rerun with TIDEWIRE_LOCAL_SEED={seed}), {cases} cases");
+    let mut r = Rng(seed);
+    for case in 0..cases {
+        let nodes = 1 + r.below(3);
+        let l = 2 + r.below(3);
+        let colocate = r.below(4) == 0;
+        let sync = r.pick(&["fifo-ps", "wfbp", "sliced", "p3", "hybrid", "full"]);
+        let mut common: Vec<String> = vec![
+            "--workers".into(),
+            nodes.to_string(),
+            "--servers".into(),
+            (1 + r.below(3)).to_string(),
+            "--iters".into(),
+            (2 + r.below(3)).to_string(),
+            "--sync".into(),
+            sync.into(),
+            "--op".into(),
+            r.pick(&["sgd", "mean", "sum"]).into(),
+            "--chunk-bytes".into(),
+            r.pick(&["65536", "262144", "2097152"]).into(),
+            "--slice-params".into(),
+            r.pick(&["5000", "50000"]).into(),
+            "--transport".into(),
+            r.pick(&["tcp", "portable"]).into(),
+            "--seed".into(),
+            (seed + case).to_string(),
+            "--local-learners".into(),
+            l.to_string(),
+            "--verify".into(),
+        ];
+        if colocate {
+            common.push("--colocate".into());
+        }
+        println!("case {case}: {nodes} nodes x {l} learners, {sync}, colocate {colocate}");
+        let local = train(&common);
+        let mut flat_args = common.clone();
+        flat_args.push("--flat".into());
+        let flat = train(&flat_args);
+        for run in [&local, &flat] {
+            assert_eq!(
+                run["verified"],
+                Value::Bool(true),
+                "seed {seed} case {case}: {}",
+                run["mismatched_layers"]
+            );
+        }
+        // Bitwise the same parameters on every layer both runs sync through the PS.
+        let (dl, df) = (strs(&local, "digests"), strs(&flat, "digests"));
+        let (sl, sf) = (&local["layers"], &flat["layers"]);
+        let mut compared = 0;
+        for (i, (a, b)) in dl.iter().zip(&df).enumerate() {
+            if sl[i]["scheme"] == "ps" && sf[i]["scheme"] == "ps" {
+                assert_eq!(
+                    a, b,
+                    "seed {seed} case {case}: layer {} differs from the flat run",
+                    sl[i]["name"]
+                );
+                compared += 1;
+            }
+        }
+        assert!(
+            compared > 0,
+            "seed {seed} case {case}: no layer went through the PS in both runs"
+        );
+        // Each node's NIC: L times the bytes in the flat run (separate servers:
+        // a node's traffic is its learners' pushes and the broadcasts to them).
+        if !colocate && sync != "hybrid" && sync != "full" {
+            let (tl, tf) = (bytes(&local, "node_tx_bytes"), bytes(&flat, "node_tx_bytes"));
+            let (rl, rf) = (bytes(&local, "node_rx_bytes"), bytes(&flat, "node_rx_bytes"));
+            for n in 0..nodes as usize {
+                let (tx, rx) = (tf[n] / tl[n], rf[n] / rl[n]);
+                println!("  node {n}: flat/local NIC bytes: sent {tx:.3}x, received {rx:.3}x (L = {l})");
+                for (what, x) in [("sent", tx), ("received", rx)] {
+                    assert!(
+                        (x / l as f64 - 1.0).abs() < 0.02,
+                        "seed {seed} case {case}: node {n} {what} {x:.3}x, not L = {l}x"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The parameter cache: learners that may read parameters one version old
+/// finish, and every learner ends with the node leader's final parameters.
+#[test]
+fn a_stale_parameter_cache_finishes_and_ends_in_agreement() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let args: Vec<String> =
+        "--workers 2 --servers 1 --iters 5 --local-learners 3 --cache-staleness 1 --slow-rank 0 --slow-factor 2"
+            .split(' ')
+            .map(str::to_string)
+            .collect();
+    let r = train(&args);
+    assert_eq!(strs(&r, "digests").len(), r["layers"].as_array().unwrap().len());
+    let bad = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+        .args(["train", "--local-learners", "2", "--cache-staleness", "1", "--verify"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--cache-staleness 0"));
+}
