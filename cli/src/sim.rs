@@ -4,7 +4,17 @@
 //! ```text
 //! tidewire sim --model vgg19 --nodes 16 --bandwidth 10gbit --sync full --json
 //! tidewire sim --model resnet-50 --workers 4 --servers 4 --bandwidth 5gbit --sync p3
+//! # Nexus's local aggregation: 8 nodes of 4 learners (GPUs), against the flat 32-rank run
+//! tidewire sim --model vgg19 --nodes 8 --local-learners 4 --bandwidth 10gbit
 //! ```
+//!
+//! With `--local-learners L` each worker rank leads L learners that compute in
+//! parallel; their gradients reach it over `--local-bandwidth` and are summed
+//! before one push, and the synced parameters are published back to them (see
+//! [`SimConfig::local_learners`]). The flat run of the same learners (every
+//! learner a rank, L ranks sharing each node's NIC, servers summing each
+//! node's gradients first) runs too, for the speedup and the dissection of
+//! the sync time (Nexus's Fig. 12); `--flat` runs only the flat one.
 //!
 //! Every rank's NIC has one link's bandwidth in each direction, shared fairly
 //! by the transfers queued on it, and every transfer pays the latency. The
@@ -68,6 +78,19 @@ pub struct SimArgs {
     /// are in, which costs throughput when workers send in different orders.
     #[arg(long)]
     pub fast: bool,
+    /// Learners per worker node (Nexus's local aggregation: one rank per node
+    /// pushes for all of them); --batch is per learner.
+    #[arg(long, default_value_t = 1)]
+    pub local_learners: usize,
+    /// With --local-learners L: only the flat run, every learner a rank of its
+    /// own, L of them sharing each node's NIC.
+    #[arg(long)]
+    pub flat: bool,
+    /// Memory bandwidth between a node's learners (gradients to the leader,
+    /// parameters back; also traffic between ranks of one node), e.g. 10gbyte
+    /// is given as 80gbit; default 10 GB/s.
+    #[arg(long, default_value = "80gbit", value_parser = parse_bandwidth)]
+    pub local_bandwidth: f64,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -135,6 +158,20 @@ pub struct SimResult {
     pub compute_s: f64,
     /// Mean time a worker was blocked per iteration, s.
     pub blocked_s: f64,
+    /// Learners per worker node, and whether they ran flat (each a rank).
+    pub local_learners: usize,
+    /// See `local_learners`.
+    pub flat: bool,
+    /// Per worker node per iteration: payload bytes its NIC sent and received (mean over nodes).
+    pub node_nic_bytes_per_iter: [f64; 2],
+    /// Local aggregation per node per iteration, s (0 without local learners).
+    pub local_agg_s: f64,
+    /// Parameter fan-out to the node's learners per iteration, s.
+    pub fanout_s: f64,
+    /// With local learners: the flat run of the same learners, for comparison.
+    pub flat_run: Option<Box<SimResult>>,
+    /// The flat run's iteration over this one's (> 1: local aggregation is faster).
+    pub speedup_over_flat: Option<f64>,
     /// Events the simulator processed.
     pub events: u64,
     /// Wall-clock seconds the simulation took here.
@@ -151,12 +188,27 @@ fn consistency_of(s: &str) -> Result<Consistency> {
         .ok_or_else(|| Error::Usage(format!("--consistency {s:?}: use bsp or ssp:S (e.g. ssp:2)")))
 }
 
-fn one_run(model: &Model, cluster: Cluster, args: &SimArgs, mode: SyncMode, batch: usize) -> Result<SimReport> {
+/// How the learners map onto ranks: L behind each worker rank, or flat
+/// (each learner a rank; `hosts` puts L of them on each node).
+struct Layout {
+    learners: usize,
+    fold_group: usize,
+    hosts: Option<Vec<u32>>,
+}
+
+fn one_run(
+    model: &Model,
+    cluster: Cluster,
+    args: &SimArgs,
+    mode: SyncMode,
+    batch: usize,
+    lay: &Layout,
+) -> Result<SimReport> {
     let book = Book::new(
         cluster,
         model.layers.clone(),
         mode.book_config(BookConfig {
-            batch,
+            batch: batch * lay.learners,
             ..Default::default()
         }),
     )?;
@@ -171,6 +223,11 @@ fn one_run(model: &Model, cluster: Cluster, args: &SimArgs, mode: SyncMode, batc
     cfg.gemm_flops = model.calibrated_flop_rate() / args.time_scale.max(1e-9);
     cfg.sched.consistency = consistency_of(&args.consistency)?;
     cfg.sched.deterministic = !args.fast;
+    cfg.sched.learners = lay.learners as u32;
+    cfg.sched.fold_group = lay.fold_group as u32;
+    cfg.local_learners = lay.learners as u32;
+    cfg.local_bytes_per_s = args.local_bandwidth / 8.0;
+    cfg.hosts = lay.hosts.clone();
     if let Some(c) = args.credit_bytes {
         cfg.sched.credit_bytes = c;
     }
@@ -205,50 +262,107 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             "{workers} workers and {servers} servers: give 1 to 4096 of each"
         )));
     }
+    if args.local_learners == 0 || args.local_learners > 64 {
+        return Err(Error::Usage("--local-learners: give 1 to 64".into()));
+    }
+    if args.flat && args.local_learners < 2 {
+        return Err(Error::Usage("--flat needs --local-learners L with L ≥ 2".into()));
+    }
+    if !(args.local_bandwidth >= 1e6) {
+        return Err(Error::Usage("--local-bandwidth: give at least 1mbit".into()));
+    }
+    let t0 = Instant::now();
     let mode = SyncMode::parse(&args.sync).expect("validated by clap");
     let batch = args.batch.unwrap_or(model.batch);
-    let cluster = if colocated {
-        Cluster::colocated(workers)
-    } else {
-        Cluster::split(workers, servers)
-    }?;
-    let t0 = Instant::now();
-    let rep = one_run(&model, cluster, args, mode, batch)?;
-    let single = one_run(&model, Cluster::colocated(1)?, args, mode, batch)?;
-    let compute_s = model.iteration_compute(batch, args.time_scale).as_secs_f64();
-    let throughput = workers as f64 * batch as f64 / rep.iteration_s;
-    let single_tp = batch as f64 / single.iteration_s;
-    Ok(SimResult {
-        model: args.model.clone(),
-        sync: mode.name().into(),
-        consistency: args.consistency.clone(),
-        fast: args.fast,
-        workers,
-        servers,
-        colocated,
-        bandwidth_gbps: args.bandwidth / 1e9,
-        latency_us: args.latency_us,
+    let single = one_run(
+        &model,
+        Cluster::colocated(1)?,
+        args,
+        mode,
         batch,
-        iters: args.iters,
-        iteration_s: rep.iteration_s,
-        throughput_samples_s: throughput,
-        speedup: throughput / single_tp,
-        single_node_iteration_s: single.iteration_s,
-        compute_s,
-        blocked_s: rep.wait_s,
-        events: rep.events,
-        wall_s: t0.elapsed().as_secs_f64(),
-    })
+        &Layout {
+            learners: 1,
+            fold_group: 1,
+            hosts: None,
+        },
+    )?;
+    let l = args.local_learners;
+    let one = |flat: bool| -> Result<SimResult> {
+        let p1 = if flat { workers * l } else { workers };
+        let (cluster, p2) = if colocated {
+            (Cluster::colocated(p1)?, p1)
+        } else {
+            (Cluster::split(p1, servers)?, servers)
+        };
+        let lay = if flat && l > 1 {
+            // Worker rank r on node r / L; separate servers on hosts of their own.
+            let mut hosts: Vec<u32> = (0..p1).map(|r| (r / l) as u32).collect();
+            if !colocated {
+                hosts.extend((0..servers).map(|s| (workers + s) as u32));
+            }
+            Layout {
+                learners: 1,
+                fold_group: l,
+                hosts: Some(hosts),
+            }
+        } else {
+            Layout {
+                learners: l,
+                fold_group: 1,
+                hosts: None,
+            }
+        };
+        let rep = one_run(&model, cluster, args, mode, batch, &lay)?;
+        let compute_s = model.iteration_compute(batch, args.time_scale).as_secs_f64();
+        let throughput = (workers * l) as f64 * batch as f64 / rep.iteration_s;
+        let single_tp = batch as f64 / single.iteration_s;
+        // Worker nodes are hosts 0..workers either way.
+        let nic: Vec<[u64; 2]> = rep.nic_bytes.iter().take(workers).copied().collect();
+        let per_iter =
+            |i: usize| nic.iter().map(|b| b[i] as f64).sum::<f64>() / nic.len().max(1) as f64 / args.iters as f64;
+        Ok(SimResult {
+            model: args.model.clone(),
+            sync: mode.name().into(),
+            consistency: args.consistency.clone(),
+            fast: args.fast,
+            workers: p1,
+            servers: p2,
+            colocated,
+            bandwidth_gbps: args.bandwidth / 1e9,
+            latency_us: args.latency_us,
+            batch,
+            iters: args.iters,
+            iteration_s: rep.iteration_s,
+            throughput_samples_s: throughput,
+            speedup: throughput / single_tp,
+            single_node_iteration_s: single.iteration_s,
+            compute_s,
+            blocked_s: rep.wait_s,
+            local_learners: l,
+            flat: flat && l > 1,
+            node_nic_bytes_per_iter: [per_iter(0), per_iter(1)],
+            local_agg_s: rep.local_agg_s,
+            fanout_s: rep.fanout_s,
+            flat_run: None,
+            speedup_over_flat: None,
+            events: rep.events,
+            wall_s: 0.0,
+        })
+    };
+    let mut r = one(args.flat)?;
+    if l > 1 && !args.flat {
+        let f = one(true)?;
+        r.speedup_over_flat = Some(f.iteration_s / r.iteration_s);
+        r.flat_run = Some(Box::new(f));
+    }
+    r.wall_s = t0.elapsed().as_secs_f64();
+    Ok(r)
 }
 
 /// The text report.
 pub fn render(r: &SimResult) -> String {
-    format!(
-        "sim {model}: {w} workers, {s} servers{col}, {bw:.3} Gbit/s, {lat} µs, {sync} {cons}, batch {k}, {it} iterations\n\
-         iteration        {its:.4} s (compute {cs:.4} s, blocked {bs:.4} s)\n\
-         throughput       {tp:.1} samples/s\n\
-         speedup          {sp:.2}x over one node ({one:.4} s per iteration)\n\
-         simulated in     {wall:.2} s ({ev} events)\n",
+    let mut s = format!(
+        "sim {model}: {w} workers, {s} servers{col}, {bw:.3} Gbit/s, {lat} µs, {sync} {cons}, batch {k}, {it} iterations\n",
         model = r.model,
         w = r.workers,
         s = r.servers,
@@ -259,15 +373,49 @@ pub fn render(r: &SimResult) -> String {
         cons = r.consistency,
         k = r.batch,
         it = r.iters,
+    );
+    s.push_str(&body(r));
+    if let (Some(f), Some(x)) = (&r.flat_run, r.speedup_over_flat) {
+        s.push_str(&format!(
+            "flat run         every learner a rank ({} ranks, {} per node's NIC)\n",
+            f.workers, f.local_learners
+        ));
+        s.push_str(&body(f).lines().map(|l| format!("  {l}\n")).collect::<String>());
+        s.push_str(&format!("local aggregation {x:.2}x the flat run's speed\n"));
+    }
+    s.push_str(&format!("simulated in     {:.2} s ({} events)\n", r.wall_s, r.events));
+    s
+}
+
+fn body(r: &SimResult) -> String {
+    let mut s = format!(
+        "iteration        {its:.4} s (compute {cs:.4} s, blocked {bs:.4} s)\n\
+         throughput       {tp:.1} samples/s\n\
+         speedup          {sp:.2}x over one node ({one:.4} s per iteration)\n",
         its = r.iteration_s,
         cs = r.compute_s,
         bs = r.blocked_s,
         tp = r.throughput_samples_s,
         sp = r.speedup,
         one = r.single_node_iteration_s,
-        wall = r.wall_s,
-        ev = r.events,
-    )
+    );
+    if r.local_learners > 1 {
+        s.push_str(&format!(
+            "learners         {} per node{}; local aggregation {:.4} s, fan-out {:.4} s per iteration\n\
+             node NIC         {:.1} MB sent, {:.1} MB received per iteration\n",
+            r.local_learners,
+            if r.flat {
+                " (flat: each a rank)"
+            } else {
+                " behind one rank"
+            },
+            r.local_agg_s,
+            r.fanout_s,
+            r.node_nic_bytes_per_iter[0] / 1e6,
+            r.node_nic_bytes_per_iter[1] / 1e6,
+        ));
+    }
+    s
 }
 
 #[cfg(test)]

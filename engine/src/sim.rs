@@ -1478,6 +1478,12 @@ impl Sim {
                 if w.finished.is_none() && (0..nl).all(|l| !rank.node.is_in_flight(l)) {
                     w.finished = Some(now.max(rank.local_busy));
                 }
+                if !w.shutdown_sent && rank.local_busy > now {
+                    // A local hand-in is still on its way to the Node.
+                    let at = rank.local_busy;
+                    self.at(at, Ev::Step(r));
+                    return Ok(());
+                }
                 if !w.shutdown_sent {
                     w.shutdown_sent = true;
                     self.feed(r, Input::Shutdown)?;

@@ -130,6 +130,17 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
     // Virtual time is cheap: a long liveness timeout, so that only a real hang trips it.
     cfg.stall_ns = 5_000_000_000;
     let world = book.cluster().world() as u32;
+    // Nexus's local learners behind each worker (their aggregation and fan-out
+    // delay the hand-ins and the next forward passes), and ranks sharing hosts
+    // (a flat run of learners: one NIC, loopback between them).
+    if r.chance(0.25) {
+        cfg.local_learners = r.range(2, 4) as u32;
+        cfg.local_bytes_per_s = r.pick(&[1e8, 1e9, 1e10]);
+    }
+    if r.chance(0.25) {
+        let per = r.range(2, 4) as u32;
+        cfg.hosts = Some((0..world).map(|x| x / per).collect());
+    }
     let mut faults = Faults {
         detect_ns: r.range(10_000, 5_000_000),
         ..Faults::default()
@@ -166,7 +177,7 @@ fn describe(cfg: &SimConfig) -> String {
         .map(|l| format!("{}:{:?}{}x{}", l.name, l.kind, l.m, l.n))
         .collect();
     format!(
-        "roles {:?}; layers [{}]; {:?}; {:?}; wait_free {} fc_factors {}; {:?} (by rank {:?}); iters {}; bw {} lat {}; faults {:?}",
+        "roles {:?}; layers [{}]; {:?}; {:?}; wait_free {} fc_factors {}; {:?} (by rank {:?}); iters {}; bw {} lat {}; local learners {} at {} B/s; hosts {:?}; faults {:?}",
         b.cluster().roles(),
         layers.join(" "),
         b.config(),
@@ -178,6 +189,9 @@ fn describe(cfg: &SimConfig) -> String {
         cfg.iters,
         cfg.bandwidth_bps,
         cfg.latency_ns,
+        cfg.local_learners,
+        cfg.local_bytes_per_s,
+        cfg.hosts,
         cfg.faults
     )
 }
