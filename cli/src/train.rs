@@ -607,6 +607,15 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
     let global = local.node * args.local_learners + local.index;
     let times = model.layer_times(k, args.time_scale);
     let nl = model.layers.len();
+    // The leader's book, for the scheme of each FC layer: factors go to the
+    // leader for SFB; for the PS this learner forms its own gradient Uᵀ·V.
+    let (p1, p2, _) = args.world();
+    let cluster = if args.colocate {
+        Cluster::colocated(p1)?
+    } else {
+        Cluster::split(p1, p2)?
+    };
+    let book = Book::new(cluster, model.layers.clone(), args.book_config(model))?;
     let mut params: Vec<Vec<f32>> = model.layers.iter().map(|l| vec![0f32; l.params()]).collect();
     let mut grad: Vec<Vec<f32>> = model.layers.iter().map(|l| vec![0f32; l.params()]).collect();
     let mut stats = Vec::new();
@@ -633,7 +642,12 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
             if spec.kind == LayerKind::Fc {
                 let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
                 synth.factors(global, it, l as u32, &mut u, &mut v);
-                me.hand_in(l, it, &[&u, &v])?;
+                if book.scheme(l as u32, it) == Scheme::Sfb {
+                    me.hand_in(l, it, &[&u, &v])?;
+                } else {
+                    cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, &mut grad[l]);
+                    me.hand_in(l, it, &[&grad[l]])?;
+                }
             } else {
                 synth.grad(global, it, l as u32, &mut grad[l]);
                 me.hand_in(l, it, &[&grad[l]])?;
@@ -745,17 +759,12 @@ fn worker_loop(
                     synth.factors(global, it, l as u32, &mut u[..km], &mut v[..kn]);
                     g.stack_into(l, it, &mut [u, v])?;
                 } else if spec.kind == LayerKind::Fc {
-                    // Through the PS: each learner's Uᵀ·V, summed in order (as
-                    // a flat run's Nodes form them, one per worker).
+                    // Through the PS: every learner forms its own Uᵀ·V (as a
+                    // flat run's Nodes do, one per worker); they are summed in order.
                     let (mut u, mut v) = (vec![0f32; km], vec![0f32; kn]);
                     synth.factors(global, it, l as u32, &mut u, &mut v);
                     cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, buf.grad_mut());
-                    let mut tmp = vec![0f32; spec.params()];
-                    let grad = buf.grad_mut();
-                    g.for_each_slot(l, it, km + kn, &mut u, |_, uv| {
-                        cpu::sf_rows(&uv[..km], &uv[km..], k, spec.m, spec.n, 0, &mut tmp);
-                        cpu::add_assign(grad, &tmp);
-                    })?;
+                    g.sum_into(l, it, buf.grad_mut())?;
                 } else {
                     synth.grad(global, it, l as u32, buf.grad_mut());
                     g.sum_into(l, it, buf.grad_mut())?;
@@ -1483,7 +1492,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         transport: {
             // One line per distinct transport; the ranks are named when they differ.
             let mut by: std::collections::BTreeMap<&str, Vec<u32>> = Default::default();
-            for r in &results {
+            for r in results.iter().filter(|r| r.local.is_none()) {
                 by.entry(r.transport.as_str()).or_default().push(r.rank);
             }
             let one = by.len() == 1;
