@@ -162,7 +162,9 @@ pub struct SimResult {
     pub local_learners: usize,
     /// See `local_learners`.
     pub flat: bool,
-    /// Per worker node per iteration: payload bytes its NIC sent and received (mean over nodes).
+    /// Per worker node per iteration: payload bytes its NIC sent and received
+    /// (mean over nodes; the set-up before the first iteration, seeding the
+    /// servers, not counted: a run with no iterations measures it).
     pub node_nic_bytes_per_iter: [f64; 2],
     /// Local aggregation per node per iteration, s (0 without local learners).
     pub local_agg_s: f64,
@@ -312,14 +314,34 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
                 hosts: None,
             }
         };
-        let rep = one_run(&model, cluster, args, mode, batch, &lay)?;
+        let rep = one_run(&model, cluster.clone(), args, mode, batch, &lay)?;
+        // The same job with no iterations: the set-up (seeding the servers and
+        // the first broadcast), whose bytes are not the iterations'.
+        let setup = one_run(
+            &model,
+            cluster,
+            &SimArgs {
+                iters: 0,
+                ..args.clone()
+            },
+            mode,
+            batch,
+            &lay,
+        )?;
         let compute_s = model.iteration_compute(batch, args.time_scale).as_secs_f64();
         let throughput = (workers * l) as f64 * batch as f64 / rep.iteration_s;
         let single_tp = batch as f64 / single.iteration_s;
         // Worker nodes are hosts 0..workers either way.
         let nic: Vec<[u64; 2]> = rep.nic_bytes.iter().take(workers).copied().collect();
-        let per_iter =
-            |i: usize| nic.iter().map(|b| b[i] as f64).sum::<f64>() / nic.len().max(1) as f64 / args.iters as f64;
+        let base: Vec<[u64; 2]> = setup.nic_bytes.iter().take(workers).copied().collect();
+        let per_iter = |i: usize| {
+            nic.iter()
+                .zip(&base)
+                .map(|(b, s)| b[i].saturating_sub(s[i]) as f64)
+                .sum::<f64>()
+                / nic.len().max(1) as f64
+                / args.iters as f64
+        };
         Ok(SimResult {
             model: args.model.clone(),
             sync: mode.name().into(),

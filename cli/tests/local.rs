@@ -190,3 +190,48 @@ fn a_stale_parameter_cache_finishes_and_ends_in_agreement() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--cache-staleness 0"));
 }
+
+/// `tidewire sim --local-learners L`: in the simulator too, each node's NIC
+/// carries L times less with local aggregation than the flat run of the same
+/// learners (separate servers, every layer through the PS), and the report
+/// has the speedup over the flat run and the dissection.
+#[test]
+fn sim_local_learners_cut_each_nic_by_l() {
+    for (l, workers, sync) in [(2, 3, "wfbp"), (4, 2, "p3"), (3, 4, "fifo-ps")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+            .args([
+                "sim",
+                "--model",
+                "vgg19-mini",
+                "--servers",
+                "2",
+                "--iters",
+                "3",
+                "--json",
+            ])
+            .args([
+                "--workers",
+                &workers.to_string(),
+                "--local-learners",
+                &l.to_string(),
+                "--sync",
+                sync,
+            ])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let f = &r["flat_run"];
+        assert_eq!(f["workers"], workers * l, "{r:#}");
+        assert_eq!(f["flat"], true);
+        for i in 0..2 {
+            let x =
+                f["node_nic_bytes_per_iter"][i].as_f64().unwrap() / r["node_nic_bytes_per_iter"][i].as_f64().unwrap();
+            println!("sim L={l} {sync}: flat/local node NIC bytes [{i}] = {x:.4}");
+            assert!((x / l as f64 - 1.0).abs() < 0.01, "L={l} {sync}: {x}");
+        }
+        assert!(r["speedup_over_flat"].as_f64().unwrap() > 0.0);
+        assert!(r["local_agg_s"].as_f64().unwrap() > 0.0 && r["fanout_s"].as_f64().unwrap() > 0.0);
+        assert_eq!(f["local_agg_s"].as_f64(), Some(0.0));
+    }
+}

@@ -153,6 +153,9 @@ fn sim_args(model: &str, nodes: usize, gbps: f64, sync: &str, iters: u64) -> Sim
         credit_bytes: None,
         // The papers' systems sum in arrival order.
         fast: true,
+        local_learners: 1,
+        flat: false,
+        local_bandwidth: 80e9,
         json: false,
     }
 }
