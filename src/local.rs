@@ -491,6 +491,166 @@ impl LocalLearner {
     }
 }
 
+/// A local learner's push/pull over its own memory (Nexus's push/pull for a
+/// learner that is not a rank): the counterpart of [`crate::pushpull::PushPull`]
+/// on the node's leader, which was made with [`PushPull::lead`](crate::pushpull::PushPull::lead).
+///
+/// [`LearnerPushPull::push`] copies the layer's gradient into this learner's
+/// slot (widened to f32 for f16, bf16 and f64 memory);
+/// [`LearnerPushPull::pull`] waits until the node's cache holds the version
+/// this push needs (its count, minus the staleness bound) and copies it into
+/// the caller's parameters.
+#[derive(Debug)]
+pub struct LearnerPushPull {
+    me: LocalLearner,
+    t: tidewire_gpu::cpu::HostType,
+    params: tidewire_transport::PinnedBuffer,
+    grads: tidewire_transport::PinnedBuffer,
+    at: Vec<(usize, usize)>,
+    pushes: Vec<u64>,
+    pushed: Vec<bool>,
+    staleness: u64,
+    scratch: Vec<f32>,
+}
+
+impl LearnerPushPull {
+    /// The layout a node's leader and learners share for push/pull: one
+    /// gradient slot per layer, of the layer's size.
+    pub fn layout(learners: usize, sizes: &[usize]) -> LocalLayout {
+        LocalLayout::new(learners, sizes.to_vec(), sizes.to_vec())
+    }
+
+    /// Attaches learner `index` (≥ 1) of `learners` to the group at `path`
+    /// for this run (`nonce`), over the caller's flat parameter and gradient
+    /// memory of element type `t`, layers back to back (`sizes`). The
+    /// parameters get the leader's initial values.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attach(
+        path: &Path,
+        nonce: u64,
+        learners: usize,
+        index: usize,
+        sizes: &[usize],
+        t: tidewire_gpu::cpu::HostType,
+        params: tidewire_transport::PinnedBuffer,
+        grads: tidewire_transport::PinnedBuffer,
+        timeout: Duration,
+        staleness: u64,
+    ) -> Result<Self> {
+        let total: usize = sizes.iter().sum();
+        for (what, b) in [("parameter", &params), ("gradient", &grads)] {
+            if b.len() != total * t.size() {
+                return Err(Error::Layout(format!(
+                    "{what} memory holds {} bytes, but the {} layers' {total} {} values need {}",
+                    b.len(),
+                    sizes.len(),
+                    t.name(),
+                    total * t.size()
+                )));
+            }
+        }
+        let layout = Self::layout(learners, sizes);
+        let me = LocalLearner::attach(path, nonce, &layout, index, timeout)?;
+        let mut at = Vec::new();
+        let mut o = 0;
+        for &n in sizes {
+            at.push((o, n));
+            o += n;
+        }
+        let mut pp = LearnerPushPull {
+            me,
+            t,
+            params,
+            grads,
+            at,
+            pushes: vec![0; sizes.len()],
+            pushed: vec![false; sizes.len()],
+            staleness,
+            scratch: Vec::new(),
+        };
+        for l in 0..sizes.len() {
+            pp.fetch(l, 0)?;
+        }
+        Ok(pp)
+    }
+
+    fn check(&self, l: u32) -> Result<usize> {
+        let n = self.at.len();
+        if (l as usize) < n {
+            Ok(l as usize)
+        } else {
+            Err(Error::Engine(tidewire_engine::EngineError::UnknownLayer {
+                layer: l,
+                layers: n as u32,
+            }))
+        }
+    }
+
+    fn fetch(&mut self, l: usize, need: u64) -> Result<()> {
+        let (o, n) = self.at[l];
+        let sz = self.t.size();
+        self.scratch.resize(n, 0.0);
+        self.me.params(l, need, &mut self.scratch)?;
+        tidewire_gpu::cpu::narrow(self.t, &self.scratch, &mut self.params[o * sz..(o + n) * sz]);
+        Ok(())
+    }
+
+    /// Hands layer `layer`'s gradient to the node's leader.
+    pub fn push(&mut self, layer: u32) -> Result<()> {
+        let l = self.check(layer)?;
+        if self.pushed[l] {
+            return Err(Error::LayerState {
+                layer,
+                why: "cannot push it: it was pushed and not pulled yet".into(),
+            });
+        }
+        let (o, n) = self.at[l];
+        let sz = self.t.size();
+        self.scratch.resize(n, 0.0);
+        tidewire_gpu::cpu::widen(self.t, &self.grads[o * sz..(o + n) * sz], &mut self.scratch);
+        self.me.hand_in(l, self.pushes[l], &[&self.scratch])?;
+        self.pushes[l] += 1;
+        self.pushed[l] = true;
+        Ok(())
+    }
+
+    /// Waits for the layer's parameters after this learner's last push (the
+    /// newest in the cache, at most `staleness` versions behind it) and
+    /// copies them into the caller's memory. At once for a layer not pushed.
+    pub fn pull(&mut self, layer: u32) -> Result<()> {
+        let l = self.check(layer)?;
+        if !self.pushed[l] {
+            return Ok(());
+        }
+        self.fetch(l, self.pushes[l].saturating_sub(self.staleness))?;
+        self.pushed[l] = false;
+        Ok(())
+    }
+
+    /// Pulls every pushed layer, in layer order.
+    pub fn pull_all(&mut self) -> Result<()> {
+        for l in 0..self.at.len() as u32 {
+            self.pull(l)?;
+        }
+        Ok(())
+    }
+
+    /// Whether `layer` has been pushed and not pulled.
+    pub fn in_flight(&self, layer: u32) -> bool {
+        self.pushed.get(layer as usize).copied().unwrap_or(false)
+    }
+
+    /// The number of layers.
+    pub fn layers(&self) -> usize {
+        self.at.len()
+    }
+
+    /// The caller's memory: parameters and gradients as bytes of its type.
+    pub fn memory(&mut self) -> (&[u8], &mut [u8]) {
+        (&self.params[..], &mut self.grads[..])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -85,6 +85,9 @@ pub struct PushPull {
     session: Session,
     slots: Vec<Slot>,
     staged: Option<Staged>,
+    /// This rank leads a node's local learners ([`PushPull::lead`]), and
+    /// each layer's pushes so far.
+    local: Option<(crate::local::LocalGroup, Vec<u64>)>,
 }
 
 impl PushPull {
@@ -105,7 +108,29 @@ impl PushPull {
             session,
             slots,
             staged: None,
+            local: None,
         })
+    }
+
+    /// Makes this worker the leader of a node's local learners (Nexus's
+    /// local aggregation, [`crate::local`]): each [`PushPull::push`] first
+    /// adds the learners' gradients of the layer, in local-rank order, to
+    /// this rank's own (in the session's gradient memory: the caller's, for
+    /// f32), and each completed pull publishes the layer's parameters into
+    /// the node's cache. The group's layout must have one slot per layer of
+    /// the layer's size. Publishes every layer's current (initial) values.
+    /// The session's mean and SGD should count every learner
+    /// ([`SchedConfig::learners`](crate::engine::SchedConfig)).
+    pub fn lead(&mut self, group: crate::local::LocalGroup) -> Result<()> {
+        if self.local.is_some() {
+            return Err(Error::Layout("this rank already leads a local group".into()));
+        }
+        for l in 0..self.slots.len() as u32 {
+            let b = self.held(l)?;
+            group.publish(l as usize, 0, b.params())?;
+        }
+        self.local = Some((group, vec![0; self.slots.len()]));
+        Ok(())
     }
 
     /// Builds a session over the caller's flat parameter and gradient
@@ -191,8 +216,20 @@ impl PushPull {
         Ok((p, &mut st.grads[o * sz..(o + n) * sz]))
     }
 
-    /// Narrows a layer that just came back into the caller's parameters.
+    /// A layer came back: into the caller's parameters, and the learners' cache.
     fn land(&mut self, layer: u32) {
+        if let (Some((g, pushes)), Some(Slot::Held(b))) = (&self.local, self.slots.get(layer as usize)) {
+            // The layout was checked when the group was made; a failure here
+            // would be a bug, and the learners then time out with a clear error.
+            if let Err(e) = g.publish(layer as usize, pushes[layer as usize], b.params()) {
+                tracing::error!(layer, error = %e, "cannot publish to the local learners");
+            }
+        }
+        self.narrow_back(layer);
+    }
+
+    /// Narrows a layer that just came back into the caller's parameters.
+    fn narrow_back(&mut self, layer: u32) {
         if let (Some(st), Some(Slot::Held(b))) = (&self.staged, self.slots.get(layer as usize)) {
             let (o, n) = st.at[layer as usize];
             let sz = st.t.size();
@@ -280,6 +317,14 @@ impl PushPull {
             *self.slot(layer)? = Slot::Held(buf);
             return Err(tidewire_engine::EngineError::NeedsFactors { layer, name }.into());
         }
+        if let Some((g, pushes)) = &mut self.local {
+            let it = pushes[layer as usize];
+            if let Err(e) = g.sum_into(layer as usize, it, buf.grad_mut()) {
+                *self.slot(layer)? = Slot::Held(buf);
+                return Err(e);
+            }
+            pushes[layer as usize] = it + 1;
+        }
         self.hand_in(layer, buf, false)
     }
 
@@ -289,6 +334,12 @@ impl PushPull {
     /// says `Ps`), the gradient Uᵀ·V is formed in the layer's gradient
     /// memory (the caller's) and pushed from there.
     pub fn push_factors(&mut self, layer: u32, u: &[f32], v: &[f32]) -> Result<()> {
+        if self.local.is_some() {
+            return Err(Error::LayerState {
+                layer,
+                why: "a local group's leader pushes gradients: factors from local learners are not supported".into(),
+            });
+        }
         let spec = self.session.book().layer(layer)?.clone();
         let k = self.session.book().config().batch;
         if u.len() != k * spec.m || v.len() != k * spec.n {
@@ -391,6 +442,11 @@ impl PushPull {
                 if let Err(e) = self.pull(l) {
                     first.get_or_insert(e);
                 }
+            }
+        }
+        if first.is_some() {
+            if let Some((g, _)) = &self.local {
+                g.abort();
             }
         }
         let r = self.session.shutdown();
