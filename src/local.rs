@@ -685,7 +685,8 @@ mod tests {
                 g.publish(0, it, &[it as f32; 5]).unwrap();
                 let mut acc = vec![it as f32; 5];
                 g.sum_into(0, it, &mut acc).unwrap();
-                let want = ((it as f32 + 0.25 + it as f32) + 0.5 + it as f32) as f32;
+                let t = it as f32;
+                let want = (t + (0.25 + t)) + (0.5 + t);
                 assert_eq!(acc, vec![want; 5]);
                 let (mut u, mut v) = (vec![9f32; 6], vec![9f32; 3]);
                 g.stack_into(1, it, &mut [&mut u, &mut v]).unwrap();

@@ -87,7 +87,7 @@ pub struct PushPull {
     staged: Option<Staged>,
     /// This rank leads a node's local learners ([`PushPull::lead`]), and
     /// each layer's pushes so far.
-    local: Option<(crate::local::LocalGroup, Vec<u64>)>,
+    local: Option<Box<(crate::local::LocalGroup, Vec<u64>)>>,
 }
 
 impl PushPull {
@@ -129,7 +129,7 @@ impl PushPull {
             let b = self.held(l)?;
             group.publish(l as usize, 0, b.params())?;
         }
-        self.local = Some((group, vec![0; self.slots.len()]));
+        self.local = Some(Box::new((group, vec![0; self.slots.len()])));
         Ok(())
     }
 
@@ -218,7 +218,8 @@ impl PushPull {
 
     /// A layer came back: into the caller's parameters, and the learners' cache.
     fn land(&mut self, layer: u32) {
-        if let (Some((g, pushes)), Some(Slot::Held(b))) = (&self.local, self.slots.get(layer as usize)) {
+        if let (Some(lg), Some(Slot::Held(b))) = (&self.local, self.slots.get(layer as usize)) {
+            let (g, pushes) = &**lg;
             // The layout was checked when the group was made; a failure here
             // would be a bug, and the learners then time out with a clear error.
             if let Err(e) = g.publish(layer as usize, pushes[layer as usize], b.params()) {
@@ -317,7 +318,8 @@ impl PushPull {
             *self.slot(layer)? = Slot::Held(buf);
             return Err(tidewire_engine::EngineError::NeedsFactors { layer, name }.into());
         }
-        if let Some((g, pushes)) = &mut self.local {
+        if let Some(b) = &mut self.local {
+            let (g, pushes) = &mut **b;
             let it = pushes[layer as usize];
             if let Err(e) = g.sum_into(layer as usize, it, buf.grad_mut()) {
                 *self.slot(layer)? = Slot::Held(buf);
@@ -445,8 +447,8 @@ impl PushPull {
             }
         }
         if first.is_some() {
-            if let Some((g, _)) = &self.local {
-                g.abort();
+            if let Some(lg) = &self.local {
+                lg.0.abort();
             }
         }
         let r = self.session.shutdown();

@@ -270,7 +270,7 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
     if args.flat && args.local_learners < 2 {
         return Err(Error::Usage("--flat needs --local-learners L with L ≥ 2".into()));
     }
-    if !(args.local_bandwidth >= 1e6) {
+    if args.local_bandwidth.is_nan() || args.local_bandwidth < 1e6 {
         return Err(Error::Usage("--local-bandwidth: give at least 1mbit".into()));
     }
     let t0 = Instant::now();

@@ -517,7 +517,7 @@ impl Sim {
             }
             None => (0..world as u32).collect(),
         };
-        if cfg.local_learners == 0 || !(cfg.local_bytes_per_s > 0.0) {
+        if cfg.local_learners == 0 || cfg.local_bytes_per_s.is_nan() || cfg.local_bytes_per_s <= 0.0 {
             return Err(SimError::Config {
                 seed: cfg.seed,
                 error: EngineError::InvalidConfig("local_learners ≥ 1 and local_bytes_per_s > 0".into()),
