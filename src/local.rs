@@ -485,6 +485,34 @@ impl LocalLearner {
         }
     }
 
+    /// [`LocalLearner::params`] without waiting: `None` while the cache
+    /// holds no version `need` or newer.
+    pub fn try_params(&self, l: usize, need: u64, dst: &mut [f32]) -> Result<Option<u64>> {
+        let r = self.layout.cache(l);
+        if dst.len() != r.len() {
+            return Err(Error::Layout(format!(
+                "layer {l}: {} parameters, the cache holds {}",
+                dst.len(),
+                r.len()
+            )));
+        }
+        if self.mem.words()[W_ABORT].load(Ordering::Acquire) != 0 {
+            return Err(local_err(format!("the node's leader gave up (layer {l})")));
+        }
+        let seq = &self.mem.words()[self.layout.w_seq(l)];
+        loop {
+            let s1 = seq.load(Ordering::Acquire);
+            if s1 == 0 || s1 % 2 == 1 || s1 / 2 <= need {
+                return Ok(None);
+            }
+            load(&self.mem.data()[r.clone()], dst);
+            fence(Ordering::Acquire);
+            if seq.load(Ordering::Relaxed) == s1 {
+                return Ok(Some(s1 / 2 - 1));
+            }
+        }
+    }
+
     /// This learner's local rank.
     pub fn index(&self) -> usize {
         self.index
@@ -633,6 +661,25 @@ impl LearnerPushPull {
             self.pull(l)?;
         }
         Ok(())
+    }
+
+    /// Whether `layer` is synced (as [`LearnerPushPull::pull`] would find it),
+    /// without blocking; when it is, its parameters are copied in as by a pull.
+    pub fn poll(&mut self, layer: u32) -> Result<bool> {
+        let l = self.check(layer)?;
+        if !self.pushed[l] {
+            return Ok(true);
+        }
+        let (o, n) = self.at[l];
+        let sz = self.t.size();
+        self.scratch.resize(n, 0.0);
+        let need = self.pushes[l].saturating_sub(self.staleness);
+        if self.me.try_params(l, need, &mut self.scratch)?.is_none() {
+            return Ok(false);
+        }
+        tidewire_gpu::cpu::narrow(self.t, &self.scratch, &mut self.params[o * sz..(o + n) * sz]);
+        self.pushed[l] = false;
+        Ok(true)
     }
 
     /// Whether `layer` has been pushed and not pulled.

@@ -113,6 +113,13 @@ impl Builder {
         self.cfg.sched.consistency = c;
         self
     }
+    /// Learners behind every worker rank (Nexus's local aggregation, see
+    /// [`crate::local`] and [`PushPull::lead`](crate::pushpull::PushPull::lead)):
+    /// the mean and SGD divide by workers × learners. Every rank must agree.
+    pub fn local_learners(mut self, n: u32) -> Self {
+        self.cfg.sched.learners = n;
+        self
+    }
     /// Credit window in bytes.
     pub fn credit_bytes(mut self, b: usize) -> Self {
         self.cfg.sched.credit_bytes = b;

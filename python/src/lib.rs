@@ -14,6 +14,14 @@
 //! layers, and `shutdown` serves the job until every worker has shut down.
 //! After an error, `abort` ends a session without waiting for its peers.
 //!
+//! With `local=(learners, index, path, nonce, staleness)` the session is one
+//! of a node's `learners` local learners (Nexus's local aggregation,
+//! `tidewire::local`): index 0 is the node's rank (its `rank` and `world`
+//! count nodes) and sums the other learners' gradients into its own before
+//! each push; index ≥ 1 joins no rendezvous, hands its gradients to index 0
+//! through shared memory at `path`, and pulls the parameters from the node's
+//! cache (up to `staleness` versions old). Every layer syncs through the PS.
+//!
 //! Every call that waits (the constructor's rendezvous, `pull`, `pull_all`,
 //! `shutdown`) releases the GIL. Errors raise `tidewire.TidewireError` (a
 //! `RuntimeError`) with the Rust error's message.
@@ -31,6 +39,7 @@ use tidewire::cluster::ClusterSpec;
 use tidewire::engine::book::{LayerKind, LayerSpec};
 use tidewire::engine::{ApplyOp, Consistency, Role, Scheme, SchemePolicy};
 use tidewire::gpu::cpu::HostType;
+use tidewire::local::{LearnerPushPull, LocalGroup};
 use tidewire::pushpull::PushPull;
 use tidewire::transport::{JobSecret, PinnedBuffer};
 use tidewire::{Builder, TransportKind};
@@ -259,19 +268,70 @@ fn seconds(s: f64, what: &str) -> PyResult<Duration> {
 }
 
 /// A worker's session behind its push/pull interface, or a server-only
-/// rank's session, which only serves (from `shutdown`).
+/// rank's session, which only serves (from `shutdown`), or a local learner
+/// behind its node's worker (no session of its own).
 #[derive(Debug)]
 enum Inner {
     Worker(PushPull),
     Server(tidewire::Session),
+    Learner(LearnerPushPull),
 }
 
 impl Inner {
-    fn session(&self) -> &tidewire::Session {
+    fn session(&self) -> Option<&tidewire::Session> {
         match self {
-            Inner::Worker(pp) => pp.session(),
-            Inner::Server(s) => s,
+            Inner::Worker(pp) => Some(pp.session()),
+            Inner::Server(s) => Some(s),
+            Inner::Learner(_) => None,
         }
+    }
+}
+
+/// What push/pull does on a rank or on a local learner.
+trait Layers {
+    fn push(&mut self, layer: u32) -> tidewire::Result<()>;
+    fn push_factors(&mut self, layer: u32, u: &[f32], v: &[f32]) -> tidewire::Result<()>;
+    fn pull(&mut self, layer: u32) -> tidewire::Result<()>;
+    fn pull_all(&mut self) -> tidewire::Result<()>;
+    fn in_flight(&self, layer: u32) -> bool;
+}
+
+impl Layers for PushPull {
+    fn push(&mut self, layer: u32) -> tidewire::Result<()> {
+        PushPull::push(self, layer)
+    }
+    fn push_factors(&mut self, layer: u32, u: &[f32], v: &[f32]) -> tidewire::Result<()> {
+        PushPull::push_factors(self, layer, u, v)
+    }
+    fn pull(&mut self, layer: u32) -> tidewire::Result<()> {
+        PushPull::pull(self, layer)
+    }
+    fn pull_all(&mut self) -> tidewire::Result<()> {
+        PushPull::pull_all(self)
+    }
+    fn in_flight(&self, layer: u32) -> bool {
+        PushPull::in_flight(self, layer)
+    }
+}
+
+impl Layers for LearnerPushPull {
+    fn push(&mut self, layer: u32) -> tidewire::Result<()> {
+        LearnerPushPull::push(self, layer)
+    }
+    fn push_factors(&mut self, layer: u32, _: &[f32], _: &[f32]) -> tidewire::Result<()> {
+        Err(tidewire::Error::LayerState {
+            layer,
+            why: "a local learner pushes gradients (every layer syncs through the PS with local aggregation)".into(),
+        })
+    }
+    fn pull(&mut self, layer: u32) -> tidewire::Result<()> {
+        LearnerPushPull::pull(self, layer)
+    }
+    fn pull_all(&mut self) -> tidewire::Result<()> {
+        LearnerPushPull::pull_all(self)
+    }
+    fn in_flight(&self, layer: u32) -> bool {
+        LearnerPushPull::in_flight(self, layer)
     }
 }
 
@@ -331,13 +391,14 @@ impl Session {
     fn with<T: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&mut PushPull) -> tidewire::Result<T> + Send,
+        f: impl FnOnce(&mut dyn Layers) -> tidewire::Result<T> + Send,
     ) -> PyResult<T> {
         if !self.role.is_worker() {
             return Err(self.server_only());
         }
         self.with_inner(py, |inner| match inner {
             Inner::Worker(pp) => f(pp),
+            Inner::Learner(pp) => f(pp),
             Inner::Server(_) => Err(tidewire::Error::Shutdown),
         })
     }
@@ -363,7 +424,7 @@ impl Session {
     #[pyo3(signature = (
         layers, *, params, grads, rank, world, master, secret, servers = 0, job = 1, batch = 32,
         apply = None, consistency = None, policy = "hybrid", transport = "auto", timeout = 60.0,
-        connect_timeout = 60.0, chunk_bytes = None, slice_params = None, listen_ip = None
+        connect_timeout = 60.0, chunk_bytes = None, slice_params = None, listen_ip = None, local = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -387,6 +448,7 @@ impl Session {
         chunk_bytes: Option<usize>,
         slice_params: Option<usize>,
         listen_ip: Option<&str>,
+        local: Option<(usize, usize, String, u64, u64)>,
     ) -> PyResult<Self> {
         if layers.is_empty() {
             return Err(PyValueError::new_err("the layer table is empty"));
@@ -456,6 +518,18 @@ impl Session {
             ClusterSpec::new(rank, world - servers, servers, false, addr)
         }
         .map_err(tw_err)?;
+        if let Some((learners, index, _, _, _)) = &local {
+            if *learners < 1 || index >= learners {
+                return Err(PyValueError::new_err(format!(
+                    "local: learner index {index} of {learners} learners (want 0 <= index < learners)"
+                )));
+            }
+            if policy != "ps" {
+                return Err(PyValueError::new_err(format!(
+                    "local: with local aggregation every layer syncs through the PS: give policy='ps', not {policy:?}"
+                )));
+            }
+        }
         let mut b = Builder::new(specs)
             .batch(batch)
             .apply(parse_apply(apply.as_ref())?)
@@ -494,8 +568,27 @@ impl Session {
         let g = g.map_err(|e| tw_err(e.into()))?;
         // float32 memory is registered in place; float16, bfloat16 and float64 are
         // staged through float32 (PushPull::build: widened at push, narrowed at pull).
+        let wait = seconds(connect_timeout, "connect_timeout")?;
+        let lsizes = sizes.clone();
+        if let Some((learners, _, _, _, _)) = &local {
+            b = b.local_learners(*learners as u32);
+        }
         let inner = py
             .detach(move || {
+                if let Some((learners, index, path, nonce, staleness)) = local {
+                    let path = std::path::PathBuf::from(path);
+                    if index > 0 {
+                        let pp = LearnerPushPull::attach(&path, nonce, learners, index, &lsizes, t, p, g, wait, staleness)?;
+                        return Ok(Inner::Learner(pp));
+                    }
+                    let mut pp = PushPull::build(b, spec, t, p, g)?;
+                    if pp.session().role().is_worker() {
+                        let layout = LearnerPushPull::layout(learners, &lsizes);
+                        pp.lead(LocalGroup::create(&path, nonce, &layout, wait)?)?;
+                        return Ok(Inner::Worker(pp));
+                    }
+                    return Ok(Inner::Server(pp.into_session()));
+                }
                 let pp = PushPull::build(b, spec, t, p, g)?;
                 Ok(if pp.session().role().is_worker() {
                     Inner::Worker(pp)
@@ -504,20 +597,35 @@ impl Session {
                 })
             })
             .map_err(tw_err)?;
-        let s = inner.session();
-        let schemes = (0..layers.len() as u32)
-            .map(|l| s.scheme(l))
-            .collect::<tidewire::Result<Vec<_>>>()
-            .map_err(tw_err)?;
+        let (role, schemes, transport, batch) = match inner.session() {
+            Some(s) => (
+                s.role(),
+                (0..layers.len() as u32)
+                    .map(|l| s.scheme(l))
+                    .collect::<tidewire::Result<Vec<_>>>()
+                    .map_err(tw_err)?,
+                s.transport(),
+                s.book().config().batch,
+            ),
+            None => (
+                Role::Worker,
+                vec![Scheme::Ps; layers.len()],
+                (
+                    "local".to_string(),
+                    "a local learner: its node's leader rank talks to the network".to_string(),
+                ),
+                batch,
+            ),
+        };
         Ok(Session {
             rank,
-            role: s.role(),
+            role,
             world,
-            batch: s.book().config().batch,
+            batch,
             names: layers.into_iter().map(|l| l.0).collect(),
             sizes,
             schemes,
-            transport: s.transport(),
+            transport,
             pp: Mutex::new(Some(inner)),
             memory: [params.unbind(), grads.unbind()],
         })
@@ -562,6 +670,7 @@ impl Session {
         };
         match g.as_mut() {
             Some(Inner::Worker(pp)) => pp.poll(layer as u32).map_err(tw_err),
+            Some(Inner::Learner(pp)) => pp.poll(layer as u32).map_err(tw_err),
             Some(Inner::Server(_)) => Err(self.server_only()),
             None => Err(tw_err(tidewire::Error::Shutdown)),
         }
@@ -585,7 +694,11 @@ impl Session {
 
     /// The session's counters (a dict of ints).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.with_inner(py, |inner| inner.session().stats())?;
+        let s = self.with_inner(py, |inner| match inner.session() {
+            Some(s) => s.stats(),
+            // A local learner puts nothing on the network itself.
+            None => Ok(tidewire::SessionStats::default()),
+        })?;
         let d = PyDict::new(py);
         let v = serde_json::to_value(s).map_err(|e| TidewireError::new_err(e.to_string()))?;
         if let serde_json::Value::Object(m) = v {
@@ -604,6 +717,7 @@ impl Session {
         py.detach(|| match self.lock().take().ok_or(tidewire::Error::Shutdown)? {
             Inner::Worker(pp) => pp.shutdown(),
             Inner::Server(mut s) => s.shutdown(),
+            Inner::Learner(mut pp) => pp.pull_all(),
         })
         .map_err(tw_err)
     }

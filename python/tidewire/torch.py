@@ -69,9 +69,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import io
 import os
 import secrets as _secrets
+import tempfile
 import threading
 import warnings
 import zlib
@@ -142,10 +144,16 @@ class _Env:
         job: int,
         timeout: float,
         transport: str,
+        local_size: int = 1,
+        local_agg: bool = False,
+        cache_staleness: int = 0,
     ) -> None:
         self.rank = rank
         self.size = size
         self.local_rank = local_rank
+        self.local_size = local_size
+        self.local_agg = local_agg
+        self.cache_staleness = cache_staleness
         self.source = source
         self.host = host
         self.base_port = base_port
@@ -173,7 +181,12 @@ def _env_int(name: str, value: str) -> int:
         raise TidewireError(f"{name}={value!r} is not a number") from None
 
 
-def _read_env(secret: Union[str, bytes, None], master: Optional[str], timeout: Optional[float]) -> _Env:
+def _read_env(
+    secret: Union[str, bytes, None],
+    master: Optional[str],
+    timeout: Optional[float],
+    local_aggregation: Optional[bool] = None,
+) -> _Env:
     env = os.environ
     launchers = [
         ("tidewire", "TIDEWIRE_RANK", "TIDEWIRE_WORLD_SIZE", ("TIDEWIRE_LOCAL_RANK", "LOCAL_RANK")),
@@ -247,7 +260,50 @@ def _read_env(secret: Union[str, bytes, None], master: Optional[str], timeout: O
         except ValueError:
             raise TidewireError(f"TIDEWIRE_TIMEOUT={env['TIDEWIRE_TIMEOUT']!r} is not a number") from None
     transport = env.get("TIDEWIRE_TRANSPORT", "auto").strip().lower() or "auto"
-    return _Env(rank_, size_, local, source, host, base, secret, job, timeout, transport)
+    local_size = next(
+        (
+            _env_int(k, env[k])
+            for k in ("TIDEWIRE_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+            if k in env
+        ),
+        1,
+    )
+    if local_aggregation is None:
+        local_aggregation = env.get("TIDEWIRE_LOCAL_AGGREGATION", "0").strip().lower() in ("1", "true", "yes")
+    staleness = _env_int("TIDEWIRE_CACHE_STALENESS", env.get("TIDEWIRE_CACHE_STALENESS", "0"))
+    if local_aggregation and local_size > 1:
+        if local_size < 1 or size_ % local_size != 0 or rank_ % local_size != local:
+            raise TidewireError(
+                f"local aggregation needs every node's {local_size} learners (LOCAL_WORLD_SIZE) to be "
+                f"consecutive ranks with LOCAL_RANK = RANK mod {local_size}, as torchrun starts them; "
+                f"this process is rank {rank_} of {size_} with local rank {local}"
+            )
+        if staleness < 0:
+            raise TidewireError(f"TIDEWIRE_CACHE_STALENESS={staleness}: want >= 0")
+    else:
+        local_aggregation = False
+    return _Env(
+        rank_, size_, local, source, host, base, secret, job, timeout, transport,
+        local_size, bool(local_aggregation), staleness,
+    )
+
+
+def _place(env: _Env, index: int) -> Dict[str, Any]:
+    """The rank, world and local group of session ``index``: with local
+    aggregation a node's learners share one rank (its local rank 0 leads and
+    pushes once for all of them, through shared memory)."""
+    if not env.local_agg:
+        return {"rank": env.rank, "world": env.size}
+    n = env.local_size
+    node = env.rank // n
+    h = hashlib.blake2b(digest_size=8)
+    for part in (env.secret, str(env.job).encode(), env.host.encode(), str(env.base_port).encode()):
+        h.update(part)
+        h.update(b"\0")
+    nonce = int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+    d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(d, f"tidewire-{nonce:016x}-{index}-{node}")
+    return {"rank": node, "world": env.size // n, "local": (n, env.local_rank, path, nonce, env.cache_staleness)}
 
 
 # --------------------------------------------------------------------------- global state
@@ -289,6 +345,7 @@ def init(
     secret: Union[str, bytes, None] = None,
     master: Optional[str] = None,
     timeout: Optional[float] = None,
+    local_aggregation: Optional[bool] = None,
 ) -> None:
     """Joins the job: reads the launcher's environment (see the module docs)
     and builds the utility session that :func:`push_pull` and the broadcasts
@@ -296,11 +353,22 @@ def init(
 
     ``secret`` overrides ``TIDEWIRE_SECRET``, ``master`` (``host:port``)
     ``TIDEWIRE_MASTER``, ``timeout`` (seconds) ``TIDEWIRE_TIMEOUT``.
+
+    ``local_aggregation=True`` (or ``TIDEWIRE_LOCAL_AGGREGATION=1``) is
+    Nexus's local aggregation: the ``LOCAL_WORLD_SIZE`` processes of a node
+    (one per GPU, as torchrun starts them) hand their gradients to local rank
+    0 through shared memory, which sums them and pushes once for the node, and
+    they read the parameters back from a cache there
+    (``TIDEWIRE_CACHE_STALENESS=S`` lets them take a version up to S old
+    instead of waiting). The node's NIC carries one copy instead of
+    ``LOCAL_WORLD_SIZE``; the results equal a job without it. Every layer
+    syncs through the PS (no ``sfb=``). :func:`rank`, :func:`size` and
+    :func:`local_rank` keep counting processes.
     """
     with _state.lock:
         if _state.util is not None:
             return
-        env = _read_env(secret, master, timeout)
+        env = _read_env(secret, master, timeout, local_aggregation)
         util = _Util(env, _new_index())
         _state.env, _state.util = env, util
         if not _state.atexit:
@@ -464,8 +532,7 @@ class _Util:
             [("tidewire.scratch.small", "other", 1, small), ("tidewire.scratch.large", "other", 1, large)],
             params=self.res,
             grads=self.grad,
-            rank=env.rank,
-            world=env.size,
+            **_place(env, index),
             master=env.master(index),
             secret=env.secret,
             job=_job_id(env, index),
@@ -826,6 +893,13 @@ class _Tw:
         if (explicit or sfb == "always") and not can_sfb:
             raise ValueError(f"sfb={'True' if explicit else repr(sfb)} needs model= and batch_size=")
         self.sfb: Union[bool, str] = sfb if (sfb is not False and can_sfb) else False
+        if env.local_agg and self.sfb:
+            if explicit or sfb == "always":
+                raise ValueError(
+                    "sfb: with local aggregation a node's learners sum their gradients before the one push, "
+                    "so every layer syncs through the PS: drop sfb="
+                )
+            self.sfb = False
         if consistency == "bsp":
             self.consistency: Union[str, Tuple[str, int]] = "bsp"
         elif isinstance(consistency, (tuple, list)) and len(consistency) == 2 and consistency[0] == "ssp":
@@ -1028,6 +1102,8 @@ class _Tw:
         env = self.env
         index = _new_index()
         policy = "ps" if not self.sfb else ("sfb" if self.sfb == "always" else "hybrid")
+        if env.local_agg:
+            policy = "ps"  # a node's learners sum gradients: no factors (see __init__)
         apply_op: Union[str, Tuple[str, float, float, float]] = "mean"
         if self.sgd is not None:
             apply_op = ("sgd",) + self.sgd  # type: ignore[assignment]
@@ -1064,8 +1140,7 @@ class _Tw:
             self._table(),
             params=self.r_host,
             grads=self.g_host,
-            rank=env.rank,
-            world=env.size,
+            **_place(env, index),
             master=env.master(index),
             secret=env.secret,
             job=_job_id(env, index),
