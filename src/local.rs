@@ -461,32 +461,17 @@ impl LocalLearner {
     /// Copies layer `l`'s cached parameters into `dst` once the cache holds
     /// version `need` or newer; returns the version copied (the newest).
     pub fn params(&self, l: usize, need: u64, dst: &mut [f32]) -> Result<u64> {
-        let r = self.layout.cache(l);
-        if dst.len() != r.len() {
-            return Err(Error::Layout(format!(
-                "layer {l}: {} parameters, the cache holds {}",
-                dst.len(),
-                r.len()
-            )));
-        }
-        let seq = &self.mem.words()[self.layout.w_seq(l)];
         let mut waiter = Waiter::new(self.timeout);
         loop {
-            let s1 = seq.load(Ordering::Acquire);
-            if s1 != 0 && s1 % 2 == 0 && s1 / 2 > need {
-                load(&self.mem.data()[r.clone()], dst);
-                fence(Ordering::Acquire);
-                if seq.load(Ordering::Relaxed) == s1 {
-                    return Ok(s1 / 2 - 1);
-                }
-                continue;
+            if let Some(v) = self.try_params(l, need, dst)? {
+                return Ok(v);
             }
             waiter.pause(&self.mem, || format!("version {need} of layer {l}'s parameters"))?;
         }
     }
 
     /// [`LocalLearner::params`] without waiting: `None` while the cache
-    /// holds no version `need` or newer.
+    /// holds no version `need` or newer (or the leader is writing it).
     pub fn try_params(&self, l: usize, need: u64, dst: &mut [f32]) -> Result<Option<u64>> {
         let r = self.layout.cache(l);
         if dst.len() != r.len() {
@@ -500,6 +485,7 @@ impl LocalLearner {
             return Err(local_err(format!("the node's leader gave up (layer {l})")));
         }
         let seq = &self.mem.words()[self.layout.w_seq(l)];
+        // A seqlock read: retry while the leader rewrote it meanwhile.
         loop {
             let s1 = seq.load(Ordering::Acquire);
             if s1 == 0 || s1 % 2 == 1 || s1 / 2 <= need {

@@ -106,6 +106,25 @@ fn f32s(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// A rank's memory, flat, through `held`: `f` reads the parameters and
+/// writes the gradient.
+fn rank_access(p: &mut PushPull, nl: u32, f: &mut dyn FnMut(&mut [f32], &[f32])) {
+    let (mut params, mut grads) = (Vec::new(), Vec::new());
+    for l in 0..nl {
+        let b = p.held(l).unwrap();
+        params.extend_from_slice(b.params());
+        grads.extend_from_slice(b.grad());
+    }
+    f(&mut grads, &params);
+    let mut at = 0;
+    for l in 0..nl {
+        let b = p.held(l).unwrap();
+        let n = b.grad().len();
+        b.grad_mut().copy_from_slice(&grads[at..at + n]);
+        at += n;
+    }
+}
+
 /// The local job: per learner (global index), its parameters after each step.
 fn local_job(job: &Job) -> Vec<Vec<Vec<f32>>> {
     let master = free_master();
@@ -143,24 +162,7 @@ fn local_job(job: &Job) -> Vec<Vec<Vec<f32>>> {
                             g,
                             |l| pp.borrow_mut().push(l),
                             || pp.borrow_mut().pull_all(),
-                            |f| {
-                                let mut p = pp.borrow_mut();
-                                let mut params = Vec::new();
-                                let mut grads = Vec::new();
-                                for l in 0..nl {
-                                    let b = p.held(l).unwrap();
-                                    params.extend_from_slice(b.params());
-                                    grads.extend_from_slice(b.grad());
-                                }
-                                f(&mut grads, &params);
-                                let mut at = 0;
-                                for l in 0..nl {
-                                    let b = p.held(l).unwrap();
-                                    let n = b.grad().len();
-                                    b.grad_mut().copy_from_slice(&grads[at..at + n]);
-                                    at += n;
-                                }
-                            },
+                            |f| rank_access(&mut pp.borrow_mut(), nl, f),
                         )?;
                         pp.into_inner().shutdown()?;
                         Ok(r)
@@ -232,23 +234,7 @@ fn flat_job(job: &Job) -> Vec<Vec<Vec<f32>>> {
                         g,
                         |l| pp.borrow_mut().push(l),
                         || pp.borrow_mut().pull_all(),
-                        |f| {
-                            let mut p = pp.borrow_mut();
-                            let (mut params, mut grads) = (Vec::new(), Vec::new());
-                            for l in 0..nl {
-                                let b = p.held(l).unwrap();
-                                params.extend_from_slice(b.params());
-                                grads.extend_from_slice(b.grad());
-                            }
-                            f(&mut grads, &params);
-                            let mut at = 0;
-                            for l in 0..nl {
-                                let b = p.held(l).unwrap();
-                                let n = b.grad().len();
-                                b.grad_mut().copy_from_slice(&grads[at..at + n]);
-                                at += n;
-                            }
-                        },
+                        |f| rank_access(&mut pp.borrow_mut(), nl, f),
                     )?;
                     pp.into_inner().shutdown()?;
                     Ok(r)

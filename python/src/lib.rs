@@ -578,7 +578,8 @@ impl Session {
                 if let Some((learners, index, path, nonce, staleness)) = local {
                     let path = std::path::PathBuf::from(path);
                     if index > 0 {
-                        let pp = LearnerPushPull::attach(&path, nonce, learners, index, &lsizes, t, p, g, wait, staleness)?;
+                        let pp =
+                            LearnerPushPull::attach(&path, nonce, learners, index, &lsizes, t, p, g, wait, staleness)?;
                         return Ok(Inner::Learner(pp));
                     }
                     let mut pp = PushPull::build(b, spec, t, p, g)?;
