@@ -59,6 +59,10 @@ pub enum Error {
     /// The session was shut down.
     #[error("the session is shut down")]
     Shutdown,
+    /// A node's local learners and their leader ([`crate::local`]): a leader
+    /// that gave up or died, a shared file of another run or layout.
+    #[error("local learners: {0}")]
+    Local(String),
 }
 
 impl From<tidewire_transport::Error> for Error {

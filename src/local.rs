@@ -62,6 +62,8 @@ const W_MAGIC: usize = 0;
 const W_NONCE: usize = 1;
 const W_LAYOUT: usize = 2;
 const W_ABORT: usize = 3;
+/// The leader's process id, so learners notice a leader that died.
+const W_PID: usize = 4;
 const HEADER: usize = 8;
 
 /// The shape of a node's shared memory: learners, and per layer the
@@ -162,7 +164,7 @@ impl LocalLayout {
 }
 
 fn local_err(what: String) -> Error {
-    Error::Cluster(format!("local learners: {what}"))
+    Error::Local(what)
 }
 
 /// Copies cells out (relaxed loads: other processes may be writing them).
@@ -200,6 +202,20 @@ impl Waiter {
                 "the node's leader gave up (while waiting for {})",
                 what()
             )));
+        }
+        if self.spins % 2048 == 0 {
+            // Every ~100 ms of sleeping: a leader that died cannot say so.
+            let pid = mem.words()[W_PID].load(Ordering::Relaxed);
+            if pid != 0
+                && pid != u64::from(std::process::id())
+                && Path::new("/proc/self").exists()
+                && !Path::new(&format!("/proc/{pid}")).exists()
+            {
+                return Err(local_err(format!(
+                    "the node's leader (process {pid}) is gone (while waiting for {})",
+                    what()
+                )));
+            }
         }
         if self.start.elapsed() > self.timeout {
             return Err(Error::Timeout {
@@ -240,6 +256,7 @@ impl LocalGroup {
         let w = mem.words();
         w[W_NONCE].store(nonce, Ordering::Relaxed);
         w[W_LAYOUT].store(layout.hash(), Ordering::Relaxed);
+        w[W_PID].store(u64::from(std::process::id()), Ordering::Relaxed);
         w[W_MAGIC].store(MAGIC, Ordering::Release);
         Ok(LocalGroup {
             mem,

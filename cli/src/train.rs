@@ -1266,7 +1266,18 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
             }
         }
     }
+    let ranks = world;
     let world = children.len();
+    // Local learners are not ranks: name them by node and local rank.
+    let who = |id: u32| -> String {
+        let id = id as usize;
+        if id < ranks {
+            format!("rank {id}")
+        } else {
+            let per = args.local_learners.saturating_sub(1).max(1);
+            format!("local learner {} of node {}", (id - ranks) % per + 1, (id - ranks) / per)
+        }
+    };
     let bar = indicatif::ProgressBar::new(args.iters);
     if args.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -1334,7 +1345,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
             if statuses[i].is_none() {
                 if let Ok(Some(st)) = child.try_wait() {
                     if !st.success() {
-                        failed.push(format!("rank {rank} exited with {st}"));
+                        failed.push(format!("{} exited with {st}", who(*rank)));
                     }
                     statuses[i] = Some(st);
                 }
@@ -1363,7 +1374,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     if !failed.is_empty() {
         let mut msg = failed.join("; ");
         for (rank, tail, _) in stderr_tails.iter().filter(|(_, t, _)| !t.is_empty()) {
-            msg.push_str(&format!("\n--- rank {rank} stderr ---\n{}", tail.trim_end()));
+            msg.push_str(&format!("\n--- {} stderr ---\n{}", who(*rank), tail.trim_end()));
         }
         return Err(Error::Launch(format!("the local cluster failed: {msg}")));
     }
