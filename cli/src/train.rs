@@ -1275,7 +1275,11 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
             format!("rank {id}")
         } else {
             let per = args.local_learners.saturating_sub(1).max(1);
-            format!("local learner {} of node {}", (id - ranks) % per + 1, (id - ranks) / per)
+            format!(
+                "local learner {} of node {}",
+                (id - ranks) % per + 1,
+                (id - ranks) / per
+            )
         }
     };
     let bar = indicatif::ProgressBar::new(args.iters);

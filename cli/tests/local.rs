@@ -235,3 +235,70 @@ fn sim_local_learners_cut_each_nic_by_l() {
         assert_eq!(f["local_agg_s"].as_f64(), Some(0.0));
     }
 }
+
+/// The children of process `pid`, in the order it started them (Linux).
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect()
+}
+
+/// Kills child `pick` of a running `train --local-learners 3` (ranks first,
+/// then the learners) and returns the launcher's stderr.
+fn kill_one(pick: impl Fn(&[u32]) -> u32) -> String {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+        .args([
+            "train",
+            "--model",
+            "vgg19-mini",
+            "--workers",
+            "1",
+            "--servers",
+            "1",
+            "--local-learners",
+            "3",
+        ])
+        .args(["--iters", "100000", "--time-scale", "0.2", "--timeout-s", "3"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    // Rank 0 and 1, then learners 1 and 2 of node 0, once they train.
+    let kids = loop {
+        let k = children(c.id());
+        if k.len() == 4 || t.elapsed().as_secs() > 30 {
+            break k;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(kids.len(), 4, "the launcher started {kids:?}");
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let victim = pick(&kids);
+    assert!(Command::new("kill")
+        .args(["-9", &victim.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let out = c.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A learner that dies: its leader's wait for its gradient ends with a
+/// timeout naming it, and the job fails. A leader that dies: its learners
+/// see it is gone (its process id is in the shared header), without waiting
+/// for their timeout.
+#[test]
+fn a_dead_learner_or_leader_fails_the_node_clearly() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let err = kill_one(|k| k[3]);
+    assert!(err.contains("local learner 2 of node 0 exited with signal: 9"), "{err}");
+    assert!(err.contains("waiting for local learner 2 to hand in layer"), "{err}");
+    let err = kill_one(|k| k[0]);
+    assert!(err.contains("rank 0 exited with signal: 9"), "{err}");
+    assert!(err.contains("the node's leader (process"), "{err}");
+    assert!(err.contains("is gone"), "{err}");
+}
