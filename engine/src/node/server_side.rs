@@ -18,6 +18,11 @@ impl Node {
             } => {
                 let si = book.slices()[slice as usize];
                 let ch = book.chunks()[si.chunk as usize];
+                let pairs = if worker == me {
+                    None
+                } else {
+                    self.landing_sparse.remove(&(worker, slot))
+                };
                 let src = if worker == me {
                     Loc {
                         region: LocalRegion::Grads,
@@ -40,6 +45,7 @@ impl Node {
                         len: si.len,
                         first,
                         contributions: book.p1(),
+                        pairs,
                     },
                     JobTrack::Accumulate { worker, slot },
                 );
