@@ -1239,10 +1239,14 @@ impl Sim {
         let book = &c.book;
         let secs = match &job.kind {
             JobKind::Accumulate { len, pairs: None, .. } => *len as f64 * 4.0 / c.agg_bytes_per_s,
-            JobKind::Accumulate { len, pairs: Some(_), .. } => {
-                *len as f64 * 4.0 / c.agg_bytes_per_s + *len as f64 * c.sparse.densify_ns_per_elem / 1e9
+            JobKind::Accumulate { len, pairs: Some(n), .. } => {
+                *len as f64 * 4.0 / c.agg_bytes_per_s
+                    + (*len as f64 * c.sparse.densify_ns_per_elem + f64::from(*n) * c.sparse.densify_ns_per_pair) / 1e9
             }
-            JobKind::EncodeSparse { len, .. } => *len as f64 * c.sparse.encode_ns_per_elem / 1e9,
+            JobKind::EncodeSparse { len, .. } => {
+                let pairs = c.sparse_density * *len as f64;
+                (*len as f64 * c.sparse.encode_ns_per_elem + pairs * c.sparse.encode_ns_per_pair) / 1e9
+            }
             JobKind::Apply { len, .. } => *len as f64 * 8.0 / c.agg_bytes_per_s,
             JobKind::Copy { len, .. } | JobKind::CaptureFactors { len, .. } | JobKind::Publish { len, .. } => {
                 *len as f64 / c.copy_bytes_per_s

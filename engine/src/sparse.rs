@@ -38,11 +38,14 @@
 //!
 //! - dense: `4·len / B + copy·len` (the server copies a landing slot out before
 //!   it sums it);
-//! - sparse: `encode·len + (8 + 8n) / B + densify·len`;
+//! - sparse: `(encode + densify)·len + (encode_pair + densify_pair)·n + (8 + 8n) / B`;
 //!
-//! where `encode`, `densify` and `copy` are measured throughputs in ns per
-//! element ([`SparseCosts::calibrated`] in the runtime measures them at
-//! start-up). Sparse pays while `n ≤ cap`, the largest `n` with sparse no
+//! where `encode`, `densify` and `copy` are measured costs in ns per element
+//! of the slice and `encode_pair`, `densify_pair` in ns per pair
+//! (`tidewire_gpu::cpu::calibrate_sparse`, which the runtime runs at
+//! start-up: an empty slice gives the per-element costs, one with 10% of its
+//! elements nonzero in rows of 64, as an embedding's gradient has them, the
+//! per-pair ones; scattered nonzeros cost the encoder more per pair). Sparse pays while `n ≤ cap`, the largest `n` with sparse no
 //! slower than dense ([`SparseCosts::max_pairs`]): the density threshold is
 //! `cap / len`, which falls as the link gets faster. The worker's encode job
 //! stops as soon as it has seen more than `cap` nonzeros and the slice goes
@@ -80,26 +83,32 @@ pub fn is_pair(v: f32) -> bool {
 /// Appends the pairs of `src` (indices from `base`) to `out` as u32 words
 /// (index, value bits), stopping once more than `cap` pairs are in `out`.
 /// Returns whether it finished (`false`: over the cap; `out` then holds
-/// `cap + 1` pairs). The loop is branch-free per element: it writes every
-/// element's pair and advances only over nonzeros.
+/// `cap + 1` pairs). Runs of 64 `+0.0`s are skipped after one vectorized OR;
+/// elsewhere the loop is branch-free per element: it writes every element's
+/// pair into a buffer on the stack and advances only over nonzeros.
 pub fn encode_into(src: &[f32], base: u32, cap: usize, out: &mut Vec<u32>) -> bool {
-    const BLOCK: usize = 1024;
-    let mut at = 0;
-    while at < src.len() {
-        let end = (at + BLOCK).min(src.len());
-        let mut n = out.len() / 2;
-        out.resize(out.len() + 2 * (end - at), 0);
-        for (i, &v) in src[at..end].iter().enumerate() {
-            out[2 * n] = base + (at + i) as u32;
-            out[2 * n + 1] = v.to_bits();
-            n += usize::from(is_pair(v));
+    const RUN: usize = 64;
+    let mut n = out.len() / 2;
+    let mut buf = [0u32; 2 * RUN];
+    for (k, run) in src.chunks(RUN).enumerate() {
+        // Runs of zeros (an embedding's untouched rows) cost one OR over
+        // their bits, which the compiler vectorizes.
+        if run.iter().fold(0u32, |a, v| a | v.to_bits()) == 0 {
+            continue;
         }
-        out.truncate(2 * n);
+        let first = base + (k * RUN) as u32;
+        let mut m = 0;
+        for (i, &v) in run.iter().enumerate() {
+            buf[2 * m] = first + i as u32;
+            buf[2 * m + 1] = v.to_bits();
+            m += usize::from(is_pair(v));
+        }
+        out.extend_from_slice(&buf[..2 * m]);
+        n += m;
         if n > cap {
             out.truncate(2 * (cap + 1));
             return false;
         }
-        at = end;
     }
     true
 }
@@ -208,10 +217,14 @@ pub fn densify(words: &[u32], pairs: usize, out: &mut [f32]) -> Result<(), Spars
 pub struct SparseCosts {
     /// The link's bandwidth, bytes per second.
     pub link_bytes_per_s: f64,
-    /// Worker: encoding (scan and pairs), ns per element of the slice.
+    /// Worker: encoding, ns per element of the slice (the scan).
     pub encode_ns_per_elem: f64,
-    /// Server: densifying a sparse slot, ns per element of the slice.
+    /// Worker: encoding, ns per pair written.
+    pub encode_ns_per_pair: f64,
+    /// Server: densifying a sparse slot, ns per element of the slice (zeroing).
     pub densify_ns_per_elem: f64,
+    /// Server: densifying, ns per pair placed.
+    pub densify_ns_per_pair: f64,
     /// Server: copying a dense slot out, ns per element.
     pub copy_ns_per_elem: f64,
 }
@@ -222,9 +235,11 @@ impl Default for SparseCosts {
     fn default() -> Self {
         SparseCosts {
             link_bytes_per_s: 1.25e9,
-            encode_ns_per_elem: 0.6,
-            densify_ns_per_elem: 0.15,
-            copy_ns_per_elem: 0.15,
+            encode_ns_per_elem: 0.15,
+            encode_ns_per_pair: 4.0,
+            densify_ns_per_elem: 0.05,
+            densify_ns_per_pair: 2.0,
+            copy_ns_per_elem: 0.1,
         }
     }
 }
@@ -244,19 +259,23 @@ impl SparseCosts {
     /// Modelled ns to push a slice of `len` elements with `pairs` pairs sparse.
     pub fn sparse_ns(&self, len: usize, pairs: usize) -> f64 {
         len as f64 * (self.encode_ns_per_elem + self.densify_ns_per_elem)
+            + pairs as f64 * (self.encode_ns_per_pair + self.densify_ns_per_pair)
             + encoded_bytes(pairs) as f64 * 1e9 / self.link_bytes_per_s
     }
 
     /// The most pairs with which the sparse form of a `len`-element slice is
     /// no slower than the dense one (`None`: never, even empty).
     pub fn max_pairs(&self, len: usize) -> Option<usize> {
-        let spare_ns = self.dense_ns(len) - len as f64 * (self.encode_ns_per_elem + self.densify_ns_per_elem);
-        let bytes = spare_ns * self.link_bytes_per_s / 1e9;
-        if !(bytes >= HEADER_BYTES as f64) {
+        let ns_per_byte = 1e9 / self.link_bytes_per_s;
+        let spare_ns = self.dense_ns(len)
+            - len as f64 * (self.encode_ns_per_elem + self.densify_ns_per_elem)
+            - HEADER_BYTES as f64 * ns_per_byte;
+        let per_pair = self.encode_ns_per_pair + self.densify_ns_per_pair + PAIR_BYTES as f64 * ns_per_byte;
+        if !(spare_ns >= 0.0 && per_pair > 0.0) {
             return None;
         }
-        let n = ((bytes - HEADER_BYTES as f64) / PAIR_BYTES as f64).floor() as usize;
-        Some(n.min(pair_limit(len)))
+        let n = (spare_ns / per_pair).floor();
+        Some(if n >= pair_limit(len) as f64 { pair_limit(len) } else { n as usize })
     }
 
     /// The density below which sparse pays for a `len`-element slice (0: never).
@@ -317,9 +336,12 @@ impl SparsePolicy {
 
     /// The policy for `book`'s slices.
     pub fn new(book: &Book) -> Self {
-        SparsePolicy {
-            skip: vec![0; book.slices().len()],
-        }
+        Self::from_slices(book.slices().len())
+    }
+
+    /// The policy for `n` slices (numbered from 0).
+    pub fn from_slices(n: usize) -> Self {
+        SparsePolicy { skip: vec![0; n] }
     }
 
     /// The choice for `slice` (of `len` elements).

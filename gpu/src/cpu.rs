@@ -305,7 +305,10 @@ pub fn sf_sum(factors: &[(&[f32], &[f32])], k: usize, m: usize, n: usize, out: &
 /// measures both sides of it; see `bench/results/sparse-push.md`).
 pub const SPARSE_PAR_MIN: usize = 1 << 20;
 
-fn sparse_threads(len: usize, threads: usize) -> usize {
+/// The threads [`sparse_encode`] and [`sparse_densify`] use for a slice of
+/// `len` elements given `threads`: one below [`SPARSE_PAR_MIN`], else up to
+/// `threads` with at least a quarter of it each.
+pub fn sparse_threads(len: usize, threads: usize) -> usize {
     if len < SPARSE_PAR_MIN {
         1
     } else {
@@ -323,10 +326,16 @@ fn sparse_threads(len: usize, threads: usize) -> usize {
 /// # Panics
 /// If `out` is shorter than the encoding of `min(cap, pair_limit)` pairs.
 pub fn sparse_encode(src: &[f32], cap: usize, out: &mut [u8], threads: usize) -> Option<usize> {
+    sparse_encode_on(src, cap, out, sparse_threads(src.len(), threads))
+}
+
+/// [`sparse_encode`] on exactly `threads` threads (at least 1), whatever the
+/// size: for measuring where threads start to pay.
+pub fn sparse_encode_on(src: &[f32], cap: usize, out: &mut [u8], threads: usize) -> Option<usize> {
     use tidewire_engine::sparse::{encode_into, encoded_bytes, header, pair_limit};
     let cap = cap.min(pair_limit(src.len()));
     assert!(out.len() >= encoded_bytes(cap), "sparse_encode: {} bytes for {cap} pairs", out.len());
-    let t = sparse_threads(src.len(), threads);
+    let t = threads.clamp(1, src.len().max(1));
     let part = src.len().div_ceil(t).max(1);
     let mut words: Vec<Vec<u32>> = Vec::new();
     if t == 1 {
@@ -377,11 +386,22 @@ pub fn sparse_densify(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), tidewire_engine::sparse::SparseError> {
+    let t = sparse_threads(out.len(), threads);
+    sparse_densify_on(words, pairs, out, t)
+}
+
+/// [`sparse_densify`] on exactly `threads` threads (at least 1), whatever the size.
+pub fn sparse_densify_on(
+    words: &[u32],
+    pairs: usize,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), tidewire_engine::sparse::SparseError> {
     use tidewire_engine::sparse::{check_header, scatter_range};
     check_header(words, pairs, out.len())?;
     let len = out.len();
     let body = &words[2..];
-    let t = sparse_threads(len, threads);
+    let t = threads.clamp(1, len.max(1));
     if t == 1 {
         out.fill(0.0);
         return scatter_range(body, 0, None, 0, len, out);
@@ -425,49 +445,61 @@ pub fn sparse_densify(
 }
 
 /// Measures this machine's costs of the two forms of a push of a
-/// `len`-element slice (ns per element: encode at 1% density on the worker,
-/// densify and a dense slot's copy on the server), on `threads` threads as
-/// the runtime runs them: the measurement that sets the sparse threshold
-/// ([`tidewire_engine::sparse::SparseCosts`]). Takes a few milliseconds; the
-/// median of five runs of each.
+/// `len`-element slice, on `threads` threads as the runtime runs them: the
+/// measurement that sets the sparse threshold
+/// ([`tidewire_engine::sparse::SparseCosts`], which documents the model).
+/// An empty slice gives the per-element costs of encode (the scan) and
+/// densify (the zeroing); one with 10% of its elements nonzero, in runs of 16
+/// as an embedding's rows are, the per-pair costs; a dense slot's copy the
+/// dense path's. Medians of five runs; a few milliseconds in all.
 pub fn calibrate_sparse(len: usize, threads: usize, link_bytes_per_s: f64) -> tidewire_engine::sparse::SparseCosts {
     use std::time::Instant;
     let len = len.clamp(1024, 1 << 22);
-    let src: Vec<f32> = (0..len).map(|i| if i % 100 == 7 { i as f32 } else { 0.0 }).collect();
-    let mut enc = vec![0u8; len * 4];
-    let mut out = vec![0f32; len];
-    let median = |mut f: Box<dyn FnMut() + '_>| {
+    let median = |f: &mut dyn FnMut()| {
         let mut t: Vec<f64> = (0..5)
             .map(|_| {
                 let s = Instant::now();
                 f();
-                s.elapsed().as_nanos() as f64 / len as f64
+                s.elapsed().as_nanos() as f64
             })
             .collect();
         t.sort_by(f64::total_cmp);
         t[2]
     };
-    let encode = median(Box::new(|| {
-        std::hint::black_box(sparse_encode(&src, usize::MAX, &mut enc, threads));
-    }));
-    let n = sparse_encode(&src, usize::MAX, &mut enc, threads).unwrap_or(0);
-    let words: Vec<u32> = enc[..tidewire_engine::sparse::encoded_bytes(n)]
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    let densify = median(Box::new(|| {
-        let _ = std::hint::black_box(sparse_densify(&words, n, &mut out, threads));
-    }));
+    let mut enc = vec![0u8; len * 4];
+    let mut out = vec![0f32; len];
+    // (encode ns, densify ns, pairs) of one slice.
+    let mut measure = |src: &[f32]| {
+        let e = median(&mut || {
+            std::hint::black_box(sparse_encode(src, usize::MAX, &mut enc, threads));
+        });
+        let n = sparse_encode(src, usize::MAX, &mut enc, threads).unwrap_or(0);
+        let words: Vec<u32> = enc[..tidewire_engine::sparse::encoded_bytes(n)]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let d = median(&mut || {
+            let _ = std::hint::black_box(sparse_densify(&words, n, &mut out, threads));
+        });
+        (e, d, n)
+    };
+    let empty = vec![0f32; len];
+    let runs: Vec<f32> = (0..len).map(|i| if (i / 64) % 10 == 3 { 1.0 + i as f32 } else { 0.0 }).collect();
+    let (e0, d0, _) = measure(&empty);
+    let (e1, d1, n1) = measure(&runs);
     let mut dst = vec![0f32; len];
-    let copy = median(Box::new(|| {
-        dst.copy_from_slice(std::hint::black_box(&src));
+    let copy = median(&mut || {
+        dst.copy_from_slice(std::hint::black_box(&runs));
         std::hint::black_box(&mut dst);
-    }));
+    });
+    let per_pair = |a: f64, b: f64| ((b - a) / n1.max(1) as f64).max(0.0);
     tidewire_engine::sparse::SparseCosts {
         link_bytes_per_s,
-        encode_ns_per_elem: encode,
-        densify_ns_per_elem: densify,
-        copy_ns_per_elem: copy,
+        encode_ns_per_elem: e0 / len as f64,
+        encode_ns_per_pair: per_pair(e0, e1),
+        densify_ns_per_elem: d0 / len as f64,
+        densify_ns_per_pair: per_pair(d0, d1),
+        copy_ns_per_elem: copy / len as f64,
     }
 }
 
@@ -593,7 +625,11 @@ mod tests {
             let r = tidewire_engine::sparse::encode(&src, usize::MAX, &mut want);
             for threads in [1, 2, 5] {
                 let mut out = vec![0u8; len * 4];
-                let got = sparse_encode(&src, usize::MAX, &mut out, threads);
+                let got = if case % 2 == 0 {
+                    sparse_encode(&src, usize::MAX, &mut out, threads)
+                } else {
+                    sparse_encode_on(&src, usize::MAX, &mut out, threads)
+                };
                 assert_eq!(got, r, "seed {seed} case {case} threads {threads}");
                 let Some(n) = got else { continue };
                 assert_eq!(&out[..want.len()], &want[..], "seed {seed} case {case} threads {threads}");
@@ -601,12 +637,16 @@ mod tests {
                 let mut dense = vec![7.0f32; len];
                 sparse_densify(&words, n, &mut dense, threads).expect("valid");
                 assert!(dense.iter().zip(&src).all(|(a, b)| a.to_bits() == b.to_bits()), "seed {seed} case {case}");
+                dense.fill(3.0);
+                sparse_densify_on(&words, n, &mut dense, threads).expect("valid");
+                assert!(dense.iter().zip(&src).all(|(a, b)| a.to_bits() == b.to_bits()), "seed {seed} case {case}");
                 if n >= 2 {
                     // Two pairs swapped: an error on any thread count, never a panic.
                     let mut bad = words.clone();
                     bad.swap(2, 2 * n);
                     bad.swap(3, 2 * n + 1);
                     assert!(sparse_densify(&bad, n, &mut dense, threads).is_err(), "seed {seed} case {case}");
+                    assert!(sparse_densify_on(&bad, n, &mut dense, threads).is_err(), "seed {seed} case {case}");
                 }
                 if n > 0 {
                     assert_eq!(sparse_encode(&src, n - 1, &mut out, threads), None, "seed {seed} case {case}");
