@@ -41,7 +41,11 @@ fn builder(hint: bool, gbps: f64) -> Builder {
         .job(11, JobSecret::new(b"sparse-test".to_vec()))
         // Parameters = the sum, so a signed zero of the sum shows in them.
         .apply(ApplyOp::Sum)
-        .init_params(|l, p| p.iter_mut().enumerate().for_each(|(i, x)| *x = (i as f32 + l as f32) * 0.01))
+        .init_params(|l, p| {
+            p.iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x = (i as f32 + l as f32) * 0.01)
+        })
         .timeout(Duration::from_secs(30))
         .connect_timeout(Duration::from_secs(30))
         .link_gbps(gbps)
@@ -82,7 +86,10 @@ fn job(seed: u64, density: f64, gbps: f64) -> Vec<(Vec<Vec<u32>>, SessionStats)>
                     }
                     bufs = (0..2).map(|l| s.wait_layer(l).unwrap()).collect();
                 }
-                let bits = bufs.iter().map(|b| b.params().iter().map(|v| v.to_bits()).collect()).collect();
+                let bits = bufs
+                    .iter()
+                    .map(|b| b.params().iter().map(|v| v.to_bits()).collect())
+                    .collect();
                 let stats = s.stats().unwrap();
                 drop(bufs);
                 s.shutdown().unwrap();
@@ -113,21 +120,38 @@ fn sparse_and_dense_sessions_end_bitwise_equal() {
         let dense = job(seed, density, 1e9);
         let sparse = job(seed, density, 1e-9);
         for r in 0..RANKS {
-            same(&dense[r].0, &dense[0].0, &format!("seed {seed} density {density}: rank {r} and 0 (dense)"));
-            same(&sparse[r].0, &dense[r].0, &format!("seed {seed} density {density}: rank {r} sparse, dense"));
+            same(
+                &dense[r].0,
+                &dense[0].0,
+                &format!("seed {seed} density {density}: rank {r} and 0 (dense)"),
+            );
+            same(
+                &sparse[r].0,
+                &dense[r].0,
+                &format!("seed {seed} density {density}: rank {r} sparse, dense"),
+            );
             assert_eq!(dense[r].1.sparse_pushes, 0, "seed {seed} density {density}");
         }
         let pushed: u64 = sparse.iter().map(|x| x.1.sparse_pushes).sum();
         let fell_back: u64 = sparse.iter().map(|x| x.1.sparse_dense_pushes).sum();
         if density <= 0.05 {
-            assert!(pushed > 0 && fell_back == 0, "seed {seed} density {density}: {pushed} sparse, {fell_back} dense");
+            assert!(
+                pushed > 0 && fell_back == 0,
+                "seed {seed} density {density}: {pushed} sparse, {fell_back} dense"
+            );
             let (nz, el): (u64, u64) = sparse
                 .iter()
                 .fold((0, 0), |a, x| (a.0 + x.1.sparse_nonzeros, a.1 + x.1.sparse_elements));
-            assert!(el > 0 && (nz as f64 / el as f64) <= density * 2.0 + 0.01, "seed {seed}: {nz}/{el}");
+            assert!(
+                el > 0 && (nz as f64 / el as f64) <= density * 2.0 + 0.01,
+                "seed {seed}: {nz}/{el}"
+            );
         }
         if density == 1.0 {
-            assert!(pushed == 0 && fell_back > 0, "seed {seed}: {pushed} sparse at density 1");
+            assert!(
+                pushed == 0 && fell_back > 0,
+                "seed {seed}: {pushed} sparse at density 1"
+            );
         }
     }
 }
@@ -145,7 +169,9 @@ fn ranks_that_disagree_on_the_sparse_hint_fail_at_rendezvous() {
         .map(|_| ());
     for r in [r0, h.join().unwrap()] {
         match r {
-            Err(Error::Engine(EngineError::Disagree { field, .. })) if field == "layer table" => {}
+            Err(Error::Engine(EngineError::Disagree {
+                field: "layer table", ..
+            })) => {}
             other => panic!("want a disagreement on the layer table, got {other:?}"),
         }
     }

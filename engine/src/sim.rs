@@ -700,7 +700,12 @@ impl Sim {
                 .ranks
                 .iter()
                 .filter(|r| r.worker.is_some())
-                .map(|r| f32s(&r.mem[ridx(LocalRegion::Params)]).iter().map(|v| v.to_bits()).collect())
+                .map(|r| {
+                    f32s(&r.mem[ridx(LocalRegion::Params)])
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect()
+                })
                 .collect();
         }
         self.check_end()
@@ -1239,7 +1244,9 @@ impl Sim {
         let book = &c.book;
         let secs = match &job.kind {
             JobKind::Accumulate { len, pairs: None, .. } => *len as f64 * 4.0 / c.agg_bytes_per_s,
-            JobKind::Accumulate { len, pairs: Some(n), .. } => {
+            JobKind::Accumulate {
+                len, pairs: Some(n), ..
+            } => {
                 *len as f64 * 4.0 / c.agg_bytes_per_s
                     + (*len as f64 * c.sparse.densify_ns_per_elem + f64::from(*n) * c.sparse.densify_ns_per_pair) / 1e9
             }

@@ -162,7 +162,10 @@ pub enum SparseError {
 
 /// Checks the header (`words[0..2]`) against `pairs` and `len`.
 pub fn check_header(words: &[u32], pairs: usize, len: usize) -> Result<(), SparseError> {
-    let (p, l) = (words.first().copied().unwrap_or(u32::MAX), words.get(1).copied().unwrap_or(0));
+    let (p, l) = (
+        words.first().copied().unwrap_or(u32::MAX),
+        words.get(1).copied().unwrap_or(0),
+    );
     if words.len() != 2 + 2 * pairs || p as usize != pairs || l as usize != len {
         return Err(SparseError::Header {
             pairs: p,
@@ -179,7 +182,14 @@ pub fn check_header(words: &[u32], pairs: usize, len: usize) -> Result<(), Spars
 /// checking that indices are strictly increasing and below `len`. `prev` is the
 /// index of the pair before `pairs[0]` in the slice, if any, and `first` that
 /// pair's position (for errors).
-pub fn scatter_range(pairs: &[u32], first: usize, prev: Option<u32>, lo: usize, len: usize, out: &mut [f32]) -> Result<(), SparseError> {
+pub fn scatter_range(
+    pairs: &[u32],
+    first: usize,
+    prev: Option<u32>,
+    lo: usize,
+    len: usize,
+    out: &mut [f32],
+) -> Result<(), SparseError> {
     let mut last = prev;
     for (k, p) in pairs.chunks_exact(2).enumerate() {
         let (i, v) = (p[0], p[1]);
@@ -275,7 +285,11 @@ impl SparseCosts {
             return None;
         }
         let n = (spare_ns / per_pair).floor();
-        Some(if n >= pair_limit(len) as f64 { pair_limit(len) } else { n as usize })
+        Some(if n >= pair_limit(len) as f64 {
+            pair_limit(len)
+        } else {
+            n as usize
+        })
     }
 
     /// The density below which sparse pays for a `len`-element slice (0: never).
@@ -435,7 +449,9 @@ mod tests {
     }
 
     fn words(b: &[u8]) -> Vec<u32> {
-        b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        b.chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
     }
 
     #[test]
@@ -491,9 +507,18 @@ mod tests {
         }
         let mut out = vec![0.0; 4];
         assert!(matches!(densify(&[1, 4, 2, 7], 1, &mut out), Ok(())));
-        assert!(matches!(densify(&[1, 4, 4, 7], 1, &mut out), Err(SparseError::Index { .. })));
-        assert!(matches!(densify(&[2, 4, 1, 7, 1, 8], 2, &mut out), Err(SparseError::Index { .. })));
-        assert!(matches!(densify(&[1, 5, 1, 7], 1, &mut out), Err(SparseError::Header { .. })));
+        assert!(matches!(
+            densify(&[1, 4, 4, 7], 1, &mut out),
+            Err(SparseError::Index { .. })
+        ));
+        assert!(matches!(
+            densify(&[2, 4, 1, 7, 1, 8], 2, &mut out),
+            Err(SparseError::Index { .. })
+        ));
+        assert!(matches!(
+            densify(&[1, 5, 1, 7], 1, &mut out),
+            Err(SparseError::Header { .. })
+        ));
         assert!(matches!(densify(&[1], 0, &mut out), Err(SparseError::Header { .. })));
     }
 
@@ -519,7 +544,12 @@ mod tests {
     fn the_policy_skips_after_an_over_cap_try_and_tries_again() {
         let book = Book::new(
             crate::Cluster::colocated(1).expect("one rank"),
-            vec![crate::book::LayerSpec::new("emb", crate::book::LayerKind::Other, 10, 100)],
+            vec![crate::book::LayerSpec::new(
+                "emb",
+                crate::book::LayerKind::Other,
+                10,
+                100,
+            )],
             crate::BookConfig::default(),
         )
         .expect("valid");
@@ -538,7 +568,10 @@ mod tests {
     #[test]
     fn reports_round_trip_and_reject_garbage() {
         for r in [
-            EncodeReport { pairs: None, scanned: 7 },
+            EncodeReport {
+                pairs: None,
+                scanned: 7,
+            },
             EncodeReport {
                 pairs: Some(0),
                 scanned: 0,

@@ -94,23 +94,37 @@ fn sparse_and_dense_pushes_give_bitwise_the_same_parameters() {
         let dense = run(book.clone(), mode, sim_seed, density, never_sparse(), true);
         let sparse = run(book.clone(), mode, sim_seed, density, always_sparse(), true);
         let auto = run(book.clone(), mode, sim_seed, density, SparseCosts::default(), true);
-        let what = format!("seed {seed} case {case} ({:?}, {mode:?}, density {density})", book.cluster().roles());
+        let what = format!(
+            "seed {seed} case {case} ({:?}, {mode:?}, density {density})",
+            book.cluster().roles()
+        );
         assert!(!dense.params_bits.is_empty(), "{what}");
-        assert_eq!(dense.params_bits, sparse.params_bits, "{what}: sparse differs from dense");
+        assert_eq!(
+            dense.params_bits, sparse.params_bits,
+            "{what}: sparse differs from dense"
+        );
         assert_eq!(dense.params_bits, auto.params_bits, "{what}: auto differs from dense");
         // Where pushes cross the network, the forced runs took the path they were given.
         let pushes = |r: &SimReport| r.sparse.iter().map(|s| s.sparse_pushes + s.dense_pushes).sum::<u64>();
         let sparse_pushes = |r: &SimReport| r.sparse.iter().map(|s| s.sparse_pushes).sum::<u64>();
         assert_eq!(sparse_pushes(&dense), 0, "{what}");
         if pushes(&sparse) > 0 && density < 0.05 {
-            assert_eq!(sparse_pushes(&sparse), pushes(&sparse), "{what}: not every push went sparse");
+            assert_eq!(
+                sparse_pushes(&sparse),
+                pushes(&sparse),
+                "{what}: not every push went sparse"
+            );
         }
         if density == 1.0 {
             // Over the slot's limit: every try falls back to dense.
             assert_eq!(sparse_pushes(&sparse), 0, "{what}");
         }
         for s in sparse.sparse.iter().filter(|s| s.sparse_pushes > 0) {
-            assert!((s.density() - density).abs() < 0.2 + density, "{what}: density {}", s.density());
+            assert!(
+                (s.density() - density).abs() < 0.2 + density,
+                "{what}: density {}",
+                s.density()
+            );
             assert!(s.sparse_bytes < s.sparse_pushes * 8 * 1000, "{what}");
         }
     }
@@ -124,10 +138,25 @@ fn sparse_pushes_pass_the_value_checks_in_arrival_order_and_under_ssp() {
         let cluster = Cluster::colocated(2 + rng.below(3) as usize).expect("cluster");
         let mode = SyncMode::P3;
         let b = book(cluster, mode, &mut rng);
-        let consistency = if case % 2 == 1 { Consistency::Ssp(1) } else { Consistency::Bsp };
+        let consistency = if case % 2 == 1 {
+            Consistency::Ssp(1)
+        } else {
+            Consistency::Bsp
+        };
         let density = [0.0, 0.01, 0.2][case % 3];
-        let r = run_with(b, mode, seed ^ case as u64, density, always_sparse(), false, consistency);
+        let r = run_with(
+            b,
+            mode,
+            seed ^ case as u64,
+            density,
+            always_sparse(),
+            false,
+            consistency,
+        );
         assert!(r.checks > 0, "seed {seed} case {case}");
-        assert!(r.sparse.iter().map(|s| s.sparse_pushes).sum::<u64>() > 0, "seed {seed} case {case}: no sparse push");
+        assert!(
+            r.sparse.iter().map(|s| s.sparse_pushes).sum::<u64>() > 0,
+            "seed {seed} case {case}: no sparse push"
+        );
     }
 }

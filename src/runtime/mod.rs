@@ -250,7 +250,9 @@ impl Runtime {
             {
                 // The sparse threshold is measured: this machine's encode and
                 // densify costs, against the link's speed.
-                let env = std::env::var("TIDEWIRE_LINK_GBPS").ok().and_then(|v| v.trim().parse::<f64>().ok());
+                let env = std::env::var("TIDEWIRE_LINK_GBPS")
+                    .ok()
+                    .and_then(|v| v.trim().parse::<f64>().ok());
                 let gbps = env
                     .or(cfg.link_gbps)
                     .or(props.speed_mbps.map(|m| m as f64 / 1000.0))

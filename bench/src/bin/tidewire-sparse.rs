@@ -156,7 +156,9 @@ fn gradient(elems: usize, row: usize, density: f64, seed: u64) -> Vec<f32> {
 }
 
 fn words_of(b: &[u8]) -> Vec<u32> {
-    b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 struct SliceCosts {
@@ -380,8 +382,11 @@ fn run() -> Result<(), String> {
     };
     std::fs::create_dir_all(&cli.out).map_err(|e| format!("{}: {e}", cli.out.display()))?;
     let json = cli.out.join("sparse-push.json");
-    std::fs::write(&json, serde_json::to_string_pretty(&report).map_err(|e| e.to_string())? + "\n")
-        .map_err(|e| format!("{}: {e}", json.display()))?;
+    std::fs::write(
+        &json,
+        serde_json::to_string_pretty(&report).map_err(|e| e.to_string())? + "\n",
+    )
+    .map_err(|e| format!("{}: {e}", json.display()))?;
     let md = cli.out.join("sparse-push.md");
     std::fs::write(&md, markdown(&report)).map_err(|e| format!("{}: {e}", md.display()))?;
     tidewire_bench::register_font(&cli.font).map_err(|e| e.to_string())?;
@@ -397,9 +402,9 @@ fn run() -> Result<(), String> {
 
 fn markdown(r: &Report) -> String {
     let mut s = String::new();
-    s.push_str(&format!(
-        "| density | GbE | dense ms | sparse ms | auto ms | auto / better | auto sparse | threshold |\n|---|---|---|---|---|---|---|---|\n"
-    ));
+    s.push_str(
+        "| density | GbE | dense ms | sparse ms | auto ms | auto / better | auto sparse | threshold |\n|---|---|---|---|---|---|---|---|\n",
+    );
     for p in &r.points {
         s.push_str(&format!(
             "| {:.1}% | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.0}% | {:.2}% |\n",
@@ -434,7 +439,10 @@ fn plot(r: &Report, path: &std::path::Path) -> Result<(), String> {
     let colors = [RGBColor(200, 60, 40), RGBColor(40, 110, 200), RGBColor(30, 150, 70)];
     for (area, &gbe) in root.split_evenly((1, 3)).iter().zip(GBE.iter()) {
         let pts: Vec<&Point> = r.points.iter().filter(|p| p.gbe == gbe).collect();
-        let ymax = pts.iter().map(|p| p.dense_ms.max(p.sparse_ms).max(p.auto_ms)).fold(0.0, f64::max);
+        let ymax = pts
+            .iter()
+            .map(|p| p.dense_ms.max(p.sparse_ms).max(p.auto_ms))
+            .fold(0.0, f64::max);
         let mut chart = ChartBuilder::on(area)
             .caption(format!("{gbe} GbE"), ("sans-serif", 20))
             .margin(12)
@@ -449,8 +457,12 @@ fn plot(r: &Report, path: &std::path::Path) -> Result<(), String> {
             .x_label_formatter(&|x| format!("{}%", x * 100.0))
             .draw()
             .map_err(|e| e.to_string())?;
-        let series: [(&str, fn(&Point) -> f64); 3] =
-            [("dense", |p| p.dense_ms), ("sparse", |p| p.sparse_ms), ("auto", |p| p.auto_ms)];
+        type Pick = fn(&Point) -> f64;
+        let series: [(&str, Pick); 3] = [
+            ("dense", |p| p.dense_ms),
+            ("sparse", |p| p.sparse_ms),
+            ("auto", |p| p.auto_ms),
+        ];
         for (k, (name, f)) in series.iter().enumerate() {
             let c = colors[k];
             let v: Vec<(f64, f64)> = pts.iter().map(|p| (p.density, f(p))).collect();
@@ -461,7 +473,10 @@ fn plot(r: &Report, path: &std::path::Path) -> Result<(), String> {
                 .label(*name)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
             chart
-                .draw_series(v.iter().map(|&p| Circle::new(p, if k == 2 { 3 } else { 4 }, c.filled())))
+                .draw_series(
+                    v.iter()
+                        .map(|&p| Circle::new(p, if k == 2 { 3 } else { 4 }, c.filled())),
+                )
                 .map_err(|e| e.to_string())?;
         }
         chart

@@ -158,9 +158,7 @@ impl Node {
                     let pairs = len.checked_sub(h).map(|b| b / p);
                     let ok = g / slots == wi
                         && offset == start
-                        && pairs.is_some_and(|n| {
-                            (len - h) % p == 0 && n as usize <= crate::sparse::pair_limit(si.len)
-                        })
+                        && pairs.is_some_and(|n| (len - h) % p == 0 && n as usize <= crate::sparse::pair_limit(si.len))
                         && book.layers()[si.layer as usize].sparse;
                     let Some(n) = pairs.filter(|_| ok) else {
                         return Err(bad(format!(
