@@ -160,3 +160,186 @@ fn sparse_pushes_pass_the_value_checks_in_arrival_order_and_under_ssp() {
         );
     }
 }
+
+mod hostile {
+    //! A server's checks of sparse landing notices, with two Nodes driven by
+    //! hand: rank 0 a worker, rank 1 a server.
+    use std::collections::VecDeque;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tidewire_engine::book::{LayerKind, LayerSpec};
+    use tidewire_engine::node::{Input, JobKind, LocalRegion, Node, NodeConfig, Output, Payload, SendSrc, TxOp};
+    use tidewire_engine::sparse::{pair_limit, SPARSE_IMM};
+    use tidewire_engine::{Book, BookConfig, Cluster, EngineError};
+
+    struct Pair {
+        nodes: [Node; 2],
+        /// Accumulate jobs the server emitted: their `pairs`.
+        accumulates: Vec<Option<u32>>,
+        fatal: Option<EngineError>,
+        /// Deliver nothing more to the worker (its credits come back for
+        /// pushes it never made).
+        mute_worker: bool,
+    }
+
+    impl Pair {
+        fn new() -> (Pair, Arc<Book>) {
+            let book = Arc::new(
+                Book::new(
+                    Cluster::split(1, 1).expect("cluster"),
+                    vec![
+                        LayerSpec::new("emb", LayerKind::Other, 100, 4).sparse(true),
+                        LayerSpec::new("conv", LayerKind::Conv, 4, 25),
+                    ],
+                    BookConfig {
+                        slice_params: 100,
+                        ..Default::default()
+                    },
+                )
+                .expect("book"),
+            );
+            let nodes = [0, 1].map(|r| {
+                let mut n = Node::new(NodeConfig::new(book.clone(), r)).expect("node");
+                n.set_keys([1, 2, 3]);
+                n
+            });
+            let mut p = Pair {
+                nodes,
+                accumulates: Vec::new(),
+                fatal: None,
+                mute_worker: false,
+            };
+            for r in 0..2 {
+                p.feed(r, Input::Connected { peer: 1 - r });
+            }
+            p.run();
+            assert!(p.nodes[0].is_ready() && p.nodes[1].is_ready(), "{:?}", p.fatal);
+            (p, book)
+        }
+
+        fn feed(&mut self, r: u32, i: Input) {
+            self.nodes[r as usize].handle(Duration::ZERO, i).expect("input");
+        }
+
+        /// Delivers every output until both are quiet.
+        fn run(&mut self) {
+            let mut q: VecDeque<(u32, Input)> = VecDeque::new();
+            loop {
+                for r in 0..2u32 {
+                    while let Some(o) = self.nodes[r as usize].poll_output() {
+                        match o {
+                            Output::Transmit(t) => {
+                                let to = t.peer;
+                                match t.op {
+                                    TxOp::Send { tag, src } => {
+                                        let data = match src {
+                                            SendSrc::Inline { bytes, .. } => Payload::Bytes(bytes),
+                                            SendSrc::Region { len, .. } => Payload::Opaque(len as usize),
+                                        };
+                                        q.push_back((to, Input::Message { peer: r, tag, data }));
+                                    }
+                                    TxOp::Write { dst, len, imm, .. } => {
+                                        if let Some(imm) = imm {
+                                            q.push_back((
+                                                to,
+                                                Input::Landed {
+                                                    peer: r,
+                                                    region: dst.region,
+                                                    offset: dst.offset,
+                                                    len,
+                                                    imm,
+                                                },
+                                            ));
+                                        }
+                                    }
+                                }
+                                q.push_back((r, Input::Done { token: t.token }));
+                            }
+                            Output::Job(j) => {
+                                if let JobKind::Accumulate { pairs, .. } = j.kind {
+                                    self.accumulates.push(pairs);
+                                }
+                                q.push_back((r, Input::JobDone { id: j.id, data: None }));
+                            }
+                            Output::PeerKeys { peer, .. } => q.push_back((r, Input::PeerRegionsKnown { peer })),
+                            Output::Fatal(e) => {
+                                if r == 1 {
+                                    self.fatal.get_or_insert(e);
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                let Some((r, i)) = q.pop_front() else { break };
+                if self.nodes[r as usize].fatal().is_none() && !(r == 0 && self.mute_worker) {
+                    self.feed(r, i);
+                }
+            }
+        }
+
+        /// Rank 0 "wrote" `len` bytes at `offset` of the server's landing region.
+        fn land(&mut self, offset: u64, len: u64, imm: u32) -> Option<EngineError> {
+            self.mute_worker = true;
+            self.feed(
+                1,
+                Input::Landed {
+                    peer: 0,
+                    region: LocalRegion::Landing,
+                    offset,
+                    len,
+                    imm,
+                },
+            );
+            self.run();
+            self.fatal.clone()
+        }
+    }
+
+    fn violation(e: Option<EngineError>, what: &str) {
+        match e {
+            Some(EngineError::Protocol { rank: 0, .. }) => {}
+            other => panic!("{what}: want a protocol violation naming rank 0, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_well_formed_sparse_push_is_accumulated_with_its_pair_count() {
+        let (mut p, book) = Pair::new();
+        let first_emb = book.layer_slices(0).start;
+        assert_eq!(p.land(0, 8 + 8 * 3, first_emb | SPARSE_IMM), None);
+        assert_eq!(p.accumulates.last(), Some(&Some(3)));
+        let conv = book.layer_slices(1).start;
+        let len = book.slices()[conv as usize].len as u64 * 4;
+        let slot_bytes = book.max_slice_len() as u64 * 4;
+        assert_eq!(p.land(slot_bytes, len, conv), None);
+        assert_eq!(p.accumulates.last(), Some(&None));
+    }
+
+    #[test]
+    fn malformed_sparse_pushes_are_violations() {
+        let cases: [(&str, fn(&Book) -> (u64, u64, u32)); 5] = [
+            ("a sparse push of a layer without the hint", |b| {
+                (0, 16, b.layer_slices(1).start | SPARSE_IMM)
+            }),
+            ("a length that is not 8 + 8n", |b| {
+                (0, 12, b.layer_slices(0).start | SPARSE_IMM)
+            }),
+            ("no header", |b| (0, 0, b.layer_slices(0).start | SPARSE_IMM)),
+            ("more pairs than the slot's limit", |b| {
+                let s = b.layer_slices(0).start;
+                let n = pair_limit(b.slices()[s as usize].len) as u64 + 1;
+                (0, 8 + 8 * n, s | SPARSE_IMM)
+            }),
+            ("not at the slot's start", |b| {
+                (8, 16, b.layer_slices(0).start | SPARSE_IMM)
+            }),
+        ];
+        for (what, case) in cases {
+            let (mut p, book) = Pair::new();
+            let (offset, len, imm) = case(&book);
+            violation(p.land(offset, len, imm), what);
+        }
+    }
+}
