@@ -263,10 +263,8 @@ mod hostile {
                                 q.push_back((r, Input::JobDone { id: j.id, data: None }));
                             }
                             Output::PeerKeys { peer, .. } => q.push_back((r, Input::PeerRegionsKnown { peer })),
-                            Output::Fatal(e) => {
-                                if r == 1 {
-                                    self.fatal.get_or_insert(e);
-                                }
+                            Output::Fatal(e) if r == 1 => {
+                                self.fatal.get_or_insert(e);
                             }
                             _ => {}
                         }
@@ -319,7 +317,8 @@ mod hostile {
 
     #[test]
     fn malformed_sparse_pushes_are_violations() {
-        let cases: [(&str, fn(&Book) -> (u64, u64, u32)); 5] = [
+        type Case = fn(&Book) -> (u64, u64, u32);
+        let cases: [(&str, Case); 5] = [
             ("a sparse push of a layer without the hint", |b| {
                 (0, 16, b.layer_slices(1).start | SPARSE_IMM)
             }),
