@@ -138,6 +138,25 @@ impl Builder {
         self.cfg.aggregation = p;
         self
     }
+    /// The link speed, Gbit/s, that the sparse/dense choice of layers with
+    /// the sparse hint ([`LayerSpec::sparse`](tidewire_engine::book::LayerSpec::sparse))
+    /// weighs against its measured encode cost. Default: `TIDEWIRE_LINK_GBPS`,
+    /// else the speed the transport reports, else 10.
+    ///
+    /// ```
+    /// use tidewire::engine::book::{LayerKind, LayerSpec};
+    /// use tidewire::Builder;
+    /// let b = Builder::new(vec![
+    ///     LayerSpec::new("embedding", LayerKind::Other, 50_000, 64).sparse(true),
+    ///     LayerSpec::new("fc", LayerKind::Fc, 10, 64),
+    /// ])
+    /// .link_gbps(1.0);
+    /// # let _ = b;
+    /// ```
+    pub fn link_gbps(mut self, gbps: f64) -> Self {
+        self.cfg.link_gbps = Some(gbps);
+        self
+    }
     /// Transport selection.
     pub fn transport(mut self, t: TransportKind) -> Self {
         self.cfg.transport = t;

@@ -48,4 +48,25 @@ pub struct SessionStats {
     /// misaligned buffer. 0 when every U and V fits a message.
     #[serde(default)]
     pub factor_bytes_decoded: u64,
+    /// Slices of layers with the sparse hint that this worker pushed as
+    /// index/value pairs (Nexus's sparse push), over all such layers.
+    #[serde(default)]
+    pub sparse_pushes: u64,
+    /// Slices of layers with the sparse hint pushed dense (denser than the
+    /// measured threshold).
+    #[serde(default)]
+    pub sparse_dense_pushes: u64,
+    /// Nonzero elements of the slices pushed as pairs.
+    #[serde(default)]
+    pub sparse_nonzeros: u64,
+    /// Elements of the slices pushed as pairs: `sparse_nonzeros /
+    /// sparse_elements` is their density.
+    #[serde(default)]
+    pub sparse_elements: u64,
+    /// Bytes written as pairs (8 per pair and 8 per slice).
+    #[serde(default)]
+    pub sparse_bytes: u64,
+    /// Bytes of sparse-hinted layers written dense.
+    #[serde(default)]
+    pub sparse_dense_bytes: u64,
 }

@@ -143,6 +143,16 @@ pub struct TrainArgs {
     /// rank 0's is the rendezvous address.
     #[arg(long, requires = "netns")]
     pub netns_addrs: Option<String>,
+    /// Give these layers (comma-separated names; conv or other layers) the
+    /// sparse-push hint, and make their synthetic gradients sparse: only a
+    /// --sparse-density fraction of their 64-element rows is nonzero, as an
+    /// embedding's. The summary then shows how their slices went (pairs or
+    /// dense), their density and the bytes of each form.
+    #[arg(long)]
+    pub sparse_layers: Option<String>,
+    /// Fraction of the rows of a --sparse-layers gradient that is nonzero.
+    #[arg(long, default_value_t = 0.01)]
+    pub sparse_density: f64,
 }
 
 fn split_list(s: &str) -> Vec<String> {
@@ -173,15 +183,46 @@ fn consistency_of(s: &str) -> std::result::Result<Consistency, String> {
 }
 
 impl TrainArgs {
-    /// The model profile.
+    /// The model profile, with the sparse hint on the --sparse-layers.
     pub fn model(&self) -> Result<Model> {
-        models::profile(&self.model).ok_or_else(|| {
+        let mut m = models::profile(&self.model).ok_or_else(|| {
             Error::Usage(format!(
                 "unknown model {:?}; known: {}",
                 self.model,
                 models::NAMES.join(", ")
             ))
-        })
+        })?;
+        for name in self.sparse_layers.iter().flat_map(|s| s.split(',')).map(str::trim) {
+            if name.is_empty() {
+                continue;
+            }
+            match m.layers.iter_mut().find(|l| l.name == name) {
+                Some(l) if l.kind != LayerKind::Fc => l.sparse = true,
+                Some(_) => {
+                    return Err(Error::Usage(format!(
+                        "--sparse-layers {name}: an FC layer (its gradient is formed from factors); pick conv or other layers"
+                    )))
+                }
+                None => return Err(Error::Usage(format!("--sparse-layers: {} has no layer {name:?}", m.name))),
+            }
+        }
+        if !(0.0..=1.0).contains(&self.sparse_density) {
+            return Err(Error::Usage(format!(
+                "--sparse-density {} is not in [0, 1]",
+                self.sparse_density
+            )));
+        }
+        Ok(m)
+    }
+    /// The synthetic gradients, sparse on the --sparse-layers.
+    fn synth(&self, model: &Model) -> Synth {
+        let mut s = Synth::new(self.seed);
+        s.density = model
+            .layers
+            .iter()
+            .map(|l| if l.sparse { self.sparse_density } else { 1.0 })
+            .collect();
+        s
     }
     /// The sync mode.
     pub fn sync_mode(&self) -> SyncMode {
@@ -344,6 +385,8 @@ impl TrainArgs {
 pub struct Synth {
     table: Vec<f32>,
     seed: u64,
+    /// Per layer: the fraction of 64-element rows of its gradient that is nonzero (none: all).
+    pub density: Vec<f64>,
 }
 
 const TABLE: usize = 1 << 16;
@@ -361,7 +404,11 @@ impl Synth {
         let table = (0..TABLE as u64)
             .map(|i| ((mix(seed ^ (i << 1)) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02)
             .collect();
-        Synth { table, seed }
+        Synth {
+            table,
+            seed,
+            density: Vec::new(),
+        }
     }
     fn fill(&self, out: &mut [f32], key: u64) {
         let off = (mix(self.seed ^ key) as usize) & (TABLE - 1);
@@ -383,6 +430,15 @@ impl Synth {
     /// Worker `wi`'s gradient of a conv/other layer at `iter`.
     pub fn grad(&self, wi: usize, iter: u64, layer: u32, out: &mut [f32]) {
         self.fill(out, Self::key(wi, iter, layer, 2));
+        let d = self.density.get(layer as usize).copied().unwrap_or(1.0);
+        if d < 1.0 {
+            let key = self.seed ^ Self::key(wi, iter, layer, 5);
+            for (r, row) in out.chunks_mut(64).enumerate() {
+                if ((mix(key ^ ((r as u64) << 8)) >> 11) as f64 / (1u64 << 53) as f64) >= d {
+                    row.fill(0.0);
+                }
+            }
+        }
     }
     /// Worker `wi`'s sufficient factors of an FC layer at `iter`.
     pub fn factors(&self, wi: usize, iter: u64, layer: u32, u: &mut [f32], v: &mut [f32]) {
@@ -468,7 +524,7 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
         }
     }
     let spec = ClusterSpec::from_env()?;
-    let synth = Arc::new(Synth::new(args.seed));
+    let synth = Arc::new(args.synth(&model));
     let s2 = synth.clone();
     let session = Builder::new(model.layers.clone())
         .batch(args.batch(&model) * args.learners())
@@ -598,7 +654,7 @@ fn local_layout(args: &TrainArgs, model: &Model) -> tidewire::local::LocalLayout
 /// worker, with gradients handed to the node's leader through shared memory
 /// and parameters read from its cache. Reports its final digests.
 fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<NodeResult> {
-    let synth = Synth::new(args.seed);
+    let synth = args.synth(model);
     let layout = local_layout(args, model);
     let timeout = Duration::from_secs(args.timeout_s);
     let me = tidewire::local::LocalLearner::attach(&local.path, local.nonce, &layout, local.index, timeout)
@@ -883,9 +939,9 @@ fn hand_in(session: &Session, buf: LayerBuffers, fc_as_gradients: bool) -> Resul
 pub fn run_single(args: &TrainArgs, engine: bool) -> Result<Vec<IterStat>> {
     args.validate()?;
     let model = args.model()?;
-    let synth = Synth::new(args.seed);
+    let synth = args.synth(&model);
     if engine {
-        let s2 = Synth::new(args.seed);
+        let s2 = args.synth(&model);
         let spec = ClusterSpec::new(0, 1, 0, true, "127.0.0.1:1".parse().expect("literal"))?;
         let session = Builder::new(model.layers.clone())
             .batch(args.batch(&model))
@@ -987,7 +1043,7 @@ pub fn run_single(args: &TrainArgs, engine: bool) -> Result<Vec<IterStat>> {
 /// local group's stacked (one Uᵀ·V over the node's L·K rows).
 pub fn reference(args: &TrainArgs, book: &Book) -> Result<Vec<String>> {
     let model = args.model()?;
-    let synth = Synth::new(args.seed);
+    let synth = args.synth(&model);
     let op = args.apply_op()?;
     let k = args.batch(&model);
     let lrn = args.local_learners.max(1);
@@ -1060,6 +1116,23 @@ pub fn reference(args: &TrainArgs, book: &Book) -> Result<Vec<String>> {
     Ok(out)
 }
 
+/// The sparse-push counters of a `tidewire train` run, over all workers.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct SparseSummary {
+    /// Slices sent as index/value pairs.
+    pub pushes: u64,
+    /// Slices of sparse layers sent dense.
+    pub dense_pushes: u64,
+    /// Nonzeros of the slices sent as pairs.
+    pub nonzeros: u64,
+    /// Elements of the slices sent as pairs.
+    pub elements: u64,
+    /// Bytes sent as pairs.
+    pub bytes: u64,
+    /// Bytes of sparse layers sent dense.
+    pub dense_bytes: u64,
+}
+
 /// The launcher's summary.
 #[derive(Debug, Clone, Serialize)]
 pub struct TrainReport {
@@ -1091,6 +1164,9 @@ pub struct TrainReport {
     pub node_tx_bytes: Vec<u64>,
     /// See `node_tx_bytes`.
     pub node_rx_bytes: Vec<u64>,
+    /// The --sparse-layers' pushes over all workers: slices sent as pairs and
+    /// dense, the nonzeros and elements of those sent as pairs, and the bytes of each form.
+    pub sparse: SparseSummary,
     /// Sync mode.
     pub sync: String,
     /// Consistency.
@@ -1460,6 +1536,14 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         would_block: results.iter().map(|r| r.stats.would_block).sum(),
         factor_bytes_in_place: results.iter().map(|r| r.stats.factor_bytes_in_place).sum(),
         factor_bytes_decoded: results.iter().map(|r| r.stats.factor_bytes_decoded).sum(),
+        sparse: SparseSummary {
+            pushes: results.iter().map(|r| r.stats.sparse_pushes).sum(),
+            dense_pushes: results.iter().map(|r| r.stats.sparse_dense_pushes).sum(),
+            nonzeros: results.iter().map(|r| r.stats.sparse_nonzeros).sum(),
+            elements: results.iter().map(|r| r.stats.sparse_elements).sum(),
+            bytes: results.iter().map(|r| r.stats.sparse_bytes).sum(),
+            dense_bytes: results.iter().map(|r| r.stats.sparse_dense_bytes).sum(),
+        },
         model: model.name.into(),
         local_learners: args.local_learners,
         flat: args.flat,
@@ -1617,6 +1701,22 @@ pub fn render(r: &TrainReport) -> String {
         r.throughput_samples_s,
         100.0 * r.hidden_fraction
     );
+    let sp = &r.sparse;
+    if sp.pushes + sp.dense_pushes > 0 {
+        let _ = writeln!(
+            s,
+            "sparse layers: {} slices as pairs ({:.2}% dense, {} bytes), {} slices dense ({} bytes)",
+            sp.pushes,
+            if sp.elements > 0 {
+                100.0 * sp.nonzeros as f64 / sp.elements as f64
+            } else {
+                0.0
+            },
+            sp.bytes,
+            sp.dense_pushes,
+            sp.dense_bytes
+        );
+    }
     match r.verified {
         Some(true) => {
             let _ = writeln!(

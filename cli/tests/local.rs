@@ -248,7 +248,7 @@ fn children(pid: u32) -> Vec<u32> {
 /// Kills child `pick` of a running `train --local-learners 3` (ranks first,
 /// then the learners) and returns the launcher's stderr.
 fn kill_one(pick: impl Fn(&[u32]) -> u32) -> String {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+    let c = Command::new(env!("CARGO_BIN_EXE_tidewire"))
         .args([
             "train",
             "--model",

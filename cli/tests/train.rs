@@ -390,3 +390,53 @@ fn bad_flags_are_clear_errors() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// `--sparse-layers`: the marked layers' slices go as index/value pairs, the
+/// summary counts them, and the parameters still equal the single-process
+/// reference bit for bit.
+#[test]
+fn sparse_layers_push_pairs_and_verify() {
+    let _serial = serial();
+    for (density, any_pairs) in [("0.01", true), ("1.0", false)] {
+        let out = tidewire()
+            .args([
+                "train",
+                "--model",
+                "alexnet",
+                "--workers",
+                "3",
+                "--colocate",
+                "--iters",
+                "3",
+                "--batch",
+                "8",
+                "--time-scale",
+                "0.05",
+                "--sparse-layers",
+                "conv4,conv5",
+                "--sparse-density",
+                density,
+                "--verify",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        let r = json(&out);
+        assert_eq!(
+            r["verified"],
+            Value::Bool(true),
+            "density {density}: {:?}",
+            r["mismatched_layers"]
+        );
+        let sp = &r["sparse"];
+        let pairs = sp["pushes"].as_u64().unwrap();
+        assert_eq!(pairs > 0, any_pairs, "density {density}: {sp}");
+        if any_pairs {
+            let (nz, el) = (sp["nonzeros"].as_u64().unwrap(), sp["elements"].as_u64().unwrap());
+            assert!(nz > 0 && (nz as f64) < 0.05 * el as f64, "density {density}: {sp}");
+            assert!(sp["bytes"].as_u64().unwrap() < el, "{sp}");
+        } else {
+            assert!(sp["dense_pushes"].as_u64().unwrap() > 0, "{sp}");
+        }
+    }
+}

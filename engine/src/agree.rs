@@ -162,6 +162,7 @@ impl JobConfig {
             b.push(l.kind as u8);
             b.extend_from_slice(&(l.m as u64).to_le_bytes());
             b.extend_from_slice(&(l.n as u64).to_le_bytes());
+            b.push(u8::from(l.sparse));
             layer_parts.push(b);
             dtypes.push(l.dtype as u8);
         }

@@ -173,6 +173,10 @@ pub struct LayerSpec {
     pub location: Location,
     /// Forward FLOPs per sample (for compute models; 0 when unknown).
     pub flops: f64,
+    /// The application's hint that the gradient is mostly zeros (an
+    /// embedding's): its slices may be pushed as index/value pairs
+    /// ([`crate::sparse`]). A sparse layer always syncs through the PS.
+    pub sparse: bool,
 }
 
 impl LayerSpec {
@@ -186,7 +190,19 @@ impl LayerSpec {
             dtype: DType::F32,
             location: Location::Host,
             flops: 0.0,
+            sparse: false,
         }
+    }
+    /// This layer with the sparse hint set or cleared (see [`LayerSpec::sparse`](#structfield.sparse)).
+    ///
+    /// ```
+    /// use tidewire_engine::book::{LayerKind, LayerSpec};
+    /// let emb = LayerSpec::new("embedding", LayerKind::Other, 100_000, 64).sparse(true);
+    /// assert!(emb.sparse);
+    /// ```
+    pub fn sparse(mut self, sparse: bool) -> Self {
+        self.sparse = sparse;
+        self
     }
     /// Parameter count M×N.
     pub fn params(&self) -> usize {
@@ -373,6 +389,12 @@ impl Book {
             layer_chunks.push(c0..chunks.len() as u32);
             layer_slices.push(s0..slices.len() as u32);
         }
+        if slices.len() as u64 >= u64::from(crate::sparse::SPARSE_IMM) {
+            return Err(EngineError::InvalidConfig(format!(
+                "{} slices: a push's immediate names at most 2^31 (raise slice_params)",
+                slices.len()
+            )));
+        }
         let mut book = Book {
             cluster,
             layers,
@@ -398,7 +420,7 @@ impl Book {
     /// node), or the forced one.
     pub fn best_scheme(&self, layer: u32) -> Scheme {
         let l = &self.layers[layer as usize];
-        if l.kind != LayerKind::Fc {
+        if l.kind != LayerKind::Fc || l.sparse {
             return Scheme::Ps;
         }
         match self.cfg.policy {
@@ -527,7 +549,7 @@ impl Book {
         put(&[self.cfg.policy as u8]);
         for l in &self.layers {
             put(l.name.as_bytes());
-            put(&[0, l.kind as u8, l.dtype as u8]);
+            put(&[0, l.kind as u8, l.dtype as u8, u8::from(l.sparse)]);
             put(&(l.m as u64).to_le_bytes());
             put(&(l.n as u64).to_le_bytes());
         }

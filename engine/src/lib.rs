@@ -73,6 +73,7 @@ pub mod net;
 pub mod node;
 pub mod server;
 pub mod sim;
+pub mod sparse;
 #[doc(hidden)]
 pub mod testkit;
 pub mod wire;

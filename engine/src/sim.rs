@@ -39,6 +39,7 @@ use crate::net::Net;
 use crate::node::{
     Input, Job, JobKind, Limits, Loc, LocalRegion, Node, NodeConfig, Output, Payload, Queue, SendSrc, TxOp, CELL_BYTES,
 };
+use crate::sparse::{self, EncodeReport, SparseCosts, SparseLayerStats};
 use crate::wire::Kind;
 
 /// Faults to inject.
@@ -117,6 +118,13 @@ pub struct SimConfig {
     /// Memory bandwidth between a node's learners (shared memory, PCIe or
     /// NVLink), bytes/s; also the loopback rate of `hosts`.
     pub local_bytes_per_s: f64,
+    /// Fraction of nonzero gradient elements of the layers with the sparse
+    /// hint ([`sparse_grad_value`]); without `values`, an encode job finds
+    /// `density × len` of them.
+    pub sparse_density: f64,
+    /// The costs every rank's sparse/dense choice weighs (also the modelled
+    /// time of encode and densify jobs).
+    pub sparse: SparseCosts,
 }
 
 impl SimConfig {
@@ -151,6 +159,8 @@ impl SimConfig {
             hosts: None,
             local_learners: 1,
             local_bytes_per_s: 10e9,
+            sparse_density: 1.0,
+            sparse: SparseCosts::default(),
         }
     }
 }
@@ -194,6 +204,11 @@ pub struct SimReport {
     pub local_agg_s: f64,
     /// Publishing parameters to the node's learners, mean per worker rank per iteration, s.
     pub fanout_s: f64,
+    /// Per layer: sparse-push counters of every worker together.
+    pub sparse: Vec<SparseLayerStats>,
+    /// With `values`: every worker's parameter region at the end, as bits
+    /// (by worker index), for bitwise comparisons of two runs.
+    pub params_bits: Vec<Vec<u32>>,
 }
 
 /// Why a run failed.
@@ -234,6 +249,22 @@ pub const CONTROL_BYTES: usize = CELL_BYTES;
 /// and a lost or doubled contribution changes it.
 pub fn grad_value(w: usize, t: u64, layer: u32, i: usize) -> f32 {
     ((w * 7 + t as usize * 3 + layer as usize * 5 + i) % 5) as f32 + 0.25 * (w as f32 + 1.0)
+}
+
+/// Gradient element `i` of a layer with the sparse hint: with probability
+/// `density` (by a hash of the arguments) [`grad_value`], its negation, or
+/// `-0.0` (a nonzero by its bits), and `+0.0` otherwise. Sums stay exact.
+pub fn sparse_grad_value(w: usize, t: u64, layer: u32, i: usize, density: f64) -> f32 {
+    let mut h = ((w as u64) << 48) ^ (t << 32) ^ (u64::from(layer) << 24) ^ i as u64;
+    let x = crate::testkit::next(&mut h);
+    if (x >> 11) as f64 / (1u64 << 53) as f64 >= density {
+        return 0.0;
+    }
+    match x % 5 {
+        0 => -0.0,
+        1 => -grad_value(w, t, layer, i),
+        _ => grad_value(w, t, layer, i),
+    }
 }
 
 /// Initial value of element `i` of `layer`.
@@ -436,6 +467,7 @@ impl Sim {
                 .and_then(|l| l.get(r as usize).copied())
                 .unwrap_or(cfg.limits);
             nc.transport = "sim".into();
+            nc.sparse = cfg.sparse;
             // Setup may take long in virtual time (tiny writes, many retries):
             // the liveness check is `stall_ns` without progress.
             nc.startup_timeout = Duration::from_nanos(cfg.stall_ns.saturating_mul(100));
@@ -720,6 +752,24 @@ impl Sim {
             self.report.max_message = self.report.max_message.max(s.max_message);
             self.report.max_write = self.report.max_write.max(s.max_write);
             self.report.max_factor_blocks = self.report.max_factor_blocks.max(s.max_factor_blocks);
+            let st = r.node.sparse_stats();
+            self.report.sparse.resize(st.len(), SparseLayerStats::default());
+            for (a, b) in self.report.sparse.iter_mut().zip(st) {
+                a.add(b);
+            }
+        }
+        if self.cfg.values {
+            self.report.params_bits = self
+                .ranks
+                .iter()
+                .filter(|r| r.worker.is_some())
+                .map(|r| {
+                    f32s(&r.mem[ridx(LocalRegion::Params)])
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect()
+                })
+                .collect();
         }
         self.check_end()
     }
@@ -784,7 +834,16 @@ impl Sim {
                 })
                 .sum()
         } else {
-            (0..p1).map(|wi| grad_value(wi, iter, l, i) as f64).sum()
+            (0..p1).map(|wi| self.grad(wi, iter, l, i) as f64).sum()
+        }
+    }
+
+    /// Worker `wi`'s gradient element `i` of layer `l` in `iter`.
+    fn grad(&self, wi: usize, iter: u64, l: u32, i: usize) -> f32 {
+        if self.cfg.book.layers()[l as usize].sparse {
+            sparse_grad_value(wi, iter, l, i, self.cfg.sparse_density)
+        } else {
+            grad_value(wi, iter, l, i)
         }
     }
 
@@ -1263,7 +1322,19 @@ impl Sim {
         let c = &self.cfg;
         let book = &c.book;
         let secs = match &job.kind {
-            JobKind::Accumulate { len, .. } | JobKind::FoldPartial { len, .. } => *len as f64 * 4.0 / c.agg_bytes_per_s,
+            JobKind::Accumulate { len, pairs: None, .. } | JobKind::FoldPartial { len, .. } => {
+                *len as f64 * 4.0 / c.agg_bytes_per_s
+            }
+            JobKind::Accumulate {
+                len, pairs: Some(n), ..
+            } => {
+                *len as f64 * 4.0 / c.agg_bytes_per_s
+                    + (*len as f64 * c.sparse.densify_ns_per_elem + f64::from(*n) * c.sparse.densify_ns_per_pair) / 1e9
+            }
+            JobKind::EncodeSparse { len, .. } => {
+                let pairs = c.sparse_density * *len as f64;
+                (*len as f64 * c.sparse.encode_ns_per_elem + pairs * c.sparse.encode_ns_per_pair) / 1e9
+            }
             JobKind::Apply { len, .. } => *len as f64 * 8.0 / c.agg_bytes_per_s,
             JobKind::Copy { len, .. } | JobKind::CaptureFactors { len, .. } | JobKind::Publish { len, .. } => {
                 *len as f64 / c.copy_bytes_per_s
@@ -1299,7 +1370,28 @@ impl Sim {
                     m[factors.offset as usize..(factors.offset + len) as usize].to_vec(),
                 ))
             }
+            JobKind::EncodeSparse { len, cap, .. } if !values => {
+                let n = (self.cfg.sparse_density * *len as f64).round() as usize;
+                let pairs = (n <= *cap).then_some(n as u32);
+                let scanned = if pairs.is_some() { *len as u64 } else { 0 };
+                Ok(Some(EncodeReport { pairs, scanned }.to_bytes()))
+            }
             _ if !values => Ok(None),
+            JobKind::EncodeSparse { src, len, dst, cap, .. } => {
+                let data = f32s(&rank.mem[ridx(src.region)][src.offset as usize..src.offset as usize + len * 4]);
+                let mut enc = Vec::new();
+                let pairs = sparse::encode(&data, *cap, &mut enc);
+                let m = &mut rank.mem[ridx(dst.region)];
+                m[dst.offset as usize..dst.offset as usize + enc.len()].copy_from_slice(&enc);
+                let scanned = if pairs.is_some() { *len as u64 } else { 0 };
+                Ok(Some(
+                    EncodeReport {
+                        pairs: pairs.map(|n| n as u32),
+                        scanned,
+                    }
+                    .to_bytes(),
+                ))
+            }
             JobKind::Accumulate {
                 window,
                 acc_at,
@@ -1307,10 +1399,25 @@ impl Sim {
                 len,
                 first,
                 partial,
+                pairs,
                 ..
             } => {
                 let m = &rank.mem[ridx(src.region)];
-                let data = f32s(&m[src.offset as usize..src.offset as usize + len * 4]);
+                let data = match pairs {
+                    None => f32s(&m[src.offset as usize..src.offset as usize + len * 4]),
+                    Some(n) => {
+                        let bytes = sparse::encoded_bytes(*n as usize);
+                        let words: Vec<u32> = m[src.offset as usize..src.offset as usize + bytes]
+                            .chunks_exact(4)
+                            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                            .collect();
+                        let mut d = vec![0f32; *len];
+                        sparse::densify(&words, *n as usize, &mut d)
+                            .map_err(|e| self.violation(format!("rank {r}: {e}")))?;
+                        d
+                    }
+                };
+                let rank = &mut self.ranks[r as usize];
                 let into = if *partial { &mut rank.partial } else { &mut rank.acc };
                 let acc = &mut into[*window as usize][*acc_at..acc_at + len];
                 if *first {
@@ -1516,7 +1623,8 @@ impl Sim {
                 let m = &mut rank.mem[ridx(LocalRegion::Factors)];
                 put_f32s(&mut m[f.offset as usize..f.offset as usize + uv.len() * 4], &uv);
             } else {
-                let g: Vec<f32> = (0..spec.params()).map(|i| grad_value(wi, iter, l, i)).collect();
+                let g: Vec<f32> = (0..spec.params()).map(|i| self.grad(wi, iter, l, i)).collect();
+                let rank = &mut self.ranks[r as usize];
                 let m = &mut rank.mem[ridx(LocalRegion::Grads)];
                 put_f32s(&mut m[grad.offset as usize..grad.offset as usize + g.len() * 4], &g);
             }

@@ -18,6 +18,10 @@
 //! | `Bye` | writes u64: the sender needs nothing more and sends nothing more; likewise |
 //! | `Abort` | UTF-8 reason, at most [`MAX_REASON`] bytes |
 //!
+//! One-sided writes carry an immediate instead: a push names its slice (with
+//! [`SPARSE_IMM`](crate::sparse::SPARSE_IMM) set for a sparse one: "sparse,
+//! (len − 8) / 8 pairs"), a seeding write or a broadcast its chunk.
+//!
 //! Messages on one connection arrive in order, so a factor block is a
 //! `FactorsBegin` followed by its `FactorData` fragments, each at most the
 //! transport's message cap. Other kinds may come between fragments; a second
@@ -26,7 +30,12 @@
 use crate::agree::Field;
 
 /// The protocol version. A peer with another version is refused at hello.
-pub const VERSION: u8 = 1;
+///
+/// Version 2 added the sparse push: a push's immediate is the slice id, with
+/// [`SPARSE_IMM`](crate::sparse::SPARSE_IMM) set when the write holds
+/// index/value pairs ([`crate::sparse`] gives the layout), and the write's
+/// length then says how many.
+pub const VERSION: u8 = 2;
 
 const MAGIC: u32 = 0x5457_0000;
 

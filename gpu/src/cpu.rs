@@ -300,6 +300,218 @@ pub fn sf_sum(factors: &[(&[f32], &[f32])], k: usize, m: usize, n: usize, out: &
     }
 }
 
+/// Slices shorter than this are encoded and densified on one thread.
+/// `tidewire-sparse` measures encode and densify on 1 to 8 threads from 50k to
+/// 4M elements (`bench/results/sparse-push.md`): on the 2-core development VM
+/// (shared with other builds) a second thread made both slower at every size
+/// up to 4M, so threads start only above that; the default 50,000-element
+/// slices never use them. Re-run it on a quiet many-core server to lower it.
+pub const SPARSE_PAR_MIN: usize = 1 << 22;
+
+/// The threads [`sparse_encode`] and [`sparse_densify`] use for a slice of
+/// `len` elements given `threads`: one below [`SPARSE_PAR_MIN`], else up to
+/// `threads` with at least a quarter of it each.
+pub fn sparse_threads(len: usize, threads: usize) -> usize {
+    if len < SPARSE_PAR_MIN {
+        1
+    } else {
+        threads.clamp(1, len / (SPARSE_PAR_MIN / 4))
+    }
+}
+
+/// Encodes `src` as index/value pairs into `out` (header, then pairs; the
+/// layout of [`tidewire_engine::sparse`]) unless it has more than `cap`
+/// nonzeros (then `None`, and `out` holds garbage). `Some(pairs)` otherwise.
+/// On `threads` threads (contiguous parts, concatenated in order) from
+/// [`SPARSE_PAR_MIN`] elements; the bytes are the single-threaded
+/// reference's ([`tidewire_engine::sparse::encode`]) whatever the count.
+///
+/// # Panics
+/// If `out` is shorter than the encoding of `min(cap, pair_limit)` pairs.
+pub fn sparse_encode(src: &[f32], cap: usize, out: &mut [u8], threads: usize) -> Option<usize> {
+    sparse_encode_on(src, cap, out, sparse_threads(src.len(), threads))
+}
+
+/// [`sparse_encode`] on exactly `threads` threads (at least 1), whatever the
+/// size: for measuring where threads start to pay.
+pub fn sparse_encode_on(src: &[f32], cap: usize, out: &mut [u8], threads: usize) -> Option<usize> {
+    use tidewire_engine::sparse::{encode_into, encoded_bytes, header, pair_limit};
+    let cap = cap.min(pair_limit(src.len()));
+    assert!(
+        out.len() >= encoded_bytes(cap),
+        "sparse_encode: {} bytes for {cap} pairs",
+        out.len()
+    );
+    let t = threads.clamp(1, src.len().max(1));
+    let part = src.len().div_ceil(t).max(1);
+    let mut words: Vec<Vec<u32>> = Vec::new();
+    if t == 1 {
+        let mut w = Vec::new();
+        if !encode_into(src, 0, cap, &mut w) {
+            return None;
+        }
+        words.push(w);
+    } else {
+        let parts: Vec<Option<Vec<u32>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = src
+                .chunks(part)
+                .enumerate()
+                .map(|(i, c)| {
+                    s.spawn(move || {
+                        let mut w = Vec::new();
+                        encode_into(c, (i * part) as u32, cap, &mut w).then_some(w)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("encoder thread")).collect()
+        });
+        for p in parts {
+            words.push(p?);
+        }
+    }
+    let n: usize = words.iter().map(|w| w.len() / 2).sum();
+    if n > cap {
+        return None;
+    }
+    out[..8].copy_from_slice(&header(n, src.len()));
+    let mut at = 8;
+    for w in words.iter().flatten() {
+        out[at..at + 4].copy_from_slice(&w.to_le_bytes());
+        at += 4;
+    }
+    Some(n)
+}
+
+/// Turns an encoded slice (`words`: header then `pairs` pairs, as u32 words)
+/// back into its `out.len()` elements, bitwise what was encoded; a malformed
+/// encoding is an error, never a panic. On `threads` threads from
+/// [`SPARSE_PAR_MIN`] elements (each zeroes its part of `out` and places the
+/// pairs that fall in it); the same bits as [`tidewire_engine::sparse::densify`].
+pub fn sparse_densify(
+    words: &[u32],
+    pairs: usize,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), tidewire_engine::sparse::SparseError> {
+    let t = sparse_threads(out.len(), threads);
+    sparse_densify_on(words, pairs, out, t)
+}
+
+/// [`sparse_densify`] on exactly `threads` threads (at least 1), whatever the size.
+pub fn sparse_densify_on(
+    words: &[u32],
+    pairs: usize,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), tidewire_engine::sparse::SparseError> {
+    use tidewire_engine::sparse::{check_header, scatter_range};
+    check_header(words, pairs, out.len())?;
+    let len = out.len();
+    let body = &words[2..];
+    let t = threads.clamp(1, len.max(1));
+    if t == 1 {
+        out.fill(0.0);
+        return scatter_range(body, 0, None, 0, len, out);
+    }
+    let part = len.div_ceil(t);
+    let t = len.div_ceil(part);
+    // Pair k of the body is words 2k (index) and 2k + 1 (value).
+    let idx = |k: usize| body[2 * k];
+    let split = |lo: usize| {
+        let (mut a, mut b) = (0, pairs);
+        while a < b {
+            let m = (a + b) / 2;
+            if (idx(m) as usize) < lo {
+                a = m + 1;
+            } else {
+                b = m;
+            }
+        }
+        a
+    };
+    let bounds: Vec<usize> = (0..=t).map(|i| if i == t { pairs } else { split(i * part) }).collect();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = out
+            .chunks_mut(part)
+            .enumerate()
+            .map(|(i, o)| {
+                let (a, b) = (bounds[i], bounds[i + 1].max(bounds[i]));
+                let prev = a.checked_sub(1).map(idx);
+                let mine = &body[2 * a..2 * b];
+                s.spawn(move || {
+                    o.fill(0.0);
+                    scatter_range(mine, a, prev, i * part, len, o)
+                })
+            })
+            .collect();
+        hs.into_iter().try_for_each(|h| h.join().expect("densify thread"))
+    })
+    // The parts' pair ranges cover every pair without gaps (each starts where
+    // the one before it ended, or earlier when the indices are not sorted, and
+    // then a pair outside its part's range is an error).
+}
+
+/// Measures this machine's costs of the two forms of a push of a
+/// `len`-element slice, on `threads` threads as the runtime runs them: the
+/// measurement that sets the sparse threshold
+/// ([`tidewire_engine::sparse::SparseCosts`], which documents the model).
+/// An empty slice gives the per-element costs of encode (the scan) and
+/// densify (the zeroing); one with 10% of its elements nonzero, in runs of 16
+/// as an embedding's rows are, the per-pair costs; a dense slot's copy the
+/// dense path's. Medians of five runs; a few milliseconds in all.
+pub fn calibrate_sparse(len: usize, threads: usize, link_bytes_per_s: f64) -> tidewire_engine::sparse::SparseCosts {
+    use std::time::Instant;
+    let len = len.clamp(1024, 1 << 22);
+    let median = |f: &mut dyn FnMut()| {
+        let mut t: Vec<f64> = (0..5)
+            .map(|_| {
+                let s = Instant::now();
+                f();
+                s.elapsed().as_nanos() as f64
+            })
+            .collect();
+        t.sort_by(f64::total_cmp);
+        t[2]
+    };
+    let mut enc = vec![0u8; len * 4];
+    let mut out = vec![0f32; len];
+    // (encode ns, densify ns, pairs) of one slice.
+    let mut measure = |src: &[f32]| {
+        let e = median(&mut || {
+            std::hint::black_box(sparse_encode(src, usize::MAX, &mut enc, threads));
+        });
+        let n = sparse_encode(src, usize::MAX, &mut enc, threads).unwrap_or(0);
+        let words: Vec<u32> = enc[..tidewire_engine::sparse::encoded_bytes(n)]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let d = median(&mut || {
+            let _ = std::hint::black_box(sparse_densify(&words, n, &mut out, threads));
+        });
+        (e, d, n)
+    };
+    let empty = vec![0f32; len];
+    let runs: Vec<f32> = (0..len)
+        .map(|i| if (i / 64) % 10 == 3 { 1.0 + i as f32 } else { 0.0 })
+        .collect();
+    let (e0, d0, _) = measure(&empty);
+    let (e1, d1, n1) = measure(&runs);
+    let mut dst = vec![0f32; len];
+    let copy = median(&mut || {
+        dst.copy_from_slice(std::hint::black_box(&runs));
+        std::hint::black_box(&mut dst);
+    });
+    let per_pair = |a: f64, b: f64| ((b - a) / n1.max(1) as f64).max(0.0);
+    tidewire_engine::sparse::SparseCosts {
+        link_bytes_per_s,
+        encode_ns_per_elem: e0 / len as f64,
+        encode_ns_per_pair: per_pair(e0, e1),
+        densify_ns_per_elem: d0 / len as f64,
+        densify_ns_per_pair: per_pair(d0, d1),
+        copy_ns_per_elem: copy / len as f64,
+    }
+}
+
 /// The element type of a caller's memory: what a framework's tensors hold.
 /// Values are widened to f32 for the wire and the servers' sums, and narrowed
 /// back into the caller's type (round to nearest even) when results land.
@@ -399,6 +611,85 @@ pub fn narrow(t: HostType, src: &[f32], dst: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn threaded_sparse_kernels_match_the_reference_bitwise() {
+        let seed = tidewire_engine::testkit::seed("TIDEWIRE_SPARSE_SEED");
+        let mut st = seed;
+        let mut next = || tidewire_engine::testkit::next(&mut st);
+        for case in 0..12 {
+            let len = if case % 3 == 0 {
+                SPARSE_PAR_MIN * 2 + (next() % 999) as usize
+            } else {
+                1 + (next() % 9000) as usize
+            };
+            let density = [0.0, 1e-4, 0.01, 0.2, 0.6][case % 5];
+            let src: Vec<f32> = (0..len)
+                .map(|_| {
+                    let x = next();
+                    if ((x >> 11) as f64 / (1u64 << 53) as f64) < density {
+                        [-0.0, 1.5, -2.25, f32::from_bits(0x7fc0_0003)][(x % 4) as usize]
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let mut want = Vec::new();
+            let r = tidewire_engine::sparse::encode(&src, usize::MAX, &mut want);
+            for threads in [1, 2, 5] {
+                let mut out = vec![0u8; len * 4];
+                let got = if case % 2 == 0 {
+                    sparse_encode(&src, usize::MAX, &mut out, threads)
+                } else {
+                    sparse_encode_on(&src, usize::MAX, &mut out, threads)
+                };
+                assert_eq!(got, r, "seed {seed} case {case} threads {threads}");
+                let Some(n) = got else { continue };
+                assert_eq!(
+                    &out[..want.len()],
+                    &want[..],
+                    "seed {seed} case {case} threads {threads}"
+                );
+                let words: Vec<u32> = want
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                let mut dense = vec![7.0f32; len];
+                sparse_densify(&words, n, &mut dense, threads).expect("valid");
+                assert!(
+                    dense.iter().zip(&src).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "seed {seed} case {case}"
+                );
+                dense.fill(3.0);
+                sparse_densify_on(&words, n, &mut dense, threads).expect("valid");
+                assert!(
+                    dense.iter().zip(&src).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "seed {seed} case {case}"
+                );
+                if n >= 2 {
+                    // Two pairs swapped: an error on any thread count, never a panic.
+                    let mut bad = words.clone();
+                    bad.swap(2, 2 * n);
+                    bad.swap(3, 2 * n + 1);
+                    assert!(
+                        sparse_densify(&bad, n, &mut dense, threads).is_err(),
+                        "seed {seed} case {case}"
+                    );
+                    assert!(
+                        sparse_densify_on(&bad, n, &mut dense, threads).is_err(),
+                        "seed {seed} case {case}"
+                    );
+                }
+                if n > 0 {
+                    assert_eq!(
+                        sparse_encode(&src, n - 1, &mut out, threads),
+                        None,
+                        "seed {seed} case {case}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn host_types_round_trip_exactly_where_the_type_can() {

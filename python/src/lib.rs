@@ -169,7 +169,17 @@ fn factor_values(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f32>> {
         .collect())
 }
 
-fn parse_kind(kind: &str, name: &str) -> PyResult<LayerKind> {
+/// A layer kind, with `:sparse` after it for the sparse-push hint
+/// (`"other:sparse"`: an `nn.Embedding(sparse=True)`).
+fn parse_kind(kind: &str, name: &str) -> PyResult<(LayerKind, bool)> {
+    let (base, sparse) = match kind.strip_suffix(":sparse") {
+        Some(b) => (b, true),
+        None => (kind, false),
+    };
+    Ok((parse_base_kind(base, name)?, sparse))
+}
+
+fn parse_base_kind(kind: &str, name: &str) -> PyResult<LayerKind> {
     match kind {
         "fc" => Ok(LayerKind::Fc),
         "conv" => Ok(LayerKind::Conv),
@@ -460,7 +470,8 @@ impl Session {
                     "layer {name:?}: {m}x{n} has no parameters"
                 )));
             }
-            specs.push(LayerSpec::new(name.clone(), parse_kind(kind, name)?, *m, *n));
+            let (k, sparse) = parse_kind(kind, name)?;
+            specs.push(LayerSpec::new(name.clone(), k, *m, *n).sparse(sparse));
         }
         let sizes: Vec<usize> = specs.iter().map(LayerSpec::params).collect();
         let (pptr, plen, t) = host_memory(&params, "params")?;

@@ -84,7 +84,31 @@ class Wide(nn.Module):
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
-MODELS = {"mlp": MLP, "unused": Unused, "frozen": Frozen, "tied": Tied, "bn": BN, "wide": Wide}
+class Emb(nn.Module):
+    """An embedding of tokens drawn from the inputs, then FC layers."""
+
+    sparse = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(500, 8, sparse=self.sparse)
+        self.fc1 = nn.Linear(8 + D_IN, 16)
+        self.fc2 = nn.Linear(16, CLASSES)
+
+    def forward(self, x):
+        idx = (x[:, :3] * 1000).abs().long() % 500
+        h = torch.cat([self.emb(idx).sum(1), x], dim=1)
+        return self.fc2(torch.relu(self.fc1(h)))
+
+
+class SparseEmb(Emb):
+    """`Emb` with `nn.Embedding(sparse=True)`: sparse gradients."""
+
+    sparse = True
+
+
+MODELS = {"mlp": MLP, "unused": Unused, "frozen": Frozen, "tied": Tied, "bn": BN, "wide": Wide, "emb": Emb,
+          "emb_sparse": SparseEmb}
 
 
 def model(name: str, seed: int = 1234) -> nn.Module:

@@ -213,3 +213,27 @@ def test_three_ranks_adam(tmp_path):
         assert_bitwise_equal(res[0]["adam"]["state"], res[k]["adam"]["state"], f"rank 0 vs rank {k}")
     ref, _ = reference("mlp", "adam", steps=5, batch=24)
     assert_close(res[0]["adam"]["state"], ref, "3 ranks (Adam) vs one process")
+
+
+def test_sparse_embedding_gradients_use_the_sparse_push(tmp_path):
+    """nn.Embedding(sparse=True): its layer carries the sparse hint, its sparse
+    gradients are added into the flat buffer, ranks end bitwise equal, and the
+    result matches the same model with a dense embedding."""
+    runs = _with_defaults({
+        "dense": {"model": "emb", "opt": "momentum"},
+        "sparse": {"model": "emb_sparse", "opt": "momentum"},
+        "sparse_zero": {"model": "emb_sparse", "opt": "momentum", "model_zero_grad": True},
+    })
+    res = run_ranks(tmp_path, 2, {"scenario": "multi", "runs": runs}, timeout=120).results()
+    for name in runs:
+        assert_bitwise_equal(res[0][name]["state"], res[1][name]["state"], f"{name}: rank 0 vs rank 1")
+    ref, _ = reference("emb", "momentum")
+    for name in ("sparse", "sparse_zero"):
+        assert_close(res[0][name]["state"], res[0]["dense"]["state"], f"{name} vs dense")
+        assert_close(res[0][name]["state"], ref, f"{name} vs one process")
+        pushed = sum(r[name]["stats"]["sparse_pushes"] for r in res)
+        assert pushed > 0, f"{name}: no slice went as pairs ({[r[name]['stats'] for r in res]})"
+        nz = sum(r[name]["stats"]["sparse_nonzeros"] for r in res)
+        el = sum(r[name]["stats"]["sparse_elements"] for r in res)
+        assert 0 < nz < el, f"{name}: {nz} nonzeros of {el}"
+    assert sum(r["dense"]["stats"]["sparse_pushes"] for r in res) == 0

@@ -835,6 +835,8 @@ class _Layer:
         self.m = 1
         self.n = 1
         self.sfb_layout = False  # nn.Linear as one M x (in+1) block: weight columns, then the bias
+        # nn.Embedding(sparse=True): the sparse-push hint (slices go as index/value pairs when that pays).
+        self.sparse = False
         self.offset = 0
         self.numel = 0
         self.scheme = "ps"
@@ -1060,6 +1062,9 @@ class _Tw:
                 L.kind, L.m, L.n = "conv", module.out_channels, total // module.out_channels
             else:
                 L.kind, L.m, L.n = "other", 1, total
+            # An embedding with sparse gradients: its layer gets the sparse-push hint. Its
+            # sparse .grad is added into the layer's dense view of the flat buffer.
+            L.sparse = isinstance(module, nn.Embedding) and bool(module.sparse)
             assert L.m * L.n == total
             L.numel = total
             for nm, p in ps:
@@ -1096,7 +1101,7 @@ class _Tw:
         return views
 
     def _table(self) -> List[Tuple[str, str, int, int]]:
-        return [(L.name, L.kind, L.m, L.n) for L in self.layers]
+        return [(L.name, L.kind + (":sparse" if L.sparse else ""), L.m, L.n) for L in self.layers]
 
     def _build_session(self) -> None:
         env = self.env
@@ -1162,7 +1167,7 @@ class _Tw:
                 p = info.param
                 with torch.no_grad():
                     if p.grad is not None:
-                        g.copy_(p.grad)
+                        g.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
                     if self.apply == "server":
                         p.data = r  # the parameter lives in the registered buffer
                     else:
@@ -1228,7 +1233,12 @@ class _Tw:
 
     def _bound(self, info: _Param) -> bool:
         g = info.param.grad
-        return g is not None and g.data_ptr() == info.gview.data_ptr() and g.stride() == info.gview.stride()
+        return (
+            g is not None
+            and not g.is_sparse  # a sparse .grad (nn.Embedding(sparse=True)) is never the view
+            and g.data_ptr() == info.gview.data_ptr()
+            and g.stride() == info.gview.stride()
+        )
 
     def _rebind(self, info: _Param) -> None:
         """Puts ``p.grad`` back on its view of the flat gradient buffer (after
@@ -1238,7 +1248,9 @@ class _Tw:
             if g is None:
                 info.gview.zero_()
             else:
-                info.gview.copy_(g)
+                # A sparse gradient (nn.Embedding(sparse=True) whose .grad was set to
+                # None) is densified here; later ones add into the dense view in place.
+                info.gview.copy_(g.to_dense() if g.is_sparse else g)
         info.param.grad = info.gview
         self.grad_rebinds += 1
 

@@ -103,6 +103,11 @@ pub(crate) struct ServerSetup {
 
 use crate::error::panic_message;
 
+/// Threads a sparse encode or densify may use: the machine's, at most 8.
+fn sparse_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).min(8)
+}
+
 impl Executors {
     /// Starts the executors this rank needs. Returns the aggregator's
     /// description for the log, or its error (a GPU asked for and not usable).
@@ -162,6 +167,7 @@ impl Executors {
                         op,
                         stats: agg_stats,
                         scratch: Vec::new(),
+                        threads: sparse_threads(),
                     };
                     run_queue(rx, &reply, |job| st.run(job));
                 })
@@ -190,6 +196,7 @@ impl Executors {
                 scratch: Vec::new(),
                 factor_scratch: Vec::new(),
                 reads: ex.factor_reads.clone(),
+                threads: sparse_threads(),
                 book,
                 mem,
                 op,
@@ -312,6 +319,8 @@ struct ServerExec {
     stats: Arc<Mutex<AggStats>>,
     /// A landing slot's contents, copied out before they are summed.
     scratch: Vec<f32>,
+    /// Threads for densifying large sparse slices.
+    threads: usize,
 }
 
 impl ServerExec {
@@ -328,6 +337,7 @@ impl ServerExec {
                 first,
                 partial,
                 contributions,
+                pairs,
             } => {
                 let ch = book.chunks().get(*chunk as usize).ok_or("unknown chunk")?;
                 // A landing slot is memory a peer writes: the protocol keeps it quiet
@@ -335,7 +345,21 @@ impl ServerExec {
                 // now. Copy it out with relaxed loads rather than read it as a slice.
                 let mut scratch = std::mem::take(&mut self.scratch);
                 let lease;
-                let data: &[f32] = if src.region.remote_write() {
+                let data: &[f32] = if let Some(n) = pairs {
+                    // A sparse push: read its words the same way, then densify them
+                    // (checked: a peer wrote them) into the slice it stands for.
+                    let n = *n as usize;
+                    let mut words = vec![0f32; 2 + 2 * n];
+                    self.mem
+                        .get(src.region)?
+                        .read_f32_relaxed(src.offset as usize, &mut words)
+                        .map_err(|e| e.to_string())?;
+                    let words: Vec<u32> = words.iter().map(|w| w.to_bits()).collect();
+                    scratch.resize(*len, 0.0);
+                    cpu::sparse_densify(&words, n, &mut scratch[..*len], self.threads)
+                        .map_err(|e| format!("a sparse push of {len} elements: {e}"))?;
+                    &scratch[..*len]
+                } else if src.region.remote_write() {
                     scratch.resize(*len, 0.0);
                     self.mem
                         .get(src.region)?
@@ -469,6 +493,8 @@ struct WorkerExec {
     /// Per worker: U and V of a factor block that had to be decoded (see [`factor_views`]).
     factor_scratch: Vec<[Vec<f32>; 2]>,
     reads: Arc<FactorReads>,
+    /// Threads for encoding large sparse slices.
+    threads: usize,
 }
 
 impl WorkerExec {
@@ -516,6 +542,22 @@ impl WorkerExec {
                     mom,
                 );
                 Ok(None)
+            }
+            JobKind::EncodeSparse { src, len, dst, cap, .. } => {
+                let s = self.mem.lease(*src, *len as u64 * 4)?;
+                // The staging of a slice is as long as its gradient.
+                let mut d = self.mem.lease(*dst, *len as u64 * 4)?;
+                let pairs = cpu::sparse_encode(
+                    s.as_f32().map_err(|e| e.to_string())?,
+                    *cap,
+                    d.as_bytes_mut(),
+                    self.threads,
+                );
+                let report = tidewire_engine::sparse::EncodeReport {
+                    pairs: pairs.map(|n| n as u32),
+                    scanned: if pairs.is_some() { *len as u64 } else { 0 },
+                };
+                Ok(Some(report.to_bytes()))
             }
             JobKind::Publish { src, dst, len, .. } => {
                 // Servers may be writing the source right now (SSP): read it

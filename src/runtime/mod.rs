@@ -240,6 +240,29 @@ impl Runtime {
             .as_ref()
             .map(|l| l.offsets.iter().map(|&o| o as u64).collect());
         nc.startup_timeout = cfg.connect_timeout;
+        if role.is_worker() {
+            if let Some(len) = book
+                .slices()
+                .iter()
+                .filter(|s| book.layers()[s.layer as usize].sparse)
+                .map(|s| s.len)
+                .max()
+            {
+                // The sparse threshold is measured: this machine's encode and
+                // densify costs, against the link's speed.
+                let env = std::env::var("TIDEWIRE_LINK_GBPS")
+                    .ok()
+                    .and_then(|v| v.trim().parse::<f64>().ok());
+                let gbps = env
+                    .or(cfg.link_gbps)
+                    .or(props.speed_mbps.map(|m| m as f64 / 1000.0))
+                    .filter(|g| *g > 0.0)
+                    .unwrap_or(10.0);
+                let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+                nc.sparse = tidewire_gpu::cpu::calibrate_sparse(len, threads, gbps * 1e9 / 8.0);
+                tracing::info!(rank, costs = ?nc.sparse, threshold = nc.sparse.threshold(len), "sparse push");
+            }
+        }
         let mut node = Node::new(nc)?;
 
         // The regions the Node asks for: the caller's own memory where it gave some.
@@ -911,7 +934,17 @@ impl Runtime {
                 lat[((lat.len() - 1) as f64 * p).round() as usize]
             }
         };
+        let mut sp = tidewire_engine::sparse::SparseLayerStats::default();
+        for l in self.node.sparse_stats() {
+            sp.add(l);
+        }
         SessionStats {
+            sparse_pushes: sp.sparse_pushes,
+            sparse_dense_pushes: sp.dense_pushes,
+            sparse_nonzeros: sp.nonzeros,
+            sparse_elements: sp.scanned,
+            sparse_bytes: sp.sparse_bytes,
+            sparse_dense_bytes: sp.dense_bytes,
             pushes: n.pushes,
             factor_sends: n.factor_sends,
             accumulated: n.accumulated,

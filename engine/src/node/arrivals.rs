@@ -52,6 +52,23 @@ impl Node {
                 }
             }
             JobTrack::FoldPartial => {}
+            JobTrack::Encode { server, slot, slice } => {
+                let report = data
+                    .as_deref()
+                    .and_then(crate::sparse::EncodeReport::from_bytes)
+                    .ok_or_else(|| EngineError::Job(format!("the encoding of slice {slice} reported no count")))?;
+                let si = self.book.slices()[slice as usize];
+                let pairs = report
+                    .pairs
+                    .filter(|&n| n as usize <= crate::sparse::pair_limit(si.len));
+                if let Some(n) = pairs {
+                    let st = &mut self.sparse_stats[si.layer as usize];
+                    st.nonzeros += u64::from(n);
+                    st.scanned += si.len as u64;
+                }
+                self.sparse_policy.report(slice, pairs);
+                self.push_write(server, slot, slice, pairs);
+            }
             JobTrack::Apply { chunk } => {
                 let s = self.server.as_mut().expect("server");
                 s.apply_running.remove(&chunk);
@@ -111,28 +128,51 @@ impl Node {
         let slot_bytes = self.slot_bytes;
         match region {
             LocalRegion::Landing => {
-                let s = self
-                    .server
-                    .as_mut()
-                    .ok_or_else(|| bad("a push to a rank that is not a server".into()))?;
+                if self.server.is_none() {
+                    return Err(bad("a push to a rank that is not a server".into()));
+                }
                 let wi = book
                     .cluster()
                     .worker_index(peer)
                     .ok_or_else(|| bad("a push from a rank that is not a worker".into()))?
                     as u64;
+                let sparse = imm & crate::sparse::SPARSE_IMM != 0;
+                let slice = imm & !crate::sparse::SPARSE_IMM;
                 let si = book
                     .slices()
-                    .get(imm as usize)
-                    .ok_or_else(|| bad(format!("a push of unknown slice {imm}")))?;
+                    .get(slice as usize)
+                    .ok_or_else(|| bad(format!("a push of unknown slice {slice}")))?;
                 let g = offset / slot_bytes;
                 let start = g * slot_bytes;
-                if g / slots != wi || len == 0 || offset + len != start + si.len as u64 * 4 {
-                    return Err(bad(format!(
-                        "a push of slice {imm} ({} bytes) at offset {offset}+{len}, outside the sender's landing slots",
-                        si.len * 4
-                    )));
+                let slot = (g % slots) as u32;
+                if !sparse {
+                    if g / slots != wi || len == 0 || offset + len != start + si.len as u64 * 4 {
+                        return Err(bad(format!(
+                            "a push of slice {slice} ({} bytes) at offset {offset}+{len}, outside the sender's landing slots",
+                            si.len * 4
+                        )));
+                    }
+                } else {
+                    // "Sparse, (len - 8) / 8 pairs", written from the slot's start.
+                    let h = crate::sparse::HEADER_BYTES as u64;
+                    let p = crate::sparse::PAIR_BYTES as u64;
+                    let pairs = len.checked_sub(h).map(|b| b / p);
+                    let ok = g / slots == wi
+                        && offset == start
+                        && pairs.is_some_and(|n| (len - h) % p == 0 && n as usize <= crate::sparse::pair_limit(si.len))
+                        && book.layers()[si.layer as usize].sparse;
+                    let Some(n) = pairs.filter(|_| ok) else {
+                        return Err(bad(format!(
+                            "a sparse push of slice {slice} at offset {offset}+{len}: not a sparse layer, outside the sender's landing slots, or not 8 + 8n bytes with n at most {}",
+                            crate::sparse::pair_limit(si.len)
+                        )));
+                    };
+                    if self.landing_sparse.insert((peer, slot), n as u32).is_some() {
+                        return Err(bad(format!("landing slot {slot} written twice")));
+                    }
                 }
-                s.core.handle_landed(peer, (g % slots) as u32, imm)
+                let s = self.server.as_mut().expect("checked above");
+                s.core.handle_landed(peer, slot, slice)
             }
             LocalRegion::Shard => {
                 let s = self

@@ -86,6 +86,7 @@ use crate::config::{ApplyOp, Consistency, SchedConfig};
 use crate::error::{EngineError, Result};
 use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use crate::server::{Server, ServerCommand};
+use crate::sparse::{SparseCosts, SparseLayerStats, SparsePolicy};
 use crate::wire::{self, Hello, Kind, Msg};
 use crate::worker::{Worker, WorkerCommand};
 use factors::Inbox;
@@ -114,6 +115,9 @@ pub struct NodeConfig {
     pub grads: Option<Vec<u64>>,
     /// How long setup (connections, hellos, initial parameters) may take.
     pub startup_timeout: Duration,
+    /// The costs the automatic sparse/dense choice of sparse layers weighs
+    /// ([`crate::sparse`]). Local: ranks need not agree on it.
+    pub sparse: SparseCosts,
 }
 
 impl NodeConfig {
@@ -129,6 +133,7 @@ impl NodeConfig {
             params: None,
             grads: None,
             startup_timeout: DEFAULT_STARTUP,
+            sparse: SparseCosts::default(),
         }
     }
 }
@@ -190,6 +195,7 @@ enum Early {
 enum JobTrack {
     Accumulate { worker: u32, slot: u32 },
     FoldPartial,
+    Encode { server: u32, slot: u32, slice: u32 },
     Apply { chunk: u32 },
     InitCopy { chunk: u32 },
     LocalBcast { chunk: u32 },
@@ -248,7 +254,15 @@ pub struct Node {
     view_off: Vec<u64>,
     grad_off: Vec<u64>,
     factor_off: Vec<Option<u64>>,
-    bytes: [u64; 7],
+    /// Per layer: its staging in the `Sparse` region (sparse layers of a worker).
+    sparse_off: Vec<Option<u64>>,
+    sparse_costs: SparseCosts,
+    sparse_policy: SparsePolicy,
+    /// Per layer: this worker's sparse-push counters.
+    sparse_stats: Vec<SparseLayerStats>,
+    /// (worker, slot) → pairs, for landing slots that hold a sparse push.
+    landing_sparse: HashMap<(u32, u32), u32>,
+    bytes: [u64; 8],
     slot_bytes: u64,
     worker: Option<WorkerSide>,
     server: Option<ServerSide>,
@@ -391,13 +405,24 @@ impl Node {
                 factor_off.push(None);
             }
         }
+        let mut sparse_off = Vec::with_capacity(nl);
+        let mut sparse_bytes = 0u64;
+        for spec in book.layers() {
+            if spec.sparse && role.is_worker() {
+                sparse_off.push(Some(sparse_bytes));
+                sparse_bytes += spec.params() as u64 * 4;
+            } else {
+                sparse_off.push(None);
+            }
+        }
         let slot_bytes = book.max_slice_len() as u64 * 4;
-        let mut bytes = [0u64; 7];
+        let mut bytes = [0u64; 8];
         if role.is_worker() {
             bytes[region_index(LocalRegion::Params)] = extent(&book, &param_off);
             bytes[region_index(LocalRegion::View)] = if staged { extent(&book, &view_off) } else { 0 };
             bytes[region_index(LocalRegion::Grads)] = extent(&book, &grad_off);
             bytes[region_index(LocalRegion::Factors)] = factors_bytes;
+            bytes[region_index(LocalRegion::Sparse)] = sparse_bytes;
         }
         if role.is_server() {
             bytes[region_index(LocalRegion::Shard)] = book.shard_len(rank) as u64 * 4;
@@ -442,6 +467,11 @@ impl Node {
             view_off,
             grad_off,
             factor_off,
+            sparse_off,
+            sparse_costs: cfg.sparse,
+            sparse_policy: SparsePolicy::new(&book),
+            sparse_stats: vec![SparseLayerStats::default(); nl],
+            landing_sparse: HashMap::default(),
             bytes,
             slot_bytes,
             worker,
@@ -597,6 +627,15 @@ impl Node {
         s.max_outstanding = self.flow.max_out_seen;
         s.max_factor_blocks = self.inbox.max_held();
         s
+    }
+    /// Per layer: this worker's sparse-push counters (all zero for layers
+    /// without the sparse hint, and on ranks that are not workers).
+    pub fn sparse_stats(&self) -> &[SparseLayerStats] {
+        &self.sparse_stats
+    }
+    /// The costs the sparse/dense choice weighs.
+    pub fn sparse_costs(&self) -> SparseCosts {
+        self.sparse_costs
     }
     /// Applies completed by this rank's server for `chunk`.
     pub fn applied(&self, chunk: u32) -> Option<u64> {

@@ -19,6 +19,11 @@ impl Node {
             } => {
                 let si = book.slices()[slice as usize];
                 let ch = book.chunks()[si.chunk as usize];
+                let pairs = if worker == me {
+                    None
+                } else {
+                    self.landing_sparse.remove(&(worker, slot))
+                };
                 let src = if worker == me {
                     Loc {
                         region: LocalRegion::Grads,
@@ -42,6 +47,7 @@ impl Node {
                         first,
                         partial,
                         contributions: self.server.as_ref().expect("server").core.acc_contributions(),
+                        pairs,
                     },
                     JobTrack::Accumulate { worker, slot },
                 );

@@ -18,6 +18,10 @@ pub enum LocalRegion {
     Grads,
     /// Worker sufficient factors: U (K×M) then V (K×N) per FC layer. Local only.
     Factors,
+    /// Worker staging of sparse pushes: per sparse layer, as many bytes as its
+    /// gradient; a slice's pairs are encoded at the slice's own offset (an
+    /// encoded slice is always smaller than the dense one). Local only.
+    Sparse,
     /// Server shard: the current parameters of this rank's chunks. Remote-writable (seeding).
     Shard,
     /// Server landing slots: `slots` per worker. Remote-writable.
@@ -28,11 +32,12 @@ pub enum LocalRegion {
 
 impl LocalRegion {
     /// Every region, in a fixed order.
-    pub const ALL: [LocalRegion; 7] = [
+    pub const ALL: [LocalRegion; 8] = [
         LocalRegion::Params,
         LocalRegion::View,
         LocalRegion::Grads,
         LocalRegion::Factors,
+        LocalRegion::Sparse,
         LocalRegion::Shard,
         LocalRegion::Landing,
         LocalRegion::Ctrl,
@@ -313,7 +318,9 @@ pub enum JobKind {
     /// (a second buffer shaped like `acc`; see [`crate::SchedConfig::fold_group`]).
     /// `acc` is a copy of the shard per SSP window (`Node::windows`);
     /// `contributions` is how many the chunk receives in all (for the Nexus
-    /// CPU/GPU placement).
+    /// CPU/GPU placement). With `pairs`, `src` holds the slice encoded as
+    /// that many index/value pairs ([`crate::sparse`]): densify it to its
+    /// `len` elements first (checking it: a peer wrote it), then do the same.
     Accumulate {
         window: u32,
         chunk: u32,
@@ -323,6 +330,7 @@ pub enum JobKind {
         first: bool,
         partial: bool,
         contributions: usize,
+        pairs: Option<u32>,
     },
     /// `acc[window][acc_at..acc_at + len] += partial[window][..same]`: a fold
     /// group's partial sum joins the accumulator.
@@ -332,6 +340,17 @@ pub enum JobKind {
         acc_at: usize,
         len: usize,
         contributions: usize,
+    },
+    /// Encode the `len` elements at `src` (a sparse layer's slice) as
+    /// index/value pairs at `dst` ([`crate::sparse`]: header, then pairs),
+    /// unless there are more than `cap`. The completion's `data` is an
+    /// [`EncodeReport`](crate::sparse::EncodeReport) (`to_bytes`).
+    EncodeSparse {
+        slice: u32,
+        src: Loc,
+        len: usize,
+        dst: Loc,
+        cap: usize,
     },
     /// Every contribution to `chunk` for `iter` is summed in `acc[window]`
     /// over `shard_at..shard_at + len`: apply the op to the shard there.

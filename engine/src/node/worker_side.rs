@@ -2,6 +2,7 @@
 //! commands turned into writes, factor blocks, jobs and layer-ready events.
 
 use super::*;
+use crate::sparse::{self, Choice};
 
 impl Node {
     pub(super) fn hand_in(&mut self, layer: u32, factors: bool) -> Result<()> {
@@ -108,17 +109,33 @@ impl Node {
                     s.local_slots.insert(slot, slice);
                     s.core.handle_landed(me, slot, slice)?;
                     self.stranded_dirty = true;
+                } else if let Some(base) = self.sparse_off[si.layer as usize] {
+                    match self.sparse_policy.choose(&self.sparse_costs, slice, si.len) {
+                        Choice::Try { cap } => {
+                            let src = Loc {
+                                region: LocalRegion::Grads,
+                                offset: self.grad_off[si.layer as usize] + si.offset as u64 * 4,
+                            };
+                            let dst = Loc {
+                                region: LocalRegion::Sparse,
+                                offset: base + si.offset as u64 * 4,
+                            };
+                            self.new_job(
+                                Queue::Worker,
+                                JobKind::EncodeSparse {
+                                    slice,
+                                    src,
+                                    len: si.len,
+                                    dst,
+                                    cap,
+                                },
+                                JobTrack::Encode { server, slot, slice },
+                            );
+                        }
+                        Choice::Dense => self.push_write(server, slot, slice, None),
+                    }
                 } else {
-                    let wi = self.worker.as_ref().expect("worker").core.index() as u64;
-                    let src = Loc {
-                        region: LocalRegion::Grads,
-                        offset: self.grad_off[si.layer as usize] + si.offset as u64 * 4,
-                    };
-                    let dst = RemoteLoc {
-                        region: LocalRegion::Landing,
-                        offset: (wi * u64::from(self.sched.slots) + u64::from(slot)) * self.slot_bytes,
-                    };
-                    self.write(server, src, dst, si.len as u64 * 4, slice, Track::Push { slice });
+                    self.push_write(server, slot, slice, None);
                 }
             }
             WorkerCommand::SendFactors { peer, layer, iter } => {
@@ -138,6 +155,43 @@ impl Node {
             }
         }
         Ok(())
+    }
+
+    /// Writes `slice` into landing slot `slot` of `server`: dense from the
+    /// gradient, or (`pairs`) its encoding from the `Sparse` staging.
+    pub(super) fn push_write(&mut self, server: u32, slot: u32, slice: u32, pairs: Option<u32>) {
+        let si = self.book.slices()[slice as usize];
+        let wi = self.worker.as_ref().expect("worker").core.index() as u64;
+        let dst = RemoteLoc {
+            region: LocalRegion::Landing,
+            offset: (wi * u64::from(self.sched.slots) + u64::from(slot)) * self.slot_bytes,
+        };
+        let st = &mut self.sparse_stats[si.layer as usize];
+        let (src, len, imm) = match pairs {
+            Some(n) => {
+                let len = sparse::encoded_bytes(n as usize) as u64;
+                st.sparse_pushes += 1;
+                st.sparse_bytes += len;
+                let src = Loc {
+                    region: LocalRegion::Sparse,
+                    offset: self.sparse_off[si.layer as usize].expect("a sparse layer") + si.offset as u64 * 4,
+                };
+                (src, len, slice | sparse::SPARSE_IMM)
+            }
+            None => {
+                let len = si.len as u64 * 4;
+                if self.sparse_off[si.layer as usize].is_some() {
+                    st.dense_pushes += 1;
+                    st.dense_bytes += len;
+                }
+                let src = Loc {
+                    region: LocalRegion::Grads,
+                    offset: self.grad_off[si.layer as usize] + si.offset as u64 * 4,
+                };
+                (src, len, slice)
+            }
+        };
+        self.write(server, src, dst, len, imm, Track::Push { slice });
     }
 
     /// Queues a factor block: its begin message, then fragments of at most
