@@ -77,6 +77,7 @@ pub(crate) struct Config {
     pub(crate) grads: Option<BufferLayout>,
     pub(crate) listen_ip: Option<IpAddr>,
     pub(crate) aggregation: tidewire_gpu::agg::Policy,
+    pub(crate) comm: tidewire_engine::freq::CommConfig,
 }
 
 impl Config {
@@ -97,6 +98,7 @@ impl Config {
             grads: None,
             listen_ip: None,
             aggregation: tidewire_gpu::agg::Policy::Auto,
+            comm: tidewire_engine::freq::CommConfig::default(),
         }
     }
 }

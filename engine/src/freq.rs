@@ -176,6 +176,27 @@ impl FreqConfig {
     }
 }
 
+/// How a job communicates: the mode between exchanges and the frequency.
+/// Every rank must agree on it (it is hashed at rendezvous:
+/// [`JobConfig::with_comm`](crate::agree::JobConfig::with_comm)).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct CommConfig {
+    /// What learners do between exchanges.
+    pub mode: CommMode,
+    /// T and its adjustment.
+    pub freq: FreqConfig,
+}
+
+impl Default for CommConfig {
+    /// Every step (T = 1), no adjustment.
+    fn default() -> Self {
+        CommConfig {
+            mode: CommMode::Accumulate,
+            freq: FreqConfig::fixed(1),
+        }
+    }
+}
+
 /// What the controller decided at an exchange.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 #[serde(tag = "decision", rename_all = "snake_case")]

@@ -114,6 +114,9 @@ pub struct NodeConfig {
     pub grads: Option<Vec<u64>>,
     /// How long setup (connections, hellos, initial parameters) may take.
     pub startup_timeout: Duration,
+    /// Communication frequency and mode: the caller's to carry out (the
+    /// engine syncs what is handed in); here so that every rank agrees on it.
+    pub comm: crate::freq::CommConfig,
 }
 
 impl NodeConfig {
@@ -129,6 +132,7 @@ impl NodeConfig {
             params: None,
             grads: None,
             startup_timeout: DEFAULT_STARTUP,
+            comm: crate::freq::CommConfig::default(),
         }
     }
 }
@@ -431,7 +435,7 @@ impl Node {
         let mut flow = Flow::new(world, l.max_outstanding);
         flow.open(rank);
         Ok(Node {
-            job: JobConfig::new(&book, &cfg.sched, cfg.apply, &cfg.transport),
+            job: JobConfig::new(&book, &cfg.sched, cfg.apply, &cfg.transport).with_comm(&cfg.comm),
             inbox: Inbox::new(world, book.p1()),
             sched: cfg.sched,
             limits: l,
