@@ -126,6 +126,9 @@ pub struct TrainArgs {
     /// rank 0's is the rendezvous address.
     #[arg(long, requires = "netns")]
     pub netns_addrs: Option<String>,
+    /// Communication frequency (Nexus): --comm-every, --comm-mode, --freq-*.
+    #[command(flatten)]
+    pub comm: crate::comm::CommArgs,
 }
 
 fn split_list(s: &str) -> Vec<String> {
@@ -231,6 +234,12 @@ impl TrainArgs {
             return Err(Error::Usage("--time-scale must be a finite number ≥ 0".into()));
         }
         let c = consistency_of(&self.consistency).map_err(Error::Usage)?;
+        if self.comm.active() {
+            self.comm.validate(self.apply_op()?, self.iters)?;
+            if c != Consistency::Bsp {
+                return Err(Error::Usage("--comm-every/--comm-mode/--freq-max need BSP".into()));
+            }
+        }
         if self.verify && (c != Consistency::Bsp || self.fast) {
             return Err(Error::Usage(
                 "--verify needs BSP with deterministic aggregation: SSP and --fast results depend on timing".into(),
@@ -302,7 +311,7 @@ pub struct Synth {
 
 const TABLE: usize = 1 << 16;
 
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -393,9 +402,12 @@ pub struct NodeResult {
     /// The transport this rank used and why ("tcp: ..." or "rdma: ...").
     #[serde(default)]
     pub transport: String,
+    /// Exchanges and T per iteration, with a communication frequency (workers).
+    #[serde(default)]
+    pub comm: Option<crate::comm::CommSummary>,
 }
 
-fn sleep(d: Duration) {
+pub(crate) fn sleep(d: Duration) {
     if !d.is_zero() {
         std::thread::sleep(d);
     }
@@ -409,13 +421,19 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
     let model = args.model()?;
     let synth = Arc::new(Synth::new(args.seed));
     let s2 = synth.clone();
-    let session = Builder::new(model.layers.clone())
+    let comm = args.comm.active();
+    let session = Builder::new(args.comm.layers(&model, args.world().0))
         .batch(args.batch(&model))
         .chunk_bytes(args.chunk_bytes)
         .slice_params(args.book_config(&model).slice_params)
-        .policy(args.sync_mode().policy())
+        .policy(if comm {
+            tidewire_engine::SchemePolicy::Ps
+        } else {
+            args.sync_mode().policy()
+        })
         .sched(args.sched())
-        .apply(args.apply_op()?)
+        .apply(args.comm.server_op(args.apply_op()?))
+        .comm(args.comm.config(args.iters)?)
         .aggregation(args.aggregate)
         .transport_limits(args.limits())
         .transport(args.transport_kind(spec.rank)?)
@@ -423,7 +441,9 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
         .connect_timeout(Duration::from_secs(args.timeout_s))
         .init_params(move |l, p| s2.init(l, p))
         .build(spec)?;
-    if session.role().is_worker() {
+    if session.role().is_worker() && comm {
+        crate::comm::worker_loop(args, &model, &synth, session, true)
+    } else if session.role().is_worker() {
         worker_loop(
             args,
             &model,
@@ -447,6 +467,7 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
             digests: vec![],
             stats,
             transport: format!("{kind}: {why}"),
+            comm: None,
         })
     }
 }
@@ -578,6 +599,7 @@ fn worker_loop(
         digests,
         stats: st,
         transport: format!("{kind}: {why}"),
+        comm: None,
     })
 }
 
@@ -800,6 +822,9 @@ pub struct TrainReport {
     /// The transports the ranks used, each with the reason (distinct lines; with
     /// the ranks that use each when they differ, as with `--transport mixed`).
     pub transport: Vec<String>,
+    /// With a communication frequency: the first worker's exchanges, T per iteration and decisions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm: Option<crate::comm::CommSummary>,
 }
 
 /// One row of the scheme table.
@@ -1026,7 +1051,11 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         spans.iter().sum::<f64>() / spans.len() as f64
     };
     let (verified, mismatched_layers) = if args.verify {
-        let want = reference(args, p1)?;
+        let want = if args.comm.active() {
+            crate::comm::reference(args, &model, p1)?
+        } else {
+            reference(args, p1)?
+        };
         let mut bad: Vec<String> = Vec::new();
         for w in &workers {
             for (l, d) in w.digests.iter().enumerate() {
@@ -1082,6 +1111,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
             .collect(),
         verified,
         mismatched_layers,
+        comm: workers.iter().min_by_key(|r| r.rank).and_then(|r| r.comm.clone()),
         wall_s: began.elapsed().as_secs_f64(),
         transport: {
             // One line per distinct transport; the ranks are named when they differ.
@@ -1168,6 +1198,19 @@ pub fn render(r: &TrainReport) -> String {
         r.throughput_samples_s,
         100.0 * r.hidden_fraction
     );
+    if let Some(c) = &r.comm {
+        let _ = writeln!(
+            s,
+            "communication: {} exchanges in {} iterations ({:.2}x fewer than every iteration), {} bytes handed in per worker",
+            c.exchanges,
+            c.steps,
+            c.steps as f64 / c.exchanges.max(1) as f64,
+            c.handed_in_bytes
+        );
+        for d in &c.decisions {
+            let _ = writeln!(s, "  {d}");
+        }
+    }
     match r.verified {
         Some(true) => {
             let _ = writeln!(
