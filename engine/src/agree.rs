@@ -365,7 +365,13 @@ mod tests {
             ..FreqConfig::fixed(4)
         };
         let g = every(CommMode::Average, guided);
-        let g2 = every(CommMode::Average, FreqConfig { tolerance: 0.03, ..guided });
+        let g2 = every(
+            CommMode::Average,
+            FreqConfig {
+                tolerance: 0.03,
+                ..guided
+            },
+        );
         assert!(matches!(
             g.check(1, g2.fields()),
             Err(EngineError::Disagree { field, .. }) if field.starts_with("quality-guided")

@@ -150,7 +150,10 @@ impl FreqConfig {
             ));
         }
         if self.t_max > T_MAX_LIMIT {
-            return bad(format!("communication frequency: t_max {} above {T_MAX_LIMIT}", self.t_max));
+            return bad(format!(
+                "communication frequency: t_max {} above {T_MAX_LIMIT}",
+                self.t_max
+            ));
         }
         if self.period == 0 {
             return bad("communication frequency: period must be at least 1 exchange".into());
@@ -612,7 +615,9 @@ mod tests {
             .collect();
         assert!(!rejects.is_empty());
         for r in &rejects {
-            let Decision::Reject { t, back_to, learner } = *r else { unreachable!() };
+            let Decision::Reject { t, back_to, learner } = *r else {
+                unreachable!()
+            };
             assert_eq!(learner, 2);
             assert!(t > 4 && back_to <= 4, "{r:?}");
         }
@@ -672,14 +677,23 @@ mod tests {
     fn misuse_is_a_typed_error() {
         assert!(FreqController::new(cfg(4, 1, 0.0, None), 0).is_err());
         for bad in [
-            FreqConfig { t_initial: 0, ..FreqConfig::fixed(1) },
-            FreqConfig { t_initial: 5, ..cfg(4, 1, 0.0, None) },
+            FreqConfig {
+                t_initial: 0,
+                ..FreqConfig::fixed(1)
+            },
+            FreqConfig {
+                t_initial: 5,
+                ..cfg(4, 1, 0.0, None)
+            },
             cfg(4, 0, 0.0, None),
             cfg(4, 1, -0.1, None),
             cfg(4, 1, f64::INFINITY, None),
             cfg(T_MAX_LIMIT + 1, 1, 0.0, None),
         ] {
-            assert!(matches!(FreqController::new(bad, 1), Err(EngineError::InvalidConfig(_))), "{bad:?}");
+            assert!(
+                matches!(FreqController::new(bad, 1), Err(EngineError::InvalidConfig(_))),
+                "{bad:?}"
+            );
         }
         let mut c = FreqController::new(FreqConfig::fixed(2), 2).unwrap();
         assert!(c.exchanged(&[1.0, 1.0]).is_err()); // not due
@@ -699,8 +713,14 @@ mod tests {
             FreqConfig { t_max: 9, ..a },
             FreqConfig { period: 5, ..a },
             FreqConfig { tolerance: 0.03, ..a },
-            FreqConfig { revert_at_step: None, ..a },
-            FreqConfig { revert_at_step: Some(101), ..a },
+            FreqConfig {
+                revert_at_step: None,
+                ..a
+            },
+            FreqConfig {
+                revert_at_step: Some(101),
+                ..a
+            },
         ] {
             assert_ne!(b.encode(), enc, "{b:?}");
         }
@@ -738,13 +758,20 @@ mod tests {
             let mut noise = testkit::next(&mut s);
             for step in 0..steps {
                 let t = a.t();
-                assert!((1..=t_max).contains(&t) && t >= t_initial, "seed {seed} case {case}: T {t}");
+                assert!(
+                    (1..=t_max).contains(&t) && t >= t_initial,
+                    "seed {seed} case {case}: T {t}"
+                );
                 if a.reverted() {
                     assert_eq!(t, t_initial, "seed {seed} case {case}");
                 }
                 assert_eq!(a.due(), b.due());
                 let reverting = revert.is_some_and(|rv| step + 1 >= rv) && !a.reverted() && t != t_initial;
-                assert_eq!(a.due(), since + 1 >= t || reverting, "seed {seed} case {case} step {step}");
+                assert_eq!(
+                    a.due(),
+                    since + 1 >= t || reverting,
+                    "seed {seed} case {case} step {step}"
+                );
                 if a.due() {
                     let q: Vec<f64> = (0..learners)
                         .map(|_| 1.0 + (testkit::next(&mut noise) % 1000) as f64 / 1000.0 * f64::from(t) / 8.0)
@@ -755,7 +782,10 @@ mod tests {
                     assert_eq!(a.t(), b.t());
                     match da {
                         Decision::Propose { from, to } => {
-                            assert!(to > from && to <= t_max && !rejected.contains(&to), "seed {seed} case {case}: {da:?}");
+                            assert!(
+                                to > from && to <= t_max && !rejected.contains(&to),
+                                "seed {seed} case {case}: {da:?}"
+                            );
                         }
                         Decision::Reject { t, back_to, learner } => {
                             assert_eq!(trial, Some((back_to, t)), "seed {seed} case {case}");
@@ -765,7 +795,10 @@ mod tests {
                         Decision::Accept { t, next } => {
                             assert_eq!(trial.map(|x| x.1), Some(t), "seed {seed} case {case}");
                             if let Some(n) = next {
-                                assert!(n > t && n <= t_max && !rejected.contains(&n), "seed {seed} case {case}: {da:?}");
+                                assert!(
+                                    n > t && n <= t_max && !rejected.contains(&n),
+                                    "seed {seed} case {case}: {da:?}"
+                                );
                             }
                         }
                         Decision::Revert { to } => assert_eq!(to, t_initial),
