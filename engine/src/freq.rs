@@ -440,7 +440,7 @@ impl FreqController {
             let worse = means
                 .iter()
                 .zip(base)
-                .position(|(m, b)| !(*m <= b + self.cfg.tolerance * b.abs()));
+                .position(|(m, b)| !within(*m, b + self.cfg.tolerance * b.abs()));
             let entry = self.memory.entry(tr.to).or_insert(Tried {
                 quality: overall,
                 rejected: false,
@@ -502,6 +502,16 @@ impl FreqController {
             None => Decision::Keep,
         }
     }
+}
+
+/// Whether the figure `m` is finite and at most `limit` (a non-finite
+/// figure, or a NaN limit, counts as degraded).
+fn within(m: f64, limit: f64) -> bool {
+    m.is_finite()
+        && matches!(
+            m.partial_cmp(&limit),
+            Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+        )
 }
 
 #[cfg(test)]
@@ -634,7 +644,14 @@ mod tests {
     #[test]
     fn tolerance_decides_at_the_boundary() {
         // The baseline window is 1.0; a trial at 1.0 * (1 + tol) is accepted, above it rejected.
-        for (trial_loss, accepted) in [(1.1, true), (1.1000001, false), (0.5, true), (f64::NAN, false)] {
+        for (trial_loss, accepted) in [
+            (1.1, true),
+            (1.1000001, false),
+            (0.5, true),
+            (f64::NAN, false),
+            (f64::INFINITY, false),
+            (f64::NEG_INFINITY, false),
+        ] {
             let mut c = FreqController::new(cfg(2, 1, 0.1, None), 1).unwrap();
             assert_eq!(c.exchanged(&[1.0]).unwrap(), Decision::Propose { from: 1, to: 2 });
             c.local_step().unwrap();
@@ -661,7 +678,7 @@ mod tests {
     fn late_reversion_returns_to_the_original_t_at_the_step() {
         let mut c = FreqController::new(cfg(32, 1, 0.0, Some(500)), 2).unwrap();
         let (ts, ds) = drive(&mut c, 1000, |s, _, _| 1.0 / (1.0 + s as f64));
-        assert!(ts[..499].iter().any(|t| *t == 32));
+        assert!(ts[..499].contains(&32));
         // Step 499 is an exchange (whatever T was), and T = 1 from step 500 on.
         assert!(ds.iter().any(|(s, d)| *s == 499 && *d == Decision::Revert { to: 1 }));
         assert!(ts[500..].iter().all(|t| *t == 1));
