@@ -16,6 +16,13 @@ them (apply='local'), or the servers apply SGD (--apply server).
 tw.push_pull), the final test accuracy, and a SHA-256 of the final parameters
 of every rank. examples/torch/check_digits.sh runs it with 4 processes and
 with --procs 1 and compares the two.
+
+--comm-every T / --comm-mode accumulate|average / --quality-guided use Nexus's
+communication frequency (DistributedOptimizer's comm_every, comm_mode and
+quality_guided; each rank reports its loss with opt.report_quality), and
+--record writes the test accuracy per epoch, T per step and the exchanges:
+examples/torch/freq_experiment.sh compares T = 1, the quality-guided T and a
+fixed, aggressive T this way.
 """
 import argparse
 import hashlib
