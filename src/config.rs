@@ -78,6 +78,7 @@ pub(crate) struct Config {
     pub(crate) listen_ip: Option<IpAddr>,
     pub(crate) aggregation: tidewire_gpu::agg::Policy,
     pub(crate) link_gbps: Option<f64>,
+    pub(crate) comm: tidewire_engine::freq::CommConfig,
 }
 
 impl Config {
@@ -99,6 +100,7 @@ impl Config {
             listen_ip: None,
             aggregation: tidewire_gpu::agg::Policy::Auto,
             link_gbps: None,
+            comm: tidewire_engine::freq::CommConfig::default(),
         }
     }
 }

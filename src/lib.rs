@@ -29,6 +29,7 @@ mod buffers;
 pub mod cluster;
 mod config;
 pub mod error;
+pub mod freq;
 pub mod local;
 pub mod pushpull;
 pub mod rendezvous;

@@ -131,6 +131,17 @@ impl Builder {
         self
     }
 
+    /// How this job communicates: every T steps, accumulating gradients or
+    /// averaging models between exchanges, with T fixed or adjusted by
+    /// training quality (Nexus). The engine syncs what is handed in; the
+    /// training loop carries the mode out (see [`crate::freq`], whose
+    /// [`Guide`](crate::freq::Guide) does the learner's part). Every rank
+    /// must set the same (it is agreed at rendezvous). Default: every step.
+    pub fn comm(mut self, c: tidewire_engine::freq::CommConfig) -> Self {
+        self.cfg.comm = c;
+        self
+    }
+
     /// Where the server sums contributions: `Cpu`, `Gpu` (an error at build
     /// without a usable GPU), or `Auto` (default: Nexus's per-chunk choice,
     /// which is the CPU without a GPU). Sums are bitwise the same either way.

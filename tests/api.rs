@@ -243,6 +243,39 @@ fn ranks_with_different_slots_or_learning_rates_fail_at_rendezvous() {
 }
 
 #[test]
+fn ranks_with_a_different_communication_frequency_fail_at_rendezvous() {
+    use tidewire::engine::freq::{CommConfig, CommMode, FreqConfig};
+    disagreement("comm_every (steps per exchange)", layers(), |b| {
+        b.comm(CommConfig {
+            mode: CommMode::Accumulate,
+            freq: FreqConfig::fixed(4),
+        })
+    });
+    disagreement("comm_mode", layers(), |b| {
+        b.comm(CommConfig {
+            mode: CommMode::Average,
+            freq: FreqConfig::fixed(1),
+        })
+    });
+    let guided = FreqConfig {
+        t_max: 8,
+        period: 2,
+        tolerance: 0.05,
+        ..FreqConfig::fixed(1)
+    };
+    disagreement(
+        "quality-guided frequency (t_max, period, tolerance, revert step)",
+        layers(),
+        move |b| {
+            b.comm(CommConfig {
+                mode: CommMode::Accumulate,
+                freq: guided,
+            })
+        },
+    );
+}
+
+#[test]
 fn a_missing_peer_is_a_timeout_not_a_hang() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

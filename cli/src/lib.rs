@@ -5,6 +5,8 @@
 //! - [`train`]: a local cluster of real processes on loopback that trains a
 //!   model profile through the [`tidewire`] library, and the single-process
 //!   reference that `--verify` compares against, bit for bit;
+//! - [`comm`]: `train`'s communication frequency (`--comm-every`, `--comm-mode`,
+//!   Nexus's quality-guided `--freq-max`) and its reference;
 //! - [`sim`]: the engine's sans-IO core on a discrete-event network;
 //! - [`plan`]: Poseidon's cost model per layer;
 //! - [`doctor`]: what this machine can use, and why not;
@@ -14,6 +16,7 @@
 //! brings the command-line dependencies (clap, indicatif, tracing-subscriber).
 
 pub mod bench;
+pub mod comm;
 pub mod doctor;
 pub mod error;
 pub mod plan;

@@ -153,6 +153,9 @@ pub struct TrainArgs {
     /// Fraction of the rows of a --sparse-layers gradient that is nonzero.
     #[arg(long, default_value_t = 0.01)]
     pub sparse_density: f64,
+    /// Communication frequency (Nexus): --comm-every, --comm-mode, --freq-*.
+    #[command(flatten)]
+    pub comm: crate::comm::CommArgs,
 }
 
 fn split_list(s: &str) -> Vec<String> {
@@ -289,6 +292,12 @@ impl TrainArgs {
         if self.local_learners == 0 {
             return Err(Error::Usage("--local-learners must be at least 1".into()));
         }
+        if self.local_learners > 1 && self.comm.active() {
+            return Err(Error::Usage(
+                "--local-learners with --comm-every or quality-guided frequency is not supported yet: use one of them"
+                    .into(),
+            ));
+        }
         if self.flat && self.local_learners < 2 {
             return Err(Error::Usage(
                 "--flat compares against --local-learners L with L ≥ 2: give L".into(),
@@ -316,6 +325,12 @@ impl TrainArgs {
             return Err(Error::Usage("--time-scale must be a finite number ≥ 0".into()));
         }
         let c = consistency_of(&self.consistency).map_err(Error::Usage)?;
+        if self.comm.active() {
+            self.comm.validate(self.apply_op()?, self.iters)?;
+            if c != Consistency::Bsp {
+                return Err(Error::Usage("--comm-every/--comm-mode/--freq-max need BSP".into()));
+            }
+        }
         if self.verify && (c != Consistency::Bsp || self.fast) {
             return Err(Error::Usage(
                 "--verify needs BSP with deterministic aggregation: SSP and --fast results depend on timing".into(),
@@ -391,7 +406,7 @@ pub struct Synth {
 
 const TABLE: usize = 1 << 16;
 
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -505,9 +520,12 @@ pub struct NodeResult {
     /// Bytes received before the first iteration.
     #[serde(default)]
     pub setup_rx_bytes: u64,
+    /// Exchanges and T per iteration, with a communication frequency (workers).
+    #[serde(default)]
+    pub comm: Option<crate::comm::CommSummary>,
 }
 
-fn sleep(d: Duration) {
+pub(crate) fn sleep(d: Duration) {
     if !d.is_zero() {
         std::thread::sleep(d);
     }
@@ -526,13 +544,19 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
     let spec = ClusterSpec::from_env()?;
     let synth = Arc::new(args.synth(&model));
     let s2 = synth.clone();
-    let session = Builder::new(model.layers.clone())
+    let comm = args.comm.active();
+    let session = Builder::new(args.comm.layers(&model, args.world().0))
         .batch(args.batch(&model) * args.learners())
         .chunk_bytes(args.chunk_bytes)
         .slice_params(args.book_config(&model).slice_params)
-        .policy(args.sync_mode().policy())
+        .policy(if comm {
+            tidewire_engine::SchemePolicy::Ps
+        } else {
+            args.sync_mode().policy()
+        })
         .sched(args.sched())
-        .apply(args.apply_op()?)
+        .apply(args.comm.server_op(args.apply_op()?))
+        .comm(args.comm.config(args.iters)?)
         .aggregation(args.aggregate)
         .transport_limits(args.limits())
         .transport(args.transport_kind(spec.rank)?)
@@ -540,7 +564,9 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
         .connect_timeout(Duration::from_secs(args.timeout_s))
         .init_params(move |l, p| s2.init(l, p))
         .build(spec)?;
-    if session.role().is_worker() {
+    if session.role().is_worker() && comm {
+        crate::comm::worker_loop(args, &model, &synth, session, true)
+    } else if session.role().is_worker() {
         let group = match LocalEnv::from_env()? {
             Some(local) => Some(
                 tidewire::local::LocalGroup::create(
@@ -586,6 +612,7 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
             local: None,
             setup_tx_bytes: 0,
             setup_rx_bytes: 0,
+            comm: None,
         })
     }
 }
@@ -737,6 +764,7 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
         local: Some((local.node as u32, local.index as u32)),
         setup_tx_bytes: 0,
         setup_rx_bytes: 0,
+        comm: None,
     })
 }
 
@@ -905,6 +933,7 @@ fn worker_loop(
         local: None,
         setup_tx_bytes: setup.tx_payload_bytes,
         setup_rx_bytes: setup.rx_direct_bytes + setup.rx_copied_bytes,
+        comm: None,
     })
 }
 
@@ -1212,6 +1241,9 @@ pub struct TrainReport {
     /// The transports the ranks used, each with the reason (distinct lines; with
     /// the ranks that use each when they differ, as with `--transport mixed`).
     pub transport: Vec<String>,
+    /// With a communication frequency: the first worker's exchanges, T per iteration and decisions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm: Option<crate::comm::CommSummary>,
 }
 
 /// One row of the scheme table.
@@ -1512,7 +1544,11 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         spans.iter().sum::<f64>() / spans.len() as f64
     };
     let (verified, mismatched_layers) = if args.verify {
-        let want = reference(args, &book)?;
+        let want = if args.comm.active() {
+            crate::comm::reference(args, &model, p1)?
+        } else {
+            reference(args, &book)?
+        };
         let mut bad: Vec<String> = Vec::new();
         for w in workers.iter().chain(&learners) {
             for (l, d) in w.digests.iter().enumerate() {
@@ -1587,6 +1623,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
             .find(|w| w.rank == 0)
             .map(|w| w.digests.clone())
             .unwrap_or_default(),
+        comm: workers.iter().min_by_key(|r| r.rank).and_then(|r| r.comm.clone()),
         wall_s: began.elapsed().as_secs_f64(),
         transport: {
             // One line per distinct transport; the ranks are named when they differ.
@@ -1716,6 +1753,19 @@ pub fn render(r: &TrainReport) -> String {
             sp.dense_pushes,
             sp.dense_bytes
         );
+    }
+    if let Some(c) = &r.comm {
+        let _ = writeln!(
+            s,
+            "communication: {} exchanges in {} iterations ({:.2}x fewer than every iteration), {} bytes handed in per worker",
+            c.exchanges,
+            c.steps,
+            c.steps as f64 / c.exchanges.max(1) as f64,
+            c.handed_in_bytes
+        );
+        for d in &c.decisions {
+            let _ = writeln!(s, "  {d}");
+        }
     }
     match r.verified {
         Some(true) => {

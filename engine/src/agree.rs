@@ -14,6 +14,7 @@
 use crate::book::Book;
 use crate::config::{ApplyOp, Consistency, QueueOrder, SchedConfig};
 use crate::error::EngineError;
+use crate::freq::{CommConfig, CommMode};
 
 /// One agreed field. The id is its wire value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -55,11 +56,17 @@ pub enum Field {
     FoldGroup = 16,
     /// Local learners per worker rank.
     Learners = 17,
+    /// Communication frequency: the original T (steps per exchange).
+    CommEvery = 18,
+    /// What learners do between exchanges.
+    CommMode = 19,
+    /// Quality-guided adjustment: T bounds, period, tolerance, reversion (hash).
+    FreqGuide = 20,
 }
 
 impl Field {
     /// How many fields there are.
-    pub const COUNT: usize = 18;
+    pub const COUNT: usize = 21;
 
     /// The field with wire id `id`.
     pub fn from_id(id: u8) -> Option<Field> {
@@ -83,6 +90,9 @@ impl Field {
             Transport,
             FoldGroup,
             Learners,
+            CommEvery,
+            CommMode,
+            FreqGuide,
         ];
         ALL.get(id as usize).copied()
     }
@@ -108,13 +118,19 @@ impl Field {
             Field::Transport => "transport",
             Field::FoldGroup => "fold group (--local-learners of a flat run)",
             Field::Learners => "local learners per worker",
+            Field::CommEvery => "comm_every (steps per exchange)",
+            Field::CommMode => "comm_mode",
+            Field::FreqGuide => "quality-guided frequency (t_max, period, tolerance, revert step)",
         }
     }
 
     /// A value of this field, as text.
     pub fn render(self, v: u64) -> String {
         match self {
-            Field::Cluster | Field::Layers | Field::Dtypes | Field::Transport => format!("hash {v:#018x}"),
+            Field::Cluster | Field::Layers | Field::Dtypes | Field::Transport | Field::FreqGuide => {
+                format!("hash {v:#018x}")
+            }
+            Field::CommMode => ["accumulate", "average"].get(v as usize).unwrap_or(&"?").to_string(),
             Field::Policy => ["hybrid", "ps", "sfb"].get(v as usize).unwrap_or(&"?").to_string(),
             Field::Order => ["priority", "fifo"].get(v as usize).unwrap_or(&"?").to_string(),
             Field::Consistency => match v {
@@ -209,7 +225,27 @@ impl JobConfig {
             (Field::FoldGroup, u64::from(sched.fold_group)),
             (Field::Learners, u64::from(sched.learners)),
         ];
-        JobConfig { fields }
+        JobConfig { fields }.with_comm(&CommConfig::default())
+    }
+
+    /// Sets the communication frequency fields (default: every step, no adjustment).
+    pub fn with_comm(mut self, c: &CommConfig) -> Self {
+        let mode = match c.mode {
+            CommMode::Accumulate => 0,
+            CommMode::Average => 1,
+        };
+        let vals = [
+            (Field::CommEvery, u64::from(c.freq.t_initial)),
+            (Field::CommMode, mode),
+            (Field::FreqGuide, fnv(&[&c.freq.encode()])),
+        ];
+        for (f, v) in vals {
+            match self.fields.iter_mut().find(|(g, _)| *g == f) {
+                Some(e) => e.1 = v,
+                None => self.fields.push((f, v)),
+            }
+        }
+        self
     }
 
     /// The fields, in id order.
@@ -266,6 +302,7 @@ impl JobConfig {
 mod tests {
     use super::*;
     use crate::book::{BookConfig, Cluster, LayerKind, LayerSpec};
+    use crate::freq::FreqConfig;
     use std::sync::Arc;
 
     fn book(batch: usize) -> Arc<Book> {
@@ -323,6 +360,34 @@ mod tests {
             Err(EngineError::Disagree { field: "transport", .. })
         ));
         assert_ne!(a.digest(), f.digest());
+        let every = |mode, freq| a.clone().with_comm(&CommConfig { mode, freq });
+        let t4 = every(CommMode::Accumulate, FreqConfig::fixed(4));
+        assert_eq!(t4.fields().len(), Field::COUNT);
+        let e = a.check(1, t4.fields()).unwrap_err().to_string();
+        assert!(e.contains("comm_every") && e.contains('4') && e.contains('1'), "{e}");
+        assert!(matches!(
+            t4.check(1, every(CommMode::Average, FreqConfig::fixed(4)).fields()),
+            Err(EngineError::Disagree { field: "comm_mode", .. })
+        ));
+        let guided = FreqConfig {
+            t_max: 16,
+            period: 4,
+            tolerance: 0.02,
+            ..FreqConfig::fixed(4)
+        };
+        let g = every(CommMode::Average, guided);
+        let g2 = every(
+            CommMode::Average,
+            FreqConfig {
+                tolerance: 0.03,
+                ..guided
+            },
+        );
+        assert!(matches!(
+            g.check(1, g2.fields()),
+            Err(EngineError::Disagree { field, .. }) if field.starts_with("quality-guided")
+        ));
+        assert!(g.check(1, g.clone().fields()).is_ok());
     }
 
     #[test]

@@ -67,6 +67,7 @@ pub mod book;
 pub mod config;
 pub mod cost;
 pub mod error;
+pub mod freq;
 pub mod fxhash;
 pub mod models;
 pub mod net;

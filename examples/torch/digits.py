@@ -16,6 +16,13 @@ them (apply='local'), or the servers apply SGD (--apply server).
 tw.push_pull), the final test accuracy, and a SHA-256 of the final parameters
 of every rank. examples/torch/check_digits.sh runs it with 4 processes and
 with --procs 1 and compares the two.
+
+--comm-every T / --comm-mode accumulate|average / --quality-guided use Nexus's
+communication frequency (DistributedOptimizer's comm_every, comm_mode and
+quality_guided; each rank reports its loss with opt.report_quality), and
+--record writes the test accuracy per epoch, T per step and the exchanges:
+examples/torch/freq_experiment.sh compares T = 1, the quality-guided T and a
+fixed, aggressive T this way.
 """
 import argparse
 import hashlib
@@ -50,6 +57,19 @@ def parse_args():
     p.add_argument("--deterministic-check", action="store_true",
                    help="deterministic algorithms, and write the loss curve and parameter hashes to --out")
     p.add_argument("--out", default="digits.json", help="the JSON file --deterministic-check writes (rank 0)")
+    g = p.add_argument_group("communication frequency (Nexus; with --apply local)")
+    g.add_argument("--comm-every", type=int, default=1, help="exchange every T steps (default 1: every step)")
+    g.add_argument("--comm-mode", choices=["accumulate", "average"], default="accumulate",
+                   help="between exchanges: sum the gradients (accumulate) or step locally and average the models")
+    g.add_argument("--quality-guided", action="store_true",
+                   help="adjust T by the training loss (opt.report_quality each step)")
+    g.add_argument("--comm-every-max", type=int, default=16, help="largest T the adjustment proposes")
+    g.add_argument("--quality-period", type=int, default=4, help="exchanges per measurement window")
+    g.add_argument("--quality-tolerance", type=float, default=0.02, help="relative loss increase that rejects")
+    g.add_argument("--quality-revert-at", type=float, default=0.85,
+                   help="back to --comm-every from this fraction of the run's steps on (default 0.85)")
+    g.add_argument("--record", default=None,
+                   help="write a JSON record (rank 0): per-epoch test accuracy, loss, T and exchanges")
     return p.parse_args()
 
 
@@ -117,15 +137,23 @@ def main():
     xtr, ytr, xte, yte = load_data(a.seed)
     model = MLP(a.hidden)
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
+    steps = len(xtr) // a.global_batch  # the last, short batch is dropped: every step has the same size
+    comm = a.comm_every > 1 or a.comm_mode != "accumulate" or a.quality_guided
     if tw:
         sfb = {"auto": "auto", "true": True, "false": False}[a.sfb]
+        extra = {}
+        if comm:
+            sfb = False
+            extra = dict(comm_every=a.comm_every, comm_mode=a.comm_mode, quality_guided=a.quality_guided,
+                         comm_every_max=max(a.comm_every_max, a.comm_every), quality_period=a.quality_period,
+                         quality_tolerance=a.quality_tolerance,
+                         quality_revert_at=int(a.quality_revert_at * steps * a.epochs))
         opt = tw.DistributedOptimizer(opt, named_parameters=model.named_parameters(), model=model,
                                       apply=a.apply, sfb=sfb, consistency="bsp", prefetch=a.prefetch,
-                                      batch_size=b)
+                                      batch_size=b, **extra)
         tw.broadcast_parameters(model.state_dict(), root_rank=0)
         tw.broadcast_optimizer_state(opt, root_rank=0)
 
-    steps = len(xtr) // a.global_batch  # the last, short batch is dropped: every step has the same size
     say = (lambda *s: print(*s, flush=True)) if rank == 0 else (lambda *s: None)
     mode = f"tidewire, {world} processes" if tw else "plain torch, 1 process"
     say(f"digits: {len(xtr)} train / {len(xte)} test, MLP 64-{a.hidden}-{a.hidden}-10, {mode}, "
@@ -134,6 +162,10 @@ def main():
     if schemes:
         say("schemes: " + ", ".join(f"{k} {v}" for k, v in schemes.items()))
     losses = []
+    record = {"epochs": [], "t_per_step": []}
+    # The global mean loss costs one push_pull per step: for the deterministic check, or
+    # when every step exchanges anyway (with a communication frequency, rank 0's own loss).
+    global_loss = tw and world > 1 and (a.deterministic_check or not comm)
     t0 = time.time()
     for epoch in range(a.epochs):
         perm = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(a.seed * 1000 + epoch))
@@ -143,20 +175,48 @@ def main():
             opt.zero_grad()
             loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
             loss.backward()
+            if tw and a.quality_guided:
+                opt.report_quality(loss)
+            if tw and comm:
+                record["t_per_step"].append(opt.tidewire_stats()["comm_every"])
             opt.step()
             g = loss.detach().reshape(1).clone()
-            if tw and world > 1:
+            if global_loss:
                 g = tw.push_pull(g, average=True)
             losses.append(g.item())
             epoch_loss += g.item()
-        say(f"epoch {epoch + 1:3d}  loss {epoch_loss / steps:.4f}  test accuracy {accuracy(model, xte, yte):.4f}  "
-            f"({time.time() - t0:.1f} s)")
+        acc_e = accuracy(model, xte, yte)
+        st = opt.tidewire_stats() if tw else {}
+        record["epochs"].append({"epoch": epoch + 1, "loss": epoch_loss / steps, "test_accuracy": acc_e,
+                                 "exchanges": st.get("exchanges"), "comm_every": st.get("comm_every")})
+        say(f"epoch {epoch + 1:3d}  loss {epoch_loss / steps:.4f}  test accuracy {acc_e:.4f}  "
+            + (f"T {st['comm_every']} exchanges {st['exchanges']}  " if comm and st else "")
+            + f"({time.time() - t0:.1f} s)")
+    if tw:
+        if comm:
+            opt.flush()  # the steps since the last exchange: every replica ends equal
+        st = opt.tidewire_stats()
+        say(f"steps {st['steps']}, exchanges {st['exchanges']}, session pushes {st['pushes']}")
+        record["stats"] = {k: st[k] for k in ("steps", "exchanges", "pushes", "comm_every", "rx_direct_bytes", "rx_copied_bytes") if k in st}
+        record["freq_history"] = st.get("freq_history")
+        record["freq_memory"] = {str(k): v for k, v in (st.get("freq_memory") or {}).items()}
     if tw:
         # Pull every layer and end the optimizer's session, so the parameters are final (with
         # prefetch, step() returns before the servers' values are back). Note: synchronize() is for
         # the window between backward and step(); called after step() it syncs a stale gradient.
         opt.close()
     acc = accuracy(model, xte, yte)
+    if a.record and rank == 0:
+        record.update({"procs": world, "comm_every": a.comm_every, "comm_mode": a.comm_mode,
+                       "quality_guided": a.quality_guided, "comm_every_max": a.comm_every_max,
+                       "quality_period": a.quality_period, "quality_tolerance": a.quality_tolerance,
+                       "quality_revert_at": a.quality_revert_at, "epochs_n": a.epochs, "seed": a.seed,
+                       "lr": a.lr, "momentum": a.momentum, "global_batch": a.global_batch,
+                       "final_test_accuracy": acc, "loss": losses, "torch": torch.__version__})
+        os.makedirs(os.path.dirname(os.path.abspath(a.record)), exist_ok=True)
+        with open(a.record, "w") as f:
+            json.dump(record, f, indent=1)
+        say(f"wrote {a.record}")
     say(f"final test accuracy {acc:.4f} ({world} processes, {a.epochs} epochs, {time.time() - t0:.1f} s)")
 
     if a.deterministic_check:

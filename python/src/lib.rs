@@ -37,7 +37,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString, PyTuple};
 use tidewire::cluster::ClusterSpec;
 use tidewire::engine::book::{LayerKind, LayerSpec};
+use tidewire::engine::freq::{CommConfig, CommMode, Decision, FreqConfig};
 use tidewire::engine::{ApplyOp, Consistency, Role, Scheme, SchemePolicy};
+use tidewire::freq::Guide;
 use tidewire::gpu::cpu::HostType;
 use tidewire::local::{LearnerPushPull, LocalGroup};
 use tidewire::pushpull::PushPull;
@@ -434,7 +436,8 @@ impl Session {
     #[pyo3(signature = (
         layers, *, params, grads, rank, world, master, secret, servers = 0, job = 1, batch = 32,
         apply = None, consistency = None, policy = "hybrid", transport = "auto", timeout = 60.0,
-        connect_timeout = 60.0, chunk_bytes = None, slice_params = None, listen_ip = None, local = None
+        connect_timeout = 60.0, chunk_bytes = None, slice_params = None, listen_ip = None, local = None,
+        comm = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -459,6 +462,7 @@ impl Session {
         slice_params: Option<usize>,
         listen_ip: Option<&str>,
         local: Option<(usize, usize, String, u64, u64)>,
+        comm: Option<(String, u32, u32, u32, f64, Option<u64>)>,
     ) -> PyResult<Self> {
         if layers.is_empty() {
             return Err(PyValueError::new_err("the layer table is empty"));
@@ -550,6 +554,9 @@ impl Session {
             .timeout(seconds(timeout, "timeout")?)
             .connect_timeout(seconds(connect_timeout, "connect_timeout")?)
             .job(job, JobSecret::new(secret));
+        if let Some(c) = comm {
+            b = b.comm(parse_comm(c)?);
+        }
         if let Some(c) = chunk_bytes {
             b = b.chunk_bytes(c);
         }
@@ -817,10 +824,145 @@ impl Session {
     }
 }
 
+/// `(mode, t, t_max, period, tolerance, revert_at_step)` as a [`CommConfig`].
+fn parse_comm(c: (String, u32, u32, u32, f64, Option<u64>)) -> PyResult<CommConfig> {
+    let (mode, t_initial, t_max, period, tolerance, revert_at_step) = c;
+    let mode = CommMode::parse(&mode)
+        .ok_or_else(|| PyValueError::new_err(format!("comm mode {mode:?}: want 'accumulate' or 'average'")))?;
+    let freq = FreqConfig {
+        t_initial,
+        t_max,
+        period,
+        tolerance,
+        revert_at_step,
+    };
+    freq.validate().map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(CommConfig { mode, freq })
+}
+
+fn decision_dict<'py>(py: Python<'py>, d: &Decision) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    match *d {
+        Decision::Keep => out.set_item("decision", "keep")?,
+        Decision::Propose { from, to } => {
+            out.set_item("decision", "propose")?;
+            out.set_item("from", from)?;
+            out.set_item("to", to)?;
+        }
+        Decision::Accept { t, next } => {
+            out.set_item("decision", "accept")?;
+            out.set_item("t", t)?;
+            out.set_item("next", next)?;
+        }
+        Decision::Reject { t, back_to, learner } => {
+            out.set_item("decision", "reject")?;
+            out.set_item("t", t)?;
+            out.set_item("back_to", back_to)?;
+            out.set_item("learner", learner)?;
+        }
+        Decision::Revert { to } => {
+            out.set_item("decision", "revert")?;
+            out.set_item("to", to)?;
+        }
+    }
+    Ok(out)
+}
+
+/// One learner's communication frequency: [`tidewire::freq::Guide`] with
+/// servers that average (`ApplyOp::Mean`). `tidewire.torch` keeps the quality
+/// layer in its flat buffers: it writes `figure()` into this learner's column
+/// before an exchange and hands the synced row to `exchanged`.
+#[pyclass(module = "tidewire._native", name = "FreqGuide")]
+struct FreqGuide {
+    g: Guide,
+}
+
+#[pymethods]
+impl FreqGuide {
+    /// `comm` is `(mode, t, t_max, period, tolerance, revert_at_step)`.
+    #[new]
+    fn new(comm: (String, u32, u32, u32, f64, Option<u64>), learner: usize, learners: usize) -> PyResult<Self> {
+        let c = parse_comm(comm)?;
+        Ok(FreqGuide {
+            g: Guide::new(c, ApplyOp::Mean, learner, learners).map_err(|e| PyValueError::new_err(e.to_string()))?,
+        })
+    }
+    /// Reports a quality figure (a loss) for the step now running.
+    fn report(&mut self, quality: f64) {
+        self.g.report(quality);
+    }
+    /// Whether the step now running ends with an exchange.
+    fn due(&self) -> bool {
+        self.g.due()
+    }
+    /// Ends a step without an exchange.
+    fn local_step(&mut self) -> PyResult<()> {
+        self.g.local_step().map_err(tw_err)
+    }
+    /// The mean of the reports since the last exchange (None without one).
+    fn figure(&self) -> Option<f64> {
+        self.g.figure()
+    }
+    /// Whether the frequency adjusts (the quality layer travels with every exchange).
+    #[getter]
+    fn adjusts(&self) -> bool {
+        self.g.adjusts()
+    }
+    /// The T in force.
+    #[getter]
+    fn t(&self) -> u32 {
+        self.g.t()
+    }
+    /// Steps finished.
+    #[getter]
+    fn steps(&self) -> u64 {
+        self.g.controller().steps()
+    }
+    /// Exchanges finished.
+    #[getter]
+    fn exchanges(&self) -> u64 {
+        self.g.controller().exchanges()
+    }
+    /// Ends a step with an exchange: `synced` is the quality layer's synced
+    /// row (the servers' mean); with a fixed T pass None. Returns the decision as a dict.
+    fn exchanged<'py>(&mut self, py: Python<'py>, synced: Option<Vec<f32>>) -> PyResult<Bound<'py, PyDict>> {
+        let d = match synced {
+            Some(v) => self.g.exchanged(&v),
+            None => self.g.exchanged_fixed(),
+        }
+        .map_err(tw_err)?;
+        decision_dict(py, &d)
+    }
+    /// The decisions other than 'keep', oldest first: dicts with `step` and `exchange`.
+    fn history<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.g
+            .controller()
+            .history()
+            .iter()
+            .map(|e| {
+                let d = decision_dict(py, &e.decision)?;
+                d.set_item("step", e.step)?;
+                d.set_item("exchange", e.exchange)?;
+                Ok(d)
+            })
+            .collect()
+    }
+    /// What is remembered of every T run: {T: (quality, rejected, windows)}.
+    fn memory(&self) -> Vec<(u32, f64, bool, u32)> {
+        self.g
+            .controller()
+            .memory()
+            .iter()
+            .map(|(t, m)| (*t, m.quality, m.rejected, m.windows))
+            .collect()
+    }
+}
+
 /// Tidewire's native module (see the crate docs).
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Session>()?;
+    m.add_class::<FreqGuide>()?;
     m.add("TidewireError", m.py().get_type::<TidewireError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -40,6 +40,7 @@ def train_one(cfg) -> dict:
             backward_passes_per_step=cfg.get("passes", 1),
             prefetch=cfg.get("prefetch", False),
             consistency=tuple(cfg["consistency"]) if "consistency" in cfg else "bsp",
+            **cfg.get("comm", {}),
         )
     finally:
         for k, v in env.items():
@@ -49,15 +50,30 @@ def train_one(cfg) -> dict:
                 os.environ[k] = v
     tw.broadcast_parameters(net.state_dict(), root_rank=0)
     zero = (lambda: net.zero_grad(set_to_none=True)) if cfg.get("model_zero_grad") else None
+    t_per_step = []
+    if "quality_script" in cfg:
+        # A scripted quality figure: `base`, or `bad` on rank `rank` while T > `above`.
+        sc, plain_step = cfg["quality_script"], opt.step
+
+        def step(closure=None):
+            t = opt.tidewire_stats()["comm_every"]
+            t_per_step.append(t)
+            worse = tw.rank() == sc["rank"] and t > sc["above"]
+            opt.report_quality(sc["bad"] if worse else sc["base"])
+            return plain_step(closure)
+
+        opt.step = step
     t0 = time.time()
     losses = C.train(net, opt, cfg.get("steps", 6), cfg.get("batch", 16), tw.rank(), tw.size(),
                      passes=cfg.get("passes", 1), zero=zero)
+    flushed = opt.flush() if cfg.get("flush") else None
     opt.synchronize()
     took = time.time() - t0
     stats = opt.tidewire_stats()
     state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     grads_none = [n for n, p in net.named_parameters() if p.requires_grad and p.grad is None]
-    return {"state": state, "losses": losses, "stats": stats, "seconds": took, "grads_none": grads_none}
+    return {"state": state, "losses": losses, "stats": stats, "seconds": took, "grads_none": grads_none,
+            "t_per_step": t_per_step, "flushed": flushed}
 
 
 def multi(cfg) -> dict:

@@ -12,6 +12,37 @@ _Apply = Union[str, Tuple[str, float, float, float]]
 _Consistency = Union[str, Tuple[str, int]]
 _Factor = Any  # bytes, bytearray, a float32 NumPy array, or a float32 torch.Tensor
 
+#: ``(mode, t, t_max, period, tolerance, revert_at_step)``: mode ``'accumulate'`` or
+#: ``'average'``; T = t, adjusted by quality up to t_max when t_max > t.
+_Comm = Tuple[str, int, int, int, float, Optional[int]]
+
+class FreqGuide:
+    """One learner's communication frequency (Rust ``tidewire::freq::Guide``
+    over the engine's ``freq::FreqController``), with servers that average."""
+
+    def __init__(self, comm: _Comm, learner: int, learners: int) -> None: ...
+    def report(self, quality: float) -> None:
+        """Reports a quality figure (a loss) for the step now running."""
+    def due(self) -> bool:
+        """Whether the step now running ends with an exchange."""
+    def local_step(self) -> None:
+        """Ends a step without an exchange (raises when it was due)."""
+    def figure(self) -> Optional[float]:
+        """The mean of the reports since the last exchange."""
+    @property
+    def adjusts(self) -> bool: ...
+    @property
+    def t(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def exchanges(self) -> int: ...
+    def exchanged(self, synced: Optional[List[float]]) -> Dict[str, Any]:
+        """Ends a step with an exchange: the quality layer's synced row (the
+        servers' mean of every learner's one-hot figure), or None for a fixed T."""
+    def history(self) -> List[Dict[str, Any]]: ...
+    def memory(self) -> List[Tuple[int, float, bool, int]]: ...
+
 class Session:
     """One rank's session over caller-owned memory.
 
@@ -45,6 +76,7 @@ class Session:
         chunk_bytes: Optional[int] = None,
         slice_params: Optional[int] = None,
         listen_ip: Optional[str] = None,
+        comm: Optional[_Comm] = None,
     ) -> None:
         """Rendezvous, connect, register the memory and broadcast worker rank
         0's initial ``params`` to every rank (blocks, GIL released).
@@ -54,7 +86,9 @@ class Session:
         ``'sum'`` or ``('sgd', lr, momentum, weight_decay)`` (Caffe-form
         momentum). ``consistency``: ``'bsp'`` (default) or ``('ssp', s)``.
         ``policy``: ``'hybrid'`` (HybComm), ``'ps'`` or ``'sfb'``. ``servers``:
-        the last N ranks are servers only (0: every rank is both).
+        the last N ranks are servers only (0: every rank is both). ``comm``:
+        ``(mode, t, t_max, period, tolerance, revert_at_step)``, the
+        communication frequency every rank must agree on (see :class:`FreqGuide`).
         """
     def push(self, layer: int) -> None:
         """Hand layer ``layer``'s gradient in from ``grads`` (returns at once)."""

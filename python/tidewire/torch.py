@@ -874,6 +874,7 @@ class _Tw:
         batch_size: Optional[int],
         broadcast_buffers: Optional[bool],
         timeout: Optional[float],
+        comm: Optional[Dict[str, Any]] = None,
     ) -> None:
         env, _ = _require()
         self.env = env
@@ -934,11 +935,59 @@ class _Tw:
         self.sgd: Optional[Tuple[float, float, float]] = None
         if apply == "server":
             self.sgd = self._server_sgd(opt)
+        self._setup_comm(comm or {})
         self._build_layers(opt, named_parameters)
         self._build_session()
         self._install_hooks()
 
     # ----------------------------------------------------------------- setup
+
+    def _setup_comm(self, c: Dict[str, Any]) -> None:
+        """Communication frequency (comm_every, comm_mode, quality_guided): see DistributedOptimizer."""
+        every = c.get("comm_every", 1)
+        mode = c.get("comm_mode", "accumulate")
+        guided = bool(c.get("quality_guided", False))
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"comm_every={every!r}: want an int >= 1")
+        if mode not in ("accumulate", "average"):
+            raise ValueError(f"comm_mode={mode!r}: want 'accumulate' or 'average'")
+        t_max = c.get("comm_every_max", 16) if guided else every
+        if not isinstance(t_max, int) or t_max < every:
+            raise ValueError(f"comm_every_max={t_max!r}: want an int >= comm_every ({every})")
+        period = c.get("quality_period", 4)
+        if not isinstance(period, int) or period < 1:
+            raise ValueError(f"quality_period={period!r}: want an int >= 1 (exchanges per window)")
+        tol = float(c.get("quality_tolerance", 0.02))
+        if not (tol >= 0.0 and tol < float("inf")):
+            raise ValueError(f"quality_tolerance={tol!r}: want a finite number >= 0")
+        revert = c.get("quality_revert_at")
+        if revert is not None and (not isinstance(revert, int) or revert < 0):
+            raise ValueError(f"quality_revert_at={revert!r}: want a step number >= 0 or None")
+        #: Whether the communication frequency differs from "every step, gradients".
+        self.comm_on = every > 1 or guided or mode == "average"
+        self.comm_mode = mode
+        self.guided = guided
+        self.comm = (mode, every, t_max, period, tol, revert)
+        if self.comm_on:
+            what = f"comm_every={every}, comm_mode={mode!r}" + (", quality_guided=True" if guided else "")
+            if self.apply != "local":
+                raise ValueError(f"{what} needs apply='local' (the servers average; the torch optimizer steps)")
+            if self.bpps != 1:
+                raise ValueError(f"{what} replaces backward_passes_per_step: leave it at 1")
+            if self.consistency != "bsp":
+                raise ValueError(f"{what} needs consistency='bsp'")
+            if self.sfb not in (False, "auto"):
+                raise ValueError(f"{what} syncs through the parameter servers: pass sfb=False")
+            if self.env.local_agg:
+                raise ValueError(f"{what} with local aggregation (TIDEWIRE_LOCAL_AGGREGATION) is not supported yet")
+            self.sfb = False
+        self.guide = _native.FreqGuide(self.comm, self.env.rank, self.env.size)
+        self.accumulating = False  # accumulate mode: gradients of steps since the last exchange are held
+        self.since = 0  # steps since the last exchange
+        self.steps_done = 0  # step() calls (and flushes)
+        self.extra_exchanges = 0
+        self.quality: Optional[_Layer] = None
+
 
     @staticmethod
     def _server_sgd(opt: torch.optim.Optimizer, check_type: bool = True) -> Tuple[float, float, float]:
@@ -1072,6 +1121,12 @@ class _Tw:
                 L.params.append(info)
                 self.by_param[id(p)] = info
             self.layers.append(L)
+        if self.guided:
+            # The quality figures travel in one extra layer of one value per learner.
+            Q = _Layer(len(self.layers), "tidewire.quality", None)
+            Q.kind, Q.m, Q.n, Q.numel = "other", 1, self.env.size, self.env.size
+            self.layers.append(Q)
+            self.quality = Q
         off = 0
         for L in self.layers:
             L.offset = off
@@ -1114,7 +1169,7 @@ class _Tw:
             apply_op = ("sgd",) + self.sgd  # type: ignore[assignment]
         desc = repr(
             (index, self._table(), [L.sfb_layout for L in self.layers], self.apply, apply_op, policy,
-             self.k_rows, self.consistency, self.bpps)
+             self.k_rows, self.consistency, self.bpps, self.comm)
         )
         digest = zlib.crc32(desc.encode())
         mine = [index & 0xFFFF, len(self.layers) & 0xFFFF, digest & 0xFFFF, digest >> 16]
@@ -1156,6 +1211,7 @@ class _Tw:
             transport=env.transport,
             timeout=self.timeout,
             connect_timeout=max(self.timeout, 60.0),
+            comm=self.comm if self.comm_on else None,
         ))
         if self.staged:
             self.r_dev.copy_(self.r_host)
@@ -1273,8 +1329,13 @@ class _Tw:
             self._rebind(info)
         if info.count == self.bpps:
             L.ready += 1
-            if L.ready == len(L.params) and not L.pushed:
+            if L.ready == len(L.params) and not L.pushed and self._pushes_now():
                 self._push(L)
+
+    def _pushes_now(self) -> bool:
+        """Whether backward pushes layers as it goes: not between exchanges, and
+        never in average mode (the parameters go out after the local step)."""
+        return not self.comm_on or (self.comm_mode == "accumulate" and self.guide.due())
 
     # ----------------------------------------------------------------- push / pull
 
@@ -1380,7 +1441,7 @@ class _Tw:
         for info in self.by_param.values():
             info.param.grad = info.rview if on else info.gview
 
-    def end_step(self) -> None:
+    def end_step(self, exchanged: bool = True) -> None:
         for info in self.by_param.values():
             info.count = 0
         for L in self.layers:
@@ -1389,7 +1450,8 @@ class _Tw:
             L.calls = []
         self.synced = False
         self.pending = False
-        if self.broadcast_buffers and self.model is not None:
+        self.steps_done += 1
+        if exchanged and self.broadcast_buffers and self.model is not None:
             bufs = [b for _, b in sorted(self.model.named_buffers(), key=lambda kv: kv[0]) if b is not None]
             if bufs:
                 outs = _broadcast_flat(bufs, 0, "DistributedOptimizer/buffers")
@@ -1398,6 +1460,8 @@ class _Tw:
                         b.copy_(o)
 
     def zero(self) -> None:
+        if self.accumulating:
+            return  # accumulate mode: the gradients add up until the next exchange
         for L in self.layers:
             if L.in_flight:
                 L.zero_on_pull = True
@@ -1408,6 +1472,104 @@ class _Tw:
                 if not self._bound(info):
                     info.param.grad = info.gview
                     self.grad_rebinds += 1
+
+    def report_quality(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().float().mean().item()
+        self.guide.report(float(value))
+
+    def _exchange(self, average: bool) -> Dict[str, Any]:
+        """Pushes every layer (and the quality figures), waits, and feeds the controller.
+        ``average``: the layers carry the parameters, and come back averaged."""
+        Q = self.quality
+        if Q is not None:
+            fig = self.guide.figure()
+            if fig is None:
+                raise TidewireError(
+                    "quality_guided=True: no quality figure since the last exchange: call "
+                    "opt.report_quality(loss) every step, before step()"
+                )
+            with torch.no_grad():
+                q = self.g_dev[Q.offset : Q.offset + Q.numel]
+                q.zero_()
+                q[self.env.rank] = fig
+        if average:
+            with torch.no_grad():
+                for info in self.by_param.values():
+                    info.gview.copy_(info.param.detach())
+        self.push_remaining()
+        self.synced = True
+        self.pull_all()
+        if average:
+            with torch.no_grad():
+                for info in self.by_param.values():
+                    info.param.copy_(info.rview)
+                self.g_dev.zero_()
+        synced = None
+        if Q is not None:
+            synced = self.r_dev[Q.offset : Q.offset + Q.numel].to("cpu", torch.float32).tolist()
+        return self.guide.exchanged(synced)
+
+    def comm_step(self, opt_step: Callable[[], Any]) -> None:
+        """One step under comm_every/comm_mode/quality_guided (apply='local')."""
+        due = self.guide.due()
+        self.since = 0 if due else self.since + 1
+        if self.comm_mode == "accumulate":
+            if due:
+                self._exchange(average=False)
+                self.use_results(True)
+                try:
+                    opt_step()
+                finally:
+                    self.use_results(False)
+                self.accumulating = False
+            else:
+                self.guide.local_step()
+                self.accumulating = True
+        else:
+            opt_step()  # a local step on this learner's own gradients
+            if due:
+                self._exchange(average=True)
+            else:
+                self.guide.local_step()
+        self.end_step(exchanged=due)
+
+    def flush(self, opt_step: Callable[[], Any]) -> bool:
+        """Exchanges what the steps since the last exchange left (outside the
+        schedule): average mode averages the models, accumulate mode syncs and
+        applies the accumulated gradients. Returns whether it exchanged."""
+        if not self.comm_on:
+            return False
+        if self.since == 0:
+            return False
+        self.extra_exchanges += 1
+        average = self.comm_mode == "average"
+        Q = self.quality
+        if Q is not None:
+            with torch.no_grad():
+                self.g_dev[Q.offset : Q.offset + Q.numel].zero_()
+        if average:
+            with torch.no_grad():
+                for info in self.by_param.values():
+                    info.gview.copy_(info.param.detach())
+        self.push_remaining()
+        self.synced = True
+        self.pull_all()
+        with torch.no_grad():
+            if average:
+                for info in self.by_param.values():
+                    info.param.copy_(info.rview)
+                self.g_dev.zero_()
+            else:
+                self.use_results(True)
+                try:
+                    opt_step()
+                finally:
+                    self.use_results(False)
+                self.accumulating = False
+        self.since = 0
+        self.end_step(exchanged=True)
+        return True
 
     def check_server_hparams(self, opt: torch.optim.Optimizer) -> None:
         assert self.sgd is not None
@@ -1445,6 +1607,16 @@ class _Tw:
         s["grad_rebinds"] = self.grad_rebinds
         s["transport"] = self.session.transport[0]
         s["schemes"] = {L.name: L.scheme for L in self.layers}
+        g = self.guide
+        s["comm_every"] = g.t
+        if self.comm_on:
+            s["steps"] = g.steps
+            s["exchanges"] = g.exchanges + self.extra_exchanges
+        else:  # every step exchanges
+            s["steps"] = s["exchanges"] = self.steps_done
+        if self.guided:
+            s["freq_history"] = g.history()
+            s["freq_memory"] = {t: {"quality": q, "rejected": r, "windows": w} for t, q, r, w in g.memory()}
         return s
 
 
@@ -1471,6 +1643,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if tw.comm_on:
+            if tw.skip_sync:
+                raise TidewireError("skip_synchronize() does not combine with comm_every/comm_mode/quality_guided")
+            tw.comm_step(lambda: super(_DistributedOptimizer, self).step())
+            return loss
         if tw.apply == "local":
             if tw.skip_sync:
                 if not tw.synced:
@@ -1493,6 +1670,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 tw.pull_all()
         tw.end_step()
         return loss
+
+    def report_quality(self, value: Any) -> None:
+        """Reports this step's quality figure (a loss: lower is better; a
+        float or a tensor, whose mean is taken) for ``quality_guided=True``.
+        Call it every step before :meth:`step`; the figures of the steps since
+        the last exchange are averaged and travel with the next exchange."""
+        self._tw.report_quality(value)
+
+    def flush(self) -> bool:
+        """With ``comm_every``/``comm_mode``: exchanges what the steps since the
+        last exchange left, outside the schedule (``'average'``: the models are
+        averaged; ``'accumulate'``: the accumulated gradients are synced and the
+        optimizer steps). Collective: call it on every rank, at the end of
+        training (before evaluating or saving), so that every replica is the
+        same. Returns whether it exchanged (False when the last step did)."""
+        return self._tw.flush(lambda: super(_DistributedOptimizer, self).step())
 
     def synchronize(self) -> None:
         """Pushes what is left of this step and waits for every layer, so that
@@ -1563,6 +1756,13 @@ def DistributedOptimizer(
     *,
     broadcast_buffers: Optional[bool] = None,
     timeout: Optional[float] = None,
+    comm_every: int = 1,
+    comm_mode: str = "accumulate",
+    quality_guided: bool = False,
+    comm_every_max: int = 16,
+    quality_period: int = 4,
+    quality_tolerance: float = 0.02,
+    quality_revert_at: Optional[int] = None,
 ) -> _DistributedOptimizer:
     """Wraps a torch optimizer so that every rank trains on the average of
     every rank's gradients. Collective (it builds a Tidewire session; every
@@ -1627,6 +1827,40 @@ def DistributedOptimizer(
         rank, like DDP's ``broadcast_buffers``.
     ``timeout``
         Seconds a wait may last (default ``TIDEWIRE_TIMEOUT`` or 60).
+    ``comm_every``, ``comm_mode``
+        Communication frequency (Nexus): :meth:`step` is called every batch
+        and exchanges with the servers every ``comm_every`` (T) steps
+        (``apply='local'``, ``consistency='bsp'``, parameter servers only:
+        ``sfb`` becomes False). ``'accumulate'`` (default): ``zero_grad`` does
+        not clear the gradients between exchanges, so autograd **sums** them
+        over the T batches; the T-th step pushes the sum (wait-free, as
+        backward produces it), the servers average it over the ranks and the
+        wrapped optimizer steps once; the steps between change nothing (like
+        Horovod's ``backward_passes_per_step``, with one ``step()`` per batch;
+        divide the loss or the lr by T for a mean). ``'average'``: every step
+        runs the wrapped optimizer on this rank's own gradients (local SGD,
+        momentum and optimizer state stay local), and every T-th step pushes
+        the parameters, which come back averaged over the ranks (Nexus's BSP
+        model averaging; the lr keeps its per-batch meaning). At the end of
+        training call :meth:`flush` on every rank, so the replicas are equal.
+        ``tidewire_stats()`` counts ``steps`` and ``exchanges``.
+    ``quality_guided``, ``comm_every_max``, ``quality_period``, ``quality_tolerance``, ``quality_revert_at``
+        Nexus's quality-guided adjustment of T: call
+        :meth:`report_quality` with the loss every step. Every
+        ``quality_period`` exchanges the leader proposes a larger T (twice the
+        current one, up to ``comm_every_max``; a T rejected before is never
+        proposed again); if any rank's mean loss over the next
+        ``quality_period`` exchanges is worse than over the previous window by
+        more than ``quality_tolerance`` (relative), that rank rejects and every
+        rank falls back. From step ``quality_revert_at`` on, T is
+        ``comm_every`` again for good. The figures travel with every exchange
+        (one extra layer of one float per rank), and each rank runs the same
+        controller (``tidewire._native.FreqGuide``, the engine's
+        ``freq::FreqController``) on the same figures, so all ranks switch at
+        the same step: the leader's proposal and the verdicts are replicated,
+        not sent. ``tidewire_stats()`` adds ``freq_history`` (each decision
+        and its step) and ``freq_memory`` (the quality of every T tried). All
+        these settings are agreed at the build (a rank that differs fails).
 
     Do not modify ``.grad`` between backward and ``step()`` (the layers may
     be in flight): call :meth:`synchronize` first, then ``step()`` within
@@ -1656,6 +1890,15 @@ def DistributedOptimizer(
         batch_size,
         broadcast_buffers,
         timeout,
+        dict(
+            comm_every=comm_every,
+            comm_mode=comm_mode,
+            quality_guided=quality_guided,
+            comm_every_max=comm_every_max,
+            quality_period=quality_period,
+            quality_tolerance=quality_tolerance,
+            quality_revert_at=quality_revert_at,
+        ),
     )
     obj._tw = tw
     with _state.lock:

@@ -224,6 +224,7 @@ impl Runtime {
         let mut nc = NodeConfig::new(book.clone(), rank);
         nc.sched = cfg.sched;
         nc.apply = cfg.op;
+        nc.comm = cfg.comm;
         nc.limits = node_limits;
         // What every rank must agree on is the wire protocol: the io_uring and the
         // portable TCP backends speak the same one, so a job may mix them.

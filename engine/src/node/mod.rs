@@ -118,6 +118,9 @@ pub struct NodeConfig {
     /// The costs the automatic sparse/dense choice of sparse layers weighs
     /// ([`crate::sparse`]). Local: ranks need not agree on it.
     pub sparse: SparseCosts,
+    /// Communication frequency and mode: the caller's to carry out (the
+    /// engine syncs what is handed in); here so that every rank agrees on it.
+    pub comm: crate::freq::CommConfig,
 }
 
 impl NodeConfig {
@@ -134,6 +137,7 @@ impl NodeConfig {
             grads: None,
             startup_timeout: DEFAULT_STARTUP,
             sparse: SparseCosts::default(),
+            comm: crate::freq::CommConfig::default(),
         }
     }
 }
@@ -457,7 +461,7 @@ impl Node {
         let mut flow = Flow::new(world, l.max_outstanding);
         flow.open(rank);
         Ok(Node {
-            job: JobConfig::new(&book, &cfg.sched, cfg.apply, &cfg.transport),
+            job: JobConfig::new(&book, &cfg.sched, cfg.apply, &cfg.transport).with_comm(&cfg.comm),
             inbox: Inbox::new(world, book.p1()),
             sched: cfg.sched,
             limits: l,
