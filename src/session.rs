@@ -150,7 +150,7 @@ impl Builder {
         self
     }
     /// The link speed, Gbit/s, that the sparse/dense choice of layers with
-    /// the sparse hint ([`LayerSpec::sparse`](tidewire_engine::book::LayerSpec::sparse))
+    /// the sparse hint ([`LayerSpec::sparse()`](tidewire_engine::book::LayerSpec::sparse()))
     /// weighs against its measured encode cost. Default: `TIDEWIRE_LINK_GBPS`,
     /// else the speed the transport reports, else 10.
     ///

@@ -1742,7 +1742,7 @@ pub fn render(r: &TrainReport) -> String {
     if sp.pushes + sp.dense_pushes > 0 {
         let _ = writeln!(
             s,
-            "sparse layers: {} slices as pairs ({:.2}% dense, {} bytes), {} slices dense ({} bytes)",
+            "sparse layers: {} slices as pairs (density {:.2}%, {} bytes), {} slices dense ({} bytes)",
             sp.pushes,
             if sp.elements > 0 {
                 100.0 * sp.nonzeros as f64 / sp.elements as f64

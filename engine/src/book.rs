@@ -193,7 +193,7 @@ impl LayerSpec {
             sparse: false,
         }
     }
-    /// This layer with the sparse hint set or cleared (see [`LayerSpec::sparse`](#structfield.sparse)).
+    /// This layer with the sparse hint set or cleared (the `sparse` field).
     ///
     /// ```
     /// use tidewire_engine::book::{LayerKind, LayerSpec};

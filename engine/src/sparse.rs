@@ -3,7 +3,7 @@
 //! picks sparse or dense per slice.
 //!
 //! # Which layers
-//! The application marks a layer sparse ([`LayerSpec::sparse`](crate::book::LayerSpec::sparse);
+//! The application marks a layer sparse ([`LayerSpec::sparse()`](crate::book::LayerSpec::sparse());
 //! in Python, the parameters of `nn.Embedding(sparse=True)`). The mark is part
 //! of the layer table every rank agrees on at rendezvous. Only layers that sync
 //! through the parameter server can be sparse (sufficient factors are a
@@ -241,7 +241,7 @@ pub struct SparseCosts {
 
 impl Default for SparseCosts {
     /// 10 GbE and single-threaded costs of a 2020s server core (the runtime
-    /// measures its own at start-up; see [`SparseCosts::calibrated`]).
+    /// measures its own at start-up: `tidewire_gpu::cpu::calibrate_sparse`).
     fn default() -> Self {
         SparseCosts {
             link_bytes_per_s: 1.25e9,

@@ -308,9 +308,13 @@ mod hostile {
         let first_emb = book.layer_slices(0).start;
         assert_eq!(p.land(0, 8 + 8 * 3, first_emb | SPARSE_IMM), None);
         assert_eq!(p.accumulates.last(), Some(&Some(3)));
+        // The last piece of a write split at the transport's cap: the pairs
+        // count from the slot's start (here slot 2, 8 + 8·2 bytes in all).
+        let slot_bytes = book.max_slice_len() as u64 * 4;
+        assert_eq!(p.land(2 * slot_bytes + 16, 8, (first_emb + 1) | SPARSE_IMM), None);
+        assert_eq!(p.accumulates.last(), Some(&Some(2)));
         let conv = book.layer_slices(1).start;
         let len = book.slices()[conv as usize].len as u64 * 4;
-        let slot_bytes = book.max_slice_len() as u64 * 4;
         assert_eq!(p.land(slot_bytes, len, conv), None);
         assert_eq!(p.accumulates.last(), Some(&None));
     }
@@ -318,7 +322,7 @@ mod hostile {
     #[test]
     fn malformed_sparse_pushes_are_violations() {
         type Case = fn(&Book) -> (u64, u64, u32);
-        let cases: [(&str, Case); 5] = [
+        let cases: [(&str, Case); 6] = [
             ("a sparse push of a layer without the hint", |b| {
                 (0, 16, b.layer_slices(1).start | SPARSE_IMM)
             }),
@@ -331,8 +335,13 @@ mod hostile {
                 let n = pair_limit(b.slices()[s as usize].len) as u64 + 1;
                 (0, 8 + 8 * n, s | SPARSE_IMM)
             }),
-            ("not at the slot's start", |b| {
-                (8, 16, b.layer_slices(0).start | SPARSE_IMM)
+            ("in another worker's slots", |b| {
+                let slot_bytes = b.max_slice_len() as u64 * 4;
+                let slots = u64::from(tidewire_engine::SchedConfig::default().slots);
+                (slots * slot_bytes, 16, b.layer_slices(0).start | SPARSE_IMM)
+            }),
+            ("ending before its header", |b| {
+                (4, 2, b.layer_slices(0).start | SPARSE_IMM)
             }),
         ];
         for (what, case) in cases {

@@ -153,13 +153,21 @@ impl Node {
                         )));
                     }
                 } else {
-                    // "Sparse, (len - 8) / 8 pairs", written from the slot's start.
+                    // "Sparse, (len - 8) / 8 pairs", written from the slot's start (a
+                    // write over the transport's cap lands in pieces; the last one
+                    // carries the immediate, so the length counts from the slot's start).
                     let h = crate::sparse::HEADER_BYTES as u64;
                     let p = crate::sparse::PAIR_BYTES as u64;
-                    let pairs = len.checked_sub(h).map(|b| b / p);
+                    let total = offset
+                        .checked_add(len)
+                        .and_then(|e| e.checked_sub(start))
+                        .filter(|_| len > 0);
+                    let pairs = total
+                        .and_then(|t| t.checked_sub(h))
+                        .filter(|b| b % p == 0)
+                        .map(|b| b / p);
                     let ok = g / slots == wi
-                        && offset == start
-                        && pairs.is_some_and(|n| (len - h) % p == 0 && n as usize <= crate::sparse::pair_limit(si.len))
+                        && pairs.is_some_and(|n| n as usize <= crate::sparse::pair_limit(si.len))
                         && book.layers()[si.layer as usize].sparse;
                     let Some(n) = pairs.filter(|_| ok) else {
                         return Err(bad(format!(
