@@ -5,7 +5,7 @@
 //! - [`train`]: a local cluster of real processes on loopback that trains a
 //!   model profile through the [`tidewire`] library, and the single-process
 //!   reference that `--verify` compares against, bit for bit;
-//! - [`comm`]: `train`'s communication frequency (`--comm-every`, `--comm-mode`,
+//! - [`train::comm`]: `train`'s communication frequency (`--comm-every`, `--comm-mode`,
 //!   Nexus's quality-guided `--freq-max`) and its reference;
 //! - [`sim`]: the engine's sans-IO core on a discrete-event network;
 //! - [`plan`]: Poseidon's cost model per layer;
@@ -16,7 +16,6 @@
 //! brings the command-line dependencies (clap, indicatif, tracing-subscriber).
 
 pub mod bench;
-pub mod comm;
 pub mod doctor;
 pub mod error;
 pub mod plan;

@@ -10,6 +10,10 @@ use serde::Serialize;
 use crate::cost;
 use crate::error::{EngineError, Result};
 
+/// Slices a book may have: a push's immediate names its slice below bit 31,
+/// which marks a sparse push (`SPARSE_IMM` in the sparse module).
+pub const MAX_SLICES: u32 = 1 << 31;
+
 /// What a rank does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -389,7 +393,7 @@ impl Book {
             layer_chunks.push(c0..chunks.len() as u32);
             layer_slices.push(s0..slices.len() as u32);
         }
-        if slices.len() as u64 >= u64::from(crate::sparse::SPARSE_IMM) {
+        if slices.len() as u64 >= u64::from(MAX_SLICES) {
             return Err(EngineError::InvalidConfig(format!(
                 "{} slices: a push's immediate names at most 2^31 (raise slice_params)",
                 slices.len()

@@ -56,8 +56,9 @@
 
 use crate::book::Book;
 
-/// Bit of a push's immediate that says the write holds pairs (slice ids stay below it).
-pub const SPARSE_IMM: u32 = 1 << 31;
+/// Bit of a push's immediate that says the write holds pairs (slice ids stay
+/// below it: [`crate::book::MAX_SLICES`]).
+pub const SPARSE_IMM: u32 = crate::book::MAX_SLICES;
 /// Bytes of the header of an encoded slice.
 pub const HEADER_BYTES: usize = 8;
 /// Bytes per index/value pair.
