@@ -125,6 +125,21 @@ fn rank_access(p: &mut PushPull, nl: u32, f: &mut dyn FnMut(&mut [f32], &[f32]))
     }
 }
 
+/// A rank's steps (learner `g`), then its shutdown.
+fn run_rank(job: &Job, g: usize, pp: PushPull) -> Result<Vec<Vec<f32>>, Error> {
+    let nl = job.sizes.len() as u32;
+    let pp = std::cell::RefCell::new(pp);
+    let r = steps(
+        job,
+        g,
+        |l| pp.borrow_mut().push(l),
+        || pp.borrow_mut().pull_all(),
+        |f| rank_access(&mut pp.borrow_mut(), nl, f),
+    )?;
+    pp.into_inner().shutdown()?;
+    Ok(r)
+}
+
 /// The local job: per learner (global index), its parameters after each step.
 fn local_job(job: &Job) -> Vec<Vec<Vec<f32>>> {
     let master = free_master();
@@ -155,17 +170,7 @@ fn local_job(job: &Job) -> Vec<Vec<Vec<f32>>> {
                         )?;
                         let layout = LearnerPushPull::layout(job.learners, &job.sizes);
                         pp.lead(LocalGroup::create(&path(node), nonce, &layout, timeout)?)?;
-                        let nl = job.sizes.len() as u32;
-                        let pp = std::cell::RefCell::new(pp);
-                        let r = steps(
-                            &job,
-                            g,
-                            |l| pp.borrow_mut().push(l),
-                            || pp.borrow_mut().pull_all(),
-                            |f| rank_access(&mut pp.borrow_mut(), nl, f),
-                        )?;
-                        pp.into_inner().shutdown()?;
-                        Ok(r)
+                        run_rank(&job, g, pp)
                     } else {
                         let pp = LearnerPushPull::attach(
                             &path(node),
@@ -227,17 +232,7 @@ fn flat_job(job: &Job) -> Vec<Vec<Vec<f32>>> {
                         mem(total),
                         mem(total),
                     )?;
-                    let nl = job.sizes.len() as u32;
-                    let pp = std::cell::RefCell::new(pp);
-                    let r = steps(
-                        &job,
-                        g,
-                        |l| pp.borrow_mut().push(l),
-                        || pp.borrow_mut().pull_all(),
-                        |f| rank_access(&mut pp.borrow_mut(), nl, f),
-                    )?;
-                    pp.into_inner().shutdown()?;
-                    Ok(r)
+                    run_rank(&job, g, pp)
                 })
             })
             .collect();

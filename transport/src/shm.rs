@@ -109,18 +109,17 @@ impl SharedMem {
 
     /// The control words.
     pub fn words(&self) -> &[AtomicU64] {
-        // SAFETY: the mapping is `words * 8 + floats * 4` bytes, page aligned
-        // (so 8-aligned), and lives as long as `self`; AtomicU64 has the size
-        // and alignment of u64 and may be shared and mutated by anyone, which
-        // is what another process's writes are.
+        // The mapping is `words * 8 + floats * 4` bytes, page aligned, and
+        // lives as long as `self`; other processes write it at any time.
+        // SAFETY: 8-aligned, in bounds and alive; AtomicU64 is u64-sized and
+        // is the sound view of memory others mutate.
         unsafe { std::slice::from_raw_parts(self.map.as_ptr() as *const AtomicU64, self.words) }
     }
 
     /// The f32 cells, as their bits.
     pub fn data(&self) -> &[AtomicU32] {
-        // SAFETY: the cells start right after the words (8-aligned, so
-        // 4-aligned) and end at the mapping's end; as in `words`, atomics are
-        // the one sound view of memory other processes write.
+        // SAFETY: the cells start right after the words (4-aligned) and end at
+        // the mapping's end; atomics are the sound view of shared writes.
         unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(self.words * 8) as *const AtomicU32, self.floats) }
     }
 }
