@@ -47,8 +47,12 @@ cc "${CFLAGS[@]}" -O2 -Icapi/include capi/examples/train.c -L"$LIBDIR" -ltidewir
 # The native libraries are what `cargo rustc --crate-type staticlib -- --print native-static-libs` lists.
 cc "${CFLAGS[@]}" -O2 -Icapi/include capi/examples/train.c "$LIBDIR/libtidewire_c.a" \
   -lgcc_s -lutil -lrt -lpthread -lm -ldl -lc -o "$OUT/train-static"
-ldd "$OUT/train" | grep -q libtidewire_c.so || { echo "train is not linked to libtidewire_c.so"; exit 1; }
-if ldd "$OUT/train-static" | grep -q libtidewire_c; then echo "train-static loads libtidewire_c"; exit 1; fi
+# ldd's output is captured before grep reads it: under pipefail, `ldd | grep -q` fails when grep
+# exits at its first match and ldd, still writing, dies of SIGPIPE (CI saw exactly that).
+deps=$(ldd "$OUT/train")
+grep -q libtidewire_c.so <<<"$deps" || { echo "train is not linked to libtidewire_c.so:"; echo "$deps"; exit 1; }
+deps=$(ldd "$OUT/train-static")
+if grep -q libtidewire_c <<<"$deps"; then echo "train-static loads libtidewire_c:"; echo "$deps"; exit 1; fi
 
 free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'

@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 say() { echo "== fuzz: $*"; }
 
 # --- install (idempotent) ----------------------------------------------------
-if ! rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
+if ! grep -q '^nightly' <<<"$(rustup toolchain list 2>/dev/null)"; then
     say "installing the nightly toolchain (minimal profile)"
     rustup toolchain install nightly --profile minimal >/dev/null
 fi

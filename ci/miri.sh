@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 
 filter="${1:-memory::}"
 
-if ! rustup +nightly component list --installed 2>/dev/null | grep -q '^miri'; then
+if ! grep -q '^miri' <<<"$(rustup +nightly component list --installed 2>/dev/null)"; then
     echo "== miri: installing nightly with miri"
     rustup toolchain install nightly --profile minimal --component miri
 fi

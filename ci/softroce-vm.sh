@@ -343,7 +343,7 @@ wait_listen() {
       tcp:*) hex=$(printf ':%04X' "${1#tcp:}")
              awk -v p="$hex" 'NR>1 && $4=="0A" && substr($2, length($2)-4)==p {f=1} END{exit !f}' \
                /proc/net/tcp /proc/net/tcp6 && return 0 ;;
-      cm) rdma resource show cm_id 2>/dev/null | grep -q 'state LISTEN' && return 0 ;;
+      cm) grep -q 'state LISTEN' <<<"$(rdma resource show cm_id 2>/dev/null)" && return 0 ;;
     esac
     sleep 0.1
   done

@@ -270,7 +270,13 @@ for l in sys.stdin:
         print(m["executable"])') || return 1
   [ -n "$tests" ] || { echo "no test binaries built"; return 1; }
   # Proof that the filter bites: io_uring is refused in the denied process.
-  if denied "$TARGET_DIR/release/tidewire" doctor 2>&1 | grep -q '^  ok   io_uring'; then
+  # (Captured first: under pipefail, `doctor | grep -q` is false when doctor dies of SIGPIPE.)
+  local doctor_out
+  doctor_out=$(denied "$TARGET_DIR/release/tidewire" doctor 2>&1 || true)
+  if ! grep -q '^\[io_uring\]' <<<"$doctor_out"; then
+    echo "doctor printed no io_uring section under the denial:"; echo "$doctor_out"; return 1
+  fi
+  if grep -q '^  ok   io_uring' <<<"$doctor_out"; then
     echo "io_uring still works under the denial"; return 1
   fi
   echo "== seccomp (as Docker's default profile): the portable suite, hostile peers, allocations, the fallback"
