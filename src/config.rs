@@ -79,6 +79,18 @@ pub(crate) struct Config {
     pub(crate) aggregation: tidewire_gpu::agg::Policy,
     pub(crate) link_gbps: Option<f64>,
     pub(crate) comm: tidewire_engine::freq::CommConfig,
+    pub(crate) checkpoint: Option<crate::checkpoint::Checkpointing>,
+    pub(crate) resume: Option<std::path::PathBuf>,
+    /// Filled by `Builder::build`: the checkpoint writer and the loaded checkpoint.
+    pub(crate) ckpt: CkptRun,
+}
+
+/// What `Builder::build` prepared for the runtime: the writer, and the
+/// checkpoint a resumed job starts from.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct CkptRun {
+    pub(crate) writer: Option<crate::checkpoint::Writer>,
+    pub(crate) loaded: Option<std::sync::Arc<crate::checkpoint::Loaded>>,
 }
 
 impl Config {
@@ -101,6 +113,9 @@ impl Config {
             aggregation: tidewire_gpu::agg::Policy::Auto,
             link_gbps: None,
             comm: tidewire_engine::freq::CommConfig::default(),
+            checkpoint: None,
+            resume: None,
+            ckpt: CkptRun::default(),
         }
     }
 }

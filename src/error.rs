@@ -63,6 +63,10 @@ pub enum Error {
     /// that gave up or died, a shared file of another run or layout.
     #[error("local learners: {0}")]
     Local(String),
+    /// A checkpoint could not be written or read, or does not fit the job
+    /// ([`crate::checkpoint`]).
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
 }
 
 impl From<tidewire_transport::Error> for Error {

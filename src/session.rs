@@ -223,6 +223,40 @@ impl Builder {
         self
     }
 
+    /// Checkpoints the job every `c.every` iterations into `c.dir`
+    /// ([`crate::checkpoint`]): servers snapshot their shards' optimizer
+    /// state and worker 0 the parameters, all at the same iteration, written
+    /// atomically as safetensors on a thread of their own. Every rank must
+    /// set the same, and the directory must be one all ranks see (a shared
+    /// filesystem across machines). A fresh job refuses a directory that
+    /// already holds checkpoints: resume from it, or give another.
+    ///
+    /// ```no_run
+    /// use tidewire::checkpoint::Checkpointing;
+    /// # let layers = vec![];
+    /// let session = tidewire::Builder::new(layers)
+    ///     .checkpoint(Checkpointing::new("/data/ckpt", 100))
+    ///     .resume("/data/ckpt") // after a failure: the newest complete checkpoint
+    ///     .build_from_env()?;
+    /// let first = session.start_iteration(); // iterations already done
+    /// # let _ = first; Ok::<(), tidewire::Error>(())
+    /// ```
+    pub fn checkpoint(mut self, c: crate::checkpoint::Checkpointing) -> Self {
+        self.cfg.checkpoint = Some(c);
+        self
+    }
+    /// Starts from a checkpoint: `path` is a `step-*` directory, or a
+    /// checkpoint directory (its newest complete checkpoint). Its parameters
+    /// replace [`Builder::init_params`]'s, the servers and workers take its
+    /// momentum, and [`Session::start_iteration`] says where it left off.
+    /// Give every rank the same. Checkpoints after it in the
+    /// [`Builder::checkpoint`] directory are removed: they belong to the run
+    /// that failed.
+    pub fn resume(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.cfg.resume = Some(path.into());
+        self
+    }
+
     /// Builds with the cluster from the environment (see [`crate::cluster`]).
     pub fn build_from_env(self) -> Result<Session> {
         let spec = ClusterSpec::from_env()?;
@@ -264,6 +298,9 @@ impl Builder {
             check_layout(&book, l, "gradient")?;
         }
         let role = book.cluster().role(spec.rank).expect("rank checked by ClusterSpec");
+        let start_iteration = self.prepare_checkpoints(&book, spec.rank)?;
+        let writer = self.cfg.ckpt.writer.clone();
+        let framework = self.cfg.ckpt.loaded.as_ref().and_then(|l| l.framework.clone());
         let (tx, rx) = bounded::<Request>(1024);
         let shared = Arc::new(Shared::default());
         let (layers_tx, layers_rx) = bounded(1);
@@ -283,6 +320,9 @@ impl Builder {
             }
         };
         Ok(Session {
+            writer,
+            start_iteration,
+            framework,
             last_error: Arc::new(std::sync::Mutex::new(None)),
             book,
             timeout,
@@ -293,6 +333,55 @@ impl Builder {
             handle: Some(handle),
             layers: Some(layers),
         })
+    }
+}
+
+impl Builder {
+    /// Loads the checkpoint to resume from and starts the writer; returns
+    /// the iterations already done.
+    fn prepare_checkpoints(&mut self, book: &Arc<Book>, rank: u32) -> Result<u64> {
+        use crate::checkpoint::{self, Loaded, Plan, Writer};
+        let mut base = 0;
+        if let Some(path) = self.cfg.resume.clone() {
+            let loaded = Loaded::open(&path, book)?;
+            loaded.check_op(book, self.cfg.op)?;
+            base = loaded.iteration;
+            let l = Arc::new(loaded);
+            let l2 = l.clone();
+            // The checkpoint's values are every rank's initial ones.
+            self.cfg.init = Some(Box::new(move |layer, p| p.copy_from_slice(&l2.params[layer as usize])));
+            tracing::info!(rank, from = %l.dir.display(), iteration = base, "resuming");
+            self.cfg.ckpt.loaded = Some(l);
+        }
+        if let Some(c) = self.cfg.checkpoint.clone() {
+            if self.cfg.comm.freq.t_max != 1 {
+                return Err(Error::Checkpoint(
+                    "checkpoints with a communication period above 1 are not supported: the \
+                     learners' accumulated state is the training loop's"
+                        .into(),
+                ));
+            }
+            c.validate()?;
+            if self.cfg.resume.is_some() {
+                let gone = checkpoint::remove_after(&c.dir, base)?;
+                if !gone.is_empty() {
+                    tracing::info!(
+                        rank,
+                        ?gone,
+                        "removed the failed run's checkpoints after the one resumed"
+                    );
+                }
+            } else if let Some(p) = Loaded::newest_complete(&c.dir)? {
+                return Err(Error::Checkpoint(format!(
+                    "{} already holds checkpoints ({}): resume from it, or checkpoint into another directory",
+                    c.dir.display(),
+                    p.display()
+                )));
+            }
+            let run = checkpoint::run_id(self.cfg.secret.as_ref().map_or(0, |s| s.fingerprint()), self.cfg.job);
+            self.cfg.ckpt.writer = Some(Writer::start(Plan::new(c, book, self.cfg.op, rank, run, base))?);
+        }
+        Ok(base)
     }
 }
 
@@ -341,6 +430,9 @@ fn check_layout(book: &Book, l: &BufferLayout, what: &str) -> Result<()> {
 /// A running rank of a job.
 #[derive(Debug)]
 pub struct Session {
+    writer: Option<crate::checkpoint::Writer>,
+    start_iteration: u64,
+    framework: Option<Vec<u8>>,
     last_error: Arc<std::sync::Mutex<Option<Error>>>,
     book: Arc<Book>,
     timeout: Duration,
@@ -356,6 +448,32 @@ impl Session {
     /// This rank.
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+    /// Iterations done before this session: 0, or the resumed checkpoint's
+    /// iteration ([`Builder::resume`]). The training loop counts from here.
+    pub fn start_iteration(&self) -> u64 {
+        self.start_iteration
+    }
+    /// The learner's framework state saved with the resumed checkpoint, if any.
+    pub fn framework_state(&self) -> Option<&[u8]> {
+        self.framework.as_deref()
+    }
+    /// Saves the learner's framework state (e.g. a serialized optimizer or
+    /// data-loader position) with checkpoint `iteration`: one learner calls
+    /// it at each checkpoint iteration (a multiple of `every`, counted
+    /// globally, after [`Session::start_iteration`]) when the job declared
+    /// [`Checkpointing::framework_state`](crate::checkpoint::Checkpointing::framework_state).
+    /// It is written on the checkpoint thread; the call does not wait.
+    pub fn save_framework_state(&self, iteration: u64, state: Vec<u8>) -> Result<()> {
+        let w = self
+            .writer
+            .as_ref()
+            .ok_or_else(|| Error::Checkpoint("this session does not checkpoint (Builder::checkpoint)".into()))?;
+        w.framework(iteration, state)
+    }
+    /// The checkpoints this rank has written its part of so far (global iterations).
+    pub fn checkpoints_written(&self) -> Vec<u64> {
+        self.writer.as_ref().map(|w| w.written()).unwrap_or_default()
     }
     /// This rank's role.
     pub fn role(&self) -> Role {
@@ -557,7 +675,9 @@ impl Session {
             let _ = h.join();
         }
         self.shared.check_panic();
-        r
+        // The checkpoints queued are written before the session ends.
+        let w = self.writer.take().map_or(Ok(()), |w| w.finish());
+        r.and(w)
     }
 
     fn shutdown_inner(&self) -> Result<()> {

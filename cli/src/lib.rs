@@ -7,6 +7,7 @@
 //!   reference that `--verify` compares against, bit for bit;
 //! - [`train::comm`]: `train`'s communication frequency (`--comm-every`, `--comm-mode`,
 //!   Nexus's quality-guided `--freq-max`) and its reference;
+//! - [`resilience`]: `train`'s checkpoints, resume, rollback and fault injection;
 //! - [`sim`]: the engine's sans-IO core on a discrete-event network;
 //! - [`plan`]: Poseidon's cost model per layer;
 //! - [`doctor`]: what this machine can use, and why not;
@@ -19,6 +20,7 @@ pub mod bench;
 pub mod doctor;
 pub mod error;
 pub mod plan;
+pub mod resilience;
 pub mod sim;
 pub mod train;
 

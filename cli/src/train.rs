@@ -23,6 +23,7 @@ use tidewire::cluster::ClusterSpec;
 use tidewire::session::{Builder, LayerBuffers, Session, SessionStats};
 
 use crate::error::{Error, Result};
+use crate::resilience::{self, CheckpointArgs, Restart, TrainerState};
 
 /// Flags of `tidewire train`.
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
@@ -156,6 +157,10 @@ pub struct TrainArgs {
     /// Communication frequency (Nexus): --comm-every, --comm-mode, --freq-*.
     #[command(flatten)]
     pub comm: comm::CommArgs,
+    /// Checkpoints, resume, rollback and fault injection: --checkpoint-*, --resume,
+    /// --max-restarts, --fault-kill.
+    #[command(flatten)]
+    pub ckpt: CheckpointArgs,
 }
 
 fn split_list(s: &str) -> Vec<String> {
@@ -331,6 +336,8 @@ impl TrainArgs {
                 return Err(Error::Usage("--comm-every/--comm-mode/--freq-max need BSP".into()));
             }
         }
+        self.ckpt
+            .validate(self.world().2, self.iters, self.local_learners, self.comm.active())?;
         if self.verify && (c != Consistency::Bsp || self.fast) {
             return Err(Error::Usage(
                 "--verify needs BSP with deterministic aggregation: SSP and --fast results depend on timing".into(),
@@ -545,7 +552,14 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
     let synth = Arc::new(args.synth(&model));
     let s2 = synth.clone();
     let comm = args.comm.active();
-    let session = Builder::new(args.comm.layers(&model, args.world().0))
+    let mut builder = Builder::new(args.comm.layers(&model, args.world().0));
+    if let Some(c) = args.ckpt.config() {
+        builder = builder.checkpoint(c);
+    }
+    if let Some(r) = &args.ckpt.resume {
+        builder = builder.resume(r);
+    }
+    let session = builder
         .batch(args.batch(&model) * args.learners())
         .chunk_bytes(args.chunk_bytes)
         .slice_params(args.book_config(&model).slice_params)
@@ -788,6 +802,28 @@ fn worker_loop(
     let wait_free = args.sync_mode().wait_free();
     let nl = book.layers().len();
     let mut layers = session.take_layers()?;
+    // A resumed run goes on from its checkpoint, which must be of this run.
+    let start = session.start_iteration();
+    let trainer_state = |iteration| TrainerState {
+        iteration,
+        model: model.name.to_string(),
+        seed: args.seed,
+        batch: k,
+        workers: args.workers,
+    };
+    if let Some(blob) = session.framework_state() {
+        let saved: TrainerState = serde_json::from_slice(blob)
+            .map_err(|e| Error::Usage(format!("the checkpoint's trainer state is damaged: {e}")))?;
+        saved.check(&trainer_state(start))?;
+    }
+    // Worker 0 saves the trainer's state with every checkpoint.
+    let save_state = |session: &Session, it: u64| -> Result<()> {
+        if wi == 0 && args.ckpt.active() && it > start && it % args.ckpt.checkpoint_every == 0 {
+            let blob = serde_json::to_vec(&trainer_state(it)).expect("serializable");
+            session.save_framework_state(it, blob)?;
+        }
+        Ok(())
+    };
     // Set-up traffic (rendezvous, keys, the servers' seeding), before any
     // iteration: reported apart from the training traffic.
     let setup = session.stats()?;
@@ -795,12 +831,13 @@ fn worker_loop(
     let mut starts: Vec<Instant> = Vec::new();
     let mut first_hand_in = None;
     let mut out = std::io::stdout();
-    for it in 0..args.iters {
-        let start = Instant::now();
+    for it in start..args.iters {
+        save_state(&session, it)?;
+        let began = Instant::now();
         let mut last_sync: Option<Instant> = None;
         let mut blocked = Duration::ZERO;
         for l in 0..nl {
-            if it > 0 {
+            if it > start {
                 let t = Instant::now();
                 let b = session.wait_layer(l as u32)?;
                 blocked += t.elapsed();
@@ -818,13 +855,13 @@ fn worker_loop(
             // The waits of this forward pass expose the previous iteration's sync.
             prev.exposed_s = blocked.as_secs_f64();
             prev.sync_span_s = span(first_hand_in, last_sync);
-            prev.seconds = (start - starts[starts.len() - 1]).as_secs_f64();
+            prev.seconds = (began - starts[starts.len() - 1]).as_secs_f64();
             if opts.progress {
                 let _ = writeln!(out, "progress {it}");
                 let _ = out.flush();
             }
         }
-        starts.push(start);
+        starts.push(began);
         first_hand_in = None;
         let mut deferred = Vec::new();
         let mut backward_done_unix = 0.0;
@@ -904,8 +941,14 @@ fn worker_loop(
     }
     let t = Instant::now();
     let all = session.wait_all()?;
+    save_state(&session, args.iters)?;
     let end = Instant::now();
-    let last = stats.last_mut().expect("at least one iteration");
+    let Some(last) = stats.last_mut() else {
+        return Err(Error::Usage(format!(
+            "the checkpoint resumed is of iteration {start}: nothing is left of --iters {}",
+            args.iters
+        )));
+    };
     last.exposed_s = (end - t).as_secs_f64();
     last.sync_span_s = span(first_hand_in, all.iter().filter_map(|b| b.synced_at()).max());
     last.seconds = (end - starts[starts.len() - 1]).as_secs_f64();
@@ -1167,6 +1210,13 @@ pub struct SparseSummary {
 pub struct TrainReport {
     /// Model.
     pub model: String,
+    /// Rollbacks: every attempt that lost a rank, and where the next one resumed
+    /// (--checkpoint-dir). The iteration figures are the last attempt's.
+    #[serde(default)]
+    pub restarts: Vec<Restart>,
+    /// The iteration the last attempt resumed from (--resume, or a rollback).
+    #[serde(default)]
+    pub resumed_from: Option<u64>,
     /// Every WARN or ERROR line the ranks logged (a healthy run has none), as `rank N: line`.
     pub log_warnings: Vec<String>,
     /// Most requests any rank had in flight to one peer (within the transport's bound).
@@ -1293,9 +1343,107 @@ fn local_env(c: &mut Command, node: usize, secret: &str) {
         .env("TIDEWIRE_LOCAL_NONCE", nonce.to_string());
 }
 
-/// Launches the local cluster, follows it, verifies, and reports.
+/// Launches the local cluster, follows it, verifies, and reports. With
+/// --checkpoint-dir, a run attempt that loses a rank is rolled back: every
+/// rank starts again from the newest complete checkpoint ([`resilience`]).
 pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     args.validate()?;
+    args.ckpt.check_dirs(args.iters)?;
+    let base_args = resilience::without_resume(&node_args);
+    let mut kills: std::collections::VecDeque<resilience::Kill> = args.ckpt.fault_kill.iter().copied().collect();
+    let mut restarts: Vec<Restart> = Vec::new();
+    let mut resume: Option<std::path::PathBuf> = match &args.ckpt.resume {
+        // Every rank resumes the same step: resolve a checkpoint directory to its newest one here.
+        Some(r) if !r.join("manifest.json").is_file() => Some(
+            tidewire::checkpoint::Loaded::newest_complete(r)
+                .map_err(|e| Error::Launch(e.to_string()))?
+                .ok_or_else(|| Error::Launch(format!("--resume {}: no complete checkpoint there", r.display())))?,
+        ),
+        r => r.clone(),
+    };
+    loop {
+        let mut attempt_args = base_args.clone();
+        if let Some(r) = &resume {
+            attempt_args.push("--resume".into());
+            attempt_args.push(r.display().to_string());
+        }
+        let mut attempt_opts = args.clone();
+        attempt_opts.ckpt.resume = resume.clone();
+        match launch_attempt(&attempt_opts, attempt_args, &mut kills)? {
+            Attempt::Done(mut r) => {
+                r.restarts = restarts;
+                r.resumed_from = resume.as_deref().map(resilience::step_iteration);
+                return Ok(r);
+            }
+            Attempt::Failed {
+                cause,
+                progressed,
+                failed_at,
+            } => {
+                let tried = if restarts.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (after {} rollback(s))", restarts.len())
+                };
+                let Some(dir) = &args.ckpt.checkpoint_dir else {
+                    return Err(Error::Launch(format!("the local cluster failed: {cause}")));
+                };
+                if !progressed {
+                    return Err(Error::Launch(format!(
+                        "the local cluster failed before its first iteration{tried}, so it is not rolled back: {cause}"
+                    )));
+                }
+                if restarts.len() as u32 >= args.ckpt.max_restarts {
+                    return Err(Error::Launch(format!(
+                        "the local cluster failed{tried}, and --max-restarts {} is spent: {cause}",
+                        args.ckpt.max_restarts
+                    )));
+                }
+                resume = resilience::rollback_point(dir)?;
+                let from = resume.as_deref().map_or(0, resilience::step_iteration);
+                if from >= args.iters {
+                    return Err(Error::Launch(format!(
+                        "the local cluster failed after its last checkpoint (iteration {from} of {}): the \
+                         parameters are in {}; nothing is left to run: {cause}",
+                        args.iters,
+                        dir.display()
+                    )));
+                }
+                if !args.json {
+                    eprintln!(
+                        "tidewire: a rank was lost ({}); rolling back to iteration {from} and restarting every rank",
+                        cause.lines().next().unwrap_or("")
+                    );
+                }
+                restarts.push(Restart {
+                    cause,
+                    resumed_from: from,
+                    checkpoint: resume.as_ref().map(|p| p.display().to_string()),
+                    recovery_s: failed_at.elapsed().as_secs_f64(),
+                });
+            }
+        }
+    }
+}
+
+/// How one run attempt of the local cluster ended.
+enum Attempt {
+    Done(TrainReport),
+    /// A rank was lost or failed: the launcher may roll back.
+    Failed {
+        cause: String,
+        progressed: bool,
+        failed_at: Instant,
+    },
+}
+
+/// One attempt: starts every rank, follows them (injecting the next
+/// `--fault-kill` when its iteration comes), and reports.
+fn launch_attempt(
+    args: &TrainArgs,
+    node_args: Vec<String>,
+    kills: &mut std::collections::VecDeque<resilience::Kill>,
+) -> Result<Attempt> {
     let model = args.model()?;
     let (p1, p2, world) = args.world();
     let began = Instant::now();
@@ -1402,8 +1550,9 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     bar.set_prefix(format!("{} {}w/{}s {}", model.name, p1, p2, args.sync));
     // Read every child's output on its own thread; rank 0's progress drives the bar.
     let mut readers = Vec::new();
-    // When a worker last reported an iteration (ms since `began`).
+    // When a worker last reported an iteration (ms since `began`), and the furthest one.
     let last_progress = Arc::new(AtomicU64::new(0));
+    let max_iter = Arc::new(AtomicU64::new(0));
     let mut err_readers = Vec::new();
     for (rank, child) in children.iter_mut() {
         let stdout = child.stdout.take().expect("piped");
@@ -1411,6 +1560,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         let bar = bar.clone();
         let rank = *rank;
         let last = last_progress.clone();
+        let furthest = max_iter.clone();
         readers.push(std::thread::spawn(move || {
             let mut result = None;
             for line in BufReader::new(stdout).lines().map_while(std::result::Result::ok) {
@@ -1418,6 +1568,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
                     last.store(began.elapsed().as_millis() as u64, Ordering::Relaxed);
                 }
                 if let Some(p) = line.strip_prefix("progress ") {
+                    furthest.fetch_max(p.trim().parse().unwrap_or(0), Ordering::Relaxed);
                     if rank == 0 {
                         bar.set_position(p.trim().parse().unwrap_or(0));
                     }
@@ -1452,14 +1603,41 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
             .mul_f64(20.0);
     let mut failed: Vec<String> = Vec::new();
     let mut statuses = vec![None; world];
+    let mut first_failure: Option<Instant> = None;
+    let mut killed = false;
     while statuses.iter().any(Option::is_none) {
+        // Fault injection: the next --fault-kill, once a worker reports its iteration.
+        if let Some(k) = kills.front().copied().filter(|_| !killed) {
+            if max_iter.load(Ordering::Relaxed) >= k.iter {
+                if let Some((_, c)) = children.iter_mut().find(|(r, _)| *r == k.rank) {
+                    let _ = c.kill();
+                }
+                failed.push(format!(
+                    "rank {} was killed (SIGKILL) at iteration {} by --fault-kill",
+                    k.rank, k.iter
+                ));
+                kills.pop_front();
+                killed = true;
+                first_failure.get_or_insert_with(Instant::now);
+            }
+        }
         for (i, (rank, child)) in children.iter_mut().enumerate() {
             if statuses[i].is_none() {
                 if let Ok(Some(st)) = child.try_wait() {
                     if !st.success() {
                         failed.push(format!("{} exited with {st}", who(*rank)));
+                        first_failure.get_or_insert_with(Instant::now);
                     }
                     statuses[i] = Some(st);
+                }
+            }
+        }
+        // A rollback restarts every rank: once one failed, give the others a
+        // moment to report the loss themselves, then stop them.
+        if args.ckpt.active() && first_failure.is_some_and(|t| t.elapsed() > Duration::from_secs(3)) {
+            for (i, (_, c)) in children.iter_mut().enumerate() {
+                if statuses[i].is_none() {
+                    let _ = c.kill();
                 }
             }
         }
@@ -1488,7 +1666,14 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         for (rank, tail, _) in stderr_tails.iter().filter(|(_, t, _)| !t.is_empty()) {
             msg.push_str(&format!("\n--- {} stderr ---\n{}", who(*rank), tail.trim_end()));
         }
-        return Err(Error::Launch(format!("the local cluster failed: {msg}")));
+        // A run that failed before any iteration would fail again the same way
+        // (a setup error): only a run that got going is rolled back.
+        let progressed = max_iter.load(Ordering::Relaxed) > 0 || killed;
+        return Ok(Attempt::Failed {
+            cause: msg,
+            progressed,
+            failed_at: first_failure.unwrap_or_else(Instant::now),
+        });
     }
     let workers: Vec<&NodeResult> = results.iter().filter(|r| r.worker && r.local.is_none()).collect();
     if workers.len() != p1 {
@@ -1565,7 +1750,9 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         (None, vec![])
     };
     let k = args.batch(&model);
-    Ok(TrainReport {
+    Ok(Attempt::Done(TrainReport {
+        restarts: Vec::new(),
+        resumed_from: None,
         log_warnings: stderr_tails.into_iter().flat_map(|(_, _, w)| w).collect(),
         max_outstanding: results.iter().map(|r| r.stats.max_outstanding).max().unwrap_or(0),
         max_message_bytes: results.iter().map(|r| r.stats.max_message_bytes).max().unwrap_or(0),
@@ -1644,7 +1831,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
                 })
                 .collect()
         },
-    })
+    }))
 }
 
 /// Sums a counter over each worker node's ranks (worker ranks `0..P1`; with
@@ -1679,6 +1866,22 @@ pub fn render(r: &TrainReport) -> String {
     );
     for t in &r.transport {
         let _ = writeln!(s, "transport {t}");
+    }
+    for (i, x) in r.restarts.iter().enumerate() {
+        let _ = writeln!(
+            s,
+            "rollback {}: {}; resumed from iteration {} ({:.2} s to restart)",
+            i + 1,
+            x.cause.lines().next().unwrap_or(""),
+            x.resumed_from,
+            x.recovery_s
+        );
+    }
+    if let Some(k) = r.resumed_from {
+        let _ = writeln!(
+            s,
+            "the last attempt resumed from iteration {k}; its iterations are below"
+        );
     }
     if r.local_learners > 1 {
         let mb = |v: &[u64]| v.iter().sum::<u64>() as f64 / v.len().max(1) as f64 / 1e6;

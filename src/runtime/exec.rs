@@ -25,6 +25,8 @@ use tidewire_gpu::agg::{AggStats, Aggregator, Policy};
 use tidewire_gpu::cpu;
 use tidewire_transport::{Lease, Region, Waker};
 
+use super::snapshot::{ServerSnap, WorkerMomentum};
+use crate::config::CkptRun;
 use crate::error::{Error, Result};
 
 /// This rank's registered regions, by role.
@@ -113,6 +115,11 @@ impl Executors {
     /// description for the log, or its error (a GPU asked for and not usable).
     /// `apply` is the op and the local learners per worker (the mean and SGD
     /// divide by workers × learners).
+    /// `ckpt` carries the checkpoint writer (the server executor snapshots
+    /// its momentum) and the checkpoint a resumed job starts from (both
+    /// executors take their momentum from it); `momentum` is the worker
+    /// executor's, shared with the runtime's snapshots.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         book: Arc<Book>,
         apply: (ApplyOp, u32),
@@ -121,6 +128,8 @@ impl Executors {
         worker: bool,
         reply: Reply,
         rank: u32,
+        ckpt: &CkptRun,
+        momentum: WorkerMomentum,
     ) -> Result<(Self, Option<String>)> {
         let (op, learners) = apply;
         let gradients = book.p1() * learners.max(1) as usize;
@@ -137,6 +146,25 @@ impl Executors {
             let (tx, rx) = crossbeam_channel::unbounded::<Job>();
             let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
             let (book, mem, reply) = (book.clone(), mem.clone(), reply.clone());
+            let snap = ckpt.writer.clone().map(|w| ServerSnap::new(w, book.clone(), rank));
+            let mut momentum = if op.needs_momentum() {
+                vec![0.0; s.shard_len]
+            } else {
+                Vec::new()
+            };
+            if let (Some(l), false) = (&ckpt.loaded, momentum.is_empty()) {
+                // A resumed job: the shard's momentum from the checkpoint, chunk by chunk.
+                for &c in book.server_chunks(rank) {
+                    let ch = &book.chunks()[c as usize];
+                    let from = l.momentum[ch.layer as usize]
+                        .as_ref()
+                        .and_then(|m| m.get(ch.offset..ch.offset + ch.len));
+                    if let (Some(from), Some(to)) = (from, momentum.get_mut(ch.shard_offset..ch.shard_offset + ch.len))
+                    {
+                        to.copy_from_slice(from);
+                    }
+                }
+            }
             let h = std::thread::Builder::new()
                 .name(format!("tidewire-server-{rank}"))
                 .spawn(move || {
@@ -152,11 +180,8 @@ impl Executors {
                         }
                     };
                     let mut st = ServerExec {
-                        momentum: if op.needs_momentum() {
-                            vec![0.0; s.shard_len]
-                        } else {
-                            Vec::new()
-                        },
+                        momentum,
+                        snap,
                         acc: (0..s.windows).map(|_| vec![0.0; s.shard_len]).collect(),
                         partial: Vec::new(),
                         windows: s.windows,
@@ -190,9 +215,18 @@ impl Executors {
         }
         if worker {
             let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+            if let Some(l) = &ckpt.loaded {
+                // A resumed job: the momentum of the layers this worker updates itself.
+                let mut m = momentum.lock().unwrap_or_else(|p| p.into_inner());
+                for (i, v) in l.momentum.iter().enumerate() {
+                    if let (Some(v), true) = (v, book.scheme(i as u32, 0) == tidewire_engine::Scheme::Sfb) {
+                        m.insert(i as u32, v.clone());
+                    }
+                }
+            }
             let mut st = WorkerExec {
                 gradients,
-                momentum: HashMap::new(),
+                momentum,
                 scratch: Vec::new(),
                 factor_scratch: Vec::new(),
                 reads: ex.factor_reads.clone(),
@@ -316,6 +350,8 @@ struct ServerExec {
     /// Gradients in every sum (workers × local learners): the mean's divisor.
     gradients: usize,
     momentum: Vec<f32>,
+    /// Checkpoints: the shard's momentum, copied as each chunk is applied.
+    snap: Option<ServerSnap>,
     stats: Arc<Mutex<AggStats>>,
     /// A landing slot's contents, copied out before they are summed.
     scratch: Vec<f32>,
@@ -435,7 +471,7 @@ impl ServerExec {
                 chunk,
                 shard_at,
                 len,
-                ..
+                iter,
             } => {
                 let range = *shard_at..shard_at + len;
                 let acc = self
@@ -465,6 +501,9 @@ impl ServerExec {
                     dst.as_f32_mut().map_err(|e| e.to_string())?,
                     mom,
                 );
+                if let Some(snap) = &mut self.snap {
+                    snap.applied(*chunk, *iter, mom)?;
+                }
                 None
             }
             JobKind::Copy { src, dst, len } => copy(&self.mem, *src, *dst, *len)?,
@@ -488,7 +527,7 @@ struct WorkerExec {
     book: Arc<Book>,
     mem: Arc<Memory>,
     op: ApplyOp,
-    momentum: HashMap<u32, Vec<f32>>,
+    momentum: WorkerMomentum,
     scratch: Vec<f32>,
     /// Per worker: U and V of a factor block that had to be decoded (see [`factor_views`]).
     factor_scratch: Vec<[Vec<f32>; 2]>,
@@ -527,7 +566,8 @@ impl WorkerExec {
                 cpu::sf_sum(&uv, k, l.m, l.n, &mut self.scratch[..l.params()]);
                 let mut p = self.mem.lease(*params, (l.params() * 4) as u64)?;
                 let op = self.op;
-                let mom = self.momentum.entry(*layer).or_insert_with(|| {
+                let mut momentum = self.momentum.lock().unwrap_or_else(|p| p.into_inner());
+                let mom = momentum.entry(*layer).or_insert_with(|| {
                     if op.needs_momentum() {
                         vec![0.0; l.params()]
                     } else {

@@ -13,6 +13,7 @@
 
 pub(crate) mod exec;
 pub(crate) mod shared;
+mod snapshot;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
@@ -156,6 +157,8 @@ struct Runtime {
     hand_in_posts: u64,
     would_block: u64,
     evs: Vec<Event>,
+    /// Worker 0 of a checkpointing job: the model's snapshots.
+    snap: Option<snapshot::ModelSnap>,
 }
 
 impl Runtime {
@@ -340,6 +343,7 @@ impl Runtime {
             windows: node.windows(),
             shard_len: book.shard_len(rank),
         });
+        let momentum = snapshot::WorkerMomentum::default();
         let (ex, describe) = Executors::start(
             book.clone(),
             (cfg.op, cfg.sched.learners),
@@ -348,7 +352,15 @@ impl Runtime {
             role.is_worker(),
             reply,
             rank,
+            &cfg.ckpt,
+            momentum.clone(),
         )?;
+        let snap = cfg
+            .ckpt
+            .writer
+            .clone()
+            .filter(|w| w.plan().model_writer)
+            .map(|w| snapshot::ModelSnap::new(w, momentum));
         if let Some(d) = describe {
             tracing::info!(rank, "{d}");
         }
@@ -403,6 +415,7 @@ impl Runtime {
             hand_in_posts: 0,
             would_block: 0,
             evs: Vec::with_capacity(512),
+            snap,
             book,
         })
     }
@@ -551,7 +564,15 @@ impl Runtime {
                         known.push(peer);
                     }
                 }
-                Output::LayerReady { layer, .. } => self.layer_ready(layer),
+                Output::LayerReady { layer, iter } => {
+                    if let Some(snap) = &mut self.snap {
+                        let mem = &self.mem;
+                        if let Err(e) = snap.layer_ready(&self.book, &self.node, |r| mem.get(r), layer, iter) {
+                            failure.get_or_insert(format!("checkpoint snapshot of layer {layer}: {e}"));
+                        }
+                    }
+                    self.layer_ready(layer)
+                }
                 Output::Ready => {
                     let layers = self.all_layers();
                     if let Some(r) = self.ready.take() {

@@ -46,6 +46,16 @@ impl JobSecret {
             len: bytes.len(),
         }
     }
+    /// A public fingerprint of the secret (a hash of its key): it names a
+    /// run, e.g. in checkpoint files, and reveals nothing that would pass a
+    /// handshake.
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = Sha256::new();
+        h.update(b"tidewire job secret fingerprint v1\0");
+        h.update(self.key);
+        let d = h.finalize();
+        u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
+    }
 }
 
 /// The fields every MAC of one handshake covers.

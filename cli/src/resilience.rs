@@ -1,0 +1,274 @@
+//! `train`'s checkpoints, resume and rollback: the flags, the faults it can
+//! inject, and the trainer's own state saved beside each checkpoint.
+//!
+//! With `--checkpoint-dir DIR --checkpoint-every N`, every rank checkpoints
+//! through the library ([`tidewire::checkpoint`]). When a rank is lost, the
+//! launcher stops the others, and starts every rank again from the newest
+//! complete checkpoint (at most `--max-restarts` times): the job halts, rolls
+//! back and continues. Under BSP with deterministic aggregation the result is
+//! bitwise the uninterrupted run's (`--verify` checks it).
+//!
+//! ```text
+//! tidewire train --model vgg19-mini --iters 20 --verify \
+//!     --checkpoint-dir /tmp/ckpt --checkpoint-every 4 \
+//!     --fault-kill 1@5 --fault-kill 2@5     # a worker, then a server: SIGKILL at iteration 5
+//! tidewire train --model vgg19-mini --iters 40 --resume /tmp/ckpt   # go on from the newest one
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The checkpoint and fault flags of `tidewire train`.
+#[derive(Args, Debug, Clone, Default, Serialize, Deserialize)]
+pub struct CheckpointArgs {
+    /// Checkpoint into this directory (servers' optimizer state and worker
+    /// 0's parameters as safetensors, in `step-NNNNNNNN/`), and roll back to the
+    /// newest complete checkpoint when a rank is lost. A fresh run refuses a
+    /// directory that already holds checkpoints (use --resume).
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every this many iterations.
+    #[arg(long, default_value_t = 100)]
+    pub checkpoint_every: u64,
+    /// Complete checkpoints kept (older ones are removed).
+    #[arg(long, default_value_t = 2)]
+    pub checkpoint_keep: usize,
+    /// Start from a checkpoint: a step directory, or a checkpoint directory
+    /// (its newest complete one). Later checkpoints in --checkpoint-dir are removed.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// With --checkpoint-dir: how many times a lost rank may restart the job
+    /// from the newest checkpoint before the run fails.
+    #[arg(long, default_value_t = 3)]
+    pub max_restarts: u32,
+    /// Fault injection: SIGKILL rank R once a worker reports iteration I
+    /// (`R@I`). Repeatable: the faults fire one per run attempt, in order.
+    #[arg(long = "fault-kill", value_parser = parse_kill)]
+    pub fault_kill: Vec<Kill>,
+}
+
+/// A fault to inject: SIGKILL `rank` at iteration `iter`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Kill {
+    /// The rank killed.
+    pub rank: u32,
+    /// When a worker reports this iteration.
+    pub iter: u64,
+}
+
+fn parse_kill(s: &str) -> std::result::Result<Kill, String> {
+    let (r, i) = s
+        .split_once('@')
+        .ok_or_else(|| format!("{s:?}: give RANK@ITERATION, e.g. 1@5"))?;
+    Ok(Kill {
+        rank: r.trim().parse().map_err(|_| format!("{r:?} is not a rank"))?,
+        iter: i.trim().parse().map_err(|_| format!("{i:?} is not an iteration"))?,
+    })
+}
+
+impl CheckpointArgs {
+    /// Whether the job checkpoints.
+    pub fn active(&self) -> bool {
+        self.checkpoint_dir.is_some()
+    }
+    /// The library's settings for a rank (the trainer saves its own state too).
+    pub fn config(&self) -> Option<tidewire::checkpoint::Checkpointing> {
+        self.checkpoint_dir
+            .as_ref()
+            .map(|d| tidewire::checkpoint::Checkpointing {
+                dir: d.clone(),
+                every: self.checkpoint_every,
+                keep: self.checkpoint_keep,
+                framework_state: true,
+            })
+    }
+    /// Checks the flags against the run's.
+    pub fn validate(&self, world: usize, iters: u64, local_learners: usize, comm: bool) -> Result<()> {
+        if self.checkpoint_every == 0 {
+            return Err(Error::Usage("--checkpoint-every must be at least 1".into()));
+        }
+        if self.checkpoint_keep == 0 {
+            return Err(Error::Usage("--checkpoint-keep must be at least 1".into()));
+        }
+        if (self.active() || self.resume.is_some()) && local_learners > 1 {
+            return Err(Error::Usage(
+                "--checkpoint-dir/--resume with --local-learners is not supported yet".into(),
+            ));
+        }
+        if (self.active() || self.resume.is_some()) && comm {
+            return Err(Error::Usage(
+                "--checkpoint-dir/--resume with --comm-every or --freq-max is not supported: the \
+                 accumulated gradients are the learners' state"
+                    .into(),
+            ));
+        }
+        if !self.fault_kill.is_empty() && !self.active() {
+            return Err(Error::Usage(
+                "--fault-kill needs --checkpoint-dir: without checkpoints a lost rank ends the run".into(),
+            ));
+        }
+        for k in &self.fault_kill {
+            if k.rank as usize >= world {
+                return Err(Error::Usage(format!(
+                    "--fault-kill {}@{}: there are {world} ranks",
+                    k.rank, k.iter
+                )));
+            }
+            if k.iter == 0 || k.iter >= iters {
+                return Err(Error::Usage(format!(
+                    "--fault-kill {}@{}: workers report iterations 1..{}",
+                    k.rank,
+                    k.iter,
+                    iters.saturating_sub(1)
+                )));
+            }
+        }
+        if let Some(r) = &self.resume {
+            if !r.exists() {
+                return Err(Error::Usage(format!("--resume {}: no such directory", r.display())));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl CheckpointArgs {
+    /// The launcher's checks of the directories, before any rank starts: a
+    /// fresh run refuses a directory with checkpoints, and a resume needs a
+    /// complete checkpoint before `iters`.
+    pub fn check_dirs(&self, iters: u64) -> Result<()> {
+        use tidewire::checkpoint::Loaded;
+        let launch = |e: tidewire::Error| Error::Launch(e.to_string());
+        if let (Some(dir), None) = (&self.checkpoint_dir, &self.resume) {
+            if let Some(p) = Loaded::newest_complete(dir).map_err(launch)? {
+                return Err(Error::Usage(format!(
+                    "--checkpoint-dir {} already holds checkpoints ({}): add --resume {} to go on from it, \
+                     or checkpoint into another directory",
+                    dir.display(),
+                    p.display(),
+                    dir.display()
+                )));
+            }
+        }
+        if let Some(r) = &self.resume {
+            let step = if r.join("manifest.json").is_file() {
+                r.clone()
+            } else {
+                Loaded::newest_complete(r)
+                    .map_err(launch)?
+                    .ok_or_else(|| Error::Usage(format!("--resume {}: no complete checkpoint there", r.display())))?
+            };
+            let k = step_iteration(&step);
+            if k >= iters {
+                return Err(Error::Usage(format!(
+                    "--resume {}: the checkpoint is of iteration {k}, and --iters is {iters}: raise --iters to go on",
+                    step.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The trainer's own state, saved beside every checkpoint by worker 0 (the
+/// framework state of [`tidewire::checkpoint`]): what must match for a
+/// resumed run to be the same run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// The iteration the checkpoint is of.
+    pub iteration: u64,
+    /// The model profile.
+    pub model: String,
+    /// The synthetic gradients' seed.
+    pub seed: u64,
+    /// Samples per worker per iteration.
+    pub batch: usize,
+    /// Workers.
+    pub workers: usize,
+}
+
+impl TrainerState {
+    /// Refuses a checkpoint of another run.
+    pub fn check(&self, want: &TrainerState) -> Result<()> {
+        let mut theirs = self.clone();
+        theirs.iteration = want.iteration;
+        if &theirs != want {
+            return Err(Error::Usage(format!(
+                "the checkpoint is of another run ({self:?}); this one is {want:?}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// One rollback of the launcher.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Restart {
+    /// Why the run attempt ended.
+    pub cause: String,
+    /// The iteration the next attempt resumed from (0: from the start).
+    pub resumed_from: u64,
+    /// The checkpoint directory it resumed from.
+    pub checkpoint: Option<String>,
+    /// Seconds from the failure to the next attempt's start (the others'
+    /// grace period to report the loss, and the rollback).
+    pub recovery_s: f64,
+}
+
+/// The node arguments without `--resume` (the launcher gives each attempt its own).
+pub fn without_resume(node_args: &[String]) -> Vec<String> {
+    let mut out = Vec::with_capacity(node_args.len());
+    let mut skip = false;
+    for a in node_args {
+        if skip {
+            skip = false;
+            continue;
+        }
+        if a == "--resume" {
+            skip = true;
+        } else if !a.starts_with("--resume=") {
+            out.push(a.clone());
+        }
+    }
+    out
+}
+
+/// Where the next attempt starts: the newest complete checkpoint in `dir`, or
+/// the start (after removing what the failed attempt left there).
+pub fn rollback_point(dir: &Path) -> Result<Option<PathBuf>> {
+    let newest = tidewire::checkpoint::Loaded::newest_complete(dir).map_err(|e| Error::Launch(e.to_string()))?;
+    if newest.is_none() {
+        tidewire::checkpoint::remove_after(dir, 0).map_err(|e| Error::Launch(e.to_string()))?;
+    }
+    Ok(newest)
+}
+
+/// The iteration of a step directory (`step-00000012` → 12).
+pub fn step_iteration(step: &Path) -> u64 {
+    step.file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("step-"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kill_flags_parse_and_resume_is_stripped() {
+        assert_eq!(parse_kill("2@5"), Ok(Kill { rank: 2, iter: 5 }));
+        assert!(parse_kill("2").is_err());
+        assert!(parse_kill("x@5").is_err());
+        let a: Vec<String> = ["--iters", "9", "--resume", "/x", "--resume=/y", "--verify"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(without_resume(&a), vec!["--iters", "9", "--verify"]);
+    }
+}

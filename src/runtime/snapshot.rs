@@ -1,0 +1,134 @@
+//! Checkpoint snapshots ([`crate::checkpoint`]): what the runtime thread and
+//! the server executor copy, at the iteration a checkpoint is due, for the
+//! writer thread to write.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use tidewire_engine::node::Node;
+use tidewire_engine::{Book, Scheme};
+
+use tidewire_engine::node::LocalRegion;
+use tidewire_transport::Region;
+
+use crate::checkpoint::{Tensor, Writer};
+
+/// The worker executor's momentum of the layers it updates itself (SFB),
+/// by layer: the executor updates it, worker 0's runtime copies it into a
+/// checkpoint when the layer is synced (no update runs then: the next one
+/// needs the layer handed in again).
+pub(crate) type WorkerMomentum = Arc<Mutex<HashMap<u32, Vec<f32>>>>;
+
+/// Worker 0's snapshots of the model, layer by layer as they become synced.
+pub(crate) struct ModelSnap {
+    writer: Writer,
+    momentum: WorkerMomentum,
+    pending: BTreeMap<u64, (Vec<Option<Tensor>>, Vec<Tensor>, usize)>,
+}
+
+impl ModelSnap {
+    pub(crate) fn new(writer: Writer, momentum: WorkerMomentum) -> Self {
+        ModelSnap {
+            writer,
+            momentum,
+            pending: BTreeMap::new(),
+        }
+    }
+
+    /// `layer` is synced for engine iteration `iter`: copy it if that
+    /// completes a checkpoint's iteration, and hand the checkpoint to the
+    /// writer once every layer is in.
+    pub(crate) fn layer_ready<'a>(
+        &mut self,
+        book: &Book,
+        node: &Node,
+        region: impl Fn(LocalRegion) -> Result<&'a Region, String>,
+        layer: u32,
+        iter: u64,
+    ) -> Result<(), String> {
+        let Some(k) = self.writer.plan().due(iter) else {
+            return Ok(());
+        };
+        let nl = book.layers().len();
+        let spec = book.layer(layer).map_err(|e| e.to_string())?;
+        let at = node.layer_locs(layer).ok_or("not a worker")?.0;
+        let mut data = vec![0f32; spec.params()];
+        // Servers may write this region (their next broadcasts, under SSP):
+        // read it through relaxed atomics, never as a slice.
+        region(at.region)?
+            .read_f32_relaxed(at.offset as usize, &mut data)
+            .map_err(|e| e.to_string())?;
+        let entry = self
+            .pending
+            .entry(k)
+            .or_insert_with(|| (vec![None; nl], Vec::new(), nl));
+        if entry.0[layer as usize].is_none() {
+            entry.2 -= 1;
+        }
+        entry.0[layer as usize] = Some(Tensor {
+            name: spec.name.clone(),
+            shape: vec![spec.m, spec.n],
+            data,
+        });
+        if book.scheme(layer, iter) == Scheme::Sfb {
+            let m = self.momentum.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(v) = m.get(&layer).filter(|v| !v.is_empty()) {
+                entry.1.push(Tensor {
+                    name: format!("momentum/{}", spec.name),
+                    shape: vec![spec.m, spec.n],
+                    data: v.clone(),
+                });
+            }
+        }
+        if entry.2 == 0 {
+            let (layers, momentum, _) = self.pending.remove(&k).expect("present");
+            let mut tensors: Vec<Tensor> = layers.into_iter().map(|t| t.expect("every layer in")).collect();
+            tensors.extend(momentum);
+            self.writer.model(k, tensors);
+        }
+        Ok(())
+    }
+}
+
+/// A server's snapshots of its shard's momentum, chunk by chunk as each is applied.
+pub(crate) struct ServerSnap {
+    writer: Writer,
+    book: Arc<Book>,
+    chunks: usize,
+    pending: BTreeMap<u64, Vec<Tensor>>,
+}
+
+impl ServerSnap {
+    pub(crate) fn new(writer: Writer, book: Arc<Book>, rank: u32) -> Self {
+        ServerSnap {
+            chunks: crate::checkpoint::ps_chunks(&book, rank),
+            writer,
+            book,
+            pending: BTreeMap::new(),
+        }
+    }
+
+    /// `chunk` was applied for engine iteration `iter`; `momentum` is its
+    /// momentum now (empty when the op keeps none: nothing to save).
+    pub(crate) fn applied(&mut self, chunk: u32, iter: u64, momentum: &[f32]) -> Result<(), String> {
+        let Some(k) = self.writer.plan().due(iter) else {
+            return Ok(());
+        };
+        if momentum.is_empty() {
+            return Ok(());
+        }
+        let ch = self.book.chunks().get(chunk as usize).ok_or("unknown chunk")?;
+        let name = &self.book.layers()[ch.layer as usize].name;
+        let p = self.pending.entry(k).or_default();
+        p.push(Tensor {
+            name: format!("momentum/{name}/{}", ch.offset),
+            shape: vec![momentum.len()],
+            data: momentum.to_vec(),
+        });
+        if p.len() == self.chunks {
+            let t = self.pending.remove(&k).expect("present");
+            self.writer.server(k, t);
+        }
+        Ok(())
+    }
+}
