@@ -46,7 +46,8 @@ pub struct CheckpointArgs {
     #[arg(long, default_value_t = 3)]
     pub max_restarts: u32,
     /// Fault injection: SIGKILL rank R once a worker reports iteration I
-    /// (`R@I`). Repeatable: the faults fire one per run attempt, in order.
+    /// (`R@I`) and the checkpoint due by then is complete. Repeatable: the
+    /// faults fire one per run attempt, in order.
     #[arg(long = "fault-kill", value_parser = parse_kill)]
     pub fault_kill: Vec<Kill>,
 }
@@ -245,6 +246,25 @@ pub fn rollback_point(dir: &Path) -> Result<Option<PathBuf>> {
         tidewire::checkpoint::remove_after(dir, 0).map_err(|e| Error::Launch(e.to_string()))?;
     }
     Ok(newest)
+}
+
+/// Whether a `--fault-kill` at iteration `iter` may fire: once the newest
+/// checkpoint due by then is complete, so that where a fault rolls back to
+/// does not depend on how fast the checkpoint thread wrote (a test's
+/// determinism). It fires anyway 10 s after the attempt began.
+pub fn due_checkpoint_done(ckpt: &CheckpointArgs, iter: u64, began: std::time::Instant) -> bool {
+    let Some(dir) = &ckpt.checkpoint_dir else {
+        return true;
+    };
+    let due = iter / ckpt.checkpoint_every * ckpt.checkpoint_every;
+    let resumed = ckpt.resume.as_deref().map_or(0, step_iteration);
+    if due <= resumed || began.elapsed() > std::time::Duration::from_secs(10) {
+        return true;
+    }
+    matches!(
+        tidewire::checkpoint::Loaded::newest_complete(dir),
+        Ok(Some(p)) if step_iteration(&p) >= due
+    )
 }
 
 /// The iteration of a step directory (`step-00000012` → 12).

@@ -1608,17 +1608,22 @@ fn launch_attempt(
     while statuses.iter().any(Option::is_none) {
         // Fault injection: the next --fault-kill, once a worker reports its iteration.
         if let Some(k) = kills.front().copied().filter(|_| !killed) {
-            if max_iter.load(Ordering::Relaxed) >= k.iter {
-                if let Some((_, c)) = children.iter_mut().find(|(r, _)| *r == k.rank) {
-                    let _ = c.kill();
-                }
-                failed.push(format!(
-                    "rank {} was killed (SIGKILL) at iteration {} by --fault-kill",
-                    k.rank, k.iter
-                ));
+            if max_iter.load(Ordering::Relaxed) >= k.iter && resilience::due_checkpoint_done(&args.ckpt, k.iter, began)
+            {
                 kills.pop_front();
-                killed = true;
-                first_failure.get_or_insert_with(Instant::now);
+                // Only a rank still running is killed (one that finished has nothing to lose).
+                if let Some((_, c)) = children.iter_mut().find(|(r, _)| *r == k.rank) {
+                    if matches!(c.try_wait(), Ok(None)) {
+                        let _ = c.kill();
+                        failed.push(format!(
+                            "rank {} was killed (SIGKILL) at iteration {} by --fault-kill",
+                            k.rank,
+                            max_iter.load(Ordering::Relaxed)
+                        ));
+                        killed = true;
+                        first_failure.get_or_insert_with(Instant::now);
+                    }
+                }
             }
         }
         for (i, (rank, child)) in children.iter_mut().enumerate() {
@@ -1653,7 +1658,8 @@ fn launch_attempt(
             ));
             break;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        // A pending fault is injected within a couple of milliseconds of its iteration.
+        std::thread::sleep(Duration::from_millis(if kills.is_empty() || killed { 20 } else { 2 }));
     }
     for (_, c) in children.iter_mut() {
         let _ = c.wait();
