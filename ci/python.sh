@@ -78,6 +78,9 @@ phase "install"
 (cd / && "$VENV/bin/python" -c 'import tidewire, tidewire.torch; print("tidewire", tidewire.__version__, "from", tidewire.__file__)')
 
 phase "pytest"
+# test_checkpoint.py reads the checkpoints `tidewire train` writes.
+cargo build --release --locked -q -p tidewire-cli --bin tidewire
+export TIDEWIRE_CLI=$TARGET_DIR/release/tidewire
 "$VENV/bin/python" -m pytest -v -rs -p no:cacheprovider --durations=10 python/tests
 # Commands after `--` run with this venv's python first on PATH (and as $PYTHON), e.g.
 # `ci/python.sh -- bash examples/torch/check_digits.sh`.

@@ -1,0 +1,91 @@
+"""Checkpoints (`tidewire train --checkpoint-dir`, the library's
+`tidewire::checkpoint`) load with the `safetensors` package: every layer
+under its name with its shape and its values (the run's final parameters,
+bit for bit, by the run's own digests), the metadata naming the iteration,
+and the optimizer state (momentum) complete and right: with SGD momentum
+`w_k = w_(k-1) - v_k`, which two consecutive checkpoints must satisfy exactly.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+CLI = os.environ.get("TIDEWIRE_CLI")
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a, dtype="<f4").tobytes()).hexdigest()
+
+
+def _train(args):
+    if not CLI or not Path(CLI).is_file():
+        pytest.skip(
+            f"TIDEWIRE_CLI={CLI!r} is not the tidewire binary: ci/python.sh builds it "
+            "(cargo build --release -p tidewire-cli) and sets TIDEWIRE_CLI"
+        )
+    out = subprocess.run(
+        [CLI, "train", "--json", "--time-scale", "0", *args], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _momentum(step: Path, manifest: dict, name: str, numel: int, model: dict) -> np.ndarray:
+    """A layer's momentum: whole in model.safetensors (a worker's SFB layer), or in
+    1-D pieces `momentum/{layer}/{first element}` across the servers' files."""
+    if f"momentum/{name}" in model:
+        return model[f"momentum/{name}"].reshape(-1)
+    full = np.full(numel, np.nan, dtype=np.float32)
+    covered = 0
+    for f in manifest["files"]:
+        if not f.startswith("server-"):
+            continue
+        for key, piece in load_file(str(step / f)).items():
+            _, layer, first = key.split("/")
+            if layer == name:
+                first = int(first)
+                assert np.isnan(full[first : first + piece.size]).all(), f"{key} overlaps another piece"
+                full[first : first + piece.size] = piece
+                covered += piece.size
+    assert covered == numel, f"the momentum pieces of {name} cover {covered} of {numel} values"
+    return full
+
+
+@pytest.mark.parametrize("cluster", [["--servers", "2"], ["--colocate"]])
+def test_checkpoint_files_load_with_safetensors(tmp_path, cluster):
+    d = tmp_path / "ckpt"
+    r = _train(
+        ["--model", "vgg19-mini", "--workers", "2", *cluster, "--iters", "6", "--verify",
+         "--checkpoint-dir", str(d), "--checkpoint-every", "1", "--checkpoint-keep", "2"]
+    )
+    assert r["verified"] is True
+    assert sorted(p.name for p in d.iterdir()) == ["step-00000005", "step-00000006"]
+    steps = {k: d / f"step-{k:08d}" for k in (5, 6)}
+    manifests = {k: json.loads((s / "manifest.json").read_text()) for k, s in steps.items()}
+    models = {k: load_file(str(s / "model.safetensors")) for k, s in steps.items()}
+    assert manifests[6]["iteration"] == 6 and manifests[6]["format"] == "tidewire-checkpoint"
+    with safe_open(str(steps[6] / "model.safetensors"), framework="numpy") as f:
+        meta = f.metadata()
+    assert meta["iteration"] == "6" and meta["run"] == manifests[6]["run"], meta
+    assert len(r["layers"]) == len(manifests[6]["layers"])
+    sfb = 0
+    for row, want in zip(r["layers"], r["digests"]):
+        name, shape = row["name"], tuple(row["shape"])
+        w = models[6][name]
+        assert w.dtype == np.float32 and w.shape == shape, (name, w.dtype, w.shape, shape)
+        # The last checkpoint holds the run's final parameters, bit for bit.
+        assert _digest(w) == want, f"{name}: the checkpoint's values are not the run's"
+        # SGD with momentum (Caffe form): w6 = w5 - v6, exactly, in f32.
+        v6 = _momentum(steps[6], manifests[6], name, w.size, models[6])
+        w5 = models[5][name].reshape(-1)
+        assert np.array_equal(w5 - v6, w.reshape(-1)), f"{name}: w6 != w5 - v6"
+        assert np.any(v6 != 0), f"{name}: all-zero momentum"
+        sfb += row["scheme"] == "sfb"
+    assert sfb > 0, "the hybrid run was meant to have SFB layers (their momentum is the worker's)"
