@@ -405,6 +405,31 @@ struct WriterInner {
     handle: Mutex<Option<JoinHandle<()>>>,
     errors: Arc<Mutex<Vec<String>>>,
     written: Arc<Mutex<Vec<u64>>>,
+    counters: Arc<Counters>,
+}
+
+/// What a rank's checkpoints cost, for reports ([`crate::Session::checkpoint_stats`]).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    copy_ns: std::sync::atomic::AtomicU64,
+    write_ns: std::sync::atomic::AtomicU64,
+    bytes: std::sync::atomic::AtomicU64,
+}
+
+/// What a rank's checkpoints cost so far.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct CheckpointStats {
+    /// Checkpoints this rank wrote its part of (global iterations).
+    pub written: Vec<u64>,
+    /// Seconds the training path spent copying snapshots (worker 0's
+    /// runtime thread copying the model, a server's executor its momentum):
+    /// the checkpoints' cost to the iterations.
+    pub copy_s: f64,
+    /// Seconds the checkpoint thread spent writing and syncing files (off
+    /// the training path, but on the same machine).
+    pub write_s: f64,
+    /// Bytes written.
+    pub bytes: u64,
 }
 
 impl std::fmt::Debug for Writer {
@@ -423,10 +448,11 @@ impl Writer {
         let (tx, rx) = crossbeam_channel::unbounded::<WriteJob>();
         let errors: Arc<Mutex<Vec<String>>> = Arc::default();
         let written: Arc<Mutex<Vec<u64>>> = Arc::default();
-        let (p, e, w) = (plan.clone(), errors.clone(), written.clone());
+        let counters: Arc<Counters> = Arc::default();
+        let (p, e, w, c) = (plan.clone(), errors.clone(), written.clone(), counters.clone());
         let handle = std::thread::Builder::new()
             .name(format!("tidewire-ckpt-{}", plan.rank))
-            .spawn(move || write_loop(&p, &rx, &e, &w))
+            .spawn(move || write_loop(&p, &rx, &e, &w, &c))
             .map_err(|e| Error::Thread {
                 what: "checkpoint writer",
                 reason: e.to_string(),
@@ -438,6 +464,7 @@ impl Writer {
                 handle: Mutex::new(Some(handle)),
                 errors,
                 written,
+                counters,
             }),
         })
     }
@@ -489,9 +516,23 @@ impl Writer {
         self.send(WriteJob::Blob { k, bytes });
         Ok(())
     }
-    /// Checkpoints this rank has written so far.
-    pub(crate) fn written(&self) -> Vec<u64> {
-        self.inner.written.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    /// What this rank's checkpoints cost so far.
+    pub(crate) fn stats(&self) -> CheckpointStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = &self.inner.counters;
+        CheckpointStats {
+            written: self.inner.written.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            copy_s: c.copy_ns.load(Relaxed) as f64 / 1e9,
+            write_s: c.write_ns.load(Relaxed) as f64 / 1e9,
+            bytes: c.bytes.load(Relaxed),
+        }
+    }
+    /// Counts time a snapshot copy took on the training path.
+    pub(crate) fn copied(&self, d: std::time::Duration) {
+        self.inner
+            .counters
+            .copy_ns
+            .fetch_add(d.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
     }
     /// Writes what is queued, stops the thread, and reports the first failure.
     pub(crate) fn finish(&self) -> Result<()> {
@@ -508,8 +549,20 @@ impl Writer {
     }
 }
 
-fn write_loop(plan: &Plan, rx: &Receiver<WriteJob>, errors: &Mutex<Vec<String>>, written: &Mutex<Vec<u64>>) {
+fn write_loop(
+    plan: &Plan,
+    rx: &Receiver<WriteJob>,
+    errors: &Mutex<Vec<String>>,
+    written: &Mutex<Vec<u64>>,
+    counters: &Counters,
+) {
+    use std::sync::atomic::Ordering::Relaxed;
     for job in rx {
+        let t = std::time::Instant::now();
+        let bytes = match &job {
+            WriteJob::Tensors { tensors, .. } => tensors.iter().map(|t| t.data.len() as u64 * 4).sum(),
+            WriteJob::Blob { bytes, .. } => bytes.len() as u64,
+        };
         let (k, r) = match job {
             WriteJob::Tensors { k, file, kind, tensors } => (
                 k,
@@ -533,9 +586,15 @@ fn write_loop(plan: &Plan, rx: &Receiver<WriteJob>, errors: &Mutex<Vec<String>>,
             let j = serde_json::to_vec_pretty(&plan.manifest(k)).expect("JSON serializes");
             write_atomic(&step_dir(&plan.cfg.dir, k).join("manifest.json"), |w| w.write_all(&j))
         });
+        counters.write_ns.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
         match r {
             Ok(()) => {
-                written.lock().unwrap_or_else(|p| p.into_inner()).push(k);
+                counters.bytes.fetch_add(bytes, Relaxed);
+                let mut w = written.lock().unwrap_or_else(|p| p.into_inner());
+                if !w.contains(&k) {
+                    w.push(k);
+                }
+                drop(w);
                 if plan.model_writer {
                     if let Err(e) = prune(&plan.cfg.dir, plan.cfg.keep) {
                         tracing::warn!(rank = plan.rank, "checkpoint: pruning: {e}");

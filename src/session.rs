@@ -320,6 +320,7 @@ impl Builder {
             }
         };
         Ok(Session {
+            ckpt_stats: writer.clone(),
             writer,
             start_iteration,
             framework,
@@ -431,6 +432,8 @@ fn check_layout(book: &Book, l: &BufferLayout, what: &str) -> Result<()> {
 #[derive(Debug)]
 pub struct Session {
     writer: Option<crate::checkpoint::Writer>,
+    /// The writer, kept after shutdown for its counters.
+    ckpt_stats: Option<crate::checkpoint::Writer>,
     start_iteration: u64,
     framework: Option<Vec<u8>>,
     last_error: Arc<std::sync::Mutex<Option<Error>>>,
@@ -471,9 +474,11 @@ impl Session {
             .ok_or_else(|| Error::Checkpoint("this session does not checkpoint (Builder::checkpoint)".into()))?;
         w.framework(iteration, state)
     }
-    /// The checkpoints this rank has written its part of so far (global iterations).
-    pub fn checkpoints_written(&self) -> Vec<u64> {
-        self.writer.as_ref().map(|w| w.written()).unwrap_or_default()
+    /// What this rank's checkpoints cost so far, and which it wrote its part
+    /// of; `None` when the session does not checkpoint. After
+    /// [`Session::shutdown`] it includes the last writes.
+    pub fn checkpoint_stats(&self) -> Option<crate::checkpoint::CheckpointStats> {
+        self.ckpt_stats.as_ref().map(|w| w.stats())
     }
     /// This rank's role.
     pub fn role(&self) -> Role {

@@ -206,6 +206,47 @@ impl TrainerState {
     }
 }
 
+/// What a run's checkpoints cost, over its ranks.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CheckpointSummary {
+    /// --checkpoint-every.
+    pub every: u64,
+    /// The checkpoints written in this attempt (by worker 0, whose part is the model).
+    pub written: Vec<u64>,
+    /// The most seconds any rank's training path spent copying snapshots.
+    pub copy_s: f64,
+    /// Seconds the ranks' checkpoint threads spent writing, in all.
+    pub write_s: f64,
+    /// Bytes written, over all ranks.
+    pub bytes: u64,
+    /// `copy_s` over the attempt's training time (mean iteration × iterations):
+    /// the fraction of the iteration time the checkpoints cost.
+    pub cost_fraction: f64,
+}
+
+impl CheckpointSummary {
+    /// Sums the ranks' counters.
+    pub fn of(results: &[crate::train::NodeResult], ckpt: &CheckpointArgs, iteration_s: f64, iters: usize) -> Self {
+        let stats: Vec<&tidewire::checkpoint::CheckpointStats> =
+            results.iter().filter_map(|r| r.checkpoint.as_ref()).collect();
+        let copy_s = stats.iter().map(|c| c.copy_s).fold(0.0, f64::max);
+        let written = results
+            .iter()
+            .find(|r| r.rank == 0)
+            .and_then(|r| r.checkpoint.as_ref())
+            .map(|c| c.written.clone())
+            .unwrap_or_default();
+        CheckpointSummary {
+            every: ckpt.checkpoint_every,
+            written,
+            copy_s,
+            write_s: stats.iter().map(|c| c.write_s).sum(),
+            bytes: stats.iter().map(|c| c.bytes).sum(),
+            cost_fraction: copy_s / (iteration_s * iters as f64).max(f64::MIN_POSITIVE),
+        }
+    }
+}
+
 /// One rollback of the launcher.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Restart {

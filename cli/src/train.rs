@@ -530,6 +530,9 @@ pub struct NodeResult {
     /// Exchanges and T per iteration, with a communication frequency (workers).
     #[serde(default)]
     pub comm: Option<comm::CommSummary>,
+    /// What this rank's checkpoints cost (--checkpoint-dir).
+    #[serde(default)]
+    pub checkpoint: Option<tidewire::checkpoint::CheckpointStats>,
 }
 
 pub(crate) fn sleep(d: Duration) {
@@ -627,6 +630,7 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
             setup_tx_bytes: 0,
             setup_rx_bytes: 0,
             comm: None,
+            checkpoint: session.checkpoint_stats(),
         })
     }
 }
@@ -779,6 +783,7 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
         setup_tx_bytes: 0,
         setup_rx_bytes: 0,
         comm: None,
+        checkpoint: None,
     })
 }
 
@@ -977,6 +982,7 @@ fn worker_loop(
         setup_tx_bytes: setup.tx_payload_bytes,
         setup_rx_bytes: setup.rx_direct_bytes + setup.rx_copied_bytes,
         comm: None,
+        checkpoint: session.checkpoint_stats(),
     })
 }
 
@@ -1210,6 +1216,9 @@ pub struct SparseSummary {
 pub struct TrainReport {
     /// Model.
     pub model: String,
+    /// What the last attempt's checkpoints cost (--checkpoint-dir).
+    #[serde(default)]
+    pub checkpoint: Option<resilience::CheckpointSummary>,
     /// Rollbacks: every attempt that lost a rank, and where the next one resumed
     /// (--checkpoint-dir). The iteration figures are the last attempt's.
     #[serde(default)]
@@ -1756,7 +1765,12 @@ fn launch_attempt(
         (None, vec![])
     };
     let k = args.batch(&model);
+    let checkpoint = args
+        .ckpt
+        .active()
+        .then(|| resilience::CheckpointSummary::of(&results, &args.ckpt, iteration_s, per.len()));
     Ok(Attempt::Done(TrainReport {
+        checkpoint,
         restarts: Vec::new(),
         resumed_from: None,
         log_warnings: stderr_tails.into_iter().flat_map(|(_, _, w)| w).collect(),
@@ -1881,6 +1895,19 @@ pub fn render(r: &TrainReport) -> String {
             x.cause.lines().next().unwrap_or(""),
             x.resumed_from,
             x.recovery_s
+        );
+    }
+    if let Some(c) = &r.checkpoint {
+        let _ = writeln!(
+            s,
+            "checkpoints every {} iterations: {} written ({:.1} MB); copying them cost the iterations {:.3} s \
+             ({:.3}% of the run), writing took {:.2} s on the checkpoint threads",
+            c.every,
+            c.written.len(),
+            c.bytes as f64 / 1e6,
+            c.copy_s,
+            100.0 * c.cost_fraction,
+            c.write_s
         );
     }
     if let Some(k) = r.resumed_from {
@@ -2386,6 +2413,7 @@ pub mod comm {
             local: None,
             setup_tx_bytes: 0,
             setup_rx_bytes: 0,
+            checkpoint: None,
         })
     }
 

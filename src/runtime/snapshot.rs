@@ -49,6 +49,21 @@ impl ModelSnap {
         let Some(k) = self.writer.plan().due(iter) else {
             return Ok(());
         };
+        let t = std::time::Instant::now();
+        let r = self.copy(book, node, region, layer, iter, k);
+        self.writer.copied(t.elapsed());
+        r
+    }
+
+    fn copy<'a>(
+        &mut self,
+        book: &Book,
+        node: &Node,
+        region: impl Fn(LocalRegion) -> Result<&'a Region, String>,
+        layer: u32,
+        iter: u64,
+        k: u64,
+    ) -> Result<(), String> {
         let nl = book.layers().len();
         let spec = book.layer(layer).map_err(|e| e.to_string())?;
         let at = node.layer_locs(layer).ok_or("not a worker")?.0;
@@ -117,6 +132,7 @@ impl ServerSnap {
         if momentum.is_empty() {
             return Ok(());
         }
+        let t = std::time::Instant::now();
         let ch = self.book.chunks().get(chunk as usize).ok_or("unknown chunk")?;
         let name = &self.book.layers()[ch.layer as usize].name;
         let p = self.pending.entry(k).or_default();
@@ -125,7 +141,9 @@ impl ServerSnap {
             shape: vec![momentum.len()],
             data: momentum.to_vec(),
         });
-        if p.len() == self.chunks {
+        let done = p.len() == self.chunks;
+        self.writer.copied(t.elapsed());
+        if done {
             let t = self.pending.remove(&k).expect("present");
             self.writer.server(k, t);
         }
