@@ -639,7 +639,7 @@ fn prune(dir: &Path, keep: usize) -> Result<()> {
         .filter(|(_, p)| completeness(p).is_ok())
         .map(|(k, _)| *k)
         .collect();
-    let Some(&oldest_kept) = complete.iter().rev().take(keep).last() else {
+    let Some(&oldest_kept) = complete.get(complete.len().saturating_sub(keep)) else {
         return Ok(());
     };
     for (k, p) in all {
@@ -656,8 +656,10 @@ pub fn remove_after(dir: &Path, k: u64) -> Result<Vec<u64>> {
     let mut gone = Vec::new();
     for (s, p) in steps(dir)? {
         if s > k {
-            fs::remove_dir_all(&p).map_err(|e| io_err("cannot remove", &p, e))?;
-            gone.push(s);
+            match fs::remove_dir_all(&p) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_err("cannot remove", &p, e)),
+                _ => gone.push(s),
+            }
         }
     }
     Ok(gone)

@@ -363,7 +363,10 @@ impl Builder {
                 ));
             }
             c.validate()?;
-            if self.cfg.resume.is_some() {
+            let model_writer = book.cluster().worker_index(rank) == Some(0);
+            if self.cfg.resume.is_some() && model_writer {
+                // Worker 0 alone removes them, before the rendezvous: no rank can
+                // write a checkpoint until every rank has joined.
                 let gone = checkpoint::remove_after(&c.dir, base)?;
                 if !gone.is_empty() {
                     tracing::info!(

@@ -225,16 +225,19 @@ pub struct CheckpointSummary {
 }
 
 impl CheckpointSummary {
-    /// Sums the ranks' counters.
-    pub fn of(results: &[crate::train::NodeResult], ckpt: &CheckpointArgs, iteration_s: f64, iters: usize) -> Self {
-        let stats: Vec<&tidewire::checkpoint::CheckpointStats> =
-            results.iter().filter_map(|r| r.checkpoint.as_ref()).collect();
+    /// Sums the ranks' counters (`(rank, its counters)`); `iteration_s × iters` is the training time.
+    pub fn of(
+        ranks: &[(u32, &tidewire::checkpoint::CheckpointStats)],
+        ckpt: &CheckpointArgs,
+        iteration_s: f64,
+        iters: usize,
+    ) -> Self {
+        let stats: Vec<&tidewire::checkpoint::CheckpointStats> = ranks.iter().map(|r| r.1).collect();
         let copy_s = stats.iter().map(|c| c.copy_s).fold(0.0, f64::max);
-        let written = results
+        let written = ranks
             .iter()
-            .find(|r| r.rank == 0)
-            .and_then(|r| r.checkpoint.as_ref())
-            .map(|c| c.written.clone())
+            .find(|r| r.0 == 0)
+            .map(|r| r.1.written.clone())
             .unwrap_or_default();
         CheckpointSummary {
             every: ckpt.checkpoint_every,

@@ -1382,7 +1382,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
             Attempt::Done(mut r) => {
                 r.restarts = restarts;
                 r.resumed_from = resume.as_deref().map(resilience::step_iteration);
-                return Ok(r);
+                return Ok(*r);
             }
             Attempt::Failed {
                 cause,
@@ -1437,7 +1437,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
 
 /// How one run attempt of the local cluster ended.
 enum Attempt {
-    Done(TrainReport),
+    Done(Box<TrainReport>),
     /// A rank was lost or failed: the launcher may roll back.
     Failed {
         cause: String,
@@ -1765,11 +1765,14 @@ fn launch_attempt(
         (None, vec![])
     };
     let k = args.batch(&model);
-    let checkpoint = args
-        .ckpt
-        .active()
-        .then(|| resilience::CheckpointSummary::of(&results, &args.ckpt, iteration_s, per.len()));
-    Ok(Attempt::Done(TrainReport {
+    let checkpoint = args.ckpt.active().then(|| {
+        let ranks: Vec<(u32, &tidewire::checkpoint::CheckpointStats)> = results
+            .iter()
+            .filter_map(|r| Some((r.rank, r.checkpoint.as_ref()?)))
+            .collect();
+        resilience::CheckpointSummary::of(&ranks, &args.ckpt, iteration_s, per.len())
+    });
+    Ok(Attempt::Done(Box::new(TrainReport {
         checkpoint,
         restarts: Vec::new(),
         resumed_from: None,
@@ -1851,7 +1854,7 @@ fn launch_attempt(
                 })
                 .collect()
         },
-    }))
+    })))
 }
 
 /// Sums a counter over each worker node's ranks (worker ranks `0..P1`; with

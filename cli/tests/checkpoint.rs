@@ -22,10 +22,7 @@ fn run(args: &[String]) -> (Output, f64) {
     if !args.iter().any(|a| a == "--model") {
         c.args(["--model", "vgg19-mini"]);
     }
-    let out = c
-        .args(args)
-        .output()
-        .expect("tidewire runs");
+    let out = c.args(args).output().expect("tidewire runs");
     (out, t.elapsed().as_secs_f64())
 }
 

@@ -23,7 +23,15 @@ pub(crate) type WorkerMomentum = Arc<Mutex<HashMap<u32, Vec<f32>>>>;
 pub(crate) struct ModelSnap {
     writer: Writer,
     momentum: WorkerMomentum,
-    pending: BTreeMap<u64, (Vec<Option<Tensor>>, Vec<Tensor>, usize)>,
+    pending: BTreeMap<u64, Pending>,
+}
+
+/// A model checkpoint being gathered: every layer's parameters, the SFB
+/// layers' momentum, and how many layers are still to come.
+struct Pending {
+    layers: Vec<Option<Tensor>>,
+    momentum: Vec<Tensor>,
+    left: usize,
 }
 
 impl ModelSnap {
@@ -73,14 +81,15 @@ impl ModelSnap {
         region(at.region)?
             .read_f32_relaxed(at.offset as usize, &mut data)
             .map_err(|e| e.to_string())?;
-        let entry = self
-            .pending
-            .entry(k)
-            .or_insert_with(|| (vec![None; nl], Vec::new(), nl));
-        if entry.0[layer as usize].is_none() {
-            entry.2 -= 1;
+        let entry = self.pending.entry(k).or_insert_with(|| Pending {
+            layers: vec![None; nl],
+            momentum: Vec::new(),
+            left: nl,
+        });
+        if entry.layers[layer as usize].is_none() {
+            entry.left -= 1;
         }
-        entry.0[layer as usize] = Some(Tensor {
+        entry.layers[layer as usize] = Some(Tensor {
             name: spec.name.clone(),
             shape: vec![spec.m, spec.n],
             data,
@@ -88,17 +97,17 @@ impl ModelSnap {
         if book.scheme(layer, iter) == Scheme::Sfb {
             let m = self.momentum.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(v) = m.get(&layer).filter(|v| !v.is_empty()) {
-                entry.1.push(Tensor {
+                entry.momentum.push(Tensor {
                     name: format!("momentum/{}", spec.name),
                     shape: vec![spec.m, spec.n],
                     data: v.clone(),
                 });
             }
         }
-        if entry.2 == 0 {
-            let (layers, momentum, _) = self.pending.remove(&k).expect("present");
-            let mut tensors: Vec<Tensor> = layers.into_iter().map(|t| t.expect("every layer in")).collect();
-            tensors.extend(momentum);
+        if entry.left == 0 {
+            let p = self.pending.remove(&k).expect("present");
+            let mut tensors: Vec<Tensor> = p.layers.into_iter().map(|t| t.expect("every layer in")).collect();
+            tensors.extend(p.momentum);
             self.writer.model(k, tensors);
         }
         Ok(())
