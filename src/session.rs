@@ -364,16 +364,18 @@ impl Builder {
             }
             c.validate()?;
             let model_writer = book.cluster().worker_index(rank) == Some(0);
-            if self.cfg.resume.is_some() && model_writer {
-                // Worker 0 alone removes them, before the rendezvous: no rank can
-                // write a checkpoint until every rank has joined.
-                let gone = checkpoint::remove_after(&c.dir, base)?;
-                if !gone.is_empty() {
-                    tracing::info!(
-                        rank,
-                        ?gone,
-                        "removed the failed run's checkpoints after the one resumed"
-                    );
+            if self.cfg.resume.is_some() {
+                if model_writer {
+                    // Worker 0 alone removes them, before the rendezvous: no rank can
+                    // write a checkpoint until every rank has joined.
+                    let gone = checkpoint::remove_after(&c.dir, base)?;
+                    if !gone.is_empty() {
+                        tracing::info!(
+                            rank,
+                            ?gone,
+                            "removed the failed run's checkpoints after the one resumed"
+                        );
+                    }
                 }
             } else if let Some(p) = Loaded::newest_complete(&c.dir)? {
                 return Err(Error::Checkpoint(format!(
