@@ -359,6 +359,10 @@ impl Layers for LearnerPushPull {
 struct Session {
     /// The session; `None` once shut down.
     pp: Mutex<Option<Inner>>,
+    /// Iterations done before this session (the resumed checkpoint's).
+    start_iteration: u64,
+    /// The framework state saved with the resumed checkpoint.
+    framework: Option<Vec<u8>>,
     rank: u32,
     role: Role,
     world: usize,
@@ -437,7 +441,7 @@ impl Session {
         layers, *, params, grads, rank, world, master, secret, servers = 0, job = 1, batch = 32,
         apply = None, consistency = None, policy = "hybrid", transport = "auto", timeout = 60.0,
         connect_timeout = 60.0, chunk_bytes = None, slice_params = None, listen_ip = None, local = None,
-        comm = None
+        comm = None, checkpoint = None, resume = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -463,6 +467,8 @@ impl Session {
         listen_ip: Option<&str>,
         local: Option<(usize, usize, String, u64, u64)>,
         comm: Option<(String, u32, u32, u32, f64, Option<u64>)>,
+        checkpoint: Option<(String, u64, usize, bool)>,
+        resume: Option<String>,
     ) -> PyResult<Self> {
         if layers.is_empty() {
             return Err(PyValueError::new_err("the layer table is empty"));
@@ -557,6 +563,22 @@ impl Session {
         if let Some(c) = comm {
             b = b.comm(parse_comm(c)?);
         }
+        if (checkpoint.is_some() || resume.is_some()) && local.is_some() {
+            return Err(PyValueError::new_err(
+                "checkpoint/resume with local aggregation is not supported yet",
+            ));
+        }
+        if let Some((dir, every, keep, framework_state)) = checkpoint {
+            b = b.checkpoint(tidewire::checkpoint::Checkpointing {
+                dir: dir.into(),
+                every,
+                keep,
+                framework_state,
+            });
+        }
+        if let Some(r) = resume {
+            b = b.resume(r);
+        }
         if let Some(c) = chunk_bytes {
             b = b.chunk_bytes(c);
         }
@@ -616,6 +638,9 @@ impl Session {
                 })
             })
             .map_err(tw_err)?;
+        let (start_iteration, framework) = inner.session().map_or((0, None), |s| {
+            (s.start_iteration(), s.framework_state().map(<[u8]>::to_vec))
+        });
         let (role, schemes, transport, batch) = match inner.session() {
             Some(s) => (
                 s.role(),
@@ -637,6 +662,8 @@ impl Session {
             ),
         };
         Ok(Session {
+            start_iteration,
+            framework,
             rank,
             role,
             world,
@@ -748,6 +775,41 @@ impl Session {
     fn abort(&self, py: Python<'_>) {
         // Dropping the session sends the abort and joins its runtime thread.
         py.detach(|| drop(self.lock().take()));
+    }
+
+    /// Iterations done before this session: 0, or the iteration of the
+    /// checkpoint it resumed (`resume=`).
+    #[getter]
+    fn start_iteration(&self) -> u64 {
+        self.start_iteration
+    }
+
+    /// The framework state (bytes) saved with the resumed checkpoint, or None.
+    fn framework_state<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.framework.as_deref().map(|b| PyBytes::new(py, b))
+    }
+
+    /// Saves the learner's framework state (bytes, e.g. a `torch.save` of a
+    /// `state_dict`) with checkpoint `iteration` (a multiple of the
+    /// checkpoint period). Returns at once: the checkpoint thread writes it.
+    fn save_framework_state(&self, py: Python<'_>, iteration: u64, state: Vec<u8>) -> PyResult<()> {
+        self.with_inner(py, move |inner| match inner.session() {
+            Some(s) => s.save_framework_state(iteration, state),
+            None => Err(tidewire::Error::Checkpoint("a local learner does not checkpoint".into())),
+        })
+    }
+
+    /// What this rank's checkpoints cost so far (a dict: written, copy_s,
+    /// write_s, bytes), or None when the session does not checkpoint.
+    fn checkpoint_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let st = self.with_inner(py, |inner| Ok(inner.session().and_then(|s| s.checkpoint_stats())))?;
+        let Some(st) = st else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("written", st.written)?;
+        d.set_item("copy_s", st.copy_s)?;
+        d.set_item("write_s", st.write_s)?;
+        d.set_item("bytes", st.bytes)?;
+        Ok(Some(d))
     }
 
     /// This rank's role: 'both' (worker and server shard), 'worker' or
@@ -959,9 +1021,19 @@ impl FreqGuide {
 }
 
 /// Tidewire's native module (see the crate docs).
+/// The newest complete checkpoint (a `step-*` directory) under `dir`, or
+/// None: where a restarted job resumes from.
+#[pyfunction]
+fn newest_checkpoint(dir: &str) -> PyResult<Option<String>> {
+    tidewire::checkpoint::Loaded::newest_complete(dir)
+        .map(|p| p.map(|p| p.display().to_string()))
+        .map_err(tw_err)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Session>()?;
+    m.add_function(wrap_pyfunction!(newest_checkpoint, m)?)?;
     m.add_class::<FreqGuide>()?;
     m.add("TidewireError", m.py().get_type::<TidewireError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -127,13 +127,13 @@ def optimizer(name: str, params, lr: float = 0.05):
 
 
 def train(net: nn.Module, opt, steps: int, batch: int, rank: int = 0, world: int = 1, passes: int = 1,
-          zero=None, seed: int = 0):
+          zero=None, seed: int = 0, first: int = 0):
     """Each step takes the next global batch; this rank trains on its shard of
-    it (in ``passes`` backward passes). Returns the losses."""
+    it (in ``passes`` backward passes), steps ``first`` to ``steps``. Returns the losses."""
     x, y = data(seed=seed)
     per = batch // world
     losses = []
-    for s in range(steps):
+    for s in range(first, steps):
         lo = (s * batch) % (x.shape[0] - batch + 1)
         xb, yb = x[lo : lo + batch], y[lo : lo + batch]
         xs, ys = xb[rank * per : (rank + 1) * per], yb[rank * per : (rank + 1) * per]

@@ -41,6 +41,7 @@ def train_one(cfg) -> dict:
             prefetch=cfg.get("prefetch", False),
             consistency=tuple(cfg["consistency"]) if "consistency" in cfg else "bsp",
             **cfg.get("comm", {}),
+            **cfg.get("checkpoint", {}),
         )
     finally:
         for k, v in env.items():
@@ -64,8 +65,20 @@ def train_one(cfg) -> dict:
 
         opt.step = step
     t0 = time.time()
+    first = getattr(opt, "start_step", 0)
+    if "die_after" in cfg:
+        # A lost job: every rank stops dead after this many steps (no shutdown).
+        C.train(net, opt, cfg["die_after"], cfg.get("batch", 16), tw.rank(), tw.size(), first=first)
+        c = cfg["checkpoint"]
+        due = cfg["die_after"] - cfg["die_after"] % c["checkpoint_every"]
+        want = os.path.join(c["checkpoint_dir"], f"step-{due:08d}")
+        deadline = time.time() + 30
+        # The checkpoint threads write off the training path: give them their time.
+        while tidewire._native.newest_checkpoint(c["checkpoint_dir"]) != want and time.time() < deadline:
+            time.sleep(0.05)
+        os._exit(17)
     losses = C.train(net, opt, cfg.get("steps", 6), cfg.get("batch", 16), tw.rank(), tw.size(),
-                     passes=cfg.get("passes", 1), zero=zero)
+                     passes=cfg.get("passes", 1), zero=zero, first=first)
     flushed = opt.flush() if cfg.get("flush") else None
     opt.synchronize()
     took = time.time() - t0
@@ -73,7 +86,8 @@ def train_one(cfg) -> dict:
     state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     grads_none = [n for n, p in net.named_parameters() if p.requires_grad and p.grad is None]
     return {"state": state, "losses": losses, "stats": stats, "seconds": took, "grads_none": grads_none,
-            "t_per_step": t_per_step, "flushed": flushed}
+            "t_per_step": t_per_step, "flushed": flushed, "start_step": first,
+            "resumed_from": getattr(opt, "resumed_from", None)}
 
 
 def multi(cfg) -> dict:

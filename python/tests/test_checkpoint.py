@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
@@ -89,3 +90,52 @@ def test_checkpoint_files_load_with_safetensors(tmp_path, cluster):
         assert np.any(v6 != 0), f"{name}: all-zero momentum"
         sfb += row["scheme"] == "sfb"
     assert sfb > 0, "the hybrid run was meant to have SFB layers (their momentum is the worker's)"
+
+
+def _bitwise(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, f"{what}: {k}"
+        assert torch.equal(a[k].view(-1).view(torch.int32) if a[k].dtype == torch.float32 else a[k],
+                           b[k].view(-1).view(torch.int32) if b[k].dtype == torch.float32 else b[k]), \
+            f"{what}: {k} differs"
+
+
+@pytest.mark.parametrize("apply,opt", [("server", "momentum"), ("local", "adam")])
+def test_a_lost_torch_job_run_again_resumes_where_it_stopped_bitwise(tmp_path, apply, opt):
+    """tidewire.torch with checkpoint_dir and resume=True, as a script that
+    torchrun's elastic restart runs again: the first run dies (every rank,
+    os._exit, no shutdown) after step 7; the second resumes from the
+    checkpoint of step 6 and trains to step 10. Its parameters equal an
+    uninterrupted run's, bit for bit, and the checkpoint's torch side loads."""
+    from conftest import run_ranks
+
+    steps, batch = 10, 16
+    plain = {"opt": opt, "apply": apply, "steps": steps, "batch": batch}
+    d = tmp_path / "ckpt"
+    ck = {"checkpoint_dir": str(d), "checkpoint_every": 3, "resume": True}
+    want = run_ranks(tmp_path, 2, {"scenario": "multi", "runs": {"a": plain}}, timeout=120).results()
+    lost = run_ranks(tmp_path, 2, {"scenario": "multi", "runs": {"a": {**plain, "checkpoint": ck, "die_after": 7}}},
+                     timeout=120, check=False)
+    assert lost.codes == [17, 17], lost.log()
+    assert sorted(p.name for p in d.iterdir()) == ["step-00000003", "step-00000006"]
+    step = d / "step-00000006"
+    state = torch.load(step / "framework.bin", weights_only=False)
+    assert state["step"] == 6 and set(state) == {"step", "model", "optimizer"}
+    model = load_file(str(step / "model.safetensors"))
+    assert all(v.dtype == np.float32 for v in model.values()) and model
+    again = run_ranks(tmp_path, 2, {"scenario": "multi", "runs": {"a": {**plain, "checkpoint": ck}}},
+                      timeout=120).results()
+    for r in (0, 1):
+        assert again[r]["a"]["start_step"] == 6 and again[r]["a"]["resumed_from"] == str(step)
+        _bitwise(want[r]["a"]["state"], again[r]["a"]["state"], f"rank {r}: resumed vs uninterrupted")
+    if apply == "server":
+        # model.safetensors holds the servers' parameters after step 6: each
+        # layer (a module's parameters, back to back) equals the torch side's.
+        torch_side = state["model"]
+        layers = [n for n in model if not n.startswith("momentum/")]
+        assert layers
+        for name in layers:
+            flat = np.concatenate(
+                [t.numpy().ravel() for k, t in torch_side.items() if k.rsplit(".", 1)[0] == name])
+            assert np.array_equal(flat.view(np.int32), model[name].ravel().view(np.int32)), name

@@ -77,6 +77,8 @@ class Session:
         slice_params: Optional[int] = None,
         listen_ip: Optional[str] = None,
         comm: Optional[_Comm] = None,
+        checkpoint: Optional[Tuple[str, int, int, bool]] = None,
+        resume: Optional[str] = None,
     ) -> None:
         """Rendezvous, connect, register the memory and broadcast worker rank
         0's initial ``params`` to every rank (blocks, GIL released).
@@ -89,6 +91,11 @@ class Session:
         the last N ranks are servers only (0: every rank is both). ``comm``:
         ``(mode, t, t_max, period, tolerance, revert_at_step)``, the
         communication frequency every rank must agree on (see :class:`FreqGuide`).
+        ``checkpoint``: ``(dir, every, keep, framework_state)``, checkpoints of
+        the servers' state and worker 0's parameters every ``every``
+        iterations (safetensors, in ``dir/step-NNNNNNNN/``); ``resume``: a
+        checkpoint to start from (a step directory, or a checkpoint directory:
+        its newest complete one).
         """
     def push(self, layer: int) -> None:
         """Hand layer ``layer``'s gradient in from ``grads`` (returns at once)."""
@@ -106,6 +113,15 @@ class Session:
         """``'ps'`` or ``'sfb'``: how the layer syncs (HybComm's fixed choice)."""
     def stats(self) -> Dict[str, int]:
         """The session's counters."""
+    @property
+    def start_iteration(self) -> int:
+        """Iterations done before this session (the resumed checkpoint's; 0 when fresh)."""
+    def framework_state(self) -> Optional[bytes]:
+        """The framework state saved with the resumed checkpoint, or None."""
+    def save_framework_state(self, iteration: int, state: bytes) -> None:
+        """Save the learner's state with checkpoint ``iteration`` (returns at once)."""
+    def checkpoint_stats(self) -> Optional[Dict[str, Any]]:
+        """``written``, ``copy_s``, ``write_s``, ``bytes``; None without checkpoints."""
     def shutdown(self) -> None:
         """End the session (collective: every rank calls it; GIL released)."""
     def abort(self) -> None:
@@ -132,3 +148,6 @@ class Session:
     @property
     def memory(self) -> Tuple[Any, Any]: ...
     def __len__(self) -> int: ...
+
+def newest_checkpoint(dir: str) -> Optional[str]:
+    """The newest complete checkpoint (step directory) under ``dir``, or None."""

@@ -875,6 +875,7 @@ class _Tw:
         broadcast_buffers: Optional[bool],
         timeout: Optional[float],
         comm: Optional[Dict[str, Any]] = None,
+        ckpt: Optional[Dict[str, Any]] = None,
     ) -> None:
         env, _ = _require()
         self.env = env
@@ -936,6 +937,7 @@ class _Tw:
         if apply == "server":
             self.sgd = self._server_sgd(opt)
         self._setup_comm(comm or {})
+        self._setup_checkpoint(ckpt or {})
         self._build_layers(opt, named_parameters)
         self._build_session()
         self._install_hooks()
@@ -988,6 +990,70 @@ class _Tw:
         self.extra_exchanges = 0
         self.quality: Optional[_Layer] = None
 
+
+    def _setup_checkpoint(self, c: Dict[str, Any]) -> None:
+        """checkpoint_dir, checkpoint_every, checkpoint_keep, resume: see DistributedOptimizer."""
+        d = c.get("checkpoint_dir")
+        every = c.get("checkpoint_every", 100)
+        keep = c.get("checkpoint_keep", 2)
+        resume = c.get("resume", False)
+        self.ckpt_dir: Optional[str] = None if d is None else os.fspath(d)
+        self.ckpt_every = every
+        self.start_step = 0
+        self.resumed_from: Optional[str] = None
+        self.wrapper: Optional[torch.optim.Optimizer] = None
+        if self.ckpt_dir is None:
+            if resume not in (False, None):
+                if resume is True:
+                    raise ValueError("resume=True resumes from checkpoint_dir: give checkpoint_dir")
+            return
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"checkpoint_every={every!r}: want an int >= 1")
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"checkpoint_keep={keep!r}: want an int >= 1")
+        if self.comm_on:
+            raise ValueError("checkpoint_dir with comm_every/comm_mode/quality_guided is not supported yet")
+        if self.env.local_agg:
+            raise ValueError("checkpoint_dir with local aggregation (TIDEWIRE_LOCAL_AGGREGATION) is not supported yet")
+        self.ckpt = (self.ckpt_dir, every, keep, True)
+        if resume is True:
+            # A restarted job (torchrun's elastic restart runs the script again):
+            # the newest complete checkpoint, if there is one.
+            self.resumed_from = _native.newest_checkpoint(self.ckpt_dir)
+        elif resume not in (False, None):
+            self.resumed_from = os.fspath(resume)
+
+    def _save_checkpoint(self, k: int) -> None:
+        """Worker rank 0 saves the torch side of checkpoint ``k``: the model's
+        state_dict (or the parameters) and the optimizer's."""
+        if self.prefetch and self.apply == "server":
+            self.pull_all()  # the servers' values must be in place before they are read
+        named = self.model.state_dict() if self.model is not None else {
+            info.name: info.param.detach() for info in self.by_param.values()
+        }
+        state = {
+            "step": k,
+            "model": {n: t.detach().cpu().clone() for n, t in named.items()},
+            "optimizer": self.wrapper.state_dict() if self.wrapper is not None else self.opt.state_dict(),
+        }
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        self.session.save_framework_state(k, buf.getvalue())
+
+    def restore(self, wrapper: torch.optim.Optimizer) -> None:
+        """After the build: a resumed job takes the torch side of its checkpoint."""
+        self.wrapper = wrapper
+        blob = self.session.framework_state() if self.ckpt_dir is not None or self.resumed_from else None
+        if blob is None:
+            return
+        state = torch.load(io.BytesIO(blob), weights_only=False)
+        with torch.no_grad():
+            if self.model is not None:
+                self.model.load_state_dict(state["model"])
+            else:
+                for info in self.by_param.values():
+                    info.param.copy_(state["model"][info.name])
+        wrapper.load_state_dict(state["optimizer"])
 
     @staticmethod
     def _server_sgd(opt: torch.optim.Optimizer, check_type: bool = True) -> Tuple[float, float, float]:
@@ -1212,7 +1278,10 @@ class _Tw:
             timeout=self.timeout,
             connect_timeout=max(self.timeout, 60.0),
             comm=self.comm if self.comm_on else None,
+            checkpoint=self.ckpt if self.ckpt_dir is not None else None,
+            resume=self.resumed_from,
         ))
+        self.start_step = self.session.start_iteration
         if self.staged:
             self.r_dev.copy_(self.r_host)
         for L in self.layers:
@@ -1451,6 +1520,9 @@ class _Tw:
         self.synced = False
         self.pending = False
         self.steps_done += 1
+        k = self.start_step + self.steps_done
+        if self.ckpt_dir is not None and k % self.ckpt_every == 0 and self.env.rank == 0:
+            self._save_checkpoint(k)
         if exchanged and self.broadcast_buffers and self.model is not None:
             bufs = [b for _, b in sorted(self.model.named_buffers(), key=lambda kv: kv[0]) if b is not None]
             if bufs:
@@ -1628,6 +1700,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     _tw: _Tw
 
+    @property
+    def start_step(self) -> int:
+        """Steps done before this optimizer: 0, or the resumed checkpoint's
+        step (``resume=``). Train from here."""
+        return self._tw.start_step
+
+    @property
+    def resumed_from(self) -> Optional[str]:
+        """The checkpoint this optimizer resumed from, or None."""
+        return self._tw.resumed_from
+
+    def checkpoint_stats(self) -> Optional[Dict[str, Any]]:
+        """What this rank's checkpoints cost so far (``written``, ``copy_s``,
+        ``write_s``, ``bytes``), or None without ``checkpoint_dir``."""
+        return self._tw.session.checkpoint_stats()
+
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """One training step: pushes the layers not pushed yet, waits for the
         servers, and then ``apply='local'``: runs the wrapped optimizer on the
@@ -1763,6 +1851,10 @@ def DistributedOptimizer(
     quality_period: int = 4,
     quality_tolerance: float = 0.02,
     quality_revert_at: Optional[int] = None,
+    checkpoint_dir: Optional[Union[str, "os.PathLike[str]"]] = None,
+    checkpoint_every: int = 100,
+    checkpoint_keep: int = 2,
+    resume: Union[bool, str, "os.PathLike[str]"] = False,
 ) -> _DistributedOptimizer:
     """Wraps a torch optimizer so that every rank trains on the average of
     every rank's gradients. Collective (it builds a Tidewire session; every
@@ -1862,6 +1954,23 @@ def DistributedOptimizer(
         and its step) and ``freq_memory`` (the quality of every T tried). All
         these settings are agreed at the build (a rank that differs fails).
 
+    ``checkpoint_dir``, ``checkpoint_every``, ``checkpoint_keep``, ``resume``
+        Checkpoints every ``checkpoint_every`` steps (``tidewire::checkpoint``):
+        the servers' state (their momentum, ``apply='server'``) and worker 0's
+        parameters as safetensors in ``checkpoint_dir/step-NNNNNNNN/``, and
+        beside them rank 0's torch side (``torch.save`` of the model's
+        ``state_dict``, or the parameters, and the optimizer's), written
+        atomically off the training path. ``resume=True`` starts from the
+        newest complete checkpoint in ``checkpoint_dir`` when there is one (so
+        a script run again by torchrun's elastic restart goes on where it
+        stopped); a path resumes from that checkpoint. Then the parameters,
+        module buffers and optimizer state are the checkpoint's, and
+        ``opt.start_step`` is the number of steps already done: train from
+        there. Every rank passes the same; ``checkpoint_dir`` must be one
+        directory all ranks see. A fresh job refuses a directory that holds
+        checkpoints. Not with ``comm_every``/``quality_guided`` or local
+        aggregation (yet).
+
     Do not modify ``.grad`` between backward and ``step()`` (the layers may
     be in flight): call :meth:`synchronize` first, then ``step()`` within
     :meth:`skip_synchronize`. ``zero_grad`` zeroes in place (grads are never
@@ -1899,8 +2008,15 @@ def DistributedOptimizer(
             quality_tolerance=quality_tolerance,
             quality_revert_at=quality_revert_at,
         ),
+        dict(
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            checkpoint_keep=checkpoint_keep,
+            resume=resume,
+        ),
     )
     obj._tw = tw
+    tw.restore(obj)
     with _state.lock:
         _state.optimizers.append(obj)
     return obj
