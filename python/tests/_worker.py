@@ -66,7 +66,8 @@ def train_one(cfg) -> dict:
         opt.step = step
     t0 = time.time()
     first = getattr(opt, "start_step", 0)
-    if "die_after" in cfg:
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if "die_after" in cfg and (first_attempt or not cfg.get("die_on_first_attempt_only")):
         # A lost job: every rank stops dead after this many steps (no shutdown).
         C.train(net, opt, cfg["die_after"], cfg.get("batch", 16), tw.rank(), tw.size(), first=first)
         c = cfg["checkpoint"]

@@ -139,3 +139,34 @@ def test_a_lost_torch_job_run_again_resumes_where_it_stopped_bitwise(tmp_path, a
             flat = np.concatenate(
                 [t.numpy().ravel() for k, t in torch_side.items() if k.rsplit(".", 1)[0] == name])
             assert np.array_equal(flat.view(np.int32), model[name].ravel().view(np.int32)), name
+
+
+def test_torchrun_elastic_restart_resumes_from_the_newest_checkpoint(tmp_path):
+    """The real thing: `torchrun --max-restarts 1` runs the script; on the first
+    attempt every rank dies after step 7 (os._exit), torchrun's agent starts
+    them again, and with resume=True they go on from the checkpoint of step 6,
+    ending bitwise where an uninterrupted run ends."""
+    import random
+    import sys
+
+    from conftest import HERE, base_env, run_ranks
+
+    steps, batch = 10, 16
+    plain = {"opt": "momentum", "apply": "server", "steps": steps, "batch": batch}
+    want = run_ranks(tmp_path, 2, {"scenario": "multi", "runs": {"a": plain}}, timeout=120).results()
+    d = tmp_path / "ckpt"
+    ck = {"checkpoint_dir": str(d), "checkpoint_every": 3, "resume": True}
+    cfg = {"scenario": "multi",
+           "runs": {"a": {**plain, "checkpoint": ck, "die_after": 7, "die_on_first_attempt_only": True}}}
+    out = tmp_path / f"out-elastic-{random.randrange(1 << 30)}"
+    out.mkdir()
+    env = base_env()
+    env.update(TIDEWIRE_SECRET="pytest-elastic", TW_TEST=json.dumps(cfg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1", str(HERE / "_worker.py"), str(out)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    got = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for r in (0, 1):
+        assert got[r]["a"]["start_step"] == 6, got[r]["a"]["start_step"]
+        _bitwise(want[r]["a"]["state"], got[r]["a"]["state"], f"rank {r}: after the elastic restart")
