@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::book::{Book, LayerKind, Scheme};
-use crate::config::{ApplyOp, Consistency, SchedConfig, SyncMode};
+use crate::config::{ApplyOp, Consistency, SchedConfig, SyncMode, Trigger};
 use crate::error::EngineError;
 use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use crate::net::Net;
@@ -59,6 +59,17 @@ pub struct Faults {
     pub partition: Option<(Vec<u32>, u64, u64)>,
     /// Probability that the transport refuses a transmit for now (`WouldBlock`).
     pub block_prob: f64,
+    /// Slow spans: (worker rank, compute factor, from iteration, to
+    /// iteration, exclusive). The worker's compute is multiplied by the
+    /// factor in those iterations (on top of `stragglers`).
+    pub slow: Vec<(u32, f64, u64, u64)>,
+    /// (worker rank, iteration): the worker crashes at that iteration
+    /// boundary, once its earlier iterations are synced (nothing of it is
+    /// half pushed); its peers see their connections fail `detect_ns` later.
+    /// Under [`Trigger::All`], or when the rank is also a server, the job
+    /// must fail with an error naming it; under the other triggers the
+    /// others go on.
+    pub crash: Option<(u32, u64)>,
 }
 
 /// A simulation run.
@@ -209,6 +220,19 @@ pub struct SimReport {
     /// With `values`: every worker's parameter region at the end, as bits
     /// (by worker index), for bitwise comparisons of two runs.
     pub params_bits: Vec<Vec<u32>>,
+    /// Chunk applies, every server together.
+    pub applies: u64,
+    /// Applies with fewer contributions than live workers.
+    pub partial_applies: u64,
+    /// Late contributions dropped, every server together.
+    pub dropped: u64,
+    /// Late contributions folded into a later round.
+    pub late_folded: u64,
+    /// Iterations completed by each worker (by worker index) at its end.
+    pub worker_iters: Vec<u64>,
+    /// Per worker (by worker index): when it finished its last iteration, ns
+    /// from the start (0 for a crashed one).
+    pub worker_done_ns: Vec<u64>,
 }
 
 /// Why a run failed.
@@ -306,6 +330,8 @@ enum Ev {
     Sent { from: u32, token: u64 },
     /// A job finished on its executor.
     JobDone(u32, Job),
+    /// The crash fault strikes a worker at an iteration boundary.
+    Crash(u32),
     /// A rank that left closes its connection to `to` gracefully: after
     /// everything it sent on it, like TCP's FIN.
     Fin { from: u32, to: u32 },
@@ -327,6 +353,8 @@ struct WLoop {
     waiting: Option<(u32, u64)>,
     deferred: Vec<u32>,
     slow: f64,
+    /// The slow span's factor in the current iteration.
+    span: f64,
     wait_ns: u64,
     finished: Option<u64>,
     shutdown_sent: bool,
@@ -358,6 +386,11 @@ struct Rank {
     local_avail: Vec<u64>,
     /// Time spent on local aggregation and on fan-out, ns.
     local_ns: [u64; 2],
+    /// Trigger checks: per local chunk of this server, per worker index,
+    /// slices accumulated into the round in progress, and when its first came.
+    round: HashMap<u32, (Vec<u32>, u64)>,
+    /// Trigger checks: applies seen per chunk of this server.
+    applies_seen: HashMap<u32, u64>,
     /// Values mode: (address, length) of the factor fragments delivered to
     /// this rank and not yet reconstructed from. A reconstruction must read
     /// peers' factors in these very buffers: a copy on the way is a violation.
@@ -391,6 +424,8 @@ pub struct Sim {
     settled: usize,
     /// Graceful closes still in the network (the last ones outlive the run).
     fins_in_net: usize,
+    /// Accumulate jobs emitted, every server together.
+    accumulates: u64,
     /// Sends that left at once (control messages on an idle connection):
     /// their completions, fed after the drain that posted them.
     sent_now: Vec<(u32, u64)>,
@@ -496,6 +531,7 @@ impl Sim {
                 waiting: None,
                 deferred: Vec::new(),
                 slow: cfg.faults.stragglers.iter().find(|(w, _)| *w == r).map_or(1.0, |s| s.1),
+                span: 1.0,
                 wait_ns: 0,
                 finished: None,
                 shutdown_sent: false,
@@ -526,6 +562,8 @@ impl Sim {
                 local_busy: 0,
                 local_avail: vec![0; book.layers().len()],
                 local_ns: [0; 2],
+                round: HashMap::default(),
+                applies_seen: HashMap::default(),
                 delivered: HashSet::default(),
             };
             if cfg.values && role.is_worker() {
@@ -575,6 +613,7 @@ impl Sim {
             trace: std::env::var_os("TIDEWIRE_SIM_TRACE").is_some(),
             settled: 0,
             fins_in_net: 0,
+            accumulates: 0,
             sent_now: Vec::new(),
         })
     }
@@ -620,6 +659,14 @@ impl Sim {
         if let Some((r, t)) = self.cfg.faults.dead {
             if r < world {
                 self.at(t, Ev::Kill(r));
+            }
+        }
+        if let Some((r, _)) = self.cfg.faults.crash {
+            if self.cfg.book.cluster().worker_index(r).is_none() {
+                return Err(SimError::Config {
+                    seed: self.cfg.seed,
+                    error: EngineError::InvalidConfig(format!("the crash fault names rank {r}, which is not a worker")),
+                });
             }
         }
         for r in 0..world {
@@ -744,8 +791,21 @@ impl Sim {
         self.report.local_agg_s = local(0);
         self.report.fanout_s = local(1);
         self.report.nic_bytes = (0..self.net.hosts()).map(|h| self.net.nic_bytes(h)).collect();
+        let start = self.start.unwrap_or(0);
         for r in &self.ranks {
+            if let Some(w) = &r.worker {
+                self.report.worker_iters.push(w.iter);
+                self.report.worker_done_ns.push(if r.dead {
+                    0
+                } else {
+                    w.finished.unwrap_or(0).saturating_sub(start)
+                });
+            }
             let s = r.node.stats();
+            self.report.applies += s.applies;
+            self.report.partial_applies += s.partial_applies;
+            self.report.dropped += s.dropped;
+            self.report.late_folded += s.late_folded;
             self.report.max_slots_held = self.report.max_slots_held.max(s.max_slots_held);
             self.report.max_bytes_in_flight = self.report.max_bytes_in_flight.max(s.max_bytes_in_flight);
             self.report.max_outstanding = self.report.max_outstanding.max(s.max_outstanding);
@@ -779,18 +839,54 @@ impl Sim {
     fn check_end(&mut self) -> Result<(), SimError> {
         let book = self.cfg.book.clone();
         let iters = self.cfg.iters;
+        let trigger = self.cfg.sched.trigger;
+        // Every push was either accumulated or dropped, once.
+        let (mut pushes, mut accumulated, mut dropped) = (0, 0, 0);
+        for r in &self.ranks {
+            let s = r.node.stats();
+            pushes += s.pushes;
+            accumulated += s.accumulated;
+            dropped += s.dropped;
+        }
+        if pushes != accumulated + dropped || accumulated != self.accumulates {
+            return Err(self.violation(format!(
+                "{pushes} pushes, {accumulated} accumulated ({} accumulate jobs seen), {dropped} dropped",
+                self.accumulates
+            )));
+        }
+        if matches!(trigger, Trigger::All | Trigger::Async) && dropped != 0 {
+            return Err(self.violation(format!(
+                "{dropped} contributions dropped under the {} trigger",
+                trigger.name()
+            )));
+        }
+        // Every live worker holds all its landing-slot credits again.
+        let all = self.cfg.sched.slots as usize * book.p2();
+        for (i, r) in self.ranks.iter().enumerate() {
+            if let (false, Some(n)) = (r.dead, r.node.free_credits()) {
+                if n != all {
+                    return Err(self.violation(format!(
+                        "rank {i} holds {n} landing-slot credits at the end, of {all} (a credit was not returned)"
+                    )));
+                }
+            }
+        }
         for (c, ch) in book.chunks().iter().enumerate() {
             if book.scheme(ch.layer, 0) == Scheme::Sfb {
                 continue;
             }
             let got = self.ranks[ch.server as usize].node.applied(c as u32);
-            if got != Some(iters) {
+            let ok = match (trigger, got) {
+                (Trigger::Async, Some(n)) => n >= iters && n <= iters * book.p1() as u64,
+                _ => got == Some(iters),
+            };
+            if !ok {
                 return Err(self.violation(format!(
                     "chunk {c} was applied {got:?} times over {iters} iterations (lost or doubled contributions)"
                 )));
             }
         }
-        if !self.cfg.values || self.cfg.apply != ApplyOp::Sum || iters == 0 {
+        if !self.cfg.values || self.cfg.apply != ApplyOp::Sum || iters == 0 || trigger != Trigger::All {
             return Ok(());
         }
         for r in 0..self.ranks.len() {
@@ -956,6 +1052,21 @@ impl Sim {
                 let data = self.execute(r, &job)?;
                 self.feed(r, Input::JobDone { id: job.id, data })?;
             }
+            Ev::Crash(r) => {
+                let w = self.ranks[r as usize].worker.as_ref().expect("a worker");
+                let nl = self.cfg.book.layers().len() as u32;
+                let busy = (0..nl).any(|l| self.ranks[r as usize].node.is_in_flight(l));
+                if self.dead(r) || w.phase == Phase::Done {
+                    return Ok(());
+                }
+                if busy {
+                    // Its last iteration is still syncing: crash once it is.
+                    let at = self.now + 10_000;
+                    self.at(at, Ev::Crash(r));
+                    return Ok(());
+                }
+                self.handle(Ev::Kill(r))?;
+            }
             Ev::Kill(r) => {
                 if !self.ranks[r as usize].dead {
                     self.ranks[r as usize].dead = true;
@@ -1067,6 +1178,7 @@ impl Sim {
                     self.transmit(r, t)?;
                 }
                 Output::Job(job) => {
+                    self.check_trigger(r, &job)?;
                     let q = match job.queue {
                         Queue::Server => 0,
                         Queue::Worker => 1,
@@ -1083,6 +1195,7 @@ impl Sim {
                 Output::LayerReady { layer, iter } => {
                     if self.cfg.values
                         && self.cfg.sched.consistency == Consistency::Bsp
+                        && self.cfg.sched.trigger == Trigger::All
                         && self.cfg.apply == ApplyOp::Sum
                     {
                         let off = self.params_offset(r as usize, layer, true);
@@ -1191,6 +1304,92 @@ impl Sim {
             }
         }
         self.report.checks += 1;
+        Ok(())
+    }
+
+    /// The aggregation trigger's semantics, checked on every job a server
+    /// emits, from what the simulator saw (not the server's own counters):
+    /// applies of a chunk come once per iteration, in order; no worker's
+    /// contribution is half in; the apply divides by the gradients in it;
+    /// `All` takes every worker, `Quorum(k)` at least k, `Async` at least
+    /// one, and `Timeout(d)` every live worker or else no earlier than `d`
+    /// after the round's first contribution.
+    fn check_trigger(&mut self, r: u32, job: &Job) -> Result<(), SimError> {
+        let book = self.cfg.book.clone();
+        let p1 = book.p1();
+        match &job.kind {
+            JobKind::Accumulate { chunk, src, .. } => {
+                self.accumulates += 1;
+                let wi = if src.region == LocalRegion::Landing {
+                    let slot_bytes = book.max_slice_len() as u64 * 4;
+                    (src.offset / (u64::from(self.cfg.sched.slots) * slot_bytes)) as usize
+                } else {
+                    book.cluster()
+                        .worker_index(r)
+                        .expect("a local push comes from this rank's worker")
+                };
+                let now = self.now;
+                let e = self.ranks[r as usize]
+                    .round
+                    .entry(*chunk)
+                    .or_insert_with(|| (vec![0; p1], now));
+                if e.0.iter().all(|&c| c == 0) {
+                    e.1 = now;
+                }
+                e.0[wi] += 1;
+            }
+            JobKind::Apply {
+                chunk, iter, gradients, ..
+            } => {
+                let seen = self.ranks[r as usize].applies_seen.entry(*chunk).or_insert(0);
+                if *iter != *seen {
+                    let s = *seen;
+                    return Err(self.violation(format!(
+                        "chunk {chunk} applied for iteration {iter} after {s} applies (applied twice or skipped)"
+                    )));
+                }
+                *seen += 1;
+                let (counts, t0) = self.ranks[r as usize]
+                    .round
+                    .remove(chunk)
+                    .unwrap_or((vec![0; p1], self.now));
+                if self.cfg.sched.consistency != Consistency::Bsp {
+                    return Ok(());
+                }
+                let n = book.chunk_slices(*chunk).len() as u32;
+                if let Some(wi) = counts.iter().position(|&c| c % n != 0) {
+                    return Err(self.violation(format!(
+                        "chunk {chunk} iteration {iter} applied with {} of the {n} slices of worker {wi}'s contribution",
+                        counts[wi]
+                    )));
+                }
+                let contributions: u32 = counts.iter().sum::<u32>() / n;
+                if *gradients != contributions * self.cfg.sched.learners {
+                    return Err(self.violation(format!(
+                        "chunk {chunk} iteration {iter}: the apply divides by {gradients} gradients, the sum holds {contributions} contributions × {} learners",
+                        self.cfg.sched.learners
+                    )));
+                }
+                let workers = book.cluster().workers();
+                let complete = counts.iter().filter(|&&c| c >= n).count();
+                let live = workers.iter().filter(|&&w| !self.dead(w)).count();
+                let live_in = (0..p1).filter(|&i| counts[i] >= n && !self.dead(workers[i])).count();
+                let ok = match self.cfg.sched.trigger {
+                    Trigger::All => counts.iter().all(|&c| c == n),
+                    Trigger::Quorum(k) => complete >= k as usize,
+                    Trigger::Async => complete >= 1,
+                    Trigger::Timeout(d) => complete >= 1 && (live_in >= live || self.now >= t0 + d.as_nanos() as u64),
+                };
+                if !ok {
+                    return Err(self.violation(format!(
+                        "chunk {chunk} iteration {iter} applied with contributions {counts:?} (of {n} slices each), {} ns after the round's first, under the {} trigger",
+                        self.now - t0,
+                        self.cfg.sched.trigger.name()
+                    )));
+                }
+            }
+            _ => {}
+        }
         Ok(())
     }
 
@@ -1439,8 +1638,13 @@ impl Sim {
                 Ok(None)
             }
             JobKind::Apply {
-                window, shard_at, len, ..
+                window,
+                shard_at,
+                len,
+                gradients,
+                ..
             } => {
+                let p1 = *gradients as usize;
                 let acc = rank.acc[*window as usize][*shard_at..shard_at + len].to_vec();
                 let m = &mut rank.mem[ridx(LocalRegion::Shard)];
                 let range = shard_at * 4..(shard_at + len) * 4;
@@ -1541,16 +1745,31 @@ impl Sim {
                 if l == 0 && w.iter == 0 && self.start.is_none() {
                     self.start = Some(now);
                 }
+                if l == 0 && self.cfg.faults.crash == Some((r, w.iter)) && w.iter < iters {
+                    // It stops here: the crash takes it once its last iteration synced.
+                    self.at(now, Ev::Crash(r));
+                    return Ok(());
+                }
+                let span = self
+                    .cfg
+                    .faults
+                    .slow
+                    .iter()
+                    .filter(|(x, _, a, b)| *x == r && (*a..*b).contains(&w.iter))
+                    .map(|s| s.1)
+                    .product::<f64>();
                 if iters == 0 {
                     w.phase = Phase::Done;
                     self.at(now, Ev::Step(r));
                     return Ok(());
                 }
                 // The step after the last forward fires when the last layer's backward ends.
-                let mut dt = (self.cfg.layer_ns[l as usize].0 as f64 * w.slow) as u64;
+                let slow = w.slow * span;
+                let mut dt = (self.cfg.layer_ns[l as usize].0 as f64 * slow) as u64;
                 if l + 1 == nl {
-                    dt += (self.cfg.layer_ns[l as usize].1 as f64 * w.slow) as u64;
+                    dt += (self.cfg.layer_ns[l as usize].1 as f64 * slow) as u64;
                 }
+                w.span = span;
                 w.phase = if l + 1 < nl {
                     Phase::Fwd(l + 1)
                 } else {
@@ -1568,7 +1787,7 @@ impl Sim {
                 let w = self.ranks[r as usize].worker.as_mut().expect("worker");
                 if l > 0 {
                     w.phase = Phase::Bwd(l - 1);
-                    let dt = (self.cfg.layer_ns[l as usize - 1].1 as f64 * w.slow) as u64;
+                    let dt = (self.cfg.layer_ns[l as usize - 1].1 as f64 * w.slow * w.span) as u64;
                     self.at(now + dt, Ev::Step(r));
                 } else {
                     let deferred = std::mem::take(&mut w.deferred);

@@ -82,7 +82,7 @@ pub use types::{
 
 use crate::agree::JobConfig;
 use crate::book::{Book, LayerKind, Scheme};
-use crate::config::{ApplyOp, Consistency, SchedConfig};
+use crate::config::{ApplyOp, Consistency, SchedConfig, Trigger};
 use crate::error::{EngineError, Result};
 use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use crate::server::{Server, ServerCommand};
@@ -167,6 +167,14 @@ pub struct NodeStats {
     pub max_write: u64,
     /// Most factor blocks held at once.
     pub max_factor_blocks: usize,
+    /// Late contributions this rank's server dropped ([`Trigger`]).
+    pub dropped: u64,
+    /// Late contributions this rank's server folded into a later round.
+    pub late_folded: u64,
+    /// Applies with fewer contributions than live workers.
+    pub partial_applies: u64,
+    /// Worker peers lost and no longer counted (triggers other than `All`).
+    pub lost_workers: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -224,6 +232,9 @@ struct Peer {
     /// `Bye` arrived, with the writes the peer made to us.
     bye: Option<u64>,
     closed: bool,
+    /// A worker lost under a trigger other than `All`: no longer counted,
+    /// nothing more goes to it, and the goodbye does not wait for it.
+    lost: bool,
 }
 
 #[derive(Debug)]
@@ -392,7 +403,19 @@ impl Node {
         };
         // Under SSP a server may write a layer the caller holds: the caller
         // reads a view published from the landing zone instead.
-        let staged = role.is_worker() && cfg.sched.consistency != Consistency::Bsp;
+        // So does any trigger but `All`: a slow worker gets newer versions
+        // while it computes.
+        let staged =
+            role.is_worker() && (cfg.sched.consistency != Consistency::Bsp || cfg.sched.trigger != Trigger::All);
+        if cfg.sched.trigger != Trigger::All {
+            if let Some(l) = (0..nl as u32).find(|&l| book.scheme(l, 0) == Scheme::Sfb) {
+                return Err(EngineError::InvalidConfig(format!(
+                    "layer {l} ({}) syncs by SFB, which needs every worker's factors: the {} trigger needs the PS for every layer (scheme policy ps)",
+                    book.layers()[l as usize].name,
+                    cfg.sched.trigger.name()
+                )));
+            }
+        }
         let (param_off, view_off) = if staged {
             (contiguous.clone(), user_params)
         } else {
@@ -627,6 +650,10 @@ impl Node {
             s.applies = st.applies;
             s.broadcasts = st.broadcasts;
             s.max_slots_held = st.max_slots_held;
+            s.dropped = st.dropped;
+            s.late_folded = st.late_folded;
+            s.partial_applies = st.partial_applies;
+            s.lost_workers = st.lost;
         }
         s.max_outstanding = self.flow.max_out_seen;
         s.max_factor_blocks = self.inbox.max_held();
@@ -640,6 +667,11 @@ impl Node {
     /// The costs the sparse/dense choice weighs.
     pub fn sparse_costs(&self) -> SparseCosts {
         self.sparse_costs
+    }
+    /// Landing-slot credits this rank's worker holds now (`None` on a rank
+    /// that is not a worker): `slots × P2` once every push is accounted for.
+    pub fn free_credits(&self) -> Option<usize> {
+        self.worker.as_ref().map(|w| w.core.free_credits())
     }
     /// Applies completed by this rank's server for `chunk`.
     pub fn applied(&self, chunk: u32) -> Option<u64> {
@@ -661,10 +693,8 @@ impl Node {
             return None;
         }
         let d = if self.ready { None } else { self.deadline };
-        match (d, self.flow.poll_timeout()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let rounds = self.server.as_ref().and_then(|s| s.core.next_deadline());
+        [d, self.flow.poll_timeout(), rounds].into_iter().flatten().min()
     }
 
     /// Feeds one input at time `now` (any monotonic clock; the simulator's
@@ -672,6 +702,9 @@ impl Node {
     /// fails the rank comes out as [`Output::Fatal`].
     pub fn handle(&mut self, now: Duration, input: Input) -> Result<()> {
         self.now = now;
+        if let Some(s) = self.server.as_mut() {
+            s.core.set_now(now);
+        }
         if self.deadline.is_none() {
             self.deadline = Some(now + self.startup_timeout);
         }
@@ -744,6 +777,11 @@ impl Node {
                 match self.flow.done(token) {
                     // It said goodbye: it needs nothing more, so the transmit is moot.
                     Some((peer, track)) if self.peers[peer as usize].bye.is_some() => self.tx_done(track),
+                    // A worker this job's trigger can go on without.
+                    Some((peer, track)) if self.may_lose(peer) => {
+                        self.tx_done(track)?;
+                        self.lose_worker(peer)
+                    }
                     Some((peer, _)) => Err(EngineError::PeerLost {
                         rank: peer,
                         reason: format!("an operation failed: {reason}"),
@@ -776,13 +814,16 @@ impl Node {
                 self.stranded_dirty = true;
                 let p = self.peer_mut(peer)?;
                 p.closed = true;
-                if p.bye.is_some() {
+                if p.bye.is_some() || p.lost {
                     // It needs nothing more: what was still on its way to it
                     // (a peer that died after its goodbye) counts as delivered.
                     for track in self.flow.drop_peer(peer) {
                         self.tx_done(track)?;
                     }
                     return Ok(());
+                }
+                if self.may_lose(peer) {
+                    return self.lose_worker(peer);
                 }
                 Err(EngineError::PeerLost {
                     rank: peer,
@@ -797,6 +838,9 @@ impl Node {
             Input::Abort { reason } => Err(EngineError::Aborted(reason)),
             Input::Tick => {
                 self.flow.tick(self.now);
+                if let Some(s) = self.server.as_mut() {
+                    s.core.handle_tick();
+                }
                 if !self.ready && self.deadline.is_some_and(|d| self.now >= d) {
                     return Err(EngineError::Timeout {
                         what: self.waiting_for(),
@@ -817,6 +861,41 @@ impl Node {
         } else {
             "the initial parameters from worker rank 0".into()
         }
+    }
+
+    /// Whether the job goes on without `peer` when its connection fails: a
+    /// trigger other than `All`, setup complete, and the peer a worker that
+    /// holds no shard.
+    fn may_lose(&self, peer: u32) -> bool {
+        self.sched.trigger != Trigger::All
+            && self.ready
+            && self
+                .book
+                .cluster()
+                .role(peer)
+                .is_some_and(|r| r.is_worker() && !r.is_server())
+    }
+
+    /// Stops counting the worker `peer` (see [`Trigger`]): what was queued
+    /// or in flight to it counts as delivered, and this rank's server goes
+    /// on without it (or fails, when its rounds cannot complete without it).
+    fn lose_worker(&mut self, peer: u32) -> Result<()> {
+        let p = &mut self.peers[peer as usize];
+        if p.lost {
+            return Ok(());
+        }
+        p.lost = true;
+        p.closed = true;
+        self.stranded_dirty = true;
+        self.early[peer as usize].clear();
+        for track in self.flow.drop_peer(peer) {
+            self.tx_done(track)?;
+        }
+        if let Some(s) = self.server.as_mut() {
+            let wi = self.book.cluster().worker_index(peer).expect("a worker");
+            s.core.handle_worker_lost(wi)?;
+        }
+        Ok(())
     }
 
     fn peer_mut(&mut self, peer: u32) -> Result<&mut Peer> {
