@@ -781,7 +781,7 @@ impl Sim {
             .max()
             .unwrap_or(0);
         let start = self.start.unwrap_or(0);
-        self.report.total_ns = end - start;
+        self.report.total_ns = end.saturating_sub(start);
         self.report.goodbye_ns = self.ranks.iter().filter_map(|r| r.finished).max().unwrap_or(0);
         self.report.iteration_s = self.report.total_ns as f64 / 1e9 / self.cfg.iters.max(1) as f64;
         let workers: Vec<&WLoop> = self.ranks.iter().filter_map(|r| r.worker.as_ref()).collect();
@@ -1234,7 +1234,12 @@ impl Sim {
                     }
                 }
                 Output::Ready => {
-                    if self.cfg.values && self.ranks[r as usize].worker.is_some() {
+                    // Under the other triggers, a worker ready late may start
+                    // from a version the others already made: no seeding check.
+                    if self.cfg.values
+                        && self.ranks[r as usize].worker.is_some()
+                        && self.cfg.sched.trigger == Trigger::All
+                    {
                         self.check_seeding(r as usize)?;
                     }
                     if self.ranks[r as usize].worker.is_some() {
@@ -1387,6 +1392,7 @@ impl Sim {
                         self.cfg.sched.trigger.name()
                     )));
                 }
+                self.report.checks += 1;
             }
             _ => {}
         }
