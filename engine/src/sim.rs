@@ -222,6 +222,11 @@ pub struct SimReport {
     pub params_bits: Vec<Vec<u32>>,
     /// Chunk applies, every server together.
     pub applies: u64,
+    /// Virtual time from the start of iteration 0 to the last apply issued
+    /// by any server, ns: when the model holds its last version. Under a
+    /// trigger other than `all` the slowest worker may still be computing
+    /// then (its late contributions are dropped or folded).
+    pub updates_ns: u64,
     /// Applies with fewer contributions than live workers.
     pub partial_applies: u64,
     /// Late contributions dropped, every server together.
@@ -1346,6 +1351,7 @@ impl Sim {
             JobKind::Apply {
                 chunk, iter, gradients, ..
             } => {
+                self.report.updates_ns = self.now.saturating_sub(self.start.unwrap_or(0));
                 let seen = self.ranks[r as usize].applies_seen.entry(*chunk).or_insert(0);
                 if *iter != *seen {
                     let s = *seen;
