@@ -147,6 +147,13 @@ impl Server {
             )));
         }
         let p1 = book.p1();
+        if let Trigger::Quorum(k) = cfg.trigger {
+            if k as usize > p1 {
+                return Err(EngineError::InvalidConfig(format!(
+                    "a quorum of {k} workers, but the cluster has {p1}"
+                )));
+            }
+        }
         let window = cfg.consistency.staleness() as usize + 1;
         let mut slice_local = vec![u32::MAX; book.slices().len()];
         let mut chunk_local = vec![u32::MAX; book.chunks().len()];
@@ -700,5 +707,193 @@ impl Server {
             }
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::book::{BookConfig, Cluster, LayerKind, LayerSpec};
+    use crate::config::Consistency;
+
+    /// Three workers (ranks 0..3) and one server (rank 3), one chunk of two slices.
+    fn server(trigger: Trigger) -> Server {
+        let book = Book::new(
+            Cluster::split(3, 1).unwrap(),
+            vec![LayerSpec::new("l", LayerKind::Conv, 1, 8)],
+            BookConfig {
+                chunk_bytes: 1024,
+                slice_params: 4,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(book.chunk_slices(0).len(), 2);
+        let cfg = SchedConfig {
+            trigger,
+            ..SchedConfig::default()
+        };
+        let mut s = Server::new(Arc::new(book), 3, cfg).unwrap();
+        s.handle_init(0, 0).unwrap();
+        s.drain();
+        for w in 0..3 {
+            s.handle_broadcast_done(0, w).unwrap();
+        }
+        s
+    }
+
+    impl Server {
+        fn drain(&mut self) -> Vec<ServerCommand> {
+            std::iter::from_fn(|| self.poll_command()).collect()
+        }
+        fn applies(cmds: &[ServerCommand]) -> Vec<(u64, u32)> {
+            cmds.iter()
+                .filter_map(|c| match c {
+                    ServerCommand::Apply { iter, gradients, .. } => Some((*iter, *gradients)),
+                    _ => None,
+                })
+                .collect()
+        }
+        /// Worker `w` pushes both slices (slots 0 and 1).
+        fn push(&mut self, w: u32) -> Vec<ServerCommand> {
+            self.handle_landed(w, 0, 0).unwrap();
+            self.handle_landed(w, 1, 1).unwrap();
+            self.drain()
+        }
+        fn bcast_done(&mut self) {
+            for w in 0..3 {
+                if !self.is_lost(w as usize) {
+                    self.handle_broadcast_done(0, w).unwrap();
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_quorum_applies_at_k_and_drops_late_contributions_with_their_credits() {
+        let mut s = server(Trigger::Quorum(2));
+        assert!(Server::applies(&s.push(0)).is_empty(), "one of two");
+        // Half of worker 1 is in: not yet complete.
+        s.handle_landed(1, 0, 0).unwrap();
+        assert!(Server::applies(&s.drain()).is_empty());
+        s.handle_landed(1, 1, 1).unwrap();
+        assert_eq!(
+            Server::applies(&s.drain()),
+            vec![(0, 2)],
+            "two contributions, mean over two"
+        );
+        s.bcast_done();
+        // Worker 2's iteration 0 comes late: dropped, credits back at once.
+        let cmds = s.push(2);
+        assert!(Server::applies(&cmds).is_empty());
+        let drops = cmds
+            .iter()
+            .filter(|c| matches!(c, ServerCommand::Drop { worker: 2, .. }))
+            .count();
+        assert_eq!(drops, 2);
+        assert_eq!(s.stats().dropped, 2);
+        assert_eq!(s.stats().partial_applies, 1);
+    }
+
+    #[test]
+    fn async_folds_late_contributions_into_the_next_round() {
+        let mut s = server(Trigger::Async);
+        assert_eq!(Server::applies(&s.push(0)), vec![(0, 1)]);
+        s.bcast_done();
+        // Workers 1 and 2 are late for iteration 0: folded into round 1.
+        assert_eq!(Server::applies(&s.push(1)), vec![(1, 1)]);
+        // A broadcast is out: the next round waits for it, and holds two.
+        assert!(Server::applies(&s.push(2)).is_empty());
+        assert!(Server::applies(&s.push(0)).is_empty());
+        s.bcast_done();
+        assert_eq!(Server::applies(&s.drain()), vec![(2, 2)]);
+        // Late: workers 1 and 2's iteration 0, and worker 0's iteration 1 (round 1 was applied).
+        assert_eq!((s.stats().dropped, s.stats().late_folded), (0, 6));
+    }
+
+    #[test]
+    fn a_timeout_applies_what_is_in_no_earlier_than_its_deadline() {
+        let d = Duration::from_millis(5);
+        let mut s = server(Trigger::Timeout(d));
+        s.set_now(Duration::from_millis(100));
+        assert!(Server::applies(&s.push(0)).is_empty());
+        assert_eq!(s.next_deadline(), Some(Duration::from_millis(105)));
+        s.set_now(Duration::from_millis(104));
+        s.handle_tick();
+        assert!(Server::applies(&s.drain()).is_empty(), "before the deadline");
+        s.set_now(Duration::from_millis(105));
+        s.handle_tick();
+        assert_eq!(Server::applies(&s.drain()), vec![(0, 1)]);
+        s.bcast_done();
+        // Workers 1 and 2's iteration 0 is late now: dropped.
+        s.set_now(Duration::from_millis(200));
+        s.push(1);
+        s.push(2);
+        assert_eq!(s.stats().dropped, 4);
+        // Everyone's iteration 1 in: at once, without waiting.
+        s.push(0);
+        s.push(1);
+        assert_eq!(Server::applies(&s.push(2)), vec![(1, 3)]);
+    }
+
+    #[test]
+    fn a_lost_worker_stops_counting_or_fails_the_round_it_left_half_done() {
+        let mut s = server(Trigger::Quorum(2));
+        s.handle_worker_lost(2).unwrap();
+        assert_eq!(s.live_workers(), 2);
+        s.push(0);
+        assert_eq!(Server::applies(&s.push(1)), vec![(0, 2)]);
+        // Below the quorum: a clear error naming the rank.
+        let e = s.handle_worker_lost(1).unwrap_err();
+        assert!(matches!(e, EngineError::PeerLost { rank: 1, .. }), "{e}");
+
+        let mut s = server(Trigger::Async);
+        s.handle_landed(1, 0, 0).unwrap();
+        let e = s.handle_worker_lost(1).unwrap_err();
+        assert!(e.to_string().contains("1 of the 2 slices"), "{e}");
+
+        let mut s = server(Trigger::All);
+        assert!(s.handle_worker_lost(0).is_err(), "all: any loss fails");
+    }
+
+    #[test]
+    fn triggers_refuse_what_they_cannot_keep_sound() {
+        let ssp = SchedConfig {
+            trigger: Trigger::Async,
+            consistency: Consistency::Ssp(1),
+            ..SchedConfig::default()
+        };
+        assert!(ssp.validate().is_err());
+        let fold = SchedConfig {
+            trigger: Trigger::Quorum(1),
+            fold_group: 2,
+            ..SchedConfig::default()
+        };
+        assert!(fold.validate().is_err());
+        for t in [Trigger::Quorum(0), Trigger::Timeout(Duration::ZERO)] {
+            let c = SchedConfig {
+                trigger: t,
+                ..SchedConfig::default()
+            };
+            assert!(c.validate().is_err(), "{t:?}");
+        }
+        let book = server(Trigger::All).book.clone();
+        let big = SchedConfig {
+            trigger: Trigger::Quorum(4),
+            ..SchedConfig::default()
+        };
+        assert!(Server::new(book, 3, big).is_err(), "a quorum above P1");
+        for (s, t) in [
+            ("all", Trigger::All),
+            ("quorum:3", Trigger::Quorum(3)),
+            ("async", Trigger::Async),
+            ("timeout:2.5", Trigger::Timeout(Duration::from_micros(2500))),
+        ] {
+            assert_eq!(Trigger::parse(s), Some(t));
+            assert_eq!(Trigger::parse(&t.name()), Some(t));
+        }
+        for bad in ["quorum:", "quorum:x", "timeout:0", "timeout:-1", "some"] {
+            assert_eq!(Trigger::parse(bad), None, "{bad}");
+        }
     }
 }
