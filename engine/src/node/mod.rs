@@ -60,6 +60,23 @@
 //! rank that is done says `Bye`, and leaves ([`Output::Finished`]) once
 //! every peer said `Bye` and its own transmits and jobs are complete. So no
 //! rank leaves while a peer still needs it, under BSP or SSP, colocated or not.
+//!
+//! # Aggregation triggers
+//! Under a trigger other than [`Trigger::All`] (see its docs for the
+//! semantics) the runtime has three things to do, all additive:
+//! - divide by [`JobKind::Apply`]'s `gradients` (the gradients in the sum:
+//!   the round's contributors × learners) rather than by a fixed P1 ×
+//!   learners; under `All` the two are equal;
+//! - keep calling `handle(now, Input::Tick)` when [`Node::poll_timeout`]
+//!   passes after setup too: a server's round timeouts come that way;
+//! - report a lost connection as it does now (`Input::Closed` with an
+//!   error, or `Input::Failed`): when the lost peer is a worker that holds no
+//!   shard, the Node stops counting it and goes on, and says `Finished` when
+//!   the others are done, without waiting for that peer's goodbye.
+//!
+//! A worker's caller reads a published view under these triggers, as under
+//! SSP ([`Node::is_staged`]), since a slow worker receives newer versions
+//! while it computes.
 
 mod arrivals;
 pub mod factors;
