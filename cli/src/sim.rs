@@ -100,8 +100,10 @@ pub struct SimArgs {
     pub trigger: String,
     /// A fault, repeatable: slow:RANK:FACTOR[:FROM-TO] (worker RANK computes
     /// FACTOR× slower, in iterations FROM..TO, default all), or
-    /// crash:RANK:ITER (worker RANK crashes at iteration ITER; with
-    /// --trigger all the job fails naming it).
+    /// crash:RANK:ITER[:REJOIN_MS] (worker RANK crashes at iteration ITER;
+    /// with --trigger all the job fails naming it; with REJOIN_MS it comes
+    /// back that long after, takes the current parameters and is counted
+    /// again: a worker without a shard, under the other triggers).
     #[arg(long = "fault")]
     pub faults: Vec<String>,
     /// A straggler: worker rank to slow down for the whole run (same as
@@ -127,7 +129,7 @@ pub fn faults_of(args: &SimArgs) -> Result<Faults> {
     let mut f = Faults::default();
     let bad = |v: &str| {
         Error::Usage(format!(
-            "--fault {v:?}: use slow:RANK:FACTOR[:FROM-TO] or crash:RANK:ITER"
+            "--fault {v:?}: use slow:RANK:FACTOR[:FROM-TO] or crash:RANK:ITER[:REJOIN_MS]"
         ))
     };
     for v in &args.faults {
@@ -148,11 +150,18 @@ pub fn faults_of(args: &SimArgs) -> Result<Faults> {
                 };
                 f.slow.push((rank, factor, from, to));
             }
-            ["crash", rank, iter] => {
+            ["crash", rank, iter, rest @ ..] if rest.len() <= 1 => {
                 if f.crash.is_some() {
                     return Err(Error::Usage("one crash fault per run".into()));
                 }
                 f.crash = Some((rank.parse().map_err(|_| bad(v))?, iter.parse().map_err(|_| bad(v))?));
+                if let Some(ms) = rest.first() {
+                    let ms: f64 = ms.parse().map_err(|_| bad(v))?;
+                    if !(ms.is_finite() && ms >= 0.0) {
+                        return Err(bad(v));
+                    }
+                    f.rejoin_after_ns = Some((ms * 1e6) as u64);
+                }
             }
             _ => return Err(bad(v)),
         }
@@ -218,6 +227,8 @@ pub struct SimResult {
     pub partial_applies: u64,
     /// Chunk applies in all.
     pub applies: u64,
+    /// Crashed workers that came back.
+    pub rejoined: u32,
     pub model: String,
     pub sync: String,
     pub consistency: String,
@@ -323,6 +334,7 @@ fn one_run(
         let f = faults_of(args)?;
         cfg.faults.slow = f.slow;
         cfg.faults.crash = f.crash;
+        cfg.faults.rejoin_after_ns = f.rejoin_after_ns;
     }
     Ok(Sim::run(cfg)?)
 }
@@ -467,6 +479,7 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             late_folded: rep.late_folded,
             partial_applies: rep.partial_applies,
             applies: rep.applies,
+            rejoined: rep.rejoined,
             wall_s: 0.0,
         })
     };

@@ -131,6 +131,8 @@ fn triggers_and_faults_from_the_command_line() {
     // A crash: the others go on under async; under all, an error naming the rank.
     let a = run(&["--trigger", "async", "--fault", "crash:2:3"]);
     assert_eq!(a["trigger"], "async");
+    let back = run(&["--trigger", "quorum:3", "--fault", "crash:2:2:5"]);
+    assert_eq!(back["rejoined"], 1, "{back}");
     let mut args = base.to_vec();
     args.extend_from_slice(&["--fault", "crash:2:3"]);
     let out = sim(&args);

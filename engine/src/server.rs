@@ -88,6 +88,8 @@ pub struct ServerStats {
     pub partial_applies: u64,
     /// Workers lost and no longer counted.
     pub lost: u32,
+    /// Lost workers that came back and are counted again.
+    pub rejoined: u32,
 }
 
 /// The server core of one rank.
@@ -685,6 +687,33 @@ impl Server {
         }
         for c in chunks {
             self.try_apply(c);
+        }
+        self.pump_broadcasts();
+        Ok(())
+    }
+
+    /// Worker index `wi`, lost before, is back (a new process, connected and
+    /// open): it is counted again from the round in progress. Its pushes
+    /// count from every chunk's current iteration, and every chunk's current
+    /// values go to it, highest priority first (its starting parameters).
+    pub fn handle_worker_rejoined(&mut self, wi: usize) -> Result<()> {
+        let rank = self.book.cluster().workers()[wi];
+        if !self.lost[wi] {
+            return Err(self.err(rank, "a worker that was not lost came back".into()));
+        }
+        self.lost[wi] = false;
+        self.live += 1;
+        self.stats.rejoined += 1;
+        self.slots_held[wi] = 0;
+        let nls = self.folded.len() / self.window;
+        let chunks: Vec<u32> = self.book.server_chunks(self.rank).to_vec();
+        for (lc, &c) in chunks.iter().enumerate() {
+            for s in self.book.chunk_slices(c) {
+                let ls = self.slice_local[s as usize] as usize;
+                self.received[wi * nls + ls] = self.applied[lc];
+            }
+            self.bcast_queue.push(Reverse((self.applied[lc], c, wi as u32)));
+            self.bcast_pending[lc] += 1;
         }
         self.pump_broadcasts();
         Ok(())

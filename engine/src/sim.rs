@@ -70,6 +70,14 @@ pub struct Faults {
     /// must fail with an error naming it; under the other triggers the
     /// others go on.
     pub crash: Option<(u32, u64)>,
+    /// With `crash`: the crashed worker comes back (a new process, a fresh
+    /// Node that [`Node::rejoin`]s) this long after it crashed, ns — at
+    /// least `2 × detect_ns + 1 ms`, so that its peers saw it go and the old
+    /// process's traffic is gone. It takes the current parameters, is
+    /// counted again, and runs the iterations it has left. Only a worker
+    /// that holds no shard, under a trigger other than `All`, and only while
+    /// no other worker has finished (the job still runs); otherwise it stays away.
+    pub rejoin_after_ns: Option<u64>,
 }
 
 /// A simulation run.
@@ -222,6 +230,10 @@ pub struct SimReport {
     pub params_bits: Vec<Vec<u32>>,
     /// Chunk applies, every server together.
     pub applies: u64,
+    /// Crashed workers that came back.
+    pub rejoined: u32,
+    /// Per worker index: its slices accumulated into a round (not dropped).
+    pub accumulated_by_worker: Vec<u64>,
     /// Virtual time from the start of iteration 0 to the last apply issued
     /// by any server, ns: when the model holds its last version. Under a
     /// trigger other than `all` the slowest worker may still be computing
@@ -337,6 +349,8 @@ enum Ev {
     JobDone(u32, Job),
     /// The crash fault strikes a worker at an iteration boundary.
     Crash(u32),
+    /// The crashed worker comes back.
+    Rejoin(u32),
     /// A rank that left closes its connection to `to` gracefully: after
     /// everything it sent on it, like TCP's FIN.
     Fin { from: u32, to: u32 },
@@ -363,6 +377,9 @@ struct WLoop {
     wait_ns: u64,
     finished: Option<u64>,
     shutdown_sent: bool,
+    /// A worker that came back: it starts at the model's newest iteration
+    /// once it is ready.
+    rejoined: bool,
 }
 
 #[derive(Debug)]
@@ -431,6 +448,10 @@ pub struct Sim {
     fins_in_net: usize,
     /// Accumulate jobs emitted, every server together.
     accumulates: u64,
+    /// The crash fault struck (once), at this iteration.
+    crashed_at: Option<u64>,
+    /// Pushes of worker processes that were replaced (a crash and a rejoin).
+    retired_pushes: u64,
     /// Sends that left at once (control messages on an idle connection):
     /// their completions, fed after the drain that posted them.
     sent_now: Vec<(u32, u64)>,
@@ -474,6 +495,98 @@ fn put_f32s(dst: &mut [u8], v: &[f32]) {
     }
 }
 
+/// Rank `r`'s Node, memory and worker loop, as at the start of a run.
+fn make_rank(cfg: &SimConfig, r: u32) -> Result<Rank, SimError> {
+    let seed = cfg.seed;
+    let config = |error| SimError::Config { seed, error };
+    let book = cfg.book.clone();
+    let world = book.cluster().world();
+    let mut nc = NodeConfig::new(book.clone(), r);
+    nc.sched = cfg.sched;
+    nc.apply = cfg.apply;
+    nc.limits = cfg
+        .rank_limits
+        .as_ref()
+        .and_then(|l| l.get(r as usize).copied())
+        .unwrap_or(cfg.limits);
+    nc.transport = "sim".into();
+    nc.sparse = cfg.sparse;
+    // Setup may take long in virtual time (tiny writes, many retries):
+    // the liveness check is `stall_ns` without progress.
+    nc.startup_timeout = Duration::from_nanos(cfg.stall_ns.saturating_mul(100));
+    let mut node = Node::new(nc).map_err(config)?;
+    let keys = [LocalRegion::Params, LocalRegion::Shard, LocalRegion::Landing].map(|x| {
+        if node.region_bytes(x) > 0 {
+            ridx(x) as u32 + 1
+        } else {
+            0
+        }
+    });
+    node.set_keys(keys);
+    let mem = if cfg.values {
+        LocalRegion::ALL
+            .iter()
+            .map(|&x| vec![0u8; node.region_bytes(x) as usize])
+            .collect()
+    } else {
+        vec![Vec::new(); LocalRegion::ALL.len()]
+    };
+    let n = if cfg.values { book.shard_len(r) } else { 0 };
+    let role = book.cluster().role(r).expect("in the cluster");
+    let worker = role.is_worker().then(|| WLoop {
+        phase: Phase::Fwd(0),
+        iter: 0,
+        waiting: None,
+        deferred: Vec::new(),
+        slow: cfg.faults.stragglers.iter().find(|(w, _)| *w == r).map_or(1.0, |s| s.1),
+        span: 1.0,
+        wait_ns: 0,
+        finished: None,
+        shutdown_sent: false,
+        rejoined: false,
+    });
+    let windows = node.windows();
+    let mut rank = Rank {
+        node,
+        mem,
+        acc: vec![vec![0.0; n]; windows],
+        partial: if cfg.values && cfg.sched.fold_group > 1 {
+            vec![vec![0.0; n]; windows]
+        } else {
+            Vec::new()
+        },
+        momentum: if cfg.apply.needs_momentum() {
+            vec![0.0; n]
+        } else {
+            Vec::new()
+        },
+        busy: [0; 2],
+        posted: vec![0; world],
+        tokens: HashMap::default(),
+        worker,
+        dead: false,
+        fatal: None,
+        finished: None,
+        tick_at: None,
+        local_busy: 0,
+        local_avail: vec![0; book.layers().len()],
+        local_ns: [0; 2],
+        round: HashMap::default(),
+        applies_seen: HashMap::default(),
+        delivered: HashSet::default(),
+    };
+    if cfg.values && role.is_worker() {
+        // Every worker fills its parameters; rank 0's values reach everyone.
+        // Parameters are contiguous here (no caller layout): layer l at its flat offset.
+        for (l, spec) in book.layers().iter().enumerate() {
+            let off = book.layer_offset(l as u32) * 4;
+            let v: Vec<f32> = (0..spec.params()).map(|i| init_value(l as u32, i)).collect();
+            put_f32s(&mut rank.mem[ridx(LocalRegion::Params)][off..off + v.len() * 4], &v);
+        }
+    }
+    Ok(rank)
+}
+
 const EVENT_BUDGET: u64 = 400_000_000;
 
 impl Sim {
@@ -498,89 +611,7 @@ impl Sim {
         let world = book.cluster().world();
         let mut ranks = Vec::with_capacity(world);
         for r in 0..world as u32 {
-            let mut nc = NodeConfig::new(book.clone(), r);
-            nc.sched = cfg.sched;
-            nc.apply = cfg.apply;
-            nc.limits = cfg
-                .rank_limits
-                .as_ref()
-                .and_then(|l| l.get(r as usize).copied())
-                .unwrap_or(cfg.limits);
-            nc.transport = "sim".into();
-            nc.sparse = cfg.sparse;
-            // Setup may take long in virtual time (tiny writes, many retries):
-            // the liveness check is `stall_ns` without progress.
-            nc.startup_timeout = Duration::from_nanos(cfg.stall_ns.saturating_mul(100));
-            let mut node = Node::new(nc).map_err(config)?;
-            let keys = [LocalRegion::Params, LocalRegion::Shard, LocalRegion::Landing].map(|x| {
-                if node.region_bytes(x) > 0 {
-                    ridx(x) as u32 + 1
-                } else {
-                    0
-                }
-            });
-            node.set_keys(keys);
-            let mem = if cfg.values {
-                LocalRegion::ALL
-                    .iter()
-                    .map(|&x| vec![0u8; node.region_bytes(x) as usize])
-                    .collect()
-            } else {
-                vec![Vec::new(); LocalRegion::ALL.len()]
-            };
-            let n = if cfg.values { book.shard_len(r) } else { 0 };
-            let role = book.cluster().role(r).expect("in the cluster");
-            let worker = role.is_worker().then(|| WLoop {
-                phase: Phase::Fwd(0),
-                iter: 0,
-                waiting: None,
-                deferred: Vec::new(),
-                slow: cfg.faults.stragglers.iter().find(|(w, _)| *w == r).map_or(1.0, |s| s.1),
-                span: 1.0,
-                wait_ns: 0,
-                finished: None,
-                shutdown_sent: false,
-            });
-            let windows = node.windows();
-            let mut rank = Rank {
-                node,
-                mem,
-                acc: vec![vec![0.0; n]; windows],
-                partial: if cfg.values && cfg.sched.fold_group > 1 {
-                    vec![vec![0.0; n]; windows]
-                } else {
-                    Vec::new()
-                },
-                momentum: if cfg.apply.needs_momentum() {
-                    vec![0.0; n]
-                } else {
-                    Vec::new()
-                },
-                busy: [0; 2],
-                posted: vec![0; world],
-                tokens: HashMap::default(),
-                worker,
-                dead: false,
-                fatal: None,
-                finished: None,
-                tick_at: None,
-                local_busy: 0,
-                local_avail: vec![0; book.layers().len()],
-                local_ns: [0; 2],
-                round: HashMap::default(),
-                applies_seen: HashMap::default(),
-                delivered: HashSet::default(),
-            };
-            if cfg.values && role.is_worker() {
-                // Every worker fills its parameters; rank 0's values reach everyone.
-                // Parameters are contiguous here (no caller layout): layer l at its flat offset.
-                for (l, spec) in book.layers().iter().enumerate() {
-                    let off = book.layer_offset(l as u32) * 4;
-                    let v: Vec<f32> = (0..spec.params()).map(|i| init_value(l as u32, i)).collect();
-                    put_f32s(&mut rank.mem[ridx(LocalRegion::Params)][off..off + v.len() * 4], &v);
-                }
-            }
-            ranks.push(rank);
+            ranks.push(make_rank(&cfg, r)?);
         }
         let hosts = match &cfg.hosts {
             Some(h) if h.len() == world => h.clone(),
@@ -619,6 +650,8 @@ impl Sim {
             settled: 0,
             fins_in_net: 0,
             accumulates: 0,
+            crashed_at: None,
+            retired_pushes: 0,
             sent_now: Vec::new(),
         })
     }
@@ -846,7 +879,7 @@ impl Sim {
         let iters = self.cfg.iters;
         let trigger = self.cfg.sched.trigger;
         // Every push was either accumulated or dropped, once.
-        let (mut pushes, mut accumulated, mut dropped) = (0, 0, 0);
+        let (mut pushes, mut accumulated, mut dropped) = (self.retired_pushes, 0, 0);
         for r in &self.ranks {
             let s = r.node.stats();
             pushes += s.pushes;
@@ -1070,8 +1103,15 @@ impl Sim {
                     self.at(at, Ev::Crash(r));
                     return Ok(());
                 }
+                self.crashed_at = Some(w.iter);
                 self.handle(Ev::Kill(r))?;
+                if let Some(after) = self.cfg.faults.rejoin_after_ns {
+                    let after = after.max(2 * self.cfg.faults.detect_ns + 1_000_000);
+                    let at = self.now + after;
+                    self.at(at, Ev::Rejoin(r));
+                }
             }
+            Ev::Rejoin(r) => self.rejoin(r)?,
             Ev::Kill(r) => {
                 if !self.ranks[r as usize].dead {
                     self.ranks[r as usize].dead = true;
@@ -1247,6 +1287,23 @@ impl Sim {
                     {
                         self.check_seeding(r as usize)?;
                     }
+                    if self.ranks[r as usize].worker.as_ref().is_some_and(|w| w.rejoined) {
+                        // A worker that came back goes on from the model's
+                        // newest iteration (each chunk counts its pushes from
+                        // where it was when the worker came back: never past
+                        // the job's last round).
+                        let book = self.cfg.book.clone();
+                        let newest = (0..book.chunks().len() as u32)
+                            .filter_map(|c| self.ranks[book.chunks()[c as usize].server as usize].node.applied(c))
+                            .max()
+                            .unwrap_or(0);
+                        let iters = self.cfg.iters;
+                        let w = self.ranks[r as usize].worker.as_mut().expect("a worker");
+                        w.iter = w.iter.max(newest).min(iters);
+                        if w.iter == iters {
+                            w.phase = Phase::Done;
+                        }
+                    }
                     if self.ranks[r as usize].worker.is_some() {
                         self.at(self.now, Ev::Wake(r));
                     }
@@ -1317,6 +1374,50 @@ impl Sim {
         Ok(())
     }
 
+    /// The crashed worker `r` comes back: a new process with a fresh Node
+    /// that rejoins, at the iteration it crashed in.
+    fn rejoin(&mut self, r: u32) -> Result<(), SimError> {
+        let role = self.cfg.book.cluster().role(r).expect("in the cluster");
+        let running = self
+            .ranks
+            .iter()
+            .all(|x| x.finished.is_none() && x.worker.as_ref().is_none_or(|w| !w.shutdown_sent || x.dead));
+        if self.cfg.sched.trigger == Trigger::All || role.is_server() || !running || !self.dead(r) {
+            return Ok(());
+        }
+        let iter = self.crashed_at.expect("it crashed");
+        self.retired_pushes += self.ranks[r as usize].node.stats().pushes;
+        let mut rank = make_rank(&self.cfg, r)?;
+        let (seed, now) = (self.cfg.seed, self.now);
+        rank.node.rejoin().map_err(|error| SimError::Rank {
+            seed,
+            rank: r,
+            at_ns: now,
+            error,
+        })?;
+        let w = rank.worker.as_mut().expect("a worker");
+        w.iter = iter;
+        w.rejoined = true;
+        self.ranks[r as usize] = rank;
+        self.settled -= 1;
+        // What the others posted to the old process never completes: their
+        // Nodes dropped it with the connection.
+        for x in &mut self.ranks {
+            x.posted[r as usize] = 0;
+            x.tokens.retain(|_, p| *p != r);
+        }
+        self.report.rejoined += 1;
+        for p in (0..self.ranks.len() as u32).filter(|&p| p != r) {
+            if !self.dead(p) {
+                self.at(self.now, Ev::Input(p, Input::Connected { peer: r }));
+                self.at(self.now, Ev::Input(r, Input::Connected { peer: p }));
+            }
+        }
+        self.at(self.now, Ev::Step(r));
+        self.at(self.now, Ev::Input(r, Input::Tick));
+        Ok(())
+    }
+
     /// The aggregation trigger's semantics, checked on every job a server
     /// emits, from what the simulator saw (not the server's own counters):
     /// applies of a chunk come once per iteration, in order; no worker's
@@ -1347,6 +1448,9 @@ impl Sim {
                     e.1 = now;
                 }
                 e.0[wi] += 1;
+                let by = &mut self.report.accumulated_by_worker;
+                by.resize(p1, 0);
+                by[wi] += 1;
             }
             JobKind::Apply {
                 chunk, iter, gradients, ..
@@ -1383,8 +1487,15 @@ impl Sim {
                 }
                 let workers = book.cluster().workers();
                 let complete = counts.iter().filter(|&&c| c >= n).count();
-                let live = workers.iter().filter(|&&w| !self.dead(w)).count();
-                let live_in = (0..p1).filter(|&i| counts[i] >= n && !self.dead(workers[i])).count();
+                // A worker that came back counts from when it is ready (the
+                // servers count it a little earlier, when it connected: a
+                // weaker check in between, never a false alarm).
+                let live_w = |w: u32| {
+                    let x = &self.ranks[w as usize];
+                    !x.dead && !(x.worker.as_ref().is_some_and(|l| l.rejoined) && !x.node.is_ready())
+                };
+                let live = workers.iter().filter(|&&w| live_w(w)).count();
+                let live_in = (0..p1).filter(|&i| counts[i] >= n && live_w(workers[i])).count();
                 let ok = match self.cfg.sched.trigger {
                     Trigger::All => counts.iter().all(|&c| c == n),
                     Trigger::Quorum(k) => complete >= k as usize,
@@ -1761,7 +1872,7 @@ impl Sim {
                 if l == 0 && w.iter == 0 && self.start.is_none() {
                     self.start = Some(now);
                 }
-                if l == 0 && self.cfg.faults.crash == Some((r, w.iter)) && w.iter < iters {
+                if l == 0 && self.cfg.faults.crash == Some((r, w.iter)) && w.iter < iters && self.crashed_at.is_none() {
                     // It stops here: the crash takes it once its last iteration synced.
                     self.at(now, Ev::Crash(r));
                     return Ok(());

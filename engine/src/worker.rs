@@ -173,6 +173,11 @@ impl Worker {
     pub fn bytes_in_flight(&self) -> usize {
         self.bytes_in_flight
     }
+    /// Forgets the seeding (a worker that rejoins: the servers hold the
+    /// parameters already). Call it before draining any command.
+    pub fn skip_seeding(&mut self) {
+        self.out.retain(|c| !matches!(c, WorkerCommand::InitPush { .. }));
+    }
     /// Landing-slot credits this worker holds now, over every server (all
     /// `slots × P2` of them when nothing is in flight).
     pub fn free_credits(&self) -> usize {

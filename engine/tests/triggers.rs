@@ -115,6 +115,32 @@ fn a_crashed_worker_fails_bsp_naming_it_and_the_others_go_on_otherwise() {
 }
 
 #[test]
+fn a_crashed_worker_rejoins_takes_the_current_parameters_and_counts_again() {
+    for t in [
+        Trigger::Quorum(3),
+        Trigger::Async,
+        Trigger::Timeout(Duration::from_micros(500)),
+    ] {
+        let gone = run(job(t, None, Some((2, 3))));
+        let mut cfg = job(t, None, Some((2, 3)));
+        cfg.faults.rejoin_after_ns = Some(1);
+        let r = run(cfg);
+        assert_eq!(r.rejoined, 1, "{t:?}");
+        // Its gradients count again (on time, or folded under async).
+        let (before, after) = (gone.accumulated_by_worker[2], r.accumulated_by_worker[2]);
+        println!("{t:?}: worker 2's slices accumulated: {before} without the rejoin, {after} with it");
+        assert!(after > before, "{t:?}: {before} -> {after}");
+        // It ran the iterations it had left, and its pushes counted again.
+        assert_eq!(r.worker_iters, vec![12, 12, 12, 12], "{t:?}");
+        assert!(r.applies > 0);
+    }
+    // Under all, a crash ends the job: nothing to rejoin.
+    let mut cfg = job(Trigger::All, None, Some((2, 3)));
+    cfg.faults.rejoin_after_ns = Some(1);
+    assert!(Sim::run(cfg).is_err());
+}
+
+#[test]
 fn sfb_layers_are_refused_under_the_other_triggers() {
     let layers = vec![LayerSpec::new("fc", LayerKind::Fc, 64, 80)];
     let bc = BookConfig {

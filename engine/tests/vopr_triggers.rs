@@ -3,7 +3,9 @@
 //! colocation, chunk and slice sizes, credits, slots, the transport's
 //! limits — a trigger (`all`, `quorum:k`, `async`, `timeout:d`), and faults:
 //! a slow span (a worker's compute ×F for some iterations), a straggler, a
-//! crash at an iteration boundary, delays and `WouldBlock`s. It runs the
+//! crash at an iteration boundary (and, where the job goes on without it, a
+//! rejoin: the worker comes back, takes the current parameters and is
+//! counted again), delays and `WouldBlock`s. It runs the
 //! product's `Node`s in the simulator with real values and checks, besides
 //! every check of the simulator itself (bounds, applies once per iteration,
 //! BSP values exact under `all`):
@@ -157,6 +159,9 @@ fn draw(seed: u64) -> Result<(SimConfig, Expect), EngineError> {
         };
         if server || !tolerated {
             expect = Expect::FailsNaming(w);
+        } else if r.chance(0.5) {
+            // It comes back (when the job still runs then).
+            faults.rejoin_after_ns = Some(r.range(0, 20_000_000));
         }
     }
     cfg.faults = faults;
@@ -199,9 +204,9 @@ fn run_seed(seed: u64) -> Result<&'static str, String> {
             if rep.checks == 0 {
                 return fail("a finished run checked no value".into());
             }
-            // Everyone but a crashed worker ran every iteration.
+            // Everyone but a crashed worker (that did not come back) ran every iteration.
             for (i, &n) in rep.worker_iters.iter().enumerate() {
-                let crashed = crash.is_some_and(|(_, at)| n == at) && crash.is_some();
+                let crashed = crash.is_some_and(|(_, at)| n == at) && rep.rejoined == 0;
                 if n != iters && !crashed {
                     return fail(format!("worker {i} ran {n} of {iters} iterations"));
                 }
@@ -218,6 +223,9 @@ fn run_seed(seed: u64) -> Result<&'static str, String> {
             t[1] += rep.partial_applies;
             t[2] += rep.dropped;
             t[3] += rep.late_folded;
+            if rep.rejoined > 0 {
+                return Ok("completed after a crash and a rejoin");
+            }
             if crash.is_some() {
                 return Ok("completed after a crash");
             }

@@ -252,6 +252,8 @@ struct Peer {
     /// A worker lost under a trigger other than `All`: no longer counted,
     /// nothing more goes to it, and the goodbye does not wait for it.
     lost: bool,
+    /// A lost worker that connected again: counted again once it is open.
+    rejoined: bool,
 }
 
 #[derive(Debug)]
@@ -685,6 +687,29 @@ impl Node {
     pub fn sparse_costs(&self) -> SparseCosts {
         self.sparse_costs
     }
+    /// This rank is a worker that comes back after it was lost (a new
+    /// process, under a trigger other than [`Trigger::All`]): call it right
+    /// after [`Node::new`], before any input. It does not seed the servers
+    /// (they hold the current parameters); they count it again once it
+    /// connected, and send it every chunk's current version, which is its
+    /// start. Its iterations count from there.
+    pub fn rejoin(&mut self) -> Result<()> {
+        if self.sched.trigger == Trigger::All {
+            return Err(EngineError::InvalidConfig(
+                "a worker can rejoin only under a trigger other than `all`".into(),
+            ));
+        }
+        match self.worker.as_mut() {
+            Some(w) if self.server.is_none() => {
+                w.core.skip_seeding();
+                Ok(())
+            }
+            _ => Err(EngineError::InvalidConfig(format!(
+                "rank {} is not a worker without a shard: it cannot rejoin",
+                self.rank
+            ))),
+        }
+    }
     /// Landing-slot credits this rank's worker holds now (`None` on a rank
     /// that is not a worker): `slots × P2` once every push is accounted for.
     pub fn free_credits(&self) -> Option<usize> {
@@ -760,11 +785,19 @@ impl Node {
                         what: "regions known before its hello".into(),
                     });
                 }
-                if !p.open {
-                    p.open = true;
+                let rejoined = std::mem::take(&mut p.rejoined);
+                let first = !p.open && !rejoined;
+                p.open = true;
+                if first {
                     self.open_peers += 1;
                 }
                 self.flow.open(peer);
+                if rejoined {
+                    if let Some(s) = self.server.as_mut() {
+                        let wi = self.book.cluster().worker_index(peer).expect("a worker");
+                        s.core.handle_worker_rejoined(wi)?;
+                    }
+                }
                 for e in std::mem::take(&mut self.early[peer as usize]) {
                     match e {
                         Early::Write {

@@ -18,6 +18,17 @@ impl Node {
 
     pub(super) fn connected(&mut self, peer: u32) -> Result<()> {
         let world = self.peers.len() as u32;
+        if self.peer_mut(peer)?.lost {
+            // A lost worker came back (a new process): a fresh peer.
+            self.peers[peer as usize] = Peer {
+                rejoined: true,
+                ..Peer::default()
+            };
+            self.flow.reset_peer(peer);
+            self.imm_sent[peer as usize] = 0;
+            self.landed_from[peer as usize] = 0;
+            self.early[peer as usize].clear();
+        }
         let p = self.peer_mut(peer)?;
         if p.connected {
             return Err(EngineError::Protocol {
