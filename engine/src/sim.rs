@@ -1381,7 +1381,7 @@ impl Sim {
         let running = self
             .ranks
             .iter()
-            .all(|x| x.finished.is_none() && x.worker.as_ref().is_none_or(|w| !w.shutdown_sent || x.dead));
+            .all(|x| x.finished.is_none() && x.worker.as_ref().map_or(true, |w| !w.shutdown_sent || x.dead));
         if self.cfg.sched.trigger == Trigger::All || role.is_server() || !running || !self.dead(r) {
             return Ok(());
         }
@@ -1492,7 +1492,7 @@ impl Sim {
                 // weaker check in between, never a false alarm).
                 let live_w = |w: u32| {
                     let x = &self.ranks[w as usize];
-                    !x.dead && !(x.worker.as_ref().is_some_and(|l| l.rejoined) && !x.node.is_ready())
+                    !x.dead && (!x.worker.as_ref().is_some_and(|l| l.rejoined) || x.node.is_ready())
                 };
                 let live = workers.iter().filter(|&&w| live_w(w)).count();
                 let live_in = (0..p1).filter(|&i| counts[i] >= n && live_w(workers[i])).count();
