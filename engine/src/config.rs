@@ -66,6 +66,10 @@ pub enum QueueOrder {
 ///   the trigger can still fire (at least `k` live workers for a quorum). A
 ///   worker lost with half a contribution in a round fails the job with an
 ///   error naming it. Under [`Trigger::All`] any lost rank fails the job.
+/// - Such a lost worker may come back ([`crate::node::Node::rejoin`]): it
+///   takes the current parameters from the servers and is counted again;
+///   its contributions count from each chunk's iteration when it came back
+///   (so they are on time when it keeps up, and late otherwise).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Trigger {

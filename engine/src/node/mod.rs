@@ -77,6 +77,15 @@
 //! A worker's caller reads a published view under these triggers, as under
 //! SSP ([`Node::is_staged`]), since a slow worker receives newer versions
 //! while it computes.
+//!
+//! A lost worker without a shard may come back as a new process: its new
+//! Node calls [`Node::rejoin`] before any input, and connects to every peer
+//! as at the start. Every peer must have seen it go first (its connection
+//! failed and was reported); a peer then takes the new connection
+//! (`Input::Connected`) as a fresh peer, its servers count it again once it
+//! is open and send it every chunk's current version, and its pushes count
+//! from each chunk's iteration at that moment. The runtime's part is to
+//! accept that new connection from a rank it lost.
 
 mod arrivals;
 pub mod factors;

@@ -28,6 +28,11 @@ impl Node {
             self.imm_sent[peer as usize] = 0;
             self.landed_from[peer as usize] = 0;
             self.early[peer as usize].clear();
+            // Nothing of the old process is owed to the new one.
+            self.landing_sparse.retain(|&(w, _), _| w != peer);
+            if let Some(s) = self.server.as_mut() {
+                s.credit_out.remove(&peer);
+            }
         }
         let p = self.peer_mut(peer)?;
         if p.connected {
