@@ -28,9 +28,9 @@ use std::time::Instant;
 use clap::Args;
 use serde::Serialize;
 use tidewire_engine::book::{Book, BookConfig, Cluster};
-use tidewire_engine::config::{Consistency, SyncMode};
+use tidewire_engine::config::{Consistency, SyncMode, Trigger};
 use tidewire_engine::models::{self, Model};
-use tidewire_engine::sim::{Sim, SimConfig, SimReport};
+use tidewire_engine::sim::{Faults, Sim, SimConfig, SimReport};
 
 use crate::error::{Error, Result};
 
@@ -91,9 +91,88 @@ pub struct SimArgs {
     /// is given as 80gbit; default 10 GB/s.
     #[arg(long, default_value = "80gbit", value_parser = parse_bandwidth)]
     pub local_bandwidth: f64,
+    /// Aggregation trigger: all (BSP), quorum:K (apply once K workers'
+    /// contributions are in), async (Downpour: apply as soon as one is in),
+    /// or timeout:MS (apply what is in MS milliseconds after a round's first
+    /// contribution). Triggers other than all need --sync fifo-ps, wfbp,
+    /// sliced or p3 (no SFB) and bsp.
+    #[arg(long, default_value = "all", value_parser = parse_trigger)]
+    pub trigger: String,
+    /// A fault, repeatable: slow:RANK:FACTOR[:FROM-TO] (worker RANK computes
+    /// FACTOR× slower, in iterations FROM..TO, default all), or
+    /// crash:RANK:ITER[:REJOIN_MS] (worker RANK crashes at iteration ITER;
+    /// with --trigger all the job fails naming it; with REJOIN_MS it comes
+    /// back that long after, takes the current parameters and is counted
+    /// again: a worker without a shard, under the other triggers).
+    #[arg(long = "fault")]
+    pub faults: Vec<String>,
+    /// A straggler: worker rank to slow down for the whole run (same as
+    /// --fault slow:RANK:FACTOR).
+    #[arg(long, requires = "slow_factor")]
+    pub slow_rank: Option<u32>,
+    /// Its compute slowdown factor.
+    #[arg(long, requires = "slow_rank")]
+    pub slow_factor: Option<f64>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+}
+
+fn parse_trigger(s: &str) -> std::result::Result<String, String> {
+    Trigger::parse(s)
+        .map(|_| s.to_string())
+        .ok_or_else(|| format!("{s:?}: use all, quorum:K, async or timeout:MS"))
+}
+
+/// Parses `--fault` values (and `--slow-rank`/`--slow-factor`) into the simulator's faults.
+pub fn faults_of(args: &SimArgs) -> Result<Faults> {
+    let mut f = Faults::default();
+    let bad = |v: &str| {
+        Error::Usage(format!(
+            "--fault {v:?}: use slow:RANK:FACTOR[:FROM-TO] or crash:RANK:ITER[:REJOIN_MS]"
+        ))
+    };
+    for v in &args.faults {
+        let parts: Vec<&str> = v.split(':').collect();
+        match parts.as_slice() {
+            ["slow", rank, factor, rest @ ..] if rest.len() <= 1 => {
+                let rank: u32 = rank.parse().map_err(|_| bad(v))?;
+                let factor: f64 = factor.parse().map_err(|_| bad(v))?;
+                if !(factor.is_finite() && factor > 0.0) {
+                    return Err(bad(v));
+                }
+                let (from, to) = match rest.first() {
+                    None => (0, u64::MAX),
+                    Some(span) => {
+                        let (a, b) = span.split_once('-').ok_or_else(|| bad(v))?;
+                        (a.parse().map_err(|_| bad(v))?, b.parse().map_err(|_| bad(v))?)
+                    }
+                };
+                f.slow.push((rank, factor, from, to));
+            }
+            ["crash", rank, iter, rest @ ..] if rest.len() <= 1 => {
+                if f.crash.is_some() {
+                    return Err(Error::Usage("one crash fault per run".into()));
+                }
+                f.crash = Some((rank.parse().map_err(|_| bad(v))?, iter.parse().map_err(|_| bad(v))?));
+                if let Some(ms) = rest.first() {
+                    let ms: f64 = ms.parse().map_err(|_| bad(v))?;
+                    if !(ms.is_finite() && ms >= 0.0) {
+                        return Err(bad(v));
+                    }
+                    f.rejoin_after_ns = Some((ms * 1e6) as u64);
+                }
+            }
+            _ => return Err(bad(v)),
+        }
+    }
+    if let (Some(r), Some(x)) = (args.slow_rank, args.slow_factor) {
+        if !(x.is_finite() && x > 0.0) {
+            return Err(Error::Usage("--slow-factor must be a finite number > 0".into()));
+        }
+        f.slow.push((r, x, 0, u64::MAX));
+    }
+    Ok(f)
 }
 
 fn parse_sync(s: &str) -> std::result::Result<String, String> {
@@ -134,6 +213,22 @@ pub fn parse_bandwidth(s: &str) -> Result<f64> {
 /// What `tidewire sim` reports.
 #[derive(Debug, Clone, Serialize)]
 pub struct SimResult {
+    /// The aggregation trigger (`--trigger`).
+    pub trigger: String,
+    /// Virtual time to the last apply (the model's last version), per
+    /// iteration, s: with a straggler under a trigger other than all, the
+    /// model is done before the straggler finishes computing.
+    pub updates_iteration_s: f64,
+    /// Late contributions dropped (quorum, timeout).
+    pub dropped: u64,
+    /// Late contributions folded into a later round (async).
+    pub late_folded: u64,
+    /// Applies with fewer contributions than live workers.
+    pub partial_applies: u64,
+    /// Chunk applies in all.
+    pub applies: u64,
+    /// Crashed workers that came back.
+    pub rejoined: u32,
     pub model: String,
     pub sync: String,
     pub consistency: String,
@@ -205,6 +300,7 @@ fn one_run(
     mode: SyncMode,
     batch: usize,
     lay: &Layout,
+    faults: bool,
 ) -> Result<SimReport> {
     let book = Book::new(
         cluster,
@@ -232,6 +328,13 @@ fn one_run(
     cfg.hosts = lay.hosts.clone();
     if let Some(c) = args.credit_bytes {
         cfg.sched.credit_bytes = c;
+    }
+    if faults {
+        cfg.sched.trigger = Trigger::parse(&args.trigger).expect("validated by clap");
+        let f = faults_of(args)?;
+        cfg.faults.slow = f.slow;
+        cfg.faults.crash = f.crash;
+        cfg.faults.rejoin_after_ns = f.rejoin_after_ns;
     }
     Ok(Sim::run(cfg)?)
 }
@@ -287,6 +390,7 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             fold_group: 1,
             hosts: None,
         },
+        false,
     )?;
     let l = args.local_learners;
     let one = |flat: bool| -> Result<SimResult> {
@@ -314,7 +418,7 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
                 hosts: None,
             }
         };
-        let rep = one_run(&model, cluster.clone(), args, mode, batch, &lay)?;
+        let rep = one_run(&model, cluster.clone(), args, mode, batch, &lay, true)?;
         // The same job with no iterations: the set-up (seeding the servers and
         // the first broadcast), whose bytes are not the iterations'.
         let setup = one_run(
@@ -327,6 +431,7 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             mode,
             batch,
             &lay,
+            false,
         )?;
         let compute_s = model.iteration_compute(batch, args.time_scale).as_secs_f64();
         let throughput = (workers * l) as f64 * batch as f64 / rep.iteration_s;
@@ -368,6 +473,13 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             flat_run: None,
             speedup_over_flat: None,
             events: rep.events,
+            trigger: args.trigger.clone(),
+            updates_iteration_s: rep.updates_ns as f64 / 1e9 / args.iters as f64,
+            dropped: rep.dropped,
+            late_folded: rep.late_folded,
+            partial_applies: rep.partial_applies,
+            applies: rep.applies,
+            rejoined: rep.rejoined,
             wall_s: 0.0,
         })
     };
@@ -421,6 +533,24 @@ fn body(r: &SimResult) -> String {
         sp = r.speedup,
         one = r.single_node_iteration_s,
     );
+    if r.trigger != "all" || r.dropped > 0 || r.partial_applies > 0 {
+        s.push_str(&format!(
+            "trigger          {}: model updated every {:.4} s ({:.1} iterations/s); {} applies, {} partial, {} late contributions dropped, {} folded\n",
+            r.trigger,
+            r.updates_iteration_s,
+            1.0 / r.updates_iteration_s,
+            r.applies,
+            r.partial_applies,
+            r.dropped,
+            r.late_folded,
+        ));
+    } else {
+        s.push_str(&format!(
+            "model updates    every {:.4} s ({:.1} iterations/s)\n",
+            r.updates_iteration_s,
+            1.0 / r.updates_iteration_s
+        ));
+    }
     if r.local_learners > 1 {
         s.push_str(&format!(
             "learners         {} per node{}; local aggregation {:.4} s, fan-out {:.4} s per iteration\n\

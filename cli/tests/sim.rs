@@ -100,3 +100,71 @@ fn bad_flags_are_clear_errors() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn triggers_and_faults_from_the_command_line() {
+    let base = [
+        "--model",
+        "vgg19-mini",
+        "--workers",
+        "4",
+        "--servers",
+        "2",
+        "--sync",
+        "p3",
+        "--iters",
+        "6",
+    ];
+    let run = |extra: &[&str]| {
+        let mut a = base.to_vec();
+        a.extend_from_slice(extra);
+        json(&a)
+    };
+    let plain = run(&[]);
+    let quorum = run(&["--trigger", "quorum:3", "--slow-rank", "1", "--slow-factor", "5"]);
+    let bsp = run(&["--fault", "slow:1:5"]);
+    let rate = |j: &Value| plain["updates_iteration_s"].as_f64().unwrap() / j["updates_iteration_s"].as_f64().unwrap();
+    assert!(rate(&quorum) >= 0.9, "{quorum}");
+    assert!(rate(&bsp) < 0.5, "{bsp}");
+    assert!(quorum["dropped"].as_u64().unwrap() > 0, "{quorum}");
+    assert_eq!(quorum["trigger"], "quorum:3");
+    // A crash: the others go on under async; under all, an error naming the rank.
+    let a = run(&["--trigger", "async", "--fault", "crash:2:3"]);
+    assert_eq!(a["trigger"], "async");
+    let back = run(&["--trigger", "quorum:3", "--fault", "crash:2:2:5"]);
+    assert_eq!(back["rejoined"], 1, "{back}");
+    let mut args = base.to_vec();
+    args.extend_from_slice(&["--fault", "crash:2:3"]);
+    let out = sim(&args);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rank 2"), "{err}");
+    for bad in [
+        &["--trigger", "quorum:x"][..],
+        &["--fault", "slow:1"],
+        &["--fault", "crash:1:2:3"],
+        &["--slow-rank", "1"],
+        &["--trigger", "quorum:5"],
+    ] {
+        let mut args = base.to_vec();
+        args.extend_from_slice(bad);
+        let out = sim(&args);
+        assert!(!out.status.success(), "{bad:?} was accepted");
+        assert!(!out.stderr.is_empty());
+    }
+    // SFB layers need every worker's factors: refused with the reason.
+    let out = sim(&[
+        "--model",
+        "vgg19-mini",
+        "--workers",
+        "4",
+        "--servers",
+        "2",
+        "--sync",
+        "full",
+        "--trigger",
+        "async",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("SFB"));
+}

@@ -62,11 +62,13 @@ pub enum Field {
     CommMode = 19,
     /// Quality-guided adjustment: T bounds, period, tolerance, reversion (hash).
     FreqGuide = 20,
+    /// Aggregation trigger ([`crate::config::Trigger::encode`]).
+    Trigger = 21,
 }
 
 impl Field {
     /// How many fields there are.
-    pub const COUNT: usize = 21;
+    pub const COUNT: usize = 22;
 
     /// The field with wire id `id`.
     pub fn from_id(id: u8) -> Option<Field> {
@@ -93,6 +95,7 @@ impl Field {
             CommEvery,
             CommMode,
             FreqGuide,
+            Trigger,
         ];
         ALL.get(id as usize).copied()
     }
@@ -121,6 +124,7 @@ impl Field {
             Field::CommEvery => "comm_every (steps per exchange)",
             Field::CommMode => "comm_mode",
             Field::FreqGuide => "quality-guided frequency (t_max, period, tolerance, revert step)",
+            Field::Trigger => "aggregation trigger",
         }
     }
 
@@ -138,6 +142,13 @@ impl Field {
                 s => format!("ssp:{}", s - 1),
             },
             Field::Deterministic => (v != 0).to_string(),
+            Field::Trigger => match v >> 56 {
+                0 => "all".into(),
+                1 => format!("quorum:{}", v & 0xffff_ffff),
+                2 => "async".into(),
+                3 => format!("timeout:{}ms", (v & ((1 << 56) - 1)) as f64 / 1e6),
+                _ => format!("{v:#x}"),
+            },
             Field::Apply => ["sum", "mean", "sgd"].get(v as usize).unwrap_or(&"?").to_string(),
             Field::Lr | Field::Momentum | Field::WeightDecay => f32::from_bits(v as u32).to_string(),
             _ => v.to_string(),
@@ -225,7 +236,9 @@ impl JobConfig {
             (Field::FoldGroup, u64::from(sched.fold_group)),
             (Field::Learners, u64::from(sched.learners)),
         ];
-        JobConfig { fields }.with_comm(&CommConfig::default())
+        let mut j = JobConfig { fields }.with_comm(&CommConfig::default());
+        j.fields.push((Field::Trigger, sched.trigger.encode()));
+        j
     }
 
     /// Sets the communication frequency fields (default: every step, no adjustment).
@@ -342,6 +355,22 @@ mod tests {
             a.check(1, c.fields()),
             Err(EngineError::Disagree { field: "slots", .. })
         ));
+        let q = SchedConfig {
+            trigger: crate::config::Trigger::Quorum(2),
+            ..s
+        };
+        let d = JobConfig::new(&book(32), &q, ApplyOp::Mean, "tcp");
+        match a.check(1, d.fields()) {
+            Err(EngineError::Disagree {
+                field, theirs, ours, ..
+            }) => {
+                assert_eq!(
+                    (field, theirs.as_str(), ours.as_str()),
+                    ("aggregation trigger", "quorum:2", "all")
+                );
+            }
+            other => panic!("{other:?}"),
+        }
         let sgd = |lr| ApplyOp::Sgd {
             lr,
             momentum: 0.9,

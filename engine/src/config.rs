@@ -37,6 +37,97 @@ pub enum QueueOrder {
     Fifo,
 }
 
+/// When a server applies a chunk's iteration (Nexus's job-defined aggregation
+/// trigger). Every trigger but [`Trigger::All`] needs BSP consistency
+/// (`Consistency::Bsp`), a fold group of 1, and PS layers only (an SFB layer
+/// needs every worker's factors); [`SchedConfig::validate`] and
+/// [`crate::node::Node::new`] refuse the rest. Under those triggers:
+///
+/// - Contributions are summed in arrival order (`deterministic` does not apply).
+/// - A worker *contributes* to a chunk's round once every slice of the chunk
+///   from it is in. A round is never applied while a worker's contribution is
+///   half in (its remaining slices are already on their way), so every slice
+///   of an applied chunk holds the same contributors.
+/// - The apply divides by the gradients actually in the sum (contributors ×
+///   `learners`): the mean over the contributors ([`ApplyOp::Mean`] and
+///   [`ApplyOp::Sgd`]); [`ApplyOp::Sum`] stays the plain sum.
+/// - A **late** contribution is one for an iteration the server already
+///   applied. [`Trigger::Quorum`] and [`Trigger::Timeout`] **drop** it: its
+///   landing slot's credit goes back at once and the server counts it
+///   ([`crate::server::ServerStats::dropped`]). [`Trigger::Async`] **folds it
+///   into the round in progress** (no gradient is ever thrown away).
+/// - Every applied version is broadcast to every worker, slow ones included.
+///   A worker's wait for iteration t is satisfied by any version at least as
+///   new as t + 1, so a late worker never waits on a round it missed. Its
+///   caller reads a view published when a layer is ready (as under SSP), so a
+///   broadcast never lands in memory the caller holds.
+/// - A worker rank that is not also a server may be lost (its connection
+///   fails): the servers stop counting it and the others go on, as long as
+///   the trigger can still fire (at least `k` live workers for a quorum). A
+///   worker lost with half a contribution in a round fails the job with an
+///   error naming it. Under [`Trigger::All`] any lost rank fails the job.
+/// - Such a lost worker may come back ([`crate::node::Node::rejoin`]): it
+///   takes the current parameters from the servers and is counted again;
+///   its contributions count from each chunk's iteration when it came back
+///   (so they are on time when it keeps up, and late otherwise).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Trigger {
+    /// BSP: apply once every worker's contribution is in (the default).
+    #[default]
+    All,
+    /// Apply once `k` workers' contributions of every slice of the chunk are
+    /// in (1 ≤ k ≤ P1). Late contributions are dropped.
+    Quorum(u32),
+    /// Downpour: apply as soon as one worker's whole contribution of the
+    /// chunk is in (with whatever else arrived meanwhile), scaled by the mean
+    /// over the contributions in it; late contributions fold into the next round.
+    Async,
+    /// After the first contribution of a chunk's round arrives, wait this
+    /// long (or until every live worker's is in), then apply what is in,
+    /// scaled by the mean over the contributors. Late contributions are dropped.
+    Timeout(std::time::Duration),
+}
+
+impl Trigger {
+    /// Parses `all`, `quorum:K`, `async` or `timeout:MS` (milliseconds, may be fractional).
+    pub fn parse(s: &str) -> Option<Trigger> {
+        Some(match s {
+            "all" => Trigger::All,
+            "async" => Trigger::Async,
+            _ => {
+                if let Some(k) = s.strip_prefix("quorum:") {
+                    Trigger::Quorum(k.parse().ok()?)
+                } else {
+                    let ms: f64 = s.strip_prefix("timeout:")?.parse().ok()?;
+                    if !(ms.is_finite() && ms > 0.0 && ms < 1e9) {
+                        return None;
+                    }
+                    Trigger::Timeout(std::time::Duration::from_nanos((ms * 1e6) as u64))
+                }
+            }
+        })
+    }
+    /// Its name, as [`Trigger::parse`] reads it.
+    pub fn name(self) -> String {
+        match self {
+            Trigger::All => "all".into(),
+            Trigger::Quorum(k) => format!("quorum:{k}"),
+            Trigger::Async => "async".into(),
+            Trigger::Timeout(d) => format!("timeout:{}", d.as_secs_f64() * 1e3),
+        }
+    }
+    /// Its rendezvous encoding (see [`crate::agree`]).
+    pub fn encode(self) -> u64 {
+        match self {
+            Trigger::All => 0,
+            Trigger::Quorum(k) => 1 << 56 | u64::from(k),
+            Trigger::Async => 2 << 56,
+            Trigger::Timeout(d) => 3 << 56 | (d.as_nanos() as u64 & ((1 << 56) - 1)),
+        }
+    }
+}
+
 /// Settings of the worker and server cores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct SchedConfig {
@@ -64,6 +155,8 @@ pub struct SchedConfig {
     /// pushes the sum of its node's `learners` gradients). The mean and SGD
     /// divide the sum by workers × learners, the number of gradients in it.
     pub learners: u32,
+    /// When a server applies a chunk's iteration ([`Trigger`]; `All` is BSP).
+    pub trigger: Trigger,
 }
 
 impl Default for SchedConfig {
@@ -76,6 +169,7 @@ impl Default for SchedConfig {
             deterministic: true,
             fold_group: 1,
             learners: 1,
+            trigger: Trigger::All,
         }
     }
 }
@@ -98,6 +192,34 @@ impl SchedConfig {
             return Err(EngineError::InvalidConfig(
                 "SSP staleness above 64 is not supported".into(),
             ));
+        }
+        match self.trigger {
+            Trigger::All => {}
+            t => {
+                if self.consistency != Consistency::Bsp {
+                    return Err(EngineError::InvalidConfig(format!(
+                        "the {} trigger needs BSP consistency (a late contribution has no SSP window to land in)",
+                        t.name()
+                    )));
+                }
+                if self.fold_group != 1 {
+                    return Err(EngineError::InvalidConfig(format!(
+                        "the {} trigger sums in arrival order: fold_group must be 1",
+                        t.name()
+                    )));
+                }
+                match t {
+                    Trigger::Quorum(0) => {
+                        return Err(EngineError::InvalidConfig("a quorum of 0 workers: give k ≥ 1".into()))
+                    }
+                    Trigger::Timeout(d) if d.is_zero() => {
+                        return Err(EngineError::InvalidConfig(
+                            "a timeout of 0: give a positive timeout".into(),
+                        ))
+                    }
+                    _ => {}
+                }
+            }
         }
         Ok(())
     }

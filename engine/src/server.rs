@@ -20,9 +20,10 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::book::Book;
-use crate::config::SchedConfig;
+use crate::config::{SchedConfig, Trigger};
 use crate::error::{EngineError, Result};
 
 /// What the server core asks its driver to do.
@@ -47,8 +48,21 @@ pub enum ServerCommand {
     /// folds straight into the accumulator).
     FoldPartial { slice: u32, window: u32 },
     /// Every contribution to `chunk` for `iter` is summed in accumulator
-    /// `window`: apply it to the shard's parameters.
-    Apply { chunk: u32, iter: u64, window: u32 },
+    /// `window` (under a trigger other than [`Trigger::All`], the ones its
+    /// round took): apply it to the shard's parameters. `gradients` is how
+    /// many gradients the sum holds (contributions × learners): the mean and
+    /// SGD divide by it. Under `All` it is always P1 × learners.
+    Apply {
+        chunk: u32,
+        iter: u64,
+        window: u32,
+        gradients: u32,
+    },
+    /// A late contribution (for an iteration already applied) in landing
+    /// slot `slot` of `worker` is dropped ([`Trigger::Quorum`],
+    /// [`Trigger::Timeout`]): nothing to run; the slot's credit goes back to
+    /// `worker` at once.
+    Drop { worker: u32, slot: u32 },
     /// Write the shard's current values of `chunk` into `worker`'s parameter
     /// buffer, with the chunk id as the immediate. Report it with
     /// [`Server::handle_broadcast_done`].
@@ -66,6 +80,16 @@ pub struct ServerStats {
     pub broadcasts: u64,
     /// Most landing slots of one worker occupied at once.
     pub max_slots_held: u32,
+    /// Late contributions dropped (their credits went back at once).
+    pub dropped: u64,
+    /// Late contributions folded into a later round ([`Trigger::Async`]).
+    pub late_folded: u64,
+    /// Applies with fewer contributions than live workers.
+    pub partial_applies: u64,
+    /// Workers lost and no longer counted.
+    pub lost: u32,
+    /// Lost workers that came back and are counted again.
+    pub rejoined: u32,
 }
 
 /// The server core of one rank.
@@ -101,6 +125,18 @@ pub struct Server {
     bcast_bytes: usize,
     out: VecDeque<ServerCommand>,
     stats: ServerStats,
+    /// Triggers other than `All`: per (local chunk, worker index), slices
+    /// folded into the chunk's round in progress.
+    got: Vec<u32>,
+    /// Per local chunk: when the round's first contribution came (timeout).
+    round_first: Vec<Option<Duration>>,
+    /// Timeout wake-ups: (deadline, local chunk), stale ones skipped.
+    deadlines: BinaryHeap<Reverse<(Duration, u32)>>,
+    /// Per worker index: lost, no longer counted.
+    lost: Vec<bool>,
+    live: usize,
+    /// The time of the input being handled (the Node's clock).
+    now: Duration,
 }
 
 impl Server {
@@ -113,6 +149,13 @@ impl Server {
             )));
         }
         let p1 = book.p1();
+        if let Trigger::Quorum(k) = cfg.trigger {
+            if k as usize > p1 {
+                return Err(EngineError::InvalidConfig(format!(
+                    "a quorum of {k} workers, but the cluster has {p1}"
+                )));
+            }
+        }
         let window = cfg.consistency.staleness() as usize + 1;
         let mut slice_local = vec![u32::MAX; book.slices().len()];
         let mut chunk_local = vec![u32::MAX; book.chunks().len()];
@@ -144,6 +187,16 @@ impl Server {
             bcast_bytes: 0,
             out: VecDeque::new(),
             stats: ServerStats::default(),
+            got: if cfg.trigger == Trigger::All {
+                Vec::new()
+            } else {
+                vec![0; nlc * p1]
+            },
+            round_first: vec![None; nlc],
+            deadlines: BinaryHeap::new(),
+            lost: vec![false; p1],
+            live: p1,
+            now: Duration::ZERO,
             book,
             rank,
             cfg,
@@ -199,6 +252,9 @@ impl Server {
     /// forever. Returns (worker index, global slice, iteration). One pass over
     /// the shard's slices and workers.
     pub fn stranded(&self, finished: impl Fn(usize) -> bool) -> Option<(usize, u32, u64)> {
+        if self.cfg.trigger != Trigger::All {
+            return self.stranded_round(finished);
+        }
         let nls = self.received.len() / self.p1.max(1);
         let done: Vec<usize> = (0..self.p1).filter(|&w| finished(w)).collect();
         if done.is_empty() {
@@ -231,7 +287,7 @@ impl Server {
     /// SSP a slow worker would hold every faster worker's slots, which would
     /// undo the staleness bound, and SSP values depend on timing anyway.
     pub fn deterministic(&self) -> bool {
-        self.cfg.deterministic && self.window == 1
+        self.cfg.deterministic && self.window == 1 && self.cfg.trigger == Trigger::All
     }
 
     fn err(&self, rank: u32, what: String) -> EngineError {
@@ -287,6 +343,9 @@ impl Server {
                 ))
             }
         };
+        if self.cfg.trigger != Trigger::All {
+            return self.landed_triggered(wi, worker, slot, slice, ls);
+        }
         let nls = self.folded.len() / self.window;
         let iter = self.received[wi * nls + ls];
         let w = (iter % self.window as u64) as usize;
@@ -358,6 +417,10 @@ impl Server {
     }
 
     fn try_apply(&mut self, chunk: u32) {
+        if self.cfg.trigger != Trigger::All {
+            self.try_apply_triggered(chunk);
+            return;
+        }
         let lc = self.chunk_local[chunk as usize] as usize;
         let t = self.applied[lc];
         let w = (t % self.window as u64) as usize;
@@ -369,6 +432,7 @@ impl Server {
             chunk,
             iter: t,
             window: w as u32,
+            gradients: (self.p1 * self.cfg.learners as usize) as u32,
         });
         self.stats.applies += 1;
         self.chunk_done[lc * self.window + w] = 0;
@@ -385,6 +449,9 @@ impl Server {
     fn queue_broadcast(&mut self, version: u64, chunk: u32) {
         let lc = self.chunk_local[chunk as usize] as usize;
         for wi in 0..self.p1 {
+            if self.lost[wi] {
+                continue;
+            }
             self.bcast_queue.push(Reverse((version, chunk, wi as u32)));
             self.bcast_pending[lc] += 1;
         }
@@ -421,5 +488,441 @@ impl Server {
         // A later iteration may have completed while this broadcast was out.
         self.try_apply(chunk);
         Ok(())
+    }
+}
+
+/// Triggers other than [`Trigger::All`] (see its docs): arrival-order
+/// folding, late contributions, partial applies, timeouts and lost workers.
+impl Server {
+    /// The clock of the input being handled (the Node sets it before every input).
+    pub fn set_now(&mut self, now: Duration) {
+        self.now = now;
+    }
+
+    /// When the server next needs [`Server::handle_tick`] (a round's timeout).
+    pub fn next_deadline(&self) -> Option<Duration> {
+        self.deadlines.peek().map(|Reverse((t, _))| *t)
+    }
+
+    /// Time passed: applies the rounds whose timeout expired.
+    pub fn handle_tick(&mut self) {
+        while let Some(&Reverse((t, lc))) = self.deadlines.peek() {
+            if t > self.now {
+                break;
+            }
+            self.deadlines.pop();
+            let chunk = self.book.server_chunks(self.rank)[lc as usize];
+            self.try_apply(chunk);
+        }
+    }
+
+    /// Live workers (not lost).
+    pub fn live_workers(&self) -> usize {
+        self.live
+    }
+
+    /// Whether worker index `wi` was lost.
+    pub fn is_lost(&self, wi: usize) -> bool {
+        self.lost.get(wi).copied().unwrap_or(false)
+    }
+
+    fn nslices(&self, chunk: u32) -> u32 {
+        self.book.chunk_slices(chunk).len() as u32
+    }
+
+    fn landed_triggered(&mut self, wi: usize, worker: u32, slot: u32, slice: u32, ls: usize) -> Result<()> {
+        let nls = self.folded.len();
+        let iter = self.received[wi * nls + ls];
+        self.received[wi * nls + ls] += 1;
+        let chunk = self.book.slices()[slice as usize].chunk;
+        let lc = self.chunk_local[chunk as usize] as usize;
+        let cur = self.applied[lc];
+        if iter > cur {
+            return Err(self.err(
+                worker,
+                format!("slice {slice} for iteration {iter} while iteration {cur} is not applied"),
+            ));
+        }
+        self.slots_held[wi] += 1;
+        self.stats.max_slots_held = self.stats.max_slots_held.max(self.slots_held[wi]);
+        if self.slots_held[wi] > self.cfg.slots {
+            return Err(self.err(worker, "more pushes in flight than credits granted".into()));
+        }
+        let late = iter < cur;
+        if self.lost[wi] || (late && self.cfg.trigger != Trigger::Async) {
+            self.slots_held[wi] -= 1;
+            self.stats.dropped += 1;
+            self.out.push_back(ServerCommand::Drop { worker, slot });
+            return Ok(());
+        }
+        if late {
+            self.stats.late_folded += 1;
+        }
+        self.out.push_back(ServerCommand::Accumulate {
+            worker,
+            slot,
+            slice,
+            window: 0,
+            first: self.folded[ls] == 0,
+            partial: false,
+        });
+        self.slots_held[wi] -= 1;
+        self.stats.accumulated += 1;
+        self.folded[ls] += 1;
+        self.got[lc * self.p1 + wi] += 1;
+        if let Trigger::Timeout(d) = self.cfg.trigger {
+            if self.round_first[lc].is_none() {
+                self.round_first[lc] = Some(self.now);
+                self.deadlines.push(Reverse((self.now + d, lc as u32)));
+            }
+        }
+        self.try_apply(chunk);
+        Ok(())
+    }
+
+    /// (workers whose whole contribution is in, contributions in the sum,
+    /// whether a worker's contribution is half in) for the round in progress.
+    fn round(&self, lc: usize, n: u32) -> (usize, u32, bool) {
+        let got = &self.got[lc * self.p1..(lc + 1) * self.p1];
+        let complete = got.iter().filter(|&&g| g >= n).count();
+        let half = got.iter().any(|&g| g % n != 0);
+        let sum: u32 = got.iter().sum();
+        (complete, sum / n, half)
+    }
+
+    fn try_apply_triggered(&mut self, chunk: u32) {
+        let lc = self.chunk_local[chunk as usize] as usize;
+        if self.bcast_pending[lc] != 0 {
+            return;
+        }
+        let n = self.nslices(chunk);
+        let (complete, contributions, half) = self.round(lc, n);
+        if half || complete == 0 {
+            return;
+        }
+        let fire = match self.cfg.trigger {
+            Trigger::All => unreachable!("the All path"),
+            Trigger::Quorum(k) => complete >= (k as usize).min(self.live),
+            Trigger::Async => true,
+            Trigger::Timeout(d) => {
+                let got = &self.got[lc * self.p1..(lc + 1) * self.p1];
+                let live_in = (0..self.p1).filter(|&w| !self.lost[w] && got[w] >= n).count();
+                live_in >= self.live || self.round_first[lc].is_some_and(|t0| self.now >= t0 + d)
+            }
+        };
+        if !fire {
+            return;
+        }
+        let t = self.applied[lc];
+        if complete < self.live {
+            self.stats.partial_applies += 1;
+        }
+        self.out.push_back(ServerCommand::Apply {
+            chunk,
+            iter: t,
+            window: 0,
+            gradients: contributions * self.cfg.learners,
+        });
+        self.stats.applies += 1;
+        for s in self.book.chunk_slices(chunk) {
+            let ls = self.slice_local[s as usize] as usize;
+            self.folded[ls] = 0;
+            self.win_iter[ls] = t + 1;
+        }
+        self.got[lc * self.p1..(lc + 1) * self.p1].fill(0);
+        self.round_first[lc] = None;
+        self.applied[lc] = t + 1;
+        self.queue_broadcast(t + 1, chunk);
+        self.pump_broadcasts();
+    }
+
+    /// Worker index `wi` is lost (its connection failed). Under a trigger
+    /// other than `All`, the server stops counting it and goes on; it fails
+    /// when the round cannot be completed without it: the worker was lost
+    /// with half its contribution to a chunk in, or too few workers remain
+    /// for the quorum. Broadcasts queued for it are forgotten (the ones in
+    /// flight complete as the Node drops its connection).
+    pub fn handle_worker_lost(&mut self, wi: usize) -> Result<()> {
+        let rank = self.book.cluster().workers()[wi];
+        let lost = |reason: String| EngineError::PeerLost { rank, reason };
+        if self.cfg.trigger == Trigger::All {
+            return Err(lost("a worker was lost and the aggregation trigger is `all`".into()));
+        }
+        if self.lost[wi] {
+            return Ok(());
+        }
+        self.lost[wi] = true;
+        self.live -= 1;
+        self.stats.lost += 1;
+        let chunks: Vec<u32> = self.book.server_chunks(self.rank).to_vec();
+        for (lc, &c) in chunks.iter().enumerate() {
+            let g = self.got[lc * self.p1 + wi];
+            if g % self.nslices(c) != 0 {
+                return Err(lost(format!(
+                    "it was lost with {g} of the {} slices of its contribution to chunk {c} (iteration {}) in, so that round cannot be applied",
+                    self.nslices(c),
+                    self.applied[lc]
+                )));
+            }
+        }
+        if self.live == 0 {
+            return Err(lost("no worker is left".into()));
+        }
+        if let Trigger::Quorum(k) = self.cfg.trigger {
+            if self.live < k as usize {
+                return Err(lost(format!(
+                    "the quorum of {k} workers cannot be reached: {} are left",
+                    self.live
+                )));
+            }
+        }
+        let wi32 = wi as u32;
+        let queue = std::mem::take(&mut self.bcast_queue);
+        for Reverse((v, c, w)) in queue {
+            if w == wi32 {
+                self.bcast_pending[self.chunk_local[c as usize] as usize] -= 1;
+            } else {
+                self.bcast_queue.push(Reverse((v, c, w)));
+            }
+        }
+        for c in chunks {
+            self.try_apply(c);
+        }
+        self.pump_broadcasts();
+        Ok(())
+    }
+
+    /// Worker index `wi`, lost before, is back (a new process, connected and
+    /// open): it is counted again from the round in progress. Its pushes
+    /// count from every chunk's current iteration, and every chunk's current
+    /// values go to it, highest priority first (its starting parameters).
+    pub fn handle_worker_rejoined(&mut self, wi: usize) -> Result<()> {
+        let rank = self.book.cluster().workers()[wi];
+        if !self.lost[wi] {
+            return Err(self.err(rank, "a worker that was not lost came back".into()));
+        }
+        self.lost[wi] = false;
+        self.live += 1;
+        self.stats.rejoined += 1;
+        self.slots_held[wi] = 0;
+        let nls = self.folded.len() / self.window;
+        let chunks: Vec<u32> = self.book.server_chunks(self.rank).to_vec();
+        for (lc, &c) in chunks.iter().enumerate() {
+            for s in self.book.chunk_slices(c) {
+                let ls = self.slice_local[s as usize] as usize;
+                self.received[wi * nls + ls] = self.applied[lc];
+            }
+            self.bcast_queue.push(Reverse((self.applied[lc], c, wi as u32)));
+            self.bcast_pending[lc] += 1;
+        }
+        self.pump_broadcasts();
+        Ok(())
+    }
+
+    /// Under a quorum: once every live worker finished, a round that holds
+    /// contributions and fewer than `k` complete ones can never be applied.
+    fn stranded_round(&self, finished: impl Fn(usize) -> bool) -> Option<(usize, u32, u64)> {
+        let Trigger::Quorum(k) = self.cfg.trigger else {
+            return None;
+        };
+        if !(0..self.p1).all(|w| self.lost[w] || finished(w)) {
+            return None;
+        }
+        for (lc, &c) in self.book.server_chunks(self.rank).iter().enumerate() {
+            let (complete, contributions, _) = self.round(lc, self.nslices(c));
+            if contributions > 0 && complete < (k as usize).min(self.live) {
+                let wi = (0..self.p1).find(|&w| !self.lost[w] && self.got[lc * self.p1 + w] == 0)?;
+                return Some((wi, self.book.chunk_slices(c).start, self.applied[lc]));
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::book::{BookConfig, Cluster, LayerKind, LayerSpec};
+    use crate::config::Consistency;
+
+    /// Three workers (ranks 0..3) and one server (rank 3), one chunk of two slices.
+    fn server(trigger: Trigger) -> Server {
+        let book = Book::new(
+            Cluster::split(3, 1).unwrap(),
+            vec![LayerSpec::new("l", LayerKind::Conv, 1, 8)],
+            BookConfig {
+                chunk_bytes: 1024,
+                slice_params: 4,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(book.chunk_slices(0).len(), 2);
+        let cfg = SchedConfig {
+            trigger,
+            ..SchedConfig::default()
+        };
+        let mut s = Server::new(Arc::new(book), 3, cfg).unwrap();
+        s.handle_init(0, 0).unwrap();
+        s.drain();
+        for w in 0..3 {
+            s.handle_broadcast_done(0, w).unwrap();
+        }
+        s
+    }
+
+    impl Server {
+        fn drain(&mut self) -> Vec<ServerCommand> {
+            std::iter::from_fn(|| self.poll_command()).collect()
+        }
+        fn applies(cmds: &[ServerCommand]) -> Vec<(u64, u32)> {
+            cmds.iter()
+                .filter_map(|c| match c {
+                    ServerCommand::Apply { iter, gradients, .. } => Some((*iter, *gradients)),
+                    _ => None,
+                })
+                .collect()
+        }
+        /// Worker `w` pushes both slices (slots 0 and 1).
+        fn push(&mut self, w: u32) -> Vec<ServerCommand> {
+            self.handle_landed(w, 0, 0).unwrap();
+            self.handle_landed(w, 1, 1).unwrap();
+            self.drain()
+        }
+        fn bcast_done(&mut self) {
+            for w in 0..3 {
+                if !self.is_lost(w as usize) {
+                    self.handle_broadcast_done(0, w).unwrap();
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_quorum_applies_at_k_and_drops_late_contributions_with_their_credits() {
+        let mut s = server(Trigger::Quorum(2));
+        assert!(Server::applies(&s.push(0)).is_empty(), "one of two");
+        // Half of worker 1 is in: not yet complete.
+        s.handle_landed(1, 0, 0).unwrap();
+        assert!(Server::applies(&s.drain()).is_empty());
+        s.handle_landed(1, 1, 1).unwrap();
+        assert_eq!(
+            Server::applies(&s.drain()),
+            vec![(0, 2)],
+            "two contributions, mean over two"
+        );
+        s.bcast_done();
+        // Worker 2's iteration 0 comes late: dropped, credits back at once.
+        let cmds = s.push(2);
+        assert!(Server::applies(&cmds).is_empty());
+        let drops = cmds
+            .iter()
+            .filter(|c| matches!(c, ServerCommand::Drop { worker: 2, .. }))
+            .count();
+        assert_eq!(drops, 2);
+        assert_eq!(s.stats().dropped, 2);
+        assert_eq!(s.stats().partial_applies, 1);
+    }
+
+    #[test]
+    fn async_folds_late_contributions_into_the_next_round() {
+        let mut s = server(Trigger::Async);
+        assert_eq!(Server::applies(&s.push(0)), vec![(0, 1)]);
+        s.bcast_done();
+        // Workers 1 and 2 are late for iteration 0: folded into round 1.
+        assert_eq!(Server::applies(&s.push(1)), vec![(1, 1)]);
+        // A broadcast is out: the next round waits for it, and holds two.
+        assert!(Server::applies(&s.push(2)).is_empty());
+        assert!(Server::applies(&s.push(0)).is_empty());
+        s.bcast_done();
+        assert_eq!(Server::applies(&s.drain()), vec![(2, 2)]);
+        // Late: workers 1 and 2's iteration 0, and worker 0's iteration 1 (round 1 was applied).
+        assert_eq!((s.stats().dropped, s.stats().late_folded), (0, 6));
+    }
+
+    #[test]
+    fn a_timeout_applies_what_is_in_no_earlier_than_its_deadline() {
+        let d = Duration::from_millis(5);
+        let mut s = server(Trigger::Timeout(d));
+        s.set_now(Duration::from_millis(100));
+        assert!(Server::applies(&s.push(0)).is_empty());
+        assert_eq!(s.next_deadline(), Some(Duration::from_millis(105)));
+        s.set_now(Duration::from_millis(104));
+        s.handle_tick();
+        assert!(Server::applies(&s.drain()).is_empty(), "before the deadline");
+        s.set_now(Duration::from_millis(105));
+        s.handle_tick();
+        assert_eq!(Server::applies(&s.drain()), vec![(0, 1)]);
+        s.bcast_done();
+        // Workers 1 and 2's iteration 0 is late now: dropped.
+        s.set_now(Duration::from_millis(200));
+        s.push(1);
+        s.push(2);
+        assert_eq!(s.stats().dropped, 4);
+        // Everyone's iteration 1 in: at once, without waiting.
+        s.push(0);
+        s.push(1);
+        assert_eq!(Server::applies(&s.push(2)), vec![(1, 3)]);
+    }
+
+    #[test]
+    fn a_lost_worker_stops_counting_or_fails_the_round_it_left_half_done() {
+        let mut s = server(Trigger::Quorum(2));
+        s.handle_worker_lost(2).unwrap();
+        assert_eq!(s.live_workers(), 2);
+        s.push(0);
+        assert_eq!(Server::applies(&s.push(1)), vec![(0, 2)]);
+        // Below the quorum: a clear error naming the rank.
+        let e = s.handle_worker_lost(1).unwrap_err();
+        assert!(matches!(e, EngineError::PeerLost { rank: 1, .. }), "{e}");
+
+        let mut s = server(Trigger::Async);
+        s.handle_landed(1, 0, 0).unwrap();
+        let e = s.handle_worker_lost(1).unwrap_err();
+        assert!(e.to_string().contains("1 of the 2 slices"), "{e}");
+
+        let mut s = server(Trigger::All);
+        assert!(s.handle_worker_lost(0).is_err(), "all: any loss fails");
+    }
+
+    #[test]
+    fn triggers_refuse_what_they_cannot_keep_sound() {
+        let ssp = SchedConfig {
+            trigger: Trigger::Async,
+            consistency: Consistency::Ssp(1),
+            ..SchedConfig::default()
+        };
+        assert!(ssp.validate().is_err());
+        let fold = SchedConfig {
+            trigger: Trigger::Quorum(1),
+            fold_group: 2,
+            ..SchedConfig::default()
+        };
+        assert!(fold.validate().is_err());
+        for t in [Trigger::Quorum(0), Trigger::Timeout(Duration::ZERO)] {
+            let c = SchedConfig {
+                trigger: t,
+                ..SchedConfig::default()
+            };
+            assert!(c.validate().is_err(), "{t:?}");
+        }
+        let book = server(Trigger::All).book.clone();
+        let big = SchedConfig {
+            trigger: Trigger::Quorum(4),
+            ..SchedConfig::default()
+        };
+        assert!(Server::new(book, 3, big).is_err(), "a quorum above P1");
+        for (s, t) in [
+            ("all", Trigger::All),
+            ("quorum:3", Trigger::Quorum(3)),
+            ("async", Trigger::Async),
+            ("timeout:2.5", Trigger::Timeout(Duration::from_micros(2500))),
+        ] {
+            assert_eq!(Trigger::parse(s), Some(t));
+            assert_eq!(Trigger::parse(&t.name()), Some(t));
+        }
+        for bad in ["quorum:", "quorum:x", "timeout:0", "timeout:-1", "some"] {
+            assert_eq!(Trigger::parse(bad), None, "{bad}");
+        }
     }
 }

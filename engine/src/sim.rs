@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::book::{Book, LayerKind, Scheme};
-use crate::config::{ApplyOp, Consistency, SchedConfig, SyncMode};
+use crate::config::{ApplyOp, Consistency, SchedConfig, SyncMode, Trigger};
 use crate::error::EngineError;
 use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use crate::net::Net;
@@ -59,6 +59,25 @@ pub struct Faults {
     pub partition: Option<(Vec<u32>, u64, u64)>,
     /// Probability that the transport refuses a transmit for now (`WouldBlock`).
     pub block_prob: f64,
+    /// Slow spans: (worker rank, compute factor, from iteration, to
+    /// iteration, exclusive). The worker's compute is multiplied by the
+    /// factor in those iterations (on top of `stragglers`).
+    pub slow: Vec<(u32, f64, u64, u64)>,
+    /// (worker rank, iteration): the worker crashes at that iteration
+    /// boundary, once its earlier iterations are synced (nothing of it is
+    /// half pushed); its peers see their connections fail `detect_ns` later.
+    /// Under [`Trigger::All`], or when the rank is also a server, the job
+    /// must fail with an error naming it; under the other triggers the
+    /// others go on.
+    pub crash: Option<(u32, u64)>,
+    /// With `crash`: the crashed worker comes back (a new process, a fresh
+    /// Node that [`Node::rejoin`]s) this long after it crashed, ns — at
+    /// least `2 × detect_ns + 1 ms`, so that its peers saw it go and the old
+    /// process's traffic is gone. It takes the current parameters, is
+    /// counted again, and runs the iterations it has left. Only a worker
+    /// that holds no shard, under a trigger other than `All`, and only while
+    /// no other worker has finished (the job still runs); otherwise it stays away.
+    pub rejoin_after_ns: Option<u64>,
 }
 
 /// A simulation run.
@@ -209,6 +228,28 @@ pub struct SimReport {
     /// With `values`: every worker's parameter region at the end, as bits
     /// (by worker index), for bitwise comparisons of two runs.
     pub params_bits: Vec<Vec<u32>>,
+    /// Chunk applies, every server together.
+    pub applies: u64,
+    /// Crashed workers that came back.
+    pub rejoined: u32,
+    /// Per worker index: its slices accumulated into a round (not dropped).
+    pub accumulated_by_worker: Vec<u64>,
+    /// Virtual time from the start of iteration 0 to the last apply issued
+    /// by any server, ns: when the model holds its last version. Under a
+    /// trigger other than `all` the slowest worker may still be computing
+    /// then (its late contributions are dropped or folded).
+    pub updates_ns: u64,
+    /// Applies with fewer contributions than live workers.
+    pub partial_applies: u64,
+    /// Late contributions dropped, every server together.
+    pub dropped: u64,
+    /// Late contributions folded into a later round.
+    pub late_folded: u64,
+    /// Iterations completed by each worker (by worker index) at its end.
+    pub worker_iters: Vec<u64>,
+    /// Per worker (by worker index): when it finished its last iteration, ns
+    /// from the start (0 for a crashed one).
+    pub worker_done_ns: Vec<u64>,
 }
 
 /// Why a run failed.
@@ -306,6 +347,10 @@ enum Ev {
     Sent { from: u32, token: u64 },
     /// A job finished on its executor.
     JobDone(u32, Job),
+    /// The crash fault strikes a worker at an iteration boundary.
+    Crash(u32),
+    /// The crashed worker comes back.
+    Rejoin(u32),
     /// A rank that left closes its connection to `to` gracefully: after
     /// everything it sent on it, like TCP's FIN.
     Fin { from: u32, to: u32 },
@@ -327,9 +372,14 @@ struct WLoop {
     waiting: Option<(u32, u64)>,
     deferred: Vec<u32>,
     slow: f64,
+    /// The slow span's factor in the current iteration.
+    span: f64,
     wait_ns: u64,
     finished: Option<u64>,
     shutdown_sent: bool,
+    /// A worker that came back: it starts at the model's newest iteration
+    /// once it is ready.
+    rejoined: bool,
 }
 
 #[derive(Debug)]
@@ -358,6 +408,11 @@ struct Rank {
     local_avail: Vec<u64>,
     /// Time spent on local aggregation and on fan-out, ns.
     local_ns: [u64; 2],
+    /// Trigger checks: per local chunk of this server, per worker index,
+    /// slices accumulated into the round in progress, and when its first came.
+    round: HashMap<u32, (Vec<u32>, u64)>,
+    /// Trigger checks: applies seen per chunk of this server.
+    applies_seen: HashMap<u32, u64>,
     /// Values mode: (address, length) of the factor fragments delivered to
     /// this rank and not yet reconstructed from. A reconstruction must read
     /// peers' factors in these very buffers: a copy on the way is a violation.
@@ -391,6 +446,12 @@ pub struct Sim {
     settled: usize,
     /// Graceful closes still in the network (the last ones outlive the run).
     fins_in_net: usize,
+    /// Accumulate jobs emitted, every server together.
+    accumulates: u64,
+    /// The crash fault struck (once), at this iteration.
+    crashed_at: Option<u64>,
+    /// Pushes of worker processes that were replaced (a crash and a rejoin).
+    retired_pushes: u64,
     /// Sends that left at once (control messages on an idle connection):
     /// their completions, fed after the drain that posted them.
     sent_now: Vec<(u32, u64)>,
@@ -434,6 +495,98 @@ fn put_f32s(dst: &mut [u8], v: &[f32]) {
     }
 }
 
+/// Rank `r`'s Node, memory and worker loop, as at the start of a run.
+fn make_rank(cfg: &SimConfig, r: u32) -> Result<Rank, SimError> {
+    let seed = cfg.seed;
+    let config = |error| SimError::Config { seed, error };
+    let book = cfg.book.clone();
+    let world = book.cluster().world();
+    let mut nc = NodeConfig::new(book.clone(), r);
+    nc.sched = cfg.sched;
+    nc.apply = cfg.apply;
+    nc.limits = cfg
+        .rank_limits
+        .as_ref()
+        .and_then(|l| l.get(r as usize).copied())
+        .unwrap_or(cfg.limits);
+    nc.transport = "sim".into();
+    nc.sparse = cfg.sparse;
+    // Setup may take long in virtual time (tiny writes, many retries):
+    // the liveness check is `stall_ns` without progress.
+    nc.startup_timeout = Duration::from_nanos(cfg.stall_ns.saturating_mul(100));
+    let mut node = Node::new(nc).map_err(config)?;
+    let keys = [LocalRegion::Params, LocalRegion::Shard, LocalRegion::Landing].map(|x| {
+        if node.region_bytes(x) > 0 {
+            ridx(x) as u32 + 1
+        } else {
+            0
+        }
+    });
+    node.set_keys(keys);
+    let mem = if cfg.values {
+        LocalRegion::ALL
+            .iter()
+            .map(|&x| vec![0u8; node.region_bytes(x) as usize])
+            .collect()
+    } else {
+        vec![Vec::new(); LocalRegion::ALL.len()]
+    };
+    let n = if cfg.values { book.shard_len(r) } else { 0 };
+    let role = book.cluster().role(r).expect("in the cluster");
+    let worker = role.is_worker().then(|| WLoop {
+        phase: Phase::Fwd(0),
+        iter: 0,
+        waiting: None,
+        deferred: Vec::new(),
+        slow: cfg.faults.stragglers.iter().find(|(w, _)| *w == r).map_or(1.0, |s| s.1),
+        span: 1.0,
+        wait_ns: 0,
+        finished: None,
+        shutdown_sent: false,
+        rejoined: false,
+    });
+    let windows = node.windows();
+    let mut rank = Rank {
+        node,
+        mem,
+        acc: vec![vec![0.0; n]; windows],
+        partial: if cfg.values && cfg.sched.fold_group > 1 {
+            vec![vec![0.0; n]; windows]
+        } else {
+            Vec::new()
+        },
+        momentum: if cfg.apply.needs_momentum() {
+            vec![0.0; n]
+        } else {
+            Vec::new()
+        },
+        busy: [0; 2],
+        posted: vec![0; world],
+        tokens: HashMap::default(),
+        worker,
+        dead: false,
+        fatal: None,
+        finished: None,
+        tick_at: None,
+        local_busy: 0,
+        local_avail: vec![0; book.layers().len()],
+        local_ns: [0; 2],
+        round: HashMap::default(),
+        applies_seen: HashMap::default(),
+        delivered: HashSet::default(),
+    };
+    if cfg.values && role.is_worker() {
+        // Every worker fills its parameters; rank 0's values reach everyone.
+        // Parameters are contiguous here (no caller layout): layer l at its flat offset.
+        for (l, spec) in book.layers().iter().enumerate() {
+            let off = book.layer_offset(l as u32) * 4;
+            let v: Vec<f32> = (0..spec.params()).map(|i| init_value(l as u32, i)).collect();
+            put_f32s(&mut rank.mem[ridx(LocalRegion::Params)][off..off + v.len() * 4], &v);
+        }
+    }
+    Ok(rank)
+}
+
 const EVENT_BUDGET: u64 = 400_000_000;
 
 impl Sim {
@@ -458,86 +611,7 @@ impl Sim {
         let world = book.cluster().world();
         let mut ranks = Vec::with_capacity(world);
         for r in 0..world as u32 {
-            let mut nc = NodeConfig::new(book.clone(), r);
-            nc.sched = cfg.sched;
-            nc.apply = cfg.apply;
-            nc.limits = cfg
-                .rank_limits
-                .as_ref()
-                .and_then(|l| l.get(r as usize).copied())
-                .unwrap_or(cfg.limits);
-            nc.transport = "sim".into();
-            nc.sparse = cfg.sparse;
-            // Setup may take long in virtual time (tiny writes, many retries):
-            // the liveness check is `stall_ns` without progress.
-            nc.startup_timeout = Duration::from_nanos(cfg.stall_ns.saturating_mul(100));
-            let mut node = Node::new(nc).map_err(config)?;
-            let keys = [LocalRegion::Params, LocalRegion::Shard, LocalRegion::Landing].map(|x| {
-                if node.region_bytes(x) > 0 {
-                    ridx(x) as u32 + 1
-                } else {
-                    0
-                }
-            });
-            node.set_keys(keys);
-            let mem = if cfg.values {
-                LocalRegion::ALL
-                    .iter()
-                    .map(|&x| vec![0u8; node.region_bytes(x) as usize])
-                    .collect()
-            } else {
-                vec![Vec::new(); LocalRegion::ALL.len()]
-            };
-            let n = if cfg.values { book.shard_len(r) } else { 0 };
-            let role = book.cluster().role(r).expect("in the cluster");
-            let worker = role.is_worker().then(|| WLoop {
-                phase: Phase::Fwd(0),
-                iter: 0,
-                waiting: None,
-                deferred: Vec::new(),
-                slow: cfg.faults.stragglers.iter().find(|(w, _)| *w == r).map_or(1.0, |s| s.1),
-                wait_ns: 0,
-                finished: None,
-                shutdown_sent: false,
-            });
-            let windows = node.windows();
-            let mut rank = Rank {
-                node,
-                mem,
-                acc: vec![vec![0.0; n]; windows],
-                partial: if cfg.values && cfg.sched.fold_group > 1 {
-                    vec![vec![0.0; n]; windows]
-                } else {
-                    Vec::new()
-                },
-                momentum: if cfg.apply.needs_momentum() {
-                    vec![0.0; n]
-                } else {
-                    Vec::new()
-                },
-                busy: [0; 2],
-                posted: vec![0; world],
-                tokens: HashMap::default(),
-                worker,
-                dead: false,
-                fatal: None,
-                finished: None,
-                tick_at: None,
-                local_busy: 0,
-                local_avail: vec![0; book.layers().len()],
-                local_ns: [0; 2],
-                delivered: HashSet::default(),
-            };
-            if cfg.values && role.is_worker() {
-                // Every worker fills its parameters; rank 0's values reach everyone.
-                // Parameters are contiguous here (no caller layout): layer l at its flat offset.
-                for (l, spec) in book.layers().iter().enumerate() {
-                    let off = book.layer_offset(l as u32) * 4;
-                    let v: Vec<f32> = (0..spec.params()).map(|i| init_value(l as u32, i)).collect();
-                    put_f32s(&mut rank.mem[ridx(LocalRegion::Params)][off..off + v.len() * 4], &v);
-                }
-            }
-            ranks.push(rank);
+            ranks.push(make_rank(&cfg, r)?);
         }
         let hosts = match &cfg.hosts {
             Some(h) if h.len() == world => h.clone(),
@@ -575,6 +649,9 @@ impl Sim {
             trace: std::env::var_os("TIDEWIRE_SIM_TRACE").is_some(),
             settled: 0,
             fins_in_net: 0,
+            accumulates: 0,
+            crashed_at: None,
+            retired_pushes: 0,
             sent_now: Vec::new(),
         })
     }
@@ -620,6 +697,14 @@ impl Sim {
         if let Some((r, t)) = self.cfg.faults.dead {
             if r < world {
                 self.at(t, Ev::Kill(r));
+            }
+        }
+        if let Some((r, _)) = self.cfg.faults.crash {
+            if self.cfg.book.cluster().worker_index(r).is_none() {
+                return Err(SimError::Config {
+                    seed: self.cfg.seed,
+                    error: EngineError::InvalidConfig(format!("the crash fault names rank {r}, which is not a worker")),
+                });
             }
         }
         for r in 0..world {
@@ -734,7 +819,7 @@ impl Sim {
             .max()
             .unwrap_or(0);
         let start = self.start.unwrap_or(0);
-        self.report.total_ns = end - start;
+        self.report.total_ns = end.saturating_sub(start);
         self.report.goodbye_ns = self.ranks.iter().filter_map(|r| r.finished).max().unwrap_or(0);
         self.report.iteration_s = self.report.total_ns as f64 / 1e9 / self.cfg.iters.max(1) as f64;
         let workers: Vec<&WLoop> = self.ranks.iter().filter_map(|r| r.worker.as_ref()).collect();
@@ -744,8 +829,21 @@ impl Sim {
         self.report.local_agg_s = local(0);
         self.report.fanout_s = local(1);
         self.report.nic_bytes = (0..self.net.hosts()).map(|h| self.net.nic_bytes(h)).collect();
+        let start = self.start.unwrap_or(0);
         for r in &self.ranks {
+            if let Some(w) = &r.worker {
+                self.report.worker_iters.push(w.iter);
+                self.report.worker_done_ns.push(if r.dead {
+                    0
+                } else {
+                    w.finished.unwrap_or(0).saturating_sub(start)
+                });
+            }
             let s = r.node.stats();
+            self.report.applies += s.applies;
+            self.report.partial_applies += s.partial_applies;
+            self.report.dropped += s.dropped;
+            self.report.late_folded += s.late_folded;
             self.report.max_slots_held = self.report.max_slots_held.max(s.max_slots_held);
             self.report.max_bytes_in_flight = self.report.max_bytes_in_flight.max(s.max_bytes_in_flight);
             self.report.max_outstanding = self.report.max_outstanding.max(s.max_outstanding);
@@ -779,18 +877,54 @@ impl Sim {
     fn check_end(&mut self) -> Result<(), SimError> {
         let book = self.cfg.book.clone();
         let iters = self.cfg.iters;
+        let trigger = self.cfg.sched.trigger;
+        // Every push was either accumulated or dropped, once.
+        let (mut pushes, mut accumulated, mut dropped) = (self.retired_pushes, 0, 0);
+        for r in &self.ranks {
+            let s = r.node.stats();
+            pushes += s.pushes;
+            accumulated += s.accumulated;
+            dropped += s.dropped;
+        }
+        if pushes != accumulated + dropped || accumulated != self.accumulates {
+            return Err(self.violation(format!(
+                "{pushes} pushes, {accumulated} accumulated ({} accumulate jobs seen), {dropped} dropped",
+                self.accumulates
+            )));
+        }
+        if matches!(trigger, Trigger::All | Trigger::Async) && dropped != 0 {
+            return Err(self.violation(format!(
+                "{dropped} contributions dropped under the {} trigger",
+                trigger.name()
+            )));
+        }
+        // Every live worker holds all its landing-slot credits again.
+        let all = self.cfg.sched.slots as usize * book.p2();
+        for (i, r) in self.ranks.iter().enumerate() {
+            if let (false, Some(n)) = (r.dead, r.node.free_credits()) {
+                if n != all {
+                    return Err(self.violation(format!(
+                        "rank {i} holds {n} landing-slot credits at the end, of {all} (a credit was not returned)"
+                    )));
+                }
+            }
+        }
         for (c, ch) in book.chunks().iter().enumerate() {
             if book.scheme(ch.layer, 0) == Scheme::Sfb {
                 continue;
             }
             let got = self.ranks[ch.server as usize].node.applied(c as u32);
-            if got != Some(iters) {
+            let ok = match (trigger, got) {
+                (Trigger::Async, Some(n)) => n >= iters && n <= iters * book.p1() as u64,
+                _ => got == Some(iters),
+            };
+            if !ok {
                 return Err(self.violation(format!(
                     "chunk {c} was applied {got:?} times over {iters} iterations (lost or doubled contributions)"
                 )));
             }
         }
-        if !self.cfg.values || self.cfg.apply != ApplyOp::Sum || iters == 0 {
+        if !self.cfg.values || self.cfg.apply != ApplyOp::Sum || iters == 0 || trigger != Trigger::All {
             return Ok(());
         }
         for r in 0..self.ranks.len() {
@@ -956,6 +1090,28 @@ impl Sim {
                 let data = self.execute(r, &job)?;
                 self.feed(r, Input::JobDone { id: job.id, data })?;
             }
+            Ev::Crash(r) => {
+                let w = self.ranks[r as usize].worker.as_ref().expect("a worker");
+                let nl = self.cfg.book.layers().len() as u32;
+                let busy = (0..nl).any(|l| self.ranks[r as usize].node.is_in_flight(l));
+                if self.dead(r) || w.phase == Phase::Done {
+                    return Ok(());
+                }
+                if busy {
+                    // Its last iteration is still syncing: crash once it is.
+                    let at = self.now + 10_000;
+                    self.at(at, Ev::Crash(r));
+                    return Ok(());
+                }
+                self.crashed_at = Some(w.iter);
+                self.handle(Ev::Kill(r))?;
+                if let Some(after) = self.cfg.faults.rejoin_after_ns {
+                    let after = after.max(2 * self.cfg.faults.detect_ns + 1_000_000);
+                    let at = self.now + after;
+                    self.at(at, Ev::Rejoin(r));
+                }
+            }
+            Ev::Rejoin(r) => self.rejoin(r)?,
             Ev::Kill(r) => {
                 if !self.ranks[r as usize].dead {
                     self.ranks[r as usize].dead = true;
@@ -1067,6 +1223,7 @@ impl Sim {
                     self.transmit(r, t)?;
                 }
                 Output::Job(job) => {
+                    self.check_trigger(r, &job)?;
                     let q = match job.queue {
                         Queue::Server => 0,
                         Queue::Worker => 1,
@@ -1083,6 +1240,7 @@ impl Sim {
                 Output::LayerReady { layer, iter } => {
                     if self.cfg.values
                         && self.cfg.sched.consistency == Consistency::Bsp
+                        && self.cfg.sched.trigger == Trigger::All
                         && self.cfg.apply == ApplyOp::Sum
                     {
                         let off = self.params_offset(r as usize, layer, true);
@@ -1121,8 +1279,30 @@ impl Sim {
                     }
                 }
                 Output::Ready => {
-                    if self.cfg.values && self.ranks[r as usize].worker.is_some() {
+                    // Under the other triggers, a worker ready late may start
+                    // from a version the others already made: no seeding check.
+                    if self.cfg.values
+                        && self.ranks[r as usize].worker.is_some()
+                        && self.cfg.sched.trigger == Trigger::All
+                    {
                         self.check_seeding(r as usize)?;
+                    }
+                    if self.ranks[r as usize].worker.as_ref().is_some_and(|w| w.rejoined) {
+                        // A worker that came back goes on from the model's
+                        // newest iteration (each chunk counts its pushes from
+                        // where it was when the worker came back: never past
+                        // the job's last round).
+                        let book = self.cfg.book.clone();
+                        let newest = (0..book.chunks().len() as u32)
+                            .filter_map(|c| self.ranks[book.chunks()[c as usize].server as usize].node.applied(c))
+                            .max()
+                            .unwrap_or(0);
+                        let iters = self.cfg.iters;
+                        let w = self.ranks[r as usize].worker.as_mut().expect("a worker");
+                        w.iter = w.iter.max(newest).min(iters);
+                        if w.iter == iters {
+                            w.phase = Phase::Done;
+                        }
                     }
                     if self.ranks[r as usize].worker.is_some() {
                         self.at(self.now, Ev::Wake(r));
@@ -1191,6 +1371,152 @@ impl Sim {
             }
         }
         self.report.checks += 1;
+        Ok(())
+    }
+
+    /// The crashed worker `r` comes back: a new process with a fresh Node
+    /// that rejoins, at the iteration it crashed in.
+    fn rejoin(&mut self, r: u32) -> Result<(), SimError> {
+        let role = self.cfg.book.cluster().role(r).expect("in the cluster");
+        let running = self
+            .ranks
+            .iter()
+            .all(|x| x.finished.is_none() && x.worker.as_ref().map_or(true, |w| !w.shutdown_sent || x.dead));
+        if self.cfg.sched.trigger == Trigger::All || role.is_server() || !running || !self.dead(r) {
+            return Ok(());
+        }
+        let iter = self.crashed_at.expect("it crashed");
+        self.retired_pushes += self.ranks[r as usize].node.stats().pushes;
+        let mut rank = make_rank(&self.cfg, r)?;
+        let (seed, now) = (self.cfg.seed, self.now);
+        rank.node.rejoin().map_err(|error| SimError::Rank {
+            seed,
+            rank: r,
+            at_ns: now,
+            error,
+        })?;
+        let w = rank.worker.as_mut().expect("a worker");
+        w.iter = iter;
+        w.rejoined = true;
+        self.ranks[r as usize] = rank;
+        self.settled -= 1;
+        // What the others posted to the old process never completes: their
+        // Nodes dropped it with the connection.
+        for x in &mut self.ranks {
+            x.posted[r as usize] = 0;
+            x.tokens.retain(|_, p| *p != r);
+        }
+        self.report.rejoined += 1;
+        for p in (0..self.ranks.len() as u32).filter(|&p| p != r) {
+            if !self.dead(p) {
+                self.at(self.now, Ev::Input(p, Input::Connected { peer: r }));
+                self.at(self.now, Ev::Input(r, Input::Connected { peer: p }));
+            }
+        }
+        self.at(self.now, Ev::Step(r));
+        self.at(self.now, Ev::Input(r, Input::Tick));
+        Ok(())
+    }
+
+    /// The aggregation trigger's semantics, checked on every job a server
+    /// emits, from what the simulator saw (not the server's own counters):
+    /// applies of a chunk come once per iteration, in order; no worker's
+    /// contribution is half in; the apply divides by the gradients in it;
+    /// `All` takes every worker, `Quorum(k)` at least k, `Async` at least
+    /// one, and `Timeout(d)` every live worker or else no earlier than `d`
+    /// after the round's first contribution.
+    fn check_trigger(&mut self, r: u32, job: &Job) -> Result<(), SimError> {
+        let book = self.cfg.book.clone();
+        let p1 = book.p1();
+        match &job.kind {
+            JobKind::Accumulate { chunk, src, .. } => {
+                self.accumulates += 1;
+                let wi = if src.region == LocalRegion::Landing {
+                    let slot_bytes = book.max_slice_len() as u64 * 4;
+                    (src.offset / (u64::from(self.cfg.sched.slots) * slot_bytes)) as usize
+                } else {
+                    book.cluster()
+                        .worker_index(r)
+                        .expect("a local push comes from this rank's worker")
+                };
+                let now = self.now;
+                let e = self.ranks[r as usize]
+                    .round
+                    .entry(*chunk)
+                    .or_insert_with(|| (vec![0; p1], now));
+                if e.0.iter().all(|&c| c == 0) {
+                    e.1 = now;
+                }
+                e.0[wi] += 1;
+                let by = &mut self.report.accumulated_by_worker;
+                by.resize(p1, 0);
+                by[wi] += 1;
+            }
+            JobKind::Apply {
+                chunk, iter, gradients, ..
+            } => {
+                self.report.updates_ns = self.now.saturating_sub(self.start.unwrap_or(0));
+                let seen = self.ranks[r as usize].applies_seen.entry(*chunk).or_insert(0);
+                if *iter != *seen {
+                    let s = *seen;
+                    return Err(self.violation(format!(
+                        "chunk {chunk} applied for iteration {iter} after {s} applies (applied twice or skipped)"
+                    )));
+                }
+                *seen += 1;
+                let (counts, t0) = self.ranks[r as usize]
+                    .round
+                    .remove(chunk)
+                    .unwrap_or((vec![0; p1], self.now));
+                if self.cfg.sched.consistency != Consistency::Bsp {
+                    return Ok(());
+                }
+                let n = book.chunk_slices(*chunk).len() as u32;
+                if let Some(wi) = counts.iter().position(|&c| c % n != 0) {
+                    return Err(self.violation(format!(
+                        "chunk {chunk} iteration {iter} applied with {} of the {n} slices of worker {wi}'s contribution",
+                        counts[wi]
+                    )));
+                }
+                let contributions: u32 = counts.iter().sum::<u32>() / n;
+                if *gradients != contributions * self.cfg.sched.learners {
+                    return Err(self.violation(format!(
+                        "chunk {chunk} iteration {iter}: the apply divides by {gradients} gradients, the sum holds {contributions} contributions × {} learners",
+                        self.cfg.sched.learners
+                    )));
+                }
+                let workers = book.cluster().workers();
+                let complete = counts.iter().filter(|&&c| c >= n).count();
+                // A worker that came back counts from when it is ready (the
+                // servers count it a little earlier, when it connected: a
+                // weaker check in between, never a false alarm).
+                let live_w = |w: u32| {
+                    let x = &self.ranks[w as usize];
+                    !x.dead && (!x.worker.as_ref().is_some_and(|l| l.rejoined) || x.node.is_ready())
+                };
+                let live = workers.iter().filter(|&&w| live_w(w)).count();
+                let live_in = (0..p1).filter(|&i| counts[i] >= n && live_w(workers[i])).count();
+                let ok = match self.cfg.sched.trigger {
+                    Trigger::All => counts.iter().all(|&c| c == n),
+                    Trigger::Quorum(k) => complete >= k as usize,
+                    Trigger::Async => complete >= 1,
+                    Trigger::Timeout(d) => complete >= 1 && (live_in >= live || self.now >= t0 + d.as_nanos() as u64),
+                };
+                if !ok {
+                    return Err(self.violation(format!(
+                        "chunk {chunk} iteration {iter} applied with contributions {counts:?} (of {n} slices each), {} ns after the round's first, under the {} trigger",
+                        self.now - t0,
+                        self.cfg.sched.trigger.name()
+                    )));
+                }
+                // Counted as value checks where no value is checked (the
+                // other triggers); under `all` the values are, as before.
+                if self.cfg.sched.trigger != Trigger::All {
+                    self.report.checks += 1;
+                }
+            }
+            _ => {}
+        }
         Ok(())
     }
 
@@ -1439,8 +1765,13 @@ impl Sim {
                 Ok(None)
             }
             JobKind::Apply {
-                window, shard_at, len, ..
+                window,
+                shard_at,
+                len,
+                gradients,
+                ..
             } => {
+                let p1 = *gradients as usize;
                 let acc = rank.acc[*window as usize][*shard_at..shard_at + len].to_vec();
                 let m = &mut rank.mem[ridx(LocalRegion::Shard)];
                 let range = shard_at * 4..(shard_at + len) * 4;
@@ -1541,16 +1872,31 @@ impl Sim {
                 if l == 0 && w.iter == 0 && self.start.is_none() {
                     self.start = Some(now);
                 }
+                if l == 0 && self.cfg.faults.crash == Some((r, w.iter)) && w.iter < iters && self.crashed_at.is_none() {
+                    // It stops here: the crash takes it once its last iteration synced.
+                    self.at(now, Ev::Crash(r));
+                    return Ok(());
+                }
+                let span = self
+                    .cfg
+                    .faults
+                    .slow
+                    .iter()
+                    .filter(|(x, _, a, b)| *x == r && (*a..*b).contains(&w.iter))
+                    .map(|s| s.1)
+                    .product::<f64>();
                 if iters == 0 {
                     w.phase = Phase::Done;
                     self.at(now, Ev::Step(r));
                     return Ok(());
                 }
                 // The step after the last forward fires when the last layer's backward ends.
-                let mut dt = (self.cfg.layer_ns[l as usize].0 as f64 * w.slow) as u64;
+                let slow = w.slow * span;
+                let mut dt = (self.cfg.layer_ns[l as usize].0 as f64 * slow) as u64;
                 if l + 1 == nl {
-                    dt += (self.cfg.layer_ns[l as usize].1 as f64 * w.slow) as u64;
+                    dt += (self.cfg.layer_ns[l as usize].1 as f64 * slow) as u64;
                 }
+                w.span = span;
                 w.phase = if l + 1 < nl {
                     Phase::Fwd(l + 1)
                 } else {
@@ -1568,7 +1914,7 @@ impl Sim {
                 let w = self.ranks[r as usize].worker.as_mut().expect("worker");
                 if l > 0 {
                     w.phase = Phase::Bwd(l - 1);
-                    let dt = (self.cfg.layer_ns[l as usize - 1].1 as f64 * w.slow) as u64;
+                    let dt = (self.cfg.layer_ns[l as usize - 1].1 as f64 * w.slow * w.span) as u64;
                     self.at(now + dt, Ev::Step(r));
                 } else {
                     let deferred = std::mem::take(&mut w.deferred);

@@ -173,6 +173,16 @@ impl Worker {
     pub fn bytes_in_flight(&self) -> usize {
         self.bytes_in_flight
     }
+    /// Forgets the seeding (a worker that rejoins: the servers hold the
+    /// parameters already). Call it before draining any command.
+    pub fn skip_seeding(&mut self) {
+        self.out.retain(|c| !matches!(c, WorkerCommand::InitPush { .. }));
+    }
+    /// Landing-slot credits this worker holds now, over every server (all
+    /// `slots × P2` of them when nothing is in flight).
+    pub fn free_credits(&self) -> usize {
+        self.free_slots.iter().map(Vec::len).sum()
+    }
     /// Counters.
     pub fn stats(&self) -> WorkerStats {
         self.stats
@@ -400,7 +410,10 @@ impl Worker {
             .ok_or_else(|| self.protocol(self.rank, format!("parameters for unknown chunk {chunk}")))?
             .layer;
         let held = self.uninitialized == 0 && !self.layers[layer as usize].in_flight;
-        if held && self.cfg.consistency == crate::config::Consistency::Bsp {
+        if held
+            && self.cfg.consistency == crate::config::Consistency::Bsp
+            && self.cfg.trigger == crate::config::Trigger::All
+        {
             // Under BSP a chunk changes only while its layer is handed in: this
             // write landed in memory the caller may hold.
             return Err(self.protocol(

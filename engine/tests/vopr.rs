@@ -21,7 +21,9 @@ use std::sync::Arc;
 use tidewire_engine::book::{LayerKind, LayerSpec};
 use tidewire_engine::node::Limits;
 use tidewire_engine::sim::{Faults, Sim, SimConfig, SimError};
-use tidewire_engine::{Book, BookConfig, Cluster, Consistency, EngineError, SchedConfig, SchemePolicy, SyncMode};
+use tidewire_engine::{
+    Book, BookConfig, Cluster, Consistency, EngineError, SchedConfig, SchemePolicy, SyncMode, Trigger,
+};
 
 struct Rng(u64);
 
@@ -111,6 +113,7 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
             1
         },
         learners: 1,
+        trigger: Trigger::All,
     };
     let limits = |r: &mut Rng| Limits {
         max_outstanding: r.pick(&[1, 2, 3, 4, 8, 256]),

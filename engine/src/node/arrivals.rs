@@ -31,26 +31,7 @@ impl Node {
             what: format!("completion of unknown job {id}"),
         })?;
         match track {
-            JobTrack::Accumulate { worker, slot } => {
-                if worker == me {
-                    let s = self.server.as_mut().expect("server");
-                    let slice = s.local_slots.remove(&slot).ok_or_else(|| EngineError::Protocol {
-                        rank: me,
-                        what: format!("local slot {slot} was not taken"),
-                    })?;
-                    let w = self.worker.as_mut().expect("colocated");
-                    w.core.handle_push_done(slice)?;
-                    w.core.handle_credit(me, slot)?;
-                } else {
-                    self.server
-                        .as_mut()
-                        .expect("server")
-                        .credit_out
-                        .entry(worker)
-                        .or_default()
-                        .push(slot);
-                }
-            }
+            JobTrack::Accumulate { worker, slot } => self.return_slot(worker, slot)?,
             JobTrack::FoldPartial => {}
             JobTrack::Encode { server, slot, slice } => {
                 let report = data

@@ -299,6 +299,19 @@ impl<T> Flow<T> {
         tracks
     }
 
+    /// A new connection to `peer` (a worker that came back): nothing is
+    /// queued or in flight to it, and it waits to open like a new peer.
+    pub(crate) fn reset_peer(&mut self, peer: u32) {
+        let pf = &mut self.peers[peer as usize];
+        debug_assert!(pf.out == 0 && pf.queue.is_empty());
+        if pf.retry_at.take().is_some() {
+            self.retrying -= 1;
+        }
+        pf.blocked = false;
+        pf.open = false;
+        pf.gone = false;
+    }
+
     /// Whether the peer's connection ended after its goodbye.
     pub(crate) fn is_gone(&self, peer: u32) -> bool {
         self.peers[peer as usize].gone

@@ -125,12 +125,11 @@ impl Node {
             let server_done = match &self.server {
                 None => true,
                 Some(s) => {
-                    let workers_done = self
-                        .book
-                        .cluster()
-                        .workers()
-                        .iter()
-                        .all(|&w| w == self.rank || self.peer_done(w, self.peers[w as usize].finished));
+                    let workers_done = self.book.cluster().workers().iter().all(|&w| {
+                        w == self.rank
+                            || self.peers[w as usize].lost
+                            || self.peer_done(w, self.peers[w as usize].finished)
+                    });
                     workers_done
                         && s.core.is_quiet()
                         && s.apply_running.is_empty()
@@ -148,7 +147,8 @@ impl Node {
                 self.send_ctrl(p, &Msg::Bye { writes });
             }
         }
-        let everyone = (0..world).all(|p| p == self.rank || self.peer_done(p, self.peers[p as usize].bye));
+        let everyone = (0..world)
+            .all(|p| p == self.rank || self.peers[p as usize].lost || self.peer_done(p, self.peers[p as usize].bye));
         if everyone && self.flow.idle() && self.jobs.is_empty() {
             self.done = true;
             self.out.push_back(Output::Finished);

@@ -60,6 +60,32 @@
 //! rank that is done says `Bye`, and leaves ([`Output::Finished`]) once
 //! every peer said `Bye` and its own transmits and jobs are complete. So no
 //! rank leaves while a peer still needs it, under BSP or SSP, colocated or not.
+//!
+//! # Aggregation triggers
+//! Under a trigger other than [`Trigger::All`] (see its docs for the
+//! semantics) the runtime has three things to do, all additive:
+//! - divide by [`JobKind::Apply`]'s `gradients` (the gradients in the sum:
+//!   the round's contributors × learners) rather than by a fixed P1 ×
+//!   learners; under `All` the two are equal;
+//! - keep calling `handle(now, Input::Tick)` when [`Node::poll_timeout`]
+//!   passes after setup too: a server's round timeouts come that way;
+//! - report a lost connection as it does now (`Input::Closed` with an
+//!   error, or `Input::Failed`): when the lost peer is a worker that holds no
+//!   shard, the Node stops counting it and goes on, and says `Finished` when
+//!   the others are done, without waiting for that peer's goodbye.
+//!
+//! A worker's caller reads a published view under these triggers, as under
+//! SSP ([`Node::is_staged`]), since a slow worker receives newer versions
+//! while it computes.
+//!
+//! A lost worker without a shard may come back as a new process: its new
+//! Node calls [`Node::rejoin`] before any input, and connects to every peer
+//! as at the start. Every peer must have seen it go first (its connection
+//! failed and was reported); a peer then takes the new connection
+//! (`Input::Connected`) as a fresh peer, its servers count it again once it
+//! is open and send it every chunk's current version, and its pushes count
+//! from each chunk's iteration at that moment. The runtime's part is to
+//! accept that new connection from a rank it lost.
 
 mod arrivals;
 pub mod factors;
@@ -82,7 +108,7 @@ pub use types::{
 
 use crate::agree::JobConfig;
 use crate::book::{Book, LayerKind, Scheme};
-use crate::config::{ApplyOp, Consistency, SchedConfig};
+use crate::config::{ApplyOp, Consistency, SchedConfig, Trigger};
 use crate::error::{EngineError, Result};
 use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use crate::server::{Server, ServerCommand};
@@ -167,6 +193,14 @@ pub struct NodeStats {
     pub max_write: u64,
     /// Most factor blocks held at once.
     pub max_factor_blocks: usize,
+    /// Late contributions this rank's server dropped ([`Trigger`]).
+    pub dropped: u64,
+    /// Late contributions this rank's server folded into a later round.
+    pub late_folded: u64,
+    /// Applies with fewer contributions than live workers.
+    pub partial_applies: u64,
+    /// Worker peers lost and no longer counted (triggers other than `All`).
+    pub lost_workers: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -224,6 +258,11 @@ struct Peer {
     /// `Bye` arrived, with the writes the peer made to us.
     bye: Option<u64>,
     closed: bool,
+    /// A worker lost under a trigger other than `All`: no longer counted,
+    /// nothing more goes to it, and the goodbye does not wait for it.
+    lost: bool,
+    /// A lost worker that connected again: counted again once it is open.
+    rejoined: bool,
 }
 
 #[derive(Debug)]
@@ -392,7 +431,19 @@ impl Node {
         };
         // Under SSP a server may write a layer the caller holds: the caller
         // reads a view published from the landing zone instead.
-        let staged = role.is_worker() && cfg.sched.consistency != Consistency::Bsp;
+        // So does any trigger but `All`: a slow worker gets newer versions
+        // while it computes.
+        let staged =
+            role.is_worker() && (cfg.sched.consistency != Consistency::Bsp || cfg.sched.trigger != Trigger::All);
+        if cfg.sched.trigger != Trigger::All {
+            if let Some(l) = (0..nl as u32).find(|&l| book.scheme(l, 0) == Scheme::Sfb) {
+                return Err(EngineError::InvalidConfig(format!(
+                    "layer {l} ({}) syncs by SFB, which needs every worker's factors: the {} trigger needs the PS for every layer (scheme policy ps)",
+                    book.layers()[l as usize].name,
+                    cfg.sched.trigger.name()
+                )));
+            }
+        }
         let (param_off, view_off) = if staged {
             (contiguous.clone(), user_params)
         } else {
@@ -627,6 +678,10 @@ impl Node {
             s.applies = st.applies;
             s.broadcasts = st.broadcasts;
             s.max_slots_held = st.max_slots_held;
+            s.dropped = st.dropped;
+            s.late_folded = st.late_folded;
+            s.partial_applies = st.partial_applies;
+            s.lost_workers = st.lost;
         }
         s.max_outstanding = self.flow.max_out_seen;
         s.max_factor_blocks = self.inbox.max_held();
@@ -640,6 +695,34 @@ impl Node {
     /// The costs the sparse/dense choice weighs.
     pub fn sparse_costs(&self) -> SparseCosts {
         self.sparse_costs
+    }
+    /// This rank is a worker that comes back after it was lost (a new
+    /// process, under a trigger other than [`Trigger::All`]): call it right
+    /// after [`Node::new`], before any input. It does not seed the servers
+    /// (they hold the current parameters); they count it again once it
+    /// connected, and send it every chunk's current version, which is its
+    /// start. Its iterations count from there.
+    pub fn rejoin(&mut self) -> Result<()> {
+        if self.sched.trigger == Trigger::All {
+            return Err(EngineError::InvalidConfig(
+                "a worker can rejoin only under a trigger other than `all`".into(),
+            ));
+        }
+        match self.worker.as_mut() {
+            Some(w) if self.server.is_none() => {
+                w.core.skip_seeding();
+                Ok(())
+            }
+            _ => Err(EngineError::InvalidConfig(format!(
+                "rank {} is not a worker without a shard: it cannot rejoin",
+                self.rank
+            ))),
+        }
+    }
+    /// Landing-slot credits this rank's worker holds now (`None` on a rank
+    /// that is not a worker): `slots × P2` once every push is accounted for.
+    pub fn free_credits(&self) -> Option<usize> {
+        self.worker.as_ref().map(|w| w.core.free_credits())
     }
     /// Applies completed by this rank's server for `chunk`.
     pub fn applied(&self, chunk: u32) -> Option<u64> {
@@ -661,10 +744,8 @@ impl Node {
             return None;
         }
         let d = if self.ready { None } else { self.deadline };
-        match (d, self.flow.poll_timeout()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let rounds = self.server.as_ref().and_then(|s| s.core.next_deadline());
+        [d, self.flow.poll_timeout(), rounds].into_iter().flatten().min()
     }
 
     /// Feeds one input at time `now` (any monotonic clock; the simulator's
@@ -672,6 +753,9 @@ impl Node {
     /// fails the rank comes out as [`Output::Fatal`].
     pub fn handle(&mut self, now: Duration, input: Input) -> Result<()> {
         self.now = now;
+        if let Some(s) = self.server.as_mut() {
+            s.core.set_now(now);
+        }
         if self.deadline.is_none() {
             self.deadline = Some(now + self.startup_timeout);
         }
@@ -710,11 +794,19 @@ impl Node {
                         what: "regions known before its hello".into(),
                     });
                 }
-                if !p.open {
-                    p.open = true;
+                let rejoined = std::mem::take(&mut p.rejoined);
+                let first = !p.open && !rejoined;
+                p.open = true;
+                if first {
                     self.open_peers += 1;
                 }
                 self.flow.open(peer);
+                if rejoined {
+                    if let Some(s) = self.server.as_mut() {
+                        let wi = self.book.cluster().worker_index(peer).expect("a worker");
+                        s.core.handle_worker_rejoined(wi)?;
+                    }
+                }
                 for e in std::mem::take(&mut self.early[peer as usize]) {
                     match e {
                         Early::Write {
@@ -744,6 +836,11 @@ impl Node {
                 match self.flow.done(token) {
                     // It said goodbye: it needs nothing more, so the transmit is moot.
                     Some((peer, track)) if self.peers[peer as usize].bye.is_some() => self.tx_done(track),
+                    // A worker this job's trigger can go on without.
+                    Some((peer, track)) if self.may_lose(peer) => {
+                        self.tx_done(track)?;
+                        self.lose_worker(peer)
+                    }
                     Some((peer, _)) => Err(EngineError::PeerLost {
                         rank: peer,
                         reason: format!("an operation failed: {reason}"),
@@ -776,13 +873,16 @@ impl Node {
                 self.stranded_dirty = true;
                 let p = self.peer_mut(peer)?;
                 p.closed = true;
-                if p.bye.is_some() {
+                if p.bye.is_some() || p.lost {
                     // It needs nothing more: what was still on its way to it
                     // (a peer that died after its goodbye) counts as delivered.
                     for track in self.flow.drop_peer(peer) {
                         self.tx_done(track)?;
                     }
                     return Ok(());
+                }
+                if self.may_lose(peer) {
+                    return self.lose_worker(peer);
                 }
                 Err(EngineError::PeerLost {
                     rank: peer,
@@ -797,6 +897,9 @@ impl Node {
             Input::Abort { reason } => Err(EngineError::Aborted(reason)),
             Input::Tick => {
                 self.flow.tick(self.now);
+                if let Some(s) = self.server.as_mut() {
+                    s.core.handle_tick();
+                }
                 if !self.ready && self.deadline.is_some_and(|d| self.now >= d) {
                     return Err(EngineError::Timeout {
                         what: self.waiting_for(),
@@ -817,6 +920,41 @@ impl Node {
         } else {
             "the initial parameters from worker rank 0".into()
         }
+    }
+
+    /// Whether the job goes on without `peer` when its connection fails: a
+    /// trigger other than `All`, setup complete, and the peer a worker that
+    /// holds no shard.
+    fn may_lose(&self, peer: u32) -> bool {
+        self.sched.trigger != Trigger::All
+            && self.ready
+            && self
+                .book
+                .cluster()
+                .role(peer)
+                .is_some_and(|r| r.is_worker() && !r.is_server())
+    }
+
+    /// Stops counting the worker `peer` (see [`Trigger`]): what was queued
+    /// or in flight to it counts as delivered, and this rank's server goes
+    /// on without it (or fails, when its rounds cannot complete without it).
+    fn lose_worker(&mut self, peer: u32) -> Result<()> {
+        let p = &mut self.peers[peer as usize];
+        if p.lost {
+            return Ok(());
+        }
+        p.lost = true;
+        p.closed = true;
+        self.stranded_dirty = true;
+        self.early[peer as usize].clear();
+        for track in self.flow.drop_peer(peer) {
+            self.tx_done(track)?;
+        }
+        if let Some(s) = self.server.as_mut() {
+            let wi = self.book.cluster().worker_index(peer).expect("a worker");
+            s.core.handle_worker_lost(wi)?;
+        }
+        Ok(())
     }
 
     fn peer_mut(&mut self, peer: u32) -> Result<&mut Peer> {

@@ -67,7 +67,12 @@ impl Node {
                     JobTrack::FoldPartial,
                 );
             }
-            ServerCommand::Apply { chunk, iter, window } => {
+            ServerCommand::Apply {
+                chunk,
+                iter,
+                window,
+                gradients,
+            } => {
                 let ch = book.chunks()[chunk as usize];
                 let id = self.next_job;
                 self.new_job(
@@ -78,11 +83,13 @@ impl Node {
                         iter,
                         shard_at: ch.shard_offset,
                         len: ch.len,
+                        gradients,
                     },
                     JobTrack::Apply { chunk },
                 );
                 self.server.as_mut().expect("server").apply_running.insert(chunk, id);
             }
+            ServerCommand::Drop { worker, slot } => self.return_slot(worker, slot)?,
             ServerCommand::Broadcast { chunk, worker } => {
                 let s = self.server.as_mut().expect("server");
                 if s.apply_running.contains_key(&chunk) {
@@ -91,6 +98,32 @@ impl Node {
                     self.broadcast(chunk, worker);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// A landing slot of `worker` is free again: its credit goes back (to
+    /// this rank's own worker at once; to a peer with the next credit message).
+    pub(super) fn return_slot(&mut self, worker: u32, slot: u32) -> Result<()> {
+        let me = self.rank;
+        if worker == me {
+            let s = self.server.as_mut().expect("server");
+            let slice = s.local_slots.remove(&slot).ok_or_else(|| EngineError::Protocol {
+                rank: me,
+                what: format!("local slot {slot} was not taken"),
+            })?;
+            let w = self.worker.as_mut().expect("colocated");
+            w.core.handle_push_done(slice)?;
+            w.core.handle_credit(me, slot)?;
+        } else {
+            self.landing_sparse.remove(&(worker, slot));
+            self.server
+                .as_mut()
+                .expect("server")
+                .credit_out
+                .entry(worker)
+                .or_default()
+                .push(slot);
         }
         Ok(())
     }

@@ -18,6 +18,22 @@ impl Node {
 
     pub(super) fn connected(&mut self, peer: u32) -> Result<()> {
         let world = self.peers.len() as u32;
+        if self.peer_mut(peer)?.lost {
+            // A lost worker came back (a new process): a fresh peer.
+            self.peers[peer as usize] = Peer {
+                rejoined: true,
+                ..Peer::default()
+            };
+            self.flow.reset_peer(peer);
+            self.imm_sent[peer as usize] = 0;
+            self.landed_from[peer as usize] = 0;
+            self.early[peer as usize].clear();
+            // Nothing of the old process is owed to the new one.
+            self.landing_sparse.retain(|&(w, _), _| w != peer);
+            if let Some(s) = self.server.as_mut() {
+                s.credit_out.remove(&peer);
+            }
+        }
         let p = self.peer_mut(peer)?;
         if p.connected {
             return Err(EngineError::Protocol {

@@ -354,12 +354,17 @@ pub enum JobKind {
     },
     /// Every contribution to `chunk` for `iter` is summed in `acc[window]`
     /// over `shard_at..shard_at + len`: apply the op to the shard there.
+    /// `gradients` is how many gradients the sum holds: the mean and SGD
+    /// divide by it. Under the default trigger it is always P1 × learners;
+    /// under the others ([`crate::config::Trigger`]) it is the round's
+    /// contributors × learners.
     Apply {
         window: u32,
         chunk: u32,
         iter: u64,
         shard_at: usize,
         len: usize,
+        gradients: u32,
     },
     /// Copy `len` bytes (a colocated rank's seeding or broadcast to itself).
     Copy { src: Loc, dst: Loc, len: u64 },
