@@ -658,8 +658,15 @@ impl Session {
             .unwrap_or_else(|| ("tcp".into(), "not reported".into()))
     }
 
-    /// Counters.
+    /// Counters. After [`Session::shutdown`], the counters as the runtime
+    /// left them (a server-only rank's whole job happens inside shutdown).
     pub fn stats(&self) -> Result<SessionStats> {
+        if self.tx.is_none() {
+            // After shutdown: the counters as the runtime left them.
+            if let Some(s) = self.shared.last_stats() {
+                return Ok(s);
+            }
+        }
         self.call("stats".into(), |reply| Request::Stats { reply })
     }
 

@@ -69,4 +69,13 @@ pub struct SessionStats {
     /// Bytes of sparse-hinted layers written dense.
     #[serde(default)]
     pub sparse_dense_bytes: u64,
+    /// Late contributions this rank's server dropped (quorum and timeout triggers).
+    #[serde(default)]
+    pub dropped: u64,
+    /// Late contributions folded into the next round (the async trigger).
+    #[serde(default)]
+    pub late_folded: u64,
+    /// Chunk rounds applied with fewer than every worker's contribution.
+    #[serde(default)]
+    pub partial_applies: u64,
 }

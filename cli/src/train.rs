@@ -118,6 +118,15 @@ pub struct TrainArgs {
     /// Compute slowdown of --slow-rank.
     #[arg(long, default_value_t = 3.0)]
     pub slow_factor: f64,
+    /// When servers apply a chunk's round (Nexus's aggregation triggers):
+    /// all (BSP: every worker's gradient, the default), quorum:K (the first K
+    /// workers' whole contributions; later ones are dropped), async (every
+    /// contribution on arrival, Downpour; late ones join the next round) or
+    /// timeout:MS (what is in MS after the round's first contribution, the
+    /// mean over the contributors). Not all: BSP, PS layers only (--sync p3,
+    /// sliced, wfbp or fifo-ps), no --verify.
+    #[arg(long, default_value = "all")]
+    pub trigger: String,
     /// Learners per worker node (Nexus's local aggregation): each worker rank
     /// leads L learner processes (itself and L-1 more) that hand their
     /// gradients to it through shared memory; it sums them in local-rank order,
@@ -338,6 +347,25 @@ impl TrainArgs {
         }
         self.ckpt
             .validate(self.world().2, self.iters, self.local_learners, self.comm.active())?;
+        let trigger = self.trigger()?;
+        if trigger != tidewire_engine::Trigger::All {
+            if self.verify {
+                return Err(Error::Usage(format!(
+                    "--verify needs --trigger all: under {} the sums depend on arrival",
+                    self.trigger
+                )));
+            }
+            if self.sync_mode().policy() != tidewire_engine::SchemePolicy::Ps {
+                return Err(Error::Usage(format!(
+                    "--trigger {} needs every layer through the PS (sufficient factors need every worker's): \
+                     use --sync p3, sliced, wfbp or fifo-ps",
+                    self.trigger
+                )));
+            }
+            if c != Consistency::Bsp {
+                return Err(Error::Usage(format!("--trigger {} needs BSP", self.trigger)));
+            }
+        }
         if self.verify && (c != Consistency::Bsp || self.fast) {
             return Err(Error::Usage(
                 "--verify needs BSP with deterministic aggregation: SSP and --fast results depend on timing".into(),
@@ -385,8 +413,19 @@ impl TrainArgs {
             max_message_bytes: self.max_message_bytes,
         }
     }
+    /// --trigger, parsed.
+    pub fn trigger(&self) -> Result<tidewire_engine::Trigger> {
+        tidewire_engine::Trigger::parse(&self.trigger).ok_or_else(|| {
+            Error::Usage(format!(
+                "--trigger {:?}: use all, quorum:K, async or timeout:MS",
+                self.trigger
+            ))
+        })
+    }
+
     fn sched(&self) -> SchedConfig {
         let mut s = SchedConfig {
+            trigger: self.trigger().expect("validated"),
             order: self.sync_mode().order(),
             consistency: consistency_of(&self.consistency).expect("validated"),
             deterministic: !self.fast,
@@ -615,10 +654,11 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
         r
     } else {
         let rank = session.rank();
-        let stats = session.stats()?;
         let (kind, why) = session.transport();
         let mut session = session;
         session.shutdown()?;
+        // A server-only rank serves the whole job inside shutdown: its counters are there after.
+        let stats = session.stats()?;
         Ok(NodeResult {
             rank,
             worker: false,
@@ -1216,6 +1256,21 @@ pub struct SparseSummary {
 pub struct TrainReport {
     /// Model.
     pub model: String,
+    /// --trigger.
+    #[serde(default)]
+    pub trigger: String,
+    /// Each worker's mean iteration, seconds, by rank (a straggler's own pace
+    /// apart from the others' under the quorum, timeout and async triggers).
+    #[serde(default)]
+    pub worker_iteration_s: Vec<f64>,
+    /// Over the servers: late contributions dropped, folded into the next
+    /// round, and rounds applied without every worker's contribution.
+    #[serde(default)]
+    pub dropped: u64,
+    #[serde(default)]
+    pub late_folded: u64,
+    #[serde(default)]
+    pub partial_applies: u64,
     /// What the last attempt's checkpoints cost (--checkpoint-dir).
     #[serde(default)]
     pub checkpoint: Option<resilience::CheckpointSummary>,
@@ -1772,7 +1827,17 @@ fn launch_attempt(
             .collect();
         resilience::CheckpointSummary::of(&ranks, &args.ckpt, iteration_s, per.len())
     });
+    let mut by_rank: Vec<&NodeResult> = workers.clone();
+    by_rank.sort_by_key(|r| r.rank);
     Ok(Attempt::Done(Box::new(TrainReport {
+        trigger: args.trigger.clone(),
+        worker_iteration_s: by_rank
+            .iter()
+            .map(|r| r.iters.iter().map(|i| i.seconds).sum::<f64>() / r.iters.len().max(1) as f64)
+            .collect(),
+        dropped: results.iter().map(|r| r.stats.dropped).sum(),
+        late_folded: results.iter().map(|r| r.stats.late_folded).sum(),
+        partial_applies: results.iter().map(|r| r.stats.partial_applies).sum(),
         checkpoint,
         restarts: Vec::new(),
         resumed_from: None,
@@ -1898,6 +1963,24 @@ pub fn render(r: &TrainReport) -> String {
             x.cause.lines().next().unwrap_or(""),
             x.resumed_from,
             x.recovery_s
+        );
+    }
+    let (lo, hi) = r
+        .worker_iteration_s
+        .iter()
+        .fold((f64::MAX, 0.0f64), |(lo, hi), &w| (lo.min(w), hi.max(w)));
+    // Under another trigger, or when the workers' paces differ by a fifth (a straggler).
+    if r.trigger != "all" || hi > 1.2 * lo {
+        let list: Vec<String> = r.worker_iteration_s.iter().map(|w| format!("{w:.3}")).collect();
+        let _ = writeln!(
+            s,
+            "trigger {}: mean iteration per worker {} s; {} rounds applied without every worker, {} late \
+             contributions dropped, {} folded into the next round",
+            r.trigger,
+            list.join(" / "),
+            r.partial_applies,
+            r.dropped,
+            r.late_folded
         );
     }
     if let Some(c) = &r.checkpoint {

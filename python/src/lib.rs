@@ -795,7 +795,9 @@ impl Session {
     fn save_framework_state(&self, py: Python<'_>, iteration: u64, state: Vec<u8>) -> PyResult<()> {
         self.with_inner(py, move |inner| match inner.session() {
             Some(s) => s.save_framework_state(iteration, state),
-            None => Err(tidewire::Error::Checkpoint("a local learner does not checkpoint".into())),
+            None => Err(tidewire::Error::Checkpoint(
+                "a local learner does not checkpoint".into(),
+            )),
         })
     }
 

@@ -472,6 +472,7 @@ impl ServerExec {
                 shard_at,
                 len,
                 iter,
+                gradients,
             } => {
                 let range = *shard_at..shard_at + len;
                 let acc = self
@@ -494,13 +495,14 @@ impl ServerExec {
                 } else {
                     &mut self.momentum[range]
                 };
-                cpu::apply(
-                    self.op,
-                    self.gradients,
-                    acc,
-                    dst.as_f32_mut().map_err(|e| e.to_string())?,
-                    mom,
-                );
+                // The gradients in this sum: every worker's (× local learners)
+                // under the `All` trigger, the contributors' under the others.
+                let n = if *gradients > 0 {
+                    *gradients as usize
+                } else {
+                    self.gradients
+                };
+                cpu::apply(self.op, n, acc, dst.as_f32_mut().map_err(|e| e.to_string())?, mom);
                 if let Some(snap) = &mut self.snap {
                     snap.applied(*chunk, *iter, mom)?;
                 }

@@ -961,6 +961,9 @@ impl Runtime {
             sp.add(l);
         }
         SessionStats {
+            dropped: n.dropped,
+            late_folded: n.late_folded,
+            partial_applies: n.partial_applies,
             sparse_pushes: sp.sparse_pushes,
             sparse_dense_pushes: sp.dense_pushes,
             sparse_nonzeros: sp.nonzeros,
@@ -1044,6 +1047,7 @@ impl Runtime {
                 }
             }
         }
+        self.shared.set_last_stats(self.stats());
         if let Some(r) = self.shutdown.take() {
             let _ = r.send(Ok(()));
         }

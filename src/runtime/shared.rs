@@ -45,6 +45,9 @@ pub(crate) struct Shared {
     pub(crate) panic: Arc<Mutex<Option<String>>>,
     /// Wakes the runtime thread after a request is queued.
     waker: Mutex<Option<Waker>>,
+    /// The counters as the runtime left them (a server-only rank's work is
+    /// all done inside `shutdown`): what `Session::stats` returns afterwards.
+    last_stats: Mutex<Option<crate::stats::SessionStats>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -74,6 +77,12 @@ impl Shared {
         if let Some(w) = lock(&self.waker).as_ref() {
             w.wake();
         }
+    }
+    pub(crate) fn set_last_stats(&self, s: crate::stats::SessionStats) {
+        *lock(&self.last_stats) = Some(s);
+    }
+    pub(crate) fn last_stats(&self) -> Option<crate::stats::SessionStats> {
+        lock(&self.last_stats).clone()
     }
     /// Re-raises a runtime thread's panic on the caller's thread.
     pub(crate) fn check_panic(&self) {
