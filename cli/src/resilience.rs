@@ -250,6 +250,82 @@ impl CheckpointSummary {
     }
 }
 
+/// A worker the launcher removed as a straggler.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Removed {
+    /// Its rank.
+    pub rank: u32,
+    /// Why: its progress against the median's.
+    pub why: String,
+    /// The iteration boundary it left at.
+    pub left_at: Option<u64>,
+}
+
+/// The coordinator's straggler rule (--remove-stragglers FACTOR): once the
+/// median worker has done --straggler-window iterations, a worker whose
+/// progress is under 1/FACTOR of the median's is removed; never so many that
+/// the trigger's quorum could not be met (nor the last worker).
+#[derive(Debug)]
+pub struct StragglerWatch {
+    factor: Option<f64>,
+    window: u64,
+    workers: usize,
+    quorum: usize,
+    /// Removed so far.
+    pub removed: Vec<Removed>,
+}
+
+impl StragglerWatch {
+    /// `factor` (None: off) and `window` as the flags give them, for `workers`
+    /// worker ranks (0..workers) under `trigger`.
+    pub fn new(factor: Option<f64>, window: u64, workers: usize, trigger: tidewire_engine::Trigger) -> Self {
+        let quorum = match trigger {
+            tidewire_engine::Trigger::Quorum(k) => k as usize,
+            _ => 1,
+        };
+        StragglerWatch {
+            factor,
+            window: window.max(1),
+            workers,
+            quorum,
+            removed: Vec::new(),
+        }
+    }
+
+    /// The workers to remove now, given every rank's latest iteration.
+    pub fn judge(&mut self, progress: &[u64]) -> Vec<u32> {
+        let Some(f) = self.factor else { return Vec::new() };
+        let live: Vec<u32> = (0..self.workers as u32)
+            .filter(|r| !self.removed.iter().any(|x| x.rank == *r))
+            .collect();
+        let mut its: Vec<u64> = live
+            .iter()
+            .map(|&r| progress.get(r as usize).copied().unwrap_or(0))
+            .collect();
+        its.sort_unstable();
+        let Some(&median) = its.get(its.len() / 2) else {
+            return Vec::new();
+        };
+        if median < self.window {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for r in live {
+            let p = progress.get(r as usize).copied().unwrap_or(0);
+            let left = self.workers - self.removed.len();
+            if (p as f64) * f <= median as f64 && left > self.quorum.max(1) {
+                self.removed.push(Removed {
+                    rank: r,
+                    why: format!("at iteration {p} when the median worker was at {median} (under 1/{f})"),
+                    left_at: None,
+                });
+                out.push(r);
+            }
+        }
+        out
+    }
+}
+
 /// One rollback of the launcher.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Restart {

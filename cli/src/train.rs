@@ -127,6 +127,17 @@ pub struct TrainArgs {
     /// sliced, wfbp or fifo-ps), no --verify.
     #[arg(long, default_value = "all")]
     pub trigger: String,
+    /// Straggler removal (with --trigger other than all, and separate
+    /// --servers): the launcher, coordinating, removes a worker whose
+    /// progress stays under 1/FACTOR of the median worker's once the median
+    /// has done --straggler-window iterations. The worker leaves at its next
+    /// iteration boundary and the job goes on with one worker fewer (the
+    /// chunk placement stays).
+    #[arg(long)]
+    pub remove_stragglers: Option<f64>,
+    /// Iterations the median worker must have done before a straggler is judged.
+    #[arg(long, default_value_t = 5)]
+    pub straggler_window: u64,
     /// Learners per worker node (Nexus's local aggregation): each worker rank
     /// leads L learner processes (itself and L-1 more) that hand their
     /// gradients to it through shared memory; it sums them in local-rank order,
@@ -366,6 +377,33 @@ impl TrainArgs {
                 return Err(Error::Usage(format!("--trigger {} needs BSP", self.trigger)));
             }
         }
+        if let Some(f) = self.remove_stragglers {
+            if trigger == tidewire_engine::Trigger::All {
+                return Err(Error::Usage(
+                    "--remove-stragglers needs --trigger quorum:K, timeout:MS or async: under all the \
+                     servers wait for every worker, so a removed one would end the job"
+                        .into(),
+                ));
+            }
+            if self.colocate {
+                return Err(Error::Usage(
+                    "--remove-stragglers needs separate --servers: a colocated worker holds a shard".into(),
+                ));
+            }
+            if !(f > 1.0 && f.is_finite()) {
+                return Err(Error::Usage(format!("--remove-stragglers {f}: give a factor above 1")));
+            }
+            if self.ckpt.active() {
+                return Err(Error::Usage(
+                    "--remove-stragglers with --checkpoint-dir is not supported yet".into(),
+                ));
+            }
+            if self.local_learners > 1 {
+                return Err(Error::Usage(
+                    "--remove-stragglers with --local-learners is not supported yet".into(),
+                ));
+            }
+        }
         if self.verify && (c != Consistency::Bsp || self.fast) {
             return Err(Error::Usage(
                 "--verify needs BSP with deterministic aggregation: SSP and --fast results depend on timing".into(),
@@ -572,6 +610,27 @@ pub struct NodeResult {
     /// What this rank's checkpoints cost (--checkpoint-dir).
     #[serde(default)]
     pub checkpoint: Option<tidewire::checkpoint::CheckpointStats>,
+    /// The iteration boundary a worker removed as a straggler left at
+    /// (--remove-stragglers); its process ends without the goodbye.
+    #[serde(default)]
+    pub removed_at: Option<u64>,
+}
+
+/// Set when the launcher removes this worker (`leave` on its stdin, with
+/// --remove-stragglers); the training loop leaves at the next iteration boundary.
+fn leave_signal(args: &TrainArgs) -> Arc<std::sync::atomic::AtomicBool> {
+    let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if args.remove_stragglers.is_some() {
+        let f = flag.clone();
+        std::thread::spawn(move || {
+            for line in std::io::stdin().lines().map_while(std::result::Result::ok) {
+                if line.trim() == "leave" {
+                    f.store(true, Ordering::Relaxed);
+                }
+            }
+        });
+    }
+    flag
 }
 
 pub(crate) fn sleep(d: Duration) {
@@ -671,6 +730,7 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
             setup_rx_bytes: 0,
             comm: None,
             checkpoint: session.checkpoint_stats(),
+            removed_at: None,
         })
     }
 }
@@ -824,6 +884,7 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
         setup_rx_bytes: 0,
         comm: None,
         checkpoint: None,
+        removed_at: None,
     })
 }
 
@@ -876,7 +937,34 @@ fn worker_loop(
     let mut starts: Vec<Instant> = Vec::new();
     let mut first_hand_in = None;
     let mut out = std::io::stdout();
+    let leave = leave_signal(args);
     for it in start..args.iters {
+        if it > start && leave.load(Ordering::Relaxed) {
+            // Removed as a straggler: leave at this iteration boundary, once
+            // every push is in (a worker lost with half a contribution in would
+            // fail the round), without a goodbye: the process ends, its
+            // connections close, and the servers stop counting it.
+            let all = session.wait_all()?;
+            let digests = all.iter().map(|b| digest(b.params())).collect();
+            let st = session.stats()?;
+            let (kind, why) = session.transport();
+            drop(all);
+            std::mem::forget(session);
+            return Ok(NodeResult {
+                rank,
+                worker: true,
+                iters: stats,
+                digests,
+                stats: st,
+                transport: format!("{kind}: {why}"),
+                local: None,
+                setup_tx_bytes: setup.tx_payload_bytes,
+                setup_rx_bytes: setup.rx_direct_bytes + setup.rx_copied_bytes,
+                comm: None,
+                checkpoint: None,
+                removed_at: Some(it),
+            });
+        }
         save_state(&session, it)?;
         let began = Instant::now();
         let mut last_sync: Option<Instant> = None;
@@ -1023,6 +1111,7 @@ fn worker_loop(
         setup_rx_bytes: setup.rx_direct_bytes + setup.rx_copied_bytes,
         comm: None,
         checkpoint: session.checkpoint_stats(),
+        removed_at: None,
     })
 }
 
@@ -1259,6 +1348,9 @@ pub struct TrainReport {
     /// --trigger.
     #[serde(default)]
     pub trigger: String,
+    /// Workers removed as stragglers (--remove-stragglers).
+    #[serde(default)]
+    pub removed: Vec<resilience::Removed>,
     /// Each worker's mean iteration, seconds, by rank (a straggler's own pace
     /// apart from the others' under the quorum, timeout and async triggers).
     #[serde(default)]
@@ -1540,7 +1632,12 @@ fn launch_attempt(
             .env("TIDEWIRE_MASTER", &master)
             .env("TIDEWIRE_SECRET", &secret)
             .env("TIDEWIRE_JOB", "1")
-            .stdin(Stdio::null())
+            // With --remove-stragglers a worker reads `leave` from its stdin.
+            .stdin(if args.remove_stragglers.is_some() && (rank as usize) < p1 {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if args.colocate {
@@ -1617,6 +1714,14 @@ fn launch_attempt(
     // When a worker last reported an iteration (ms since `began`), and the furthest one.
     let last_progress = Arc::new(AtomicU64::new(0));
     let max_iter = Arc::new(AtomicU64::new(0));
+    // Each worker's latest iteration (the coordinator's view, for --remove-stragglers).
+    let progress: Arc<Vec<AtomicU64>> = Arc::new((0..world).map(|_| AtomicU64::new(0)).collect());
+    let mut removal =
+        resilience::StragglerWatch::new(args.remove_stragglers, args.straggler_window, p1, args.trigger()?);
+    let mut stdins: Vec<(u32, std::process::ChildStdin)> = children
+        .iter_mut()
+        .filter_map(|(r, c)| Some((*r, c.stdin.take()?)))
+        .collect();
     let mut err_readers = Vec::new();
     for (rank, child) in children.iter_mut() {
         let stdout = child.stdout.take().expect("piped");
@@ -1625,6 +1730,7 @@ fn launch_attempt(
         let rank = *rank;
         let last = last_progress.clone();
         let furthest = max_iter.clone();
+        let mine = progress.clone();
         readers.push(std::thread::spawn(move || {
             let mut result = None;
             for line in BufReader::new(stdout).lines().map_while(std::result::Result::ok) {
@@ -1633,6 +1739,9 @@ fn launch_attempt(
                 }
                 if let Some(p) = line.strip_prefix("progress ") {
                     furthest.fetch_max(p.trim().parse().unwrap_or(0), Ordering::Relaxed);
+                    if let Some(m) = mine.get(rank as usize) {
+                        m.fetch_max(p.trim().parse().unwrap_or(0), Ordering::Relaxed);
+                    }
                     if rank == 0 {
                         bar.set_position(p.trim().parse().unwrap_or(0));
                     }
@@ -1688,6 +1797,14 @@ fn launch_attempt(
                         first_failure.get_or_insert_with(Instant::now);
                     }
                 }
+            }
+        }
+        // The coordinator: a worker far behind the median leaves at its next boundary.
+        let now: Vec<u64> = progress.iter().map(|p| p.load(Ordering::Relaxed)).collect();
+        for r in removal.judge(&now) {
+            if let Some((_, pipe)) = stdins.iter_mut().find(|(x, _)| *x == r) {
+                let _ = writeln!(pipe, "leave");
+                let _ = pipe.flush();
             }
         }
         for (i, (rank, child)) in children.iter_mut().enumerate() {
@@ -1829,7 +1946,13 @@ fn launch_attempt(
     });
     let mut by_rank: Vec<&NodeResult> = workers.clone();
     by_rank.sort_by_key(|r| r.rank);
+    drop(stdins);
+    let mut removed = removal.removed;
+    for x in removed.iter_mut() {
+        x.left_at = workers.iter().find(|w| w.rank == x.rank).and_then(|w| w.removed_at);
+    }
     Ok(Attempt::Done(Box::new(TrainReport {
+        removed,
         trigger: args.trigger.clone(),
         worker_iteration_s: by_rank
             .iter()
@@ -1981,6 +2104,15 @@ pub fn render(r: &TrainReport) -> String {
             r.partial_applies,
             r.dropped,
             r.late_folded
+        );
+    }
+    for x in &r.removed {
+        let _ = writeln!(
+            s,
+            "removed rank {} as a straggler: {}; it left at iteration {}, and the job went on with one worker fewer",
+            x.rank,
+            x.why,
+            x.left_at.map_or("?".to_string(), |i| i.to_string())
         );
     }
     if let Some(c) = &r.checkpoint {
@@ -2500,6 +2632,7 @@ pub mod comm {
             setup_tx_bytes: 0,
             setup_rx_bytes: 0,
             checkpoint: None,
+            removed_at: None,
         })
     }
 
