@@ -82,7 +82,7 @@ impl Shared {
         *lock(&self.last_stats) = Some(s);
     }
     pub(crate) fn last_stats(&self) -> Option<crate::stats::SessionStats> {
-        lock(&self.last_stats).clone()
+        *lock(&self.last_stats)
     }
     /// Re-raises a runtime thread's panic on the caller's thread.
     pub(crate) fn check_panic(&self) {

@@ -101,6 +101,10 @@ fn run(cli: &Cli, model: &str, gbps: f64, learners: usize) -> Result<Row, String
         flat: false,
         local_bandwidth: cli.local_gbytes * 8e9,
         json: false,
+        trigger: "all".into(),
+        faults: Vec::new(),
+        slow_rank: None,
+        slow_factor: None,
     };
     let r = sim::run(&a).map_err(|e| format!("sim {model} {gbps} GbE L={learners}: {e}"))?;
     let f = r.flat_run.as_deref().ok_or("no flat run")?;

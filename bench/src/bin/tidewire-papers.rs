@@ -157,6 +157,10 @@ fn sim_args(model: &str, nodes: usize, gbps: f64, sync: &str, iters: u64) -> Sim
         flat: false,
         local_bandwidth: 80e9,
         json: false,
+        trigger: "all".into(),
+        faults: Vec::new(),
+        slow_rank: None,
+        slow_factor: None,
     }
 }
 
