@@ -81,6 +81,8 @@ pub(crate) struct Config {
     pub(crate) comm: tidewire_engine::freq::CommConfig,
     pub(crate) checkpoint: Option<crate::checkpoint::Checkpointing>,
     pub(crate) resume: Option<std::path::PathBuf>,
+    /// This process replaces a lost or removed worker of a running job.
+    pub(crate) rejoin: bool,
     /// Filled by `Builder::build`: the checkpoint writer and the loaded checkpoint.
     pub(crate) ckpt: CkptRun,
 }
@@ -91,6 +93,8 @@ pub(crate) struct Config {
 pub(crate) struct CkptRun {
     pub(crate) writer: Option<crate::checkpoint::Writer>,
     pub(crate) loaded: Option<std::sync::Arc<crate::checkpoint::Loaded>>,
+    /// The checkpoint settings and resumed iteration, agreed at rendezvous (0: none).
+    pub(crate) fingerprint: u64,
 }
 
 impl Config {
@@ -115,6 +119,7 @@ impl Config {
             comm: tidewire_engine::freq::CommConfig::default(),
             checkpoint: None,
             resume: None,
+            rejoin: false,
             ckpt: CkptRun::default(),
         }
     }

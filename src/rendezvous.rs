@@ -133,7 +133,7 @@ impl Host {
     /// Collects every rank's authenticated join and answers it. Joiners that
     /// fail to authenticate are refused and do not affect the job.
     pub fn run(
-        self,
+        &self,
         secret: &JobSecret,
         job: u64,
         world: usize,
@@ -248,23 +248,118 @@ impl Host {
                 mismatch: *m,
             },
         };
-        let body = serde_json::to_string(&reply).expect("serializable");
         for mut c in conns {
-            let [host, joiner] = c.nonces;
-            let signed = SignedReply {
-                mac: Some(hex(&auth::mac(secret, REPLY_LABEL, &[&host, &joiner, body.as_bytes()]))),
-                reply: Some(body.clone()),
-                refused: None,
-            };
-            let line = serde_json::to_string(&signed).expect("serializable") + "\n";
-            let _ = c.stream.set_write_timeout(Some(Duration::from_secs(5)));
-            let _ = c.stream.write_all(line.as_bytes());
+            send_reply(&mut c, secret, &reply);
         }
         match failure {
             None => Ok(reply.addrs),
             Some((e, m)) => Err(to_error(e, m)),
         }
     }
+
+    /// After the rendezvous (`addrs` is its table): answers a replacement of
+    /// a rank, a new process joining with that rank's number (a worker that
+    /// was lost or removed), with the table updated with its new address, so
+    /// that it can dial every rank. The same authenticated protocol; the job,
+    /// the world and the configuration must agree. Serves on a thread of its
+    /// own until the returned handle is dropped.
+    pub fn serve_rejoins(
+        self,
+        secret: JobSecret,
+        job: u64,
+        mut addrs: Vec<SocketAddr>,
+        config: JobConfig,
+    ) -> Result<Rejoins> {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let join_timeout = self.join_timeout;
+        let handle = std::thread::Builder::new()
+            .name("tidewire-rendezvous-rejoins".into())
+            .spawn(move || {
+                let world = addrs.len();
+                while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+                    let stream = match self.listener.accept() {
+                        Ok((s, _)) => s,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(Duration::from_millis(20));
+                            continue;
+                        }
+                        Err(_) => {
+                            std::thread::sleep(Duration::from_millis(20));
+                            continue;
+                        }
+                    };
+                    let _ = stream.set_nonblocking(false);
+                    // One at a time: a replacement is rare, and each has its deadline.
+                    let Ok(mut joined) = authenticate(stream, &secret, Instant::now() + join_timeout) else {
+                        continue;
+                    };
+                    let j = &joined.join;
+                    let refused = if j.job != job || j.world != world {
+                        Some(format!("rank {} is of another job or world", j.rank))
+                    } else if j.rank == 0 || j.rank as usize >= world {
+                        Some(format!("rank {} cannot be replaced (rank 0 hosts the job)", j.rank))
+                    } else {
+                        mismatch(j.rank, &config, &j.config).map(|_| "the job configurations differ".to_string())
+                    };
+                    let reply = match refused {
+                        Some(e) => Reply {
+                            addrs: vec![],
+                            error: Some(e),
+                            mismatch: None,
+                        },
+                        None => {
+                            addrs[j.rank as usize] = j.addr;
+                            tracing::info!(rank = j.rank, addr = %j.addr, "a replacement joined");
+                            Reply {
+                                addrs: addrs.clone(),
+                                error: None,
+                                mismatch: None,
+                            }
+                        }
+                    };
+                    send_reply(&mut joined, &secret, &reply);
+                }
+            })
+            .map_err(|e| Error::Thread {
+                what: "rendezvous rejoins",
+                reason: e.to_string(),
+            })?;
+        Ok(Rejoins {
+            stop,
+            handle: Some(handle),
+        })
+    }
+}
+
+/// Rank 0's service for replacement ranks ([`Host::serve_rejoins`]); stops when dropped.
+#[derive(Debug)]
+pub struct Rejoins {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Rejoins {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Answers a proven joiner with `reply`, signed over both nonces.
+fn send_reply(c: &mut Joined, secret: &JobSecret, reply: &Reply) {
+    let body = serde_json::to_string(reply).expect("serializable");
+    let [host, joiner] = c.nonces;
+    let signed = SignedReply {
+        mac: Some(hex(&auth::mac(secret, REPLY_LABEL, &[&host, &joiner, body.as_bytes()]))),
+        reply: Some(body.clone()),
+        refused: None,
+    };
+    let line = serde_json::to_string(&signed).expect("serializable") + "\n";
+    let _ = c.stream.set_write_timeout(Some(Duration::from_secs(5)));
+    let _ = c.stream.write_all(line.as_bytes());
 }
 
 /// One connection on rank 0: challenge, then a join that proves the secret,

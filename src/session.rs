@@ -228,8 +228,11 @@ impl Builder {
     /// state and worker 0 the parameters, all at the same iteration, written
     /// atomically as safetensors on a thread of their own. Every rank must
     /// set the same, and the directory must be one all ranks see (a shared
-    /// filesystem across machines). A fresh job refuses a directory that
-    /// already holds checkpoints: resume from it, or give another.
+    /// filesystem across machines); the settings and the resumed iteration
+    /// are agreed at rendezvous. A fresh job refuses a directory that
+    /// already holds checkpoints: resume from it, or give another. Needs BSP
+    /// and the `all` trigger (under SSP or another trigger the workers and
+    /// the servers are not at one iteration).
     ///
     /// ```no_run
     /// use tidewire::checkpoint::Checkpointing;
@@ -254,6 +257,18 @@ impl Builder {
     /// that failed.
     pub fn resume(mut self, path: impl Into<std::path::PathBuf>) -> Self {
         self.cfg.resume = Some(path.into());
+        self
+    }
+
+    /// This process replaces a worker of a running job (one lost or
+    /// removed as a straggler; a worker that holds no shard, under a
+    /// [`Trigger`](tidewire_engine::Trigger) other than `All`): it gets the
+    /// address table from rank 0, dials every rank, takes the current
+    /// parameters from the servers (no seeding), and is counted from the
+    /// round in progress on. Give it the rank it replaces and the job's
+    /// settings.
+    pub fn rejoin(mut self) -> Self {
+        self.cfg.rejoin = true;
         self
     }
 
@@ -354,7 +369,34 @@ impl Builder {
             tracing::info!(rank, from = %l.dir.display(), iteration = base, "resuming");
             self.cfg.ckpt.loaded = Some(l);
         }
+        if self.cfg.checkpoint.is_some() || self.cfg.resume.is_some() {
+            let (every, fw) = self
+                .cfg
+                .checkpoint
+                .as_ref()
+                .map_or((0, false), |c| (c.every, c.framework_state));
+            // Every rank must checkpoint alike and resume the same iteration.
+            self.cfg.ckpt.fingerprint = tidewire_engine::agree::JobConfig::checkpoint_fingerprint(&[
+                &every.to_le_bytes(),
+                &[u8::from(fw)],
+                &base.to_le_bytes(),
+            ]);
+        }
         if let Some(c) = self.cfg.checkpoint.clone() {
+            if self.cfg.sched.consistency != tidewire_engine::Consistency::Bsp {
+                return Err(Error::Checkpoint(
+                    "checkpoints need BSP: under SSP the parameters a worker holds at an iteration \
+                     boundary may lag the servers' optimizer state, so the files would not be of one iteration"
+                        .into(),
+                ));
+            }
+            if self.cfg.sched.trigger != tidewire_engine::Trigger::All {
+                return Err(Error::Checkpoint(
+                    "checkpoints need the `all` aggregation trigger: under the others the servers' rounds \
+                     and the workers' iterations differ"
+                        .into(),
+                ));
+            }
             if self.cfg.comm.freq.t_max != 1 {
                 return Err(Error::Checkpoint(
                     "checkpoints with a communication period above 1 are not supported: the \
@@ -383,6 +425,10 @@ impl Builder {
                     c.dir.display(),
                     p.display()
                 )));
+            } else if model_writer {
+                // A fresh job: what an earlier attempt left half-written goes (before
+                // the rendezvous, so no rank of this job has written anything yet).
+                checkpoint::remove_after(&c.dir, 0)?;
             }
             let run = checkpoint::run_id(self.cfg.secret.as_ref().map_or(0, |s| s.fingerprint()), self.cfg.job);
             self.cfg.ckpt.writer = Some(Writer::start(Plan::new(c, book, self.cfg.op, rank, run, base))?);

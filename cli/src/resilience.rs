@@ -88,7 +88,8 @@ impl CheckpointArgs {
             })
     }
     /// Checks the flags against the run's.
-    pub fn validate(&self, world: usize, iters: u64, local_learners: usize, comm: bool) -> Result<()> {
+    /// Checks the flags against the run's; `bsp_all`: BSP with the `all` trigger.
+    pub fn validate(&self, world: usize, iters: u64, local_learners: usize, comm: bool, bsp_all: bool) -> Result<()> {
         if self.checkpoint_every == 0 {
             return Err(Error::Usage("--checkpoint-every must be at least 1".into()));
         }
@@ -98,6 +99,14 @@ impl CheckpointArgs {
         if (self.active() || self.resume.is_some()) && local_learners > 1 {
             return Err(Error::Usage(
                 "--checkpoint-dir/--resume with --local-learners is not supported yet".into(),
+            ));
+        }
+        if self.active() && !bsp_all {
+            return Err(Error::Usage(
+                "--checkpoint-dir needs BSP and --trigger all: under SSP a worker's parameters lag the \
+                 servers' optimizer state, and under the other triggers the servers' rounds are not the \
+                 workers' iterations, so a checkpoint's files would not be of one iteration"
+                    .into(),
             ));
         }
         if (self.active() || self.resume.is_some()) && comm {
@@ -219,6 +228,9 @@ pub struct CheckpointSummary {
     pub write_s: f64,
     /// Bytes written, over all ranks.
     pub bytes: u64,
+    /// Checkpoint writes that failed (rank: why); the run went on.
+    #[serde(default)]
+    pub failed: Vec<String>,
     /// `copy_s` over the attempt's training time (mean iteration × iterations):
     /// the fraction of the iteration time the checkpoints cost.
     pub cost_fraction: f64,
@@ -245,6 +257,10 @@ impl CheckpointSummary {
             copy_s,
             write_s: stats.iter().map(|c| c.write_s).sum(),
             bytes: stats.iter().map(|c| c.bytes).sum(),
+            failed: ranks
+                .iter()
+                .flat_map(|(r, c)| c.failed.iter().map(move |f| format!("rank {r}: {f}")))
+                .collect(),
             cost_fraction: copy_s / (iteration_s * iters as f64).max(f64::MIN_POSITIVE),
         }
     }
@@ -358,14 +374,17 @@ pub fn without_resume(node_args: &[String]) -> Vec<String> {
     out
 }
 
-/// Where the next attempt starts: the newest complete checkpoint in `dir`, or
-/// the start (after removing what the failed attempt left there).
-pub fn rollback_point(dir: &Path) -> Result<Option<PathBuf>> {
+/// Where the next attempt starts: the newest complete checkpoint in `dir`
+/// made since the failed attempt's own start `resumed` (a checkpoint older
+/// than that would be another run's), else that start again (`None`: the
+/// very beginning).
+pub fn rollback_point(dir: &Path, resumed: Option<&Path>) -> Result<Option<PathBuf>> {
     let newest = tidewire::checkpoint::Loaded::newest_complete(dir).map_err(|e| Error::Launch(e.to_string()))?;
-    if newest.is_none() {
-        tidewire::checkpoint::remove_after(dir, 0).map_err(|e| Error::Launch(e.to_string()))?;
-    }
-    Ok(newest)
+    let from = resumed.map_or(0, step_iteration);
+    Ok(match newest {
+        Some(p) if step_iteration(&p) > from || resumed.is_none() => Some(p),
+        _ => resumed.map(Path::to_path_buf),
+    })
 }
 
 /// Whether a `--fault-kill` at iteration `iter` may fire: once the newest
@@ -387,13 +406,20 @@ pub fn due_checkpoint_done(ckpt: &CheckpointArgs, iter: u64, began: std::time::I
     )
 }
 
-/// The iteration of a step directory (`step-00000012` → 12).
+/// The iteration of a checkpoint: its manifest's, else its directory's name
+/// (`step-00000012` → 12), else 0.
 pub fn step_iteration(step: &Path) -> u64 {
-    step.file_name()
-        .and_then(|n| n.to_str())
-        .and_then(|n| n.strip_prefix("step-"))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
+    let manifest = std::fs::read(step.join("manifest.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|m| m.get("iteration")?.as_u64());
+    manifest.unwrap_or_else(|| {
+        step.file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("step-"))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    })
 }
 
 #[cfg(test)]

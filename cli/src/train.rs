@@ -356,9 +356,14 @@ impl TrainArgs {
                 return Err(Error::Usage("--comm-every/--comm-mode/--freq-max need BSP".into()));
             }
         }
-        self.ckpt
-            .validate(self.world().2, self.iters, self.local_learners, self.comm.active())?;
         let trigger = self.trigger()?;
+        self.ckpt.validate(
+            self.world().2,
+            self.iters,
+            self.local_learners,
+            self.comm.active(),
+            c == Consistency::Bsp && trigger == tidewire_engine::Trigger::All,
+        )?;
         if trigger != tidewire_engine::Trigger::All {
             if self.verify {
                 return Err(Error::Usage(format!(
@@ -1555,7 +1560,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
                         args.ckpt.max_restarts
                     )));
                 }
-                resume = resilience::rollback_point(dir)?;
+                resume = resilience::rollback_point(dir, resume.as_deref())?;
                 let from = resume.as_deref().map_or(0, resilience::step_iteration);
                 if from >= args.iters {
                     return Err(Error::Launch(format!(
@@ -2127,6 +2132,9 @@ pub fn render(r: &TrainReport) -> String {
             100.0 * c.cost_fraction,
             c.write_s
         );
+        for f in &c.failed {
+            let _ = writeln!(s, "  a checkpoint could not be written: {f}");
+        }
     }
     if let Some(k) = r.resumed_from {
         let _ = writeln!(

@@ -64,11 +64,15 @@ pub enum Field {
     FreqGuide = 20,
     /// Aggregation trigger ([`crate::config::Trigger::encode`]).
     Trigger = 21,
+    /// The caller's checkpoint settings and the iteration a resumed job
+    /// starts from (a fingerprint; 0 without checkpoints): every rank must
+    /// checkpoint alike and resume the same checkpoint.
+    Checkpoint = 22,
 }
 
 impl Field {
     /// How many fields there are.
-    pub const COUNT: usize = 22;
+    pub const COUNT: usize = 23;
 
     /// The field with wire id `id`.
     pub fn from_id(id: u8) -> Option<Field> {
@@ -96,6 +100,7 @@ impl Field {
             CommMode,
             FreqGuide,
             Trigger,
+            Checkpoint,
         ];
         ALL.get(id as usize).copied()
     }
@@ -125,13 +130,19 @@ impl Field {
             Field::CommMode => "comm_mode",
             Field::FreqGuide => "quality-guided frequency (t_max, period, tolerance, revert step)",
             Field::Trigger => "aggregation trigger",
+            Field::Checkpoint => "checkpoints (every, framework state, the resumed iteration)",
         }
     }
 
     /// A value of this field, as text.
     pub fn render(self, v: u64) -> String {
         match self {
-            Field::Cluster | Field::Layers | Field::Dtypes | Field::Transport | Field::FreqGuide => {
+            Field::Cluster
+            | Field::Layers
+            | Field::Dtypes
+            | Field::Transport
+            | Field::FreqGuide
+            | Field::Checkpoint => {
                 format!("hash {v:#018x}")
             }
             Field::CommMode => ["accumulate", "average"].get(v as usize).unwrap_or(&"?").to_string(),
@@ -238,7 +249,22 @@ impl JobConfig {
         ];
         let mut j = JobConfig { fields }.with_comm(&CommConfig::default());
         j.fields.push((Field::Trigger, sched.trigger.encode()));
+        j.fields.push((Field::Checkpoint, 0));
         j
+    }
+
+    /// Sets the checkpoint fingerprint (see [`Field::Checkpoint`]).
+    pub fn with_checkpoint(mut self, fingerprint: u64) -> Self {
+        match self.fields.iter_mut().find(|(g, _)| *g == Field::Checkpoint) {
+            Some(e) => e.1 = fingerprint,
+            None => self.fields.push((Field::Checkpoint, fingerprint)),
+        }
+        self
+    }
+
+    /// A fingerprint of checkpoint settings for [`JobConfig::with_checkpoint`].
+    pub fn checkpoint_fingerprint(parts: &[&[u8]]) -> u64 {
+        fnv(parts).max(1)
     }
 
     /// Sets the communication frequency fields (default: every step, no adjustment).

@@ -1003,9 +1003,11 @@ class _Tw:
         self.resumed_from: Optional[str] = None
         self.wrapper: Optional[torch.optim.Optimizer] = None
         if self.ckpt_dir is None:
+            if resume is True:
+                raise ValueError("resume=True resumes from checkpoint_dir: give checkpoint_dir")
             if resume not in (False, None):
-                if resume is True:
-                    raise ValueError("resume=True resumes from checkpoint_dir: give checkpoint_dir")
+                # Resume from that checkpoint, without checkpointing this run.
+                self.resumed_from = os.fspath(resume)
             return
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"checkpoint_every={every!r}: want an int >= 1")

@@ -159,6 +159,8 @@ struct Runtime {
     evs: Vec<Event>,
     /// Worker 0 of a checkpointing job: the model's snapshots.
     snap: Option<snapshot::ModelSnap>,
+    /// Rank 0 under a trigger other than `All`: the service answering replacement ranks.
+    _rejoins: Option<rendezvous::Rejoins>,
 }
 
 impl Runtime {
@@ -228,6 +230,7 @@ impl Runtime {
         nc.sched = cfg.sched;
         nc.apply = cfg.op;
         nc.comm = cfg.comm;
+        nc.checkpoint = cfg.ckpt.fingerprint;
         nc.limits = node_limits;
         // What every rank must agree on is the wire protocol: the io_uring and the
         // portable TCP backends speak the same one, so a job may mix them.
@@ -268,6 +271,10 @@ impl Runtime {
             }
         }
         let mut node = Node::new(nc)?;
+        if cfg.rejoin {
+            // A replacement: no seeding; the servers send it the current values.
+            node.rejoin()?;
+        }
 
         // The regions the Node asks for: the caller's own memory where it gave some.
         let (mut user_params, mut user_grads) = (cfg.params.map(|l| l.buffer), cfg.grads.map(|l| l.buffer));
@@ -365,8 +372,18 @@ impl Runtime {
             tracing::info!(rank, "{d}");
         }
 
+        let mut rejoins = None;
         let addrs = match host {
-            Some(h) => h.run(&secret, cfg.job, world, me, node.job_config(), cfg.connect_timeout)?,
+            Some(h) => {
+                let addrs = h.run(&secret, cfg.job, world, me, node.job_config(), cfg.connect_timeout)?;
+                if cfg.sched.trigger != tidewire_engine::Trigger::All {
+                    // Under these triggers a lost worker may be replaced: rank 0
+                    // keeps answering replacements with the address table.
+                    rejoins =
+                        Some(h.serve_rejoins(secret.clone(), cfg.job, addrs.clone(), node.job_config().clone())?);
+                }
+                addrs
+            }
             None if world > 1 => rendezvous::join(
                 spec.master,
                 &secret,
@@ -380,8 +397,13 @@ impl Runtime {
             None => vec![me],
         };
         let mut dialing = HashMap::new();
-        for (j, addr) in addrs.iter().enumerate().take(rank as usize) {
-            dialing.insert(t.connect(*addr)?, j as u32);
+        // Each rank dials the ranks below it; a replacement dials every rank
+        // (the others are long past dialing).
+        let dial = if cfg.rejoin { world } else { rank as usize };
+        for (j, addr) in addrs.iter().enumerate().take(dial) {
+            if j as u32 != rank {
+                dialing.insert(t.connect(*addr)?, j as u32);
+            }
         }
         let nl = book.layers().len();
         Ok(Runtime {
@@ -415,6 +437,7 @@ impl Runtime {
             hand_in_posts: 0,
             would_block: 0,
             evs: Vec::with_capacity(512),
+            _rejoins: rejoins,
             snap,
             book,
         })
@@ -792,6 +815,14 @@ impl Runtime {
                         peer,
                         error: error.map(|e| e.to_string()),
                     });
+                    // The rank's slot is free again: a replacement may connect.
+                    if self.conn_of.get(peer as usize) == Some(&Some(conn)) {
+                        self.conn_of[peer as usize] = None;
+                        self.peer_keys[peer as usize] = None;
+                        self.peer_regions[peer as usize] = [None; 3];
+                        self.peer_known[peer as usize] = false;
+                    }
+                    self.rank_of.remove(&conn);
                 }
             }
             other => tracing::debug!(rank = self.rank, event = ?other, "ignored"),

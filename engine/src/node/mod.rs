@@ -147,6 +147,9 @@ pub struct NodeConfig {
     /// Communication frequency and mode: the caller's to carry out (the
     /// engine syncs what is handed in); here so that every rank agrees on it.
     pub comm: crate::freq::CommConfig,
+    /// A fingerprint of the caller's checkpoint settings and resumed
+    /// iteration (0: none), agreed at rendezvous ([`crate::agree::Field::Checkpoint`]).
+    pub checkpoint: u64,
 }
 
 impl NodeConfig {
@@ -164,6 +167,7 @@ impl NodeConfig {
             startup_timeout: DEFAULT_STARTUP,
             sparse: SparseCosts::default(),
             comm: crate::freq::CommConfig::default(),
+            checkpoint: 0,
         }
     }
 }
@@ -512,7 +516,9 @@ impl Node {
         let mut flow = Flow::new(world, l.max_outstanding);
         flow.open(rank);
         Ok(Node {
-            job: JobConfig::new(&book, &cfg.sched, cfg.apply, &cfg.transport).with_comm(&cfg.comm),
+            job: JobConfig::new(&book, &cfg.sched, cfg.apply, &cfg.transport)
+                .with_comm(&cfg.comm)
+                .with_checkpoint(cfg.checkpoint),
             inbox: Inbox::new(world, book.p1()),
             sched: cfg.sched,
             limits: l,
