@@ -275,6 +275,9 @@ pub struct Removed {
     pub why: String,
     /// The iteration boundary it left at.
     pub left_at: Option<u64>,
+    /// With --replace-stragglers: the iterations its replacement was started for.
+    #[serde(default)]
+    pub replaced_for: Option<u64>,
 }
 
 /// The coordinator's straggler rule (--remove-stragglers FACTOR): once the
@@ -326,7 +329,8 @@ impl StragglerWatch {
             return Vec::new();
         }
         let mut out = Vec::new();
-        for r in live {
+        // Rank 0 coordinates the job (it hosts the rendezvous a replacement needs): never removed.
+        for r in live.into_iter().filter(|&r| r != 0) {
             let p = progress.get(r as usize).copied().unwrap_or(0);
             let left = self.workers - self.removed.len();
             if (p as f64) * f <= median as f64 && left > self.quorum.max(1) {
@@ -334,6 +338,7 @@ impl StragglerWatch {
                     rank: r,
                     why: format!("at iteration {p} when the median worker was at {median} (under 1/{f})"),
                     left_at: None,
+                    replaced_for: None,
                 });
                 out.push(r);
             }
@@ -425,6 +430,20 @@ pub fn step_iteration(step: &Path) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_straggler_rule_keeps_rank_0_and_the_quorum() {
+        use tidewire_engine::Trigger;
+        let mut w = StragglerWatch::new(Some(2.0), 5, 4, Trigger::Quorum(3));
+        assert!(w.judge(&[4, 0, 4, 4]).is_empty(), "the median has not done the window yet");
+        assert_eq!(w.judge(&[6, 2, 6, 6]), vec![1]);
+        assert!(w.judge(&[9, 2, 9, 1]).is_empty(), "a second removal would leave fewer than the quorum");
+        let mut w = StragglerWatch::new(Some(2.0), 5, 4, Trigger::Async);
+        assert!(w.judge(&[1, 8, 8, 8]).is_empty(), "rank 0 is never removed");
+        assert_eq!(w.judge(&[8, 8, 3, 2]), vec![2, 3]);
+        let mut off = StragglerWatch::new(None, 5, 4, Trigger::Async);
+        assert!(off.judge(&[9, 0, 9, 9]).is_empty());
+    }
 
     #[test]
     fn kill_flags_parse_and_resume_is_stripped() {

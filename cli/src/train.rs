@@ -138,6 +138,12 @@ pub struct TrainArgs {
     /// Iterations the median worker must have done before a straggler is judged.
     #[arg(long, default_value_t = 5)]
     pub straggler_window: u64,
+    /// With --remove-stragglers: once a removed worker has left, start a
+    /// replacement (a new process, at full speed) with its rank: it gets the
+    /// address table from rank 0, takes the current parameters from the
+    /// servers and is counted from the round in progress until the end.
+    #[arg(long, requires = "remove_stragglers")]
+    pub replace_stragglers: bool,
     /// Learners per worker node (Nexus's local aggregation): each worker rank
     /// leads L learner processes (itself and L-1 more) that hand their
     /// gradients to it through shared memory; it sums them in local-rank order,
@@ -621,6 +627,12 @@ pub struct NodeResult {
     pub removed_at: Option<u64>,
 }
 
+/// A replacement worker's iterations (`TIDEWIRE_REPLACEMENT_ITERS`, set by
+/// the launcher with --replace-stragglers): it runs the last this many.
+fn replacement_iters() -> Option<u64> {
+    std::env::var("TIDEWIRE_REPLACEMENT_ITERS").ok()?.trim().parse().ok()
+}
+
 /// Set when the launcher removes this worker (`leave` on its stdin, with
 /// --remove-stragglers); the training loop leaves at the next iteration boundary.
 fn leave_signal(args: &TrainArgs) -> Arc<std::sync::atomic::AtomicBool> {
@@ -664,6 +676,9 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
     }
     if let Some(r) = &args.ckpt.resume {
         builder = builder.resume(r);
+    }
+    if replacement_iters().is_some() {
+        builder = builder.rejoin();
     }
     let session = builder
         .batch(args.batch(&model) * args.learners())
@@ -904,7 +919,8 @@ fn worker_loop(
     let book = session.book().clone();
     let wi = book.cluster().worker_index(rank).expect("worker");
     let k = args.batch(model);
-    let slow = if args.slow_rank == Some(rank) {
+    // A replacement of a straggler runs at full speed.
+    let slow = if args.slow_rank == Some(rank) && replacement_iters().is_none() {
         args.slow_factor
     } else {
         1.0
@@ -914,7 +930,11 @@ fn worker_loop(
     let nl = book.layers().len();
     let mut layers = session.take_layers()?;
     // A resumed run goes on from its checkpoint, which must be of this run.
-    let start = session.start_iteration();
+    // A replacement joins a running job: it does the last iterations only.
+    let start = match replacement_iters() {
+        Some(n) => args.iters.saturating_sub(n.max(1)),
+        None => session.start_iteration(),
+    };
     let trainer_state = |iteration| TrainerState {
         iteration,
         model: model.name.to_string(),
@@ -1728,11 +1748,15 @@ fn launch_attempt(
         .filter_map(|(r, c)| Some((*r, c.stdin.take()?)))
         .collect();
     let mut err_readers = Vec::new();
-    for (rank, child) in children.iter_mut() {
+    // Follows a rank's output on two threads: progress and the result on
+    // stdout (rank 0's progress drives the bar), warnings and a tail of stderr.
+    let follow = |rank: u32,
+                  child: &mut Child,
+                  readers: &mut Vec<std::thread::JoinHandle<Option<NodeResult>>>,
+                  err_readers: &mut Vec<std::thread::JoinHandle<(u32, String, Vec<String>)>>| {
         let stdout = child.stdout.take().expect("piped");
         let stderr = child.stderr.take().expect("piped");
         let bar = bar.clone();
-        let rank = *rank;
         let last = last_progress.clone();
         let furthest = max_iter.clone();
         let mine = progress.clone();
@@ -1771,7 +1795,11 @@ fn launch_attempt(
             }
             (rank, tail, warnings)
         }));
+    };
+    for (rank, child) in children.iter_mut() {
+        follow(*rank, child, &mut readers, &mut err_readers);
     }
+    let mut replaced: Vec<u32> = Vec::new();
     // A watchdog, not a deadline: the run is killed only when no worker has
     // finished an iteration for this long (the ranks' own timeouts catch a
     // lost peer first; a run that is slow but moving is left alone).
@@ -1812,6 +1840,7 @@ fn launch_attempt(
                 let _ = pipe.flush();
             }
         }
+        let mut gone: Vec<u32> = Vec::new();
         for (i, (rank, child)) in children.iter_mut().enumerate() {
             if statuses[i].is_none() {
                 if let Ok(Some(st)) = child.try_wait() {
@@ -1820,6 +1849,45 @@ fn launch_attempt(
                         first_failure.get_or_insert_with(Instant::now);
                     }
                     statuses[i] = Some(st);
+                    gone.push(*rank);
+                }
+            }
+        }
+        // --replace-stragglers: a removed worker that left gets a replacement.
+        for r in gone {
+            let removed = removal.removed.iter().any(|x| x.rank == r);
+            if args.replace_stragglers && removed && !replaced.contains(&r) && failed.is_empty() {
+                let now: Vec<u64> = progress.iter().map(|p| p.load(Ordering::Relaxed)).collect();
+                let mut live: Vec<u64> = (0..p1).filter(|&w| w != r as usize).map(|w| now[w]).collect();
+                live.sort_unstable();
+                // The rounds left, less a margin for the time it takes to join:
+                // it must not outlast the others (a round only it fed would strand).
+                let n = args.iters.saturating_sub(live.last().copied().unwrap_or(0) + 3);
+                if n == 0 {
+                    continue;
+                }
+                let mut c = Command::new(&exe);
+                c.arg("train-node")
+                    .args(&node_args)
+                    .env("TIDEWIRE_RANK", r.to_string())
+                    .env("TIDEWIRE_WORLD_SIZE", world.to_string())
+                    .env("TIDEWIRE_MASTER", &master)
+                    .env("TIDEWIRE_SECRET", &secret)
+                    .env("TIDEWIRE_JOB", "1")
+                    .env("TIDEWIRE_SERVERS", p2.to_string())
+                    .env("TIDEWIRE_REPLACEMENT_ITERS", n.to_string())
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped());
+                let mut child = c
+                    .spawn()
+                    .map_err(|e| Error::Launch(format!("cannot start a replacement for rank {r}: {e}")))?;
+                follow(r, &mut child, &mut readers, &mut err_readers);
+                children.push((r, child));
+                statuses.push(None);
+                replaced.push(r);
+                if let Some(x) = removal.removed.iter_mut().find(|x| x.rank == r) {
+                    x.replaced_for = Some(n);
                 }
             }
         }
@@ -1867,7 +1935,12 @@ fn launch_attempt(
             failed_at: first_failure.unwrap_or_else(Instant::now),
         });
     }
-    let workers: Vec<&NodeResult> = results.iter().filter(|r| r.worker && r.local.is_none()).collect();
+    // A removed worker's result is apart; its replacement, if any, reports as its rank.
+    let workers: Vec<&NodeResult> = results
+        .iter()
+        .filter(|r| r.worker && r.local.is_none() && r.removed_at.is_none())
+        .collect();
+    let p1 = p1 - removal.removed.len() + replaced.len();
     if workers.len() != p1 {
         return Err(Error::Launch(format!(
             "{} of {p1} workers reported a result",
@@ -1954,7 +2027,10 @@ fn launch_attempt(
     drop(stdins);
     let mut removed = removal.removed;
     for x in removed.iter_mut() {
-        x.left_at = workers.iter().find(|w| w.rank == x.rank).and_then(|w| w.removed_at);
+        x.left_at = results
+            .iter()
+            .find(|w| w.rank == x.rank && w.removed_at.is_some())
+            .and_then(|w| w.removed_at);
     }
     Ok(Attempt::Done(Box::new(TrainReport {
         removed,
@@ -2114,10 +2190,13 @@ pub fn render(r: &TrainReport) -> String {
     for x in &r.removed {
         let _ = writeln!(
             s,
-            "removed rank {} as a straggler: {}; it left at iteration {}, and the job went on with one worker fewer",
+            "removed rank {} as a straggler: {}; it left at iteration {}, and the job went on with one worker fewer{}",
             x.rank,
             x.why,
-            x.left_at.map_or("?".to_string(), |i| i.to_string())
+            x.left_at.map_or("?".to_string(), |i| i.to_string()),
+            x.replaced_for.map_or(String::new(), |n| format!(
+                "; a replacement joined for the last {n} iterations"
+            ))
         );
     }
     if let Some(c) = &r.checkpoint {

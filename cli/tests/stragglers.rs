@@ -7,7 +7,9 @@
 //!
 //! With `--remove-stragglers 2` the launcher, coordinating, removes the
 //! straggler once it is under half the median worker's progress: it leaves at
-//! an iteration boundary and the job goes on with P1 − 1 workers.
+//! an iteration boundary and the job goes on with P1 − 1 workers; with
+//! `--replace-stragglers` a replacement process then joins with its rank,
+//! takes the current parameters from the servers, and trains to the end.
 //!
 //! Compute is slept (`--time-scale 4`: 80 ms per iteration of vgg19-mini),
 //! so the paces compared do not depend on the machine's load.
@@ -46,8 +48,13 @@ fn others(r: &Value) -> f64 {
         .iter()
         .map(|v| v.as_f64().unwrap())
         .collect();
-    assert_eq!(w.len(), 4);
-    (w[0] + w[2] + w[3]) / 3.0
+    match w.len() {
+        // Ranks 0..4, the straggler (or its replacement) at 1.
+        4 => (w[0] + w[2] + w[3]) / 3.0,
+        // The straggler removed: ranks 0, 2 and 3.
+        3 => w.iter().sum::<f64>() / 3.0,
+        n => panic!("{n} workers reported"),
+    }
 }
 
 #[test]
@@ -107,6 +114,22 @@ fn quorum_timeout_and_async_keep_the_pace_bsp_takes_the_stragglers() {
         removed[0]["why"].as_str().unwrap()
     );
     assert!(ratio >= 0.9, "after the removal: {ratio:.3}x");
+    // A replacement then joins (a new process with rank 1, at full speed):
+    // it takes the current parameters from the servers, trains to the end,
+    // and the job ends with P1 workers again.
+    let r = train_with("quorum:3", true, &["--remove-stragglers", "2", "--replace-stragglers"]);
+    let removed = r["removed"].as_array().unwrap();
+    assert_eq!(removed.len(), 1, "{:#}", r["removed"]);
+    let n = removed[0]["replaced_for"].as_u64().expect("a replacement joined");
+    assert!(n > 0 && n < 20, "{n}");
+    assert_eq!(r["workers"], 4, "the replacement reported as rank 1");
+    let ratio = pace / others(&r);
+    println!(
+        "quorum:3 with removal and a replacement for the last {n} iterations: the others at {ratio:.3}x, \
+         the replacement at {:.4} s per iteration",
+        r["worker_iteration_s"][1].as_f64().unwrap()
+    );
+    assert!(ratio >= 0.9, "with the replacement: {ratio:.3}x");
     let out = Command::new(env!("CARGO_BIN_EXE_tidewire"))
         .args([
             "train",
