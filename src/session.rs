@@ -113,6 +113,22 @@ impl Builder {
         self.cfg.sched.consistency = c;
         self
     }
+    /// When servers apply a chunk's round ([`tidewire_engine::Trigger`]):
+    /// `All` (BSP, the default), `Quorum(k)`, `Async` or `Timeout(d)`; the
+    /// others need BSP and PS layers. Every rank must agree.
+    ///
+    /// ```
+    /// use tidewire::engine::book::{LayerKind, LayerSpec};
+    /// use tidewire::engine::{SchemePolicy, Trigger};
+    /// let b = tidewire::Builder::new(vec![LayerSpec::new("conv", LayerKind::Conv, 64, 27)])
+    ///     .policy(SchemePolicy::Ps)
+    ///     .trigger(Trigger::parse("quorum:3").expect("a trigger"));
+    /// # let _ = b;
+    /// ```
+    pub fn trigger(mut self, t: tidewire_engine::Trigger) -> Self {
+        self.cfg.sched.trigger = t;
+        self
+    }
     /// Learners behind every worker rank (Nexus's local aggregation, see
     /// [`crate::local`] and [`PushPull::lead`](crate::pushpull::PushPull::lead)):
     /// the mean and SGD divide by workers × learners. Every rank must agree.

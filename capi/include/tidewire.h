@@ -275,6 +275,49 @@ int tw_config_set_apply(tw_config *cfg, int op, float lr, float momentum, float 
 int tw_config_set_consistency(tw_config *cfg, int model, uint32_t staleness);
 
 /**
+ * When servers apply a chunk's round (Nexus's aggregation triggers):
+ * "all" (BSP: every worker's gradient, the default), "quorum:K" (the first
+ * K workers' contributions; later ones are dropped), "async" (every
+ * contribution on arrival; late ones join the next round) or "timeout:MS"
+ * (what is in MS milliseconds after the round's first contribution). The
+ * pulled mean is over the contributors. The others than "all" need
+ * TW_CONSISTENCY_BSP and TW_POLICY_PS; every rank must set the same.
+ *
+ * # Safety
+ * `cfg` is NULL or a live `tw_config`; `trigger` is NULL or a NUL-terminated string.
+ */
+int tw_config_set_trigger(tw_config *cfg, const char *trigger);
+
+/**
+ * Checkpoints every `every` iterations (pulls) into directory `dir`: the
+ * servers' optimizer state and worker 0's parameters as safetensors in
+ * `dir/step-NNNNNNNN/`, written atomically off the training path, the
+ * newest `keep` complete ones kept. With `framework_state` non-zero, a
+ * checkpoint also needs the learner's own state (tw_save_state) to be
+ * complete. Needs TW_CONSISTENCY_BSP and the "all" trigger; every rank must
+ * set the same, and `dir` must be one all ranks see.
+ *
+ * # Safety
+ * `cfg` is NULL or a live `tw_config`; `dir` is NULL or a NUL-terminated string.
+ */
+int tw_config_set_checkpoint(tw_config *cfg,
+                             const char *dir,
+                             uint64_t every,
+                             uint32_t keep,
+                             int framework_state);
+
+/**
+ * Starts from a checkpoint: `path` is a step directory, or a checkpoint
+ * directory (its newest complete one). Its parameters replace the values in
+ * the registered memory, the servers take its optimizer state, and
+ * tw_start_iteration says where it left off. Every rank must pass the same.
+ *
+ * # Safety
+ * `cfg` is NULL or a live `tw_config`; `path` is NULL or a NUL-terminated string.
+ */
+int tw_config_set_resume(tw_config *cfg, const char *path);
+
+/**
  * How long a pull (and a silent peer) may take before it fails with
  * TW_ERR_TIMEOUT, in milliseconds (> 0; default 60 s).
  *
@@ -463,6 +506,27 @@ int tw_pull_all(tw_session *s);
  * `s` is NULL or a live session.
  */
 int tw_rank(const tw_session *s);
+
+/**
+ * Iterations done before this session: 0, or the iteration of the
+ * checkpoint it resumed (tw_config_set_resume); train from there. A
+ * negative error code on failure (TW_ERR_INVALID_ARGUMENT past INT_MAX).
+ *
+ * # Safety
+ * `s` is NULL or a live session.
+ */
+int tw_start_iteration(const tw_session *s);
+
+/**
+ * Saves the learner's own state (`len` bytes at `data`, copied before the
+ * call returns) with checkpoint `iteration` (a multiple of the checkpoint
+ * period, counted from 0 across resumes). One learner calls it at each
+ * checkpoint iteration when tw_config_set_checkpoint asked for a framework state.
+ *
+ * # Safety
+ * `s` is NULL or a live session; `data` points to `len` readable bytes (or is NULL with `len` 0).
+ */
+int tw_save_state(tw_session *s, uint64_t iteration, const uint8_t *data, size_t len);
 
 /**
  * The number of ranks in the job, or a negative error code.

@@ -84,6 +84,9 @@ pub struct TwConfig {
     pub(crate) policy: Option<SchemePolicy>,
     pub(crate) job: Option<(u64, JobSecret)>,
     pub(crate) registered: Option<(Region, Region)>,
+    pub(crate) trigger: Option<tidewire::engine::Trigger>,
+    pub(crate) checkpoint: Option<tidewire::checkpoint::Checkpointing>,
+    pub(crate) resume: Option<std::path::PathBuf>,
 }
 
 impl TwConfig {
@@ -144,6 +147,9 @@ pub extern "C" fn tw_config_new() -> *mut TwConfig {
             policy: None,
             job: None,
             registered: None,
+            trigger: None,
+            checkpoint: None,
+            resume: None,
         })))
     })
 }
@@ -309,6 +315,99 @@ pub unsafe extern "C" fn tw_config_set_consistency(cfg: *mut TwConfig, model: c_
             }
         };
         cfg.consistency = Some(c);
+        Ok(TW_OK)
+    })
+}
+
+/// Reads a NUL-terminated UTF-8 argument.
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string, read before the call returns.
+unsafe fn utf8_arg<'a>(p: *const c_char, what: &'static str) -> Result<&'a str, Fail> {
+    if p.is_null() {
+        return Err(Fail::null(what));
+    }
+    // SAFETY: the caller's contract: non-NULL and NUL-terminated; read before the call returns.
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|_| Fail::arg(format!("{what} is not UTF-8")))
+}
+
+/// When servers apply a chunk's round (Nexus's aggregation triggers):
+/// "all" (BSP: every worker's gradient, the default), "quorum:K" (the first
+/// K workers' contributions; later ones are dropped), "async" (every
+/// contribution on arrival; late ones join the next round) or "timeout:MS"
+/// (what is in MS milliseconds after the round's first contribution). The
+/// pulled mean is over the contributors. The others than "all" need
+/// TW_CONSISTENCY_BSP and TW_POLICY_PS; every rank must set the same.
+///
+/// # Safety
+/// `cfg` is NULL or a live `tw_config`; `trigger` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tw_config_set_trigger(cfg: *mut TwConfig, trigger: *const c_char) -> c_int {
+    guard("tw_config_set_trigger", || {
+        // SAFETY: the caller's contract (# Safety above).
+        let cfg = unsafe { config_mut(cfg) }?;
+        // SAFETY: the caller's contract (# Safety above).
+        let t = unsafe { utf8_arg(trigger, "trigger") }?;
+        let t = tidewire::engine::Trigger::parse(t)
+            .ok_or_else(|| Fail::arg(format!("trigger {t:?}: want all, quorum:K, async or timeout:MS")))?;
+        cfg.trigger = Some(t);
+        Ok(TW_OK)
+    })
+}
+
+/// Checkpoints every `every` iterations (pulls) into directory `dir`: the
+/// servers' optimizer state and worker 0's parameters as safetensors in
+/// `dir/step-NNNNNNNN/`, written atomically off the training path, the
+/// newest `keep` complete ones kept. With `framework_state` non-zero, a
+/// checkpoint also needs the learner's own state (tw_save_state) to be
+/// complete. Needs TW_CONSISTENCY_BSP and the "all" trigger; every rank must
+/// set the same, and `dir` must be one all ranks see.
+///
+/// # Safety
+/// `cfg` is NULL or a live `tw_config`; `dir` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tw_config_set_checkpoint(
+    cfg: *mut TwConfig,
+    dir: *const c_char,
+    every: u64,
+    keep: u32,
+    framework_state: c_int,
+) -> c_int {
+    guard("tw_config_set_checkpoint", || {
+        // SAFETY: the caller's contract (# Safety above).
+        let cfg = unsafe { config_mut(cfg) }?;
+        // SAFETY: the caller's contract (# Safety above).
+        let d = unsafe { utf8_arg(dir, "dir") }?;
+        if every == 0 || keep == 0 {
+            return Err(Fail::arg("every and keep must be at least 1"));
+        }
+        cfg.checkpoint = Some(tidewire::checkpoint::Checkpointing {
+            dir: d.into(),
+            every,
+            keep: keep as usize,
+            framework_state: framework_state != 0,
+        });
+        Ok(TW_OK)
+    })
+}
+
+/// Starts from a checkpoint: `path` is a step directory, or a checkpoint
+/// directory (its newest complete one). Its parameters replace the values in
+/// the registered memory, the servers take its optimizer state, and
+/// tw_start_iteration says where it left off. Every rank must pass the same.
+///
+/// # Safety
+/// `cfg` is NULL or a live `tw_config`; `path` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tw_config_set_resume(cfg: *mut TwConfig, path: *const c_char) -> c_int {
+    guard("tw_config_set_resume", || {
+        // SAFETY: the caller's contract (# Safety above).
+        let cfg = unsafe { config_mut(cfg) }?;
+        // SAFETY: the caller's contract (# Safety above).
+        let p = unsafe { utf8_arg(path, "path") }?;
+        cfg.resume = Some(p.into());
         Ok(TW_OK)
     })
 }

@@ -145,6 +145,15 @@ fn build(cfg: &TwConfig, spec: ClusterSpec) -> Result<TwSession, Fail> {
     if let Some((id, secret)) = &cfg.job {
         b = b.job(*id, secret.clone());
     }
+    if let Some(t) = cfg.trigger {
+        b = b.trigger(t);
+    }
+    if let Some(c) = &cfg.checkpoint {
+        b = b.checkpoint(c.clone());
+    }
+    if let Some(r) = &cfg.resume {
+        b = b.resume(r.clone());
+    }
     let world = spec.roles.len() as u32;
     // f32 memory is registered in place; f16, bf16 and f64 are staged (PushPull::build).
     let pp = PushPull::build(b, spec, params.dtype, wrap(params)?, wrap(grads)?)?;
@@ -426,6 +435,51 @@ pub unsafe extern "C" fn tw_rank(s: *const TwSession) -> c_int {
         // SAFETY: the caller's contract (# Safety above).
         let s = unsafe { session_ref(s) }?;
         c_int::try_from(s.rank).map_err(|_| Fail::arg(format!("rank {} does not fit in an int", s.rank)))
+    })
+}
+
+/// Iterations done before this session: 0, or the iteration of the
+/// checkpoint it resumed (tw_config_set_resume); train from there. A
+/// negative error code on failure (TW_ERR_INVALID_ARGUMENT past INT_MAX).
+///
+/// # Safety
+/// `s` is NULL or a live session.
+#[no_mangle]
+pub unsafe extern "C" fn tw_start_iteration(s: *const TwSession) -> c_int {
+    guard("tw_start_iteration", || {
+        // SAFETY: the caller's contract (# Safety above).
+        let s = unsafe { session_ref(s) }?;
+        let r = s.lock()?;
+        let k = r.session().start_iteration();
+        c_int::try_from(k).map_err(|_| Fail::arg(format!("iteration {k} does not fit in an int")))
+    })
+}
+
+/// Saves the learner's own state (`len` bytes at `data`, copied before the
+/// call returns) with checkpoint `iteration` (a multiple of the checkpoint
+/// period, counted from 0 across resumes). One learner calls it at each
+/// checkpoint iteration when tw_config_set_checkpoint asked for a framework state.
+///
+/// # Safety
+/// `s` is NULL or a live session; `data` points to `len` readable bytes (or is NULL with `len` 0).
+#[no_mangle]
+pub unsafe extern "C" fn tw_save_state(s: *mut TwSession, iteration: u64, data: *const u8, len: usize) -> c_int {
+    guard("tw_save_state", || {
+        let bytes = if len == 0 {
+            Vec::new()
+        } else {
+            if data.is_null() {
+                return Err(Fail::null("data"));
+            }
+            // SAFETY: the caller's contract: `data` points to `len` readable bytes,
+            // copied here before the call returns.
+            unsafe { std::slice::from_raw_parts(data, len) }.to_vec()
+        };
+        // SAFETY: the caller's contract (# Safety above).
+        let s = unsafe { session_ref(s) }?;
+        let r = s.lock()?;
+        r.session().save_framework_state(iteration, bytes)?;
+        Ok(TW_OK)
     })
 }
 

@@ -64,6 +64,10 @@ struct Job {
     world: u32,
     servers: u32,
     master: CString,
+    /// Checkpoint into this directory every 10 steps, and resume from it.
+    ckpt: Option<(CString, bool)>,
+    /// The steps this run does (a resumed run starts where its checkpoint left off).
+    steps: std::ops::Range<usize>,
 }
 
 /// What a rank ends with: None for a server-only rank, else (loss before, loss
@@ -91,6 +95,12 @@ fn rank(job: &Job, rank: u32) -> Outcome {
         ok(tw_config_set_job(cfg, 11, c"capi-train".as_ptr()));
         ok(tw_config_set_timeout_ms(cfg, 60_000));
         ok(tw_config_set_connect_timeout_ms(cfg, 60_000));
+        if let Some((dir, resume)) = &job.ckpt {
+            ok(tw_config_set_checkpoint(cfg, dir.as_ptr(), 10, 2, 0));
+            if *resume {
+                ok(tw_config_set_resume(cfg, dir.as_ptr()));
+            }
+        }
         ok(tw_register(cfg, params.as_mut_ptr(), TOTAL, grads.as_mut_ptr(), TOTAL));
         ok(tw_init_explicit(
             cfg,
@@ -110,7 +120,12 @@ fn rank(job: &Job, rank: u32) -> Outcome {
             return None;
         }
     }
-    assert_eq!(params, vec![0.0; TOTAL], "rank 0's initial values everywhere");
+    // SAFETY: s is live until tw_finalize.
+    let first = unsafe { tw_start_iteration(s) } as usize;
+    assert_eq!(first, job.steps.start, "the iteration the session starts from");
+    if first == 0 {
+        assert_eq!(params, vec![0.0; TOTAL], "rank 0's initial values everywhere");
+    }
     let before = loss(&params);
     // SAFETY: s is live until tw_finalize; the buffers as above.
     let sfb = unsafe { tw_scheme(s, 0) } == TW_SCHEME_SFB;
@@ -122,7 +137,7 @@ fn rank(job: &Job, rank: u32) -> Outcome {
     }
     let mut u = [0f32; K * M];
     let mut v = [0f32; K * N];
-    for step in 0..STEPS {
+    for step in job.steps.clone() {
         // Forward and backward on this rank's batch; 1/K of the gradient per sample.
         let (w, b) = params.split_at(M * N);
         let (gw, gb) = grads.split_at_mut(M * N);
@@ -163,6 +178,21 @@ fn rank(job: &Job, rank: u32) -> Outcome {
 }
 
 fn run(policy: c_int, world: u32, servers: u32) {
+    let workers = job(policy, world, servers, None, 0..STEPS);
+    let (before, after, _) = workers[0];
+    eprintln!("policy {policy}: loss {before} -> {after}");
+    assert!(after < before / 100.0, "the loss fell from {before} to {after} only");
+}
+
+/// Runs a job, checks that every worker ends with the same parameters, and
+/// returns the workers' outcomes.
+fn job(
+    policy: c_int,
+    world: u32,
+    servers: u32,
+    ckpt: Option<(CString, bool)>,
+    steps: std::ops::Range<usize>,
+) -> Vec<(f32, f32, Vec<f32>)> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -173,6 +203,8 @@ fn run(policy: c_int, world: u32, servers: u32) {
         world,
         servers,
         master: CString::new(format!("127.0.0.1:{port}")).unwrap(),
+        ckpt,
+        steps,
     });
     let ranks: Vec<_> = (0..world)
         .map(|r| {
@@ -183,12 +215,52 @@ fn run(policy: c_int, world: u32, servers: u32) {
     let outcomes: Vec<Outcome> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
     let workers: Vec<_> = outcomes.into_iter().flatten().collect();
     assert_eq!(workers.len(), (world - servers) as usize);
-    let (before, after, ref p0) = workers[0];
-    eprintln!("policy {policy}: loss {before} -> {after}");
-    assert!(after < before / 100.0, "the loss fell from {before} to {after} only");
+    let p0 = workers[0].2.clone();
     for (r, (_, _, p)) in workers.iter().enumerate() {
-        let same = p.iter().zip(p0).all(|(a, b)| a.to_bits() == b.to_bits());
+        let same = p.iter().zip(&p0).all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same, "worker {r} differs from worker 0:\n{p:?}\n{p0:?}");
+    }
+    workers
+}
+
+/// Checkpoints through the C ABI: a job checkpointed every 10 steps stops
+/// after 20; another job resumes from the directory (tw_start_iteration
+/// says 20) and ends bitwise where an uninterrupted 40-step run does.
+#[test]
+fn a_job_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one() {
+    let dir = std::env::temp_dir().join(format!("tidewire-capi-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = CString::new(dir.to_str().unwrap()).unwrap();
+    let whole = job(TW_POLICY_PS, 3, 1, None, 0..STEPS);
+    job(TW_POLICY_PS, 3, 1, Some((d.clone(), false)), 0..20);
+    assert!(dir.join("step-00000020/manifest.json").is_file());
+    let resumed = job(TW_POLICY_PS, 3, 1, Some((d, true)), 20..STEPS);
+    let same = whole[0]
+        .2
+        .iter()
+        .zip(&resumed[0].2)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same, "resumed {:?}\nwhole {:?}", resumed[0].2, whole[0].2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_triggers_and_checkpoint_settings_are_refused() {
+    let cfg = tw_config_new();
+    // SAFETY: cfg is live until tw_config_free; the strings are NUL-terminated.
+    unsafe {
+        assert_eq!(
+            tw_config_set_trigger(cfg, c"quorum:x".as_ptr()),
+            TW_ERR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("quorum:K"), "{}", last_error());
+        ok(tw_config_set_trigger(cfg, c"timeout:5".as_ptr()));
+        assert_eq!(
+            tw_config_set_checkpoint(cfg, c"/tmp/x".as_ptr(), 0, 2, 0),
+            TW_ERR_INVALID_ARGUMENT
+        );
+        assert_eq!(tw_config_set_resume(cfg, std::ptr::null()), TW_ERR_INVALID_ARGUMENT);
+        tw_config_free(cfg);
     }
 }
 

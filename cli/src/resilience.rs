@@ -435,9 +435,15 @@ mod tests {
     fn the_straggler_rule_keeps_rank_0_and_the_quorum() {
         use tidewire_engine::Trigger;
         let mut w = StragglerWatch::new(Some(2.0), 5, 4, Trigger::Quorum(3));
-        assert!(w.judge(&[4, 0, 4, 4]).is_empty(), "the median has not done the window yet");
+        assert!(
+            w.judge(&[4, 0, 4, 4]).is_empty(),
+            "the median has not done the window yet"
+        );
         assert_eq!(w.judge(&[6, 2, 6, 6]), vec![1]);
-        assert!(w.judge(&[9, 2, 9, 1]).is_empty(), "a second removal would leave fewer than the quorum");
+        assert!(
+            w.judge(&[9, 2, 9, 1]).is_empty(),
+            "a second removal would leave fewer than the quorum"
+        );
         let mut w = StragglerWatch::new(Some(2.0), 5, 4, Trigger::Async);
         assert!(w.judge(&[1, 8, 8, 8]).is_empty(), "rank 0 is never removed");
         assert_eq!(w.judge(&[8, 8, 3, 2]), vec![2, 3]);

@@ -441,7 +441,7 @@ impl Session {
         layers, *, params, grads, rank, world, master, secret, servers = 0, job = 1, batch = 32,
         apply = None, consistency = None, policy = "hybrid", transport = "auto", timeout = 60.0,
         connect_timeout = 60.0, chunk_bytes = None, slice_params = None, listen_ip = None, local = None,
-        comm = None, checkpoint = None, resume = None
+        comm = None, checkpoint = None, resume = None, trigger = "all"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -469,6 +469,7 @@ impl Session {
         comm: Option<(String, u32, u32, u32, f64, Option<u64>)>,
         checkpoint: Option<(String, u64, usize, bool)>,
         resume: Option<String>,
+        trigger: &str,
     ) -> PyResult<Self> {
         if layers.is_empty() {
             return Err(PyValueError::new_err("the layer table is empty"));
@@ -579,6 +580,11 @@ impl Session {
         if let Some(r) = resume {
             b = b.resume(r);
         }
+        b = b.trigger(tidewire::engine::Trigger::parse(trigger).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "trigger {trigger:?}: want 'all', 'quorum:K', 'async' or 'timeout:MS'"
+            ))
+        })?);
         if let Some(c) = chunk_bytes {
             b = b.chunk_bytes(c);
         }

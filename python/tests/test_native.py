@@ -83,6 +83,7 @@ def test_one_rank_session_over_numpy_arrays():
         ({"master": "nowhere"}, ValueError, "master"),
         ({"rank": 3}, tidewire.TidewireError, "outside a world"),
         ({"timeout": -1.0}, ValueError, "timeout"),
+        ({"trigger": "quorum:x"}, ValueError, "quorum:K"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kw, err, match):

@@ -79,6 +79,7 @@ class Session:
         comm: Optional[_Comm] = None,
         checkpoint: Optional[Tuple[str, int, int, bool]] = None,
         resume: Optional[str] = None,
+        trigger: str = "all",
     ) -> None:
         """Rendezvous, connect, register the memory and broadcast worker rank
         0's initial ``params`` to every rank (blocks, GIL released).
@@ -95,7 +96,9 @@ class Session:
         the servers' state and worker 0's parameters every ``every``
         iterations (safetensors, in ``dir/step-NNNNNNNN/``); ``resume``: a
         checkpoint to start from (a step directory, or a checkpoint directory:
-        its newest complete one).
+        its newest complete one). ``trigger``: when servers apply a round,
+        ``'all'`` (BSP), ``'quorum:K'``, ``'async'`` or ``'timeout:MS'`` (the
+        others need ``'bsp'`` and ``policy='ps'``).
         """
     def push(self, layer: int) -> None:
         """Hand layer ``layer``'s gradient in from ``grads`` (returns at once)."""
