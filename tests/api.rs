@@ -100,7 +100,10 @@ fn misuse_gives_typed_errors() {
     ));
     s.shutdown().unwrap();
     assert!(matches!(s.wait_all(), Err(Error::Shutdown)), "calls after shutdown");
-    assert!(matches!(s.stats(), Err(Error::Shutdown)));
+    // The counters stay readable: as the runtime left them (a server-only
+    // rank's whole job happens inside shutdown).
+    let st = s.stats().expect("the counters after shutdown");
+    assert_eq!(st.pushes, 0, "nothing was pushed: every hand-in above was refused");
     assert!(matches!(s.shutdown(), Err(Error::Shutdown)));
 }
 
