@@ -970,25 +970,11 @@ fn worker_loop(
             // fail the round), without a goodbye: the process ends, its
             // connections close, and the servers stop counting it.
             let all = session.wait_all()?;
-            let digests = all.iter().map(|b| digest(b.params())).collect();
-            let st = session.stats()?;
-            let (kind, why) = session.transport();
+            let mut r = worker_result(&session, &all, stats, &setup)?;
+            r.removed_at = Some(it);
             drop(all);
             std::mem::forget(session);
-            return Ok(NodeResult {
-                rank,
-                worker: true,
-                iters: stats,
-                digests,
-                stats: st,
-                transport: format!("{kind}: {why}"),
-                local: None,
-                setup_tx_bytes: setup.tx_payload_bytes,
-                setup_rx_bytes: setup.rx_direct_bytes + setup.rx_copied_bytes,
-                comm: None,
-                checkpoint: None,
-                removed_at: Some(it),
-            });
+            return Ok(r);
         }
         save_state(&session, it)?;
         let began = Instant::now();
@@ -1119,23 +1105,35 @@ fn worker_loop(
             g.publish(l, args.iters, b.params())?;
         }
     }
-    let digests = all.iter().map(|b| digest(b.params())).collect();
-    let st = session.stats()?;
-    let (kind, why) = session.transport();
+    let mut r = worker_result(&session, &all, stats, &setup)?;
     drop(all);
     session.shutdown()?;
+    // After shutdown: the last checkpoint's writes are in.
+    r.checkpoint = session.checkpoint_stats();
+    Ok(r)
+}
+
+/// A worker's result: its iterations, its final parameters' digests, its
+/// counters and transport (`setup`: the counters before the first iteration).
+fn worker_result(
+    session: &Session,
+    all: &[LayerBuffers],
+    iters: Vec<IterStat>,
+    setup: &SessionStats,
+) -> Result<NodeResult> {
+    let (kind, why) = session.transport();
     Ok(NodeResult {
-        rank,
+        rank: session.rank(),
         worker: true,
-        iters: stats,
-        digests,
-        stats: st,
+        iters,
+        digests: all.iter().map(|b| digest(b.params())).collect(),
+        stats: session.stats()?,
         transport: format!("{kind}: {why}"),
         local: None,
         setup_tx_bytes: setup.tx_payload_bytes,
         setup_rx_bytes: setup.rx_direct_bytes + setup.rx_copied_bytes,
         comm: None,
-        checkpoint: session.checkpoint_stats(),
+        checkpoint: None,
         removed_at: None,
     })
 }
@@ -1641,7 +1639,9 @@ fn launch_attempt(
         None => format!("127.0.0.1:{}", free_port()?),
     };
     let mut children: Vec<(u32, Child)> = Vec::new();
-    for rank in 0..world as u32 {
+    // A rank's process (a replacement's too): its namespace under the
+    // bandwidth harness, its place in the job, its output piped to us.
+    let rank_command = |rank: u32| -> Command {
         let mut c = match &netns {
             Some((ns, _)) => {
                 let mut c = Command::new("ip");
@@ -1657,12 +1657,6 @@ fn launch_attempt(
             .env("TIDEWIRE_MASTER", &master)
             .env("TIDEWIRE_SECRET", &secret)
             .env("TIDEWIRE_JOB", "1")
-            // With --remove-stragglers a worker reads `leave` from its stdin.
-            .stdin(if args.remove_stragglers.is_some() && (rank as usize) < p1 {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if args.colocate {
@@ -1670,6 +1664,16 @@ fn launch_attempt(
         } else {
             c.env("TIDEWIRE_SERVERS", p2.to_string());
         }
+        c
+    };
+    for rank in 0..world as u32 {
+        let mut c = rank_command(rank);
+        // With --remove-stragglers a worker reads `leave` from its stdin.
+        c.stdin(if args.remove_stragglers.is_some() && (rank as usize) < p1 {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        });
         let hier = args.local_learners > 1 && !args.flat;
         if hier && (rank as usize) < p1 {
             c.env("TIDEWIRE_LOCAL_RANK", "0");
@@ -1866,19 +1870,8 @@ fn launch_attempt(
                 if n == 0 {
                     continue;
                 }
-                let mut c = Command::new(&exe);
-                c.arg("train-node")
-                    .args(&node_args)
-                    .env("TIDEWIRE_RANK", r.to_string())
-                    .env("TIDEWIRE_WORLD_SIZE", world.to_string())
-                    .env("TIDEWIRE_MASTER", &master)
-                    .env("TIDEWIRE_SECRET", &secret)
-                    .env("TIDEWIRE_JOB", "1")
-                    .env("TIDEWIRE_SERVERS", p2.to_string())
-                    .env("TIDEWIRE_REPLACEMENT_ITERS", n.to_string())
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped());
+                let mut c = rank_command(r);
+                c.env("TIDEWIRE_REPLACEMENT_ITERS", n.to_string()).stdin(Stdio::null());
                 let mut child = c
                     .spawn()
                     .map_err(|e| Error::Launch(format!("cannot start a replacement for rank {r}: {e}")))?;
