@@ -73,6 +73,14 @@ pub struct SimArgs {
     /// Credit window in bytes (default: the engine's).
     #[arg(long)]
     pub credit_bytes: Option<usize>,
+    /// Landing slots each server keeps per worker (default: the engine's).
+    #[arg(long)]
+    pub slots: Option<u32>,
+    /// Spare landing slots per worker at each server, for the rank order
+    /// (default: the engine's): a push that lands before a lower rank's is
+    /// parked in place and the worker gets a spare's credit at once.
+    #[arg(long)]
+    pub spare_slots: Option<u32>,
     /// Sum in arrival order instead of fixed rank order (as `train --fast`).
     /// Rank order holds a landing slot until the lower ranks' contributions
     /// are in, which costs throughput when workers send in different orders.
@@ -229,6 +237,13 @@ pub struct SimResult {
     pub applies: u64,
     /// Crashed workers that came back.
     pub rejoined: u32,
+    /// Rank order: contributions parked in spare landing slots (their
+    /// credit went back at once), and ones that held their credit because
+    /// every spare of their worker was parked.
+    pub parked: u64,
+    pub held_for_order: u64,
+    /// Most spare slots of one worker parked at one server at once.
+    pub max_spares_used: u32,
     pub model: String,
     pub sync: String,
     pub consistency: String,
@@ -328,6 +343,12 @@ fn one_run(
     cfg.hosts = lay.hosts.clone();
     if let Some(c) = args.credit_bytes {
         cfg.sched.credit_bytes = c;
+    }
+    if let Some(n) = args.slots {
+        cfg.sched.slots = n;
+    }
+    if let Some(n) = args.spare_slots {
+        cfg.sched.spare_slots = n;
     }
     if faults {
         cfg.sched.trigger = Trigger::parse(&args.trigger).expect("validated by clap");
@@ -480,6 +501,9 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             partial_applies: rep.partial_applies,
             applies: rep.applies,
             rejoined: rep.rejoined,
+            parked: rep.parked,
+            held_for_order: rep.held_for_order,
+            max_spares_used: rep.max_spares_used,
             wall_s: 0.0,
         })
     };

@@ -153,6 +153,7 @@ impl Field {
                 s => format!("ssp:{}", s - 1),
             },
             Field::Deterministic => (v != 0).to_string(),
+            Field::Slots => format!("{} + {} spare", v & 0xffff_ffff, v >> 32),
             Field::Trigger => match v >> 56 {
                 0 => "all".into(),
                 1 => format!("quorum:{}", v & 0xffff_ffff),
@@ -191,6 +192,7 @@ pub struct JobConfig {
 impl JobConfig {
     /// The configuration of a job: its book, scheduler settings, apply op and transport kind.
     pub fn new(book: &Book, sched: &SchedConfig, op: ApplyOp, transport: &str) -> Self {
+        let sched = &sched.resolve(book);
         let roles: Vec<u8> = book.cluster().roles().iter().map(|r| *r as u8).collect();
         let mut layer_parts: Vec<Vec<u8>> = Vec::new();
         let mut dtypes = Vec::new();
@@ -230,7 +232,10 @@ impl JobConfig {
                     QueueOrder::Fifo => 1,
                 },
             ),
-            (Field::Slots, u64::from(sched.slots)),
+            (
+                Field::Slots,
+                u64::from(sched.slots) | u64::from(sched.spare_slots) << 32,
+            ),
             (
                 Field::Consistency,
                 match sched.consistency {

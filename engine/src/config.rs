@@ -137,8 +137,20 @@ pub struct SchedConfig {
     /// flight. One item larger than the window still goes when nothing else is
     /// in flight.
     pub credit_bytes: usize,
-    /// Landing slots each server keeps per worker; a worker holds one credit per slot.
+    /// Landing-slot credits a worker holds per server: at most this many of
+    /// its pushes to one server are in flight or waiting to be read.
     pub slots: u32,
+    /// Spare landing slots each server keeps per worker beyond `slots`, for
+    /// the deterministic order: a push that lands before a lower rank's
+    /// contribution to the same slice is *parked* (it stays where it landed
+    /// until its turn), and the worker gets a spare slot's credit at once, so
+    /// rank order holds no credit and never stalls the worker's priority
+    /// queue. Only when a worker's spares are all parked does a landed push
+    /// hold its own credit until its turn. A server keeps `(slots +
+    /// spare_slots) × P1` landing slots. [`SPARE_AUTO`] (the default) sizes
+    /// them from the book ([`SchedConfig::resolve`]): enough to park
+    /// `SPARE_CREDIT_WINDOWS` credit windows of the largest slice, from 1 to 256.
+    pub spare_slots: u32,
     /// Consistency model.
     pub consistency: Consistency,
     /// Sum in fixed worker-rank order (bitwise reproducible) rather than arrival
@@ -165,6 +177,7 @@ impl Default for SchedConfig {
             order: QueueOrder::Priority,
             credit_bytes: 8 << 20,
             slots: 8,
+            spare_slots: SPARE_AUTO,
             consistency: Consistency::Bsp,
             deterministic: true,
             fold_group: 1,
@@ -174,11 +187,45 @@ impl Default for SchedConfig {
     }
 }
 
+/// [`SchedConfig::spare_slots`]: size them from the book.
+pub const SPARE_AUTO: u32 = u32::MAX;
+/// Credit windows' worth of slices a worker may have parked at one server
+/// ([`SPARE_AUTO`]), measured with `tidewire sim --sync p3` over P3's sweep
+/// (EVAL.md, 4 nodes, 1-30 Gbit/s): with 1 window (42 spares of 200 kB) the
+/// rank order still held credits often enough to leave Inception-V3 at
+/// 2 Gbit/s 3.6% behind the arrival-order run; with 1.5 (63 spares) 1.2%.
+/// The cost is memory: `(slots + spares) × P1` slices per server.
+pub const SPARE_CREDIT_WINDOWS: f64 = 1.5;
+
 impl SchedConfig {
+    /// Landing slots a server keeps per worker: `slots + spare_slots`
+    /// (resolved: see [`SchedConfig::resolve`]).
+    pub fn landing_slots(&self) -> u32 {
+        debug_assert!(self.spare_slots != SPARE_AUTO, "spare_slots not resolved");
+        self.slots.saturating_add(self.spare_slots)
+    }
+
+    /// The settings with [`SPARE_AUTO`] replaced by the spare slots this book
+    /// needs: `SPARE_CREDIT_WINDOWS × credit_bytes` of its largest slice,
+    /// from 1 to 256.
+    pub fn resolve(mut self, book: &crate::book::Book) -> Self {
+        if self.spare_slots == SPARE_AUTO {
+            let slot = (book.max_slice_len() * 4).max(1) as f64;
+            let n = (SPARE_CREDIT_WINDOWS * self.credit_bytes as f64 / slot).ceil();
+            self.spare_slots = n.clamp(1.0, 256.0) as u32;
+        }
+        self
+    }
+
     /// Checks the settings.
     pub fn validate(&self) -> Result<()> {
         if self.slots == 0 {
             return Err(EngineError::InvalidConfig("slots must be at least 1".into()));
+        }
+        if self.spare_slots != SPARE_AUTO && self.slots.checked_add(self.spare_slots).is_none_or(|t| t > 1 << 16) {
+            return Err(EngineError::InvalidConfig(
+                "slots + spare_slots must be at most 65536".into(),
+            ));
         }
         if self.credit_bytes == 0 {
             return Err(EngineError::InvalidConfig("credit_bytes must be at least 1".into()));

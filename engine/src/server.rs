@@ -31,8 +31,10 @@ use crate::error::{EngineError, Result};
 pub enum ServerCommand {
     /// Fold the slice in landing slot `slot` of `worker` into accumulator
     /// `window` (`acc = data` when `first`, else `acc += data`), at the slice's
-    /// place in the shard. When it has run, the slot is free again: its
-    /// credit goes back to `worker`.
+    /// place in the shard. When it has run, the slot is free again: with
+    /// `credit`, its credit goes back to `worker`; without (a parked slot,
+    /// whose credit went back when it was parked), report it with
+    /// [`Server::handle_parked_read`].
     Accumulate {
         worker: u32,
         slot: u32,
@@ -42,11 +44,20 @@ pub enum ServerCommand {
         /// Into the group's partial sum rather than the accumulator
         /// ([`SchedConfig::fold_group`]): the same place in a second buffer.
         partial: bool,
+        /// Return the slot's credit once this has run (false: it was parked).
+        credit: bool,
+        /// The iteration it belongs to (with the slice's layer, its priority).
+        iter: u64,
     },
+    /// Give `worker` the credit for its landing slot `slot` now (a spare
+    /// slot, in exchange for a parked one; or, for this rank's own worker,
+    /// whose pushes are read from its gradient, the parked slot itself).
+    /// Nothing to run.
+    Credit { worker: u32, slot: u32 },
     /// A fold group's partial sum of `slice` is complete: `acc[window] +=
     /// partial[window]` over the slice (never the first contribution: group 0
     /// folds straight into the accumulator).
-    FoldPartial { slice: u32, window: u32 },
+    FoldPartial { slice: u32, window: u32, iter: u64 },
     /// Every contribution to `chunk` for `iter` is summed in accumulator
     /// `window` (under a trigger other than [`Trigger::All`], the ones its
     /// round took): apply it to the shard's parameters. `gradients` is how
@@ -88,6 +99,14 @@ pub struct ServerStats {
     pub partial_applies: u64,
     /// Workers lost and no longer counted.
     pub lost: u32,
+    /// Contributions parked (landed before a lower rank's, their credit
+    /// exchanged for a spare slot's at once; [`SchedConfig::spare_slots`]).
+    pub parked: u64,
+    /// Contributions that waited for a lower rank's while holding their
+    /// credit (every spare slot of their worker was parked).
+    pub held_for_order: u64,
+    /// Most spare slots of one worker parked at once.
+    pub max_spares_used: u32,
     /// Lost workers that came back and are counted again.
     pub rejoined: u32,
 }
@@ -108,8 +127,11 @@ pub struct Server {
     folded: Vec<u32>,
     /// Per (local slice, window): the iteration the window holds.
     win_iter: Vec<u64>,
-    /// Per (local slice, window, worker index): a landed slot waiting for its turn.
-    held: Vec<Option<u32>>,
+    /// Per (local slice, window, worker index): a landed slot waiting for its
+    /// turn, and whether it is parked (its credit already went back).
+    held: Vec<Option<(u32, bool)>>,
+    /// Per worker index: spare landing slots free (see [`SchedConfig::spare_slots`]).
+    spare_free: Vec<Vec<u32>>,
     /// Per (worker index, local slice): contributions received (the next one's iteration).
     received: Vec<u64>,
     /// Per (local chunk, window): slices complete.
@@ -143,6 +165,7 @@ impl Server {
     /// The server core for `rank`, which must be a server in the book's cluster.
     pub fn new(book: Arc<Book>, rank: u32, cfg: SchedConfig) -> Result<Self> {
         cfg.validate()?;
+        let cfg = cfg.resolve(&book);
         if book.cluster().server_index(rank).is_none() {
             return Err(EngineError::InvalidConfig(format!(
                 "rank {rank} is not a server in this cluster"
@@ -182,6 +205,7 @@ impl Server {
             applied: vec![0; nlc],
             bcast_pending: vec![0; nlc],
             slots_held: vec![0; p1],
+            spare_free: vec![(cfg.slots..cfg.landing_slots()).rev().collect(); p1],
             init_left: nlc,
             bcast_queue: BinaryHeap::new(),
             bcast_bytes: 0,
@@ -328,10 +352,13 @@ impl Server {
         if self.init_left != 0 {
             return Err(self.err(worker, "a gradient push before the shard was initialized".into()));
         }
-        if slot >= self.cfg.slots {
+        if slot >= self.cfg.landing_slots() {
             return Err(self.err(
                 worker,
-                format!("landing slot {slot} out of range (slots: {})", self.cfg.slots),
+                format!(
+                    "landing slot {slot} out of range (landing slots: {})",
+                    self.cfg.landing_slots()
+                ),
             ));
         }
         let ls = match self.slice_local.get(slice as usize) {
@@ -366,22 +393,77 @@ impl Server {
             return Err(self.err(worker, "more pushes in flight than credits granted".into()));
         }
         if self.deterministic() {
-            self.held[sw * self.p1 + wi] = Some(slot);
+            // Not its turn: park it, so that rank order holds no credit.
+            let parked = if self.folded[sw] as usize != wi {
+                self.park(wi, worker)
+            } else {
+                None
+            };
+            if let Some(spare) = parked {
+                self.out.push_back(ServerCommand::Credit {
+                    worker,
+                    slot: spare.unwrap_or(slot),
+                });
+            }
+            self.held[sw * self.p1 + wi] = Some((slot, parked.is_some()));
             // Fold every held contribution whose turn has come, in worker order.
             while (self.folded[sw] as usize) < self.p1 {
                 let next = self.folded[sw] as usize;
-                let Some(s) = self.held[sw * self.p1 + next].take() else {
+                let Some((s, parked)) = self.held[sw * self.p1 + next].take() else {
                     break;
                 };
-                self.fold(next, s, slice, sw, w);
+                self.fold(next, s, slice, sw, w, !parked);
             }
         } else {
-            self.fold(wi, slot, slice, sw, w);
+            self.fold(wi, slot, slice, sw, w, true);
         }
         Ok(())
     }
 
-    fn fold(&mut self, wi: usize, slot: u32, slice: u32, sw: usize, w: usize) {
+    /// Parks a landed contribution of worker index `wi` that must wait for a
+    /// lower rank's: `Some(Some(spare))` to credit a spare slot in its place;
+    /// `Some(None)` for this rank's own worker (read from its gradient, so its
+    /// slot's credit goes back as it is); `None` when every spare is parked
+    /// (it holds its credit until its turn).
+    fn park(&mut self, wi: usize, worker: u32) -> Option<Option<u32>> {
+        let spare = if worker == self.rank {
+            None
+        } else {
+            match self.spare_free[wi].pop() {
+                Some(y) => Some(y),
+                None => {
+                    self.stats.held_for_order += 1;
+                    return None;
+                }
+            }
+        };
+        self.slots_held[wi] -= 1;
+        self.stats.parked += 1;
+        let used = self.cfg.spare_slots - self.spare_free[wi].len() as u32;
+        self.stats.max_spares_used = self.stats.max_spares_used.max(used);
+        Some(spare)
+    }
+
+    /// A parked slot's `Accumulate` (one without `credit`) ran: the slot is a
+    /// spare again. Nothing for this rank's own worker (its slots are tokens).
+    pub fn handle_parked_read(&mut self, worker: u32, slot: u32) -> Result<()> {
+        if worker == self.rank {
+            return Ok(());
+        }
+        let wi = self
+            .book
+            .cluster()
+            .worker_index(worker)
+            .ok_or_else(|| self.err(worker, "a parked slot of a rank that is not a worker".into()))?;
+        let total = self.cfg.landing_slots() as usize;
+        if slot as usize >= total || self.spare_free[wi].contains(&slot) || self.spare_free[wi].len() >= total {
+            return Err(self.err(worker, format!("parked slot {slot} freed twice")));
+        }
+        self.spare_free[wi].push(slot);
+        Ok(())
+    }
+
+    fn fold(&mut self, wi: usize, slot: u32, slice: u32, sw: usize, w: usize, credit: bool) {
         let worker = self.book.cluster().workers()[wi];
         // Fold groups (deterministic order only, where `wi == folded[sw]`):
         // group 0 sums straight into the accumulator; every later group of two
@@ -398,14 +480,19 @@ impl Server {
             window: w as u32,
             first: if grouped { pos == 0 } else { self.folded[sw] == 0 },
             partial: grouped,
+            credit,
+            iter: self.win_iter[sw],
         });
         if grouped && (pos == g - 1 || wi == self.p1 - 1) {
             self.out.push_back(ServerCommand::FoldPartial {
                 slice,
                 window: w as u32,
+                iter: self.win_iter[sw],
             });
         }
-        self.slots_held[wi] -= 1;
+        if credit {
+            self.slots_held[wi] -= 1;
+        }
         self.stats.accumulated += 1;
         self.folded[sw] += 1;
         if self.folded[sw] as usize == self.p1 {
@@ -565,6 +652,8 @@ impl Server {
             window: 0,
             first: self.folded[ls] == 0,
             partial: false,
+            credit: true,
+            iter: cur,
         });
         self.slots_held[wi] -= 1;
         self.stats.accumulated += 1;
@@ -796,6 +885,55 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn rank_order_parks_early_pushes_and_lends_a_spare_in_their_place() {
+        let book = server(Trigger::All).book.clone();
+        let cfg = SchedConfig {
+            slots: 1,
+            spare_slots: 1,
+            ..SchedConfig::default()
+        };
+        let mut s = Server::new(book, 3, cfg).unwrap();
+        s.handle_init(0, 0).unwrap();
+        s.drain();
+        s.bcast_done();
+        let accs = |cmds: &[ServerCommand]| -> Vec<(u32, u32, bool)> {
+            cmds.iter()
+                .filter_map(|c| match *c {
+                    ServerCommand::Accumulate {
+                        worker, slot, credit, ..
+                    } => Some((worker, slot, credit)),
+                    _ => None,
+                })
+                .collect()
+        };
+        // Worker 2's slice 0 lands first: parked, and its spare (slot 1) is lent at once.
+        s.handle_landed(2, 0, 0).unwrap();
+        assert_eq!(s.drain(), vec![ServerCommand::Credit { worker: 2, slot: 1 }]);
+        // Its slice 1 in that spare: no spare is left, so it holds its credit.
+        s.handle_landed(2, 1, 1).unwrap();
+        assert!(s.drain().is_empty());
+        assert_eq!(
+            (s.stats().parked, s.stats().held_for_order, s.stats().max_spares_used),
+            (1, 1, 1)
+        );
+        // Workers 0 and 1: the parked slot is read in rank order, without a credit.
+        s.handle_landed(0, 0, 0).unwrap();
+        assert_eq!(accs(&s.drain()), vec![(0, 0, true)]);
+        s.handle_landed(1, 0, 0).unwrap();
+        assert_eq!(accs(&s.drain()), vec![(1, 0, true), (2, 0, false)]);
+        s.handle_parked_read(2, 0).unwrap();
+        assert!(s.handle_parked_read(2, 0).is_err(), "a parked slot freed twice");
+        s.handle_landed(0, 0, 1).unwrap();
+        s.handle_landed(1, 0, 1).unwrap();
+        let cmds = s.drain();
+        assert_eq!(accs(&cmds), vec![(0, 0, true), (1, 0, true), (2, 1, true)]);
+        assert_eq!(Server::applies(&cmds), vec![(0, 3)]);
+        // A slot beyond slots + spares is refused.
+        s.bcast_done();
+        assert!(s.handle_landed(0, 2, 0).is_err());
     }
 
     #[test]

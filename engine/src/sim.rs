@@ -201,6 +201,13 @@ pub struct SimReport {
     pub checks: u64,
     /// Landing slots of one worker held at one server at once, at most.
     pub max_slots_held: u32,
+    /// Contributions parked for the rank order, every server together.
+    pub parked: u64,
+    /// Contributions that held their credit for the rank order (every spare
+    /// slot of their worker parked), every server together.
+    pub held_for_order: u64,
+    /// Most spare slots of one worker parked at one server at once.
+    pub max_spares_used: u32,
     /// Bytes in flight from one worker at once, at most.
     pub max_bytes_in_flight: usize,
     /// Transmits outstanding on one connection at once, at most.
@@ -597,7 +604,8 @@ impl Sim {
         Ok(sim.report)
     }
 
-    fn new(cfg: SimConfig) -> Result<Self, SimError> {
+    fn new(mut cfg: SimConfig) -> Result<Self, SimError> {
+        cfg.sched = cfg.sched.resolve(&cfg.book);
         let seed = cfg.seed;
         let config = |error| SimError::Config { seed, error };
         let book = cfg.book.clone();
@@ -845,6 +853,9 @@ impl Sim {
             self.report.dropped += s.dropped;
             self.report.late_folded += s.late_folded;
             self.report.max_slots_held = self.report.max_slots_held.max(s.max_slots_held);
+            self.report.parked += s.parked;
+            self.report.held_for_order += s.held_for_order;
+            self.report.max_spares_used = self.report.max_spares_used.max(s.max_spares_used);
             self.report.max_bytes_in_flight = self.report.max_bytes_in_flight.max(s.max_bytes_in_flight);
             self.report.max_outstanding = self.report.max_outstanding.max(s.max_outstanding);
             self.report.max_message = self.report.max_message.max(s.max_message);
@@ -1433,7 +1444,7 @@ impl Sim {
                 self.accumulates += 1;
                 let wi = if src.region == LocalRegion::Landing {
                     let slot_bytes = book.max_slice_len() as u64 * 4;
-                    (src.offset / (u64::from(self.cfg.sched.slots) * slot_bytes)) as usize
+                    (src.offset / (u64::from(self.cfg.sched.landing_slots()) * slot_bytes)) as usize
                 } else {
                     book.cluster()
                         .worker_index(r)

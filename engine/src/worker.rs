@@ -102,6 +102,7 @@ impl Worker {
     /// The worker core for `rank`, which must be a worker in the book's cluster.
     pub fn new(book: Arc<Book>, rank: u32, cfg: SchedConfig) -> Result<Self> {
         cfg.validate()?;
+        let cfg = cfg.resolve(&book);
         let index = book
             .cluster()
             .worker_index(rank)
@@ -385,7 +386,7 @@ impl Worker {
                 rank: server,
                 what: "credit from a rank outside the cluster".into(),
             })?;
-        if slot >= self.cfg.slots || free.contains(&slot) {
+        if slot >= self.cfg.landing_slots() || free.contains(&slot) || free.len() >= self.cfg.slots as usize {
             return Err(self.protocol(server, format!("credit for slot {slot} that was not lent")));
         }
         free.push(slot);

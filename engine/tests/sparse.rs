@@ -337,7 +337,7 @@ mod hostile {
             }),
             ("in another worker's slots", |b| {
                 let slot_bytes = b.max_slice_len() as u64 * 4;
-                let slots = u64::from(tidewire_engine::SchedConfig::default().slots);
+                let slots = u64::from(tidewire_engine::SchedConfig::default().resolve(b).landing_slots());
                 (slots * slot_bytes, 16, b.layer_slices(0).start | SPARSE_IMM)
             }),
             ("ending before its header", |b| {

@@ -99,6 +99,13 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
             r.range(1, 4096) as usize
         },
         slots: r.range(1, 4) as u32,
+        // Spare landing slots for the rank order: none (a landed push holds
+        // its credit until its turn), a few, or sized from the book.
+        spare_slots: if r.chance(0.3) {
+            tidewire_engine::SPARE_AUTO
+        } else {
+            r.range(0, 4) as u32
+        },
         consistency: if r.chance(0.6) {
             Consistency::Bsp
         } else {

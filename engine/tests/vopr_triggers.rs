@@ -111,6 +111,13 @@ fn draw(seed: u64) -> Result<(SimConfig, Expect), EngineError> {
             r.range(1, 4096) as usize
         },
         slots: r.range(1, 4) as u32,
+        // Spare landing slots for the rank order: none (a landed push holds
+        // its credit until its turn), a few, or sized from the book.
+        spare_slots: if r.chance(0.3) {
+            tidewire_engine::SPARE_AUTO
+        } else {
+            r.range(0, 4) as u32
+        },
         consistency: if trigger == Trigger::All && r.chance(0.3) {
             Consistency::Ssp(r.range(0, 2) as u32)
         } else {

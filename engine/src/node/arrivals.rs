@@ -30,8 +30,25 @@ impl Node {
             rank: me,
             what: format!("completion of unknown job {id}"),
         })?;
+        if track.queue() == Queue::Server && self.sched.trigger == Trigger::All {
+            self.srv_out -= 1;
+            self.pump_server_jobs();
+        }
         match track {
-            JobTrack::Accumulate { worker, slot } => self.return_slot(worker, slot)?,
+            JobTrack::Accumulate {
+                worker,
+                slot,
+                credit: true,
+            } => self.return_slot(worker, slot)?,
+            JobTrack::Accumulate {
+                worker,
+                slot,
+                credit: false,
+            } => {
+                if let Some(s) = self.server.as_mut() {
+                    s.core.handle_parked_read(worker, slot)?;
+                }
+            }
             JobTrack::FoldPartial => {}
             JobTrack::Encode { server, slot, slice } => {
                 let report = data
@@ -105,7 +122,7 @@ impl Node {
         self.stranded_dirty = true;
         let bad = |what: String| EngineError::Protocol { rank: peer, what };
         let book = self.book.clone();
-        let slots = u64::from(self.sched.slots);
+        let slots = u64::from(self.sched.landing_slots());
         let slot_bytes = self.slot_bytes;
         match region {
             LocalRegion::Landing => {

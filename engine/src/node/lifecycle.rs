@@ -39,19 +39,7 @@ impl Node {
     }
 
     pub(super) fn pending_jobs(&self, queue: Queue) -> usize {
-        self.jobs
-            .values()
-            .filter(|t| {
-                let q = match t {
-                    JobTrack::Accumulate { .. }
-                    | JobTrack::FoldPartial
-                    | JobTrack::Apply { .. }
-                    | JobTrack::InitCopy { .. } => Queue::Server,
-                    _ => Queue::Worker,
-                };
-                q == queue
-            })
-            .count()
+        self.jobs.values().filter(|t| t.queue() == queue).count()
     }
 
     /// Whether the peer's `Finished`/`Bye` (`count`) is settled: the writes it

@@ -191,6 +191,14 @@ pub struct NodeStats {
     pub max_bytes_in_flight: usize,
     /// Most landing slots of one worker held at once by this server.
     pub max_slots_held: u32,
+    /// Contributions this server parked for the rank order (their credit
+    /// went back at once; [`SchedConfig::spare_slots`]).
+    pub parked: u64,
+    /// Contributions that held their credit waiting for a lower rank's
+    /// (every spare slot of their worker was parked).
+    pub held_for_order: u64,
+    /// Most spare slots of one worker parked at once.
+    pub max_spares_used: u32,
     /// Largest message emitted, bytes.
     pub max_message: u64,
     /// Largest write emitted, bytes.
@@ -233,9 +241,18 @@ enum Early {
     },
 }
 
+/// Server jobs handed to the driver at once, at most: the rest wait in the
+/// Node's receive priority queue (P3's server: the slice the next forward
+/// pass needs first is summed, applied and broadcast first), so a burst of
+/// low-priority accumulates never delays a high-priority one by more than
+/// this many jobs. Under a trigger other than `all`, server jobs go out as
+/// they come: a round is timed from its contributions' arrival, and its
+/// accumulates run when they arrive.
+pub const SERVER_JOBS_OUT: usize = 2;
+
 #[derive(Debug, Clone, Copy)]
 enum JobTrack {
-    Accumulate { worker: u32, slot: u32 },
+    Accumulate { worker: u32, slot: u32, credit: bool },
     FoldPartial,
     Encode { server: u32, slot: u32, slice: u32 },
     Apply { chunk: u32 },
@@ -245,6 +262,18 @@ enum JobTrack {
     Capture { layer: u32, iter: u64, len: usize },
     Reconstruct { layer: u32, iter: u64 },
     Publish { layer: u32, iter: Option<u64> },
+}
+
+impl JobTrack {
+    fn queue(&self) -> Queue {
+        match self {
+            JobTrack::Accumulate { .. }
+            | JobTrack::FoldPartial
+            | JobTrack::Apply { .. }
+            | JobTrack::InitCopy { .. } => Queue::Server,
+            _ => Queue::Worker,
+        }
+    }
 }
 
 #[derive(Debug, Default, Clone)]
@@ -318,6 +347,11 @@ pub struct Node {
     inbox: Inbox,
     jobs: HashMap<u64, JobTrack>,
     next_job: u64,
+    /// Server jobs not yet handed out, best first: (iteration, layer, id).
+    srv_queue: std::collections::BinaryHeap<std::cmp::Reverse<(u64, u32, u64)>>,
+    srv_jobs: HashMap<u64, Job>,
+    /// Server jobs handed out and not completed.
+    srv_out: usize,
     out: VecDeque<Output>,
     now: Duration,
     startup_timeout: Duration,
@@ -393,8 +427,9 @@ impl Node {
     /// The Node for `cfg.rank`. Fails on a configuration that cannot work:
     /// the rank outside the cluster, bad buffer layouts, or transport limits
     /// too small for the protocol's control messages.
-    pub fn new(cfg: NodeConfig) -> Result<Self> {
+    pub fn new(mut cfg: NodeConfig) -> Result<Self> {
         cfg.sched.validate()?;
+        cfg.sched = cfg.sched.resolve(&cfg.book);
         let book = cfg.book.clone();
         let rank = cfg.rank;
         let role = book.cluster().role(rank).ok_or_else(|| {
@@ -485,7 +520,8 @@ impl Node {
         }
         if role.is_server() {
             bytes[region_index(LocalRegion::Shard)] = book.shard_len(rank) as u64 * 4;
-            bytes[region_index(LocalRegion::Landing)] = book.p1() as u64 * u64::from(cfg.sched.slots) * slot_bytes;
+            bytes[region_index(LocalRegion::Landing)] =
+                book.p1() as u64 * u64::from(cfg.sched.landing_slots()) * slot_bytes;
         }
         bytes[region_index(LocalRegion::Ctrl)] = (CELLS * CELL_BYTES) as u64;
         let worker = if role.is_worker() {
@@ -541,6 +577,9 @@ impl Node {
             flow,
             jobs: HashMap::default(),
             next_job: 1,
+            srv_queue: std::collections::BinaryHeap::new(),
+            srv_jobs: HashMap::default(),
+            srv_out: 0,
             out: VecDeque::new(),
             now: Duration::ZERO,
             startup_timeout: cfg.startup_timeout,
@@ -684,6 +723,9 @@ impl Node {
             s.applies = st.applies;
             s.broadcasts = st.broadcasts;
             s.max_slots_held = st.max_slots_held;
+            s.parked = st.parked;
+            s.held_for_order = st.held_for_order;
+            s.max_spares_used = st.max_spares_used;
             s.dropped = st.dropped;
             s.late_folded = st.late_folded;
             s.partial_applies = st.partial_applies;
@@ -990,10 +1032,37 @@ impl Node {
     }
 
     fn new_job(&mut self, queue: Queue, kind: JobKind, track: JobTrack) {
+        debug_assert!(queue == Queue::Worker || track.queue() == Queue::Server);
+        self.new_job_at(queue, (0, 0), kind, track);
+    }
+
+    /// A job; a server job waits in the receive priority queue with priority
+    /// `prio` (iteration, forward index: lowest first; FIFO among equals,
+    /// which keeps one chunk's accumulates, fold and apply in order).
+    fn new_job_at(&mut self, queue: Queue, prio: (u64, u32), kind: JobKind, track: JobTrack) {
         let id = self.next_job;
         self.next_job += 1;
         self.jobs.insert(id, track);
-        self.out.push_back(Output::Job(Job { id, queue, kind }));
+        let job = Job { id, queue, kind };
+        if queue == Queue::Server && self.sched.trigger == Trigger::All {
+            self.srv_jobs.insert(id, job);
+            self.srv_queue.push(std::cmp::Reverse((prio.0, prio.1, id)));
+            self.pump_server_jobs();
+        } else {
+            self.out.push_back(Output::Job(job));
+        }
+    }
+
+    /// Hands out the best server jobs while fewer than [`SERVER_JOBS_OUT`] run.
+    fn pump_server_jobs(&mut self) {
+        while self.srv_out < SERVER_JOBS_OUT {
+            let Some(std::cmp::Reverse((_, _, id))) = self.srv_queue.pop() else {
+                return;
+            };
+            let job = self.srv_jobs.remove(&id).expect("queued with its job");
+            self.srv_out += 1;
+            self.out.push_back(Output::Job(job));
+        }
     }
 
     fn send_ctrl(&mut self, peer: u32, msg: &Msg) {

@@ -16,6 +16,8 @@ impl Node {
                 window,
                 first,
                 partial,
+                credit,
+                iter,
             } => {
                 let si = book.slices()[slice as usize];
                 let ch = book.chunks()[si.chunk as usize];
@@ -33,11 +35,12 @@ impl Node {
                     let wi = book.cluster().worker_index(worker).expect("checked by the core") as u64;
                     Loc {
                         region: LocalRegion::Landing,
-                        offset: (wi * u64::from(self.sched.slots) + u64::from(slot)) * self.slot_bytes,
+                        offset: (wi * u64::from(self.sched.landing_slots()) + u64::from(slot)) * self.slot_bytes,
                     }
                 };
-                self.new_job(
+                self.new_job_at(
                     Queue::Server,
+                    (iter, si.layer),
                     JobKind::Accumulate {
                         window,
                         chunk: si.chunk,
@@ -49,14 +52,15 @@ impl Node {
                         contributions: self.server.as_ref().expect("server").core.acc_contributions(),
                         pairs,
                     },
-                    JobTrack::Accumulate { worker, slot },
+                    JobTrack::Accumulate { worker, slot, credit },
                 );
             }
-            ServerCommand::FoldPartial { slice, window } => {
+            ServerCommand::FoldPartial { slice, window, iter } => {
                 let si = book.slices()[slice as usize];
                 let ch = book.chunks()[si.chunk as usize];
-                self.new_job(
+                self.new_job_at(
                     Queue::Server,
+                    (iter, si.layer),
                     JobKind::FoldPartial {
                         window,
                         chunk: si.chunk,
@@ -75,8 +79,9 @@ impl Node {
             } => {
                 let ch = book.chunks()[chunk as usize];
                 let id = self.next_job;
-                self.new_job(
+                self.new_job_at(
                     Queue::Server,
+                    (iter, ch.layer),
                     JobKind::Apply {
                         window,
                         chunk,
@@ -89,7 +94,9 @@ impl Node {
                 );
                 self.server.as_mut().expect("server").apply_running.insert(chunk, id);
             }
-            ServerCommand::Drop { worker, slot } => self.return_slot(worker, slot)?,
+            ServerCommand::Drop { worker, slot } | ServerCommand::Credit { worker, slot } => {
+                self.return_slot(worker, slot)?
+            }
             ServerCommand::Broadcast { chunk, worker } => {
                 let s = self.server.as_mut().expect("server");
                 if s.apply_running.contains_key(&chunk) {

@@ -164,7 +164,7 @@ impl Node {
         let wi = self.worker.as_ref().expect("worker").core.index() as u64;
         let dst = RemoteLoc {
             region: LocalRegion::Landing,
-            offset: (wi * u64::from(self.sched.slots) + u64::from(slot)) * self.slot_bytes,
+            offset: (wi * u64::from(self.sched.landing_slots()) + u64::from(slot)) * self.slot_bytes,
         };
         let st = &mut self.sparse_stats[si.layer as usize];
         let (src, len, imm) = match pairs {
