@@ -222,7 +222,7 @@ impl SchedConfig {
         if self.slots == 0 {
             return Err(EngineError::InvalidConfig("slots must be at least 1".into()));
         }
-        if self.spare_slots != SPARE_AUTO && self.slots.checked_add(self.spare_slots).is_none_or(|t| t > 1 << 16) {
+        if self.spare_slots != SPARE_AUTO && self.slots.checked_add(self.spare_slots).map_or(true, |t| t > 1 << 16) {
             return Err(EngineError::InvalidConfig(
                 "slots + spare_slots must be at most 65536".into(),
             ));
