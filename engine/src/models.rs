@@ -8,7 +8,9 @@
 //! - Biases are left out (under 0.1% of the parameters). Networks built with
 //!   batch norm (ResNets, Inception-V3) carry one `Other` layer per norm with
 //!   its scale and shift (2×C).
-//! - Auxiliary classifiers are left out.
+//! - Auxiliary classifiers are left out (Inception-V3's AuxLogits head is
+//!   3,326,696 of torchvision's 27,161,264 parameters; the 23,833,568 here
+//!   are the rest less the fc's 1,000 biases).
 //! - FLOPs count a multiply-add as 2.
 //!
 //! ```
@@ -353,6 +355,29 @@ mod tests {
             let got = m.params() as f64;
             assert!((got - p).abs() / p < 0.04, "{name}: {got} vs {p}");
         }
+    }
+
+    /// Inception-V3, exactly: torchvision's inception_v3 has 27,161,264
+    /// parameters (its documented `num_params`, aux head included); less the
+    /// AuxLogits head (conv0 768→128 1×1: 98,304 + BN 256; conv1 128→768 5×5:
+    /// 2,457,600 + BN 1,536; fc 768→1000: 769,000 with its bias; 3,326,696 in
+    /// all) and the fc's 1,000 biases (torchvision's convolutions have none),
+    /// 23,833,568 remain: the weights and batch-norm scales and shifts here.
+    #[test]
+    fn inception_v3_matches_torchvision_without_the_aux_head() {
+        let aux = 128 * 768 + 2 * 128 + 768 * 128 * 5 * 5 + 2 * 768 + 1000 * 768 + 1000;
+        assert_eq!(aux, 3_326_696);
+        assert_eq!(profile("inception-v3").unwrap().params(), 27_161_264 - aux - 1000);
+        assert_eq!(profile("inception-v3").unwrap().params(), 23_833_568);
+        // torchvision's 5.71 GFLOPS (multiply-adds, at 299×299): the convolutions and fc here.
+        let m = profile("inception-v3").unwrap();
+        let macs: f64 = m
+            .layers
+            .iter()
+            .filter(|l| !l.name.ends_with(".bn"))
+            .map(|l| l.flops / 2.0)
+            .sum();
+        assert!((macs / 5.713e9 - 1.0).abs() < 0.002, "{macs}");
     }
 
     #[test]
