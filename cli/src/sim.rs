@@ -37,7 +37,8 @@ use crate::error::{Error, Result};
 /// Flags of `tidewire sim`.
 #[derive(Args, Debug, Clone)]
 pub struct SimArgs {
-    /// Model profile: vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet, vgg19-mini.
+    /// Model profile: vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet, vgg19-mini,
+    /// sockeye (P3's LSTM translation model; batch 32 sentences).
     #[arg(long, default_value = "vgg19")]
     pub model: String,
     /// Nodes, each a worker and a server (P1 = P2 = nodes), as in Poseidon's runs.
