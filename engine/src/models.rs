@@ -64,6 +64,12 @@
 //! Neither Poseidon nor P3 gives a single-GPU Sockeye throughput, so
 //! Sockeye's compute is that mean rate applied to its FLOPs, an estimate
 //! (RNNs' small matrix products usually run below the CNNs' rate).
+//! [`Calibration::P4000`] (`tidewire sim --gpu p4000`) models P3's GPUs
+//! (Quadro P4000, one per machine: from a secondary summary of P3's
+//! evaluation; the paper's own text is not verified here) by
+//! scaling those rates by the ratio of FP32 peaks, P4000 / Titan X
+//! ([`P4000_PEAK_FP32`] / [`TITAN_X_PEAK_FP32`] ≈ 0.803): P3 reports no
+//! single-GPU throughputs to calibrate to.
 //!
 //! ```
 //! let vgg = tidewire_engine::models::profile("vgg19").unwrap();
@@ -86,6 +92,66 @@ pub struct Model {
     pub batch: usize,
     /// Images per second on one Titan X, from the Poseidon paper, where it reports one.
     pub paper_img_s: Option<f64>,
+    /// The GPU the compute model stands for (default: the Titan X).
+    pub gpu: Calibration,
+}
+
+/// Peak FP32 FLOP/s of the GeForce GTX Titan X (Maxwell, GM200) the Poseidon
+/// calibration stands for: 2 × 3072 CUDA cores × 1075 MHz boost clock, the
+/// cores and clock of NVIDIA's GTX Titan X specifications (NVIDIA markets it
+/// as "7 TFLOPS"). Which Titan X Poseidon ran (Maxwell 2015, or the Pascal
+/// Titan X of 2016: 2 × 3584 × 1531 MHz = 10.97 TFLOPS) is not verified.
+pub const TITAN_X_PEAK_FP32: f64 = 2.0 * 3072.0 * 1.075e9;
+
+/// Peak FP32 FLOP/s of the NVIDIA Quadro P4000 (Pascal, GP104), P3's GPU:
+/// 2 × 1792 CUDA cores × 1480 MHz boost clock = 5.30 TFLOPS, the "5.3 TFLOPS"
+/// of NVIDIA's Quadro P4000 data sheet (seen here through third-party spec
+/// databases, not the data sheet itself).
+pub const P4000_PEAK_FP32: f64 = 2.0 * 1792.0 * 1.480e9;
+
+/// The GPU whose compute a model's times stand for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Calibration {
+    /// Poseidon's Titan X: the single-GPU throughputs the Poseidon paper reports.
+    #[default]
+    TitanX,
+    /// P3's Quadro P4000: the Titan X rates × [`P4000_PEAK_FP32`] / [`TITAN_X_PEAK_FP32`].
+    P4000,
+}
+
+impl Calibration {
+    /// Names `parse` accepts.
+    pub const NAMES: &'static [&'static str] = &["titan-x", "p4000"];
+
+    /// `titan-x` (or `titanx`) or `p4000` (case-insensitive; `_` and `-` are the same).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().replace('_', "-").as_str() {
+            "titan-x" | "titanx" => Some(Calibration::TitanX),
+            "p4000" | "quadro-p4000" => Some(Calibration::P4000),
+            _ => None,
+        }
+    }
+
+    /// Its name, as `parse` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Calibration::TitanX => "titan-x",
+            Calibration::P4000 => "p4000",
+        }
+    }
+
+    /// Peak FP32 FLOP/s from the spec sheet.
+    pub fn peak_fp32(self) -> f64 {
+        match self {
+            Calibration::TitanX => TITAN_X_PEAK_FP32,
+            Calibration::P4000 => P4000_PEAK_FP32,
+        }
+    }
+
+    /// The factor on the Titan X calibration's FLOP rates: the ratio of FP32 peaks.
+    pub fn rate_factor(self) -> f64 {
+        self.peak_fp32() / TITAN_X_PEAK_FP32
+    }
 }
 
 /// Names `profile` accepts.
@@ -112,12 +178,27 @@ impl Model {
         self.layers.iter().map(|l| l.flops).sum()
     }
 
+    /// This profile with its compute calibrated to `gpu`.
+    ///
+    /// ```
+    /// use tidewire_engine::models::{profile, Calibration};
+    /// let titan = profile("vgg19").unwrap();
+    /// let p4000 = titan.clone().on(Calibration::P4000);
+    /// let r = p4000.calibrated_flop_rate() / titan.calibrated_flop_rate();
+    /// assert!((r - Calibration::P4000.rate_factor()).abs() < 1e-12);
+    /// ```
+    pub fn on(mut self, gpu: Calibration) -> Self {
+        self.gpu = gpu;
+        self
+    }
+
     /// Effective FLOP/s of forward + backward (3× forward) on the calibration GPU.
     pub fn calibrated_flop_rate(&self) -> f64 {
-        match self.paper_img_s {
+        let titan_x = match self.paper_img_s {
             Some(img_s) => 3.0 * self.flops() * img_s,
             None => reference_flop_rate(),
-        }
+        };
+        titan_x * self.gpu.rate_factor()
     }
 
     /// One iteration's compute (forward + backward) at batch `k`, times `time_scale`.
@@ -227,6 +308,7 @@ fn vgg19(classes: usize) -> Model {
         layers: b.0,
         batch: 32,
         paper_img_s: Some(img_s),
+        gpu: Calibration::TitanX,
     }
 }
 
@@ -252,6 +334,7 @@ fn vgg19_mini() -> Model {
         layers: b.0,
         batch: 32,
         paper_img_s: None,
+        gpu: Calibration::TitanX,
     }
 }
 
@@ -270,6 +353,7 @@ fn alexnet() -> Model {
         layers: b.0,
         batch: 256,
         paper_img_s: None,
+        gpu: Calibration::TitanX,
     }
 }
 
@@ -304,6 +388,7 @@ fn googlenet() -> Model {
         layers: b.0,
         batch: 128,
         paper_img_s: Some(257.0),
+        gpu: Calibration::TitanX,
     }
 }
 
@@ -334,6 +419,7 @@ fn resnet(blocks: &[usize; 4], name: &'static str) -> Model {
         layers: b.0,
         batch: 32,
         paper_img_s: None,
+        gpu: Calibration::TitanX,
     }
 }
 
@@ -400,6 +486,7 @@ fn inception_v3() -> Model {
         layers: b.0,
         batch: 32,
         paper_img_s: Some(43.2),
+        gpu: Calibration::TitanX,
     }
 }
 
@@ -464,6 +551,7 @@ fn sockeye() -> Model {
         layers: b.0,
         batch: SOCKEYE_BATCH,
         paper_img_s: None,
+        gpu: Calibration::TitanX,
     }
 }
 
@@ -545,6 +633,27 @@ mod tests {
         assert!((m.flops() - 768_640_512.0).abs() < 1.0);
         // No Titan X figure: the mean rate of the four calibrated models.
         assert_eq!(m.calibrated_flop_rate(), reference_flop_rate());
+    }
+
+    #[test]
+    fn p4000_scales_by_the_fp32_peaks() {
+        // 2·1792·1.48 GHz over 2·3072·1.075 GHz.
+        let r = Calibration::P4000.rate_factor();
+        assert!((r - 5.30432e12 / 6.6048e12).abs() < 1e-12);
+        assert!((r - 0.8031).abs() < 1e-4);
+        assert_eq!(Calibration::TitanX.rate_factor(), 1.0);
+        for n in Calibration::NAMES {
+            assert_eq!(Calibration::parse(n).unwrap().name(), *n);
+        }
+        assert_eq!(Calibration::parse("Quadro_P4000"), Some(Calibration::P4000));
+        assert_eq!(Calibration::parse("v100"), None);
+        for n in NAMES {
+            let titan = profile(n).unwrap();
+            assert_eq!(titan.gpu, Calibration::TitanX);
+            let p = titan.clone().on(Calibration::P4000);
+            let (a, b) = (titan.iteration_compute(32, 1.0), p.iteration_compute(32, 1.0));
+            assert!((a.as_secs_f64() / b.as_secs_f64() - r).abs() < 1e-6, "{n}");
+        }
     }
 
     #[test]
