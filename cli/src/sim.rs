@@ -37,9 +37,14 @@ use crate::error::{Error, Result};
 /// Flags of `tidewire sim`.
 #[derive(Args, Debug, Clone)]
 pub struct SimArgs {
-    /// Model profile: vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet, vgg19-mini.
+    /// Model profile: vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet, vgg19-mini,
+    /// sockeye (P3's LSTM translation model; batch 32 sentences).
     #[arg(long, default_value = "vgg19")]
     pub model: String,
+    /// GPU the compute stands for: titan-x (the Poseidon paper's single-GPU throughputs) or p4000
+    /// (P3's Quadro P4000: the Titan X rates × its FP32 peak over the Titan X's, 5.30 / 6.60 TFLOPS).
+    #[arg(long, default_value = "titan-x", value_parser = parse_gpu)]
+    pub gpu: models::Calibration,
     /// Nodes, each a worker and a server (P1 = P2 = nodes), as in Poseidon's runs.
     #[arg(long, conflicts_with_all = ["workers", "servers"])]
     pub nodes: Option<usize>,
@@ -181,6 +186,10 @@ pub fn faults_of(args: &SimArgs) -> Result<Faults> {
         f.slow.push((r, x, 0, u64::MAX));
     }
     Ok(f)
+}
+
+fn parse_gpu(s: &str) -> std::result::Result<models::Calibration, String> {
+    models::Calibration::parse(s).ok_or_else(|| format!("use {}", models::Calibration::NAMES.join(" or ")))
 }
 
 fn parse_sync(s: &str) -> std::result::Result<String, String> {
@@ -369,6 +378,7 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             models::NAMES.join(", ")
         ))
     })?;
+    let model = model.on(args.gpu);
     if args.iters == 0 {
         return Err(Error::Usage("--iters must be at least 1".into()));
     }

@@ -85,6 +85,7 @@ fn dissect(r: &SimResult) -> Dissection {
 fn run(cli: &Cli, model: &str, gbps: f64, learners: usize) -> Result<Row, String> {
     let a = SimArgs {
         model: model.into(),
+        gpu: Default::default(),
         nodes: Some(cli.nodes),
         workers: None,
         servers: None,

@@ -140,6 +140,7 @@ const P3_MODES: [(&str, &str); 3] = [("wfbp", "baseline"), ("sliced", "slicing o
 fn sim_args(model: &str, nodes: usize, gbps: f64, sync: &str, iters: u64) -> SimArgs {
     SimArgs {
         model: model.into(),
+        gpu: Default::default(),
         nodes: Some(nodes),
         workers: None,
         servers: None,
