@@ -242,20 +242,48 @@ pub enum SyncMode {
     P3,
     /// Everything: WFBP + HybComm + slicing + priority.
     Full,
+    /// MXNet's KVStore, the baseline P3 measures against (P3, SysML'19, §4.1):
+    /// WFBP send order (each layer pushed as its backward ends, FIFO, no
+    /// priority), PS only, no slicing, and [`crate::book::Placement::KvStore`]:
+    /// a layer under 10^6 parameters is one key on one server, a larger one
+    /// is split equally across all servers.
+    ///
+    /// Servers do not broadcast: when a server applies a chunk it sends every
+    /// worker a `Notify` ([`crate::wire::Msg::Notify`]); a worker pulls a
+    /// layer only once every chunk of it, from every server, was notified,
+    /// with one `Pull` per chunk, and the server answers a pull by writing
+    /// the chunk's values (the broadcast write, chunk id as the immediate).
+    ///
+    /// No bidirectional overlap within a layer: a layer's pull starts only
+    /// after every worker's push of that whole layer reached its servers and
+    /// was applied, so a layer's pull traffic never overlaps its own push
+    /// (the pull of one layer may still overlap the pushes of the layers
+    /// after it in the backward pass, as in MXNet, where push and pull are
+    /// per key). P3 makes this point when it motivates slicing: with a whole
+    /// layer as the unit, one direction of the full-duplex link idles while
+    /// the other carries the layer ("synchronization of a layer ... push and
+    /// pull ... cannot overlap"; see docs/kvstore.md for the quote as the
+    /// paper gives it).
+    ///
+    /// BSP and the `all` trigger only ([`crate::node::Node::new`] refuses SSP
+    /// and the other triggers: a notification names one version, and a pull
+    /// round per version is what MXNet's `dist_sync` does).
+    KvStore,
 }
 
 impl SyncMode {
     /// All modes, in the papers' order.
-    pub const ALL: [SyncMode; 6] = [
+    pub const ALL: [SyncMode; 7] = [
         SyncMode::FifoPs,
         SyncMode::Wfbp,
         SyncMode::Hybrid,
         SyncMode::Sliced,
         SyncMode::P3,
         SyncMode::Full,
+        SyncMode::KvStore,
     ];
 
-    /// Parses `fifo-ps`, `wfbp`, `hybrid`, `sliced`, `p3` or `full`.
+    /// Parses `fifo-ps`, `wfbp`, `hybrid`, `sliced`, `p3`, `full` or `kvstore`.
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "fifo-ps" => SyncMode::FifoPs,
@@ -264,6 +292,7 @@ impl SyncMode {
             "sliced" => SyncMode::Sliced,
             "p3" => SyncMode::P3,
             "full" => SyncMode::Full,
+            "kvstore" => SyncMode::KvStore,
             _ => return None,
         })
     }
@@ -276,6 +305,7 @@ impl SyncMode {
             SyncMode::Sliced => "sliced",
             SyncMode::P3 => "p3",
             SyncMode::Full => "full",
+            SyncMode::KvStore => "kvstore",
         }
     }
     /// The scheme policy.
@@ -306,6 +336,10 @@ impl SyncMode {
         if !self.sliced() {
             base.slice_params = base.chunk_bytes / 4;
         }
+        base.placement = match self {
+            SyncMode::KvStore => crate::book::Placement::KvStore,
+            _ => crate::book::Placement::Chunked,
+        };
         base
     }
 }
