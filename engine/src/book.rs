@@ -237,7 +237,7 @@ pub enum SchemePolicy {
 }
 
 /// Parameters from which [`Placement::KvStore`] splits a layer across all
-/// servers (MXNet's `MXNET_KVSTORE_BIGARRAY_BOUND`, 10^6, as P3 §4.1 quotes it).
+/// servers (MXNet's `MXNET_KVSTORE_BIGARRAY_BOUND` default, 10^6).
 pub const KVSTORE_BIG_ARRAY: usize = 1_000_000;
 
 /// How a layer's parameters become KV chunks and land on servers.
@@ -252,9 +252,13 @@ pub enum Placement {
     /// MXNet's KVStore as P3 §4.1 describes it (the baseline P3 measures
     /// against): a layer is one key. A layer under [`KVSTORE_BIG_ARRAY`]
     /// parameters goes whole to one server (the least loaded by bytes,
-    /// lowest index on ties); a larger one is split into P2 nearly equal
-    /// chunks, chunk i on server i. `chunk_bytes` and `slice_params` play no
-    /// part: a slice is a whole chunk.
+    /// lowest index on ties; stock MXNet hashes the key instead,
+    /// `key × 9973 mod P2`, which balances bytes less well); a larger one is
+    /// split into P2 nearly equal chunks, chunk i on server i. `chunk_bytes`
+    /// and `slice_params` play no part: a slice is a whole chunk.
+    ///
+    /// Landing slots are the size of the largest chunk, so a server's
+    /// landing memory (`slots × P1 ×` that) grows with the largest layer / P2.
     ///
     /// It also selects the KVStore protocol: a server does not broadcast an
     /// applied chunk but notifies every worker, and a worker pulls a layer

@@ -245,29 +245,35 @@ pub enum SyncMode {
     /// MXNet's KVStore, the baseline P3 measures against (P3, SysML'19, §4.1):
     /// WFBP send order (each layer pushed as its backward ends, FIFO, no
     /// priority), PS only, no slicing, and [`crate::book::Placement::KvStore`]:
-    /// a layer under 10^6 parameters is one key on one server, a larger one
-    /// is split equally across all servers.
+    /// a layer under 10^6 parameters (MXNet's `MXNET_KVSTORE_BIGARRAY_BOUND`)
+    /// is one key on one server, a larger one is split equally across all
+    /// servers.
     ///
     /// Servers do not broadcast: when a server applies a chunk it sends every
-    /// worker a `Notify` ([`crate::wire::Msg::Notify`]); a worker pulls a
-    /// layer only once every chunk of it, from every server, was notified,
-    /// with one `Pull` per chunk, and the server answers a pull by writing
-    /// the chunk's values (the broadcast write, chunk id as the immediate).
+    /// worker a `Notify` ([`crate::wire::Msg::Notify`], MXNet's push
+    /// acknowledgement); a worker pulls a layer only once every chunk of it,
+    /// from every server, was notified, with one `Pull` per chunk, and the
+    /// server answers each pull, in arrival order, by writing the chunk's
+    /// values (the broadcast write, chunk id as the immediate).
     ///
-    /// No bidirectional overlap within a layer: a layer's pull starts only
-    /// after every worker's push of that whole layer reached its servers and
-    /// was applied, so a layer's pull traffic never overlaps its own push
-    /// (the pull of one layer may still overlap the pushes of the layers
-    /// after it in the backward pass, as in MXNet, where push and pull are
-    /// per key). P3 makes this point when it motivates slicing: with a whole
-    /// layer as the unit, one direction of the full-duplex link idles while
-    /// the other carries the layer ("synchronization of a layer ... push and
-    /// pull ... cannot overlap"; see docs/kvstore.md for the quote as the
-    /// paper gives it).
+    /// No bidirectional overlap within a layer: the pull of layer l starts
+    /// only after its push round trip is complete (every worker's push of the
+    /// whole layer reached its servers and was applied), so a layer's pull
+    /// traffic never overlaps its own push. Pulls of one layer may overlap
+    /// the pushes of other layers, as MXNet's push and pull are per key.
+    /// This is the point P3 makes when it motivates slicing (with a whole
+    /// layer as the unit, one direction of the link idles while the other
+    /// carries the layer). We could not quote §4.1 itself: no readable copy
+    /// of the paper's text was found (research note 20, §B). What is
+    /// modelled is stock MXNet `dist_sync` as its `kvstore_dist.h` and the
+    /// P3 artifact (anandj91/p3) show it: "once all workers have pushed, [the
+    /// server] updates and acknowledges. The worker then issues a separate
+    /// pull for the new value", so "the pull of layer l cannot start until
+    /// its push round-trip has completed" (research note 20, §B.2).
     ///
     /// BSP and the `all` trigger only ([`crate::node::Node::new`] refuses SSP
     /// and the other triggers: a notification names one version, and a pull
-    /// round per version is what MXNet's `dist_sync` does).
+    /// round per version is what `dist_sync` does).
     KvStore,
 }
 
