@@ -474,7 +474,7 @@ impl Worker {
             .layer;
         if !self.notified.is_empty()
             && self.chunk_updates[chunk as usize] > 0
-            && self.chunk_updates[chunk as usize] >= self.notified[chunk as usize] + 1
+            && self.chunk_updates[chunk as usize] > self.notified[chunk as usize]
         {
             return Err(self.protocol(
                 self.rank,
