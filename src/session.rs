@@ -103,6 +103,13 @@ impl Builder {
         self.cfg.book.policy = p;
         self
     }
+    /// Chunk placement: Poseidon's even chunks (the default), or MXNet's
+    /// KVStore ([`tidewire_engine::Placement::KvStore`]: whole layers, notify
+    /// then pull; BSP only). Every rank must agree.
+    pub fn placement(mut self, p: tidewire_engine::Placement) -> Self {
+        self.cfg.book.placement = p;
+        self
+    }
     /// Scheduling, credits and consistency.
     pub fn sched(mut self, s: SchedConfig) -> Self {
         self.cfg.sched = s;

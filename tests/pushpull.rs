@@ -212,6 +212,7 @@ fn randomized_push_pull_jobs_over_caller_memory() {
                 chunk_bytes: 1024,
                 slice_params: 64,
                 policy: job.policy,
+                ..Default::default()
             },
         )
         .unwrap();

@@ -60,7 +60,7 @@ pub struct SimArgs {
     /// One-way latency per transfer in microseconds.
     #[arg(long, default_value_t = 5.0)]
     pub latency_us: f64,
-    /// fifo-ps, wfbp, hybrid, sliced, p3 or full.
+    /// fifo-ps, wfbp, hybrid, sliced, p3, full or kvstore.
     #[arg(long, default_value = "full", value_parser = parse_sync)]
     pub sync: String,
     /// bsp, or ssp:S.
@@ -195,7 +195,7 @@ fn parse_gpu(s: &str) -> std::result::Result<models::Calibration, String> {
 fn parse_sync(s: &str) -> std::result::Result<String, String> {
     SyncMode::parse(s)
         .map(|m| m.name().to_string())
-        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, sliced, p3 or full".into())
+        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, sliced, p3, full or kvstore".into())
 }
 
 /// Parses a bandwidth: `10gbit`, `10gbe`, `10g`, `500mbit`, `2.5gbit/s`, or plain bits per second.

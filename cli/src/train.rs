@@ -43,7 +43,8 @@ pub struct TrainArgs {
     /// Iterations.
     #[arg(long, default_value_t = 10)]
     pub iters: u64,
-    /// fifo-ps, wfbp, hybrid, sliced, p3 or full.
+    /// fifo-ps, wfbp, hybrid, sliced, p3, full or kvstore (MXNet's KVStore,
+    /// P3's baseline: whole layers per server, notify then pull; BSP only).
     #[arg(long, default_value = "full", value_parser = parse_sync)]
     pub sync: String,
     /// Batch size K per worker (default: the profile's).
@@ -199,7 +200,7 @@ fn split_list(s: &str) -> Vec<String> {
 fn parse_sync(s: &str) -> std::result::Result<String, String> {
     SyncMode::parse(s)
         .map(|m| m.name().to_string())
-        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, sliced, p3 or full".into())
+        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, sliced, p3, full or kvstore".into())
 }
 
 fn parse_consistency(s: &str) -> std::result::Result<String, String> {
@@ -363,6 +364,19 @@ impl TrainArgs {
             }
         }
         let trigger = self.trigger()?;
+        if self.sync_mode() == SyncMode::KvStore {
+            if c != Consistency::Bsp {
+                return Err(Error::Usage(
+                    "--sync kvstore is MXNet's dist_sync (notify, then pull every version): it needs BSP".into(),
+                ));
+            }
+            if trigger != tidewire_engine::Trigger::All {
+                return Err(Error::Usage(format!(
+                    "--sync kvstore pulls every version of every chunk: --trigger {} needs another --sync mode",
+                    self.trigger
+                )));
+            }
+        }
         self.ckpt.validate(
             self.world().2,
             self.iters,
@@ -684,6 +698,7 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
         .batch(args.batch(&model) * args.learners())
         .chunk_bytes(args.chunk_bytes)
         .slice_params(args.book_config(&model).slice_params)
+        .placement(args.book_config(&model).placement)
         .policy(if comm {
             tidewire_engine::SchemePolicy::Ps
         } else {

@@ -141,6 +141,54 @@ fn colocated_and_every_sync_mode_verify() {
     }
 }
 
+/// `--sync kvstore` (MXNet's KVStore, P3's baseline: whole layers, fc6 of
+/// vgg19-mini split over both servers, notify then pull) over real processes:
+/// it verifies against the single-process reference and ends with exactly
+/// the parameters of `--sync wfbp`, split and colocated; the help lists it.
+#[test]
+fn kvstore_trains_to_the_parameters_of_wfbp() {
+    let _serial = serial();
+    let help = tidewire().args(["train", "--help"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&help.stdout).contains("kvstore"));
+    for layout in [
+        &["--workers", "3", "--servers", "2"][..],
+        &["--workers", "3", "--colocate"][..],
+    ] {
+        let run = |sync: &str| {
+            let mut args = vec!["train", "--model", "vgg19-mini"];
+            args.extend_from_slice(layout);
+            args.extend_from_slice(&[
+                "--iters",
+                "3",
+                "--batch",
+                "8",
+                "--time-scale",
+                "0.05",
+                "--sync",
+                sync,
+                "--verify",
+                "--json",
+            ]);
+            let r = json(&tidewire().args(&args).output().unwrap());
+            assert_eq!(r["sync"], sync);
+            assert_eq!(
+                r["verified"],
+                Value::Bool(true),
+                "{layout:?} {sync}: {:?}",
+                r["mismatched_layers"]
+            );
+            r["digests"].clone()
+        };
+        let kv = run("kvstore");
+        assert_eq!(kv.as_array().map(Vec::len), Some(19), "{layout:?}");
+        assert_eq!(
+            kv,
+            run("wfbp"),
+            "{layout:?}: kvstore and wfbp end with other parameters"
+        );
+    }
+}
+
 /// A job that mixes the two TCP backends (odd ranks portable, even ranks
 /// io_uring) trains and verifies bit for bit, and each rank reports its backend;
 /// `--transport portable` alone does too.
@@ -357,7 +405,15 @@ fn bad_flags_are_clear_errors() {
         (vec!["train", "--workers", "0"], "--workers must be at least 1"),
         (
             vec!["train", "--sync", "fast"],
-            "use fifo-ps, wfbp, hybrid, sliced, p3 or full",
+            "use fifo-ps, wfbp, hybrid, sliced, p3, full or kvstore",
+        ),
+        (
+            vec!["train", "--sync", "kvstore", "--consistency", "ssp:1"],
+            "--sync kvstore is MXNet's dist_sync",
+        ),
+        (
+            vec!["train", "--sync", "kvstore", "--trigger", "quorum:1"],
+            "needs another --sync mode",
         ),
         (
             vec!["train", "--netns", "a,b", "--netns-addrs", "10.77.0.1"],

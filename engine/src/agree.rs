@@ -32,7 +32,10 @@ pub enum Field {
     ChunkBytes = 4,
     /// Slice size in parameters.
     SliceParams = 5,
-    /// Scheme policy.
+    /// Scheme policy, and the chunk placement ([`crate::book::Placement`])
+    /// in bits 8.. (0, chunked, for every mode but kvstore, so the value is
+    /// the policy alone there). One field rather than two: a hello with every
+    /// field must fit one control cell.
     Policy = 6,
     /// Send order.
     Order = 7,
@@ -114,7 +117,7 @@ impl Field {
             Field::Batch => "batch",
             Field::ChunkBytes => "chunk_bytes",
             Field::SliceParams => "slice_params",
-            Field::Policy => "scheme policy",
+            Field::Policy => "scheme policy and placement",
             Field::Order => "queue order",
             Field::Slots => "slots",
             Field::Consistency => "consistency",
@@ -146,7 +149,14 @@ impl Field {
                 format!("hash {v:#018x}")
             }
             Field::CommMode => ["accumulate", "average"].get(v as usize).unwrap_or(&"?").to_string(),
-            Field::Policy => ["hybrid", "ps", "sfb"].get(v as usize).unwrap_or(&"?").to_string(),
+            Field::Policy => {
+                let policy = ["hybrid", "ps", "sfb"].get((v & 0xff) as usize).unwrap_or(&"?");
+                match v >> 8 {
+                    0 => policy.to_string(),
+                    1 => format!("{policy}, kvstore placement"),
+                    p => format!("{policy}, placement {p}"),
+                }
+            }
             Field::Order => ["priority", "fifo"].get(v as usize).unwrap_or(&"?").to_string(),
             Field::Consistency => match v {
                 0 => "bsp".into(),
@@ -224,7 +234,7 @@ impl JobConfig {
             (Field::Batch, cfg.batch as u64),
             (Field::ChunkBytes, cfg.chunk_bytes as u64),
             (Field::SliceParams, cfg.slice_params as u64),
-            (Field::Policy, cfg.policy as u64),
+            (Field::Policy, cfg.policy as u64 | (cfg.placement as u64) << 8),
             (
                 Field::Order,
                 match sched.order {

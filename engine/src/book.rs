@@ -236,6 +236,36 @@ pub enum SchemePolicy {
     Sfb,
 }
 
+/// Parameters from which [`Placement::KvStore`] splits a layer across all
+/// servers (MXNet's `MXNET_KVSTORE_BIGARRAY_BOUND` default, 10^6).
+pub const KVSTORE_BIG_ARRAY: usize = 1_000_000;
+
+/// How a layer's parameters become KV chunks and land on servers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// Poseidon: every layer cut into chunks of `chunk_bytes`, each on the
+    /// least-loaded server by bytes, lowest index on ties; chunks cut into
+    /// slices of `slice_params`.
+    #[default]
+    Chunked,
+    /// MXNet's KVStore as P3 §4.1 describes it (the baseline P3 measures
+    /// against): a layer is one key. A layer under [`KVSTORE_BIG_ARRAY`]
+    /// parameters goes whole to one server (the least loaded by bytes,
+    /// lowest index on ties; stock MXNet hashes the key instead,
+    /// `key × 9973 mod P2`, which balances bytes less well); a larger one is
+    /// split into P2 nearly equal chunks, chunk i on server i. `chunk_bytes`
+    /// and `slice_params` play no part: a slice is a whole chunk.
+    ///
+    /// Landing slots are the size of the largest chunk, so a server's
+    /// landing memory (`slots × P1 ×` that) grows with the largest layer / P2.
+    ///
+    /// It also selects the KVStore protocol: a server does not broadcast an
+    /// applied chunk but notifies every worker, and a worker pulls a layer
+    /// once every chunk of it was notified (see [`crate::config::SyncMode::KvStore`]).
+    KvStore,
+}
+
 /// Sizes that shape the book.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct BookConfig {
@@ -247,6 +277,8 @@ pub struct BookConfig {
     pub slice_params: usize,
     /// Scheme policy.
     pub policy: SchemePolicy,
+    /// Chunk placement (and, for [`Placement::KvStore`], the pull protocol).
+    pub placement: Placement,
 }
 
 impl Default for BookConfig {
@@ -256,6 +288,7 @@ impl Default for BookConfig {
             chunk_bytes: 2 << 20,
             slice_params: 50_000,
             policy: SchemePolicy::Hybrid,
+            placement: Placement::Chunked,
         }
     }
 }
@@ -354,13 +387,32 @@ impl Book {
             layer_offsets.push(flat);
             flat += l.params();
             let (c0, s0) = (chunks.len() as u32, slices.len() as u32);
+            // (length, server index) of each chunk of the layer; `None`: the
+            // least-loaded server when its turn comes.
+            let cuts: Vec<(usize, Option<usize>)> = match cfg.placement {
+                Placement::Chunked => {
+                    let n = l.params().div_ceil(chunk_params);
+                    (0..n)
+                        .map(|i| (chunk_params.min(l.params() - i * chunk_params), None))
+                        .collect()
+                }
+                Placement::KvStore if l.params() < KVSTORE_BIG_ARRAY => vec![(l.params(), None)],
+                Placement::KvStore => {
+                    let (base, extra) = (l.params() / nservers, l.params() % nservers);
+                    (0..nservers)
+                        .map(|i| (base + usize::from(i < extra), Some(i)))
+                        .filter(|&(len, _)| len > 0)
+                        .collect()
+                }
+            };
             let mut off = 0;
-            while off < l.params() {
-                let len = chunk_params.min(l.params() - off);
+            for (len, at) in cuts {
                 // Least-loaded server, lowest index on ties: even by bytes.
-                let si = (0..nservers)
-                    .min_by_key(|&s| (load[s], s))
-                    .expect("at least one server");
+                let si = at.unwrap_or_else(|| {
+                    (0..nservers)
+                        .min_by_key(|&s| (load[s], s))
+                        .expect("at least one server")
+                });
                 load[si] += len;
                 let server = cluster.servers()[si];
                 let cid = chunks.len() as u32;
@@ -374,7 +426,10 @@ impl Book {
                 shard_len[server as usize] += len;
                 server_chunks[server as usize].push(cid);
                 let first = slices.len() as u32;
-                let q = len.div_ceil(slice_params);
+                let q = match cfg.placement {
+                    Placement::Chunked => len.div_ceil(slice_params),
+                    Placement::KvStore => 1,
+                };
                 let (base, extra) = (len / q, len % q);
                 let mut so = off;
                 for i in 0..q {
@@ -551,6 +606,10 @@ impl Book {
         put(&(self.cfg.chunk_bytes as u64).to_le_bytes());
         put(&(self.cfg.slice_params as u64).to_le_bytes());
         put(&[self.cfg.policy as u8]);
+        if self.cfg.placement != Placement::Chunked {
+            // Only when not the default, so that existing books keep their hash.
+            put(&[0xb0, self.cfg.placement as u8]);
+        }
         for l in &self.layers {
             put(l.name.as_bytes());
             put(&[0, l.kind as u8, l.dtype as u8, u8::from(l.sparse)]);
@@ -603,6 +662,54 @@ mod tests {
         let (lo, hi) = (*loads.iter().min().unwrap(), *loads.iter().max().unwrap());
         assert!(hi - lo <= book.config().chunk_bytes / 4, "{loads:?}");
         assert_eq!(loads.iter().sum::<usize>(), book.total_params());
+    }
+
+    #[test]
+    fn kvstore_places_small_layers_whole_and_splits_big_ones_over_every_server() {
+        let layers = vec![
+            LayerSpec::new("a", LayerKind::Conv, 100, 1000),  // 10^5
+            LayerSpec::new("big", LayerKind::Fc, 1000, 1000), // exactly 10^6: split
+            LayerSpec::new("b", LayerKind::Conv, 999, 1001),  // 999,999: whole
+            LayerSpec::new("c", LayerKind::Other, 1, 10),
+            LayerSpec::new("huge", LayerKind::Fc, 4096, 1001), // split, not divisible by 3
+        ];
+        let cfg = BookConfig {
+            placement: Placement::KvStore,
+            ..Default::default()
+        };
+        let c = Cluster::split(2, 3).unwrap();
+        let book = Book::new(c.clone(), layers.clone(), cfg).unwrap();
+        let servers = c.servers().to_vec();
+        let ch = |l: u32| -> Vec<Chunk> { book.layer_chunks(l).map(|i| book.chunks()[i as usize]).collect() };
+        // Small layers whole, least loaded by bytes, lowest index on ties.
+        assert_eq!(ch(0).len(), 1);
+        assert_eq!(ch(0)[0].server, servers[0], "all empty: the lowest index");
+        // 10^6 split equally over all three servers, chunk i on server i.
+        let big = ch(1);
+        assert_eq!(
+            big.iter().map(|c| c.len).collect::<Vec<_>>(),
+            vec![333_334, 333_333, 333_333]
+        );
+        assert_eq!(big.iter().map(|c| c.server).collect::<Vec<_>>(), servers);
+        // Loads now: 100,000 + 333,334 / 333,333 / 333,333: the least loaded is server 1.
+        assert_eq!(ch(2).len(), 1);
+        assert_eq!((ch(2)[0].server, ch(2)[0].len), (servers[1], 999_999));
+        assert_eq!(ch(3)[0].server, servers[2]);
+        let huge = ch(4);
+        assert_eq!(huge.len(), 3);
+        assert_eq!(huge.iter().map(|c| c.len).sum::<usize>(), 4096 * 1001);
+        assert!(huge.iter().all(|c| c.len.abs_diff(4096 * 1001 / 3) <= 1));
+        // No slicing: a slice is a chunk.
+        assert_eq!(book.slices().len(), book.chunks().len());
+        for (i, c) in book.chunks().iter().enumerate() {
+            assert_eq!(book.chunk_slices(i as u32).len(), 1);
+            let s = book.slices()[book.chunk_slices(i as u32).start as usize];
+            assert_eq!((s.offset, s.len), (c.offset, c.len));
+        }
+        // Ranks agree on it: the placement is in the hash.
+        let chunked = Book::new(c, layers, BookConfig::default()).unwrap();
+        assert_ne!(book.hash(), chunked.hash());
+        assert!(chunked.layer_chunks(0).len() == 1 && chunked.layer_chunks(1).len() == 2);
     }
 
     #[test]

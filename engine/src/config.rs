@@ -289,20 +289,54 @@ pub enum SyncMode {
     P3,
     /// Everything: WFBP + HybComm + slicing + priority.
     Full,
+    /// MXNet's KVStore, the baseline P3 measures against (P3, SysML'19, §4.1):
+    /// WFBP send order (each layer pushed as its backward ends, FIFO, no
+    /// priority), PS only, no slicing, and [`crate::book::Placement::KvStore`]:
+    /// a layer under 10^6 parameters (MXNet's `MXNET_KVSTORE_BIGARRAY_BOUND`)
+    /// is one key on one server, a larger one is split equally across all
+    /// servers.
+    ///
+    /// Servers do not broadcast: when a server applies a chunk it sends every
+    /// worker a `Notify` ([`crate::wire::Msg::Notify`], MXNet's push
+    /// acknowledgement); a worker pulls a layer only once every chunk of it,
+    /// from every server, was notified, with one `Pull` per chunk, and the
+    /// server answers each pull, in arrival order, by writing the chunk's
+    /// values (the broadcast write, chunk id as the immediate).
+    ///
+    /// No bidirectional overlap within a layer: the pull of layer l starts
+    /// only after its push round trip is complete (every worker's push of the
+    /// whole layer reached its servers and was applied), so a layer's pull
+    /// traffic never overlaps its own push. Pulls of one layer may overlap
+    /// the pushes of other layers, as MXNet's push and pull are per key.
+    /// This is the point P3 makes when it motivates slicing (with a whole
+    /// layer as the unit, one direction of the link idles while the other
+    /// carries the layer). We could not quote §4.1 itself: no readable copy
+    /// of the paper's text was found (research note 20, §B). What is
+    /// modelled is stock MXNet `dist_sync` as its `kvstore_dist.h` and the
+    /// P3 artifact (anandj91/p3) show it: "once all workers have pushed, [the
+    /// server] updates and acknowledges. The worker then issues a separate
+    /// pull for the new value", so "the pull of layer l cannot start until
+    /// its push round-trip has completed" (research note 20, §B.2).
+    ///
+    /// BSP and the `all` trigger only ([`crate::node::Node::new`] refuses SSP
+    /// and the other triggers: a notification names one version, and a pull
+    /// round per version is what `dist_sync` does).
+    KvStore,
 }
 
 impl SyncMode {
     /// All modes, in the papers' order.
-    pub const ALL: [SyncMode; 6] = [
+    pub const ALL: [SyncMode; 7] = [
         SyncMode::FifoPs,
         SyncMode::Wfbp,
         SyncMode::Hybrid,
         SyncMode::Sliced,
         SyncMode::P3,
         SyncMode::Full,
+        SyncMode::KvStore,
     ];
 
-    /// Parses `fifo-ps`, `wfbp`, `hybrid`, `sliced`, `p3` or `full`.
+    /// Parses `fifo-ps`, `wfbp`, `hybrid`, `sliced`, `p3`, `full` or `kvstore`.
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "fifo-ps" => SyncMode::FifoPs,
@@ -311,6 +345,7 @@ impl SyncMode {
             "sliced" => SyncMode::Sliced,
             "p3" => SyncMode::P3,
             "full" => SyncMode::Full,
+            "kvstore" => SyncMode::KvStore,
             _ => return None,
         })
     }
@@ -323,6 +358,7 @@ impl SyncMode {
             SyncMode::Sliced => "sliced",
             SyncMode::P3 => "p3",
             SyncMode::Full => "full",
+            SyncMode::KvStore => "kvstore",
         }
     }
     /// The scheme policy.
@@ -353,6 +389,10 @@ impl SyncMode {
         if !self.sliced() {
             base.slice_params = base.chunk_bytes / 4;
         }
+        base.placement = match self {
+            SyncMode::KvStore => crate::book::Placement::KvStore,
+            _ => crate::book::Placement::Chunked,
+        };
         base
     }
 }

@@ -80,7 +80,7 @@ pub mod testkit;
 pub mod wire;
 pub mod worker;
 
-pub use book::{Book, BookConfig, Cluster, Role, Scheme, SchemePolicy};
+pub use book::{Book, BookConfig, Cluster, Placement, Role, Scheme, SchemePolicy};
 pub use config::{ApplyOp, Consistency, QueueOrder, SchedConfig, SyncMode, Trigger, SPARE_AUTO};
 pub use error::{EngineError, Result};
 pub use server::{Server, ServerCommand};

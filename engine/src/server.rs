@@ -22,7 +22,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::book::Book;
+use crate::book::{Book, Placement};
 use crate::config::{SchedConfig, Trigger};
 use crate::error::{EngineError, Result};
 
@@ -78,6 +78,10 @@ pub enum ServerCommand {
     /// buffer, with the chunk id as the immediate. Report it with
     /// [`Server::handle_broadcast_done`].
     Broadcast { chunk: u32, worker: u32 },
+    /// Kvstore ([`Placement::KvStore`]): tell `worker` that `chunk` was
+    /// applied and is now at `version`, once that apply has run. The worker
+    /// pulls it ([`Server::handle_pull`]); the answer is a `Broadcast`.
+    Notify { chunk: u32, worker: u32, version: u64 },
 }
 
 /// Counters for tests and reports.
@@ -159,6 +163,11 @@ pub struct Server {
     live: usize,
     /// The time of the input being handled (the Node's clock).
     now: Duration,
+    /// Kvstore: per (local chunk, worker index), a notification sent and not
+    /// yet pulled (empty otherwise).
+    owed: Vec<bool>,
+    /// Kvstore: arrival number of the next pull (pulls are answered FIFO).
+    pull_seq: u64,
 }
 
 impl Server {
@@ -221,6 +230,12 @@ impl Server {
             lost: vec![false; p1],
             live: p1,
             now: Duration::ZERO,
+            owed: if book.config().placement == Placement::KvStore {
+                vec![false; nlc * p1]
+            } else {
+                Vec::new()
+            },
+            pull_seq: 1,
             book,
             rank,
             cfg,
@@ -539,6 +554,19 @@ impl Server {
             if self.lost[wi] {
                 continue;
             }
+            if !self.owed.is_empty() && version > 0 {
+                // Kvstore: a notification now, the values when pulled. The
+                // pull counts as pending until its write is placed, so the
+                // next iteration's apply waits for every worker's pull.
+                self.owed[lc * self.p1 + wi] = true;
+                self.bcast_pending[lc] += 1;
+                self.out.push_back(ServerCommand::Notify {
+                    chunk,
+                    worker: self.book.cluster().workers()[wi],
+                    version,
+                });
+                continue;
+            }
             self.bcast_queue.push(Reverse((version, chunk, wi as u32)));
             self.bcast_pending[lc] += 1;
         }
@@ -558,6 +586,34 @@ impl Server {
                 worker: self.book.cluster().workers()[wi as usize],
             });
         }
+    }
+
+    /// Kvstore: `worker` pulls `chunk` at `version`, the version it was
+    /// notified of. The values go to it in the order the pulls came
+    /// (MXNet's server answers requests FIFO), within the broadcast window.
+    pub fn handle_pull(&mut self, worker: u32, chunk: u32, version: u64) -> Result<()> {
+        let wi = self
+            .book
+            .cluster()
+            .worker_index(worker)
+            .ok_or_else(|| self.err(worker, "a pull from a rank that is not a worker".into()))?;
+        if self.owed.is_empty() {
+            return Err(self.err(worker, "a pull, but this job broadcasts (it is not kvstore)".into()));
+        }
+        let lc = self.local_chunk(worker, chunk)?;
+        if !std::mem::take(&mut self.owed[lc * self.p1 + wi]) || version != self.applied[lc] {
+            return Err(self.err(
+                worker,
+                format!(
+                    "a pull of chunk {chunk} at version {version}, which was not notified (the chunk is at {})",
+                    self.applied[lc]
+                ),
+            ));
+        }
+        self.bcast_queue.push(Reverse((self.pull_seq, chunk, wi as u32)));
+        self.pull_seq += 1;
+        self.pump_broadcasts();
+        Ok(())
     }
 
     /// A broadcast of `chunk` to `worker` was placed.

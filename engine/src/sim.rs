@@ -237,6 +237,8 @@ pub struct SimReport {
     pub params_bits: Vec<Vec<u32>>,
     /// Chunk applies, every server together.
     pub applies: u64,
+    /// Kvstore pull requests, every worker together (0 in the other modes).
+    pub pulls: u64,
     /// Crashed workers that came back.
     pub rejoined: u32,
     /// Per worker index: its slices accumulated into a round (not dropped).
@@ -849,6 +851,7 @@ impl Sim {
             }
             let s = r.node.stats();
             self.report.applies += s.applies;
+            self.report.pulls += s.pulls;
             self.report.partial_applies += s.partial_applies;
             self.report.dropped += s.dropped;
             self.report.late_folded += s.late_folded;

@@ -17,6 +17,8 @@
 //! | `Finished` | writes u64: the sender's worker pushes and sends nothing more; it made `writes` writes with an immediate to the receiver |
 //! | `Bye` | writes u64: the sender needs nothing more and sends nothing more; likewise |
 //! | `Abort` | UTF-8 reason, at most [`MAX_REASON`] bytes |
+//! | `Notify` | chunk u32, version u64: the sending server applied the chunk (`--sync kvstore`) |
+//! | `Pull` | chunk u32, version u64: the sending worker asks for the chunk's values (`--sync kvstore`) |
 //!
 //! One-sided writes carry an immediate instead: a push names its slice (with
 //! [`SPARSE_IMM`](crate::sparse::SPARSE_IMM) set for a sparse one: "sparse,
@@ -35,7 +37,10 @@ use crate::agree::Field;
 /// [`SPARSE_IMM`](crate::sparse::SPARSE_IMM) set when the write holds
 /// index/value pairs ([`crate::sparse`] gives the layout), and the write's
 /// length then says how many.
-pub const VERSION: u8 = 2;
+///
+/// Version 3 added `Notify` and `Pull`, MXNet KVStore's notification and
+/// pull request ([`crate::config::SyncMode::KvStore`]).
+pub const VERSION: u8 = 3;
 
 const MAGIC: u32 = 0x5457_0000;
 
@@ -66,6 +71,10 @@ pub enum Kind {
     Bye = 6,
     /// The sender failed and says why.
     Abort = 7,
+    /// A server applied a chunk (kvstore): the worker may pull it.
+    Notify = 8,
+    /// A worker asks a server for a chunk's values (kvstore).
+    Pull = 9,
 }
 
 impl Kind {
@@ -83,6 +92,8 @@ impl Kind {
             5 => Kind::Finished,
             6 => Kind::Bye,
             7 => Kind::Abort,
+            8 => Kind::Notify,
+            9 => Kind::Pull,
             _ => return None,
         })
     }
@@ -149,6 +160,13 @@ pub enum Msg {
     Bye { writes: u64 },
     /// The sender aborted.
     Abort(String),
+    /// The sending server applied `chunk`; its values are now at `version`
+    /// (iterations applied). Sent instead of the values under
+    /// [`crate::book::Placement::KvStore`].
+    Notify { chunk: u32, version: u64 },
+    /// The sending worker asks for `chunk` at `version` (the one notified):
+    /// the server answers by writing the values into its parameter buffer.
+    Pull { chunk: u32, version: u64 },
 }
 
 struct Reader<'a> {
@@ -281,6 +299,14 @@ pub fn decode(tag: u32, data: &[u8]) -> Result<Msg, WireError> {
         Kind::Bye => Msg::Bye {
             writes: r.u64("writes")?,
         },
+        Kind::Notify => Msg::Notify {
+            chunk: r.u32("chunk")?,
+            version: r.u64("version")?,
+        },
+        Kind::Pull => Msg::Pull {
+            chunk: r.u32("chunk")?,
+            version: r.u64("version")?,
+        },
         Kind::Abort => {
             if data.len() > MAX_REASON {
                 return Err(WireError::Length {
@@ -345,6 +371,16 @@ pub fn encode(msg: &Msg) -> (u32, Vec<u8>) {
             b.extend_from_slice(&writes.to_le_bytes());
             Kind::Bye
         }
+        Msg::Notify { chunk, version } => {
+            b.extend_from_slice(&chunk.to_le_bytes());
+            b.extend_from_slice(&version.to_le_bytes());
+            Kind::Notify
+        }
+        Msg::Pull { chunk, version } => {
+            b.extend_from_slice(&chunk.to_le_bytes());
+            b.extend_from_slice(&version.to_le_bytes());
+            Kind::Pull
+        }
         Msg::Abort(reason) => {
             let mut end = reason.len().min(MAX_REASON);
             while !reason.is_char_boundary(end) {
@@ -394,6 +430,8 @@ mod tests {
             }),
             any::<u64>().prop_map(|writes| Msg::Finished { writes }),
             any::<u64>().prop_map(|writes| Msg::Bye { writes }),
+            (any::<u32>(), any::<u64>()).prop_map(|(chunk, version)| Msg::Notify { chunk, version }),
+            (any::<u32>(), any::<u64>()).prop_map(|(chunk, version)| Msg::Pull { chunk, version }),
             "[a-zA-Z0-9 ,.:é]{0,80}".prop_map(Msg::Abort),
         ]
     }

@@ -17,7 +17,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 
-use crate::book::{Book, LayerKind, Scheme};
+use crate::book::{Book, LayerKind, Placement, Scheme};
 use crate::config::{QueueOrder, SchedConfig};
 use crate::error::{EngineError, Result};
 use crate::fxhash::FxHashMap as HashMap;
@@ -45,6 +45,10 @@ pub enum WorkerCommand {
     Reconstruct { layer: u32, iter: u64 },
     /// The layer's iteration `iter` is synced: its buffers are the caller's again.
     LayerReady { layer: u32, iter: u64 },
+    /// Kvstore ([`Placement::KvStore`]): ask `server` for `chunk` at
+    /// `version`. Every chunk of the layer was notified; the server answers
+    /// with the values ([`Worker::handle_params`]).
+    Pull { server: u32, chunk: u32, version: u64 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -70,6 +74,8 @@ pub struct WorkerStats {
     pub pushes: u64,
     /// Factor messages sent.
     pub factor_sends: u64,
+    /// Kvstore pull requests sent.
+    pub pulls: u64,
     /// Largest number of bytes in flight seen.
     pub max_bytes_in_flight: usize,
 }
@@ -94,6 +100,8 @@ pub struct Worker {
     bytes_in_flight: usize,
     fifo_seq: u64,
     uninitialized: usize,
+    /// Kvstore: per chunk, the latest version notified (empty otherwise).
+    notified: Vec<u64>,
     out: VecDeque<WorkerCommand>,
     stats: WorkerStats,
 }
@@ -124,6 +132,11 @@ impl Worker {
             bytes_in_flight: 0,
             fifo_seq: 0,
             uninitialized: book.chunks().len(),
+            notified: if book.config().placement == Placement::KvStore {
+                vec![0; book.chunks().len()]
+            } else {
+                Vec::new()
+            },
             out: VecDeque::new(),
             stats: WorkerStats::default(),
             book,
@@ -402,6 +415,56 @@ impl Worker {
         Ok(())
     }
 
+    /// Kvstore: `server` applied `chunk`, which is now at `version`. Once
+    /// every chunk of the layer is notified for the iteration in flight, the
+    /// layer is pulled: one [`WorkerCommand::Pull`] per chunk, in chunk order.
+    pub fn handle_notify(&mut self, server: u32, chunk: u32, version: u64) -> Result<()> {
+        let ch = *self
+            .book
+            .chunks()
+            .get(chunk as usize)
+            .ok_or_else(|| self.protocol(server, format!("a notification for unknown chunk {chunk}")))?;
+        if self.notified.is_empty() {
+            return Err(self.protocol(
+                server,
+                "a notification, but this job broadcasts (it is not kvstore)".into(),
+            ));
+        }
+        let st = &self.layers[ch.layer as usize];
+        if ch.server != server
+            || !st.in_flight
+            || version != st.done + 1
+            || self.notified[chunk as usize] + 1 != version
+        {
+            return Err(self.protocol(
+                server,
+                format!(
+                    "a notification of chunk {chunk} (layer {}) at version {version}, while the layer {} (chunk owned by rank {})",
+                    ch.layer,
+                    if st.in_flight {
+                        format!("waits for version {}", st.done + 1)
+                    } else {
+                        "is not handed in".into()
+                    },
+                    ch.server
+                ),
+            ));
+        }
+        self.notified[chunk as usize] = version;
+        let chunks = self.book.layer_chunks(ch.layer);
+        if chunks.clone().all(|c| self.notified[c as usize] >= version) {
+            for c in chunks {
+                self.stats.pulls += 1;
+                self.out.push_back(WorkerCommand::Pull {
+                    server: self.book.chunks()[c as usize].server,
+                    chunk: c,
+                    version,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// A server wrote a new version of `chunk` into the parameter buffer.
     pub fn handle_params(&mut self, chunk: u32) -> Result<()> {
         let layer = self
@@ -410,6 +473,15 @@ impl Worker {
             .get(chunk as usize)
             .ok_or_else(|| self.protocol(self.rank, format!("parameters for unknown chunk {chunk}")))?
             .layer;
+        if !self.notified.is_empty()
+            && self.chunk_updates[chunk as usize] > 0
+            && self.chunk_updates[chunk as usize] > self.notified[chunk as usize]
+        {
+            return Err(self.protocol(
+                self.rank,
+                format!("parameters of chunk {chunk} arrived without a pull (kvstore)"),
+            ));
+        }
         let held = self.uninitialized == 0 && !self.layers[layer as usize].in_flight;
         if held
             && self.cfg.consistency == crate::config::Consistency::Bsp

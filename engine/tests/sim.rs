@@ -82,6 +82,102 @@ fn bsp_values_are_exact_in_every_mode_and_layout() {
     }
 }
 
+/// `--sync kvstore` (MXNet's KVStore, P3 §4.1): whole layers on one server,
+/// a layer of 10^6 parameters or more split across every server, notify then
+/// pull. Several models and cluster sizes; values are exact (the simulator
+/// checks every layer of every iteration) and bitwise those of WFBP, which
+/// sums the same gradients in the same rank order.
+#[test]
+fn kvstore_notifies_pulls_and_is_exact() {
+    let models: [(&str, Vec<LayerSpec>); 3] = [
+        (
+            "small",
+            vec![
+                LayerSpec::new("conv1", LayerKind::Conv, 8, 27),
+                LayerSpec::new("fc1", LayerKind::Fc, 96, 80),
+                LayerSpec::new("fc2", LayerKind::Fc, 10, 96),
+            ],
+        ),
+        (
+            // One layer over the 10^6 bound: split across every server.
+            "big-fc",
+            vec![
+                LayerSpec::new("conv", LayerKind::Conv, 16, 27),
+                LayerSpec::new("fc6", LayerKind::Fc, 1000, 1003),
+                LayerSpec::new("bias", LayerKind::Other, 1, 7),
+                LayerSpec::new("fc7", LayerKind::Fc, 10, 1000),
+            ],
+        ),
+        (
+            "many",
+            (0..9)
+                .map(|i| LayerSpec::new(format!("l{i}"), LayerKind::Conv, 3 + i, 40 + 7 * i))
+                .collect(),
+        ),
+    ];
+    for seed in seeds() {
+        for (name, layers) in &models {
+            for cluster in [
+                Cluster::split(3, 2).unwrap(),
+                Cluster::colocated(4).unwrap(),
+                Cluster::split(2, 3).unwrap(),
+                Cluster::colocated(1).unwrap(),
+            ] {
+                let run = |mode: SyncMode| {
+                    let bc = mode.book_config(BookConfig {
+                        batch: 2,
+                        chunk_bytes: 4096,
+                        slice_params: 100,
+                        ..Default::default()
+                    });
+                    let book = Arc::new(Book::new(cluster.clone(), layers.clone(), bc).unwrap());
+                    let mut cfg = small_run(book.clone(), mode, seed);
+                    cfg.iters = 3;
+                    cfg.sched.slots = 2;
+                    let rep =
+                        Sim::run(cfg).unwrap_or_else(|e| panic!("{name} {:?} {}: {e}", cluster.roles(), mode.name()));
+                    (book, rep)
+                };
+                let (book, kv) = run(SyncMode::KvStore);
+                let (p1, nl) = (book.p1() as u64, layers.len() as u64);
+                assert_eq!(kv.checks, checks(p1, nl, 3), "seed {seed} {name}");
+                // One pull per chunk per worker per iteration, one apply per chunk per iteration.
+                let nc = book.chunks().len() as u64;
+                assert_eq!(kv.pulls, nc * p1 * 3, "seed {seed} {name}");
+                assert_eq!(kv.applies, nc * 3, "seed {seed} {name}");
+                let (_, wfbp) = run(SyncMode::Wfbp);
+                assert_eq!(wfbp.pulls, 0);
+                assert_eq!(kv.params_bits, wfbp.params_bits, "seed {seed} {name}: kvstore ≠ wfbp");
+            }
+        }
+    }
+}
+
+/// Kvstore is MXNet's `dist_sync`: SSP and the other aggregation triggers
+/// are refused with a typed error that says why.
+#[test]
+fn kvstore_refuses_ssp_and_triggers() {
+    let book = small_book(Cluster::split(2, 1).unwrap(), SyncMode::KvStore);
+    let mut ssp = small_run(book.clone(), SyncMode::KvStore, 1);
+    ssp.sched.consistency = Consistency::Ssp(1);
+    match Sim::run(ssp) {
+        Err(SimError::Config {
+            error: EngineError::InvalidConfig(m),
+            ..
+        }) => assert!(m.contains("kvstore") && m.contains("SSP"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    let mut quorum = small_run(book, SyncMode::KvStore, 1);
+    quorum.sched.trigger = tidewire_engine::Trigger::Quorum(1);
+    match Sim::run(quorum) {
+        Err(SimError::Config {
+            error: EngineError::InvalidConfig(m),
+            ..
+        }) => assert!(m.contains("kvstore") && m.contains("quorum:1"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn arrival_order_mode_is_exact_too() {
     for seed in seeds() {

@@ -106,7 +106,8 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
         } else {
             r.range(0, 4) as u32
         },
-        consistency: if r.chance(0.6) {
+        // Kvstore (MXNet's dist_sync) is BSP only: Node::new refuses SSP.
+        consistency: if r.chance(0.6) || mode == SyncMode::KvStore {
             Consistency::Bsp
         } else {
             Consistency::Ssp(r.range(0, 3) as u32)

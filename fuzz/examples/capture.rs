@@ -147,6 +147,8 @@ fn transport() {
         },
         Msg::Finished { writes: 12 },
         Msg::Bye { writes: 12 },
+        Msg::Notify { chunk: 5, version: 3 },
+        Msg::Pull { chunk: 5, version: 3 },
         Msg::Abort("worker 1: gradient of layer 0 is NaN".into()),
     ];
     let mut off = 1024;

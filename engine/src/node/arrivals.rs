@@ -70,8 +70,12 @@ impl Node {
             JobTrack::Apply { chunk } => {
                 let s = self.server.as_mut().expect("server");
                 s.apply_running.remove(&chunk);
+                let notify = s.deferred_notify.remove(&chunk).unwrap_or_default();
                 for w in s.deferred.remove(&chunk).unwrap_or_default() {
                     self.broadcast(chunk, w);
+                }
+                for (w, version) in notify {
+                    self.notify(chunk, w, version)?;
                 }
             }
             JobTrack::InitCopy { chunk } => self.server.as_mut().expect("server").core.handle_init(me, chunk)?,
@@ -296,6 +300,20 @@ impl Node {
                 }
                 p.bye = Some(writes);
                 Ok(())
+            }
+            Msg::Notify { chunk, version } => {
+                let w = self
+                    .worker
+                    .as_mut()
+                    .ok_or_else(|| bad("a notification sent to a rank that is not a worker".into()))?;
+                w.core.handle_notify(peer, chunk, version)
+            }
+            Msg::Pull { chunk, version } => {
+                let s = self
+                    .server
+                    .as_mut()
+                    .ok_or_else(|| bad("a pull sent to a rank that is not a server".into()))?;
+                s.core.handle_pull(peer, chunk, version)
             }
             Msg::Abort(reason) => Err(EngineError::PeerAborted { rank: peer, reason }),
         }

@@ -107,7 +107,7 @@ pub use types::{
 };
 
 use crate::agree::JobConfig;
-use crate::book::{Book, LayerKind, Scheme};
+use crate::book::{Book, LayerKind, Placement, Scheme};
 use crate::config::{ApplyOp, Consistency, SchedConfig, Trigger};
 use crate::error::{EngineError, Result};
 use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
@@ -179,6 +179,8 @@ pub struct NodeStats {
     pub pushes: u64,
     /// Factor blocks sent.
     pub factor_sends: u64,
+    /// Kvstore pull requests this rank's worker sent.
+    pub pulls: u64,
     /// Slices accumulated by this rank's server.
     pub accumulated: u64,
     /// Chunk applies.
@@ -312,6 +314,8 @@ struct ServerSide {
     core: Server,
     apply_running: HashMap<u32, u64>,
     deferred: HashMap<u32, Vec<u32>>,
+    /// Kvstore notifications (worker, version) waiting for their chunk's apply to run.
+    deferred_notify: HashMap<u32, Vec<(u32, u64)>>,
     credit_out: BTreeMap<u32, Vec<u32>>,
     local_slots: HashMap<u32, u32>,
 }
@@ -483,6 +487,19 @@ impl Node {
                 )));
             }
         }
+        if book.config().placement == Placement::KvStore {
+            if cfg.sched.consistency != Consistency::Bsp {
+                return Err(EngineError::InvalidConfig(
+                    "kvstore (MXNet's dist_sync: notify, then pull) supports BSP only, not SSP".into(),
+                ));
+            }
+            if cfg.sched.trigger != Trigger::All {
+                return Err(EngineError::InvalidConfig(format!(
+                    "kvstore pulls every version of every chunk (BSP): the {} trigger needs another --sync mode",
+                    cfg.sched.trigger.name()
+                )));
+            }
+        }
         let (param_off, view_off) = if staged {
             (contiguous.clone(), user_params)
         } else {
@@ -540,6 +557,7 @@ impl Node {
                 core: Server::new(book.clone(), rank, cfg.sched)?,
                 apply_running: HashMap::default(),
                 deferred: HashMap::default(),
+                deferred_notify: HashMap::default(),
                 credit_out: BTreeMap::new(),
                 local_slots: HashMap::default(),
             })
@@ -715,6 +733,7 @@ impl Node {
             let ws = w.core.stats();
             s.pushes = ws.pushes;
             s.factor_sends = ws.factor_sends;
+            s.pulls = ws.pulls;
             s.max_bytes_in_flight = ws.max_bytes_in_flight;
         }
         if let Some(sv) = &self.server {

@@ -105,8 +105,31 @@ impl Node {
                     self.broadcast(chunk, worker);
                 }
             }
+            ServerCommand::Notify { chunk, worker, version } => {
+                let s = self.server.as_mut().expect("server");
+                if s.apply_running.contains_key(&chunk) {
+                    s.deferred_notify.entry(chunk).or_default().push((worker, version));
+                } else {
+                    self.notify(chunk, worker, version)?;
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Kvstore: tells `worker` that `chunk` is at `version` (once its apply ran).
+    pub(super) fn notify(&mut self, chunk: u32, worker: u32, version: u64) -> Result<()> {
+        if worker == self.rank {
+            let me = self.rank;
+            self.worker
+                .as_mut()
+                .expect("colocated")
+                .core
+                .handle_notify(me, chunk, version)
+        } else {
+            self.send_ctrl(worker, &Msg::Notify { chunk, version });
+            Ok(())
+        }
     }
 
     /// A landing slot of `worker` is free again: its credit goes back (to

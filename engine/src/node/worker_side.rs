@@ -146,6 +146,17 @@ impl Node {
                 self.send_factors(peer, layer, iter);
             }
             WorkerCommand::Reconstruct { layer, iter } => self.reconstruct(layer, iter),
+            WorkerCommand::Pull { server, chunk, version } => {
+                if server == me {
+                    self.server
+                        .as_mut()
+                        .expect("colocated")
+                        .core
+                        .handle_pull(me, chunk, version)?;
+                } else {
+                    self.send_ctrl(server, &Msg::Pull { chunk, version });
+                }
+            }
             WorkerCommand::LayerReady { layer, iter } => {
                 if self.staged {
                     self.publish(layer, Some(iter));
