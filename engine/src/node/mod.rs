@@ -47,9 +47,12 @@
 //!   carries the immediate).
 //! - A worker has at most `credit_bytes` of pushes and factor sends in flight
 //!   (one item more when nothing else is), and at most `slots` landing slots
-//!   per server. A server keeps `slots × P1` landing slots, `s + 1`
-//!   accumulators under SSP(s), and has at most `credit_bytes` of broadcasts
-//!   in flight. Inline control messages use at most [`flow::CELLS`] cells.
+//!   per server. A server keeps `(slots + spare_slots) × P1` landing slots
+//!   (the spares hold pushes parked for the rank order:
+//!   [`SchedConfig::spare_slots`]), `s + 1` accumulators under SSP(s), has at
+//!   most `credit_bytes` of broadcasts in flight, and hands its driver at most
+//!   [`SERVER_JOBS_OUT`] server jobs at once (the rest wait in its receive
+//!   priority queue). Inline control messages use at most [`flow::CELLS`] cells.
 //!   Nothing grows with P1 × model size.
 //!
 //! # Shutdown
