@@ -236,41 +236,57 @@ fn simulate(job: &Job) -> Result<(Point, SimResult), String> {
 /// A job's point and its whole result (with the trace, if it asked for one).
 type Outcome = Result<(Point, SimResult), String>;
 
-/// Runs `jobs`, `threads` at a time, and returns their results in order.
+/// Roughly how long a job takes to simulate: the nodes, times the slices
+/// per chunk in modes with slices (their events).
+fn cost(a: &SimArgs) -> f64 {
+    let sliced = matches!(a.sync.as_str(), "sliced" | "p3" | "full");
+    let per = if sliced {
+        5.0 * P3_SLICE as f64 / a.slice_params as f64
+    } else {
+        1.0
+    };
+    a.nodes.unwrap_or(1) as f64 * per.max(1.0) * a.iters as f64
+}
+
+/// Runs `jobs`, `threads` at a time (the longest first, so that no long one
+/// is left alone at the end), and returns their results in `jobs`' order.
 fn run_sims(jobs: &[Job], threads: usize) -> Result<Vec<(Point, SimResult)>, String> {
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by(|&a, &b| cost(&jobs[b].args).total_cmp(&cost(&jobs[a].args)));
     let next = AtomicUsize::new(0);
     let done = AtomicUsize::new(0);
     let out: Mutex<Vec<Option<Outcome>>> = Mutex::new((0..jobs.len()).map(|_| None).collect());
     let tty = std::io::stderr().is_terminal();
     std::thread::scope(|sc| {
         for _ in 0..threads.clamp(1, jobs.len().max(1)) {
-            sc.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(job) = jobs.get(i) else { break };
-                let r = simulate(job);
-                let d = done.fetch_add(1, Ordering::Relaxed) + 1;
-                let a = &job.args;
-                let line = format!(
-                    "[{d:>3}/{}] sim {}: {} {} nodes {} Gbit/s {}{}",
-                    jobs.len(),
-                    job.figure,
-                    a.model,
-                    a.nodes.unwrap_or(0),
-                    a.bandwidth / 1e9,
-                    a.sync,
-                    if a.slice_params == P3_SLICE {
-                        String::new()
-                    } else {
-                        format!(" slices {}", a.slice_params)
+            sc.spawn(|| {
+                while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let job = &jobs[i];
+                    let r = simulate(job);
+                    let d = done.fetch_add(1, Ordering::Relaxed) + 1;
+                    let a = &job.args;
+                    let line = format!(
+                        "[{d:>3}/{}] sim {}: {} {} nodes {} Gbit/s {}{}",
+                        jobs.len(),
+                        job.figure,
+                        a.model,
+                        a.nodes.unwrap_or(0),
+                        a.bandwidth / 1e9,
+                        a.sync,
+                        if a.slice_params == P3_SLICE {
+                            String::new()
+                        } else {
+                            format!(" slices {}", a.slice_params)
+                        }
+                    );
+                    if tty {
+                        eprint!("\r{line:<80}");
+                        let _ = std::io::stderr().flush();
+                    } else if d % 25 == 0 || d == jobs.len() {
+                        eprintln!("{line}");
                     }
-                );
-                if tty {
-                    eprint!("\r{line:<80}");
-                    let _ = std::io::stderr().flush();
-                } else if d % 25 == 0 || d == jobs.len() {
-                    eprintln!("{line}");
+                    out.lock().expect("no thread panicked")[i] = Some(r);
                 }
-                out.lock().expect("no thread panicked")[i] = Some(r);
             });
         }
     });
