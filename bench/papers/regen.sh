@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# regen.sh - regenerate bench/papers/: EVAL.md, results.json and the three PNGs.
+# regen.sh - regenerate bench/papers/: EVAL.md, results.json and the PNG plots.
 #
 # Usage: bench/papers/regen.sh [tidewire-papers options...]
 #

@@ -3,6 +3,8 @@
 //!
 //! ```text
 //! tidewire sim --model vgg19 --nodes 16 --bandwidth 10gbit --sync full --json
+//! # P3 with 100k-parameter slices, and each NIC's bytes per 1 ms (in the JSON)
+//! tidewire sim --model vgg19 --nodes 4 --bandwidth 10gbit --sync p3 --slice-params 100000 --trace-bin-us 1000 --json
 //! tidewire sim --model resnet-50 --workers 4 --servers 4 --bandwidth 5gbit --sync p3
 //! # Nexus's local aggregation: 8 nodes of 4 learners (GPUs), against the flat 32-rank run
 //! tidewire sim --model vgg19 --nodes 8 --local-learners 4 --bandwidth 10gbit
@@ -129,6 +131,27 @@ pub struct SimArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Slice size in parameters (P3's scheduling unit; modes with slices:
+    /// sliced, p3, full). Slices never cross a 2 MiB chunk, so sizes above
+    /// 524,288 act as 524,288.
+    #[arg(long, default_value_t = 50_000)]
+    pub slice_params: usize,
+    /// Trace every NIC's bytes sent and received per bin of this many µs of
+    /// virtual time, set-up included (`nic_trace` in the JSON).
+    #[arg(long)]
+    pub trace_bin_us: Option<f64>,
+}
+
+impl Default for SimArgs {
+    /// `tidewire sim`'s defaults.
+    fn default() -> Self {
+        #[derive(clap::Parser)]
+        struct Sim {
+            #[command(flatten)]
+            args: SimArgs,
+        }
+        <Sim as clap::Parser>::parse_from(["sim"]).args
+    }
 }
 
 fn parse_trigger(s: &str) -> std::result::Result<String, String> {
@@ -297,6 +320,20 @@ pub struct SimResult {
     pub events: u64,
     /// Wall-clock seconds the simulation took here.
     pub wall_s: f64,
+    /// Slice size in parameters (`--slice-params`; modes without slices use the chunk).
+    pub slice_params: usize,
+    /// With `--trace-bin-us`: the bin, µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace_bin_us: Option<f64>,
+    /// Virtual time when iteration 0 started (after the set-up), s: bins
+    /// before it are the set-up's.
+    pub start_s: f64,
+    /// With `--trace-bin-us`: per node (hosts in rank order: the workers,
+    /// then separate servers), `[sent, received]` bytes of its NIC in each
+    /// bin from time 0. Where a sender is the bottleneck the receive side
+    /// runs ahead of it (the model's simplification of max-min fairness).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub nic_trace: Vec<[Vec<u64>; 2]>,
 }
 
 fn consistency_of(s: &str) -> Result<Consistency> {
@@ -324,13 +361,14 @@ fn one_run(
     mode: SyncMode,
     batch: usize,
     lay: &Layout,
-    faults: bool,
+    main: bool,
 ) -> Result<SimReport> {
     let book = Book::new(
         cluster,
         model.layers.clone(),
         mode.book_config(BookConfig {
             batch: batch * lay.learners,
+            slice_params: args.slice_params,
             ..Default::default()
         }),
     )?;
@@ -359,7 +397,9 @@ fn one_run(
     if let Some(n) = args.spare_slots {
         cfg.sched.spare_slots = n;
     }
-    if faults {
+    // The run measured (not the one-node reference or the set-up alone).
+    if main {
+        cfg.trace_bin_ns = args.trace_bin_us.map(|us| ((us * 1000.0).round() as u64).max(1));
         cfg.sched.trigger = Trigger::parse(&args.trigger).expect("validated by clap");
         let f = faults_of(args)?;
         cfg.faults.slow = f.slow;
@@ -367,6 +407,11 @@ fn one_run(
         cfg.faults.rejoin_after_ns = f.rejoin_after_ns;
     }
     Ok(Sim::run(cfg)?)
+}
+
+/// Whether `tidewire sim --model NAME` has a profile for `name`.
+pub fn known_model(name: &str) -> bool {
+    models::profile(name).is_some()
 }
 
 /// Runs the simulation (and the one-node reference for the speedup).
@@ -406,6 +451,14 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
     }
     if args.local_bandwidth.is_nan() || args.local_bandwidth < 1e6 {
         return Err(Error::Usage("--local-bandwidth: give at least 1mbit".into()));
+    }
+    if args.slice_params == 0 {
+        return Err(Error::Usage("--slice-params: give at least 1".into()));
+    }
+    if let Some(us) = args.trace_bin_us {
+        if !(us.is_finite() && us >= 0.001) {
+            return Err(Error::Usage("--trace-bin-us: give at least 0.001 (1 ns)".into()));
+        }
     }
     let t0 = Instant::now();
     let mode = SyncMode::parse(&args.sync).expect("validated by clap");
@@ -515,6 +568,10 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             held_for_order: rep.held_for_order,
             max_spares_used: rep.max_spares_used,
             wall_s: 0.0,
+            slice_params: args.slice_params,
+            trace_bin_us: args.trace_bin_us,
+            start_s: rep.start_ns as f64 / 1e9,
+            nic_trace: rep.nic_trace,
         })
     };
     let mut r = one(args.flat)?;
@@ -550,6 +607,13 @@ pub fn render(r: &SimResult) -> String {
         ));
         s.push_str(&body(f).lines().map(|l| format!("  {l}\n")).collect::<String>());
         s.push_str(&format!("local aggregation {x:.2}x the flat run's speed\n"));
+    }
+    if let Some(us) = r.trace_bin_us {
+        s.push_str(&format!(
+            "NIC trace        {} bins of {us} µs per node, iteration 0 from {:.4} s (in --json)\n",
+            r.nic_trace.first().map_or(0, |t| t[0].len()),
+            r.start_s
+        ));
     }
     s.push_str(&format!("simulated in     {:.2} s ({} events)\n", r.wall_s, r.events));
     s
@@ -617,5 +681,40 @@ mod tests {
         assert_eq!(parse_bandwidth("1000000").unwrap(), 1e6);
         assert!(parse_bandwidth("fast").is_err());
         assert!(parse_bandwidth("0gbit").is_err());
+    }
+
+    #[test]
+    fn slices_and_the_trace_reach_the_run() {
+        let a = SimArgs {
+            model: "vgg19-mini".into(),
+            nodes: Some(2),
+            sync: "p3".into(),
+            iters: 2,
+            trace_bin_us: Some(100.0),
+            ..SimArgs::default()
+        };
+        assert_eq!(SimArgs::default().slice_params, 50_000);
+        let r = run(&a).unwrap();
+        assert_eq!(r.nic_trace.len(), 2);
+        let sent: u64 = r.nic_trace[0][0].iter().sum();
+        assert!(sent > 0 && r.start_s > 0.0, "{sent} {}", r.start_s);
+        let json = serde_json::to_value(&r).unwrap();
+        assert!(json["nic_trace"].is_array());
+        let plain = run(&SimArgs {
+            trace_bin_us: None,
+            ..a.clone()
+        })
+        .unwrap();
+        assert!(plain.nic_trace.is_empty());
+        assert_eq!(plain.iteration_s, r.iteration_s);
+        assert!(serde_json::to_value(&plain).unwrap().get("nic_trace").is_none());
+        // Smaller slices: more, smaller messages, and a different timeline.
+        let small = run(&SimArgs {
+            slice_params: 1_000,
+            trace_bin_us: None,
+            ..a
+        })
+        .unwrap();
+        assert!(small.events > plain.events, "{} vs {}", small.events, plain.events);
     }
 }

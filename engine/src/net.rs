@@ -19,6 +19,11 @@
 //!   fairness that is exact when the traffic is symmetric (the parameter
 //!   server's all-to-all).
 //!
+//! - With [`Net::trace`] on, each NIC side also records the bytes it served in
+//!   each time bin (a side serves at its full rate whenever a connection is
+//!   active there): link utilization over time. Off by default; when off it
+//!   costs one branch per catch-up.
+//!
 //! ```
 //! use tidewire_engine::net::Net;
 //! // 8 Gbit/s = 1 byte/ns, 1 µs latency; two senders into one receiver.
@@ -115,6 +120,24 @@ pub struct Net<P> {
     timers: BinaryHeap<Reverse<(u64, u64, Timer)>>,
     seq: u64,
     in_flight: usize,
+    /// With [`Net::trace`]: bin width, ns, and the bytes each NIC side
+    /// (transmit sides, then receive sides) served in each bin.
+    trace: Option<(u64, Vec<Vec<f64>>)>,
+}
+
+/// Adds `rate` bytes/ns over `[t0, t1)` to `bins` of `bin_ns` each.
+fn deposit(bins: &mut Vec<f64>, bin_ns: u64, t0: u64, t1: u64, rate: f64) {
+    let last = ((t1 - 1) / bin_ns) as usize;
+    if bins.len() <= last {
+        bins.resize(last + 1, 0.0);
+    }
+    let mut t = t0;
+    while t < t1 {
+        let b = t / bin_ns;
+        let end = ((b + 1) * bin_ns).min(t1);
+        bins[b as usize] += (end - t) as f64 * rate;
+        t = end;
+    }
 }
 
 impl<P> Net<P> {
@@ -157,7 +180,37 @@ impl<P> Net<P> {
             timers: BinaryHeap::new(),
             seq: 0,
             in_flight: 0,
+            trace: None,
         }
+    }
+
+    /// Records, from now on, the bytes each NIC side serves per `bin_ns`
+    /// (≥ 1) of virtual time, bins counted from time 0 ([`Net::traced`]).
+    pub fn trace(&mut self, bin_ns: u64) {
+        self.trace = Some((bin_ns.max(1), vec![Vec::new(); 2 * self.hosts]));
+    }
+
+    /// With [`Net::trace`]: the bin width, ns, and per host the bytes its NIC
+    /// sent and received in each bin (`[sent, received]`, bin `i` covering
+    /// `[i·bin_ns, (i+1)·bin_ns)`; both as long as the last busy bin of any
+    /// side). A side serves at its full rate while any connection is active
+    /// on it; the receive side counts a connection active once its first
+    /// byte could be there, so where the sender is the bottleneck the
+    /// receive trace runs ahead of it (see the module's fairness note).
+    pub fn traced(&self) -> Option<(u64, Vec<[Vec<f64>; 2]>)> {
+        let (bin, sides) = self.trace.as_ref()?;
+        let len = sides.iter().map(Vec::len).max().unwrap_or(0);
+        let pad = |v: &Vec<f64>| {
+            let mut v = v.clone();
+            v.resize(len, 0.0);
+            v
+        };
+        Some((
+            *bin,
+            (0..self.hosts)
+                .map(|h| [pad(&sides[h]), pad(&sides[self.hosts + h])])
+                .collect(),
+        ))
     }
 
     /// Payload bytes host `h`'s NIC has sent and received so far.
@@ -280,6 +333,11 @@ impl<P> Net<P> {
         let n = s.heads.len();
         if n > 0 && t > s.last {
             s.v += (t - s.last) as f64 * s.rate / n as f64;
+            if let Some((bin, sides)) = &mut self.trace {
+                if let Some(bins) = sides.get_mut(side) {
+                    deposit(bins, *bin, s.last, t, s.rate);
+                }
+            }
         }
         s.last = s.last.max(t);
     }
@@ -434,6 +492,27 @@ mod tests {
         assert!(out[1..].iter().all(|(t, _)| (2_000..2_010).contains(t)), "{out:?}");
         assert_eq!(net.nic_bytes(0), [2_000, 0]);
         assert_eq!(net.nic_bytes(1), [0, 2_000]);
+    }
+
+    #[test]
+    fn the_trace_has_each_sides_bytes_per_bin() {
+        // 1 byte/ns. 0 → 1: 2500 bytes from t = 0; 1 → 0: 1000 bytes from t = 3000.
+        let mut net = Net::new(2, 8e9, 100);
+        net.trace(1_000);
+        net.send(0, 0, 1, 2_500, 1, None, 0);
+        net.send(3_000, 1, 0, 1_000, 2, None, 0);
+        drain(&mut net);
+        let (bin, t) = net.traced().expect("traced");
+        assert_eq!(bin, 1_000);
+        let r = |v: &[f64]| v.iter().map(|x| x.round() as u64).collect::<Vec<_>>();
+        assert_eq!(r(&t[0][0]), [1_000, 1_000, 500, 0, 0]);
+        // Received one latency later; every series as long as the longest.
+        assert_eq!(r(&t[1][1]), [900, 1_000, 600, 0, 0]);
+        assert_eq!(r(&t[1][0]), [0, 0, 0, 1_000, 0]);
+        assert_eq!(r(&t[0][1]), [0, 0, 0, 900, 100]);
+        let total: f64 = t.iter().flat_map(|h| h[0].iter()).sum();
+        assert!((total - 3_500.0).abs() < 1.0);
+        assert!(Net::<u32>::new(2, 8e9, 0).traced().is_none());
     }
 
     #[test]

@@ -144,6 +144,9 @@ pub struct SimConfig {
     /// The costs every rank's sparse/dense choice weighs (also the modelled
     /// time of encode and densify jobs).
     pub sparse: SparseCosts,
+    /// Trace every NIC's bytes per bin of this many ns of virtual time
+    /// ([`SimReport::nic_trace`]); `None` (the default): no trace.
+    pub trace_bin_ns: Option<u64>,
 }
 
 impl SimConfig {
@@ -180,6 +183,7 @@ impl SimConfig {
             local_bytes_per_s: 10e9,
             sparse_density: 1.0,
             sparse: SparseCosts::default(),
+            trace_bin_ns: None,
         }
     }
 }
@@ -259,6 +263,14 @@ pub struct SimReport {
     /// Per worker (by worker index): when it finished its last iteration, ns
     /// from the start (0 for a crashed one).
     pub worker_done_ns: Vec<u64>,
+    /// Virtual time when iteration 0 started (after the set-up), ns from
+    /// time 0: where `total_ns` and the worker times are counted from.
+    pub start_ns: u64,
+    /// With `trace_bin_ns`: per host (per rank without `hosts`), the bytes
+    /// its NIC sent and received in each bin, `[sent, received]`, bin `i`
+    /// covering `[i·bin, (i+1)·bin)` ns from time 0 (set-up included; see
+    /// [`crate::net::Net::traced`]). Empty without.
+    pub nic_trace: Vec<[Vec<u64>; 2]>,
 }
 
 /// Why a run failed.
@@ -639,7 +651,10 @@ impl Sim {
                 error: EngineError::InvalidConfig("local_learners ≥ 1 and local_bytes_per_s > 0".into()),
             });
         }
-        let net = Net::with_hosts(hosts, cfg.bandwidth_bps, cfg.latency_ns, cfg.local_bytes_per_s);
+        let mut net = Net::with_hosts(hosts, cfg.bandwidth_bps, cfg.latency_ns, cfg.local_bytes_per_s);
+        if let Some(bin) = cfg.trace_bin_ns {
+            net.trace(bin);
+        }
         Ok(Sim {
             rng: cfg.seed ^ 0x9e37_79b9_7f4a_7c15,
             cfg,
@@ -839,6 +854,11 @@ impl Sim {
         self.report.local_agg_s = local(0);
         self.report.fanout_s = local(1);
         self.report.nic_bytes = (0..self.net.hosts()).map(|h| self.net.nic_bytes(h)).collect();
+        self.report.start_ns = self.start.unwrap_or(0);
+        if let Some((_, t)) = self.net.traced() {
+            let bytes = |v: &[f64]| v.iter().map(|b| b.round() as u64).collect::<Vec<u64>>();
+            self.report.nic_trace = t.iter().map(|[tx, rx]| [bytes(tx), bytes(rx)]).collect();
+        }
         let start = self.start.unwrap_or(0);
         for r in &self.ranks {
             if let Some(w) = &r.worker {

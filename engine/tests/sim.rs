@@ -360,3 +360,30 @@ fn credit_window_sweep() {
         }
     }
 }
+
+#[test]
+fn the_nic_trace_adds_up_and_changes_nothing() {
+    let mode = SyncMode::P3;
+    let book = small_book(Cluster::colocated(3).unwrap(), mode);
+    let mut cfg = small_run(book, mode, 1);
+    cfg.faults.delay_prob = 0.0;
+    let plain = check(Sim::run(cfg.clone()));
+    assert!(plain.nic_trace.is_empty(), "off by default");
+    cfg.trace_bin_ns = Some(50_000);
+    let traced = check(Sim::run(cfg));
+    assert_eq!(traced.total_ns, plain.total_ns, "tracing changed the run");
+    assert_eq!(traced.nic_trace.len(), 3);
+    // 1 Gbit/s: at most 6250 bytes in a 50 µs bin.
+    for (h, [tx, rx]) in traced.nic_trace.iter().enumerate() {
+        for (dir, bins) in [tx, rx].into_iter().enumerate() {
+            let sum: u64 = bins.iter().sum();
+            let want = traced.nic_bytes[h][dir];
+            assert!(
+                sum.abs_diff(want) <= bins.len() as u64,
+                "host {h} dir {dir}: {sum} vs {want}"
+            );
+            assert!(bins.iter().all(|&b| b <= 6_251), "host {h} dir {dir}: {bins:?}");
+        }
+    }
+    assert!(traced.start_ns > 0, "the set-up comes before iteration 0");
+}

@@ -97,6 +97,8 @@ fn run(cli: &Cli, model: &str, gbps: f64, learners: usize) -> Result<Row, String
         batch: None,
         time_scale: 1.0,
         credit_bytes: None,
+        slots: None,
+        spare_slots: None,
         fast: false,
         local_learners: learners,
         flat: false,
@@ -106,6 +108,8 @@ fn run(cli: &Cli, model: &str, gbps: f64, learners: usize) -> Result<Row, String
         faults: Vec::new(),
         slow_rank: None,
         slow_factor: None,
+        slice_params: 50_000,
+        trace_bin_us: None,
     };
     let r = sim::run(&a).map_err(|e| format!("sim {model} {gbps} GbE L={learners}: {e}"))?;
     let f = r.flat_run.as_deref().ok_or("no flat run")?;

@@ -1,7 +1,7 @@
 //! `tidewire-papers`: the Poseidon and P3 evaluations, reproduced with
 //! `tidewire sim` at the papers' scale and, with `--train`, with
 //! `tidewire train` under the bandwidth harness (`ci/netem/`) at the sizes
-//! this machine holds. It writes `EVAL.md`, `results.json` and three PNG plots
+//! this machine holds. It writes `EVAL.md`, `results.json` and PNG plots
 //! into `--out`, and checks the papers' effects.
 //!
 //! ```text
@@ -9,16 +9,24 @@
 //! tidewire-papers --out target/papers        # simulation only
 //! tidewire-papers --out target/papers --check  # exit 1 if an effect does not show
 //! ```
+//!
+//! To add a figure: push its [`Job`]s in [`run`] (phase 1, or phase 2 if
+//! they depend on phase 1's results), find its points with [`find`] or
+//! [`find_by`], and give it an effects function (pushing [`Effect`]s), a
+//! section of [`eval_md`] (tables with [`table`]) and, if it has a plot, a
+//! `plot_*` function built on [`panel`].
 
 use std::fmt::Write as _;
 use std::io::{IsTerminal as _, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::Instant;
 
 use clap::Parser;
 use plotters::prelude::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tidewire_cli::sim::{self, SimArgs, SimResult};
 
 #[derive(Parser, Debug)]
@@ -33,6 +41,14 @@ struct Cli {
     /// Simulated iterations per run.
     #[arg(long, default_value_t = 10)]
     iters: u64,
+    /// Simulated iterations per run of the slice-size sweep (P3's Fig. 12),
+    /// whose small slices are the slowest runs to simulate.
+    #[arg(long, default_value_t = 5)]
+    sweep_iters: u64,
+    /// Simulations run at once (each is single-threaded and deterministic:
+    /// the results do not depend on it). Default: the cores available.
+    #[arg(long)]
+    jobs: Option<usize>,
     /// Also run `tidewire train` under the bandwidth harness for the P3
     /// figure (needs root, iproute2, iperf3 and a built `tidewire`: see --tidewire).
     #[arg(long)]
@@ -43,6 +59,11 @@ struct Cli {
         default_value = "resnet-50@1gbe,resnet-50@2gbe,resnet-50@5gbe,vgg19@2gbe,vgg19@5gbe"
     )]
     train_points: String,
+    /// Instead of --train: the `train` runs of an earlier results.json (e.g.
+    /// bench/papers/results.json from a run as root), carried over and marked
+    /// so in EVAL.md; their `sim` column is simulated again here.
+    #[arg(long, conflicts_with = "train")]
+    train_from: Option<PathBuf>,
     /// Iterations of each `train` run.
     #[arg(long, default_value_t = 5)]
     train_iters: u64,
@@ -78,13 +99,15 @@ struct Point {
     nodes: usize,
     bandwidth_gbps: f64,
     sync: String,
+    /// P3's slice size, parameters (modes without slices: the 2 MiB chunk's).
+    slice_params: usize,
     iteration_s: f64,
     throughput_samples_s: f64,
     speedup: f64,
 }
 
 /// One `train` run under the harness.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct TrainPoint {
     model: String,
     profile: String,
@@ -123,6 +146,11 @@ const PAPER: &[PaperValue] = &[
         value: "+25% / +38% / +66%",
         source: "P3, SysML'19, abstract",
     },
+    PaperValue {
+        what: "Poseidon, VGG19-22K, 32 nodes: speedup",
+        value: "30× (\"near-linear\")",
+        source: "Petuum's Poseidon release docs (poseidon-release.readthedocs.io, v0.10), not the paper; the paper's own figure (reported as 21.5× → 29.5×) we could not reach",
+    },
 ];
 
 const POSEIDON_MODELS: [&str; 3] = ["googlenet", "vgg19", "vgg19-22k"];
@@ -136,60 +164,164 @@ const P3_MODELS: [&str; 2] = ["resnet-50", "vgg19"];
 const P3_BW: [f64; 12] = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 15.0, 20.0, 30.0];
 /// P3's ablation: the baseline (layer-wise, as produced), slicing only, P3.
 const P3_MODES: [(&str, &str); 3] = [("wfbp", "baseline"), ("sliced", "slicing only"), ("p3", "P3")];
+/// The baseline and P3, for P3's Figs. 8-12.
+const P3_PAIR: [(&str, &str); 2] = [("wfbp", "baseline"), ("p3", "P3")];
+/// P3's Fig. 10 (scalability): its models, where `tidewire sim` has a profile
+/// (the rest are skipped, and EVAL.md says so).
+const P3_SCALE_MODELS: [&str; 4] = ["resnet-50", "vgg19", "inception-v3", "sockeye"];
+const P3_SCALE_NODES: [usize; 4] = [2, 4, 8, 16];
+/// The bandwidth of P3's Figs. 8-12 is not in a source we could reach; we use
+/// 10 Gbit/s (and, for Figs. 8, 9 and 12, each model's best bandwidth for P3
+/// in the P3 bandwidth figure too).
+const P3_FIG_BW: f64 = 10.0;
+/// P3's Fig. 12 (slice size): models and slice sizes (parameters). Slices
+/// never cross a 2 MiB chunk (524,288 parameters), so larger ones act as that.
+const SLICE_MODELS: [&str; 2] = ["vgg19", "resnet-50"];
+const SLICE_SIZES: [usize; 7] = [5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000];
+/// P3's default slice size.
+const P3_SLICE: usize = 50_000;
+/// P3's Figs. 8 and 9 (link utilization over time): models, bin, iterations
+/// simulated (the window is the baseline's iterations 1 and 2: it must end
+/// before the faster P3 run does).
+const UTIL_MODELS: [&str; 2] = ["vgg19", "resnet-50"];
+const UTIL_BIN_US: f64 = 1000.0;
+const UTIL_ITERS: u64 = 6;
+/// A bin below this fraction of the link is idle.
+const IDLE: f64 = 0.1;
 
 fn sim_args(model: &str, nodes: usize, gbps: f64, sync: &str, iters: u64) -> SimArgs {
     SimArgs {
         model: model.into(),
         gpu: Default::default(),
         nodes: Some(nodes),
-        workers: None,
-        servers: None,
         bandwidth: gbps * 1e9,
         latency_us: 5.0,
         sync: sync.into(),
-        consistency: "bsp".into(),
         iters,
-        batch: None,
-        time_scale: 1.0,
-        credit_bytes: None,
         // The papers' systems sum in arrival order.
         fast: true,
-        local_learners: 1,
-        flat: false,
-        local_bandwidth: 80e9,
-        json: false,
-        trigger: "all".into(),
-        faults: Vec::new(),
-        slow_rank: None,
-        slow_factor: None,
+        ..SimArgs::default()
     }
 }
 
-fn simulate(figure: &'static str, a: &SimArgs) -> Result<Point, String> {
+/// One simulation of a figure.
+struct Job {
+    figure: &'static str,
+    args: SimArgs,
+}
+
+impl Job {
+    fn new(figure: &'static str, args: SimArgs) -> Self {
+        Job { figure, args }
+    }
+}
+
+fn simulate(job: &Job) -> Result<(Point, SimResult), String> {
+    let a = &job.args;
     let r: SimResult =
         sim::run(a).map_err(|e| format!("sim {} {} nodes {}: {e}", a.model, a.nodes.unwrap_or(0), a.sync))?;
-    Ok(Point {
-        figure,
+    let p = Point {
+        figure: job.figure,
         model: a.model.clone(),
         nodes: r.workers,
         bandwidth_gbps: r.bandwidth_gbps,
-        sync: r.sync,
+        sync: r.sync.clone(),
+        slice_params: r.slice_params,
         iteration_s: r.iteration_s,
         throughput_samples_s: r.throughput_samples_s,
         speedup: r.speedup,
-    })
+    };
+    Ok((p, r))
+}
+
+/// A job's point and its whole result (with the trace, if it asked for one).
+type Outcome = Result<(Point, SimResult), String>;
+
+/// Roughly how long a job takes to simulate: the nodes, times the slices
+/// per chunk in modes with slices (their events).
+fn cost(a: &SimArgs) -> f64 {
+    let sliced = matches!(a.sync.as_str(), "sliced" | "p3" | "full");
+    let per = if sliced {
+        5.0 * P3_SLICE as f64 / a.slice_params as f64
+    } else {
+        1.0
+    };
+    a.nodes.unwrap_or(1) as f64 * per.max(1.0) * a.iters as f64
+}
+
+/// Runs `jobs`, `threads` at a time (the longest first, so that no long one
+/// is left alone at the end), and returns their results in `jobs`' order.
+fn run_sims(jobs: &[Job], threads: usize) -> Result<Vec<(Point, SimResult)>, String> {
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by(|&a, &b| cost(&jobs[b].args).total_cmp(&cost(&jobs[a].args)));
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let out: Mutex<Vec<Option<Outcome>>> = Mutex::new((0..jobs.len()).map(|_| None).collect());
+    let tty = std::io::stderr().is_terminal();
+    std::thread::scope(|sc| {
+        for _ in 0..threads.clamp(1, jobs.len().max(1)) {
+            sc.spawn(|| {
+                while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let job = &jobs[i];
+                    let r = simulate(job);
+                    let d = done.fetch_add(1, Ordering::Relaxed) + 1;
+                    let a = &job.args;
+                    let line = format!(
+                        "[{d:>3}/{}] sim {}: {} {} nodes {} Gbit/s {}{}",
+                        jobs.len(),
+                        job.figure,
+                        a.model,
+                        a.nodes.unwrap_or(0),
+                        a.bandwidth / 1e9,
+                        a.sync,
+                        if a.slice_params == P3_SLICE {
+                            String::new()
+                        } else {
+                            format!(" slices {}", a.slice_params)
+                        }
+                    );
+                    if tty {
+                        eprint!("\r{line:<80}");
+                        let _ = std::io::stderr().flush();
+                    } else if d % 25 == 0 || d == jobs.len() {
+                        eprintln!("{line}");
+                    }
+                    out.lock().expect("no thread panicked")[i] = Some(r);
+                }
+            });
+        }
+    });
+    if tty {
+        eprintln!();
+    }
+    out.into_inner()
+        .expect("no thread panicked")
+        .into_iter()
+        .map(|r| r.expect("every job ran"))
+        .collect()
+}
+
+/// The point of figure `fig` that `pick` accepts.
+fn find_by<'a>(pts: &'a [Point], fig: &str, pick: impl Fn(&Point) -> bool) -> &'a Point {
+    pts.iter()
+        .find(|p| p.figure == fig && pick(p))
+        .unwrap_or_else(|| panic!("a point of {fig} was not simulated"))
 }
 
 fn find<'a>(pts: &'a [Point], fig: &str, model: &str, nodes: usize, bw: f64, sync: &str) -> &'a Point {
-    pts.iter()
-        .find(|p| {
-            p.figure == fig
-                && p.model == model
-                && p.nodes == nodes
-                && (p.bandwidth_gbps - bw).abs() < 1e-9
-                && p.sync == sync
-        })
-        .expect("every point was simulated")
+    find_by(pts, fig, |p| {
+        p.model == model && p.nodes == nodes && (p.bandwidth_gbps - bw).abs() < 1e-9 && p.sync == sync
+    })
+}
+
+/// Writes a Markdown table: the first `left` columns left-aligned, the rest right-aligned.
+fn table(s: &mut String, head: &[String], left: usize, rows: &[Vec<String>]) {
+    let _ = writeln!(s, "| {} |", head.join(" | "));
+    let align: Vec<&str> = (0..head.len()).map(|i| if i < left { "---" } else { "---:" }).collect();
+    let _ = writeln!(s, "|{}|", align.join("|"));
+    for r in rows {
+        let _ = writeln!(s, "| {} |", r.join(" | "));
+    }
 }
 
 /// P3's throughput gain over the baseline on 4 nodes at `bw` Gbit/s.
@@ -276,6 +408,234 @@ fn effects(pts: &[Point]) -> Vec<Effect> {
     out
 }
 
+/// The models of P3's Fig. 10 that `tidewire sim` has a profile for, and those it skips.
+fn p3_scale_models() -> (Vec<&'static str>, Vec<&'static str>) {
+    P3_SCALE_MODELS.iter().partition(|m| sim::known_model(m))
+}
+
+/// The bandwidths of P3's Figs. 8, 9 and 12 for `model`: [`P3_FIG_BW`] and
+/// the model's best bandwidth for P3 in the P3 figure (once if they are the same).
+fn p3_fig_bws(pts: &[Point], model: &str) -> Vec<f64> {
+    let best = p3_best(pts, model).1;
+    if (best - P3_FIG_BW).abs() < 1e-9 {
+        vec![P3_FIG_BW]
+    } else {
+        vec![P3_FIG_BW, best]
+    }
+}
+
+/// Link utilization of node 0's NIC (worker 0 and server 0), from a traced
+/// run (P3's Figs. 8 and 9).
+#[derive(Debug, Clone, Serialize)]
+struct Util {
+    model: String,
+    bandwidth_gbps: f64,
+    sync: String,
+    iteration_s: f64,
+    /// Where `mean` and `idle` are measured, s from the start of iteration
+    /// 0: this run's own iterations after the first, to its end.
+    stats_s: [f64; 2],
+    /// Mean utilization there, [out, in] (fraction of the link).
+    mean: [f64; 2],
+    /// Fraction of the bins there below [`IDLE`], [out, in].
+    idle: [f64; 2],
+    /// The plotted window, s from the start of iteration 0: the baseline's
+    /// iterations 1 and 2, the same for both modes.
+    window_s: [f64; 2],
+    /// Per bin of the window: (s into it, utilization), [out, in].
+    #[serde(skip)]
+    series: [Vec<(f64, f64)>; 2],
+}
+
+/// The utilization of traced runs.
+fn utilization(traced: &[(Point, SimResult)]) -> Result<Vec<Util>, String> {
+    let mut out = Vec::new();
+    for (p, r) in traced {
+        let base = traced
+            .iter()
+            .find(|(q, _)| q.model == p.model && q.bandwidth_gbps == p.bandwidth_gbps && q.sync == "wfbp")
+            .ok_or("a traced run without its baseline")?;
+        let bin = r.trace_bin_us.ok_or("an untraced run")? / 1e6;
+        let cap = p.bandwidth_gbps * 1e9 / 8.0 * bin;
+        let nic = r.nic_trace.first().ok_or("no trace")?;
+        let end = r.start_s + r.iteration_s * r.iters as f64;
+        // Bins [a, b) from t0 to t1 (s from the start of iteration 0).
+        let bins = |t0: f64, t1: f64| -> Result<(usize, usize), String> {
+            let (a, b) = (
+                ((r.start_s + t0) / bin).ceil() as usize,
+                ((r.start_s + t1) / bin).floor() as usize,
+            );
+            if b <= a || b as f64 * bin > end + 1e-9 {
+                return Err(format!(
+                    "{} {} at {} Gbit/s: the bins {a}..{b} are not inside the run",
+                    p.model, p.sync, p.bandwidth_gbps
+                ));
+            }
+            Ok((a, b))
+        };
+        let u = |d: usize, i: usize| nic[d].get(i).copied().unwrap_or(0) as f64 / cap;
+        let (a, b) = bins(r.iteration_s, r.iteration_s * r.iters as f64)?;
+        let (mut mean, mut idle) = ([0.0; 2], [0.0; 2]);
+        for d in 0..2 {
+            mean[d] = (a..b).map(|i| u(d, i)).sum::<f64>() / (b - a) as f64;
+            idle[d] = (a..b).filter(|&i| u(d, i) < IDLE).count() as f64 / (b - a) as f64;
+        }
+        let it = base.1.iteration_s;
+        let (wa, wb) = bins(it, 3.0 * it)?;
+        let series = [0, 1].map(|d| (wa..wb).map(|i| ((i - wa) as f64 * bin, u(d, i))).collect());
+        let secs = |i: usize| i as f64 * bin - r.start_s;
+        out.push(Util {
+            model: p.model.clone(),
+            bandwidth_gbps: p.bandwidth_gbps,
+            sync: p.sync.clone(),
+            iteration_s: p.iteration_s,
+            stats_s: [secs(a), secs(b)],
+            mean,
+            idle,
+            window_s: [secs(wa), secs(wb)],
+            series,
+        });
+    }
+    Ok(out)
+}
+
+fn util_of<'a>(u: &'a [Util], model: &str, bw: f64, sync: &str) -> &'a Util {
+    u.iter()
+        .find(|x| x.model == model && (x.bandwidth_gbps - bw).abs() < 1e-9 && x.sync == sync)
+        .expect("every utilization point was traced")
+}
+
+/// The effects of P3's Figs. 8-12 (and Poseidon's 32-node VGG19-22K).
+fn more_effects(pts: &[Point], util: &[Util]) -> Vec<Effect> {
+    let mut out = Vec::new();
+    // Poseidon: VGG19-22K at 32 nodes, 40 GbE.
+    let pos = find(pts, "poseidon-scaling", "vgg19-22k", 32, 40.0, "hybrid").speedup;
+    let ps = find(pts, "poseidon-scaling", "vgg19-22k", 32, 40.0, "fifo-ps").speedup;
+    out.push(Effect {
+        claim: "Poseidon scales VGG19-22K near-linearly to 32 nodes on 40 GbE (≥ 28.8×), beyond PS".into(),
+        evidence: format!("32 nodes: Poseidon {pos:.1}×, PS {ps:.1}×"),
+        holds: pos >= 0.9 * 32.0 && pos > ps,
+    });
+    // Figs. 8 and 9: where P3 is faster, it keeps the link busier and idle less.
+    let mut rows = Vec::new();
+    let mut holds = true;
+    for m in UTIL_MODELS {
+        for bw in p3_fig_bws(pts, m) {
+            let (b, p) = (util_of(util, m, bw, "wfbp"), util_of(util, m, bw, "p3"));
+            let gain = b.iteration_s / p.iteration_s - 1.0;
+            if gain < 0.01 {
+                continue;
+            }
+            let avg = |x: [f64; 2]| (x[0] + x[1]) / 2.0;
+            holds &= avg(p.mean) > avg(b.mean) + 0.01 && avg(p.idle) < avg(b.idle);
+            rows.push(format!(
+                "{m} at {bw} Gbit/s (P3 {:+.0}%): busy {:.0}% → {:.0}%, idle {:.0}% → {:.0}%",
+                gain * 100.0,
+                avg(b.mean) * 100.0,
+                avg(p.mean) * 100.0,
+                avg(b.idle) * 100.0,
+                avg(p.idle) * 100.0
+            ));
+        }
+    }
+    out.push(Effect {
+        claim:
+            "P3 keeps the worker's link busier and idle less than the baseline (Figs. 8, 9; wherever P3 is ≥ 1% faster)"
+                .into(),
+        evidence: if rows.is_empty() {
+            "P3 is not ≥ 1% faster at any traced point".into()
+        } else {
+            format!("mean of out and in, baseline → P3: {}", rows.join("; "))
+        },
+        holds: holds && !rows.is_empty(),
+    });
+    // Fig. 10: P3 at least as fast as the baseline at every scale.
+    let (models, _) = p3_scale_models();
+    let mut worst = (f64::INFINITY, String::new());
+    let mut best = (f64::NEG_INFINITY, String::new());
+    for &m in &models {
+        for n in P3_SCALE_NODES {
+            let g = find(pts, "p3-scaling", m, n, P3_FIG_BW, "p3").throughput_samples_s
+                / find(pts, "p3-scaling", m, n, P3_FIG_BW, "wfbp").throughput_samples_s
+                - 1.0;
+            let at = format!("{m}, {n} machines");
+            if g < worst.0 {
+                worst = (g, at.clone());
+            }
+            if g > best.0 {
+                best = (g, at);
+            }
+        }
+    }
+    out.push(Effect {
+        claim: format!(
+            "P3 is at least as fast as the baseline at every scale (Fig. 10: 2-16 machines, {P3_FIG_BW} Gbit/s; within 1%)"
+        ),
+        evidence: format!(
+            "P3 over the baseline: least {:+.1}% ({}), most {:+.1}% ({})",
+            worst.0 * 100.0,
+            worst.1,
+            best.0 * 100.0,
+            best.1
+        ),
+        holds: worst.0 >= -0.01 && best.0 > 0.0,
+    });
+    // Fig. 12: an interior optimum, and P3's 50,000 near it.
+    let mut interior = Vec::new();
+    let mut far = Vec::new();
+    let mut curves = Vec::new();
+    for m in SLICE_MODELS {
+        for bw in p3_fig_bws(pts, m) {
+            let tp = |sp: usize| {
+                find_by(pts, "p3-slices", |p| {
+                    p.model == m && (p.bandwidth_gbps - bw).abs() < 1e-9 && p.sync == "p3" && p.slice_params == sp
+                })
+                .throughput_samples_s
+            };
+            let (bsp, btp) = SLICE_SIZES
+                .iter()
+                .map(|&sp| (sp, tp(sp)))
+                .fold((0, f64::NEG_INFINITY), |a, b| if b.1 > a.1 { b } else { a });
+            let (lo, hi) = (tp(SLICE_SIZES[0]), tp(SLICE_SIZES[SLICE_SIZES.len() - 1]));
+            let at50 = tp(P3_SLICE) / btp - 1.0;
+            if btp >= 1.01 * lo && btp >= 1.01 * hi {
+                interior.push(format!("{m} at {bw} Gbit/s"));
+            }
+            if at50 < -0.02 {
+                far.push(format!("{m} at {bw} Gbit/s"));
+            }
+            let worst = SLICE_SIZES.iter().map(|&sp| tp(sp)).fold(f64::INFINITY, f64::min);
+            if btp / worst - 1.0 < 0.001 {
+                curves.push(format!("{m} at {bw} Gbit/s: flat (within 0.1%)"));
+                continue;
+            }
+            curves.push(format!(
+                "{m} at {bw} Gbit/s: best {bsp} ({:+.1}% over {}, {:+.1}% over {}; 50,000 {:+.1}%)",
+                (btp / lo - 1.0) * 100.0,
+                SLICE_SIZES[0],
+                (btp / hi - 1.0) * 100.0,
+                SLICE_SIZES[SLICE_SIZES.len() - 1],
+                at50 * 100.0
+            ));
+        }
+    }
+    out.push(Effect {
+        claim: "Slices both too small and too large cost throughput, and P3's 50,000 is within 2% of the best size (Fig. 12)"
+            .into(),
+        evidence: format!(
+            "interior optimum (best ≥ 1% above both ends) for {}; {}",
+            if interior.is_empty() {
+                "none".to_string()
+            } else {
+                interior.join(", ")
+            },
+            curves.join("; ")
+        ),
+        holds: !interior.is_empty() && far.is_empty(),
+    });
+    out
+}
+
 fn colors() -> [RGBColor; 4] {
     [
         RGBColor(200, 60, 40),
@@ -288,6 +648,7 @@ fn colors() -> [RGBColor; 4] {
 type Series = (String, Vec<(f64, f64)>);
 
 /// One panel: lines with markers; `dots` are extra points drawn unjoined.
+/// The axes start at 0.
 #[allow(clippy::too_many_arguments)]
 fn panel(
     area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
@@ -298,24 +659,40 @@ fn panel(
     dots: &[Series],
     ideal: Option<Vec<(f64, f64)>>,
 ) -> Result<(), String> {
+    panel_in(area, title, (xdesc, ydesc), lines, dots, ideal, true)
+}
+
+/// [`panel`], with axes that span only the data unless `from_zero`.
+fn panel_in(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    title: &str,
+    (xdesc, ydesc): (&str, &str),
+    lines: &[Series],
+    dots: &[Series],
+    ideal: Option<Vec<(f64, f64)>>,
+    from_zero: bool,
+) -> Result<(), String> {
     let all = lines.iter().chain(dots).flat_map(|s| s.1.iter());
+    let (mut x0, mut y0) = (f64::INFINITY, f64::INFINITY);
     let (mut x1, mut y1) = (0f64, 0f64);
-    for &(x, y) in all {
+    for &(x, y) in all.chain(ideal.iter().flatten()) {
+        x0 = x0.min(x);
+        y0 = y0.min(y);
         x1 = x1.max(x);
         y1 = y1.max(y);
     }
-    if let Some(i) = &ideal {
-        for &(x, y) in i {
-            x1 = x1.max(x);
-            y1 = y1.max(y);
-        }
-    }
+    let (xr, yr) = if from_zero || !x0.is_finite() {
+        (0f64..x1 * 1.05, 0f64..(y1 * 1.15).max(1e-9))
+    } else {
+        let (dx, dy) = ((x1 - x0).max(1e-9) * 0.05, (y1 - y0).max(y1.abs() * 0.01).max(1e-9));
+        (x0 - dx..x1 + dx, y0 - dy * 0.5..y1 + dy * 0.8)
+    };
     let mut chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(56)
-        .build_cartesian_2d(0f64..x1 * 1.05, 0f64..(y1 * 1.15).max(1e-9))
+        .build_cartesian_2d(xr, yr)
         .map_err(|e| e.to_string())?;
     chart
         .configure_mesh()
@@ -332,14 +709,19 @@ fn panel(
     }
     for (k, (label, pts)) in lines.iter().enumerate() {
         let c = colors()[k % 4];
+        // A time series is drawn thin: thick lines' joins spike at its steps.
+        let w = if pts.len() <= 60 { 2 } else { 1 };
         chart
-            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(w)))
             .map_err(|e| e.to_string())?
             .label(label.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
-        chart
-            .draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))
-            .map_err(|e| e.to_string())?;
+        // Markers on figures' points, not on a time series.
+        if pts.len() <= 60 {
+            chart
+                .draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))
+                .map_err(|e| e.to_string())?;
+        }
     }
     for (k, (label, pts)) in dots.iter().enumerate() {
         let c = colors()[k % 4];
@@ -453,6 +835,111 @@ fn plot_p3(pts: &[Point], train: &[TrainPoint], path: &Path) -> Result<(), Strin
     root.present().map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// P3's Figs. 8 and 9: node 0's link out and in over the window, baseline and P3,
+/// a row per (model, bandwidth).
+fn plot_util(pts: &[Point], util: &[Util], path: &Path) -> Result<(), String> {
+    let cases: Vec<(&str, f64)> = UTIL_MODELS
+        .iter()
+        .flat_map(|&m| p3_fig_bws(pts, m).into_iter().map(move |bw| (m, bw)))
+        .collect();
+    let root = BitMapBackend::new(path, (1500, 330 * cases.len() as u32)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let areas = root.split_evenly((cases.len(), 2));
+    for (k, &(m, bw)) in cases.iter().enumerate() {
+        for (d, dir) in ["out (sent)", "in (received)"].iter().enumerate() {
+            let lines: Vec<Series> = P3_PAIR
+                .iter()
+                .map(|(sync, label)| (label.to_string(), util_of(util, m, bw, sync).series[d].clone()))
+                .collect();
+            panel(
+                &areas[2 * k + d],
+                &format!("{m}, 4 nodes, {bw} Gbit/s: node 0 {dir}"),
+                "s into the window (the baseline's iterations 1 and 2)",
+                "fraction of the link",
+                &lines,
+                &[],
+                None,
+            )?;
+        }
+    }
+    root.present().map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// P3's Fig. 10: samples/s against machines at 10 Gbit/s.
+fn plot_p3_scaling(pts: &[Point], path: &Path) -> Result<(), String> {
+    let (models, _) = p3_scale_models();
+    let root = BitMapBackend::new(path, (430 * models.len().max(1) as u32, 430)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    for (area, &model) in root.split_evenly((1, models.len().max(1))).iter().zip(&models) {
+        let lines: Vec<Series> = P3_PAIR
+            .iter()
+            .map(|(sync, label)| {
+                let v = P3_SCALE_NODES
+                    .iter()
+                    .map(|&n| {
+                        (
+                            n as f64,
+                            find(pts, "p3-scaling", model, n, P3_FIG_BW, sync).throughput_samples_s,
+                        )
+                    })
+                    .collect();
+                (label.to_string(), v)
+            })
+            .collect();
+        let p = find(pts, "p3-scaling", model, 2, P3_FIG_BW, "wfbp");
+        let one = p.throughput_samples_s / p.speedup;
+        panel(
+            area,
+            &format!("{model}, {P3_FIG_BW} Gbit/s"),
+            "machines",
+            "samples/s",
+            &lines,
+            &[],
+            Some(vec![(0.0, 0.0), (16.0, 16.0 * one)]),
+        )?;
+    }
+    root.present().map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// P3's Fig. 12: samples/s against the slice size (log scale), with the baseline.
+fn plot_slices(pts: &[Point], path: &Path) -> Result<(), String> {
+    let cases: Vec<(&str, f64)> = SLICE_MODELS
+        .iter()
+        .flat_map(|&m| p3_fig_bws(pts, m).into_iter().map(move |bw| (m, bw)))
+        .collect();
+    let root = BitMapBackend::new(path, (450 * cases.len() as u32, 430)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    for (area, &(m, bw)) in root.split_evenly((1, cases.len())).iter().zip(&cases) {
+        let at = |sync: &str, sp: usize| {
+            find_by(pts, "p3-slices", |p| {
+                p.model == m && (p.bandwidth_gbps - bw).abs() < 1e-9 && p.sync == sync && p.slice_params == sp
+            })
+            .throughput_samples_s
+        };
+        let x = |sp: usize| (sp as f64).log10();
+        let lines: Vec<Series> = vec![
+            (
+                "P3".into(),
+                SLICE_SIZES.iter().map(|&sp| (x(sp), at("p3", sp))).collect(),
+            ),
+            (
+                "baseline (no slices)".into(),
+                SLICE_SIZES.iter().map(|&sp| (x(sp), at("wfbp", P3_SLICE))).collect(),
+            ),
+        ];
+        panel_in(
+            area,
+            &format!("{m}, 4 nodes, {bw} Gbit/s"),
+            ("log10 slice size (parameters)", "samples/s"),
+            &lines,
+            &[],
+            None,
+            false,
+        )?;
+    }
+    root.present().map_err(|e| format!("{}: {e}", path.display()))
+}
+
 /// Runs `tidewire train` under the harness: (samples/s, shaped Gbit/s, dilation).
 fn train_under_harness(cli: &Cli, model: &str, profile: &str, sync: &str) -> Result<(f64, f64, u32), String> {
     let script = r#"exec "$0" train --model "$1" --workers 4 --colocate --iters "$2" --sync "$3" --fast --json \
@@ -534,57 +1021,107 @@ fn run(cli: &Cli) -> Result<bool, String> {
             ));
         }
     }
+    // Read before anything is written: it may be the results.json this run replaces.
+    let carried: Option<Vec<TrainPoint>> = match &cli.train_from {
+        None => None,
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|e| format!("--train-from {}: {e}", p.display()))?;
+            let j: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| format!("--train-from {}: {e}", p.display()))?;
+            let t: Vec<TrainPoint> = serde_json::from_value(j["train"].clone())
+                .map_err(|e| format!("--train-from {}: its \"train\": {e}", p.display()))?;
+            if t.is_empty() {
+                return Err(format!("--train-from {}: it has no train runs", p.display()));
+            }
+            Some(t)
+        }
+    };
     tidewire_bench::register_font(&cli.font).map_err(|e| e.to_string())?;
     std::fs::create_dir_all(&cli.out).map_err(|e| format!("{}: {e}", cli.out.display()))?;
     let t0 = Instant::now();
 
-    let mut jobs: Vec<(&'static str, SimArgs)> = Vec::new();
+    let threads = cli
+        .jobs
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .max(1);
+    // Phase 1: the figures whose points are fixed.
+    let mut jobs: Vec<Job> = Vec::new();
     for m in POSEIDON_MODELS {
         for bw in POSEIDON_BW {
             for (s, _) in POSEIDON_MODES {
-                jobs.push(("poseidon-bandwidth", sim_args(m, 16, bw, s, cli.iters)));
+                jobs.push(Job::new("poseidon-bandwidth", sim_args(m, 16, bw, s, cli.iters)));
             }
         }
     }
     for m in SCALING_MODELS {
         for n in SCALING_NODES {
             for (s, _) in SCALING_MODES {
-                jobs.push(("poseidon-scaling", sim_args(m, n, 40.0, s, cli.iters)));
+                jobs.push(Job::new("poseidon-scaling", sim_args(m, n, 40.0, s, cli.iters)));
             }
         }
     }
     for m in P3_MODELS {
         for bw in P3_BW {
             for (s, _) in P3_MODES {
-                jobs.push(("p3-bandwidth", sim_args(m, 4, bw, s, cli.iters)));
+                jobs.push(Job::new("p3-bandwidth", sim_args(m, 4, bw, s, cli.iters)));
             }
         }
     }
-    let mut pts = Vec::new();
-    let tty = std::io::stderr().is_terminal();
-    for (i, (fig, a)) in jobs.iter().enumerate() {
-        let p = simulate(fig, a)?;
-        let line = format!(
-            "[{:>3}/{}] sim {fig}: {} {} nodes {} Gbit/s {}",
-            i + 1,
-            jobs.len(),
-            a.model,
-            p.nodes,
-            p.bandwidth_gbps,
-            p.sync
-        );
-        if tty {
-            eprint!("\r{line:<72}");
-            let _ = std::io::stderr().flush();
-        } else if (i + 1) % 25 == 0 || i + 1 == jobs.len() {
-            eprintln!("{line}");
+    let (scale_models, skipped) = p3_scale_models();
+    for m in &skipped {
+        eprintln!("tidewire-papers: SKIPPED {m} in P3's scalability figure: tidewire sim has no profile for it");
+    }
+    for m in &scale_models {
+        for n in P3_SCALE_NODES {
+            for (s, _) in P3_PAIR {
+                jobs.push(Job::new("p3-scaling", sim_args(m, n, P3_FIG_BW, s, cli.iters)));
+            }
         }
-        pts.push(p);
     }
-    if tty {
-        eprintln!();
-    }
+    let mut pts: Vec<Point> = run_sims(&jobs, threads)?.into_iter().map(|(p, _)| p).collect();
     eprintln!("{} simulations in {:.1} s", jobs.len(), t0.elapsed().as_secs_f64());
+
+    // Phase 2: the points at the bandwidths phase 1 found. P3 against WFBP in
+    // Tidewire's default rank-order summation, at each model's best bandwidth
+    // for P3; the slice sizes and the link traces of P3's Figs. 8, 9 and 12.
+    let mut jobs: Vec<Job> = Vec::new();
+    for m in P3_MODELS {
+        let bw = p3_best(&pts, m).1;
+        for sync in ["wfbp", "p3"] {
+            let mut a = sim_args(m, 4, bw, sync, cli.iters);
+            a.fast = false;
+            jobs.push(Job::new("rank-order", a));
+        }
+    }
+    for m in SLICE_MODELS {
+        for bw in p3_fig_bws(&pts, m) {
+            jobs.push(Job::new("p3-slices", sim_args(m, 4, bw, "wfbp", cli.sweep_iters)));
+            for sp in SLICE_SIZES {
+                let mut a = sim_args(m, 4, bw, "p3", cli.sweep_iters);
+                a.slice_params = sp;
+                jobs.push(Job::new("p3-slices", a));
+            }
+        }
+    }
+    for m in UTIL_MODELS {
+        for bw in p3_fig_bws(&pts, m) {
+            for (sync, _) in P3_PAIR {
+                let mut a = sim_args(m, 4, bw, sync, UTIL_ITERS);
+                a.trace_bin_us = Some(UTIL_BIN_US);
+                jobs.push(Job::new("p3-utilization", a));
+            }
+        }
+    }
+    let t1 = Instant::now();
+    let phase2 = run_sims(&jobs, threads)?;
+    eprintln!("{} more simulations in {:.1} s", jobs.len(), t1.elapsed().as_secs_f64());
+    let traced: Vec<(Point, SimResult)> = phase2
+        .iter()
+        .filter(|(p, _)| p.figure == "p3-utilization")
+        .cloned()
+        .collect();
+    let util = utilization(&traced)?;
+    pts.extend(phase2.into_iter().map(|(p, _)| p));
 
     let mut train = Vec::new();
     for (k, (model, profile)) in train_points.iter().enumerate() {
@@ -615,28 +1152,46 @@ fn run(cli: &Cli) -> Result<bool, String> {
         }
     }
 
-    let eff = effects(&pts);
-    plot_poseidon_bandwidth(&pts, &cli.out.join("poseidon-bandwidth.png"))?;
-    plot_scaling(&pts, &cli.out.join("poseidon-scaling.png"))?;
-    plot_p3(&pts, &train, &cli.out.join("p3-bandwidth.png"))?;
-    let json = serde_json::json!({ "sim": pts, "train": train, "effects": eff });
+    if let Some(t) = &carried {
+        for c in t {
+            let mut a = sim_args(&c.model, 4, c.shaped_gbps, &c.sync, cli.train_iters);
+            a.time_scale = f64::from(c.dilation);
+            let s = sim::run(&a).map_err(|e| e.to_string())?;
+            train.push(TrainPoint {
+                sim_throughput_samples_s: s.throughput_samples_s,
+                ..c.clone()
+            });
+        }
+    }
+    let mut eff = effects(&pts);
+    eff.extend(more_effects(&pts, &util));
+    let pngs = [
+        "poseidon-bandwidth.png",
+        "poseidon-scaling.png",
+        "p3-bandwidth.png",
+        "p3-utilization.png",
+        "p3-scaling.png",
+        "p3-slices.png",
+    ];
+    plot_poseidon_bandwidth(&pts, &cli.out.join(pngs[0]))?;
+    plot_scaling(&pts, &cli.out.join(pngs[1]))?;
+    plot_p3(&pts, &train, &cli.out.join(pngs[2]))?;
+    plot_util(&pts, &util, &cli.out.join(pngs[3]))?;
+    plot_p3_scaling(&pts, &cli.out.join(pngs[4]))?;
+    plot_slices(&pts, &cli.out.join(pngs[5]))?;
+    let json = serde_json::json!({ "sim": pts, "utilization": util, "train": train, "effects": eff });
     let jp = cli.out.join("results.json");
     std::fs::write(&jp, serde_json::to_string_pretty(&json).expect("serializable") + "\n")
         .map_err(|e| format!("{}: {e}", jp.display()))?;
-    // P3 against WFBP in Tidewire's default rank-order summation, at each
-    // model's best bandwidth for P3.
-    let mut rank_order = Vec::new();
-    for m in P3_MODELS {
-        let bw = p3_best(&pts, m).1;
-        let mut tp = [0.0; 2];
-        for (k, sync) in ["wfbp", "p3"].iter().enumerate() {
-            let mut a = sim_args(m, 4, bw, sync, cli.iters);
-            a.fast = false;
-            tp[k] = simulate("rank-order", &a)?.throughput_samples_s;
-        }
-        rank_order.push((m.to_string(), bw, tp[0], tp[1]));
-    }
-    let md = eval_md(cli, &pts, &train, &eff, &rank_order);
+    let rank_order: Vec<RankOrder> = P3_MODELS
+        .iter()
+        .map(|&m| {
+            let bw = p3_best(&pts, m).1;
+            let tp = |sync| find(&pts, "rank-order", m, 4, bw, sync).throughput_samples_s;
+            (m.to_string(), bw, tp("wfbp"), tp("p3"))
+        })
+        .collect();
+    let md = eval_md(cli, &pts, &util, &train, &eff, &rank_order);
     let mp = cli.out.join("EVAL.md");
     std::fs::write(&mp, md).map_err(|e| format!("{}: {e}", mp.display()))?;
     for e in &eff {
@@ -648,8 +1203,9 @@ fn run(cli: &Cli) -> Result<bool, String> {
         );
     }
     println!(
-        "wrote {} (and results.json, 3 PNGs) in {:.1} s",
+        "wrote {} (and results.json, {} PNGs) in {:.1} s",
         mp.display(),
+        pngs.len(),
         t0.elapsed().as_secs_f64()
     );
     Ok(eff.iter().all(|e| e.holds) || !cli.check)
@@ -658,15 +1214,27 @@ fn run(cli: &Cli) -> Result<bool, String> {
 /// (model, Gbit/s, WFBP samples/s, P3 samples/s) summed in rank order.
 type RankOrder = (String, f64, f64, f64);
 
-fn eval_md(cli: &Cli, pts: &[Point], train: &[TrainPoint], eff: &[Effect], rank_order: &[RankOrder]) -> String {
+fn eval_md(
+    cli: &Cli,
+    pts: &[Point],
+    util: &[Util],
+    train: &[TrainPoint],
+    eff: &[Effect],
+    rank_order: &[RankOrder],
+) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "# Poseidon and P3, reproduced\n");
     let _ = writeln!(
         s,
         "Generated by `tidewire-papers` (`bench/papers/regen.sh`); do not edit by hand. \
          Every number below comes from `tidewire sim` ({} iterations per point) or, where marked, \
-         from `tidewire train` under the bandwidth harness on this machine, in the run that wrote this file.\n",
-        cli.iters
+         from `tidewire train` under the bandwidth harness on this machine, {}.\n",
+        cli.iters,
+        if cli.train_from.is_some() {
+            "in an earlier run (carried over: see its section)"
+        } else {
+            "in the run that wrote this file"
+        }
     );
     let _ = writeln!(s, "## Regenerate\n\n```sh");
     let _ = writeln!(
@@ -780,6 +1348,14 @@ fn eval_md(cli: &Cli, pts: &[Point], train: &[TrainPoint], eff: &[Effect], rank_
             "Not run in this generation (it needs root: `bench/papers/regen.sh` as root, or `--train`)."
         );
     } else {
+        if let Some(p) = &cli.train_from {
+            let _ = writeln!(
+                s,
+                "**Carried over**, not rerun in this generation: these `train` runs are from an earlier run as \
+                 root, read from its `{}` (`--train-from`); the `sim` column is simulated again here.\n",
+                p.display()
+            );
+        }
         let _ = writeln!(
             s,
             "Each row is one `tidewire train --workers 4 --colocate --fast --iters {}` with a rank in each \
@@ -806,6 +1382,8 @@ fn eval_md(cli: &Cli, pts: &[Point], train: &[TrainPoint], eff: &[Effect], rank_
             );
         }
     }
+
+    p3_figures_md(&mut s, cli, pts, util);
 
     let _ = writeln!(s, "\n## The papers' numbers beside ours\n");
     let _ = writeln!(
@@ -834,12 +1412,22 @@ fn eval_md(cli: &Cli, pts: &[Point], train: &[TrainPoint], eff: &[Effect], rank_
                 p3_best(pts, "vgg19").0 * 100.0
             )
         },
+        format!(
+            "{:.1}× (Poseidon), {:.1}× (PS), 40 GbE",
+            find(pts, "poseidon-scaling", "vgg19-22k", 32, 40.0, "hybrid").speedup,
+            find(pts, "poseidon-scaling", "vgg19-22k", 32, 40.0, "fifo-ps").speedup
+        ),
     ];
     for (p, o) in PAPER.iter().zip(ours) {
         let _ = writeln!(s, "| {} | {} | {} | {} |", p.what, p.value, p.source, o);
     }
 
     let _ = writeln!(s, "\n## Where we differ, and why\n");
+    let sockeye = if sim::known_model("sockeye") {
+        " is only in the scalability figure (Fig. 10), not in the bandwidth figure."
+    } else {
+        " has no profile here."
+    };
     let rank = rank_order
         .iter()
         .map(|(m, bw, wfbp, p3)| format!("{m} at {bw} Gbit/s, WFBP {wfbp:.0} and P3 {p3:.0} samples/s"))
@@ -866,11 +1454,165 @@ fn eval_md(cli: &Cli, pts: &[Point], train: &[TrainPoint], eff: &[Effect], rank_
          results). With P3's priority order a landing slot is then held until the lower ranks' slices \
          arrive. Measured in this run, at each model's best bandwidth above: {rank}. The papers' systems \
          sum in arrival order, so the figures use `--fast`.\n\
-         - **Sockeye** (P3's third model) has no profile here.\n\
+         - **Sockeye** (P3's third model){sockeye}\n\
          - **`train` under the harness** runs 4 ranks on this machine's 2 cores, with real TCP \
          through tc-shaped veths; the `train / sim` column above shows how far it is from the model."
     );
     s
+}
+
+/// The sections of P3's Figs. 8, 9, 10 and 12.
+fn p3_figures_md(s: &mut String, cli: &Cli, pts: &[Point], util: &[Util]) {
+    let pct = |x: f64| format!("{:.0}%", x * 100.0);
+    let bws = |models: &[&str]| {
+        models
+            .iter()
+            .map(|&m| {
+                let b: Vec<String> = p3_fig_bws(pts, m).iter().map(|b| b.to_string()).collect();
+                format!("{m} at {} Gbit/s", b.join(" and "))
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let _ = writeln!(s, "\n## P3: the worker's link over time (Figs. 8 and 9)\n");
+    let _ = writeln!(
+        s,
+        "![p3-utilization](p3-utilization.png)\n\n\
+         4 nodes, each a worker and a server, `--fast`, {UTIL_ITERS} iterations with \
+         `tidewire sim --trace-bin-us {UTIL_BIN_US}`: the bytes node 0's NIC (worker 0 and server 0) sent and \
+         received in each {} ms bin, as a fraction of the link. The plot shows the baseline's iterations 1 \
+         and 2 (from the start of iteration 0 plus one of its mean iterations, to plus three), the same span \
+         of time for both modes, so P3 fits more of its own iterations into it. The table measures each run \
+         over its own iterations after the first, to its end: *busy* is the mean fraction of the link used, \
+         *idle* the share of bins under {}% of it. The bandwidth of the paper's figures is not in a source \
+         we could reach: we use {P3_FIG_BW} Gbit/s, and each model's best bandwidth for P3 in the bandwidth \
+         figure above ({}). The receive side is the simulator's fair share, which can run ahead of a slower \
+         sender (`engine/src/net.rs`).\n",
+        UTIL_BIN_US / 1000.0,
+        IDLE * 100.0,
+        bws(&UTIL_MODELS)
+    );
+    let mut rows = Vec::new();
+    for m in UTIL_MODELS {
+        for bw in p3_fig_bws(pts, m) {
+            for (sync, label) in P3_PAIR {
+                let u = util_of(util, m, bw, sync);
+                rows.push(vec![
+                    m.to_string(),
+                    format!("{bw} Gbit/s"),
+                    format!("{label} (`{sync}`)"),
+                    format!("{:.3} s", u.iteration_s),
+                    pct(u.mean[0]),
+                    pct(u.idle[0]),
+                    pct(u.mean[1]),
+                    pct(u.idle[1]),
+                ]);
+            }
+        }
+    }
+    let head: Vec<String> = [
+        "model",
+        "bandwidth",
+        "mode",
+        "iteration",
+        "out: busy",
+        "out: idle",
+        "in: busy",
+        "in: idle",
+    ]
+    .map(String::from)
+    .to_vec();
+    table(s, &head, 3, &rows);
+
+    let (models, skipped) = p3_scale_models();
+    let _ = writeln!(s, "\n## P3: scalability at {P3_FIG_BW} Gbit/s (Fig. 10)\n");
+    let _ = writeln!(
+        s,
+        "![p3-scaling](p3-scaling.png)\n\n\
+         2 to 16 machines, each a worker and a server, {P3_FIG_BW} Gbit/s, `--fast`, {} iterations. Samples per \
+         second over all workers, with the speedup over one machine; the grey line in the plot is one machine's \
+         throughput times the machines.\n",
+        cli.iters
+    );
+    for m in &skipped {
+        let _ = writeln!(
+            s,
+            "**Skipped: {m}.** `tidewire sim` has no profile for it in this build, so it is not in this figure.\n"
+        );
+    }
+    let mut head = vec!["model".to_string(), "mode".to_string()];
+    head.extend(P3_SCALE_NODES.iter().map(|n| format!("{n} machines")));
+    let mut rows = Vec::new();
+    for &m in &models {
+        for (sync, label) in P3_PAIR {
+            let mut r = vec![m.to_string(), format!("{label} (`{sync}`)")];
+            for n in P3_SCALE_NODES {
+                let p = find(pts, "p3-scaling", m, n, P3_FIG_BW, sync);
+                r.push(format!("{:.0} ({:.1}×)", p.throughput_samples_s, p.speedup));
+            }
+            rows.push(r);
+        }
+        let mut r = vec![m.to_string(), "P3 over baseline".to_string()];
+        for n in P3_SCALE_NODES {
+            let g = find(pts, "p3-scaling", m, n, P3_FIG_BW, "p3").throughput_samples_s
+                / find(pts, "p3-scaling", m, n, P3_FIG_BW, "wfbp").throughput_samples_s
+                - 1.0;
+            r.push(format!("{:+.0}%", g * 100.0));
+        }
+        rows.push(r);
+    }
+    table(s, &head, 2, &rows);
+
+    let _ = writeln!(s, "\n## P3: slice size (Fig. 12)\n");
+    let _ = writeln!(
+        s,
+        "![p3-slices](p3-slices.png)\n\n\
+         4 nodes, `--fast`, {} iterations per point (fewer than the other figures: the smallest slices are the \
+         slowest runs to simulate), P3 with `tidewire sim --slice-params N`, beside the baseline, which has no \
+         slices (one point per row); {}. Samples per second over the 4 workers. A slice never crosses a \
+         2 MiB chunk (524,288 parameters), so the sweep stops at 500,000: a larger size is the chunk's.\n",
+        cli.sweep_iters,
+        bws(&SLICE_MODELS)
+    );
+    let mut head = vec!["model".to_string(), "bandwidth".to_string(), "baseline".to_string()];
+    head.extend(SLICE_SIZES.iter().map(|sp| sp.to_string()));
+    head.push("best".into());
+    let mut rows = Vec::new();
+    for m in SLICE_MODELS {
+        for bw in p3_fig_bws(pts, m) {
+            let at = |sync: &str, sp: usize| {
+                find_by(pts, "p3-slices", |p| {
+                    p.model == m && (p.bandwidth_gbps - bw).abs() < 1e-9 && p.sync == sync && p.slice_params == sp
+                })
+                .throughput_samples_s
+            };
+            let mut r = vec![
+                m.to_string(),
+                format!("{bw} Gbit/s"),
+                format!("{:.1}", at("wfbp", P3_SLICE)),
+            ];
+            r.extend(SLICE_SIZES.iter().map(|&sp| format!("{:.1}", at("p3", sp))));
+            let best = SLICE_SIZES.iter().copied().fold((0, f64::NEG_INFINITY), |a, sp| {
+                if at("p3", sp) > a.1 {
+                    (sp, at("p3", sp))
+                } else {
+                    a
+                }
+            });
+            let worst = SLICE_SIZES.iter().map(|&sp| at("p3", sp)).fold(f64::INFINITY, f64::min);
+            r.push(if best.1 / worst - 1.0 < 0.001 {
+                "none (flat within 0.1%)".to_string()
+            } else {
+                format!(
+                    "{} ({:+.1}% over 50,000)",
+                    best.0,
+                    (best.1 / at("p3", P3_SLICE) - 1.0) * 100.0
+                )
+            });
+            rows.push(r);
+        }
+    }
+    table(s, &head, 2, &rows);
 }
 
 #[cfg(test)]
@@ -888,6 +1630,7 @@ mod tests {
                     nodes: 4,
                     bandwidth_gbps: bw,
                     sync: (*s).into(),
+                    slice_params: P3_SLICE,
                     iteration_s: 1.0,
                     throughput_samples_s: bw,
                     speedup: 1.0,
@@ -898,5 +1641,104 @@ mod tests {
             find(&pts, "p3-bandwidth", "vgg19", 4, 8.0, "p3").throughput_samples_s,
             8.0
         );
+    }
+
+    fn pt(figure: &'static str, model: &str, nodes: usize, bw: f64, sync: &str, sp: usize, tp: f64) -> Point {
+        Point {
+            figure,
+            model: model.into(),
+            nodes,
+            bandwidth_gbps: bw,
+            sync: sync.into(),
+            slice_params: sp,
+            iteration_s: 1.0 / tp,
+            throughput_samples_s: tp,
+            speedup: tp,
+        }
+    }
+
+    /// Points and utilizations where every effect of P3's Figs. 8-12 shows.
+    fn p3_world() -> (Vec<Point>, Vec<Util>) {
+        let mut pts = vec![
+            pt("poseidon-scaling", "vgg19-22k", 32, 40.0, "hybrid", P3_SLICE, 31.0),
+            pt("poseidon-scaling", "vgg19-22k", 32, 40.0, "fifo-ps", P3_SLICE, 25.0),
+        ];
+        let mut util = Vec::new();
+        for m in P3_MODELS {
+            for bw in P3_BW {
+                pts.push(pt("p3-bandwidth", m, 4, bw, "wfbp", P3_SLICE, 100.0));
+                // P3's best gain at 5 Gbit/s.
+                let p3 = if bw == 5.0 { 120.0 } else { 101.0 };
+                pts.push(pt("p3-bandwidth", m, 4, bw, "p3", P3_SLICE, p3));
+            }
+            for bw in [P3_FIG_BW, 5.0] {
+                pts.push(pt("p3-slices", m, 4, bw, "wfbp", P3_SLICE, 100.0));
+                for sp in SLICE_SIZES {
+                    let tp = if sp == P3_SLICE { 110.0 } else { 105.0 };
+                    pts.push(pt("p3-slices", m, 4, bw, "p3", sp, tp));
+                }
+                for (sync, it, busy) in [("wfbp", 1.0, 0.7), ("p3", 0.9, 0.8)] {
+                    util.push(Util {
+                        model: m.into(),
+                        bandwidth_gbps: bw,
+                        sync: sync.into(),
+                        iteration_s: it,
+                        stats_s: [0.0, 1.0],
+                        mean: [busy; 2],
+                        idle: [1.0 - busy; 2],
+                        window_s: [0.0, 1.0],
+                        series: Default::default(),
+                    });
+                }
+            }
+        }
+        for m in p3_scale_models().0 {
+            for n in P3_SCALE_NODES {
+                pts.push(pt("p3-scaling", m, n, P3_FIG_BW, "wfbp", P3_SLICE, 10.0 * n as f64));
+                pts.push(pt("p3-scaling", m, n, P3_FIG_BW, "p3", P3_SLICE, 11.0 * n as f64));
+            }
+        }
+        (pts, util)
+    }
+
+    fn holds(pts: &[Point], util: &[Util]) -> Vec<bool> {
+        more_effects(pts, util).iter().map(|e| e.holds).collect()
+    }
+
+    #[test]
+    fn the_p3_figures_effects_can_fail() {
+        let (pts, util) = p3_world();
+        assert_eq!(holds(&pts, &util), [true; 4]);
+        // Fig. 10: P3 2% behind the baseline on 16 machines.
+        let mut p = pts.clone();
+        let i = p
+            .iter()
+            .position(|x| x.figure == "p3-scaling" && x.nodes == 16 && x.sync == "p3")
+            .unwrap();
+        p[i].throughput_samples_s = 0.98 * 160.0;
+        assert_eq!(holds(&p, &util), [true, true, false, true]);
+        // Fig. 12: the curve falls with the slice size (no interior optimum).
+        let mut p = pts.clone();
+        for x in p.iter_mut().filter(|x| x.figure == "p3-slices" && x.sync == "p3") {
+            x.throughput_samples_s = 200.0 - (x.slice_params as f64).log10();
+        }
+        assert_eq!(holds(&p, &util), [true, true, true, false]);
+        // Figs. 8, 9: P3 faster but idle more.
+        let mut u = util.clone();
+        for x in u.iter_mut().filter(|x| x.sync == "p3") {
+            x.idle = [0.35; 2];
+        }
+        assert_eq!(holds(&pts, &u), [true, false, true, true]);
+        // Poseidon at 32 nodes no better than PS.
+        let mut p = pts;
+        p[0].speedup = 24.0;
+        assert_eq!(holds(&p, &util), [false, true, true, true]);
+    }
+
+    #[test]
+    fn tables_are_markdown() {
+        let mut s = String::new();
+        table(&mut s, &["a".into(), "b".into()], 1, &[vec!["x".into(), "1".into()]]);
+        assert_eq!(s, "| a | b |\n|---|---:|\n| x | 1 |\n");
     }
 }
