@@ -9,6 +9,15 @@
 //! | PS | worker+server | 2MN(P1+P2−2)/P2 |
 //! | PS | worker only | 2MN |
 //! | PS | server only | 2MN·P1/P2 |
+//! | Adam | worker only | K(M+N) + MN |
+//! | Adam | server only (the layer's) | P1·K(M+N) + P1·MN |
+//! | Adam | worker+server (the layer's) | (P1−1)(K(M+N) + MN) |
+//!
+//! Adam (Poseidon §3.2, after Project Adam) sends sufficient factors to the
+//! server that holds the layer, which rebuilds the gradient, applies it and
+//! sends the full matrix back: the worker's load is small, and the layer's
+//! server carries P1 times the full matrix. Not a mode of Tidewire's engine:
+//! it is here for the traffic comparison of the papers' figures.
 //!
 //! ```
 //! use tidewire_engine::cost::{ps_params, sfb_params, NodeRole};
@@ -47,6 +56,17 @@ pub fn ps_params(role: NodeRole, m: u64, n: u64, p1: u64, p2: u64) -> u64 {
     }
 }
 
+/// Parameters moved per node per iteration by Adam's strategy (factors up,
+/// full matrices down), for the node holding the layer where it is a server.
+pub fn adam_params(role: NodeRole, k: u64, m: u64, n: u64, p1: u64) -> u64 {
+    let (mn, f) = (m * n, k * (m + n));
+    match role {
+        NodeRole::WorkerOnly => f + mn,
+        NodeRole::ServerOnly => p1 * (f + mn),
+        NodeRole::Both => p1.saturating_sub(1) * (f + mn),
+    }
+}
+
 /// The busiest node's load for each scheme, for a cluster layout.
 ///
 /// With colocated nodes (every node is worker and server) it is Poseidon's
@@ -72,6 +92,18 @@ mod tests {
         assert_eq!(ps, 58_720_256);
         assert_eq!(sfb, 3_670_016);
         assert!(sfb < ps);
+    }
+
+    #[test]
+    fn adams_layer_server_carries_p1_full_matrices() {
+        // 4096×4096, K = 32, P1 = 8: the layer's server moves 8× what a worker does.
+        let w = adam_params(NodeRole::WorkerOnly, 32, 4096, 4096, 8);
+        assert_eq!(w, 32 * 8192 + 4096 * 4096);
+        assert_eq!(adam_params(NodeRole::ServerOnly, 32, 4096, 4096, 8), 8 * w);
+        assert_eq!(adam_params(NodeRole::Both, 32, 4096, 4096, 8), 7 * w);
+        // Against the sharded PS on the same colocated node: Adam's busiest node
+        // carries more than the PS's (which spreads the layer over 8 servers).
+        assert!(adam_params(NodeRole::Both, 32, 4096, 4096, 8) > ps_params(NodeRole::Both, 4096, 4096, 8, 8));
     }
 
     #[test]
