@@ -108,7 +108,13 @@ fn sparse_and_dense_pushes_give_bitwise_the_same_parameters() {
         let pushes = |r: &SimReport| r.sparse.iter().map(|s| s.sparse_pushes + s.dense_pushes).sum::<u64>();
         let sparse_pushes = |r: &SimReport| r.sparse.iter().map(|s| s.sparse_pushes).sum::<u64>();
         assert_eq!(sparse_pushes(&dense), 0, "{what}");
-        if pushes(&sparse) > 0 && density < 0.05 {
+        // (A slice cut short by a chunk's end may hold too few elements for
+        // even one pair beside its header: a nonzero there goes dense.)
+        let roomy = book
+            .slices()
+            .iter()
+            .all(|s| tidewire_engine::sparse::pair_limit(s.len) >= 8);
+        if pushes(&sparse) > 0 && density < 0.05 && roomy {
             assert_eq!(
                 sparse_pushes(&sparse),
                 pushes(&sparse),
