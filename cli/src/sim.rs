@@ -136,6 +136,12 @@ pub struct SimArgs {
     /// 524,288 act as 524,288.
     #[arg(long, default_value_t = 50_000)]
     pub slice_params: usize,
+    /// KV chunk size in bytes (Poseidon: 2 MiB): the unit a server applies
+    /// and broadcasts, and that the unsliced modes push. A chunk of one slice
+    /// (`--chunk-bytes` = 4 × `--slice-params`) applies and broadcasts per
+    /// slice, as P3's server does.
+    #[arg(long, default_value_t = 2 << 20)]
+    pub chunk_bytes: usize,
     /// Trace every NIC's bytes sent and received per bin of this many µs of
     /// virtual time, set-up included (`nic_trace` in the JSON).
     #[arg(long)]
@@ -369,6 +375,7 @@ fn one_run(
         mode.book_config(BookConfig {
             batch: batch * lay.learners,
             slice_params: args.slice_params,
+            chunk_bytes: args.chunk_bytes,
             ..Default::default()
         }),
     )?;
@@ -451,6 +458,9 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
     }
     if args.local_bandwidth.is_nan() || args.local_bandwidth < 1e6 {
         return Err(Error::Usage("--local-bandwidth: give at least 1mbit".into()));
+    }
+    if args.chunk_bytes < 4 || args.chunk_bytes % 4 != 0 {
+        return Err(Error::Usage("--chunk-bytes: give a positive multiple of 4".into()));
     }
     if args.slice_params == 0 {
         return Err(Error::Usage("--slice-params: give at least 1".into()));
