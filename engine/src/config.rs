@@ -140,8 +140,8 @@ pub struct SchedConfig {
     /// Landing-slot credits a worker holds per server: at most this many of
     /// its pushes to one server are in flight or waiting to be read.
     /// [`SLOTS_AUTO`] (the default) sizes them from the book
-    /// ([`SchedConfig::resolve`]): `SLOT_CREDIT_WINDOWS` credit windows
-    /// spread over the servers, from 8 to 32 slots.
+    /// ([`SchedConfig::resolve`]): `SLOT_CREDIT_WINDOWS` credit windows of
+    /// the largest slice per server, from 8 to 32 slots.
     pub slots: u32,
     /// Spare landing slots each server keeps per worker beyond `slots`, for
     /// the deterministic order: a push that lands before a lower rank's
@@ -192,14 +192,15 @@ impl Default for SchedConfig {
 
 /// [`SchedConfig::slots`]: size them from the book.
 pub const SLOTS_AUTO: u32 = u32::MAX;
-/// Credit windows' worth of slices a worker may have in flight over all the
-/// servers ([`SLOTS_AUTO`]), measured with `tidewire sim --sync p3` over P3's
-/// sweep (EVAL.md, 4 nodes, 1-30 Gbit/s): 8 slots of 200 kB per server (1.6 MB,
-/// a fifth of the 8 MiB window over 4 servers) left Sockeye at 8-20 Gbit/s
-/// 2-4% behind WFBP, and ResNet-50 and Inception-V3 at 1-3 Gbit/s 3-10% behind
-/// 16 slots; 16 and 32 were within 1% of each other. Two windows over 4
-/// servers is 21 slots of 200 kB; slices of 2 MiB (the unsliced modes) keep 8.
-pub const SLOT_CREDIT_WINDOWS: f64 = 2.0;
+/// Credit windows' worth of slices a worker may have in flight to one server
+/// ([`SLOTS_AUTO`]), measured with `tidewire sim --sync p3` over P3's sweep
+/// (EVAL.md, 4 nodes, 1-30 Gbit/s) and its scalability runs (2-16 nodes at
+/// 10 Gbit/s): 8 slots of 200 kB per server (1.6 MB) left Sockeye at 8-20
+/// Gbit/s 2-4% behind WFBP, and ResNet-50 and Inception-V3 at 1-3 Gbit/s 3-10%
+/// behind 16 slots; 11 slots on 8 servers left Sockeye 1.2% behind WFBP; 16,
+/// 24 and 32 were within 1% of each other. Half an 8 MiB window is 21 slots
+/// of 200 kB; slices of 2 MiB (the unsliced modes) keep 8.
+pub const SLOT_CREDIT_WINDOWS: f64 = 0.5;
 /// [`SchedConfig::spare_slots`]: size them from the book.
 pub const SPARE_AUTO: u32 = u32::MAX;
 /// Credit windows' worth of slices a worker may have parked at one server
@@ -222,13 +223,13 @@ impl SchedConfig {
     }
 
     /// The settings with [`SLOTS_AUTO`] and [`SPARE_AUTO`] replaced by the
-    /// slots this book needs: `SLOT_CREDIT_WINDOWS × credit_bytes` over the
-    /// servers, of its largest slice (8 to 32), and spares for
+    /// slots this book needs: `SLOT_CREDIT_WINDOWS × credit_bytes` of its
+    /// largest slice per server (8 to 32), and spares for
     /// `SPARE_CREDIT_WINDOWS × credit_bytes` of it (1 to 256).
     pub fn resolve(mut self, book: &crate::book::Book) -> Self {
         if self.slots == SLOTS_AUTO {
             let slot = (book.max_slice_len() * 4).max(1) as f64;
-            let per_server = SLOT_CREDIT_WINDOWS * self.credit_bytes as f64 / book.p2().max(1) as f64;
+            let per_server = SLOT_CREDIT_WINDOWS * self.credit_bytes as f64;
             self.slots = (per_server / slot).ceil().clamp(8.0, 32.0) as u32;
         }
         if self.spare_slots == SPARE_AUTO {
