@@ -1618,7 +1618,26 @@ fn claims_md(s: &mut String, pts: &[Point]) {
                         (sp, p.throughput_samples_s)
                     })
                     .fold((0, f64::NEG_INFINITY), |a, b| if b.1 > a.1 { b } else { a });
-                format!("{m} at {bw} Gbit/s: {sp_}")
+                let tps: Vec<f64> = SLICE_SIZES
+                    .iter()
+                    .map(|&sp| {
+                        find_by(pts, "p3-slices", |p| {
+                            p.model == m
+                                && (p.bandwidth_gbps - bw).abs() < 1e-9
+                                && p.sync == "p3"
+                                && p.slice_params == sp
+                        })
+                        .throughput_samples_s
+                    })
+                    .collect();
+                let (lo, hi) = tps
+                    .iter()
+                    .fold((f64::INFINITY, 0f64), |(l, h), &t| (l.min(t), h.max(t)));
+                if hi / lo - 1.0 < 0.001 {
+                    format!("{m} at {bw} Gbit/s: flat (within 0.1%)")
+                } else {
+                    format!("{m} at {bw} Gbit/s: {sp_}")
+                }
             })
         })
         .collect();
