@@ -140,7 +140,7 @@ pub struct SchedConfig {
     /// Landing-slot credits a worker holds per server: at most this many of
     /// its pushes to one server are in flight or waiting to be read.
     /// [`SLOTS_AUTO`] (the default) sizes them from the book
-    /// ([`SchedConfig::resolve`]): `SLOT_CREDIT_WINDOWS` credit windows of
+    /// ([`SchedConfig::resolve`]): `SLOT_CREDIT_WINDOWS` reference credit windows of
     /// the largest slice per server, from 8 to 32 slots.
     pub slots: u32,
     /// Spare landing slots each server keeps per worker beyond `slots`, for
@@ -152,7 +152,7 @@ pub struct SchedConfig {
     /// hold its own credit until its turn. A server keeps `(slots +
     /// spare_slots) × P1` landing slots. [`SPARE_AUTO`] (the default) sizes
     /// them from the book ([`SchedConfig::resolve`]): enough to park
-    /// `SPARE_CREDIT_WINDOWS` credit windows of the largest slice, from 1 to 256.
+    /// `SPARE_CREDIT_WINDOWS` reference credit windows ([`REFERENCE_CREDIT_BYTES`]) of the largest slice, from 1 to 256.
     pub spare_slots: u32,
     /// Consistency model.
     pub consistency: Consistency,
@@ -192,6 +192,10 @@ impl Default for SchedConfig {
 
 /// [`SchedConfig::slots`]: size them from the book.
 pub const SLOTS_AUTO: u32 = u32::MAX;
+/// The credit window the automatic slot sizes count in: the default 8 MiB,
+/// not each rank's own `credit_bytes`, so that the sizes follow from the book
+/// alone (every rank must agree on them, and `credit_bytes` is a rank's own).
+pub const REFERENCE_CREDIT_BYTES: usize = 8 << 20;
 /// Credit windows' worth of slices a worker may have in flight to one server
 /// ([`SLOTS_AUTO`]), measured with `tidewire sim --sync p3` over P3's sweep
 /// (EVAL.md, 4 nodes, 1-30 Gbit/s) and its scalability runs (2-16 nodes at
@@ -223,18 +227,18 @@ impl SchedConfig {
     }
 
     /// The settings with [`SLOTS_AUTO`] and [`SPARE_AUTO`] replaced by the
-    /// slots this book needs: `SLOT_CREDIT_WINDOWS × credit_bytes` of its
+    /// slots this book needs: `SLOT_CREDIT_WINDOWS × REFERENCE_CREDIT_BYTES` of its
     /// largest slice per server (8 to 32), and spares for
-    /// `SPARE_CREDIT_WINDOWS × credit_bytes` of it (1 to 256).
+    /// `SPARE_CREDIT_WINDOWS × REFERENCE_CREDIT_BYTES` of it (1 to 256).
     pub fn resolve(mut self, book: &crate::book::Book) -> Self {
         if self.slots == SLOTS_AUTO {
             let slot = (book.max_slice_len() * 4).max(1) as f64;
-            let per_server = SLOT_CREDIT_WINDOWS * self.credit_bytes as f64;
+            let per_server = SLOT_CREDIT_WINDOWS * REFERENCE_CREDIT_BYTES as f64;
             self.slots = (per_server / slot).ceil().clamp(8.0, 32.0) as u32;
         }
         if self.spare_slots == SPARE_AUTO {
             let slot = (book.max_slice_len() * 4).max(1) as f64;
-            let n = (SPARE_CREDIT_WINDOWS * self.credit_bytes as f64 / slot).ceil();
+            let n = (SPARE_CREDIT_WINDOWS * REFERENCE_CREDIT_BYTES as f64 / slot).ceil();
             self.spare_slots = n.clamp(1.0, 256.0) as u32;
         }
         self

@@ -81,7 +81,9 @@ pub mod wire;
 pub mod worker;
 
 pub use book::{Book, BookConfig, Cluster, Placement, Role, Scheme, SchemePolicy};
-pub use config::{ApplyOp, Consistency, QueueOrder, SchedConfig, SyncMode, Trigger, SLOTS_AUTO, SPARE_AUTO};
+pub use config::{
+    ApplyOp, Consistency, QueueOrder, SchedConfig, SyncMode, Trigger, REFERENCE_CREDIT_BYTES, SLOTS_AUTO, SPARE_AUTO,
+};
 pub use error::{EngineError, Result};
 pub use server::{Server, ServerCommand};
 pub use worker::{Worker, WorkerCommand};

@@ -175,6 +175,7 @@ impl Server {
     pub fn new(book: Arc<Book>, rank: u32, cfg: SchedConfig) -> Result<Self> {
         cfg.validate()?;
         let cfg = cfg.resolve(&book);
+        cfg.validate()?;
         if book.cluster().server_index(rank).is_none() {
             return Err(EngineError::InvalidConfig(format!(
                 "rank {rank} is not a server in this cluster"
@@ -471,7 +472,10 @@ impl Server {
             .worker_index(worker)
             .ok_or_else(|| self.err(worker, "a parked slot of a rank that is not a worker".into()))?;
         let total = self.cfg.landing_slots() as usize;
-        if slot as usize >= total || self.spare_free[wi].contains(&slot) || self.spare_free[wi].len() >= total {
+        if slot as usize >= total
+            || self.spare_free[wi].contains(&slot)
+            || self.spare_free[wi].len() >= self.cfg.spare_slots as usize
+        {
             return Err(self.err(worker, format!("parked slot {slot} freed twice")));
         }
         self.spare_free[wi].push(slot);

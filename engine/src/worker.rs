@@ -111,6 +111,7 @@ impl Worker {
     pub fn new(book: Arc<Book>, rank: u32, cfg: SchedConfig) -> Result<Self> {
         cfg.validate()?;
         let cfg = cfg.resolve(&book);
+        cfg.validate()?;
         let index = book
             .cluster()
             .worker_index(rank)

@@ -111,7 +111,7 @@ pub use types::{
 
 use crate::agree::JobConfig;
 use crate::book::{Book, LayerKind, Placement, Scheme};
-use crate::config::{ApplyOp, Consistency, SchedConfig, Trigger};
+use crate::config::{ApplyOp, Consistency, QueueOrder, SchedConfig, Trigger};
 use crate::error::{EngineError, Result};
 use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use crate::server::{Server, ServerCommand};
@@ -1067,6 +1067,12 @@ impl Node {
         self.jobs.insert(id, track);
         let job = Job { id, queue, kind };
         if queue == Queue::Server && self.sched.trigger == Trigger::All {
+            // P3's priority only where the worker sends by priority: the FIFO
+            // modes (the papers' baselines) keep their servers in arrival order.
+            let prio = match self.sched.order {
+                QueueOrder::Priority => prio,
+                QueueOrder::Fifo => (0, 0),
+            };
             self.srv_jobs.insert(id, job);
             self.srv_queue.push(std::cmp::Reverse((prio.0, prio.1, id)));
             self.pump_server_jobs();
