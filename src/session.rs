@@ -88,7 +88,12 @@ impl Builder {
         self.cfg.book.batch = k;
         self
     }
-    /// KV chunk size in bytes.
+    /// KV chunk size in bytes: the unit a server applies and broadcasts.
+    /// Default 2 MiB (Poseidon's). Under the priority order (P3), chunks of
+    /// one slice (4 × [`Builder::slice_params`]) apply and broadcast each
+    /// slice as soon as it is summed, as P3's server does: what `tidewire
+    /// train --sync p3` uses ([`tidewire_engine::SyncMode::default_chunk_bytes`]),
+    /// and faster where few servers serve many workers.
     pub fn chunk_bytes(mut self, b: usize) -> Self {
         self.cfg.book.chunk_bytes = b;
         self
@@ -613,7 +618,7 @@ impl Session {
     pub fn grad_ready(&self, buf: LayerBuffers) -> Result<()> {
         self.worker()?;
         let spec = self.book.layer(buf.layer)?;
-        if self.book.scheme(buf.layer, 0) == Scheme::Sfb {
+        if self.book.scheme(buf.layer, 0).takes_factors() {
             return Err(EngineError::NeedsFactors {
                 layer: buf.layer,
                 name: spec.name.clone(),

@@ -186,6 +186,13 @@
 #define TW_SCHEME_SFB 1
 
 /**
+ * The layer syncs by Adam's strategy (the layer's server rebuilds the
+ * gradient from the factors): hand it in with tw_push_factors. Only under the
+ * engine's adam scheme policy, which no TW_POLICY_* selects yet.
+ */
+#define TW_SCHEME_ADAM 2
+
+/**
  * A rank's configuration: the layer table, the settings and the registered
  * memory (opaque; `tw_config` in C). Made by `tw_config_new`, freed by
  * `tw_config_free`; `tw_init` reads it and does not keep it.

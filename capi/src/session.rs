@@ -18,6 +18,10 @@ use crate::error::{guard, Fail, TW_ERR_CLUSTER, TW_ERR_INVALID_ARGUMENT, TW_ERR_
 pub const TW_SCHEME_PS: c_int = 0;
 /// The layer syncs by sufficient-factor broadcast: hand it in with tw_push_factors.
 pub const TW_SCHEME_SFB: c_int = 1;
+/// The layer syncs by Adam's strategy (the layer's server rebuilds the
+/// gradient from the factors): hand it in with tw_push_factors. Only under the
+/// engine's adam scheme policy, which no TW_POLICY_* selects yet.
+pub const TW_SCHEME_ADAM: c_int = 2;
 
 #[derive(Debug)]
 enum Rank {
@@ -540,6 +544,7 @@ pub unsafe extern "C" fn tw_scheme(s: *const TwSession, layer: u32) -> c_int {
         Ok(match r.session().scheme(layer)? {
             Scheme::Ps => TW_SCHEME_PS,
             Scheme::Sfb => TW_SCHEME_SFB,
+            Scheme::Adam => TW_SCHEME_ADAM,
         })
     };
     // SAFETY: the caller's contract (# Safety above).

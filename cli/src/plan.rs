@@ -100,6 +100,20 @@ pub fn plan(model: &str, workers: usize, servers: usize, batch: usize, colocated
         total_chosen += match scheme {
             Scheme::Ps => ps * 4,
             Scheme::Sfb => sfb.unwrap_or(0) * 4,
+            // Not chosen by HybComm (the plan's policy); the layer's server is the busiest node.
+            Scheme::Adam => {
+                tidewire_engine::cost::adam_params(
+                    if colocated {
+                        NodeRole::Both
+                    } else {
+                        NodeRole::ServerOnly
+                    },
+                    k,
+                    mm,
+                    nn,
+                    p1,
+                ) * 4
+            }
         };
         rows.push(PlanRow {
             index: i,
@@ -161,6 +175,7 @@ pub fn render(p: &Plan) -> String {
             match r.scheme {
                 Scheme::Ps => "PS",
                 Scheme::Sfb => "SFB",
+                Scheme::Adam => "Adam",
             }
         );
     }

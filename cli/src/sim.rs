@@ -62,7 +62,8 @@ pub struct SimArgs {
     /// One-way latency per transfer in microseconds.
     #[arg(long, default_value_t = 5.0)]
     pub latency_us: f64,
-    /// fifo-ps, wfbp, hybrid, sliced, p3, full or kvstore.
+    /// fifo-ps, wfbp, hybrid, sliced, p3, full, kvstore or adam (the
+    /// papers' baselines: MXNet's KVStore for P3, Project Adam for Poseidon).
     #[arg(long, default_value = "full", value_parser = parse_sync)]
     pub sync: String,
     /// bsp, or ssp:S.
@@ -136,12 +137,13 @@ pub struct SimArgs {
     /// 524,288 act as 524,288.
     #[arg(long, default_value_t = 50_000)]
     pub slice_params: usize,
-    /// KV chunk size in bytes (Poseidon: 2 MiB): the unit a server applies
-    /// and broadcasts, and that the unsliced modes push. A chunk of one slice
-    /// (`--chunk-bytes` = 4 × `--slice-params`) applies and broadcasts per
-    /// slice, as P3's server does.
-    #[arg(long, default_value_t = 2 << 20)]
-    pub chunk_bytes: usize,
+    /// KV chunk size in bytes: the unit a server applies and broadcasts, and
+    /// that the unsliced modes push. Default: one slice in sliced, p3 and full
+    /// (P3's server applies and broadcasts per slice; slices under 64 KiB are
+    /// grouped to at least 64 KiB, and a chunk stays within 2 MiB), Poseidon's
+    /// 2 MiB in the other modes.
+    #[arg(long)]
+    pub chunk_bytes: Option<usize>,
     /// Trace every NIC's bytes sent and received per bin of this many µs of
     /// virtual time, set-up included (`nic_trace` in the JSON).
     #[arg(long)]
@@ -224,7 +226,7 @@ fn parse_gpu(s: &str) -> std::result::Result<models::Calibration, String> {
 fn parse_sync(s: &str) -> std::result::Result<String, String> {
     SyncMode::parse(s)
         .map(|m| m.name().to_string())
-        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, sliced, p3, full or kvstore".into())
+        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, sliced, p3, full, kvstore or adam".into())
 }
 
 /// Parses a bandwidth: `10gbit`, `10gbe`, `10g`, `500mbit`, `2.5gbit/s`, or plain bits per second.
@@ -314,6 +316,10 @@ pub struct SimResult {
     /// (mean over nodes; the set-up before the first iteration, seeding the
     /// servers, not counted: a run with no iterations measures it).
     pub node_nic_bytes_per_iter: [f64; 2],
+    /// Per host (workers first, then server-only nodes): payload bytes its
+    /// NIC sent and received per iteration (set-up not counted). Shows how
+    /// even the load is: Adam's layer servers stand out (Poseidon's Fig. 10).
+    pub host_nic_bytes_per_iter: Vec<[f64; 2]>,
     /// Local aggregation per node per iteration, s (0 without local learners).
     pub local_agg_s: f64,
     /// Parameter fan-out to the node's learners per iteration, s.
@@ -375,7 +381,9 @@ fn one_run(
         mode.book_config(BookConfig {
             batch: batch * lay.learners,
             slice_params: args.slice_params,
-            chunk_bytes: args.chunk_bytes,
+            chunk_bytes: args
+                .chunk_bytes
+                .unwrap_or_else(|| mode.default_chunk_bytes(args.slice_params)),
             ..Default::default()
         }),
     )?;
@@ -459,7 +467,7 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
     if args.local_bandwidth.is_nan() || args.local_bandwidth < 1e6 {
         return Err(Error::Usage("--local-bandwidth: give at least 1mbit".into()));
     }
-    if args.chunk_bytes < 4 || args.chunk_bytes % 4 != 0 {
+    if args.chunk_bytes.is_some_and(|b| b < 4 || b % 4 != 0) {
         return Err(Error::Usage("--chunk-bytes: give a positive multiple of 4".into()));
     }
     if args.slice_params == 0 {
@@ -472,6 +480,20 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
     }
     let t0 = Instant::now();
     let mode = SyncMode::parse(&args.sync).expect("validated by clap");
+    if matches!(mode, SyncMode::KvStore | SyncMode::Adam)
+        && (consistency_of(&args.consistency)? != Consistency::Bsp
+            || Trigger::parse(&args.trigger) != Some(Trigger::All))
+    {
+        // The papers' baselines keep one version per iteration: the servers
+        // of kvstore are pulled every version, Adam's rebuild each layer
+        // from every worker's factors of one iteration.
+        return Err(Error::Usage(format!(
+            "--sync {} is a BSP baseline: it needs --consistency bsp and --trigger all, not --consistency {} --trigger {}",
+            mode.name(),
+            args.consistency,
+            args.trigger
+        )));
+    }
     let batch = args.batch.unwrap_or(model.batch);
     let single = one_run(
         &model,
@@ -562,6 +584,15 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             local_learners: l,
             flat: flat && l > 1,
             node_nic_bytes_per_iter: [per_iter(0), per_iter(1)],
+            host_nic_bytes_per_iter: rep
+                .nic_bytes
+                .iter()
+                .zip(setup.nic_bytes.iter().chain(std::iter::repeat(&[0, 0])))
+                .map(|(b, s)| {
+                    let d = |i: usize| b[i].saturating_sub(s[i]) as f64 / args.iters.max(1) as f64;
+                    [d(0), d(1)]
+                })
+                .collect(),
             local_agg_s: rep.local_agg_s,
             fanout_s: rep.fanout_s,
             flat_run: None,
@@ -657,6 +688,22 @@ fn body(r: &SimResult) -> String {
             "model updates    every {:.4} s ({:.1} iterations/s)\n",
             r.updates_iteration_s,
             1.0 / r.updates_iteration_s
+        ));
+    }
+    let load: Vec<f64> = r.host_nic_bytes_per_iter.iter().map(|[a, b]| a + b).collect();
+    if let (Some((hi, max)), Some((lo, min))) = (
+        load.iter().copied().enumerate().max_by(|a, b| a.1.total_cmp(&b.1)),
+        load.iter().copied().enumerate().min_by(|a, b| a.1.total_cmp(&b.1)),
+    ) {
+        s.push_str(&format!(
+            "NIC per node     {:.1} MB (node {hi}) to {:.1} MB (node {lo}) sent + received per iteration{}\n",
+            max / 1e6,
+            min / 1e6,
+            if min > 0.0 {
+                format!(", busiest/least {:.2}", max / min)
+            } else {
+                String::new()
+            }
         ));
     }
     if r.local_learners > 1 {

@@ -43,8 +43,10 @@ pub struct TrainArgs {
     /// Iterations.
     #[arg(long, default_value_t = 10)]
     pub iters: u64,
-    /// fifo-ps, wfbp, hybrid, sliced, p3, full or kvstore (MXNet's KVStore,
-    /// P3's baseline: whole layers per server, notify then pull; BSP only).
+    /// fifo-ps, wfbp, hybrid, sliced, p3, full, kvstore (MXNet's KVStore,
+    /// P3's baseline: whole layers per server, notify then pull; BSP only)
+    /// or adam (Project Adam, Poseidon's baseline: FC layers' factors to the
+    /// one server holding the layer, full matrices back; BSP only).
     #[arg(long, default_value = "full", value_parser = parse_sync)]
     pub sync: String,
     /// Batch size K per worker (default: the profile's).
@@ -78,9 +80,13 @@ pub struct TrainArgs {
     /// Credit window in bytes (default: the engine's).
     #[arg(long)]
     pub credit_bytes: Option<usize>,
-    /// KV chunk size in bytes.
-    #[arg(long, default_value_t = 2 << 20)]
-    pub chunk_bytes: usize,
+    /// KV chunk size in bytes: the unit a server applies and broadcasts.
+    /// Default: one slice in sliced, p3 and full (P3's server applies and
+    /// broadcasts per slice; slices under 64 KiB are grouped to at least
+    /// 64 KiB, and a chunk stays within 2 MiB), Poseidon's 2 MiB in the other
+    /// modes.
+    #[arg(long)]
+    pub chunk_bytes: Option<usize>,
     /// Slice size in parameters (p3 and full).
     #[arg(long, default_value_t = 50_000)]
     pub slice_params: usize,
@@ -200,7 +206,7 @@ fn split_list(s: &str) -> Vec<String> {
 fn parse_sync(s: &str) -> std::result::Result<String, String> {
     SyncMode::parse(s)
         .map(|m| m.name().to_string())
-        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, sliced, p3, full or kvstore".into())
+        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, sliced, p3, full, kvstore or adam".into())
 }
 
 fn parse_consistency(s: &str) -> std::result::Result<String, String> {
@@ -377,6 +383,13 @@ impl TrainArgs {
                 )));
             }
         }
+        if self.sync_mode() == SyncMode::Adam && (c != Consistency::Bsp || trigger != tidewire_engine::Trigger::All) {
+            return Err(Error::Usage(format!(
+                "--sync adam rebuilds each FC layer on its server from every worker's factors of one iteration: \
+                 it needs BSP and --trigger all, not --consistency {} --trigger {}",
+                self.consistency, self.trigger
+            )));
+        }
         self.ckpt.validate(
             self.world().2,
             self.iters,
@@ -439,7 +452,9 @@ impl TrainArgs {
     fn book_config(&self, m: &Model) -> BookConfig {
         self.sync_mode().book_config(BookConfig {
             batch: self.batch(m) * self.learners(),
-            chunk_bytes: self.chunk_bytes,
+            chunk_bytes: self
+                .chunk_bytes
+                .unwrap_or_else(|| self.sync_mode().default_chunk_bytes(self.slice_params)),
             slice_params: self.slice_params,
             ..Default::default()
         })
@@ -696,7 +711,7 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
     }
     let session = builder
         .batch(args.batch(&model) * args.learners())
-        .chunk_bytes(args.chunk_bytes)
+        .chunk_bytes(args.book_config(&model).chunk_bytes)
         .slice_params(args.book_config(&model).slice_params)
         .placement(args.book_config(&model).placement)
         .policy(if comm {
@@ -878,7 +893,7 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
             if spec.kind == LayerKind::Fc {
                 let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
                 synth.factors(global, it, l as u32, &mut u, &mut v);
-                if book.scheme(l as u32, it) == Scheme::Sfb {
+                if book.scheme(l as u32, it).takes_factors() {
                     me.hand_in(l, it, &[&u, &v])?;
                 } else {
                     cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, &mut grad[l]);
@@ -1033,7 +1048,7 @@ fn worker_loop(
                 // node's other learners in local-rank order; one hand-in.
                 let global = wi * args.local_learners;
                 let (km, kn) = (k * spec.m, k * spec.n);
-                let as_factors = spec.kind == LayerKind::Fc && book.scheme(l as u32, it) == Scheme::Sfb;
+                let as_factors = spec.kind == LayerKind::Fc && book.scheme(l as u32, it).takes_factors();
                 if as_factors {
                     let (u, v) = buf.uv_mut();
                     synth.factors(global, it, l as u32, &mut u[..km], &mut v[..kn]);
@@ -1190,7 +1205,7 @@ pub fn run_single(args: &TrainArgs, engine: bool) -> Result<Vec<IterStat>> {
         let spec = ClusterSpec::new(0, 1, 0, true, "127.0.0.1:1".parse().expect("literal"))?;
         let session = Builder::new(model.layers.clone())
             .batch(args.batch(&model))
-            .chunk_bytes(args.chunk_bytes)
+            .chunk_bytes(args.book_config(&model).chunk_bytes)
             .slice_params(args.book_config(&model).slice_params)
             .policy(tidewire_engine::SchemePolicy::Ps)
             .sched(args.sched())
@@ -1314,7 +1329,10 @@ pub fn reference(args: &TrainArgs, book: &Book) -> Result<Vec<String>> {
                     synth.grad(gi, it, li as u32, dst);
                 }
             };
-            if sfb && (args.flat || lrn == 1) {
+            // Adam's server sums every worker rank's factors in rank order,
+            // with no fold groups (a flat run's learners are worker ranks).
+            let adam = spec.kind == LayerKind::Fc && book.scheme(li as u32, it) == Scheme::Adam;
+            if (sfb || adam) && (args.flat || lrn == 1) {
                 for gi in 0..nodes * lrn {
                     if gi == 0 {
                         grad_of(gi, &mut acc[..n]);
@@ -1323,7 +1341,9 @@ pub fn reference(args: &TrainArgs, book: &Book) -> Result<Vec<String>> {
                         cpu::add_assign(&mut acc[..n], &g[..n]);
                     }
                 }
-            } else if sfb {
+            } else if sfb || adam {
+                // A node's learners' factors, stacked (K·learners rows): one
+                // hand-in, summed per node in node order.
                 for node in 0..nodes {
                     for j in 0..lrn {
                         let gi = node * lrn + j;
@@ -2244,13 +2264,17 @@ pub fn render(r: &TrainReport) -> String {
             mb(&r.node_rx_bytes)
         );
     }
-    let sfb = r.layers.iter().filter(|l| l.scheme == Scheme::Sfb).count();
-    let _ = writeln!(
+    let count = |x: Scheme| r.layers.iter().filter(|l| l.scheme == x).count();
+    let (sfb, adam) = (count(Scheme::Sfb), count(Scheme::Adam));
+    let _ = write!(
         s,
-        "schemes (every iteration): {} layers PS, {} layers SFB",
-        r.layers.len() - sfb,
-        sfb
+        "schemes (every iteration): {} layers PS, {sfb} layers SFB",
+        r.layers.len() - sfb - adam
     );
+    if adam > 0 {
+        let _ = write!(s, ", {adam} layers Adam");
+    }
+    let _ = writeln!(s);
     for l in r.layers.iter().filter(|l| l.kind == LayerKind::Fc) {
         let _ = writeln!(
             s,

@@ -93,6 +93,14 @@ fn bad_flags_are_clear_errors() {
         (vec!["--workers", "4"], "--servers"),
         (vec!["--consistency", "ssp"], "use bsp or ssp:S"),
         (vec!["--iters", "0"], "at least 1"),
+        (
+            vec!["--sync", "adam", "--consistency", "ssp:1"],
+            "--sync adam is a BSP baseline",
+        ),
+        (
+            vec!["--sync", "kvstore", "--trigger", "async"],
+            "--sync kvstore is a BSP baseline",
+        ),
     ] {
         let out = sim(&args);
         assert!(!out.status.success(), "{args:?} succeeded");
@@ -167,4 +175,49 @@ fn triggers_and_faults_from_the_command_line() {
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("SFB"));
+}
+
+/// Poseidon's Fig. 10 from the command line: under `--sync adam` the server
+/// holding fc6 moves every worker's factors in and the full matrix out to
+/// every worker, so one node carries many times another's traffic; the
+/// sharded PS (`wfbp`) keeps the nodes even, and HybComm moves less than
+/// Adam on its busiest node. The per-node loads are in the JSON.
+#[test]
+fn adam_loads_one_server_and_hybcomm_beats_it() {
+    let busiest = |sync: &str| -> (f64, f64, f64) {
+        let j = json(&[
+            "--model",
+            "vgg19",
+            "--workers",
+            "4",
+            "--servers",
+            "4",
+            "--iters",
+            "2",
+            "--sync",
+            sync,
+        ]);
+        let load: Vec<f64> = j["host_nic_bytes_per_iter"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h[0].as_f64().unwrap() + h[1].as_f64().unwrap())
+            .collect();
+        assert_eq!(load.len(), 8, "{j}");
+        let max = load.iter().copied().fold(0.0, f64::max);
+        let min = load.iter().copied().fold(f64::INFINITY, f64::min);
+        (max, max / min, j["throughput_samples_s"].as_f64().unwrap())
+    };
+    let (adam, adam_spread, adam_tp) = busiest("adam");
+    let (_, ps_spread, _) = busiest("wfbp");
+    let (hyb, _, hyb_tp) = busiest("hybrid");
+    assert!(
+        adam_spread > 5.0,
+        "adam's busiest node over its least busy: {adam_spread}"
+    );
+    assert!(ps_spread < 1.5, "the sharded PS: {ps_spread}");
+    assert!(
+        hyb < adam && hyb_tp > adam_tp,
+        "hybcomm {hyb} B, {hyb_tp}/s; adam {adam} B, {adam_tp}/s"
+    );
 }

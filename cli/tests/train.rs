@@ -109,7 +109,7 @@ fn vgg19_bsp_matches_the_single_process_reference_bitwise() {
 #[test]
 fn colocated_and_every_sync_mode_verify() {
     let _serial = serial();
-    for sync in ["fifo-ps", "wfbp", "hybrid", "sliced", "p3", "full"] {
+    for sync in ["fifo-ps", "wfbp", "hybrid", "sliced", "p3", "full", "kvstore", "adam"] {
         let out = tidewire()
             .args([
                 "train",
@@ -141,18 +141,29 @@ fn colocated_and_every_sync_mode_verify() {
     }
 }
 
-/// `--sync kvstore` (MXNet's KVStore, P3's baseline: whole layers, fc6 of
-/// vgg19-mini split over both servers, notify then pull) over real processes:
-/// it verifies against the single-process reference and ends with exactly
-/// the parameters of `--sync wfbp`, split and colocated; the help lists it.
+/// The papers' baselines over real processes: `--sync kvstore` (MXNet's
+/// KVStore, P3's baseline: whole layers, fc6 of vgg19-mini split over both
+/// servers, notify then pull) and `--sync adam` (Project Adam, Poseidon's:
+/// FC layers' factors to the one server holding the layer, which rebuilds
+/// the gradient). Each verifies against the single-process reference and
+/// ends with exactly the parameters of `--sync wfbp` (the same sums in the
+/// same order), split and colocated; the help lists both. With local
+/// learners behind each worker, Adam's server sums each node's stacked
+/// factors (one Uᵀ·V of K·learners rows per node) where the PS sums the
+/// learners' gradients: it verifies, but other roundings than WFBP's.
 #[test]
-fn kvstore_trains_to_the_parameters_of_wfbp() {
+fn the_papers_baselines_train_to_the_parameters_of_wfbp() {
     let _serial = serial();
     let help = tidewire().args(["train", "--help"]).output().unwrap();
-    assert!(String::from_utf8_lossy(&help.stdout).contains("kvstore"));
-    for layout in [
-        &["--workers", "3", "--servers", "2"][..],
-        &["--workers", "3", "--colocate"][..],
+    let help = String::from_utf8_lossy(&help.stdout).to_string();
+    assert!(help.contains("kvstore") && help.contains("adam"), "{help}");
+    for (layout, modes) in [
+        (&["--workers", "3", "--servers", "2"][..], &["kvstore", "adam"][..]),
+        (&["--workers", "3", "--colocate"][..], &["kvstore", "adam"][..]),
+        (
+            &["--workers", "2", "--servers", "1", "--local-learners", "2"][..],
+            &["adam"][..],
+        ),
     ] {
         let run = |sync: &str| {
             let mut args = vec!["train", "--model", "vgg19-mini"];
@@ -177,15 +188,33 @@ fn kvstore_trains_to_the_parameters_of_wfbp() {
                 "{layout:?} {sync}: {:?}",
                 r["mismatched_layers"]
             );
-            r["digests"].clone()
+            (
+                r["digests"].clone(),
+                r["layers"].clone(),
+                r["factor_bytes_in_place"].as_u64(),
+            )
         };
-        let kv = run("kvstore");
-        assert_eq!(kv.as_array().map(Vec::len), Some(19), "{layout:?}");
-        assert_eq!(
-            kv,
-            run("wfbp"),
-            "{layout:?}: kvstore and wfbp end with other parameters"
-        );
+        let (wfbp, _, _) = run("wfbp");
+        for &mode in modes {
+            let (digests, layers, in_place) = run(mode);
+            assert_eq!(digests.as_array().map(Vec::len), Some(19), "{layout:?}");
+            if !layout.contains(&"--local-learners") {
+                assert_eq!(digests, wfbp, "{layout:?}: {mode} and wfbp end with other parameters");
+            }
+            if mode == "adam" {
+                // Every FC layer (fc6, fc7, fc8) syncs by Adam's strategy.
+                let adam: Vec<&Value> = layers
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter(|l| l["scheme"] == "adam")
+                    .map(|l| &l["name"])
+                    .collect();
+                assert_eq!(adam, ["fc6", "fc7", "fc8"], "{layout:?}");
+                // The layer's server reads the workers' factors where they were received.
+                assert!(in_place.unwrap_or(0) > 0, "{layout:?}: {in_place:?}");
+            }
+        }
     }
 }
 
@@ -405,7 +434,15 @@ fn bad_flags_are_clear_errors() {
         (vec!["train", "--workers", "0"], "--workers must be at least 1"),
         (
             vec!["train", "--sync", "fast"],
-            "use fifo-ps, wfbp, hybrid, sliced, p3, full or kvstore",
+            "use fifo-ps, wfbp, hybrid, sliced, p3, full, kvstore or adam",
+        ),
+        (
+            vec!["train", "--sync", "adam", "--consistency", "ssp:1"],
+            "--sync adam rebuilds each FC layer on its server",
+        ),
+        (
+            vec!["train", "--sync", "adam", "--trigger", "async"],
+            "it needs BSP and --trigger all",
         ),
         (
             vec!["train", "--sync", "kvstore", "--consistency", "ssp:1"],

@@ -150,7 +150,7 @@ impl Field {
             }
             Field::CommMode => ["accumulate", "average"].get(v as usize).unwrap_or(&"?").to_string(),
             Field::Policy => {
-                let policy = ["hybrid", "ps", "sfb"].get((v & 0xff) as usize).unwrap_or(&"?");
+                let policy = ["hybrid", "ps", "sfb", "adam"].get((v & 0xff) as usize).unwrap_or(&"?");
                 match v >> 8 {
                     0 => policy.to_string(),
                     1 => format!("{policy}, kvstore placement"),

@@ -222,6 +222,25 @@ pub enum Scheme {
     Ps,
     /// Broadcast sufficient factors (U, V) to peer workers.
     Sfb,
+    /// Project Adam's strategy, as Poseidon §3.2 describes it (the baseline
+    /// its traffic figure compares against): send the sufficient factors to
+    /// the one server that holds the whole layer, which rebuilds the
+    /// gradient Σ_p U_pᵀ·V_p, applies it and broadcasts the full matrix.
+    /// Workers move little; the layer's server moves P1 full matrices.
+    Adam,
+}
+
+impl Scheme {
+    /// Whether a layer with this scheme is handed in as its sufficient
+    /// factors (U, V) rather than its gradient.
+    pub fn takes_factors(self) -> bool {
+        matches!(self, Scheme::Sfb | Scheme::Adam)
+    }
+    /// Whether the layer's parameters live on the servers (PS and Adam: the
+    /// servers apply and broadcast them), rather than on every worker (SFB).
+    pub fn server_held(self) -> bool {
+        self != Scheme::Sfb
+    }
 }
 
 /// How schemes are chosen.
@@ -234,6 +253,10 @@ pub enum SchemePolicy {
     Ps,
     /// SFB for every FC layer, PS for the rest (ablation).
     Sfb,
+    /// [`Scheme::Adam`] for every (dense) FC layer, PS for the rest: the
+    /// baseline of Poseidon's Fig. 10. Its FC layers are placed whole, each
+    /// on one server (the least loaded by bytes when its turn comes).
+    Adam,
 }
 
 /// Parameters from which [`Placement::KvStore`] splits a layer across all
@@ -358,6 +381,11 @@ impl Book {
         if cfg.slice_params == 0 {
             return Err(EngineError::InvalidConfig("slice_params must be at least 1".into()));
         }
+        if cfg.policy == SchemePolicy::Adam && cfg.placement != Placement::Chunked {
+            return Err(EngineError::InvalidConfig(
+                "the adam scheme policy places each FC layer whole on one server: it needs the chunked placement, not kvstore".into(),
+            ));
+        }
         for (i, l) in layers.iter().enumerate() {
             if l.dtype != DType::F32 {
                 return Err(EngineError::UnsupportedDType {
@@ -389,11 +417,17 @@ impl Book {
             let (c0, s0) = (chunks.len() as u32, slices.len() as u32);
             // (length, server index) of each chunk of the layer; `None`: the
             // least-loaded server when its turn comes.
+            // Adam: the whole layer on one server (the least loaded now).
+            let whole = (cfg.policy == SchemePolicy::Adam && l.kind == LayerKind::Fc && !l.sparse).then(|| {
+                (0..nservers)
+                    .min_by_key(|&s| (load[s], s))
+                    .expect("at least one server")
+            });
             let cuts: Vec<(usize, Option<usize>)> = match cfg.placement {
                 Placement::Chunked => {
                     let n = l.params().div_ceil(chunk_params);
                     (0..n)
-                        .map(|i| (chunk_params.min(l.params() - i * chunk_params), None))
+                        .map(|i| (chunk_params.min(l.params() - i * chunk_params), whole))
                         .collect()
                 }
                 Placement::KvStore if l.params() < KVSTORE_BIG_ARRAY => vec![(l.params(), None)],
@@ -485,6 +519,7 @@ impl Book {
         match self.cfg.policy {
             SchemePolicy::Ps => Scheme::Ps,
             SchemePolicy::Sfb => Scheme::Sfb,
+            SchemePolicy::Adam => Scheme::Adam,
             SchemePolicy::Hybrid => {
                 let (ps, sfb) = self.costs(layer);
                 if sfb < ps {

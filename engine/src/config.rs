@@ -352,11 +352,23 @@ pub enum SyncMode {
     /// and the other triggers: a notification names one version, and a pull
     /// round per version is what `dist_sync` does).
     KvStore,
+    /// Project Adam's strategy, the baseline of Poseidon's traffic figure
+    /// (Poseidon, ATC'17, §3.2, Fig. 10): WFBP send order (FIFO), no slicing,
+    /// [`crate::book::Scheme::Adam`] for every dense FC layer and the PS for
+    /// the rest. A worker sends an FC layer's sufficient factors to the one
+    /// server holding the whole layer, which sums Σ_p U_pᵀ·V_p in worker
+    /// order (bitwise what the PS sums from the gradients U_pᵀ·V_p in rank
+    /// order), applies it and broadcasts the full matrix.
+    ///
+    /// BSP and the `all` trigger only ([`crate::node::Node::new`] refuses the
+    /// rest: the server rebuilds a layer from every worker's factors of one
+    /// iteration).
+    Adam,
 }
 
 impl SyncMode {
     /// All modes, in the papers' order.
-    pub const ALL: [SyncMode; 7] = [
+    pub const ALL: [SyncMode; 8] = [
         SyncMode::FifoPs,
         SyncMode::Wfbp,
         SyncMode::Hybrid,
@@ -364,9 +376,10 @@ impl SyncMode {
         SyncMode::P3,
         SyncMode::Full,
         SyncMode::KvStore,
+        SyncMode::Adam,
     ];
 
-    /// Parses `fifo-ps`, `wfbp`, `hybrid`, `sliced`, `p3`, `full` or `kvstore`.
+    /// Parses `fifo-ps`, `wfbp`, `hybrid`, `sliced`, `p3`, `full`, `kvstore` or `adam`.
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "fifo-ps" => SyncMode::FifoPs,
@@ -376,6 +389,7 @@ impl SyncMode {
             "p3" => SyncMode::P3,
             "full" => SyncMode::Full,
             "kvstore" => SyncMode::KvStore,
+            "adam" => SyncMode::Adam,
             _ => return None,
         })
     }
@@ -389,12 +403,14 @@ impl SyncMode {
             SyncMode::P3 => "p3",
             SyncMode::Full => "full",
             SyncMode::KvStore => "kvstore",
+            SyncMode::Adam => "adam",
         }
     }
     /// The scheme policy.
     pub fn policy(self) -> crate::book::SchemePolicy {
         match self {
             SyncMode::Hybrid | SyncMode::Full => crate::book::SchemePolicy::Hybrid,
+            SyncMode::Adam => crate::book::SchemePolicy::Adam,
             _ => crate::book::SchemePolicy::Ps,
         }
     }
@@ -408,6 +424,42 @@ impl SyncMode {
     /// Whether layers are cut into P3 slices (otherwise a slice is a whole chunk).
     pub fn sliced(self) -> bool {
         matches!(self, SyncMode::Sliced | SyncMode::P3 | SyncMode::Full)
+    }
+    /// The KV chunk size this mode uses unless told otherwise, for slices of
+    /// `slice_params`: in the sliced modes a chunk is one slice, so a server
+    /// applies and broadcasts each slice as soon as its contributions are in,
+    /// as P3's server does (it keys every slice); in the others Poseidon's
+    /// 2 MiB. Slices under 64 KiB are grouped, whole, into chunks of at least
+    /// 64 KiB, and no chunk exceeds 2 MiB: a 1,000-parameter slice on
+    /// VGG19-22K would otherwise make 229,000 chunks, each applied and
+    /// broadcast on its own.
+    ///
+    /// Measured (`tidewire sim`, P3 against WFBP; EVAL.md's sweep): with
+    /// 2 MiB chunks (groups of ten 200 kB slices) P3 lost to WFBP where few
+    /// servers serve many workers, because a server's outgoing link waited
+    /// for whole groups: ResNet-152 on 12 workers and 2 servers at 5 Gbit/s
+    /// (P4000) was 0.92× WFBP, Sockeye on 12 + 2 at 40 GbE 0.94×, ResNet-50
+    /// on 8 + 2 at 8 Gbit/s 0.97×. One slice per chunk made them 1.02×,
+    /// 1.09× and 1.17×; groups of 2 slices left ResNet-152 at 0.98×. On
+    /// EVAL.md's 4-node sweep it is within −4.4% (ResNet-50 at 4 Gbit/s) to
+    /// +2.3% of 2 MiB, and P3 stays ≥ WFBP everywhere.
+    ///
+    /// ```
+    /// use tidewire_engine::SyncMode;
+    /// assert_eq!(SyncMode::P3.default_chunk_bytes(50_000), 200_000);
+    /// assert_eq!(SyncMode::P3.default_chunk_bytes(10_000_000), 2 << 20);
+    /// // 1,000-parameter slices: 17 to a chunk (68,000 bytes ≥ 64 KiB).
+    /// assert_eq!(SyncMode::P3.default_chunk_bytes(1_000), 68_000);
+    /// assert_eq!(SyncMode::Wfbp.default_chunk_bytes(50_000), 2 << 20);
+    /// ```
+    pub fn default_chunk_bytes(self, slice_params: usize) -> usize {
+        const POSEIDON: usize = 2 << 20;
+        const MIN: usize = 64 << 10;
+        if !self.sliced() {
+            return POSEIDON;
+        }
+        let slice = slice_params.clamp(1, POSEIDON / 4) * 4;
+        (slice * MIN.div_ceil(slice)).min(POSEIDON / slice * slice)
     }
     /// Whether a layer is handed in as soon as its backward ends.
     pub fn wait_free(self) -> bool {

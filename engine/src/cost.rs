@@ -16,8 +16,9 @@
 //! Adam (Poseidon §3.2, after Project Adam) sends sufficient factors to the
 //! server that holds the layer, which rebuilds the gradient, applies it and
 //! sends the full matrix back: the worker's load is small, and the layer's
-//! server carries P1 times the full matrix. Not a mode of Tidewire's engine:
-//! it is here for the traffic comparison of the papers' figures.
+//! server carries P1 times the full matrix. The engine runs it as a mode
+//! ([`crate::config::SyncMode::Adam`], `--sync adam`); these rows are its
+//! analytic traffic, for the papers' figures.
 //!
 //! ```
 //! use tidewire_engine::cost::{ps_params, sfb_params, NodeRole};

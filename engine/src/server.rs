@@ -22,7 +22,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::book::{Book, Placement};
+use crate::book::{Book, Placement, Scheme};
 use crate::config::{SchedConfig, Trigger};
 use crate::error::{EngineError, Result};
 
@@ -78,6 +78,13 @@ pub enum ServerCommand {
     /// buffer, with the chunk id as the immediate. Report it with
     /// [`Server::handle_broadcast_done`].
     Broadcast { chunk: u32, worker: u32 },
+    /// Adam ([`Scheme::Adam`]): every worker's sufficient factors of `layer`
+    /// for `iter` are here. Write Σ_p U_pᵀ·V_p, summed in worker order (the
+    /// first term written, each later one added, as the PS folds gradients),
+    /// into accumulator `window` over the whole layer: its chunks lie
+    /// together in this shard from the layer's first chunk's place. The
+    /// chunks' `Apply` commands follow it and must run after it.
+    SumFactors { layer: u32, iter: u64, window: u32 },
     /// Kvstore ([`Placement::KvStore`]): tell `worker` that `chunk` was
     /// applied and is now at `version`, once that apply has run. The worker
     /// pulls it ([`Server::handle_pull`]); the answer is a `Broadcast`.
@@ -113,6 +120,10 @@ pub struct ServerStats {
     pub max_spares_used: u32,
     /// Lost workers that came back and are counted again.
     pub rejoined: u32,
+    /// Adam: factor blocks received.
+    pub factor_blocks: u64,
+    /// Adam: layer gradients rebuilt from every worker's factors.
+    pub factor_sums: u64,
 }
 
 /// The server core of one rank.
@@ -168,6 +179,11 @@ pub struct Server {
     owed: Vec<bool>,
     /// Kvstore: arrival number of the next pull (pulls are answered FIFO).
     pull_seq: u64,
+    /// Adam: per layer held here, the workers whose factors for the layer's
+    /// next iteration are in.
+    factors_got: crate::fxhash::FxHashMap<u32, Vec<bool>>,
+    /// Adam: per layer held here, the next iteration to sum (absent: 0).
+    factors_next: crate::fxhash::FxHashMap<u32, u64>,
 }
 
 impl Server {
@@ -237,6 +253,8 @@ impl Server {
                 Vec::new()
             },
             pull_seq: 1,
+            factors_got: Default::default(),
+            factors_next: Default::default(),
             book,
             rank,
             cfg,
@@ -620,6 +638,80 @@ impl Server {
         Ok(())
     }
 
+    /// Adam ([`Scheme::Adam`]): `worker`'s sufficient factors of `layer` for
+    /// `iter` are stored by the driver. Once every worker's are, the layer's
+    /// gradient is rebuilt ([`ServerCommand::SumFactors`]) and each of its
+    /// chunks applied and broadcast as after the PS's last fold.
+    ///
+    /// BSP with [`Trigger::All`] only (what [`crate::node::Node::new`]
+    /// allows for Adam): anything else is refused here too.
+    pub fn handle_factors(&mut self, worker: u32, layer: u32, iter: u64) -> Result<()> {
+        if self.cfg.trigger != Trigger::All || self.window != 1 {
+            return Err(EngineError::InvalidConfig(
+                "adam factors need BSP and the all trigger".into(),
+            ));
+        }
+        let wi = self
+            .book
+            .cluster()
+            .worker_index(worker)
+            .ok_or_else(|| self.err(worker, "factors from a rank that is not a worker".into()))?;
+        if self.init_left != 0 {
+            return Err(self.err(worker, "factors before the shard was initialized".into()));
+        }
+        if self.book.layer(layer).is_err() || self.book.scheme(layer, iter) != Scheme::Adam {
+            return Err(self.err(
+                worker,
+                format!("factors for layer {layer}, which does not sync by adam"),
+            ));
+        }
+        let chunks = self.book.layer_chunks(layer);
+        let mut lcs = Vec::with_capacity(chunks.len());
+        for c in chunks.clone() {
+            lcs.push(self.local_chunk(worker, c)?);
+        }
+        // Under BSP a worker sends iteration t + 1 only once it has the
+        // layer's version t + 1: every chunk applied t. And each iteration
+        // is summed once: a block for one already summed (its apply may
+        // still wait for broadcasts) is refused.
+        let next = self.factors_next.get(&layer).copied().unwrap_or(0);
+        if iter != next || lcs.iter().any(|&lc| self.applied[lc] != iter) {
+            return Err(self.err(
+                worker,
+                format!(
+                    "factors of layer {layer} for iteration {iter}, while the layer's next iteration is {}",
+                    self.applied[lcs[0]]
+                ),
+            ));
+        }
+        let p1 = self.p1;
+        let got = self.factors_got.entry(layer).or_insert_with(|| vec![false; p1]);
+        if std::mem::replace(&mut got[wi], true) {
+            return Err(self.err(
+                worker,
+                format!("a second factor block for layer {layer} iteration {iter}"),
+            ));
+        }
+        self.stats.factor_blocks += 1;
+        if !got.iter().all(|&g| g) {
+            return Ok(());
+        }
+        self.factors_got.remove(&layer);
+        self.factors_next.insert(layer, iter + 1);
+        self.stats.factor_sums += 1;
+        let w = (iter % self.window as u64) as usize;
+        self.out.push_back(ServerCommand::SumFactors {
+            layer,
+            iter,
+            window: w as u32,
+        });
+        for (c, lc) in chunks.zip(lcs) {
+            self.chunk_done[lc * self.window + w] = self.nslices(c);
+            self.try_apply(c);
+        }
+        Ok(())
+    }
+
     /// A broadcast of `chunk` to `worker` was placed.
     pub fn handle_broadcast_done(&mut self, chunk: u32, worker: u32) -> Result<()> {
         let lc = self.local_chunk(worker, chunk)?;
@@ -994,6 +1086,112 @@ mod tests {
         // A slot beyond slots + spares is refused.
         s.bcast_done();
         assert!(s.handle_landed(0, 2, 0).is_err());
+    }
+
+    #[test]
+    fn adam_sums_every_worker_s_factors_then_applies_the_whole_layer() {
+        use crate::book::SchemePolicy;
+        // Two workers, two servers; a conv layer (PS, sharded) and an FC layer
+        // of 3 chunks (Adam: all on one server).
+        let book = Arc::new(
+            Book::new(
+                Cluster::split(2, 2).unwrap(),
+                vec![
+                    LayerSpec::new("conv", LayerKind::Conv, 4, 8),
+                    LayerSpec::new("fc", LayerKind::Fc, 6, 10),
+                ],
+                BookConfig {
+                    chunk_bytes: 80,
+                    policy: SchemePolicy::Adam,
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+        );
+        assert_eq!(book.scheme(0, 0), Scheme::Ps);
+        assert_eq!(book.scheme(1, 0), Scheme::Adam);
+        let fc = book.layer_chunks(1);
+        assert_eq!(fc.len(), 3);
+        let holder = book.chunks()[fc.start as usize].server;
+        assert!(
+            fc.clone().all(|c| book.chunks()[c as usize].server == holder),
+            "the layer is whole on one server"
+        );
+        let other = if holder == 2 { 3 } else { 2 };
+        let mut s = Server::new(book.clone(), holder, SchedConfig::default()).unwrap();
+        assert!(
+            s.handle_factors(0, 1, 0).is_err(),
+            "factors before the shard was seeded"
+        );
+        for c in book.server_chunks(holder).to_vec() {
+            s.handle_init(0, c).unwrap();
+        }
+        s.drain();
+        for c in book.server_chunks(holder).to_vec() {
+            for w in 0..2 {
+                s.handle_broadcast_done(c, w).unwrap();
+            }
+        }
+        assert!(s.handle_factors(0, 0, 0).is_err(), "a PS layer has no factors");
+        assert!(s.handle_factors(0, 1, 1).is_err(), "an iteration ahead of the layer's");
+        assert!(s.handle_factors(holder, 1, 0).is_err(), "a server is not a worker");
+        s.handle_factors(1, 1, 0).unwrap();
+        assert!(s.drain().is_empty(), "one worker's of two");
+        assert!(s.handle_factors(1, 1, 0).is_err(), "a second block from one worker");
+        s.handle_factors(0, 1, 0).unwrap();
+        let cmds = s.drain();
+        assert_eq!(
+            cmds[0],
+            ServerCommand::SumFactors {
+                layer: 1,
+                iter: 0,
+                window: 0
+            },
+            "the sum runs before the applies: {cmds:?}"
+        );
+        let applied: Vec<u32> = cmds
+            .iter()
+            .filter_map(|c| match *c {
+                ServerCommand::Apply {
+                    chunk,
+                    iter: 0,
+                    gradients: 2,
+                    ..
+                } => Some(chunk),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(applied, fc.clone().collect::<Vec<_>>());
+        assert_eq!((s.stats().factor_blocks, s.stats().factor_sums), (2, 1));
+        // Iteration 1 is the next; iteration 0 again is refused.
+        assert!(s.handle_factors(0, 1, 0).is_err());
+        s.handle_factors(0, 1, 1).unwrap();
+        // Iteration 1 is summed while version 1's broadcasts are still out:
+        // its applies wait, and a resent block of iteration 1 is refused.
+        s.handle_factors(1, 1, 1).unwrap();
+        let cmds = s.drain();
+        assert!(cmds.contains(&ServerCommand::SumFactors {
+            layer: 1,
+            iter: 1,
+            window: 0
+        }));
+        assert!(Server::applies(&cmds).is_empty(), "{cmds:?}");
+        assert!(
+            s.handle_factors(1, 1, 1).is_err(),
+            "a block of an iteration already summed"
+        );
+        for c in fc.clone() {
+            for w in 0..2 {
+                s.handle_broadcast_done(c, w).unwrap();
+            }
+        }
+        assert_eq!(Server::applies(&s.drain()), vec![(1, 2); fc.len()]);
+        // The server that does not hold the layer refuses its factors.
+        let mut o = Server::new(book.clone(), other, SchedConfig::default()).unwrap();
+        for c in book.server_chunks(other).to_vec() {
+            o.handle_init(0, c).unwrap();
+        }
+        assert!(o.handle_factors(0, 1, 0).is_err());
     }
 
     #[test]

@@ -31,13 +31,14 @@ use std::collections::BinaryHeap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::book::{Book, LayerKind, Scheme};
+use crate::book::{Book, LayerKind};
 use crate::config::{ApplyOp, Consistency, SchedConfig, SyncMode, Trigger};
 use crate::error::EngineError;
 use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use crate::net::Net;
 use crate::node::{
-    Input, Job, JobKind, Limits, Loc, LocalRegion, Node, NodeConfig, Output, Payload, Queue, SendSrc, TxOp, CELL_BYTES,
+    Blob, Input, Job, JobKind, Limits, Loc, LocalRegion, Node, NodeConfig, Output, Payload, Queue, SendSrc, TxOp,
+    CELL_BYTES,
 };
 use crate::sparse::{self, EncodeReport, SparseCosts, SparseLayerStats};
 use crate::wire::Kind;
@@ -494,6 +495,7 @@ fn brief_output(o: &Output) -> String {
         },
         Output::Job(j) => match &j.kind {
             JobKind::Reconstruct { layer, iter, .. } => format!("Job {} Reconstruct layer {layer} iter {iter}", j.id),
+            JobKind::SumFactors { layer, iter, .. } => format!("Job {} SumFactors layer {layer} iter {iter}", j.id),
             k => format!("Job {} {k:?}", j.id),
         },
         other => format!("{other:?}"),
@@ -944,7 +946,7 @@ impl Sim {
             }
         }
         for (c, ch) in book.chunks().iter().enumerate() {
-            if book.scheme(ch.layer, 0) == Scheme::Sfb {
+            if !book.scheme(ch.layer, 0).server_held() {
                 continue;
             }
             let got = self.ranks[ch.server as usize].node.applied(c as u32);
@@ -1018,7 +1020,7 @@ impl Sim {
     /// Whether layer `l` is handed in by its factors in `iter`.
     fn by_factors(&self, l: u32, iter: u64) -> bool {
         let book = &self.cfg.book;
-        book.layers()[l as usize].kind == LayerKind::Fc && (self.cfg.fc_factors || book.scheme(l, iter) == Scheme::Sfb)
+        book.layers()[l as usize].kind == LayerKind::Fc && (self.cfg.fc_factors || book.scheme(l, iter).takes_factors())
     }
 
     fn check_values(&mut self, r: usize, l: u32, iter: u64, region: LocalRegion, off: u64) -> Result<(), SimError> {
@@ -1486,6 +1488,27 @@ impl Sim {
                 by.resize(p1, 0);
                 by[wi] += 1;
             }
+            JobKind::SumFactors { layer, factors, .. } => {
+                // Adam: every worker's whole contribution to each of the
+                // layer's chunks at once (one factor block per worker).
+                if factors.len() != p1 {
+                    return Err(self.violation(format!(
+                        "layer {layer}: a sum of {} factor blocks, of {p1} workers",
+                        factors.len()
+                    )));
+                }
+                let now = self.now;
+                for c in book.layer_chunks(*layer) {
+                    let n = book.chunk_slices(c).len() as u32;
+                    let e = self.ranks[r as usize]
+                        .round
+                        .entry(c)
+                        .or_insert_with(|| (vec![0; p1], now));
+                    for x in e.0.iter_mut() {
+                        *x += n;
+                    }
+                }
+            }
             JobKind::Apply {
                 chunk, iter, gradients, ..
             } => {
@@ -1703,7 +1726,7 @@ impl Sim {
                 let l = &book.layers()[*layer as usize];
                 2.0 * (book.config().batch * l.m * l.n) as f64 / c.gemm_flops
             }
-            JobKind::Reconstruct { layer, .. } => {
+            JobKind::Reconstruct { layer, .. } | JobKind::SumFactors { layer, .. } => {
                 let l = &book.layers()[*layer as usize];
                 2.0 * (book.config().batch * l.m * l.n * book.p1()) as f64 / c.gemm_flops
             }
@@ -1719,6 +1742,7 @@ impl Sim {
         let op = self.cfg.apply;
         // The mean and SGD divide by every gradient in the sum.
         let p1 = book.p1() * self.cfg.sched.learners as usize;
+        let (seed, now) = (self.cfg.seed, self.now);
         let rank = &mut self.ranks[r as usize];
         match &job.kind {
             JobKind::CaptureFactors { factors, len, .. } => {
@@ -1836,37 +1860,26 @@ impl Sim {
             JobKind::Reconstruct {
                 layer, params, factors, ..
             } => {
-                let l = &book.layers()[*layer as usize];
-                let me = book.cluster().worker_index(r);
-                let (seed, now) = (self.cfg.seed, self.now);
-                let bad = |what: String| SimError::Violation { seed, at_ns: now, what };
-                let mut scratch = vec![[Vec::new(), Vec::new()]; factors.len()];
-                let mut refs: Vec<(&[f32], &[f32])> = Vec::with_capacity(factors.len());
-                for (wi, (b, [su, sv])) in factors.iter().zip(scratch.iter_mut()).enumerate() {
-                    if Some(wi) != me {
-                        for p in b.pieces() {
-                            if !rank.delivered.remove(&(p.as_ptr() as usize, p.len())) {
-                                return Err(bad(format!(
-                                    "rank {r} reconstructs layer {layer} from {} bytes of worker {wi}'s factors \
-                                     that are not a received message's buffer (a copy on the receive path)",
-                                    p.len()
-                                )));
-                            }
-                        }
-                    }
-                    let whole = b.len() == k * (l.m + l.n) * 4;
-                    match (b.f32s(0, k * l.m, su), b.f32s(k * l.m * 4, k * l.n, sv)) {
-                        (Some((u, _)), Some((v, _))) if whole => refs.push((u, v)),
-                        _ => return Err(bad(format!("reconstruction of layer {layer} got factors {b:?}"))),
-                    }
-                }
-                let sum = outer_sum(&refs, k, l.m, l.n);
+                let sum = factor_sum(&mut rank.delivered, r, &book, *layer, factors)
+                    .map_err(|what| SimError::Violation { seed, at_ns: now, what })?;
                 let pm = &mut rank.mem[ridx(params.region)];
                 let range = params.offset as usize..params.offset as usize + sum.len() * 4;
                 let mut w = f32s(&pm[range.clone()]);
                 let mut mom = vec![0.0; if op.needs_momentum() { w.len() } else { 0 }];
                 apply_ref(op, p1, &sum, &mut w, &mut mom);
                 put_f32s(&mut pm[range], &w);
+                Ok(None)
+            }
+            JobKind::SumFactors {
+                layer,
+                window,
+                acc_at,
+                factors,
+                ..
+            } => {
+                let sum = factor_sum(&mut rank.delivered, r, &book, *layer, factors)
+                    .map_err(|what| SimError::Violation { seed, at_ns: now, what })?;
+                rank.acc[*window as usize][*acc_at..acc_at + sum.len()].copy_from_slice(&sum);
                 Ok(None)
             }
         }
@@ -2034,6 +2047,57 @@ impl Sim {
         }
         self.feed(r, Input::HandIn { layer: l, factors })
     }
+}
+
+/// Every worker's (U, V) of `layer`, in worker order, read where rank `r`
+/// received them; a peer's must be a received message's buffer (`delivered`),
+/// not a copy. `me`: `r`'s own worker index (its own block was captured).
+type FactorRefs<'a> = Vec<(&'a [f32], &'a [f32])>;
+fn factor_refs<'a>(
+    delivered: &mut HashSet<(usize, usize)>,
+    r: u32,
+    me: Option<usize>,
+    layer: u32,
+    factors: &'a [Blob],
+    (k, m, n): (usize, usize, usize),
+    scratch: &'a mut [[Vec<f32>; 2]],
+) -> Result<FactorRefs<'a>, String> {
+    let mut refs = Vec::with_capacity(factors.len());
+    for (wi, (b, [su, sv])) in factors.iter().zip(scratch.iter_mut()).enumerate() {
+        if Some(wi) != me {
+            for p in b.pieces() {
+                if !delivered.remove(&(p.as_ptr() as usize, p.len())) {
+                    return Err(format!(
+                        "rank {r} sums layer {layer} from {} bytes of worker {wi}'s factors \
+                         that are not a received message's buffer (a copy on the receive path)",
+                        p.len()
+                    ));
+                }
+            }
+        }
+        let whole = b.len() == k * (m + n) * 4;
+        match (b.f32s(0, k * m, su), b.f32s(k * m * 4, k * n, sv)) {
+            (Some((u, _)), Some((v, _))) if whole => refs.push((u, v)),
+            _ => return Err(format!("the sum of layer {layer} got factors {b:?}")),
+        }
+    }
+    Ok(refs)
+}
+
+/// Σ_p U_pᵀ·V_p of `layer` over every worker's factors, in worker order,
+/// read where rank `r` received them ([`factor_refs`]).
+fn factor_sum(
+    delivered: &mut HashSet<(usize, usize)>,
+    r: u32,
+    book: &Book,
+    layer: u32,
+    factors: &[Blob],
+) -> Result<Vec<f32>, String> {
+    let (k, l) = (book.config().batch, &book.layers()[layer as usize]);
+    let me = book.cluster().worker_index(r);
+    let mut scratch = vec![[Vec::new(), Vec::new()]; factors.len()];
+    let refs = factor_refs(delivered, r, me, layer, factors, (k, l.m, l.n), &mut scratch)?;
+    Ok(outer_sum(&refs, k, l.m, l.n))
 }
 
 /// Σ_p U_pᵀ·V_p (K×M and K×N each) in f32, in order.

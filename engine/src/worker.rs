@@ -36,8 +36,10 @@ pub enum WorkerCommand {
         slice: u32,
         iter: u64,
     },
-    /// Send this layer's sufficient factors (U, V) of `iter` to worker rank
-    /// `peer`. Report it with [`Worker::handle_factors_sent`].
+    /// Send this layer's sufficient factors (U, V) of `iter` to rank `peer`:
+    /// a peer worker (SFB), or the server holding the layer
+    /// ([`Scheme::Adam`]), which may be this rank itself (then the driver
+    /// hands them to its own server). Report it with [`Worker::handle_factors_sent`].
     SendFactors { peer: u32, layer: u32, iter: u64 },
     /// Every worker's factors of `iter` for `layer` are here: sum Σ_p U_pᵀV_p in
     /// worker-rank order, apply it to the layer's parameters, and report it with
@@ -231,7 +233,7 @@ impl Worker {
     pub fn grad_ready(&mut self, layer: u32) -> Result<()> {
         self.check_hand_in(layer)?;
         let iter = self.layers[layer as usize].done;
-        if self.book.scheme(layer, iter) == Scheme::Sfb {
+        if self.book.scheme(layer, iter).takes_factors() {
             return Err(EngineError::NeedsFactors {
                 layer,
                 name: self.book.layers()[layer as usize].name.clone(),
@@ -266,8 +268,23 @@ impl Worker {
             });
         }
         let iter = self.layers[layer as usize].done;
-        if self.book.scheme(layer, iter) == Scheme::Ps {
+        let scheme = self.book.scheme(layer, iter);
+        if scheme == Scheme::Ps {
             return Ok(false);
+        }
+        let key = self.key(self.book.layer_slices(layer).start as u64);
+        if scheme == Scheme::Adam {
+            // One destination: the server holding the whole layer. The layer
+            // is then synced as through the PS: by its chunks' broadcasts.
+            let server = self.book.chunks()[self.book.layer_chunks(layer).start as usize].server;
+            self.ready.push(Reverse((iter, key, Item::Factors { layer }, server)));
+            let st = &mut self.layers[layer as usize];
+            st.in_flight = true;
+            st.scheme = Some(Scheme::Adam);
+            st.pushes_left = 0;
+            st.sends_left = 1;
+            self.pump();
+            return Ok(true);
         }
         let peers: Vec<u32> = self
             .book
@@ -277,7 +294,6 @@ impl Worker {
             .copied()
             .filter(|&w| w != self.rank)
             .collect();
-        let key = self.key(self.book.layer_slices(layer).start as u64);
         for &p in &peers {
             self.ready.push(Reverse((iter, key, Item::Factors { layer }, p)));
         }
@@ -562,7 +578,7 @@ impl Worker {
         }
         let t = st.done;
         let ready = match st.scheme {
-            Some(Scheme::Ps) => {
+            Some(Scheme::Ps | Scheme::Adam) => {
                 let need = (t + 2).saturating_sub(s);
                 self.book
                     .layer_chunks(layer)

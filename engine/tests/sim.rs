@@ -153,6 +153,77 @@ fn kvstore_notifies_pulls_and_is_exact() {
     }
 }
 
+/// `--sync adam` (Project Adam, Poseidon §3.2): each FC layer whole on one
+/// server, which rebuilds the gradient from every worker's factors. Values
+/// are exact, and bitwise those of WFBP handing FC layers in as factors
+/// (each worker's Uᵀ·V summed in rank order: the same sums). The layer's
+/// server carries the traffic: it receives every worker's factors and sends
+/// every worker the full matrix, so the servers' loads are far less even
+/// than under the sharded PS.
+#[test]
+fn adam_is_bitwise_the_ps_and_loads_the_layer_s_server() {
+    let layers = vec![
+        LayerSpec::new("conv", LayerKind::Conv, 8, 27),
+        LayerSpec::new("fc1", LayerKind::Fc, 200, 300),
+        LayerSpec::new("bias", LayerKind::Other, 1, 7),
+        LayerSpec::new("fc2", LayerKind::Fc, 10, 200),
+    ];
+    for seed in seeds() {
+        for cluster in [
+            Cluster::split(3, 2).unwrap(),
+            Cluster::split(4, 3).unwrap(),
+            Cluster::colocated(3).unwrap(),
+            Cluster::colocated(1).unwrap(),
+        ] {
+            let run = |mode: SyncMode| {
+                let bc = mode.book_config(BookConfig {
+                    batch: 2,
+                    chunk_bytes: 4096,
+                    ..Default::default()
+                });
+                let book = Arc::new(Book::new(cluster.clone(), layers.clone(), bc).unwrap());
+                let mut cfg = small_run(book.clone(), mode, seed);
+                cfg.iters = 3;
+                cfg.fc_factors = true;
+                let rep = Sim::run(cfg).unwrap_or_else(|e| panic!("{:?} {}: {e}", cluster.roles(), mode.name()));
+                (book, rep)
+            };
+            let (book, adam) = run(SyncMode::Adam);
+            let (_, ps) = run(SyncMode::Wfbp);
+            let what = format!("seed {seed} {:?}", cluster.roles());
+            assert_eq!(adam.checks, checks(book.p1() as u64, 4, 3), "{what}");
+            assert_eq!(adam.params_bits, ps.params_bits, "{what}: adam ≠ wfbp");
+            let fc1 = book.layer_chunks(1);
+            let holder = book.chunks()[fc1.start as usize].server as usize;
+            assert!(
+                fc1.clone().all(|c| book.chunks()[c as usize].server as usize == holder),
+                "{what}"
+            );
+            if cluster.is_colocated() || book.p2() < 2 {
+                continue;
+            }
+            // Bytes each server moved (sent + received), and their spread.
+            let load = |r: &tidewire_engine::sim::SimReport| -> Vec<u64> {
+                book.cluster()
+                    .servers()
+                    .iter()
+                    .map(|&s| r.nic_bytes[s as usize].iter().sum())
+                    .collect()
+            };
+            let spread = |l: &[u64]| *l.iter().max().unwrap() as f64 / *l.iter().min().unwrap() as f64;
+            let (la, lp) = (load(&adam), load(&ps));
+            let busiest = book
+                .cluster()
+                .servers()
+                .iter()
+                .position(|&s| s as usize == holder)
+                .unwrap();
+            assert_eq!(la.iter().max(), Some(&la[busiest]), "{what}: {la:?}");
+            assert!(spread(&la) > 2.0 * spread(&lp), "{what}: adam {la:?}, ps {lp:?}");
+        }
+    }
+}
+
 /// Kvstore is MXNet's `dist_sync`: SSP and the other aggregation triggers
 /// are refused with a typed error that says why.
 #[test]

@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use tidewire_engine::book::{LayerKind, LayerSpec};
+use tidewire_engine::book::{LayerKind, LayerSpec, Placement};
 use tidewire_engine::node::Limits;
 use tidewire_engine::sim::{Faults, Sim, SimConfig, SimError};
 use tidewire_engine::{
@@ -76,7 +76,16 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
         ..Default::default()
     });
     if r.chance(0.3) {
-        bc.policy = r.pick(&[SchemePolicy::Hybrid, SchemePolicy::Ps, SchemePolicy::Sfb]);
+        bc.policy = if bc.placement == Placement::Chunked {
+            r.pick(&[
+                SchemePolicy::Hybrid,
+                SchemePolicy::Ps,
+                SchemePolicy::Sfb,
+                SchemePolicy::Adam,
+            ])
+        } else {
+            r.pick(&[SchemePolicy::Hybrid, SchemePolicy::Ps, SchemePolicy::Sfb])
+        };
     }
     let book = Arc::new(Book::new(cluster, layers, bc)?);
     let nlayers = book.layers().len();
@@ -106,8 +115,8 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
         } else {
             r.range(0, 4) as u32
         },
-        // Kvstore (MXNet's dist_sync) is BSP only: Node::new refuses SSP.
-        consistency: if r.chance(0.6) || mode == SyncMode::KvStore {
+        // Kvstore (MXNet's dist_sync) and Adam are BSP only: Node::new refuses SSP.
+        consistency: if r.chance(0.6) || mode == SyncMode::KvStore || bc.policy == SchemePolicy::Adam {
             Consistency::Bsp
         } else {
             Consistency::Ssp(r.range(0, 3) as u32)

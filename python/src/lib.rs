@@ -734,13 +734,15 @@ impl Session {
         self.with(py, |pp| Ok(pp.in_flight(layer as u32)))
     }
 
-    /// How `layer` syncs: 'ps' (push the gradient) or 'sfb' (push its
-    /// sufficient factors). Fixed for the session (HybComm's choice).
+    /// How `layer` syncs: 'ps' (push the gradient), 'sfb' (push its
+    /// sufficient factors) or 'adam' (push its sufficient factors, which
+    /// the layer's server turns into the gradient). Fixed for the session.
     fn scheme(&self, layer: usize) -> PyResult<&'static str> {
         self.check_layer(layer)?;
         Ok(match self.schemes[layer] {
             Scheme::Ps => "ps",
             Scheme::Sfb => "sfb",
+            Scheme::Adam => "adam",
         })
     }
 

@@ -146,6 +146,7 @@ impl Executors {
             let (tx, rx) = crossbeam_channel::unbounded::<Job>();
             let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
             let (book, mem, reply) = (book.clone(), mem.clone(), reply.clone());
+            let reads = ex.factor_reads.clone();
             let snap = ckpt.writer.clone().map(|w| ServerSnap::new(w, book.clone(), rank));
             let mut momentum = if op.needs_momentum() {
                 vec![0.0; s.shard_len]
@@ -192,6 +193,8 @@ impl Executors {
                         op,
                         stats: agg_stats,
                         scratch: Vec::new(),
+                        factor_scratch: Vec::new(),
+                        reads,
                         threads: sparse_threads(),
                     };
                     run_queue(rx, &reply, |job| st.run(job));
@@ -355,6 +358,10 @@ struct ServerExec {
     stats: Arc<Mutex<AggStats>>,
     /// A landing slot's contents, copied out before they are summed.
     scratch: Vec<f32>,
+    /// Adam: per worker, U and V of a factor block that had to be decoded.
+    factor_scratch: Vec<[Vec<f32>; 2]>,
+    /// Adam: factor bytes read in place and decoded (with the workers').
+    reads: Arc<FactorReads>,
     /// Threads for densifying large sparse slices.
     threads: usize,
 }
@@ -362,6 +369,7 @@ struct ServerExec {
 impl ServerExec {
     fn run(&mut self, job: &Job) -> std::result::Result<Option<Vec<u8>>, String> {
         let book = self.book.clone();
+        let k = book.config().batch;
         let nchunks = book.chunks().len() as u64;
         let r = match &job.kind {
             JobKind::Accumulate {
@@ -506,6 +514,29 @@ impl ServerExec {
                 if let Some(snap) = &mut self.snap {
                     snap.applied(*chunk, *iter, mom)?;
                 }
+                None
+            }
+            JobKind::SumFactors {
+                layer,
+                window,
+                acc_at,
+                factors,
+                ..
+            } => {
+                // Adam's server: the layer's gradient, rebuilt from every
+                // worker's factors in worker order, where the PS would have
+                // folded the gradients (the same sums, element by element).
+                let l = book.layers().get(*layer as usize).ok_or("unknown layer")?;
+                let (uv, [in_place, decoded]) = factor_views(factors, (k, l.m, l.n), &mut self.factor_scratch)?;
+                self.reads.in_place.fetch_add(in_place, Ordering::Relaxed);
+                self.reads.decoded.fetch_add(decoded, Ordering::Relaxed);
+                let acc = self
+                    .acc
+                    .get_mut(*window as usize)
+                    .ok_or("unknown window")?
+                    .get_mut(*acc_at..acc_at + l.params())
+                    .ok_or("layer outside the shard")?;
+                cpu::sf_sum(&uv, k, l.m, l.n, acc);
                 None
             }
             JobKind::Copy { src, dst, len } => copy(&self.mem, *src, *dst, *len)?,

@@ -109,7 +109,7 @@ fn run(cli: &Cli, model: &str, gbps: f64, learners: usize) -> Result<Row, String
         slow_rank: None,
         slow_factor: None,
         slice_params: 50_000,
-        chunk_bytes: 2 << 20,
+        chunk_bytes: Some(2 << 20),
         trace_bin_us: None,
     };
     let r = sim::run(&a).map_err(|e| format!("sim {model} {gbps} GbE L={learners}: {e}"))?;

@@ -49,7 +49,7 @@ impl Node {
                     s.core.handle_parked_read(worker, slot)?;
                 }
             }
-            JobTrack::FoldPartial => {}
+            JobTrack::FoldPartial | JobTrack::SumFactors => {}
             JobTrack::Encode { server, slot, slice } => {
                 let report = data
                     .as_deref()
@@ -232,9 +232,7 @@ impl Node {
             return Err(bad(format!("a {kind:?} message before its hello")));
         }
         if kind == Kind::FactorData {
-            if self.worker.is_none() {
-                return Err(bad("factors sent to a rank that is not a worker".into()));
-            }
+            // Refused unless a block was begun (checked at its begin).
             if let Some((layer, iter, blob)) = self.inbox.data(peer, data).map_err(bad)? {
                 let wi = self.book.cluster().worker_index(peer).expect("checked at begin");
                 self.factors_in(layer, iter, wi, blob)?;
@@ -263,22 +261,30 @@ impl Node {
             }
             Msg::FactorsBegin { layer, iter, total } => {
                 let book = self.book.clone();
-                let w = self
-                    .worker
-                    .as_ref()
-                    .ok_or_else(|| bad("factors sent to a rank that is not a worker".into()))?;
-                let _ = w;
                 if book.cluster().worker_index(peer).is_none() {
                     return Err(bad("factors from a rank that is not a worker".into()));
                 }
                 let spec = book.layer(layer).map_err(|e| bad(e.to_string()))?;
                 let want = book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
-                if spec.kind != LayerKind::Fc || book.scheme(layer, iter) != Scheme::Sfb || total != want {
+                let scheme = book.scheme(layer, iter);
+                if spec.kind != LayerKind::Fc || !scheme.takes_factors() || total != want {
                     return Err(bad(format!(
-                        "a factor block of {total} bytes for layer {layer} ({}), which syncs by {:?} ({want} bytes expected)",
+                        "a factor block of {total} bytes for layer {layer} ({}), which syncs by {scheme:?} ({want} bytes expected)",
                         spec.name,
-                        book.scheme(layer, iter)
                     )));
+                }
+                let holder = book.chunks()[book.layer_chunks(layer).start as usize].server;
+                match scheme {
+                    Scheme::Sfb if self.worker.is_none() => {
+                        return Err(bad("factors sent to a rank that is not a worker".into()))
+                    }
+                    Scheme::Adam if holder != self.rank || self.server.is_none() => {
+                        return Err(bad(format!(
+                            "adam factors of layer {layer} sent to rank {}, but rank {holder} holds the layer",
+                            self.rank
+                        )))
+                    }
+                    _ => {}
                 }
                 self.inbox.begin(peer, layer, iter, total as usize).map_err(bad)
             }

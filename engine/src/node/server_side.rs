@@ -105,6 +105,25 @@ impl Node {
                     self.broadcast(chunk, worker);
                 }
             }
+            ServerCommand::SumFactors { layer, iter, window } => {
+                let factors = self.inbox.take(layer, iter).ok_or_else(|| EngineError::Protocol {
+                    rank: me,
+                    what: format!("the server summed layer {layer} iteration {iter} without every worker's factors"),
+                })?;
+                let acc_at = book.chunks()[book.layer_chunks(layer).start as usize].shard_offset;
+                self.new_job_at(
+                    Queue::Server,
+                    (iter, layer),
+                    JobKind::SumFactors {
+                        layer,
+                        iter,
+                        window,
+                        acc_at,
+                        factors,
+                    },
+                    JobTrack::SumFactors,
+                );
+            }
             ServerCommand::Notify { chunk, worker, version } => {
                 let s = self.server.as_mut().expect("server");
                 if s.apply_running.contains_key(&chunk) {

@@ -383,6 +383,18 @@ pub enum JobKind {
     /// Copy a ready layer's parameters to the caller's view, reading memory a
     /// peer may be writing (relaxed atomic loads).
     Publish { layer: u32, src: Loc, dst: Loc, len: u64 },
+    /// Adam's server ([`crate::book::Scheme::Adam`]): `acc[window][acc_at..
+    /// acc_at + M·N] = Σ_p U_pᵀ·V_p`, with every worker's factors in worker
+    /// order, the first term written and each later one added (per element,
+    /// the sum the PS folds from the gradients U_pᵀ·V_p in rank order).
+    /// The layer's chunks lie together in the shard from `acc_at`.
+    SumFactors {
+        layer: u32,
+        iter: u64,
+        window: u32,
+        acc_at: usize,
+        factors: Vec<Blob>,
+    },
 }
 
 /// An input to [`Node::handle`](super::Node::handle).

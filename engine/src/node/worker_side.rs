@@ -50,6 +50,11 @@ impl Node {
                     },
                 );
             }
+            Scheme::Adam => {
+                // To the layer's server (a `SendFactors`, or this rank's own
+                // server through a capture: see `worker_cmd`).
+                w.core.sf_ready(layer)?;
+            }
             Scheme::Ps => {
                 w.forming[layer as usize] = true;
                 let grad = Loc {
@@ -137,6 +142,25 @@ impl Node {
                 } else {
                     self.push_write(server, slot, slice, None);
                 }
+            }
+            WorkerCommand::SendFactors { peer, layer, iter } if peer == me => {
+                // Adam, and this rank holds the layer: its own server takes
+                // the factors from a capture (`factors_in`).
+                let spec = &book.layers()[layer as usize];
+                let len = book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
+                let factors = Loc {
+                    region: LocalRegion::Factors,
+                    offset: self.factor_off[layer as usize].expect("FC layers have factors"),
+                };
+                self.new_job(
+                    Queue::Worker,
+                    JobKind::CaptureFactors { layer, factors, len },
+                    JobTrack::Capture {
+                        layer,
+                        iter,
+                        len: len as usize,
+                    },
+                );
             }
             WorkerCommand::SendFactors { peer, layer, iter } => {
                 if !self.peers[peer as usize].open {
@@ -272,11 +296,30 @@ impl Node {
         }
     }
 
+    /// Worker index `wi`'s factors of `layer` for `iter` are complete: for
+    /// this rank's worker (SFB) or its server (Adam, which holds the layer).
     pub(super) fn factors_in(&mut self, layer: u32, iter: u64, wi: usize, blob: Blob) -> Result<()> {
         let from = self.book.cluster().workers()[wi];
         self.inbox
             .put(layer, iter, wi, blob)
             .map_err(|what| EngineError::Protocol { rank: from, what })?;
+        if self.book.scheme(layer, iter) == Scheme::Adam {
+            let me = self.rank;
+            let s = self.server.as_mut().ok_or_else(|| EngineError::Protocol {
+                rank: from,
+                what: format!("adam factors of layer {layer} sent to rank {me}, which is not a server"),
+            })?;
+            s.core.handle_factors(from, layer, iter)?;
+            if from == me {
+                // This rank's own factors, captured: the "send" is done.
+                self.worker
+                    .as_mut()
+                    .expect("worker")
+                    .core
+                    .handle_factors_sent(layer, me)?;
+            }
+            return Ok(());
+        }
         let w = self.worker.as_mut().expect("worker");
         if from != self.rank {
             w.core.handle_factors_arrived(layer, iter, from)?;
