@@ -116,8 +116,9 @@ pub struct SimArgs {
     pub trigger: String,
     /// A fault, repeatable: slow:RANK:FACTOR[:FROM-TO] (worker RANK computes
     /// FACTOR× slower, in iterations FROM..TO, default all), or
-    /// crash:RANK:ITER[:REJOIN_MS] (worker RANK crashes at iteration ITER;
-    /// with --trigger all the job fails naming it; with REJOIN_MS it comes
+    /// crash:RANK:ITER or crash:RANK:ITER:REJOIN_MS (worker RANK crashes at
+    /// iteration ITER; with --trigger all the job fails naming it; with
+    /// REJOIN_MS it comes
     /// back that long after, takes the current parameters and is counted
     /// again: a worker without a shard, under the other triggers).
     #[arg(long = "fault")]

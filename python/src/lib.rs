@@ -1,6 +1,6 @@
 //! `tidewire._native`: Tidewire's push/pull interface for Python.
 //!
-//! One class, [`Session`], wraps [`tidewire::pushpull::PushPull`] over a
+//! One class, `Session`, wraps [`tidewire::pushpull::PushPull`] over a
 //! [`tidewire::Builder`] session whose parameter and gradient memory is the
 //! caller's own: two flat float32 host tensors (or NumPy arrays), registered in
 //! place (zero-copy). Layers sit back to back in both, in table order. The

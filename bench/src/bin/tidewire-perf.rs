@@ -11,6 +11,8 @@
 //! and the same out-of-band exchange on TCP port 18515, so either side may be
 //! perftest. `--transport tcp` runs the tests over the io_uring TCP transport
 //! (tidewire-perf on both sides).
+// The arguments' doc comments are clap's --help text (`<dev>`, `<port>`), not rustdoc.
+#![allow(rustdoc::invalid_html_tags)]
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -47,7 +47,7 @@ pub struct Dest {
 }
 
 impl Dest {
-    /// The key message: 108 bytes with a GID, 59 without (perftest's KEY_PRINT_FMT[_GID]).
+    /// The key message: 108 bytes with a GID, 59 without (perftest's `KEY_PRINT_FMT[_GID]`).
     ///
     /// Fails when a field is wider than perftest's fixed format (outstanding reads
     /// over 0xffff, a QPN or PSN of 2^24 or more): the message would not fit its
