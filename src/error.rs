@@ -67,6 +67,11 @@ pub enum Error {
     /// ([`crate::checkpoint`]).
     #[error("checkpoint: {0}")]
     Checkpoint(String),
+    /// This machine's rates could not be measured, or a profile of them
+    /// (`TIDEWIRE_RATES`, a `tidewire calibrate` file) is unreadable or out of
+    /// range ([`crate::calibrate`]).
+    #[error("calibration: {0}")]
+    Calibration(String),
 }
 
 impl From<tidewire_transport::Error> for Error {

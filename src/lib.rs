@@ -26,6 +26,7 @@ pub use tidewire_gpu as gpu;
 pub use tidewire_transport as transport;
 
 mod buffers;
+pub mod calibrate;
 pub mod checkpoint;
 pub mod cluster;
 mod config;

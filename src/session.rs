@@ -196,6 +196,25 @@ impl Builder {
         self.cfg.link_gbps = Some(gbps);
         self
     }
+    /// The measured rates HybComm decides with, in seconds rather than in
+    /// Poseidon's bytes (see [`tidewire_engine::cost::seconds`]): where the
+    /// GEMM that rebuilds a gradient from factors is slow beside the link,
+    /// an FC layer goes through the PS. Default: `TIDEWIRE_RATES` (JSON),
+    /// else none (bytes). Measure them with [`crate::calibrate::measure`]
+    /// or `tidewire calibrate`; every rank must reach the same schemes (the
+    /// rendezvous refuses ranks that do not).
+    ///
+    /// ```no_run
+    /// use tidewire::engine::book::{LayerKind, LayerSpec};
+    /// let p = tidewire::calibrate::measure(std::time::Duration::from_millis(200)).unwrap();
+    /// let b = tidewire::Builder::new(vec![LayerSpec::new("fc", LayerKind::Fc, 4096, 4096)])
+    ///     .rates(p.node_rates(1, None));
+    /// # let _ = b;
+    /// ```
+    pub fn rates(mut self, r: tidewire_engine::cost::Rates) -> Self {
+        self.cfg.rates = Some(r);
+        self
+    }
     /// Transport selection.
     pub fn transport(mut self, t: TransportKind) -> Self {
         self.cfg.transport = t;
@@ -310,7 +329,15 @@ impl Builder {
     /// parameter broadcast. Returns once every chunk holds rank 0's values.
     pub fn build(mut self, spec: ClusterSpec) -> Result<Session> {
         let cluster = Cluster::from_roles(spec.roles.clone())?;
-        let book = Arc::new(Book::new(cluster, std::mem::take(&mut self.cfg.layers), self.cfg.book)?);
+        let mut book = Book::new(cluster, std::mem::take(&mut self.cfg.layers), self.cfg.book)?;
+        let rates = match self.cfg.rates {
+            Some(r) => Some(r),
+            None => crate::calibrate::rates_from_env()?,
+        };
+        if let Some(r) = rates {
+            book = book.with_rates(r)?;
+        }
+        let book = Arc::new(book);
         if self.cfg.secret.is_none() {
             let s = std::env::var("TIDEWIRE_SECRET").map_err(|_| {
                 Error::Cluster(

@@ -17,6 +17,7 @@
 //! brings the command-line dependencies (clap, indicatif, tracing-subscriber).
 
 pub mod bench;
+pub mod calibrate;
 pub mod doctor;
 pub mod error;
 pub mod plan;

@@ -57,6 +57,9 @@ enum Cmd {
     TrainNode(TrainArgs),
     /// Simulate a cluster: the engine's own core on a discrete-event network (any scale).
     Sim(sim::SimArgs),
+    /// Measure this machine's rates (GEMM, sum, TCP stream, message cost) into a
+    /// profile: what `train` and `sim` weigh HybComm's choice with, in seconds.
+    Calibrate(tidewire_cli::calibrate::CalibrateArgs),
     /// Microbenchmarks of this machine.
     Bench {
         #[command(subcommand)]
@@ -154,6 +157,22 @@ fn main() -> ExitCode {
                 }
                 ExitCode::SUCCESS
             }
+            Err(e) => fail(e),
+        },
+        Cmd::Calibrate(a) => match tidewire_cli::calibrate::run(&a) {
+            Ok(tidewire_cli::calibrate::Outcome::Profile(p)) => {
+                if a.json {
+                    println!("{}", serde_json::to_string_pretty(&p).expect("serializable"));
+                } else {
+                    print!("{}", tidewire_cli::calibrate::render(&p));
+                }
+                ExitCode::SUCCESS
+            }
+            Ok(tidewire_cli::calibrate::Outcome::Probe(r)) => {
+                println!("{r}");
+                ExitCode::SUCCESS
+            }
+            Ok(tidewire_cli::calibrate::Outcome::Served) => ExitCode::SUCCESS,
             Err(e) => fail(e),
         },
         Cmd::TrainNode(args) => match train::run_node(&args) {

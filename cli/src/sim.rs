@@ -149,6 +149,16 @@ pub struct SimArgs {
     /// virtual time, set-up included (`nic_trace` in the JSON).
     #[arg(long)]
     pub trace_bin_us: Option<f64>,
+    /// Charge the CPU as the machine of this `tidewire calibrate --out`
+    /// profile does, with every rank of the run sharing its cores as `tidewire
+    /// train` runs them: its GEMM rebuilds SF gradients, its sum folds, its
+    /// per-message cost delays each post, and the link is `--bandwidth`
+    /// capped at what the shared cores move over loopback. HybComm then
+    /// decides in seconds at those rates, as `train` does. Without it the
+    /// machine is ideal: 10 GB/s sums and copies, the model's GPU GEMM, no
+    /// per-message cost, and HybComm decides in bytes.
+    #[arg(long)]
+    pub profile: Option<std::path::PathBuf>,
 }
 
 impl Default for SimArgs {
@@ -262,6 +272,9 @@ pub fn parse_bandwidth(s: &str) -> Result<f64> {
 /// What `tidewire sim` reports.
 #[derive(Debug, Clone, Serialize)]
 pub struct SimResult {
+    /// How the CPU is charged: a calibration profile (`--profile`) or the ideal machine.
+    #[serde(default)]
+    pub cpu: String,
     /// The aggregation trigger (`--trigger`).
     pub trigger: String,
     /// Virtual time to the last apply (the model's last version), per
@@ -376,7 +389,9 @@ fn one_run(
     lay: &Layout,
     main: bool,
 ) -> Result<SimReport> {
-    let book = Book::new(
+    // Processes on the profiled machine: every rank, and a node's other learners.
+    let ranks = cluster.world() + cluster.workers().len() * if args.flat { 0 } else { lay.learners - 1 };
+    let mut book = Book::new(
         cluster,
         model.layers.clone(),
         mode.book_config(BookConfig {
@@ -388,6 +403,16 @@ fn one_run(
             ..Default::default()
         }),
     )?;
+    let rates = match &args.profile {
+        Some(p) => {
+            let p = tidewire::calibrate::Profile::load(p).map_err(|e| Error::Usage(format!("--profile: {e}")))?;
+            Some(p.node_rates(ranks, Some(args.bandwidth / 8.0)))
+        }
+        None => None,
+    };
+    if let Some(r) = rates {
+        book = book.with_rates(r)?;
+    }
     let times: Vec<(u64, u64)> = model
         .layer_times(batch, args.time_scale)
         .iter()
@@ -397,6 +422,13 @@ fn one_run(
     cfg.bandwidth_bps = args.bandwidth;
     cfg.latency_ns = (args.latency_us * 1000.0).round() as u64;
     cfg.gemm_flops = model.calibrated_flop_rate() / args.time_scale.max(1e-9);
+    if let Some(r) = rates {
+        cfg.gemm_flops = r.gemm_flop_per_s;
+        cfg.agg_bytes_per_s = r.sum_bytes_per_s;
+        cfg.copy_bytes_per_s = r.sum_bytes_per_s;
+        cfg.msg_ns = (r.msg_s * 1e9).round() as u64;
+        cfg.bandwidth_bps = r.link_bytes_per_s * 8.0;
+    }
     cfg.sched.consistency = consistency_of(&args.consistency)?;
     cfg.sched.deterministic = !args.fast;
     cfg.sched.learners = lay.learners as u32;
@@ -565,6 +597,13 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
                 / args.iters as f64
         };
         Ok(SimResult {
+            cpu: match &args.profile {
+                Some(p) => format!(
+                    "charged from the profile {} (every rank on its cores, as train runs them)",
+                    p.display()
+                ),
+                None => "ideal machine (no --profile): 10 GB/s sums and copies, the model's GPU GEMM, no per-message cost; HybComm in bytes".into(),
+            },
             model: args.model.clone(),
             sync: mode.name().into(),
             consistency: args.consistency.clone(),
@@ -642,6 +681,7 @@ pub fn render(r: &SimResult) -> String {
         it = r.iters,
     );
     s.push_str(&body(r));
+    s.push_str(&format!("cpu              {}\n", r.cpu));
     if let (Some(f), Some(x)) = (&r.flat_run, r.speedup_over_flat) {
         s.push_str(&format!(
             "flat run         every learner a rank ({} ranks, {} per node's NIC)\n",

@@ -187,6 +187,21 @@ pub struct TrainArgs {
     /// Fraction of the rows of a --sparse-layers gradient that is nonzero.
     #[arg(long, default_value_t = 0.01)]
     pub sparse_density: f64,
+    /// How HybComm weighs the PS against SFB for an FC layer: seconds (this
+    /// machine's measured rates: its GEMM, its sum, its loopback or shaped
+    /// link and per-message cost, shared by the ranks on it; see `tidewire
+    /// calibrate`) or bytes (Poseidon's Table 1, which counts reconstruction
+    /// as free). Default: seconds.
+    #[arg(long, default_value = "seconds")]
+    pub cost_model: String,
+    /// With --cost-model seconds: this machine's rates from a `tidewire
+    /// calibrate --out` profile, instead of measuring them at start (about 1 s).
+    #[arg(long)]
+    pub profile: Option<std::path::PathBuf>,
+    /// The rates every rank decides with (JSON; the launcher measures them
+    /// and passes them on to its ranks).
+    #[arg(long, hide = true)]
+    pub rates: Option<String>,
     /// Communication frequency (Nexus): --comm-every, --comm-mode, --freq-*.
     #[command(flatten)]
     pub comm: comm::CommArgs,
@@ -359,6 +374,18 @@ impl TrainArgs {
                 return Err(Error::Usage(format!("--netns-addrs: {a:?} is not an IPv4 address")));
             }
         }
+        if !matches!(self.cost_model.as_str(), "seconds" | "bytes") {
+            return Err(Error::Usage(format!(
+                "--cost-model {:?}: use seconds (measured rates) or bytes (Poseidon's Table 1)",
+                self.cost_model
+            )));
+        }
+        if self.profile.is_some() && self.cost_model == "bytes" {
+            return Err(Error::Usage(
+                "--profile gives rates for --cost-model seconds, not bytes".into(),
+            ));
+        }
+        self.agreed_rates()?;
         if !(self.time_scale >= 0.0 && self.time_scale.is_finite()) {
             return Err(Error::Usage("--time-scale must be a finite number ≥ 0".into()));
         }
@@ -448,6 +475,24 @@ impl TrainArgs {
             ));
         }
         Ok(())
+    }
+    /// The rates the launcher measured for its ranks (`--rates`), if any.
+    fn agreed_rates(&self) -> Result<Option<tidewire_engine::cost::Rates>> {
+        match &self.rates {
+            None => Ok(None),
+            Some(j) => tidewire::calibrate::parse_rates(j)
+                .map(Some)
+                .map_err(|e| Error::Usage(format!("--rates: {e}"))),
+        }
+    }
+    /// The book every rank builds: the sizes of [`Self::book_config`] over
+    /// `cluster`, deciding in seconds at the agreed rates where there are some.
+    fn book(&self, m: &Model, cluster: Cluster) -> Result<Book> {
+        let book = Book::new(cluster, m.layers.clone(), self.book_config(m))?;
+        Ok(match self.agreed_rates()? {
+            Some(r) => book.with_rates(r)?,
+            None => book,
+        })
     }
     fn book_config(&self, m: &Model) -> BookConfig {
         self.sync_mode().book_config(BookConfig {
@@ -709,6 +754,9 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
     if replacement_iters().is_some() {
         builder = builder.rejoin();
     }
+    if let Some(r) = args.agreed_rates()? {
+        builder = builder.rates(r);
+    }
     let session = builder
         .batch(args.batch(&model) * args.learners())
         .chunk_bytes(args.book_config(&model).chunk_bytes)
@@ -866,7 +914,7 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
     } else {
         Cluster::split(p1, p2)?
     };
-    let book = Book::new(cluster, model.layers.clone(), args.book_config(model))?;
+    let book = args.book(model, cluster)?;
     let mut params: Vec<Vec<f32>> = model.layers.iter().map(|l| vec![0f32; l.params()]).collect();
     let mut grad: Vec<Vec<f32>> = model.layers.iter().map(|l| vec![0f32; l.params()]).collect();
     let mut stats = Vec::new();
@@ -1492,6 +1540,9 @@ pub struct TrainReport {
     pub workers_detail: Vec<Vec<IterStat>>,
     /// The scheme of every layer (fixed for the run).
     pub layers: Vec<LayerRow>,
+    /// The rates HybComm decided with (`--cost-model seconds`), per rank.
+    #[serde(default)]
+    pub rates: Option<tidewire_engine::cost::Rates>,
     /// `Some(true)` when every worker's parameters equal the reference bit for bit.
     pub verified: Option<bool>,
     /// Layers that differ (name), when verification failed.
@@ -1521,6 +1572,10 @@ pub struct LayerRow {
     pub shape: (usize, usize),
     /// Scheme.
     pub scheme: Scheme,
+    /// Seconds the PS and SFB would cost the busiest node for this FC layer
+    /// at the agreed rates (`--cost-model seconds`), as HybComm weighed them.
+    #[serde(default)]
+    pub cost_s: Option<(f64, f64)>,
 }
 
 fn free_port() -> Result<u16> {
@@ -1563,7 +1618,15 @@ fn local_env(c: &mut Command, node: usize, secret: &str) {
 pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     args.validate()?;
     args.ckpt.check_dirs(args.iters)?;
-    let base_args = resilience::without_resume(&node_args);
+    let mut base_args = resilience::without_resume(&node_args);
+    let mut args = args.clone();
+    if let Some(r) = measured_rates(&args)? {
+        let json = serde_json::to_string(&r).map_err(|e| Error::Launch(format!("rates: {e}")))?;
+        base_args.push("--rates".into());
+        base_args.push(json.clone());
+        args.rates = Some(json);
+    }
+    let args = &args;
     let mut kills: std::collections::VecDeque<resilience::Kill> = args.ckpt.fault_kill.iter().copied().collect();
     let mut restarts: Vec<Restart> = Vec::new();
     let mut resume: Option<std::path::PathBuf> = match &args.ckpt.resume {
@@ -1638,6 +1701,74 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
             }
         }
     }
+}
+
+/// The rates every rank of this launch decides HybComm with: `None` where
+/// nothing is decided in seconds (`--cost-model bytes`, a policy other than
+/// hybrid, or `--rates` given). Otherwise this machine's profile (measured
+/// now, or `--profile`), shared by every rank process on it; under the
+/// bandwidth harness each rank's link is the shaped one, measured between
+/// the first two namespaces.
+fn measured_rates(args: &TrainArgs) -> Result<Option<tidewire_engine::cost::Rates>> {
+    if args.cost_model == "bytes"
+        || args.rates.is_some()
+        || args.comm.active()
+        || args.sync_mode().policy() != tidewire_engine::SchemePolicy::Hybrid
+    {
+        return Ok(None);
+    }
+    let profile = match &args.profile {
+        Some(p) => tidewire::calibrate::Profile::load(p).map_err(|e| Error::Usage(format!("--profile: {e}")))?,
+        None => tidewire::calibrate::measure(Duration::from_millis(150))
+            .map_err(|e| Error::Launch(format!("measuring this machine's rates: {e}")))?,
+    };
+    let (_, _, world) = args.world();
+    let procs = world + args.workers * args.local_learners.saturating_sub(1) * usize::from(!args.flat);
+    let link = match (&args.netns, &args.netns_addrs) {
+        (Some(ns), Some(addrs)) => Some(netns_link_rate(&split_list(ns), &split_list(addrs))?),
+        _ => None,
+    };
+    Ok(Some(profile.node_rates(procs, link)))
+}
+
+/// One TCP stream's rate from the first namespace to the second (a probe
+/// of about half a second through the shaped links), or the loopback's
+/// where there is one namespace.
+fn netns_link_rate(ns: &[String], addrs: &[String]) -> Result<f64> {
+    if ns.len() < 2 || addrs.len() < 2 {
+        return Ok(f64::MAX);
+    }
+    let exe = std::env::current_exe().map_err(|e| Error::Launch(format!("cannot find my own binary: {e}")))?;
+    let target = format!("{}:29499", addrs[1]);
+    let mut server = Command::new("ip")
+        .args(["netns", "exec", &ns[1]])
+        .arg(&exe)
+        .args(["calibrate", "--serve-stream", &target])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| Error::Launch(format!("link probe: ip netns exec {}: {e}", ns[1])))?;
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns[0]])
+        .arg(&exe)
+        .args(["calibrate", "--probe-stream", &target])
+        .output();
+    let _ = server.kill();
+    let _ = server.wait();
+    let out = out.map_err(|e| Error::Launch(format!("link probe: ip netns exec {}: {e}", ns[0])))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|v| out.status.success() && v.is_finite() && *v > 0.0)
+        .ok_or_else(|| {
+            Error::Launch(format!(
+                "link probe from {} to {target} failed: {} {}",
+                ns[0],
+                text.trim(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        })
 }
 
 /// How one run attempt of the local cluster ended.
@@ -1983,14 +2114,13 @@ fn launch_attempt(
             learners.len()
         )));
     }
-    let book = Book::new(
+    let book = args.book(
+        &model,
         if args.colocate {
             Cluster::colocated(p1)?
         } else {
             Cluster::split(p1, p2)?
         },
-        model.layers.clone(),
-        args.book_config(&model),
     )?;
     // The slowest worker's iterations.
     let slowest = workers
@@ -2121,8 +2251,10 @@ fn launch_attempt(
                 kind: l.kind,
                 shape: (l.m, l.n),
                 scheme: book.scheme(i as u32, 0),
+                cost_s: book.seconds(i as u32).map(|(ps, sfb)| (ps.total(), sfb.total())),
             })
             .collect(),
+        rates: book.rates().copied(),
         verified,
         mismatched_layers,
         digests: workers
@@ -2264,6 +2396,16 @@ pub fn render(r: &TrainReport) -> String {
             mb(&r.node_rx_bytes)
         );
     }
+    if let Some(rt) = &r.rates {
+        let _ = writeln!(
+            s,
+            "rates per rank (HybComm in seconds): link {:.2} GB/s, {:.1} µs a message, sum {:.1} GB/s, GEMM {:.1} GFLOP/s",
+            rt.link_bytes_per_s / 1e9,
+            rt.msg_s * 1e6,
+            rt.sum_bytes_per_s / 1e9,
+            rt.gemm_flop_per_s / 1e9
+        );
+    }
     let count = |x: Scheme| r.layers.iter().filter(|l| l.scheme == x).count();
     let (sfb, adam) = (count(Scheme::Sfb), count(Scheme::Adam));
     let _ = write!(
@@ -2276,9 +2418,13 @@ pub fn render(r: &TrainReport) -> String {
     }
     let _ = writeln!(s);
     for l in r.layers.iter().filter(|l| l.kind == LayerKind::Fc) {
+        let cost = match l.cost_s {
+            Some((ps, sfb)) => format!("   (PS {ps:.3} s, SFB {sfb:.3} s at the measured rates)"),
+            None => String::new(),
+        };
         let _ = writeln!(
             s,
-            "  {:<10} fc {:>6}×{:<6} {:?}",
+            "  {:<10} fc {:>6}×{:<6} {:?}{cost}",
             l.name, l.shape.0, l.shape.1, l.scheme
         );
     }

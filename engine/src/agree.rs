@@ -151,10 +151,14 @@ impl Field {
             Field::CommMode => ["accumulate", "average"].get(v as usize).unwrap_or(&"?").to_string(),
             Field::Policy => {
                 let policy = ["hybrid", "ps", "sfb", "adam"].get((v & 0xff) as usize).unwrap_or(&"?");
-                match v >> 8 {
+                let placed = match (v >> 8) & 0xff {
                     0 => policy.to_string(),
                     1 => format!("{policy}, kvstore placement"),
                     p => format!("{policy}, placement {p}"),
+                };
+                match v >> 16 {
+                    0 => placed,
+                    f => format!("{placed}, decided in seconds from measured rates (schemes {f:#012x})"),
                 }
             }
             Field::Order => ["priority", "fifo"].get(v as usize).unwrap_or(&"?").to_string(),
@@ -234,7 +238,10 @@ impl JobConfig {
             (Field::Batch, cfg.batch as u64),
             (Field::ChunkBytes, cfg.chunk_bytes as u64),
             (Field::SliceParams, cfg.slice_params as u64),
-            (Field::Policy, cfg.policy as u64 | (cfg.placement as u64) << 8),
+            (
+                Field::Policy,
+                cfg.policy as u64 | (cfg.placement as u64) << 8 | book.scheme_fingerprint() << 16,
+            ),
             (
                 Field::Order,
                 match sched.order {
@@ -371,6 +378,47 @@ mod tests {
             )
             .unwrap(),
         )
+    }
+
+    #[test]
+    fn ranks_whose_rates_lead_to_other_schemes_disagree_on_the_policy() {
+        let big = |gemm: f64| {
+            let b = Book::new(
+                Cluster::split(4, 1).unwrap(),
+                vec![LayerSpec::new("fc", LayerKind::Fc, 4096, 4096)],
+                BookConfig {
+                    batch: 128,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let r = crate::cost::Rates {
+                link_bytes_per_s: 3e9,
+                msg_s: 1e-5,
+                sum_bytes_per_s: 5e9,
+                gemm_flop_per_s: gemm,
+            };
+            Arc::new(b.with_rates(r).unwrap())
+        };
+        let s = SchedConfig::default();
+        let (cpu, cpu2, gpu) = (big(20e9), big(25e9), big(50e12));
+        let a = JobConfig::new(&cpu, &s, ApplyOp::Mean, "tcp");
+        // Other rates, the same schemes: they agree.
+        assert!(a
+            .check(1, JobConfig::new(&cpu2, &s, ApplyOp::Mean, "tcp").fields())
+            .is_ok());
+        match a.check(2, JobConfig::new(&gpu, &s, ApplyOp::Mean, "tcp").fields()) {
+            Err(EngineError::Disagree {
+                field, theirs, ours, ..
+            }) => {
+                assert_eq!(field, "scheme policy and placement");
+                assert!(theirs.contains("decided in seconds") && ours.contains("decided in seconds"));
+                assert_ne!(theirs, ours);
+            }
+            other => panic!("{other:?}"),
+        }
+        // A book deciding in bytes keeps its old value: the policy alone.
+        assert_eq!(Field::Policy.render(0), "hybrid");
     }
 
     #[test]

@@ -359,6 +359,7 @@ pub struct Book {
     shard_len: Vec<usize>,
     server_chunks: Vec<Vec<u32>>,
     schemes: Vec<Scheme>,
+    rates: Option<cost::Rates>,
     hash: u64,
 }
 
@@ -501,6 +502,7 @@ impl Book {
             shard_len,
             server_chunks,
             schemes: Vec::new(),
+            rates: None,
             hash: 0,
         };
         book.schemes = (0..book.layers.len() as u32).map(|l| book.best_scheme(l)).collect();
@@ -521,14 +523,69 @@ impl Book {
             SchemePolicy::Sfb => Scheme::Sfb,
             SchemePolicy::Adam => Scheme::Adam,
             SchemePolicy::Hybrid => {
-                let (ps, sfb) = self.costs(layer);
-                if sfb < ps {
+                let sfb_cheaper = match self.seconds(layer) {
+                    Some((ps, sfb)) => sfb.total() < ps.total(),
+                    None => {
+                        let (ps, sfb) = self.costs(layer);
+                        sfb < ps
+                    }
+                };
+                if sfb_cheaper {
                     Scheme::Sfb
                 } else {
                     Scheme::Ps
                 }
             }
         }
+    }
+
+    /// This book with HybComm deciding in seconds at `rates` (see
+    /// [`cost::seconds`]) rather than in bytes: every FC layer's scheme is
+    /// chosen again. The rates are the node's measured ones; ranks that
+    /// decide differently are caught at rendezvous (the decision is part of
+    /// the agreed scheme policy, [`Book::scheme_fingerprint`]).
+    pub fn with_rates(mut self, rates: cost::Rates) -> Result<Self> {
+        rates.validate().map_err(EngineError::InvalidConfig)?;
+        self.rates = Some(rates);
+        self.schemes = (0..self.layers.len() as u32).map(|l| self.best_scheme(l)).collect();
+        Ok(self)
+    }
+
+    /// The rates HybComm decides with, if any ([`Book::with_rates`]).
+    pub fn rates(&self) -> Option<&cost::Rates> {
+        self.rates.as_ref()
+    }
+
+    /// (PS, SFB) seconds at the busiest node for an FC `layer` at the
+    /// book's rates; `None` without rates or for a layer that is not FC.
+    pub fn seconds(&self, layer: u32) -> Option<(cost::SchemeSeconds, cost::SchemeSeconds)> {
+        let r = self.rates.as_ref()?;
+        let l = &self.layers[layer as usize];
+        if l.kind != LayerKind::Fc || l.sparse {
+            return None;
+        }
+        let load = cost::LayerLoad {
+            colocated: self.cluster.is_colocated(),
+            k: self.cfg.batch as u64,
+            m: l.m as u64,
+            n: l.n as u64,
+            p1: self.p1() as u64,
+            p2: self.p2() as u64,
+            ps_messages: self.layer_slices(layer).len() as u64,
+        };
+        Some(cost::seconds(&load, r))
+    }
+
+    /// 0 when HybComm decides in bytes (no rates, or a policy other than
+    /// hybrid); otherwise a nonzero 40-bit fingerprint of every layer's
+    /// scheme, which the agreed scheme policy carries so that ranks whose
+    /// measured rates led them to different schemes do not start.
+    pub fn scheme_fingerprint(&self) -> u64 {
+        if self.rates.is_none() || self.cfg.policy != SchemePolicy::Hybrid {
+            return 0;
+        }
+        let bytes: Vec<u8> = self.schemes.iter().map(|s| *s as u8).collect();
+        (crate::agree::fnv(&[&bytes]) & 0xff_ffff_ffff) | 1
     }
 
     /// (PS, SFB) parameters moved by the busiest node for `layer`.
@@ -688,6 +745,62 @@ mod tests {
             }
             assert_eq!(next, l.params());
         }
+    }
+
+    fn rates(gemm_flop_per_s: f64, link_bytes_per_s: f64) -> cost::Rates {
+        cost::Rates {
+            link_bytes_per_s,
+            msg_s: 10e-6,
+            sum_bytes_per_s: 5e9,
+            gemm_flop_per_s,
+        }
+    }
+
+    #[test]
+    fn hybrid_in_seconds_steps_aside_for_a_slow_gemm_and_agrees_with_bytes_on_a_slow_link() {
+        let cfg = BookConfig {
+            batch: 128,
+            ..Default::default()
+        };
+        let bytes = Book::new(Cluster::split(4, 1).unwrap(), layers(), cfg).unwrap();
+        assert_eq!(
+            bytes.scheme(1, 0),
+            Scheme::Sfb,
+            "in bytes, SFB wins a 4096² layer at K = 128"
+        );
+        assert_eq!((bytes.scheme_fingerprint(), bytes.rates()), (0, None));
+        assert!(bytes.seconds(1).is_none());
+        // A CPU's GEMM beside a fast link: rebuilding 3 peers' gradients costs more than moving it.
+        let cpu = bytes.clone().with_rates(rates(20e9, 3e9)).unwrap();
+        assert_eq!(cpu.scheme(1, 0), Scheme::Ps);
+        let (ps, sfb) = cpu.seconds(1).unwrap();
+        assert!(ps.total() < sfb.total(), "{ps:?} {sfb:?}");
+        // 1 Gbit/s and a GPU's GEMM: SFB, as the bytes say.
+        let gpu = bytes.clone().with_rates(rates(50e12, 125e6)).unwrap();
+        assert_eq!(gpu.scheme(1, 0), Scheme::Sfb);
+        // Conv and other layers stay on the PS whatever the rates.
+        for b in [&cpu, &gpu] {
+            assert_eq!((b.scheme(0, 0), b.scheme(2, 0)), (Scheme::Ps, Scheme::Ps));
+            assert!(b.seconds(0).is_none());
+        }
+        // Different decisions, different fingerprints; the values' hash is untouched.
+        assert_ne!(cpu.scheme_fingerprint(), gpu.scheme_fingerprint());
+        assert_ne!(cpu.scheme_fingerprint(), 0);
+        assert_eq!(cpu.hash(), bytes.hash());
+        // A forced policy is not decided: no fingerprint.
+        let forced = Book::new(
+            Cluster::split(4, 1).unwrap(),
+            layers(),
+            BookConfig {
+                policy: SchemePolicy::Sfb,
+                ..cfg
+            },
+        )
+        .unwrap()
+        .with_rates(rates(1.0, 3e9))
+        .unwrap();
+        assert_eq!((forced.scheme(1, 0), forced.scheme_fingerprint()), (Scheme::Sfb, 0));
+        assert!(bytes.with_rates(rates(f64::INFINITY, 1.0)).is_err());
     }
 
     #[test]

@@ -83,9 +83,243 @@ pub fn bottleneck(colocated: bool, k: u64, m: u64, n: u64, p1: u64, p2: u64) -> 
     (ps, sfb)
 }
 
+/// Measured rates of one node, in the engine's terms: what HybComm weighs in
+/// **seconds** ([`seconds`]). The engine measures nothing itself (it is
+/// sans-IO); the runtime or the launcher measures them and hands them in
+/// ([`crate::book::Book::with_rates`]), already divided by whatever shares
+/// the node's CPU or link (several ranks on one host share its cores, and on
+/// loopback its "link" is CPU too).
+///
+/// Without rates the book decides in bytes, as Poseidon's Table 1 does: that
+/// is exact on the paper's machines (reconstruction on a GPU, "often
+/// negligible compared to communication", §3.2) and wrong beside a CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
+pub struct Rates {
+    /// Bytes per second one node's link carries each way.
+    pub link_bytes_per_s: f64,
+    /// Seconds the runtime spends per message it sends or receives (post,
+    /// completion, wake-up): the cost that many small slices pay.
+    pub msg_s: f64,
+    /// Bytes of input per second folded into an accumulator (a server's sum,
+    /// SFB's sum of the rebuilt gradients).
+    pub sum_bytes_per_s: f64,
+    /// FLOP/s of the GEMM that rebuilds a gradient from its factors, on the
+    /// executor where it runs (the CPU's, or the GPU's where one is used).
+    pub gemm_flop_per_s: f64,
+}
+
+impl Rates {
+    /// Checks every rate is finite and positive (the message cost may be 0).
+    pub fn validate(&self) -> Result<(), String> {
+        let pos = |v: f64, what: &str| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(format!("{what} must be a finite rate above 0, not {v}"))
+            }
+        };
+        pos(self.link_bytes_per_s, "link_bytes_per_s")?;
+        pos(self.sum_bytes_per_s, "sum_bytes_per_s")?;
+        pos(self.gemm_flop_per_s, "gemm_flop_per_s")?;
+        if !(self.msg_s.is_finite() && self.msg_s >= 0.0) {
+            return Err(format!("msg_s must be finite and at least 0, not {}", self.msg_s));
+        }
+        Ok(())
+    }
+
+    /// These rates on a node that gets `cpu` of its measured CPU and `link`
+    /// of its measured link (each in (0, 1]): e.g. `cores / ranks` for ranks
+    /// sharing one host. The per-message cost grows by the CPU share.
+    pub fn shared(self, cpu: f64, link: f64) -> Rates {
+        let (cpu, link) = (cpu.clamp(1e-6, 1.0), link.clamp(1e-6, 1.0));
+        Rates {
+            link_bytes_per_s: self.link_bytes_per_s * link,
+            msg_s: self.msg_s / cpu,
+            sum_bytes_per_s: self.sum_bytes_per_s * cpu,
+            gemm_flop_per_s: self.gemm_flop_per_s * cpu,
+        }
+    }
+}
+
+/// One FC layer's shape and the cluster around it, for [`seconds`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerLoad {
+    /// Every node is a worker and a server.
+    pub colocated: bool,
+    /// Batch K per worker (rows of each factor).
+    pub k: u64,
+    /// Rows M of the weight.
+    pub m: u64,
+    /// Columns N of the weight.
+    pub n: u64,
+    /// Workers P1.
+    pub p1: u64,
+    /// Servers P2.
+    pub p2: u64,
+    /// Messages the PS sends per worker for this layer (its slices).
+    pub ps_messages: u64,
+}
+
+/// Seconds one scheme costs its busiest node for one layer, in parts.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SchemeSeconds {
+    /// Bytes over the link.
+    pub transfer_s: f64,
+    /// Messages times the per-message cost.
+    pub messages_s: f64,
+    /// Reconstruction (GEMM) and sums.
+    pub compute_s: f64,
+}
+
+impl SchemeSeconds {
+    /// The whole: transfer, messages and compute are added, not overlapped
+    /// (on a CPU-bound node the transfer is CPU too).
+    pub fn total(&self) -> f64 {
+        self.transfer_s + self.messages_s + self.compute_s
+    }
+}
+
+/// (PS, SFB) seconds at the busiest node for one FC layer, at `rates`.
+///
+/// - **PS**, per node kind present: its Table 1 bytes over the link, its
+///   pushes and broadcasts times the message cost, and on a server the fold
+///   of P1 gradients of its share (MN·P1/P2 elements summed). The busiest
+///   node kind counts.
+/// - **SFB**, on every worker: 2K(P1−1)(M+N) parameters over the link,
+///   2(P1−1) factor blocks, and the rebuild of the P1−1 peers' gradients,
+///   2KMN FLOPs each (a worker's own gradient costs the same under either
+///   scheme, so it is left out of both), summed into the layer ((P1−1)·MN).
+pub fn seconds(l: &LayerLoad, r: &Rates) -> (SchemeSeconds, SchemeSeconds) {
+    let mn = (l.m * l.n) as f64;
+    let (p1, p2) = (l.p1 as f64, l.p2.max(1) as f64);
+    let peers = l.p1.saturating_sub(1) as f64;
+    let bytes = |params: u64| params as f64 * 4.0 / r.link_bytes_per_s;
+    let fold_s = mn * p1 / p2 * 4.0 / r.sum_bytes_per_s;
+    let msgs = l.ps_messages as f64;
+    let worker = SchemeSeconds {
+        transfer_s: bytes(ps_params(NodeRole::WorkerOnly, l.m, l.n, l.p1, l.p2)),
+        messages_s: 2.0 * msgs * r.msg_s,
+        compute_s: 0.0,
+    };
+    let server = SchemeSeconds {
+        transfer_s: bytes(ps_params(NodeRole::ServerOnly, l.m, l.n, l.p1, l.p2)),
+        messages_s: 2.0 * msgs * p1 / p2 * r.msg_s,
+        compute_s: fold_s,
+    };
+    let ps = if l.colocated {
+        SchemeSeconds {
+            transfer_s: bytes(ps_params(NodeRole::Both, l.m, l.n, l.p1, l.p2)),
+            messages_s: 2.0 * msgs * (1.0 + (p1 - 1.0) / p2) * r.msg_s,
+            compute_s: fold_s,
+        }
+    } else if server.total() >= worker.total() {
+        server
+    } else {
+        worker
+    };
+    let sfb = SchemeSeconds {
+        transfer_s: bytes(sfb_params(l.k, l.p1, l.m, l.n)),
+        messages_s: 2.0 * peers * r.msg_s,
+        compute_s: peers * (2.0 * l.k as f64 * mn / r.gemm_flop_per_s + mn * 4.0 / r.sum_bytes_per_s),
+    };
+    (ps, sfb)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn rates(link: f64, gemm: f64) -> Rates {
+        Rates {
+            link_bytes_per_s: link,
+            msg_s: 10e-6,
+            sum_bytes_per_s: 10e9,
+            gemm_flop_per_s: gemm,
+        }
+    }
+
+    fn fc6(p1: u64, p2: u64, k: u64) -> LayerLoad {
+        LayerLoad {
+            colocated: false,
+            k,
+            m: 4096,
+            n: 25088,
+            p1,
+            p2,
+            ps_messages: 2056,
+        }
+    }
+
+    #[test]
+    fn seconds_pick_sfb_on_a_slow_link_with_a_fast_gemm() {
+        // 1 Gbit/s and a GPU's GEMM: the bytes decide, as in the paper.
+        let (ps, sfb) = seconds(&fc6(8, 8, 32), &rates(125e6, 50e12));
+        assert!(sfb.total() < ps.total() / 5.0, "{sfb:?} vs {ps:?}");
+    }
+
+    #[test]
+    fn seconds_pick_ps_beside_a_slow_cpu_gemm_on_a_fast_link() {
+        // Loopback-fast link, a shared CPU's GEMM: rebuilding 3 peers' fc6 at
+        // K = 128 is 3 · 26 GFLOP, which costs more than moving the matrix.
+        let (ps, sfb) = seconds(&fc6(4, 1, 128), &rates(3e9, 20e9));
+        assert!(ps.total() < sfb.total(), "{ps:?} vs {sfb:?}");
+        // The compute part is what decides: 3 · 2·128·4096·25088 FLOPs.
+        let flops = 3.0 * 2.0 * 128.0 * 4096.0 * 25088.0;
+        assert!((sfb.compute_s - flops / 20e9 - 3.0 * 4096.0 * 25088.0 * 4.0 / 10e9).abs() < 1e-9);
+    }
+
+    #[test]
+    fn seconds_agree_with_the_byte_model_when_compute_is_free() {
+        // With free compute and messages, seconds order the schemes as Table 1's bytes do.
+        let free = Rates {
+            link_bytes_per_s: 1e9,
+            msg_s: 0.0,
+            sum_bytes_per_s: f64::MAX,
+            gemm_flop_per_s: f64::MAX,
+        };
+        for &(colocated, k, m, n, p1, p2) in &[
+            (true, 32, 4096, 4096, 8, 8),
+            (false, 256, 1000, 4096, 4, 1),
+            (false, 2, 4096, 4096, 16, 2),
+            (true, 512, 100, 100, 3, 3),
+        ] {
+            let l = LayerLoad {
+                colocated,
+                k,
+                m,
+                n,
+                p1,
+                p2,
+                ps_messages: 0,
+            };
+            let (ps_b, sfb_b) = bottleneck(colocated, k, m, n, p1, p2);
+            let (ps_s, sfb_s) = seconds(&l, &free);
+            assert!((ps_s.total() - ps_b as f64 * 4.0 / 1e9).abs() < 1e-6 * ps_s.total().max(1.0));
+            assert!((sfb_s.total() - sfb_b as f64 * 4.0 / 1e9).abs() < 1e-6 * sfb_s.total().max(1.0));
+        }
+    }
+
+    #[test]
+    fn shared_rates_divide_the_cpu_and_the_link() {
+        let r = rates(1e9, 1e10).shared(0.5, 0.25);
+        assert_eq!(r.gemm_flop_per_s, 5e9);
+        assert_eq!(r.sum_bytes_per_s, 5e9);
+        assert_eq!(r.link_bytes_per_s, 2.5e8);
+        assert_eq!(r.msg_s, 20e-6);
+        assert!(r.validate().is_ok());
+        assert!(Rates {
+            gemm_flop_per_s: f64::NAN,
+            ..r
+        }
+        .validate()
+        .is_err());
+        assert!(Rates {
+            link_bytes_per_s: 0.0,
+            ..r
+        }
+        .validate()
+        .is_err());
+    }
 
     #[test]
     fn poseidon_worked_example() {

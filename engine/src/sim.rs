@@ -112,6 +112,11 @@ pub struct SimConfig {
     pub copy_bytes_per_s: f64,
     /// SF reconstruction GEMM throughput, FLOP/s.
     pub gemm_flops: f64,
+    /// CPU time the runtime spends on each transmit it posts, ns: the
+    /// sender's posts are serialized through it (one runtime thread per
+    /// rank), so many small slices cost time that few large ones do not.
+    /// 0 (the ideal machine) unless a calibration profile sets it.
+    pub msg_ns: u64,
     /// Iterations.
     pub iters: u64,
     /// Seed for the faults.
@@ -171,6 +176,7 @@ impl SimConfig {
             agg_bytes_per_s: 10e9,
             copy_bytes_per_s: 10e9,
             gemm_flops: 5e12,
+            msg_ns: 0,
             iters,
             seed: 1,
             faults: Faults {
@@ -415,6 +421,8 @@ struct Rank {
     partial: Vec<Vec<f32>>,
     momentum: Vec<f32>,
     busy: [u64; 2],
+    /// The runtime thread is busy posting until then ([`SimConfig::msg_ns`]).
+    post_busy: u64,
     /// Transmits posted and not complete, per peer.
     posted: Vec<usize>,
     tokens: HashMap<u64, u32>,
@@ -584,6 +592,7 @@ fn make_rank(cfg: &SimConfig, r: u32) -> Result<Rank, SimError> {
             Vec::new()
         },
         busy: [0; 2],
+        post_busy: 0,
         posted: vec![0; world],
         tokens: HashMap::default(),
         worker,
@@ -1618,6 +1627,11 @@ impl Sim {
             extra = self.rand() % self.cfg.faults.delay_max_ns;
         }
         let mut post_at = now;
+        if self.cfg.msg_ns > 0 {
+            let rank = &mut self.ranks[r as usize];
+            rank.post_busy = rank.post_busy.max(now) + self.cfg.msg_ns;
+            post_at = rank.post_busy;
+        }
         if let Some((side, a, b)) = &self.cfg.faults.partition {
             if now >= *a && now < *b && side.contains(&r) != side.contains(&peer) {
                 post_at = *b;

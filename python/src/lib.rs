@@ -441,7 +441,7 @@ impl Session {
         layers, *, params, grads, rank, world, master, secret, servers = 0, job = 1, batch = 32,
         apply = None, consistency = None, policy = "hybrid", transport = "auto", timeout = 60.0,
         connect_timeout = 60.0, chunk_bytes = None, slice_params = None, listen_ip = None, local = None,
-        comm = None, checkpoint = None, resume = None, trigger = "all"
+        comm = None, checkpoint = None, resume = None, trigger = "all", rates = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -470,6 +470,7 @@ impl Session {
         checkpoint: Option<(String, u64, usize, bool)>,
         resume: Option<String>,
         trigger: &str,
+        rates: Option<(f64, f64, f64, f64)>,
     ) -> PyResult<Self> {
         if layers.is_empty() {
             return Err(PyValueError::new_err("the layer table is empty"));
@@ -585,6 +586,16 @@ impl Session {
                 "trigger {trigger:?}: want 'all', 'quorum:K', 'async' or 'timeout:MS'"
             ))
         })?);
+        if let Some((link_bytes_per_s, msg_s, sum_bytes_per_s, gemm_flop_per_s)) = rates {
+            let r = tidewire::engine::cost::Rates {
+                link_bytes_per_s,
+                msg_s,
+                sum_bytes_per_s,
+                gemm_flop_per_s,
+            };
+            r.validate().map_err(|e| PyValueError::new_err(format!("rates: {e}")))?;
+            b = b.rates(r);
+        }
         if let Some(c) = chunk_bytes {
             b = b.chunk_bytes(c);
         }
@@ -1033,6 +1044,28 @@ impl FreqGuide {
 /// Tidewire's native module (see the crate docs).
 /// The newest complete checkpoint (a `step-*` directory) under `dir`, or
 /// None: where a restarted job resumes from.
+/// This machine's rates, one thread each, measured for about `ms`
+/// milliseconds apiece: `(cores, link_bytes_per_s, msg_s, sum_bytes_per_s,
+/// gemm_flop_per_s)` (see `tidewire calibrate`). The GIL is released.
+#[pyfunction]
+#[pyo3(signature = (ms = 100))]
+fn calibrate(py: Python<'_>, ms: u64) -> PyResult<(usize, f64, f64, f64, f64)> {
+    if ms == 0 || ms > 60_000 {
+        return Err(PyValueError::new_err(format!("ms={ms}: want 1 to 60000")));
+    }
+    let p = py
+        .detach(|| tidewire::calibrate::measure(std::time::Duration::from_millis(ms)))
+        .map_err(tw_err)?;
+    let r = p.rates;
+    Ok((
+        p.cores,
+        r.link_bytes_per_s,
+        r.msg_s,
+        r.sum_bytes_per_s,
+        r.gemm_flop_per_s,
+    ))
+}
+
 #[pyfunction]
 fn newest_checkpoint(dir: &str) -> PyResult<Option<String>> {
     tidewire::checkpoint::Loaded::newest_complete(dir)
@@ -1044,6 +1077,7 @@ fn newest_checkpoint(dir: &str) -> PyResult<Option<String>> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Session>()?;
     m.add_function(wrap_pyfunction!(newest_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(calibrate, m)?)?;
     m.add_class::<FreqGuide>()?;
     m.add("TidewireError", m.py().get_type::<TidewireError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -80,6 +80,7 @@ class Session:
         checkpoint: Optional[Tuple[str, int, int, bool]] = None,
         resume: Optional[str] = None,
         trigger: str = "all",
+        rates: Optional[Tuple[float, float, float, float]] = None,
     ) -> None:
         """Rendezvous, connect, register the memory and broadcast worker rank
         0's initial ``params`` to every rank (blocks, GIL released).
@@ -98,7 +99,11 @@ class Session:
         checkpoint to start from (a step directory, or a checkpoint directory:
         its newest complete one). ``trigger``: when servers apply a round,
         ``'all'`` (BSP), ``'quorum:K'``, ``'async'`` or ``'timeout:MS'`` (the
-        others need ``'bsp'`` and ``policy='ps'``).
+        others need ``'bsp'`` and ``policy='ps'``). ``rates``: with
+        ``policy='hybrid'``, ``(link_bytes_per_s, msg_s, sum_bytes_per_s,
+        gemm_flop_per_s)`` of this rank (see :func:`calibrate`): each FC
+        layer's PS or SFB is then chosen in seconds, not bytes; every rank
+        must reach the same schemes (pass the same rates).
         """
     def push(self, layer: int) -> None:
         """Hand layer ``layer``'s gradient in from ``grads`` (returns at once)."""
@@ -154,3 +159,10 @@ class Session:
 
 def newest_checkpoint(dir: str) -> Optional[str]:
     """The newest complete checkpoint (step directory) under ``dir``, or None."""
+
+def calibrate(ms: int = 100) -> Tuple[int, float, float, float, float]:
+    """This machine's rates, one thread each, measured for about ``ms``
+    milliseconds apiece: ``(cores, link_bytes_per_s, msg_s, sum_bytes_per_s,
+    gemm_flop_per_s)``; what ``policy='hybrid'`` weighs in seconds when
+    given ``rates=(link_bytes_per_s, msg_s, sum_bytes_per_s,
+    gemm_flop_per_s)`` (see ``tidewire calibrate``)."""

@@ -71,6 +71,7 @@ import atexit
 import contextlib
 import hashlib
 import io
+import json
 import os
 import secrets as _secrets
 import tempfile
@@ -794,6 +795,17 @@ def _allgather_small(values: List[int], name: str) -> List[List[int]]:
     return [[int(x) for x in out[r * k : (r + 1) * k].tolist()] for r in range(env.size)]
 
 
+def _allgather_floats(values: List[float], name: str) -> List[List[float]]:
+    """Every rank's ``values`` (the same count on every rank), as float32:
+    every rank reads the same bits of each."""
+    env, util = _require()
+    k = len(values)
+    data = torch.zeros(env.size * k, dtype=torch.float32)
+    data[env.rank * k : (env.rank + 1) * k] = torch.tensor(values, dtype=torch.float32)
+    out = util.run(_OP_ALLGATHER, _PATH_VALUES, 0, k, name, data, env.size * k)
+    return [[float(x) for x in out[r * k : (r + 1) * k].tolist()] for r in range(env.size)]
+
+
 # --------------------------------------------------------------------------- DistributedOptimizer
 
 
@@ -1226,6 +1238,34 @@ class _Tw:
     def _table(self) -> List[Tuple[str, str, int, int]]:
         return [(L.name, L.kind + (":sparse" if L.sparse else ""), L.m, L.n) for L in self.layers]
 
+    def _agreed_rates(self) -> Optional[Tuple[float, float, float, float]]:
+        """The rates HybComm decides with (``sfb='auto'``), the same on every
+        rank: each rank measures its machine (``tidewire calibrate``'s rates,
+        about 0.4 s), shares them with the others, and every rank takes
+        rank 0's, divided among the ranks sharing rank 0's host
+        (``LOCAL_WORLD_SIZE``). Rebuilding a CUDA layer's gradient from its
+        factors runs on the CPU today, so its GEMM is the CPU's.
+        ``TIDEWIRE_RATES`` (JSON) overrides the measurement."""
+        env = self.env
+        given = os.environ.get("TIDEWIRE_RATES")
+        if given:
+            try:
+                d = json.loads(given)
+                mine = [float(d[k]) for k in ("link_bytes_per_s", "msg_s", "sum_bytes_per_s", "gemm_flop_per_s")]
+            except (ValueError, KeyError, TypeError) as e:
+                raise TidewireError(
+                    f"TIDEWIRE_RATES={given!r}: {e} (want JSON with link_bytes_per_s, msg_s, sum_bytes_per_s, "
+                    "gemm_flop_per_s)"
+                ) from None
+            cores = 0.0
+        else:
+            c, link, msg, summ, gemm = _native.calibrate(100)
+            cores, mine = float(c), [link, msg, summ, gemm]
+        every = _allgather_floats([cores] + mine, "DistributedOptimizer/rates")
+        cores0, link, msg, summ, gemm = every[0]
+        share = min(1.0, cores0 / max(1, env.local_size)) if cores0 > 0 else 1.0
+        return (link * share, msg / share, summ * share, gemm * share)
+
     def _build_session(self) -> None:
         env = self.env
         index = _new_index()
@@ -1251,6 +1291,7 @@ class _Tw:
                 + ", ".join(f"{n} {k} {m}x{nn_}" for n, k, m, nn_ in self._table()[:8])
                 + (" ..." if len(self.layers) > 8 else "")
             )
+        rates = self._agreed_rates() if policy == "hybrid" else None
         pin = self.device.type == "cuda"
         self.g_host = torch.zeros(self.total, dtype=self.dtype, pin_memory=pin)
         self.r_host = torch.zeros(self.total, dtype=self.dtype, pin_memory=pin)
@@ -1282,6 +1323,7 @@ class _Tw:
             comm=self.comm if self.comm_on else None,
             checkpoint=self.ckpt if self.ckpt_dir is not None else None,
             resume=self.resumed_from,
+            rates=rates,
         ))
         self.start_step = self.session.start_iteration
         if self.staged:

@@ -1,0 +1,85 @@
+//! `tidewire calibrate`: this machine's rates as a profile, for `train
+//! --profile` and `sim --profile`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use tidewire::calibrate::{self, Profile};
+
+use crate::error::{Error, Result};
+
+/// Options of `tidewire calibrate`.
+#[derive(Args, Debug, Clone)]
+pub struct CalibrateArgs {
+    /// Milliseconds spent on each rate (GEMM, sum, stream, message).
+    #[arg(long, default_value_t = 300)]
+    pub ms: u64,
+    /// Write the profile (JSON) here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Serve one stream probe on this address, then exit (train's link probe
+    /// under the bandwidth harness).
+    #[arg(long, hide = true)]
+    pub serve_stream: Option<std::net::SocketAddr>,
+    /// Probe a --serve-stream at this address and print its bytes per second.
+    #[arg(long, hide = true)]
+    pub probe_stream: Option<std::net::SocketAddr>,
+}
+
+/// What `calibrate` prints: the profile, or a probe's rate.
+#[derive(Debug)]
+pub enum Outcome {
+    /// A measured profile.
+    Profile(Profile),
+    /// A stream probe's bytes per second.
+    Probe(f64),
+    /// A served probe.
+    Served,
+}
+
+/// Runs `calibrate`.
+pub fn run(a: &CalibrateArgs) -> Result<Outcome> {
+    let err = |e: tidewire::Error| Error::Launch(e.to_string());
+    if let Some(addr) = a.serve_stream {
+        calibrate::serve_stream(addr).map_err(err)?;
+        return Ok(Outcome::Served);
+    }
+    if let Some(addr) = a.probe_stream {
+        return Ok(Outcome::Probe(
+            calibrate::probe_stream(addr, Duration::from_millis(500)).map_err(err)?,
+        ));
+    }
+    if a.ms == 0 || a.ms > 60_000 {
+        return Err(Error::Usage(format!(
+            "--ms {}: give 1 to 60000 milliseconds per rate",
+            a.ms
+        )));
+    }
+    let p = calibrate::measure(Duration::from_millis(a.ms)).map_err(err)?;
+    if let Some(out) = &a.out {
+        let json = serde_json::to_string_pretty(&p).expect("serializable");
+        std::fs::write(out, json + "\n")
+            .map_err(|e| Error::Launch(format!("cannot write the profile to {}: {e}", out.display())))?;
+    }
+    Ok(Outcome::Profile(p))
+}
+
+/// The profile as text.
+pub fn render(p: &Profile) -> String {
+    let r = &p.rates;
+    format!(
+        "this machine, one thread each ({} cores):\n  GEMM (factors to gradient, K×M×N = {:?})  {:>8.1} GFLOP/s\n  sum into an accumulator                   {:>8.2} GB/s\n  one TCP stream ({})                 {:>8.2} GB/s\n  one small message, one way               {:>8.1} µs\n\
+         `train --profile FILE` and `sim --profile FILE` divide these among the ranks that share the cores.\n",
+        p.cores,
+        calibrate::GEMM_SHAPE,
+        r.gemm_flop_per_s / 1e9,
+        r.sum_bytes_per_s / 1e9,
+        p.link,
+        r.link_bytes_per_s / 1e9,
+        r.msg_s * 1e6
+    )
+}

@@ -1,0 +1,335 @@
+//! This machine's rates, measured: what HybComm weighs in seconds.
+//!
+//! [`measure`] times, in a fraction of a second each, the four rates of
+//! [`Rates`]: the GEMM that rebuilds a gradient from its sufficient factors
+//! ([`tidewire_gpu::cpu::sf_rows`], the runtime's own), the sum into an
+//! accumulator ([`tidewire_gpu::cpu::add_assign`]), one TCP stream's
+//! throughput and a small message's one-way cost over loopback. A
+//! [`Profile`] keeps them with the machine's core count; `tidewire calibrate`
+//! writes one as JSON, and `tidewire train --profile` and `tidewire sim
+//! --profile` read it.
+//!
+//! A node's rates are the profile's divided by what shares it
+//! ([`Profile::node_rates`]): ranks on one host share its cores, and over
+//! loopback the "link" is those cores too. A rank reads the rates it decides
+//! with from [`Builder::rates`](crate::Builder::rates) or from
+//! `TIDEWIRE_RATES` (the JSON of [`Rates`]); every rank of a job must reach
+//! the same schemes, which the rendezvous checks.
+//!
+//! ```no_run
+//! let p = tidewire::calibrate::measure(std::time::Duration::from_millis(300)).unwrap();
+//! // Five ranks on this host, each over loopback.
+//! let r = p.node_rates(5, None);
+//! println!("{:.1} GFLOP/s per rank", r.gemm_flop_per_s / 1e9);
+//! ```
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tidewire_engine::cost::Rates;
+use tidewire_gpu::cpu;
+
+use crate::error::{Error, Result};
+
+/// The environment variable a rank reads its rates from (the JSON of [`Rates`]).
+pub const RATES_ENV: &str = "TIDEWIRE_RATES";
+
+/// The shape the GEMM rate is measured at: K rows of factors, an M×N block.
+/// K = 128 is a common batch; the rate at K = 32 is within about 30% here.
+pub const GEMM_SHAPE: (usize, usize, usize) = (128, 256, 4096);
+
+/// A machine's measured rates, one thread's each, and how many cores it has.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    /// Cores this process may run on.
+    pub cores: usize,
+    /// One thread's rates; the link is one loopback TCP stream's (its
+    /// sender and receiver on two threads), unless set from a measured link.
+    pub rates: Rates,
+    /// Where `rates.link_bytes_per_s` came from: "loopback" or what set it.
+    pub link: String,
+}
+
+impl Profile {
+    /// The rates of one of `ranks` ranks sharing this host, each with a link
+    /// of `link_bytes_per_s` where it has one of its own (a NIC, a shaped
+    /// namespace), or over loopback (`None`, the measured stream, shared by
+    /// the ranks like the cores: it is CPU).
+    pub fn node_rates(&self, ranks: usize, link_bytes_per_s: Option<f64>) -> Rates {
+        let share = (self.cores as f64 / ranks.max(1) as f64).min(1.0);
+        let mut r = self.rates.shared(share, share);
+        if let Some(l) = link_bytes_per_s {
+            // A link of its own, but never faster than this CPU moves bytes.
+            r.link_bytes_per_s = l.min(r.link_bytes_per_s);
+        }
+        r
+    }
+
+    /// Reads a profile written by `tidewire calibrate --out`.
+    pub fn load(path: &std::path::Path) -> Result<Profile> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Calibration(format!("cannot read the profile {}: {e}", path.display())))?;
+        let p: Profile = serde_json::from_str(&text)
+            .map_err(|e| Error::Calibration(format!("{} is not a tidewire calibrate profile: {e}", path.display())))?;
+        p.rates
+            .validate()
+            .map_err(|e| Error::Calibration(format!("{}: {e}", path.display())))?;
+        if p.cores == 0 {
+            return Err(Error::Calibration(format!(
+                "{}: cores must be at least 1",
+                path.display()
+            )));
+        }
+        Ok(p)
+    }
+}
+
+/// Parses [`Rates`] from JSON (`TIDEWIRE_RATES`), checking every rate.
+pub fn parse_rates(json: &str) -> Result<Rates> {
+    let r: Rates = serde_json::from_str(json).map_err(|e| {
+        Error::Calibration(format!(
+            "{RATES_ENV}: {e} (expected {{\"link_bytes_per_s\":..,\"msg_s\":..,\"sum_bytes_per_s\":..,\"gemm_flop_per_s\":..}})"
+        ))
+    })?;
+    r.validate()
+        .map_err(|e| Error::Calibration(format!("{RATES_ENV}: {e}")))?;
+    Ok(r)
+}
+
+/// The rates in `TIDEWIRE_RATES`, if it is set.
+pub fn rates_from_env() -> Result<Option<Rates>> {
+    match std::env::var(RATES_ENV) {
+        Ok(v) => parse_rates(&v).map(Some),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(e) => Err(Error::Calibration(format!("{RATES_ENV}: {e}"))),
+    }
+}
+
+/// Measures this machine, spending about `budget` on each of the four rates.
+pub fn measure(budget: Duration) -> Result<Profile> {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let rates = Rates {
+        gemm_flop_per_s: gemm_rate(budget),
+        sum_bytes_per_s: sum_rate(budget),
+        link_bytes_per_s: stream_rate(budget)?,
+        msg_s: message_cost(budget)?,
+    };
+    rates.validate().map_err(Error::Calibration)?;
+    Ok(Profile {
+        cores,
+        rates,
+        link: "loopback".into(),
+    })
+}
+
+/// Runs `f` until `budget` is spent (at least twice) and returns the
+/// fastest run's seconds: the rate the machine reaches when nothing else
+/// interferes (the sharing is applied afterwards, by [`Profile::node_rates`]).
+fn best_of(budget: Duration, mut f: impl FnMut()) -> f64 {
+    let start = Instant::now();
+    let mut best = f64::INFINITY;
+    let mut runs = 0;
+    while runs < 2 || start.elapsed() < budget {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed().as_secs_f64());
+        runs += 1;
+    }
+    best.max(1e-9)
+}
+
+/// FLOP/s of [`cpu::sf_rows`] at [`GEMM_SHAPE`].
+pub fn gemm_rate(budget: Duration) -> f64 {
+    let (k, m, n) = GEMM_SHAPE;
+    let u: Vec<f32> = (0..k * m).map(|i| (i % 7) as f32 * 0.25).collect();
+    let v: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.5).collect();
+    let mut out = vec![0f32; m * n];
+    let s = best_of(budget, || cpu::sf_rows(&u, &v, k, m, n, 0, &mut out));
+    std::hint::black_box(&out);
+    2.0 * (k * m * n) as f64 / s
+}
+
+/// Input bytes per second of [`cpu::add_assign`] over 16 MiB arrays.
+pub fn sum_rate(budget: Duration) -> f64 {
+    let len = 4 << 20;
+    let src = vec![1f32; len];
+    let mut acc = vec![0f32; len];
+    let s = best_of(budget, || cpu::add_assign(&mut acc, &src));
+    std::hint::black_box(&acc);
+    (len * 4) as f64 / s
+}
+
+fn io(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |e| Error::Calibration(format!("loopback {what}: {e}"))
+}
+
+/// Bytes per second of one TCP stream over loopback (sender and receiver on
+/// two threads) for about `budget`: [`probe_stream`] against [`serve_stream`].
+pub fn stream_rate(budget: Duration) -> Result<f64> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(io("bind"))?;
+    let addr = l.local_addr().map_err(io("bind"))?;
+    let server = std::thread::spawn(move || serve_one(&l));
+    let rate = probe_stream(addr, budget);
+    let served = server
+        .join()
+        .map_err(|_| Error::Calibration("loopback reader panicked".into()))?;
+    let rate = rate?;
+    served?;
+    Ok(rate)
+}
+
+/// Serves one [`probe_stream`] on `addr`, then returns; gives up after 30 s
+/// without a probe.
+pub fn serve_stream(addr: std::net::SocketAddr) -> Result<()> {
+    let l = TcpListener::bind(addr).map_err(io("bind"))?;
+    l.set_nonblocking(true).map_err(io("bind"))?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match l.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false).map_err(io("accept"))?;
+                return serve_conn(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(io("accept")(e)),
+        }
+    }
+}
+
+fn serve_one(l: &TcpListener) -> Result<()> {
+    let (s, _) = l.accept().map_err(io("accept"))?;
+    serve_conn(s)
+}
+
+/// Reads until the prober half-closes, then answers with the byte count.
+fn serve_conn(mut s: TcpStream) -> Result<()> {
+    s.set_read_timeout(Some(Duration::from_secs(30))).map_err(io("read"))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        match s.read(&mut buf).map_err(io("read"))? {
+            0 => break,
+            n => total += n as u64,
+        }
+    }
+    s.write_all(&total.to_le_bytes()).map_err(io("write"))
+}
+
+/// Bytes per second of one TCP stream to a [`serve_stream`] at `addr`:
+/// writes for about `budget` (at least 16 MiB), half-closes, and counts
+/// until the server has read every byte and said so.
+pub fn probe_stream(addr: std::net::SocketAddr, budget: Duration) -> Result<f64> {
+    let mut s = connect_retrying(addr)?;
+    let round = 1usize << 20;
+    let buf = vec![7u8; round];
+    let start = Instant::now();
+    let mut sent = 0u64;
+    while sent < 16 * round as u64 || start.elapsed() < budget {
+        s.write_all(&buf).map_err(io("write"))?;
+        sent += round as u64;
+    }
+    s.shutdown(std::net::Shutdown::Write).map_err(io("shutdown"))?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).map_err(io("read"))?;
+    let mut got = [0u8; 8];
+    s.read_exact(&mut got).map_err(io("read the count"))?;
+    let secs = start.elapsed().as_secs_f64();
+    let got = u64::from_le_bytes(got);
+    if got != sent {
+        return Err(Error::Calibration(format!(
+            "stream to {addr}: sent {sent} bytes, the server read {got}"
+        )));
+    }
+    Ok(sent as f64 / secs.max(1e-9))
+}
+
+/// Connects, retrying for up to 10 s while the server is starting.
+fn connect_retrying(addr: std::net::SocketAddr) -> Result<TcpStream> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() >= deadline => return Err(io("connect")(e)),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// Seconds one small message costs one way: half a loopback round trip of
+/// 64 bytes, the fastest of many.
+pub fn message_cost(budget: Duration) -> Result<f64> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(io("bind"))?;
+    let addr = l.local_addr().map_err(io("bind"))?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = l.accept()?;
+        s.set_nodelay(true)?;
+        let mut b = [0u8; 64];
+        loop {
+            match s.read_exact(&mut b) {
+                Ok(()) => s.write_all(&b)?,
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+    });
+    let mut s = TcpStream::connect(addr).map_err(io("connect"))?;
+    s.set_nodelay(true).map_err(io("nodelay"))?;
+    let mut b = [1u8; 64];
+    let mut err = None;
+    let rtt = best_of(budget.min(Duration::from_millis(200)), || {
+        if err.is_none() {
+            if let Err(e) = s.write_all(&b).and_then(|()| s.read_exact(&mut b)) {
+                err = Some(e);
+            }
+        }
+    });
+    drop(s);
+    if let Some(e) = err {
+        return Err(io("round trip")(e));
+    }
+    echo.join()
+        .map_err(|_| Error::Calibration("loopback echo panicked".into()))?
+        .map_err(io("echo"))?;
+    Ok(rtt / 2.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_short_measurement_gives_valid_rates_and_node_shares() {
+        let p = measure(Duration::from_millis(30)).unwrap();
+        p.rates.validate().unwrap();
+        assert!(p.cores >= 1);
+        // Twice as many ranks as cores: half of every CPU rate.
+        let r = p.node_rates(2 * p.cores, None);
+        assert!((r.gemm_flop_per_s - p.rates.gemm_flop_per_s / 2.0).abs() < 1e-3 * r.gemm_flop_per_s);
+        // A link of its own is taken, but never above what the CPU moves.
+        let slow = p.node_rates(1, Some(1.0));
+        assert_eq!(slow.link_bytes_per_s, 1.0);
+        let fast = p.node_rates(1, Some(f64::MAX));
+        assert_eq!(fast.link_bytes_per_s, p.rates.link_bytes_per_s);
+    }
+
+    #[test]
+    fn bad_rates_and_profiles_are_refused_with_the_reason() {
+        assert!(matches!(parse_rates("{"), Err(Error::Calibration(_))));
+        let e = parse_rates(r#"{"link_bytes_per_s":-1,"msg_s":0,"sum_bytes_per_s":1,"gemm_flop_per_s":1}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("link_bytes_per_s"), "{e}");
+        let ok = parse_rates(r#"{"link_bytes_per_s":1e9,"msg_s":1e-5,"sum_bytes_per_s":1e10,"gemm_flop_per_s":3e10}"#)
+            .unwrap();
+        assert_eq!(ok.gemm_flop_per_s, 3e10);
+        let dir = std::env::temp_dir().join(format!("tw-profile-{}", std::process::id()));
+        std::fs::write(&dir, "not json").unwrap();
+        let e = Profile::load(&dir).unwrap_err().to_string();
+        assert!(e.contains("not a tidewire calibrate profile"), "{e}");
+        let _ = std::fs::remove_file(&dir);
+        assert!(Profile::load(std::path::Path::new("/nonexistent/p.json")).is_err());
+    }
+}
