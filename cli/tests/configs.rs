@@ -129,6 +129,9 @@ fn a_tiny_window_small_slices_and_lowered_transport_limits() {
         "4",
         "--max-message-bytes",
         "65536",
+        // Poseidon's bytes, whatever this machine's rates: fc6 goes by SFB.
+        "--cost-model",
+        "bytes",
         "--verify",
     ]);
     assert!(
@@ -161,6 +164,8 @@ fn factor_blocks_split_at_any_message_cap_verify() {
             "1",
             "--max-message-bytes",
             cap,
+            "--cost-model",
+            "bytes",
             "--verify",
         ]);
         assert!(

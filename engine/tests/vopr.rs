@@ -87,7 +87,25 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
             r.pick(&[SchemePolicy::Hybrid, SchemePolicy::Ps, SchemePolicy::Sfb])
         };
     }
-    let book = Arc::new(Book::new(cluster, layers, bc)?);
+    let mut book = Book::new(cluster, layers, bc)?;
+    // HybComm in seconds (the adaptive choice) in a third of the jobs, from
+    // rates drawn on a stream of their own so that the rest of a seed's job
+    // is the one it drew before rates existed: links from 10 MB/s to 10 GB/s,
+    // GEMMs from a slow CPU's to a GPU's, so either scheme can win.
+    let mut rr = Rng(seed ^ 0x7a7e_5eed_0000_0001);
+    let msg_ns = if rr.chance(0.33) {
+        let rates = tidewire_engine::cost::Rates {
+            link_bytes_per_s: rr.pick(&[1e7, 1e8, 1e9, 1e10]),
+            msg_s: rr.pick(&[0.0, 1e-6, 2e-5, 1e-3]),
+            sum_bytes_per_s: rr.pick(&[1e8, 1e9, 1e10]),
+            gemm_flop_per_s: rr.pick(&[1e6, 1e8, 1e10, 5e13]),
+        };
+        book = book.with_rates(rates)?;
+        (rates.msg_s * 1e9) as u64
+    } else {
+        0
+    };
+    let book = Arc::new(book);
     let nlayers = book.layers().len();
     let layer_ns: Vec<(u64, u64)> = (0..nlayers)
         .map(|_| {
@@ -147,6 +165,8 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
     cfg.agg_bytes_per_s = r.pick(&[1e9, 1e10]);
     cfg.copy_bytes_per_s = r.pick(&[1e9, 1e10]);
     cfg.gemm_flops = r.pick(&[1e9, 1e12]);
+    // The runtime's cost per post, where the rates gave one.
+    cfg.msg_ns = msg_ns;
     // Virtual time is cheap: a long liveness timeout, so that only a real hang trips it.
     cfg.stall_ns = 5_000_000_000;
     let world = book.cluster().world() as u32;
@@ -197,10 +217,13 @@ fn describe(cfg: &SimConfig) -> String {
         .map(|l| format!("{}:{:?}{}x{}", l.name, l.kind, l.m, l.n))
         .collect();
     format!(
-        "roles {:?}; layers [{}]; {:?}; {:?}; wait_free {} fc_factors {}; {:?} (by rank {:?}); iters {}; bw {} lat {}; local learners {} at {} B/s; hosts {:?}; faults {:?}",
+        "roles {:?}; layers [{}]; {:?}; rates {:?} (schemes {:?}, {} ns a post); {:?}; wait_free {} fc_factors {}; {:?} (by rank {:?}); iters {}; bw {} lat {}; local learners {} at {} B/s; hosts {:?}; faults {:?}",
         b.cluster().roles(),
         layers.join(" "),
         b.config(),
+        b.rates(),
+        (0..b.layers().len() as u32).map(|l| b.scheme(l, 0)).collect::<Vec<_>>(),
+        cfg.msg_ns,
         cfg.sched,
         cfg.wait_free,
         cfg.fc_factors,
@@ -298,8 +321,25 @@ fn randomized_jobs_keep_every_invariant() {
     }
     let started = std::time::Instant::now();
     let (mut finished, mut expected, mut refused) = (0u64, 0u64, 0u64);
+    // Jobs that decided in seconds, and how their FC layers went: the rates
+    // must lead to both schemes, or the adaptive choice was never drawn.
+    let (mut in_seconds, mut fc_sfb, mut fc_ps) = (0u64, 0u64, 0u64);
     let mut violations = Vec::new();
     for &seed in &seeds {
+        if let Ok((cfg, _)) = draw(seed) {
+            let b = &cfg.book;
+            if b.rates().is_some() {
+                in_seconds += 1;
+                for l in 0..b.layers().len() as u32 {
+                    if b.seconds(l).is_some() && b.config().policy == SchemePolicy::Hybrid {
+                        match b.scheme(l, 0) {
+                            tidewire_engine::Scheme::Sfb => fc_sfb += 1,
+                            _ => fc_ps += 1,
+                        }
+                    }
+                }
+            }
+        }
         match run_seed(seed) {
             Ok("finished") => finished += 1,
             Ok("failed as expected") => expected += 1,
@@ -318,6 +358,15 @@ fn randomized_jobs_keep_every_invariant() {
         started.elapsed().as_secs_f64(),
         violations.len()
     );
+    println!(
+        "vopr: {in_seconds} jobs decided HybComm in seconds from drawn rates: {fc_sfb} FC layers by SFB, {fc_ps} by the PS"
+    );
+    if seeds.len() >= 200 {
+        assert!(
+            in_seconds > 0 && fc_sfb > 0 && fc_ps > 0,
+            "the drawn rates never led to both schemes ({in_seconds} jobs, {fc_sfb} SFB, {fc_ps} PS)"
+        );
+    }
     assert!(
         violations.is_empty(),
         "violating seeds: {violations:?} (rerun one with TIDEWIRE_VOPR_SEED=<seed>)"

@@ -5,6 +5,7 @@ single-process PyTorch on the global batch."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -23,7 +24,13 @@ MODES = {
     "model_zero_grad": {"opt": "momentum", "model_zero_grad": True},
     "sfb": {"model": "wide", "opt": "momentum", "sfb": "always"},
     "ps": {"model": "wide", "opt": "momentum", "sfb": False},
-    "hybrid": {"model": "wide", "opt": "momentum", "sfb": "auto"},
+    # HybComm in seconds at a GPU's rates (free GEMM and sums, no message cost):
+    # the same choice as Poseidon's bytes. Then at a slow CPU GEMM: every layer
+    # by the PS, since rebuilding the peers' gradients costs more than moving them.
+    "hybrid": {"model": "wide", "opt": "momentum", "sfb": "auto", "env": {"TIDEWIRE_RATES": json.dumps(
+        {"link_bytes_per_s": 1e9, "msg_s": 0.0, "sum_bytes_per_s": 1e15, "gemm_flop_per_s": 1e15})}},
+    "hybrid_cpu": {"model": "wide", "opt": "momentum", "sfb": "auto", "env": {"TIDEWIRE_RATES": json.dumps(
+        {"link_bytes_per_s": 1e9, "msg_s": 1e-5, "sum_bytes_per_s": 1e9, "gemm_flop_per_s": 1e6})}},
     "ssp": {"opt": "momentum", "apply": "server", "consistency": ["ssp", 1]},
     "f64": {"opt": "momentum", "dtype": "float64"},
     "bf16": {"opt": "momentum", "dtype": "bfloat16"},
@@ -38,7 +45,7 @@ def _with_defaults(runs):
 @pytest.fixture(scope="module")
 def modes(tmp_path_factory):
     r = run_ranks(tmp_path_factory.mktemp("modes"), 2, {"scenario": "multi", "runs": _with_defaults(MODES)},
-                  timeout=150)
+                  timeout=180)
     print(f"\n[modes: {len(MODES)} trainings on 2 ranks in {r.seconds:.1f} s]")
     return r.results()
 
@@ -143,10 +150,16 @@ def test_sfb_two_ranks_matches_ps_only(modes):
 
 
 def test_hybcomm_chooses_per_layer(modes):
-    # Poseidon's cost model, 2 colocated nodes, K = 8: SFB moves 2K(M+N), the PS 2MN.
+    # 2 colocated nodes, K = 8, at a GPU's rates: seconds order the schemes as
+    # Poseidon's bytes do. SFB moves 2K(M+N), the PS 2MN.
     schemes = modes[0]["hybrid"]["stats"]["schemes"]
     assert schemes == {"fc1": "sfb", "fc2": "sfb", "fc3": "ps"}, schemes
     assert_close(modes[0]["hybrid"]["state"], modes[0]["ps"]["state"], "HybComm vs PS only")
+    # At a slow CPU's GEMM, HybComm steps aside: every layer through the PS.
+    cpu = modes[0]["hybrid_cpu"]["stats"]["schemes"]
+    assert cpu == {"fc1": "ps", "fc2": "ps", "fc3": "ps"}, cpu
+    assert modes[1]["hybrid_cpu"]["stats"]["schemes"] == cpu
+    assert_close(modes[0]["hybrid_cpu"]["state"], modes[0]["ps"]["state"], "HybComm (CPU rates) vs PS only")
 
 
 def test_ssp_server_mode_trains(modes):
