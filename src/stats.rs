@@ -25,6 +25,12 @@ pub struct SessionStats {
     pub cpu_aggregated_bytes: u64,
     /// Contribution bytes this rank's server summed on the GPU (Nexus).
     pub gpu_aggregated_bytes: u64,
+    /// Chunks the aggregation scheduler placed on the CPU, and on the GPU
+    /// (each chunk's sums run where it was placed).
+    #[serde(default)]
+    pub cpu_aggregation_chunks: u64,
+    #[serde(default)]
+    pub gpu_aggregation_chunks: u64,
     /// Most transmits outstanding to one peer at once (never above the transport's bound).
     pub max_outstanding: u64,
     /// Largest message sent, bytes (never above the transport's cap).

@@ -1481,6 +1481,8 @@ pub struct TrainReport {
     pub resumed_from: Option<u64>,
     /// Every WARN or ERROR line the ranks logged (a healthy run has none), as `rank N: line`.
     pub log_warnings: Vec<String>,
+    /// Where the servers' sums ran (Nexus's CPU/GPU scheduler), over all ranks.
+    pub aggregation: AggregationShare,
     /// Most requests any rank had in flight to one peer (within the transport's bound).
     pub max_outstanding: u64,
     /// Largest message any rank sent, bytes (within the transport's cap).
@@ -1559,6 +1561,21 @@ pub struct TrainReport {
     /// With a communication frequency: the first worker's exchanges, T per iteration and decisions.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub comm: Option<comm::CommSummary>,
+}
+
+/// Where the servers' sums ran: bytes and chunks on the CPU and the GPU
+/// (`--aggregate`). Rebuilding a gradient from sufficient factors runs on
+/// the CPU: the runtime has no GPU path for it yet.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct AggregationShare {
+    /// Contribution bytes summed on the CPU.
+    pub cpu_bytes: u64,
+    /// Contribution bytes summed on the GPU.
+    pub gpu_bytes: u64,
+    /// Chunks the scheduler placed on the CPU.
+    pub cpu_chunks: u64,
+    /// Chunks the scheduler placed on the GPU.
+    pub gpu_chunks: u64,
 }
 
 /// One row of the scheme table.
@@ -2204,6 +2221,12 @@ fn launch_attempt(
         restarts: Vec::new(),
         resumed_from: None,
         log_warnings: stderr_tails.into_iter().flat_map(|(_, _, w)| w).collect(),
+        aggregation: AggregationShare {
+            cpu_bytes: results.iter().map(|r| r.stats.cpu_aggregated_bytes).sum(),
+            gpu_bytes: results.iter().map(|r| r.stats.gpu_aggregated_bytes).sum(),
+            cpu_chunks: results.iter().map(|r| r.stats.cpu_aggregation_chunks).sum(),
+            gpu_chunks: results.iter().map(|r| r.stats.gpu_aggregation_chunks).sum(),
+        },
         max_outstanding: results.iter().map(|r| r.stats.max_outstanding).max().unwrap_or(0),
         max_message_bytes: results.iter().map(|r| r.stats.max_message_bytes).max().unwrap_or(0),
         would_block: results.iter().map(|r| r.stats.would_block).sum(),
@@ -2394,6 +2417,17 @@ pub fn render(r: &TrainReport) -> String {
             },
             mb(&r.node_tx_bytes),
             mb(&r.node_rx_bytes)
+        );
+    }
+    let a = &r.aggregation;
+    if a.cpu_bytes + a.gpu_bytes > 0 {
+        let _ = writeln!(
+            s,
+            "server sums: {:.1} MB on the CPU ({} chunks), {:.1} MB on the GPU ({} chunks); SF rebuilds on the CPU",
+            a.cpu_bytes as f64 / 1e6,
+            a.cpu_chunks,
+            a.gpu_bytes as f64 / 1e6,
+            a.gpu_chunks,
         );
     }
     if let Some(rt) = &r.rates {

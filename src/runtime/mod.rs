@@ -1011,6 +1011,8 @@ impl Runtime {
             rx_copied_bytes: tc.rx_copied_bytes,
             cpu_aggregated_bytes: agg.cpu_bytes,
             gpu_aggregated_bytes: agg.gpu_bytes,
+            cpu_aggregation_chunks: agg.sched.cpu_picks,
+            gpu_aggregation_chunks: agg.sched.gpu_picks,
             max_outstanding: n.max_outstanding as u64,
             max_message_bytes: n.max_message,
             would_block: self.would_block,
