@@ -87,9 +87,12 @@ pub struct TrainArgs {
     /// modes.
     #[arg(long)]
     pub chunk_bytes: Option<usize>,
-    /// Slice size in parameters (p3 and full).
-    #[arg(long, default_value_t = 50_000)]
-    pub slice_params: usize,
+    /// Slice size in parameters (sliced, p3 and full). Default: with
+    /// --cost-model seconds, the smallest slice whose per-message cost is at
+    /// most 4% of its time on the measured link, from P3's 50,000 up to a
+    /// 2 MiB chunk; otherwise 50,000.
+    #[arg(long)]
+    pub slice_params: Option<usize>,
     /// Check the final parameters against a single-process reference (BSP, deterministic).
     #[arg(long)]
     pub verify: bool,
@@ -476,6 +479,10 @@ impl TrainArgs {
         }
         Ok(())
     }
+    /// The slice size: `--slice-params`, or P3's 50,000.
+    fn slice(&self) -> usize {
+        self.slice_params.unwrap_or(tidewire_engine::cost::P3_SLICE_PARAMS)
+    }
     /// The rates the launcher measured for its ranks (`--rates`), if any.
     fn agreed_rates(&self) -> Result<Option<tidewire_engine::cost::Rates>> {
         match &self.rates {
@@ -499,8 +506,8 @@ impl TrainArgs {
             batch: self.batch(m) * self.learners(),
             chunk_bytes: self
                 .chunk_bytes
-                .unwrap_or_else(|| self.sync_mode().default_chunk_bytes(self.slice_params)),
-            slice_params: self.slice_params,
+                .unwrap_or_else(|| self.sync_mode().default_chunk_bytes(self.slice())),
+            slice_params: self.slice(),
             ..Default::default()
         })
     }
@@ -1483,6 +1490,8 @@ pub struct TrainReport {
     pub log_warnings: Vec<String>,
     /// Where the servers' sums ran (Nexus's CPU/GPU scheduler), over all ranks.
     pub aggregation: AggregationShare,
+    /// The slice size, parameters (`--slice-params`, or from the rates).
+    pub slice_params: usize,
     /// Most requests any rank had in flight to one peer (within the transport's bound).
     pub max_outstanding: u64,
     /// Largest message any rank sent, bytes (within the transport's cap).
@@ -1642,6 +1651,12 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
         base_args.push("--rates".into());
         base_args.push(json.clone());
         args.rates = Some(json);
+        if args.slice_params.is_none() && args.sync_mode().sliced() {
+            let p = tidewire_engine::cost::slice_params_for(&r);
+            base_args.push("--slice-params".into());
+            base_args.push(p.to_string());
+            args.slice_params = Some(p);
+        }
     }
     let args = &args;
     let mut kills: std::collections::VecDeque<resilience::Kill> = args.ckpt.fault_kill.iter().copied().collect();
@@ -1720,9 +1735,10 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     }
 }
 
-/// The rates every rank of this launch decides HybComm with: `None` where
-/// nothing is decided in seconds (`--cost-model bytes`, a policy other than
-/// hybrid, or `--rates` given). Otherwise this machine's profile (measured
+/// The rates every rank of this launch decides HybComm (and the default
+/// slice size) with: `None` where nothing is decided from them
+/// (`--cost-model bytes`, a mode with neither HybComm nor slices, or
+/// `--rates` given). Otherwise this machine's profile (measured
 /// now, or `--profile`), shared by every rank process on it; under the
 /// bandwidth harness each rank's link is the shaped one, measured between
 /// the first two namespaces.
@@ -1730,7 +1746,7 @@ fn measured_rates(args: &TrainArgs) -> Result<Option<tidewire_engine::cost::Rate
     if args.cost_model == "bytes"
         || args.rates.is_some()
         || args.comm.active()
-        || args.sync_mode().policy() != tidewire_engine::SchemePolicy::Hybrid
+        || (args.sync_mode().policy() != tidewire_engine::SchemePolicy::Hybrid && !args.sync_mode().sliced())
     {
         return Ok(None);
     }
@@ -2221,6 +2237,7 @@ fn launch_attempt(
         restarts: Vec::new(),
         resumed_from: None,
         log_warnings: stderr_tails.into_iter().flat_map(|(_, _, w)| w).collect(),
+        slice_params: book.config().slice_params,
         aggregation: AggregationShare {
             cpu_bytes: results.iter().map(|r| r.stats.cpu_aggregated_bytes).sum(),
             gpu_bytes: results.iter().map(|r| r.stats.gpu_aggregated_bytes).sum(),
@@ -2433,11 +2450,12 @@ pub fn render(r: &TrainReport) -> String {
     if let Some(rt) = &r.rates {
         let _ = writeln!(
             s,
-            "rates per rank (HybComm in seconds): link {:.2} GB/s, {:.1} µs a message, sum {:.1} GB/s, GEMM {:.1} GFLOP/s",
+            "rates per rank (HybComm in seconds): link {:.2} GB/s, {:.1} µs a message, sum {:.1} GB/s, GEMM {:.1} GFLOP/s; slices of {} parameters",
             rt.link_bytes_per_s / 1e9,
             rt.msg_s * 1e6,
             rt.sum_bytes_per_s / 1e9,
-            rt.gemm_flop_per_s / 1e9
+            rt.gemm_flop_per_s / 1e9,
+            r.slice_params
         );
     }
     let count = |x: Scheme| r.layers.iter().filter(|l| l.scheme == x).count();

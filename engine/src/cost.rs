@@ -141,6 +141,31 @@ impl Rates {
     }
 }
 
+/// P3's slice size (§3: "~50,000 parameters"), the floor of [`slice_params_for`].
+pub const P3_SLICE_PARAMS: usize = 50_000;
+
+/// The share of a slice's transfer time its per-message cost may take.
+/// Chosen by measurement, not from a paper: on the 2-core VM, VGG19 with 3
+/// workers and 1 server over loopback, `--sync p3` ran at 0.97x `wfbp` with
+/// 50,000-parameter slices and 1.09x with 200,000 (2 runs each, 2026-11-26),
+/// where the measured rates (about 20 µs a message, 1.5 GB/s per rank) put
+/// a 4% overhead at about 190,000.
+pub const SLICE_OVERHEAD: f64 = 0.04;
+
+/// The slice size at `rates`: the smallest whose per-message cost is at most
+/// [`SLICE_OVERHEAD`] of its time on the link, never under
+/// [`P3_SLICE_PARAMS`] (finer slices than P3's win nothing where messages
+/// are cheap) nor over a 2 MiB chunk (Poseidon's).
+pub fn slice_params_for(r: &Rates) -> usize {
+    let bytes = r.msg_s * r.link_bytes_per_s / SLICE_OVERHEAD;
+    let params = if bytes.is_finite() {
+        (bytes / 4.0).ceil() as usize
+    } else {
+        usize::MAX
+    };
+    params.clamp(P3_SLICE_PARAMS, (2 << 20) / 4)
+}
+
 /// One FC layer's shape and the cluster around it, for [`seconds`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerLoad {
@@ -297,6 +322,33 @@ mod tests {
             assert!((ps_s.total() - ps_b as f64 * 4.0 / 1e9).abs() < 1e-6 * ps_s.total().max(1.0));
             assert!((sfb_s.total() - sfb_b as f64 * 4.0 / 1e9).abs() < 1e-6 * sfb_s.total().max(1.0));
         }
+    }
+
+    #[test]
+    fn slices_grow_where_messages_are_dear_beside_the_link() {
+        // 1 Gbit/s, 17 µs a message: 2 KB of link time, P3's 50,000 stays.
+        let slow = Rates {
+            msg_s: 17e-6,
+            ..rates(125e6, 1e10)
+        };
+        assert_eq!(slice_params_for(&slow), P3_SLICE_PARAMS);
+        // Loopback shared by 4 ranks: 1.5 GB/s, 20 µs: 750 KB slices.
+        let lo = Rates {
+            msg_s: 20e-6,
+            ..rates(1.5e9, 1e10)
+        };
+        assert_eq!(slice_params_for(&lo), 187_500);
+        // Never over a 2 MiB chunk, whatever the rates.
+        let dear = Rates {
+            msg_s: 1e-3,
+            ..rates(1e11, 1e10)
+        };
+        assert_eq!(slice_params_for(&dear), 524_288);
+        let free = Rates {
+            msg_s: 0.0,
+            ..rates(1e11, 1e10)
+        };
+        assert_eq!(slice_params_for(&free), P3_SLICE_PARAMS);
     }
 
     #[test]
