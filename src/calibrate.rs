@@ -183,20 +183,57 @@ pub fn stream_rate(budget: Duration) -> Result<f64> {
 /// Serves one [`probe_stream`] on `addr`, then returns; gives up after 30 s
 /// without a probe.
 pub fn serve_stream(addr: std::net::SocketAddr) -> Result<()> {
-    let l = TcpListener::bind(addr).map_err(io("bind"))?;
-    l.set_nonblocking(true).map_err(io("bind"))?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        match l.accept() {
-            Ok((s, _)) => {
-                s.set_nonblocking(false).map_err(io("accept"))?;
-                return serve_conn(s);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => return Err(io("accept")(e)),
-        }
+    StreamServer::bind(addr)?.join()
+}
+
+/// A [`serve_stream`] in a thread of its own, on a port it reports (bind
+/// port 0 to let the system choose), for peers that learn it first.
+#[derive(Debug)]
+pub struct StreamServer {
+    port: u16,
+    thread: std::thread::JoinHandle<Result<()>>,
+}
+
+impl StreamServer {
+    /// Binds `addr` and serves one probe in a thread (30 s at most).
+    pub fn bind(addr: std::net::SocketAddr) -> Result<StreamServer> {
+        let l = TcpListener::bind(addr).map_err(io("bind"))?;
+        let port = l.local_addr().map_err(io("bind"))?.port();
+        l.set_nonblocking(true).map_err(io("bind"))?;
+        let thread = std::thread::Builder::new()
+            .name("tidewire-link-probe".into())
+            .spawn(move || {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                loop {
+                    match l.accept() {
+                        Ok((s, _)) => {
+                            s.set_nonblocking(false).map_err(io("accept"))?;
+                            return serve_conn(s);
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                        Err(e) => return Err(io("accept")(e)),
+                    }
+                }
+            })
+            .map_err(|e| Error::Thread {
+                what: "link probe",
+                reason: e.to_string(),
+            })?;
+        Ok(StreamServer { port, thread })
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Waits for the probe to end (or the 30 s to pass).
+    pub fn join(self) -> Result<()> {
+        self.thread
+            .join()
+            .map_err(|_| Error::Calibration("the link probe's server panicked".into()))?
     }
 }
 

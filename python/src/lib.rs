@@ -1066,6 +1066,54 @@ fn calibrate(py: Python<'_>, ms: u64) -> PyResult<(usize, f64, f64, f64, f64)> {
     ))
 }
 
+/// Serves one link probe ([`probe_stream`]) on `host`, port chosen by the
+/// system; `port` says which, `join()` waits for the probe (30 s at most).
+#[pyclass(module = "tidewire._native")]
+struct LinkProbe {
+    server: Option<tidewire::calibrate::StreamServer>,
+    port: u16,
+}
+
+#[pymethods]
+impl LinkProbe {
+    #[new]
+    fn new(host: &str) -> PyResult<Self> {
+        let ip: std::net::IpAddr = host
+            .trim_matches(['[', ']'])
+            .parse()
+            .map_err(|e| PyValueError::new_err(format!("host {host:?}: {e} (want an IP address)")))?;
+        let server = tidewire::calibrate::StreamServer::bind(SocketAddr::new(ip, 0)).map_err(tw_err)?;
+        Ok(LinkProbe {
+            port: server.port(),
+            server: Some(server),
+        })
+    }
+    #[getter]
+    fn port(&self) -> u16 {
+        self.port
+    }
+    fn join(&mut self, py: Python<'_>) -> PyResult<()> {
+        match self.server.take() {
+            Some(s) => py.detach(|| s.join()).map_err(tw_err),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Bytes per second of one TCP stream to a `LinkProbe` at `addr`
+/// (`host:port`), written for about `ms` milliseconds. The GIL is released.
+#[pyfunction]
+#[pyo3(signature = (addr, ms = 300))]
+fn probe_stream(py: Python<'_>, addr: &str, ms: u64) -> PyResult<f64> {
+    let a: SocketAddr = addr
+        .to_socket_addrs()
+        .map_err(|e| PyValueError::new_err(format!("addr {addr:?}: {e} (want host:port)")))?
+        .next()
+        .ok_or_else(|| PyValueError::new_err(format!("addr {addr:?} resolves to nothing")))?;
+    py.detach(|| tidewire::calibrate::probe_stream(a, std::time::Duration::from_millis(ms.clamp(1, 60_000))))
+        .map_err(tw_err)
+}
+
 #[pyfunction]
 fn newest_checkpoint(dir: &str) -> PyResult<Option<String>> {
     tidewire::checkpoint::Loaded::newest_complete(dir)
@@ -1078,6 +1126,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Session>()?;
     m.add_function(wrap_pyfunction!(newest_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate, m)?)?;
+    m.add_function(wrap_pyfunction!(probe_stream, m)?)?;
+    m.add_class::<LinkProbe>()?;
     m.add_class::<FreqGuide>()?;
     m.add("TidewireError", m.py().get_type::<TidewireError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

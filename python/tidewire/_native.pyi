@@ -166,3 +166,17 @@ def calibrate(ms: int = 100) -> Tuple[int, float, float, float, float]:
     gemm_flop_per_s)``; what ``policy='hybrid'`` weighs in seconds when
     given ``rates=(link_bytes_per_s, msg_s, sum_bytes_per_s,
     gemm_flop_per_s)`` (see ``tidewire calibrate``)."""
+
+class LinkProbe:
+    """Serves one :func:`probe_stream` on ``host`` (an IP address; ``"0.0.0.0"``
+    for every interface) at a port the system chooses."""
+
+    def __init__(self, host: str) -> None: ...
+    @property
+    def port(self) -> int: ...
+    def join(self) -> None:
+        """Waits for the probe to end (30 s at most)."""
+
+def probe_stream(addr: str, ms: int = 300) -> float:
+    """Bytes per second of one TCP stream to a :class:`LinkProbe` at ``addr``
+    (``host:port``), written for about ``ms`` milliseconds."""

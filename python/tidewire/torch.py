@@ -74,6 +74,7 @@ import io
 import json
 import os
 import secrets as _secrets
+import socket
 import tempfile
 import threading
 import warnings
@@ -795,6 +796,16 @@ def _allgather_small(values: List[int], name: str) -> List[List[int]]:
     return [[int(x) for x in out[r * k : (r + 1) * k].tolist()] for r in range(env.size)]
 
 
+def _probe_host(host: str) -> str:
+    """The address rank 0's link probe listens on: every interface, in the
+    family of ``host`` (the address the other ranks reach rank 0 at)."""
+    return "::" if ":" in host else "0.0.0.0"
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def _allgather_floats(values: List[float], name: str) -> List[List[float]]:
     """Every rank's ``values`` (the same count on every rank), as float32:
     every rank reads the same bits of each."""
@@ -1241,11 +1252,13 @@ class _Tw:
     def _agreed_rates(self) -> Optional[Tuple[float, float, float, float]]:
         """The rates HybComm decides with (``sfb='auto'``), the same on every
         rank: each rank measures its machine (``tidewire calibrate``'s rates,
-        about 0.4 s), shares them with the others, and every rank takes
-        rank 0's, divided among the ranks sharing rank 0's host
-        (``LOCAL_WORLD_SIZE``). Rebuilding a CUDA layer's gradient from its
-        factors runs on the CPU today, so its GEMM is the CPU's.
-        ``TIDEWIRE_RATES`` (JSON) overrides the measurement."""
+        about 0.4 s), and one rank probes the link to rank 0 (a TCP stream of
+        about 0.3 s: from the first rank of the next host, or rank 1 where
+        every rank shares one host); the ranks share the figures and every
+        rank takes rank 0's, its CPU divided among the ranks on its host
+        (``LOCAL_WORLD_SIZE``), and the probed link. Rebuilding a CUDA
+        layer's gradient from its factors runs on the CPU today, so its GEMM
+        is the CPU's. ``TIDEWIRE_RATES`` (JSON) overrides all of it."""
         env = self.env
         given = os.environ.get("TIDEWIRE_RATES")
         if given:
@@ -1257,14 +1270,30 @@ class _Tw:
                     f"TIDEWIRE_RATES={given!r}: {e} (want JSON with link_bytes_per_s, msg_s, sum_bytes_per_s, "
                     "gemm_flop_per_s)"
                 ) from None
-            cores = 0.0
-        else:
-            c, link, msg, summ, gemm = _native.calibrate(100)
-            cores, mine = float(c), [link, msg, summ, gemm]
-        every = _allgather_floats([cores] + mine, "DistributedOptimizer/rates")
-        cores0, link, msg, summ, gemm = every[0]
-        share = min(1.0, cores0 / max(1, env.local_size)) if cores0 > 0 else 1.0
-        return (link * share, msg / share, summ * share, gemm * share)
+            every = _allgather_floats(mine, "DistributedOptimizer/rates")
+            if any(r != every[0] for r in every):
+                raise TidewireError("TIDEWIRE_RATES differs between ranks: give every rank the same")
+            link, msg, summ, gemm = every[0]
+            return (link, msg, summ, gemm)
+        c, loop, msg, summ, gemm = _native.calibrate(100)
+        probed = 0.0
+        if env.size > 1:
+            peer = env.local_size if env.size > env.local_size else 1
+            probe = _native.LinkProbe(_probe_host(env.host)) if env.rank == 0 else None
+            port = _allgather_small([probe.port if probe is not None else 0], "DistributedOptimizer/probe")[0][0]
+            if env.rank == peer:
+                target = _bracketed(env.host) if ":" in env.host else socket.gethostbyname(env.host)
+                probed = _native.probe_stream(f"{target}:{port}", 300)
+            if probe is not None:
+                probe.join()
+        every = _allgather_floats([float(c), loop, msg, summ, gemm, probed], "DistributedOptimizer/rates")
+        cores0, loop0, msg0, summ0, gemm0, _ = every[0]
+        share = min(1.0, cores0 / max(1, env.local_size))
+        link = loop0 * share
+        probed = max(r[5] for r in every)
+        if probed > 0:
+            link = min(link, probed)
+        return (link, msg0 / share, summ0 * share, gemm0 * share)
 
     def _build_session(self) -> None:
         env = self.env
