@@ -584,8 +584,11 @@ impl Book {
         if self.rates.is_none() || self.cfg.policy != SchemePolicy::Hybrid {
             return 0;
         }
-        let bytes: Vec<u8> = self.schemes.iter().map(|s| *s as u8).collect();
-        (crate::agree::fnv(&[&bytes]) & 0xff_ffff_ffff) | 1
+        // FNV-1a over the schemes in layer order.
+        let h = self.schemes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, s| {
+            (h ^ *s as u64).wrapping_mul(0x0100_0000_01b3)
+        });
+        (h & 0xff_ffff_ffff) | 1
     }
 
     /// (PS, SFB) parameters moved by the busiest node for `layer`.

@@ -338,7 +338,11 @@ mod tests {
             ..rates(1.5e9, 1e10)
         };
         // (20e-6 · 1.5e9 / 0.04 / 4 = 187,500, give or take the floating point.)
-        assert!((187_500..=187_501).contains(&slice_params_for(&lo)), "{}", slice_params_for(&lo));
+        assert!(
+            (187_500..=187_501).contains(&slice_params_for(&lo)),
+            "{}",
+            slice_params_for(&lo)
+        );
         // Never over a 2 MiB chunk, whatever the rates.
         let dear = Rates {
             msg_s: 1e-3,
