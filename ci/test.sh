@@ -43,7 +43,8 @@
 #                devices in a QEMU VM, `tidewire train --verify` over RDMA, and tidewire-perf
 #                against Debian's perftest both ways (ci/perf-guest.sh), doctor's rxe probes, and
 #                RDMA write_bw through tbf on the VM's veth within -15%/+5% of the tbf rate
-#  11. nvrtc     the CUDA aggregation kernels compiled by NVRTC (pip's libnvrtc; no GPU needed)
+#  11. nvrtc     the CUDA aggregation kernels compiled by NVRTC, CUDA 12's and CUDA 13's (pip's
+#                libnvrtc wheels; no GPU needed)
 #  12. gpu       with a GPU: the CUDA tests (kernels bitwise against the CPU), and bench aggregate
 # The GPU tier says here when it skips, and why.
 # It ends with the plain line "N passed, M failed, K skipped" and exits non-zero on any failure.
@@ -91,7 +92,7 @@ skip() { # name, reason
 # --- setup -----------------------------------------------------------------
 need_pkgs=()
 command -v iperf3 >/dev/null 2>&1 || need_pkgs+=(iperf3)
-# pip fetches libnvrtc (the CUDA kernels' compiler) for the nvrtc tier.
+# pip fetches libnvrtc (the CUDA kernels' compiler, CUDA 12's and 13's) for the nvrtc tier.
 command -v pip3 >/dev/null 2>&1 || need_pkgs+=(python3-pip)
 command -v cc >/dev/null 2>&1 || need_pkgs+=(build-essential)
 # sideway (the `rdma` feature, built by --all-features) compiles rdma-core stubs with cmake
@@ -324,24 +325,60 @@ tier papers papers
 
 # Real soft-RoCE: rdma_rxe in a QEMU VM (this kernel has no RDMA); see ci/test-rdma.sh.
 tier soft-roce bash ci/test-rdma.sh
-# NVRTC needs no GPU: compile the aggregation kernels with pip's libnvrtc (cached outside
-# the clone) for sm_70/80/90 in both modes, and check the PTX (no FMA in deterministic mode,
-# float4 loads). The test must run, not skip.
+# NVRTC needs no GPU: compile the aggregation kernels with pip's libnvrtc of CUDA 12 and of
+# CUDA 13 in turn (each cached outside the clone, in a directory named after its pin), in both
+# modes, for the lowest architecture that NVRTC lists and for what a compute 8.0 and a 9.0
+# device get from it, and check the PTX (no FMA in deterministic mode, float4 loads). The test
+# must run, not skip, and must say it loaded the NVRTC of the major version installed.
 if [ "$(id -u)" -eq 0 ]; then NVRTC_DIR=${TIDEWIRE_NVRTC_DIR:-/var/cache/tidewire-nvrtc}
 else NVRTC_DIR=${TIDEWIRE_NVRTC_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tidewire-nvrtc}; fi
-nvrtc() {
-  local lib=$NVRTC_DIR/nvidia/cuda_nvrtc/lib
-  if [ ! -e "$lib/libnvrtc.so.12" ]; then
+# "pip requirement | the wheel's directory holding libnvrtc.so.MAJOR | MAJOR". CUDA 13's wheel
+# is nvidia-cuda-nvrtc (nvidia-cuda-nvrtc-cu13 on PyPI is a deprecated stub that refuses to build).
+NVRTC_WHEELS=(
+  "nvidia-cuda-nvrtc-cu12==12.8.93|nvidia/cuda_nvrtc/lib|12"
+  "nvidia-cuda-nvrtc==13.0.88|nvidia/cu13/lib|13"
+)
+nvrtc_one() { # requirement, lib dir inside the wheel, CUDA major
+  local req=$1 sub=$2 major=$3
+  local dest=$NVRTC_DIR/${req/==/-}
+  local lib=$dest/$sub
+  if [ ! -e "$lib/libnvrtc.so.$major" ]; then
+    echo "installing $req into $dest"
     local tmp; tmp=$(mktemp -d)
-    pip3 download --no-deps --quiet -d "$tmp" 'nvidia-cuda-nvrtc-cu12==12.8.93' || return 1
-    mkdir -p "$NVRTC_DIR" && python3 -m zipfile -e "$tmp"/nvidia_cuda_nvrtc_cu12-*.whl "$NVRTC_DIR" || return 1
+    if ! pip3 download --no-deps --quiet -d "$tmp/dl" "$req"; then
+      echo "NVRTC $major: CANNOT INSTALL $req: 'pip3 download' failed (no network or no such version on the index; see pip's message above)"
+      rm -rf "$tmp"; return 1
+    fi
+    local whl=("$tmp"/dl/*.whl)
+    if [ ! -f "${whl[0]}" ] || ! python3 -m zipfile -e "${whl[0]}" "$tmp/x" \
+       || [ ! -e "$tmp/x/$sub/libnvrtc.so.$major" ]; then
+      echo "NVRTC $major: CANNOT INSTALL $req: no wheel, or it does not unpack to $sub/libnvrtc.so.$major (its layout: $(ls "$tmp"/dl 2>&1))"
+      rm -rf "$tmp"; return 1
+    fi
+    # Moved into place whole, so an interrupted install is never taken for a cached one.
+    mkdir -p "$NVRTC_DIR" && rm -rf "$dest" && mv "$tmp/x" "$dest" || { rm -rf "$tmp"; return 1; }
     rm -rf "$tmp"
   fi
+  # cudarc (built for CUDA 12.8) looks for libnvrtc.so, .so.12, .so.11, ...: not .so.13, which is
+  # all CUDA 13's wheel has. Give it the unversioned name a toolkit install also has.
+  ln -sfn "libnvrtc.so.$major" "$lib/libnvrtc.so" || return 1
   local out
   out=$(LD_LIBRARY_PATH=$lib cargo test --locked -p tidewire-gpu --features cuda --lib kernels_compile_with_nvrtc -- --nocapture 2>&1)
   local rc=$?
   echo "$out" | grep -E 'kernels_compile|SKIPPED|test result|panicked'
-  [ $rc -eq 0 ] && ! grep -q SKIPPED <<<"$out" && grep -q 'test cuda::nvrtc_tests::kernels_compile_with_nvrtc ... ok' <<<"$out"
+  [ $rc -eq 0 ] && ! grep -q SKIPPED <<<"$out" \
+    && grep -q 'test cuda::nvrtc_tests::kernels_compile_with_nvrtc ... ok' <<<"$out" || return 1
+  grep -q "kernels_compile_with_nvrtc: NVRTC $major\." <<<"$out" \
+    || { echo "NVRTC $major: the test loaded another NVRTC than $lib's (a libnvrtc.so earlier on the library path?)"; return 1; }
+}
+nvrtc() {
+  local w req sub major rc=0
+  for w in "${NVRTC_WHEELS[@]}"; do
+    IFS='|' read -r req sub major <<<"$w"
+    echo "--- CUDA $major's NVRTC ($req)"
+    nvrtc_one "$req" "$sub" "$major" || { echo "FAILED: the kernels with CUDA $major's NVRTC ($req)"; rc=1; }
+  done
+  return $rc
 }
 tier nvrtc nvrtc
 

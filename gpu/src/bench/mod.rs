@@ -199,9 +199,37 @@ mod tests {
             threads: 2,
             reps: 2,
         };
-        let mut lines = 0;
-        let r = aggregate(&o, |_| lines += 1).unwrap();
-        assert_eq!(lines, 2);
+        let mut lines = Vec::new();
+        let r = aggregate(&o, |l| lines.push(l.to_string())).unwrap();
+        // One line per CPU repetition, numbered, first; the GPU half (with a GPU)
+        // adds its own lines after them, each starting "gpu".
+        let (cpu, gpu): (Vec<_>, Vec<_>) = lines.iter().partition(|l| !l.starts_with("gpu"));
+        assert_eq!(cpu.len(), o.reps, "{lines:?}");
+        for (i, l) in cpu.iter().enumerate() {
+            assert!(l.starts_with(&format!("rep {}/{}: sum ", i + 1, o.reps)), "{l}");
+        }
+        assert!(
+            lines[..o.reps].iter().all(|l| l.starts_with("rep ")),
+            "CPU lines first: {lines:?}"
+        );
+        // The GPU half's lines: its header, one per repetition, bf16, pinned copies, and
+        // SGEMM when cuBLAS loads; when it stops early, fewer, and it says why.
+        let gpu_lines = 1 + o.reps + 2;
+        if r.gpu.measured {
+            let sgemm = usize::from(r.gpu.sgemm_gflops.is_some());
+            assert_eq!(gpu.len(), gpu_lines + sgemm, "{lines:?}");
+        } else {
+            assert!(
+                gpu.len() <= gpu_lines && !r.gpu.reason.is_empty(),
+                "{lines:?} {:?}",
+                r.gpu
+            );
+        }
+        // The report says what was asked, whatever this machine's core count.
+        assert_eq!(
+            (r.inputs, r.mib, r.threads, r.reps),
+            (o.inputs, o.mib, o.threads, o.reps)
+        );
         assert!(r.cpu_sum_gbps > 0.0 && r.triad_gbps > 0.0 && r.ratio > 0.0);
         let j = serde_json::to_value(&r).unwrap();
         for k in ["cpu_sum_gbps", "triad_gbps", "ratio", "gpu"] {

@@ -12,8 +12,12 @@ pub enum CudaError {
     #[error("no CUDA driver: libcuda.so cannot be loaded (no NVIDIA driver on this machine, or it is not on the library path)")]
     NoDriver,
     /// libnvrtc.so could not be loaded: the kernels cannot be compiled.
-    #[error("no NVRTC: libnvrtc.so cannot be loaded (install the CUDA toolkit's nvrtc, e.g. the cuda-nvrtc package or pip's nvidia-cuda-nvrtc-cu12, and put it on LD_LIBRARY_PATH)")]
+    #[error("no NVRTC: libnvrtc.so cannot be loaded (install the CUDA toolkit's nvrtc, e.g. the cuda-nvrtc package or pip's nvidia-cuda-nvrtc-cu12, and put it on LD_LIBRARY_PATH; CUDA 13's pip nvidia-cuda-nvrtc ships only libnvrtc.so.13, which is looked for as libnvrtc.so: link libnvrtc.so to it)")]
     NoNvrtc,
+    /// The loaded NVRTC offers no architecture the kernels can be compiled for
+    /// (it lists none, or this device's is below its lowest).
+    #[error("no architecture to compile the aggregation kernels for: {0}")]
+    Arch(String),
     /// libcublas.so could not be loaded: no GPU SGEMM.
     #[error("no cuBLAS: libcublas.so cannot be loaded (install libcublas, e.g. pip's nvidia-cublas-cu12, and put it on LD_LIBRARY_PATH)")]
     NoCublas,

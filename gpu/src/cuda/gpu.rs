@@ -7,6 +7,7 @@
 //! helps (arrival-order accumulation, pipelined uploads).
 
 use std::collections::HashMap;
+use std::ffi::c_int;
 use std::marker::PhantomData;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -269,8 +270,9 @@ fn ptx_key(arch: &str, fmad: bool) -> String {
     format!("kernels-{arch}-fmad{}-{h:016x}.ptx", fmad as u8)
 }
 
-/// Compiles the kernels for `arch` (e.g. `compute_90`), once per process and
-/// once per machine: the PTX is cached in memory and under [`ptx_cache_dir`].
+/// Compiles the kernels for `arch` (e.g. `compute_90`; see [`kernel_arch`] for
+/// the one to ask for), once per process and once per machine: the PTX is
+/// cached in memory and under [`ptx_cache_dir`].
 pub fn compile_kernels(arch: &str, fmad: bool) -> Result<String, CudaError> {
     let key = (arch.to_string(), fmad);
     if let Some(p) = ptx_cache().lock().expect("ptx cache").get(&key) {
@@ -304,6 +306,100 @@ pub fn compile_kernels(arch: &str, fmad: bool) -> Result<String, CudaError> {
     }
     ptx_cache().lock().expect("ptx cache").insert(key, ptx.clone());
     Ok(ptx)
+}
+
+/// The architecture to compile the kernels for, as NVRTC's
+/// `--gpu-architecture` value (e.g. `compute_90`), given the device's compute
+/// capability and the architectures the loaded NVRTC supports (as
+/// `nvrtcGetSupportedArchs` lists them: 75, 80, ... 121).
+///
+/// With a device: its own architecture, or the highest supported one below it
+/// (PTX for an older architecture runs on newer devices, not the reverse), so
+/// an NVRTC older than the device still serves it. Without one (compiling
+/// ahead of any device): the lowest supported, which every device NVRTC can
+/// target runs. [`CudaError::Arch`] when the list is empty or the device is
+/// below the lowest (e.g. a Volta, compute 7.0, with CUDA 13's NVRTC, whose
+/// lowest is compute_75).
+pub fn choose_arch(device_cc: Option<(i32, i32)>, supported: &[i32]) -> Result<String, CudaError> {
+    let lowest = supported.iter().copied().filter(|&a| a > 0).min().ok_or_else(|| {
+        CudaError::Arch(format!(
+            "the loaded NVRTC lists no supported architecture (nvrtcGetSupportedArchs gave {supported:?})"
+        ))
+    })?;
+    let Some((major, minor)) = device_cc else {
+        return Ok(format!("compute_{lowest}"));
+    };
+    let device = major * 10 + minor;
+    match supported.iter().copied().filter(|&a| a > 0 && a <= device).max() {
+        Some(a) => Ok(format!("compute_{a}")),
+        None => {
+            let mut all: Vec<i32> = supported.iter().copied().filter(|&a| a > 0).collect();
+            all.sort_unstable();
+            Err(CudaError::Arch(format!(
+                "the GPU's compute capability {major}.{minor} is below compute_{lowest}, the lowest architecture \
+                 the loaded NVRTC supports ({all:?}); use the NVRTC of an older CUDA (CUDA 12's reaches down to \
+                 compute_50) on LD_LIBRARY_PATH"
+            )))
+        }
+    }
+}
+
+/// The architectures the loaded NVRTC can compile for
+/// (`nvrtcGetSupportedArchs`, e.g. `[75, 80, ..., 121]` for CUDA 13.0).
+pub fn nvrtc_supported_archs() -> Result<Vec<i32>, CudaError> {
+    // SAFETY: only tries to load libnvrtc; no NVRTC function is called.
+    if !unsafe { nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::NoNvrtc);
+    }
+    type ArchFn = unsafe extern "C" fn(*mut c_int) -> nvrtc::sys::nvrtcResult;
+    // cudarc panics on a missing symbol, and NVRTC before CUDA 11.2 has neither
+    // function, so both are looked up first.
+    for name in ["nvrtcGetNumSupportedArchs", "nvrtcGetSupportedArchs"] {
+        // SAFETY: libnvrtc loads (checked above), so culib() returns it rather than
+        // panicking; looking a symbol up calls nothing, and both functions have the
+        // type `ArchFn` (`nvrtcResult f(int*)` in nvrtc.h). The symbol is dropped unused.
+        if unsafe { nvrtc::sys::culib().get::<ArchFn>(name.as_bytes()) }.is_err() {
+            return Err(CudaError::Arch(format!(
+                "the loaded NVRTC has no {name} (it is older than CUDA 11.2)"
+            )));
+        }
+    }
+    let mut n: c_int = 0;
+    // SAFETY: the function exists (checked above) and `n` is a valid out-pointer for one int.
+    unsafe { nvrtc::sys::nvrtcGetNumSupportedArchs(&mut n) }
+        .result()
+        .map_err(|e| CudaError::Arch(format!("nvrtcGetNumSupportedArchs failed: {e}")))?;
+    let mut archs: Vec<c_int> = vec![0; usize::try_from(n).unwrap_or(0)];
+    if !archs.is_empty() {
+        // SAFETY: the function exists (checked above), and `archs` holds the `n` ints
+        // nvrtcGetNumSupportedArchs said it writes.
+        unsafe { nvrtc::sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }
+            .result()
+            .map_err(|e| CudaError::Arch(format!("nvrtcGetSupportedArchs failed: {e}")))?;
+    }
+    Ok(archs)
+}
+
+/// The loaded NVRTC's version, (major, minor).
+pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
+    // SAFETY: only tries to load libnvrtc; no NVRTC function is called.
+    if !unsafe { nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::NoNvrtc);
+    }
+    let (mut major, mut minor): (c_int, c_int) = (0, 0);
+    // SAFETY: libnvrtc loads (checked above) and has had nvrtcVersion since its first
+    // release; both arguments are valid out-pointers for one int.
+    unsafe { nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| CudaError::Arch(format!("nvrtcVersion failed: {e}")))?;
+    Ok((major, minor))
+}
+
+/// [`choose_arch`] with the loaded NVRTC's list: what [`Gpu::open`] compiles
+/// for (with the device's compute capability), or, with `None`, the lowest
+/// architecture the loaded NVRTC supports.
+pub fn kernel_arch(device_cc: Option<(i32, i32)>) -> Result<String, CudaError> {
+    choose_arch(device_cc, &nvrtc_supported_archs()?)
 }
 
 fn launch_cfg(n: u64, sms: u32) -> LaunchConfig {
@@ -346,7 +442,13 @@ impl Gpu {
         let streams = (0..opts.streams.max(1))
             .map(|_| ctx.new_stream().map_err(drv("cuStreamCreate")))
             .collect::<Result<Vec<_>, _>>()?;
-        let arch = format!("compute_{}{}", info.compute_capability.0, info.compute_capability.1);
+        let (major, minor) = info.compute_capability;
+        let arch = match kernel_arch(Some((major, minor))) {
+            // Without NVRTC only PTX cached for the device's own architecture can
+            // serve; compile_kernels says NoNvrtc when there is none.
+            Err(CudaError::NoNvrtc) => format!("compute_{major}{minor}"),
+            a => a?,
+        };
         let ptx = compile_kernels(&arch, !opts.deterministic)?;
         let module = ctx.load_module(Ptx::from_src(ptx)).map_err(drv("cuModuleLoadData"))?;
         let mut funcs = HashMap::new();
