@@ -423,7 +423,7 @@ fn plot(rows: &[Row], path: &Path, font: &Path) -> Result<(), String> {
             r.median.values().map(move |v| v / b).collect::<Vec<_>>()
         })
         .fold(1.2, f64::max)
-        * 1.1;
+        * 1.15;
     let mut chart = ChartBuilder::on(&root)
         .caption(
             "samples/s relative to the best mode other than full",
@@ -437,10 +437,19 @@ fn plot(rows: &[Row], path: &Path, font: &Path) -> Result<(), String> {
     let labels: Vec<String> = rows.iter().map(|r| format!("{} {}", r.net, r.case)).collect();
     chart
         .configure_mesh()
-        .x_labels(n)
-        .x_label_formatter(&|x| labels.get(x.floor() as usize).cloned().unwrap_or_default())
+        .disable_x_mesh()
+        .x_labels(0)
         .y_desc("ratio")
         .draw()
+        .map_err(|e| e.to_string())?;
+    // Each group's name above its bars (the x axis has no ticks to hang it on).
+    chart
+        .draw_series(
+            labels
+                .iter()
+                .enumerate()
+                .map(|(i, l)| Text::new(l.clone(), (i as f64 + 0.1, ymax * 0.97), ("sans-serif", 14))),
+        )
         .map_err(|e| e.to_string())?;
     let w = 0.8 / modes.len().max(1) as f64;
     for (mi, m) in modes.iter().enumerate() {
@@ -469,7 +478,7 @@ fn plot(rows: &[Row], path: &Path, font: &Path) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
+        .position(SeriesLabelPosition::LowerRight)
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .label_font(("sans-serif", 14))
