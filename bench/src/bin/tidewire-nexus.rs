@@ -111,6 +111,7 @@ fn run(cli: &Cli, model: &str, gbps: f64, learners: usize) -> Result<Row, String
         slice_params: 50_000,
         chunk_bytes: Some(2 << 20),
         trace_bin_us: None,
+        profile: None,
     };
     let r = sim::run(&a).map_err(|e| format!("sim {model} {gbps} GbE L={learners}: {e}"))?;
     let f = r.flat_run.as_deref().ok_or("no flat run")?;
