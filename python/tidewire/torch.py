@@ -1277,20 +1277,35 @@ class _Tw:
             return (link, msg, summ, gemm)
         c, loop, msg, summ, gemm = _native.calibrate(100)
         probed = 0.0
+        probe = None
         if env.size > 1:
             peer = env.local_size if env.size > env.local_size else 1
-            probe = _native.LinkProbe(_probe_host(env.host)) if env.rank == 0 else None
+            if env.rank == 0:
+                try:
+                    probe = _native.LinkProbe(_probe_host(env.host))
+                except (TidewireError, ValueError) as e:
+                    warnings.warn(f"tidewire: no link probe ({e}); HybComm weighs the loopback rate", stacklevel=3)
             port = _allgather_small([probe.port if probe is not None else 0], "DistributedOptimizer/probe")[0][0]
-            if env.rank == peer:
-                target = _bracketed(env.host) if ":" in env.host else socket.gethostbyname(env.host)
-                probed = _native.probe_stream(f"{target}:{port}", 300)
-            if probe is not None:
-                probe.join()
+            if env.rank == peer and port:
+                try:
+                    target = _bracketed(env.host) if ":" in env.host else socket.gethostbyname(env.host)
+                    probed = _native.probe_stream(f"{target}:{port}", 300)
+                except (TidewireError, ValueError, OSError) as e:
+                    warnings.warn(
+                        f"tidewire: the link probe to rank 0 failed ({e}); HybComm weighs the loopback rate",
+                        stacklevel=3,
+                    )
         every = _allgather_floats([float(c), loop, msg, summ, gemm, probed], "DistributedOptimizer/rates")
+        probed = max(r[5] for r in every)
+        if probe is not None and probed > 0:
+            try:
+                probe.join()  # done already: the prober read its count before the gather
+            except TidewireError as e:
+                warnings.warn(f"tidewire: the link probe's server: {e}", stacklevel=3)
+        # Without a probe, rank 0's server thread gives up by itself within 30 s.
         cores0, loop0, msg0, summ0, gemm0, _ = every[0]
         share = min(1.0, cores0 / max(1, env.local_size))
         link = loop0 * share
-        probed = max(r[5] for r in every)
         if probed > 0:
             link = min(link, probed)
         return (link, msg0 / share, summ0 * share, gemm0 * share)
