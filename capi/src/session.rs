@@ -116,11 +116,11 @@ fn check_layer(pp: &mut PushPull, layer: u32, push: bool) -> Result<(), Fail> {
 fn build(cfg: &TwConfig, spec: ClusterSpec) -> Result<TwSession, Fail> {
     let (params, grads) = cfg.memory()?;
     let wrap = |r: Region| -> Result<PinnedBuffer, Fail> {
-        // SAFETY: tw_register's contract: r.len elements of r.dtype at r.ptr (their
-        // byte length checked to fit) stay allocated until tw_finalize drops this buffer
+        // tw_register's contract: r.len elements of r.dtype at r.ptr (their byte
+        // length checked to fit) stay allocated until tw_finalize drops this buffer
         // with the session, are registered with this session alone, and the caller
-        // touches a layer's values only while it holds the layer, which is
-        // PinnedBuffer::foreign's contract for the session's protocol.
+        // touches a layer's values only while it holds the layer.
+        // SAFETY: that contract is PinnedBuffer::foreign's for the session's protocol.
         let b = unsafe { PinnedBuffer::foreign(r.ptr.as_ptr(), r.len * r.dtype.size(), None) }?;
         Ok(b)
     };

@@ -610,14 +610,15 @@ impl Session {
         }
         let (p_owner, g_owner): (Box<dyn Any + Send + Sync>, Box<dyn Any + Send + Sync>) =
             (Box::new(params.clone().unbind()), Box::new(grads.clone().unbind()));
-        // SAFETY: pptr..pptr+total lies in the storage of the tensor `params`
-        // (address and size read from the tensor itself above, and checked to
-        // cover the layer table). The buffer owns a reference to that tensor,
-        // dropped with the buffer and its last region (even a region the
-        // transport leaks keeps it), so the storage stays allocated while any
-        // of them lives, unless Python code re-points or resizes the tensor,
-        // which this class's contract forbids, as it forbids touching a
-        // layer's part between its push and its pull.
+        // pptr..pptr+total lies in the storage of the tensor `params` (address
+        // and size read from the tensor itself above, and checked to cover the
+        // layer table). The buffer owns a reference to that tensor, dropped with
+        // the buffer and its last region (even a region the transport leaks
+        // keeps it), so the storage stays allocated while any of them lives,
+        // unless Python code re-points or resizes the tensor, which this class's
+        // contract forbids, as it forbids touching a layer's part between its
+        // push and its pull.
+        // SAFETY: the storage outlives the buffer (it holds the tensor), as above.
         let p = unsafe { PinnedBuffer::foreign(pptr as *mut u8, total, Some(p_owner)) };
         let p = p.map_err(|e| tw_err(e.into()))?;
         // SAFETY: as for `params` just above, for the tensor `grads`, which this buffer owns a reference to.
