@@ -178,6 +178,7 @@ fn main() -> ExitCode {
         Cmd::TrainNode(args) => match train::run_node(&args) {
             Ok(r) => {
                 println!("result {}", serde_json::to_string(&r).expect("serializable"));
+                tidewire_cli::resilience::hold_until_released();
                 ExitCode::SUCCESS
             }
             Err(e) => fail(e),

@@ -717,18 +717,11 @@ fn replacement_iters() -> Option<u64> {
 /// Set when the launcher removes this worker (`leave` on its stdin, with
 /// --remove-stragglers); the training loop leaves at the next iteration boundary.
 fn leave_signal(args: &TrainArgs) -> Arc<std::sync::atomic::AtomicBool> {
-    let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    if args.remove_stragglers.is_some() {
-        let f = flag.clone();
-        std::thread::spawn(move || {
-            for line in std::io::stdin().lines().map_while(std::result::Result::ok) {
-                if line.trim() == "leave" {
-                    f.store(true, Ordering::Relaxed);
-                }
-            }
-        });
+    if args.remove_stragglers.is_some() || resilience::held() {
+        resilience::launcher_line().leave.clone()
+    } else {
+        Arc::new(std::sync::atomic::AtomicBool::new(false))
     }
-    flag
 }
 
 pub(crate) fn sleep(d: Duration) {
@@ -1865,14 +1858,22 @@ fn launch_attempt(
         }
         c
     };
+    let held: std::collections::BTreeSet<u32> = kills.iter().map(|k| k.rank).collect();
     for rank in 0..world as u32 {
         let mut c = rank_command(rank);
-        // With --remove-stragglers a worker reads `leave` from its stdin.
-        c.stdin(if args.remove_stragglers.is_some() && (rank as usize) < p1 {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        });
+        // With --remove-stragglers a worker reads `leave` from its stdin; a
+        // --fault-kill's target waits, done, until its stdin closes, so that
+        // the kill finds it running however fast the run ends.
+        if held.contains(&rank) {
+            c.env(resilience::HOLD_ENV, "1");
+        }
+        c.stdin(
+            if (args.remove_stragglers.is_some() && (rank as usize) < p1) || held.contains(&rank) {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            },
+        );
         let hier = args.local_learners > 1 && !args.flat;
         if hier && (rank as usize) < p1 {
             c.env("TIDEWIRE_LOCAL_RANK", "0");
@@ -2014,11 +2015,17 @@ fn launch_attempt(
     let mut statuses = vec![None; world];
     let mut first_failure: Option<Instant> = None;
     let mut killed = false;
+    // When the pending kill's iteration came (its checkpoint wait counts from there).
+    let mut kill_due: Option<Instant> = None;
     while statuses.iter().any(Option::is_none) {
         // Fault injection: the next --fault-kill, once a worker reports its iteration.
         if let Some(k) = kills.front().copied().filter(|_| !killed) {
-            if max_iter.load(Ordering::Relaxed) >= k.iter && resilience::due_checkpoint_done(&args.ckpt, k.iter, began)
-            {
+            let came = max_iter.load(Ordering::Relaxed) >= k.iter;
+            if came {
+                kill_due.get_or_insert_with(Instant::now);
+            }
+            if came && resilience::due_checkpoint_done(&args.ckpt, k.iter, kill_due.unwrap_or(began)) {
+                kill_due = None;
                 kills.pop_front();
                 // Only a rank still running is killed (one that finished has nothing to lose).
                 if let Some((_, c)) = children.iter_mut().find(|(r, _)| *r == k.rank) {
@@ -2035,6 +2042,9 @@ fn launch_attempt(
                 }
             }
         }
+        // A held rank (a --fault-kill's target, done and waiting) is let go
+        // once no kill of this attempt can reach it: its stdin closes.
+        stdins.retain(|(r, _)| !held.contains(r) || (!killed && kills.iter().any(|k| k.rank == *r)));
         // The coordinator: a worker far behind the median leaves at its next boundary.
         let now: Vec<u64> = progress.iter().map(|p| p.load(Ordering::Relaxed)).collect();
         for r in removal.judge(&now) {
