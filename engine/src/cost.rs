@@ -211,9 +211,13 @@ impl SchemeSeconds {
 ///   of P1 gradients of its share (MN·P1/P2 elements summed). The busiest
 ///   node kind counts.
 /// - **SFB**, on every worker: 2K(P1−1)(M+N) parameters over the link,
-///   2(P1−1) factor blocks, and the rebuild of the P1−1 peers' gradients,
-///   2KMN FLOPs each (a worker's own gradient costs the same under either
-///   scheme, so it is left out of both), summed into the layer ((P1−1)·MN).
+///   2(P1−1) factor blocks, and the rebuild of all P1 workers' gradients,
+///   2KMN FLOPs each, summed into the layer ((P1−1)·MN). The worker's own
+///   counts too: the runtime rebuilds every worker's in worker order
+///   (`cpu::sf_sum`), so that the sum is the same bits on every worker, while
+///   the framework's backward has computed the dense gradient anyway. (Left
+///   out, it tipped a 4096×4096 layer to SFB on a 2-core machine where SFB
+///   made `tidewire.torch` 0.81x DDP against 0.97x with the PS.)
 pub fn seconds(l: &LayerLoad, r: &Rates) -> (SchemeSeconds, SchemeSeconds) {
     let mn = (l.m * l.n) as f64;
     let (p1, p2) = (l.p1 as f64, l.p2.max(1) as f64);
@@ -245,7 +249,7 @@ pub fn seconds(l: &LayerLoad, r: &Rates) -> (SchemeSeconds, SchemeSeconds) {
     let sfb = SchemeSeconds {
         transfer_s: bytes(sfb_params(l.k, l.p1, l.m, l.n)),
         messages_s: 2.0 * peers * r.msg_s,
-        compute_s: peers * (2.0 * l.k as f64 * mn / r.gemm_flop_per_s + mn * 4.0 / r.sum_bytes_per_s),
+        compute_s: p1 * 2.0 * l.k as f64 * mn / r.gemm_flop_per_s + peers * mn * 4.0 / r.sum_bytes_per_s,
     };
     (ps, sfb)
 }
@@ -284,12 +288,12 @@ mod tests {
 
     #[test]
     fn seconds_pick_ps_beside_a_slow_cpu_gemm_on_a_fast_link() {
-        // Loopback-fast link, a shared CPU's GEMM: rebuilding 3 peers' fc6 at
-        // K = 128 is 3 · 26 GFLOP, which costs more than moving the matrix.
+        // Loopback-fast link, a shared CPU's GEMM: rebuilding 4 workers' fc6
+        // at K = 128 is 4 · 26 GFLOP, which costs more than moving the matrix.
         let (ps, sfb) = seconds(&fc6(4, 1, 128), &rates(3e9, 20e9));
         assert!(ps.total() < sfb.total(), "{ps:?} vs {sfb:?}");
-        // The compute part is what decides: 3 · 2·128·4096·25088 FLOPs.
-        let flops = 3.0 * 2.0 * 128.0 * 4096.0 * 25088.0;
+        // The compute part is what decides: 4 · 2·128·4096·25088 FLOPs, and 3 sums.
+        let flops = 4.0 * 2.0 * 128.0 * 4096.0 * 25088.0;
         assert!((sfb.compute_s - flops / 20e9 - 3.0 * 4096.0 * 25088.0 * 4.0 / 10e9).abs() < 1e-9);
     }
 
@@ -396,6 +400,34 @@ mod tests {
         // Against the sharded PS on the same colocated node: Adam's busiest node
         // carries more than the PS's (which spreads the layer over 8 servers).
         assert!(adam_params(NodeRole::Both, 32, 4096, 4096, 8) > ps_params(NodeRole::Both, 4096, 4096, 8, 8));
+    }
+
+    #[test]
+    fn sfb_rebuilds_every_workers_gradient_own_included() {
+        // tidewire.torch's fc benchmark: 4 colocated ranks on 2 cores,
+        // K = 32, a 4096×4096 layer, at the rates rank 0 measured (its CPU
+        // halved among 2 ranks per core). Measured: SFB 0.81x DDP, PS 0.97x.
+        let l = LayerLoad {
+            colocated: true,
+            k: 32,
+            m: 4096,
+            n: 4096,
+            p1: 4,
+            p2: 4,
+            ps_messages: 4,
+        };
+        let at = |link: f64| Rates {
+            link_bytes_per_s: link,
+            msg_s: 9.9e-6,
+            sum_bytes_per_s: 6.5e9,
+            gemm_flop_per_s: 49.4e9,
+        };
+        let (ps, sfb) = seconds(&l, &at(2.05e9));
+        let own = 2.0 * 32.0 * 4096.0 * 4096.0 / 49.4e9;
+        assert!(sfb.compute_s > 4.0 * own, "{sfb:?}: four rebuilds, the worker's own among them");
+        assert!(ps.total() < sfb.total(), "loopback: {ps:?} vs {sfb:?}");
+        let (ps, sfb) = seconds(&l, &at(0.12e9));
+        assert!(sfb.total() < ps.total() / 5.0, "1 Gbit/s: {ps:?} vs {sfb:?}");
     }
 
     #[test]

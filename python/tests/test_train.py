@@ -159,6 +159,9 @@ def test_hybcomm_chooses_per_layer(modes):
     cpu = modes[0]["hybrid_cpu"]["stats"]["schemes"]
     assert cpu == {"fc1": "ps", "fc2": "ps", "fc3": "ps"}, cpu
     assert modes[1]["hybrid_cpu"]["stats"]["schemes"] == cpu
+    # The rates it decided with are reported: the ones TIDEWIRE_RATES gave.
+    assert modes[1]["hybrid_cpu"]["stats"]["rates"]["gemm_flop_per_s"] == 1e6
+    assert "rates" not in modes[0]["ps"]["stats"]
     assert_close(modes[0]["hybrid_cpu"]["state"], modes[0]["ps"]["state"], "HybComm (CPU rates) vs PS only")
 
 

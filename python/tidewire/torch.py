@@ -952,6 +952,7 @@ class _Tw:
             raise ValueError("broadcast_buffers=True needs model=")
         self.timeout = env.timeout if timeout is None else float(timeout)
         self.grad_rebinds = 0
+        self.rates: Optional[Tuple[float, float, float, float]] = None  # what HybComm decided with (sfb="auto")
         self.synced = False  # this step's layers are all pushed
         self.pending = False  # a gradient arrived since the last step
         self.skip_sync = False
@@ -1256,7 +1257,9 @@ class _Tw:
         about 0.3 s: from the first rank of the next host, or rank 1 where
         every rank shares one host); the ranks share the figures and every
         rank takes rank 0's, its CPU divided among the ranks on its host
-        (``LOCAL_WORLD_SIZE``), and the probed link. Rebuilding a CUDA
+        (``LOCAL_WORLD_SIZE``), and the probed link. Only rank 0 measures
+        (the others wait), so that its figures are the machine's, not a
+        share of it taken twice. Rebuilding a CUDA
         layer's gradient from its factors runs on the CPU today, so its GEMM
         is the CPU's. ``TIDEWIRE_RATES`` (JSON) overrides all of it."""
         env = self.env
@@ -1275,7 +1278,12 @@ class _Tw:
                 raise TidewireError("TIDEWIRE_RATES differs between ranks: give every rank the same")
             link, msg, summ, gemm = every[0]
             return (link, msg, summ, gemm)
-        c, loop, msg, summ, gemm = _native.calibrate(100)
+        # Only rank 0 measures: every rank takes its figures, and ranks that
+        # measured at once on shared cores would each see a fraction of the
+        # machine (4 ranks on 2 cores read half the loopback stream and half
+        # the GEMM, which then counted twice with the share below). The
+        # others wait in the gather, idle.
+        c, loop, msg, summ, gemm = _native.calibrate(100) if env.rank == 0 else (0, 0.0, 0.0, 0.0, 0.0)
         probed = 0.0
         probe = None
         if env.size > 1:
@@ -1336,6 +1344,7 @@ class _Tw:
                 + (" ..." if len(self.layers) > 8 else "")
             )
         rates = self._agreed_rates() if policy == "hybrid" else None
+        self.rates = rates
         pin = self.device.type == "cuda"
         self.g_host = torch.zeros(self.total, dtype=self.dtype, pin_memory=pin)
         self.r_host = torch.zeros(self.total, dtype=self.dtype, pin_memory=pin)
@@ -1767,6 +1776,8 @@ class _Tw:
         s["grad_rebinds"] = self.grad_rebinds
         s["transport"] = self.session.transport[0]
         s["schemes"] = {L.name: L.scheme for L in self.layers}
+        if self.rates is not None:
+            s["rates"] = dict(zip(("link_bytes_per_s", "msg_s", "sum_bytes_per_s", "gemm_flop_per_s"), self.rates))
         g = self.guide
         s["comm_every"] = g.t
         if self.comm_on:
@@ -1911,7 +1922,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def tidewire_stats(self) -> Dict[str, Any]:
         """The session's counters, plus ``grad_rebinds`` (gradients user code
         had replaced and that were copied back into the registered buffer),
-        the transport, and each layer's scheme."""
+        the transport, each layer's scheme, and with ``sfb='auto'`` the
+        ``rates`` HybComm decided them with."""
         return self._tw.stats()
 
     def close(self) -> None:
