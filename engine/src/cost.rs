@@ -424,7 +424,10 @@ mod tests {
         };
         let (ps, sfb) = seconds(&l, &at(2.05e9));
         let own = 2.0 * 32.0 * 4096.0 * 4096.0 / 49.4e9;
-        assert!(sfb.compute_s > 4.0 * own, "{sfb:?}: four rebuilds, the worker's own among them");
+        assert!(
+            sfb.compute_s > 4.0 * own,
+            "{sfb:?}: four rebuilds, the worker's own among them"
+        );
         assert!(ps.total() < sfb.total(), "loopback: {ps:?} vs {sfb:?}");
         let (ps, sfb) = seconds(&l, &at(0.12e9));
         assert!(sfb.total() < ps.total() / 5.0, "1 Gbit/s: {ps:?} vs {sfb:?}");
