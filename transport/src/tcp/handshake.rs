@@ -68,15 +68,63 @@ impl TcpTransport {
     }
 
     pub(super) fn arm_first_header(&mut self, pending: u64, fd: i32) {
-        let mut buf = Box::new([0u8; HEADER_LEN]);
-        let ptr = buf.as_mut_ptr();
-        let ud = self.add_op(Op::FirstHeader { pending, buf });
-        let e = opcode::Recv::new(types::Fd(fd), ptr, HEADER_LEN as u32)
+        self.recv_first_header(pending, fd, Box::new([0u8; HEADER_LEN]), 0);
+    }
+
+    /// Receives bytes `got..` of the first frame's header into `buf`.
+    fn recv_first_header(&mut self, pending: u64, fd: i32, mut buf: Box<[u8; HEADER_LEN]>, got: usize) {
+        debug_assert!(got < HEADER_LEN);
+        let ptr = buf[got..].as_mut_ptr();
+        let ud = self.add_op(Op::FirstHeader { pending, buf, got });
+        let e = opcode::Recv::new(types::Fd(fd), ptr, (HEADER_LEN - got) as u32)
             .flags(libc::MSG_WAITALL)
             .build()
             .user_data(ud);
-        // SAFETY: the buffer is boxed inside the op.
+        // SAFETY: `ptr` points `got` bytes into the boxed buffer, which the op
+        // owns until its completion (moving the Box does not move its heap
+        // allocation), and the length is what is left of it.
         unsafe { self.push(e) };
+    }
+
+    /// Receives bytes `got..` of the first frame's payload into `buf`.
+    fn recv_first_payload(&mut self, pending: u64, fd: i32, hdr: Header, mut buf: Vec<u8>, got: usize) {
+        debug_assert!(got < buf.len());
+        let (ptr, len) = (buf[got..].as_mut_ptr(), (buf.len() - got) as u32);
+        let ud = self.add_op(Op::FirstPayload { pending, hdr, buf, got });
+        let e = opcode::Recv::new(types::Fd(fd), ptr, len)
+            .flags(libc::MSG_WAITALL)
+            .build()
+            .user_data(ud);
+        // SAFETY: `ptr` points `got` bytes into the Vec's heap buffer, which the
+        // op owns until its completion and never resizes; the length is what
+        // is left of it.
+        unsafe { self.push(e) };
+    }
+
+    /// What a first-frame receive that ended at `res` of `want` bytes
+    /// (`got` already in) means: the rest to ask for, or the loss.
+    fn first_frame_short(res: i32, got: usize, want: usize, peer: String) -> std::result::Result<usize, Error> {
+        if res > 0 && got + (res as usize) < want {
+            // MSG_WAITALL may still return short (a signal, a kernel without
+            // io_uring's retry): ask for the rest.
+            return Ok(got + res as usize);
+        }
+        Err(Error::ConnectionLost {
+            conn: 0,
+            peer,
+            during: "the first frame of the handshake",
+            source: Some(if res < 0 {
+                errno(res)
+            } else {
+                std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{} of {want} bytes, then the end of the stream",
+                        got + res.max(0) as usize
+                    ),
+                )
+            }),
+        })
     }
 
     pub(super) fn arm_accept(&mut self, listener: u64) {
@@ -244,23 +292,22 @@ impl TcpTransport {
         }
     }
 
-    pub(super) fn on_first_header(&mut self, pending: u64, res: i32, buf: &[u8; HEADER_LEN]) {
+    pub(super) fn on_first_header(&mut self, pending: u64, res: i32, buf: Box<[u8; HEADER_LEN]>, got: usize) {
         let Some(p) = self.pending.get(&pending) else { return };
         if p.done {
             return;
         }
         let peer = p.addr.to_string();
-        if res != HEADER_LEN as i32 {
-            let src = (res < 0).then(|| errno(res));
-            let e = Error::ConnectionLost {
-                conn: 0,
-                peer,
-                during: "the first frame of the handshake",
-                source: src,
+        if res < 0 || got + res as usize != HEADER_LEN {
+            return match Self::first_frame_short(res, got, HEADER_LEN, peer) {
+                Ok(got) => {
+                    let fd = p.fd.as_ref().expect("not done").as_raw_fd();
+                    self.recv_first_header(pending, fd, buf, got)
+                }
+                Err(e) => self.reject_pending(pending, e, None),
             };
-            return self.reject_pending(pending, e, None);
         }
-        let hdr = match Header::decode_any_version(buf) {
+        let hdr = match Header::decode_any_version(&buf[..]) {
             Ok(h) => h,
             Err(reason) => return self.reject_pending(pending, Error::BadFrame { peer, reason }, None),
         };
@@ -286,38 +333,27 @@ impl TcpTransport {
             return self.reject_pending(pending, Error::BadFrame { peer, reason }, Some("expected Hello".into()));
         }
         let fd = p.fd.as_ref().expect("not done").as_raw_fd();
-        let mut body = vec![0u8; hdr.length as usize];
+        let body = vec![0u8; hdr.length as usize];
         if body.is_empty() {
-            return self.on_first_payload(pending, 0, hdr, body);
+            return self.on_first_payload(pending, 0, hdr, body, 0);
         }
-        let (ptr, len) = (body.as_mut_ptr(), body.len() as u32);
-        let ud = self.add_op(Op::FirstPayload {
-            pending,
-            hdr,
-            buf: body,
-        });
-        let e = opcode::Recv::new(types::Fd(fd), ptr, len)
-            .flags(libc::MSG_WAITALL)
-            .build()
-            .user_data(ud);
-        // SAFETY: the Vec's heap buffer is owned by the op and never resized.
-        unsafe { self.push(e) };
+        self.recv_first_payload(pending, fd, hdr, body, 0);
     }
 
-    pub(super) fn on_first_payload(&mut self, pending: u64, res: i32, hdr: Header, body: Vec<u8>) {
+    pub(super) fn on_first_payload(&mut self, pending: u64, res: i32, hdr: Header, body: Vec<u8>, got: usize) {
         let Some(p) = self.pending.get(&pending) else { return };
         if p.done {
             return;
         }
         let (peer, addr, listener, deadline) = (p.addr.to_string(), p.addr, p.listener, p.deadline);
-        if res != hdr.length as i32 {
-            let e = Error::ConnectionLost {
-                conn: 0,
-                peer,
-                during: "the first frame of the handshake",
-                source: (res < 0).then(|| errno(res)),
+        if res < 0 || got + res as usize != body.len() {
+            return match Self::first_frame_short(res, got, body.len(), peer) {
+                Ok(got) => {
+                    let fd = p.fd.as_ref().expect("not done").as_raw_fd();
+                    self.recv_first_payload(pending, fd, hdr, body, got)
+                }
+                Err(e) => self.reject_pending(pending, e, None),
             };
-            return self.reject_pending(pending, e, None);
         }
         match hdr.kind {
             Kind::Hello => {

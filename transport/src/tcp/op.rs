@@ -203,14 +203,18 @@ pub(super) enum Op {
         _addr: Box<SockAddr>,
     },
     /// Server: first frame of an unclassified socket.
+    /// `got`: bytes already in `buf` (a receive that returned short is
+    /// resubmitted for the rest).
     FirstHeader {
         pending: u64,
         buf: Box<[u8; HEADER_LEN]>,
+        got: usize,
     },
     FirstPayload {
         pending: u64,
         hdr: Header,
         buf: Vec<u8>,
+        got: usize,
     },
     CtrlRecv {
         conn: u64,

@@ -363,8 +363,8 @@ impl TcpTransport {
             }
             Op::Accept { listener } => self.on_accept(ud, listener, res, flags),
             Op::Connect { conn, data, .. } => self.on_connect(conn, data, res),
-            Op::FirstHeader { pending, buf } => self.on_first_header(pending, res, &buf),
-            Op::FirstPayload { pending, hdr, buf } => self.on_first_payload(pending, res, hdr, buf),
+            Op::FirstHeader { pending, buf, got } => self.on_first_header(pending, res, buf, got),
+            Op::FirstPayload { pending, hdr, buf, got } => self.on_first_payload(pending, res, hdr, buf, got),
             Op::CtrlRecv { conn } => self.on_ctrl_recv(ud, conn, res, flags),
             Op::CtrlSend { conn, frames, g } => {
                 let total = g.total;
