@@ -101,30 +101,28 @@ impl TcpTransport {
         unsafe { self.push(e) };
     }
 
-    /// What a first-frame receive that ended at `res` of `want` bytes
-    /// (`got` already in) means: the rest to ask for, or the loss.
-    fn first_frame_short(res: i32, got: usize, want: usize, peer: String) -> std::result::Result<usize, Error> {
-        if res > 0 && got + (res as usize) < want {
-            // MSG_WAITALL may still return short (a signal, a kernel without
-            // io_uring's retry): ask for the rest.
-            return Ok(got + res as usize);
-        }
-        Err(Error::ConnectionLost {
-            conn: 0,
-            peer,
-            during: "the first frame of the handshake",
-            source: Some(if res < 0 {
-                errno(res)
-            } else {
-                std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "{} of {want} bytes, then the end of the stream",
-                        got + res.max(0) as usize
-                    ),
-                )
+    /// Bytes of the first frame's `want` received after a receive that
+    /// ended at `res` (`got` already in), or the loss. Fewer than `want` is
+    /// asked for again: MSG_WAITALL may still return short (a signal, a
+    /// kernel without io_uring's retry).
+    fn first_frame_read(res: i32, got: usize, want: usize, peer: String) -> std::result::Result<usize, Error> {
+        match res {
+            r if r > 0 && got + r as usize <= want => Ok(got + r as usize),
+            0 if want == 0 => Ok(0),
+            r => Err(Error::ConnectionLost {
+                conn: 0,
+                peer,
+                during: "the first frame of the handshake",
+                source: Some(if r < 0 {
+                    errno(r)
+                } else {
+                    std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!("{got} of {want} bytes, then the end of the stream"),
+                    )
+                }),
             }),
-        })
+        }
     }
 
     pub(super) fn arm_accept(&mut self, listener: u64) {
@@ -298,14 +296,13 @@ impl TcpTransport {
             return;
         }
         let peer = p.addr.to_string();
-        if res < 0 || got + res as usize != HEADER_LEN {
-            return match Self::first_frame_short(res, got, HEADER_LEN, peer) {
-                Ok(got) => {
-                    let fd = p.fd.as_ref().expect("not done").as_raw_fd();
-                    self.recv_first_header(pending, fd, buf, got)
-                }
-                Err(e) => self.reject_pending(pending, e, None),
-            };
+        match Self::first_frame_read(res, got, HEADER_LEN, peer.clone()) {
+            Ok(HEADER_LEN) => {}
+            Ok(got) => {
+                let fd = p.fd.as_ref().expect("not done").as_raw_fd();
+                return self.recv_first_header(pending, fd, buf, got);
+            }
+            Err(e) => return self.reject_pending(pending, e, None),
         }
         let hdr = match Header::decode_any_version(&buf[..]) {
             Ok(h) => h,
@@ -346,14 +343,13 @@ impl TcpTransport {
             return;
         }
         let (peer, addr, listener, deadline) = (p.addr.to_string(), p.addr, p.listener, p.deadline);
-        if res < 0 || got + res as usize != body.len() {
-            return match Self::first_frame_short(res, got, body.len(), peer) {
-                Ok(got) => {
-                    let fd = p.fd.as_ref().expect("not done").as_raw_fd();
-                    self.recv_first_payload(pending, fd, hdr, body, got)
-                }
-                Err(e) => self.reject_pending(pending, e, None),
-            };
+        match Self::first_frame_read(res, got, body.len(), peer.clone()) {
+            Ok(n) if n == body.len() => {}
+            Ok(got) => {
+                let fd = p.fd.as_ref().expect("not done").as_raw_fd();
+                return self.recv_first_payload(pending, fd, hdr, body, got);
+            }
+            Err(e) => return self.reject_pending(pending, e, None),
         }
         match hdr.kind {
             Kind::Hello => {
