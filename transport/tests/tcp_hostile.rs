@@ -527,6 +527,77 @@ fn a_hostile_server_is_refused_on_its_first_header<T: Hostile>() {
     );
 }
 
+/// A refused connection's last completions stay its own. Each attacker sends
+/// a valid Hello, then a message header (refused before authentication) and
+/// a payload behind it, so that more receive completions are on their way
+/// when the server fails the connection; new attackers keep arriving, so new
+/// handshakes keep taking operation slots. Every attacker must be refused on
+/// its header: a slot freed while the kernel still had completions for it
+/// would hand one (an end of stream) to the next handshake in that slot.
+fn refused_connections_leave_no_completion_behind<T: Hostile>() {
+    let _g = serial();
+    const ATTACKERS: usize = 240;
+    let hs = Duration::from_secs(10);
+    let mut server: T = transport(0, hs);
+    let l = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr: SocketAddr = server.listener_addr(l).unwrap();
+    let mut evs = Vec::new();
+    let attack = std::thread::spawn(move || {
+        let mut frame = hello();
+        frame.extend_from_slice(&Header::new(Kind::Message, 64 << 10).encode());
+        frame.extend_from_slice(&vec![0x5au8; 64 << 10]);
+        // Open until every attacker is refused: a close of ours is not the server's doing.
+        let mut socks = Vec::with_capacity(ATTACKERS);
+        for _ in 0..ATTACKERS {
+            let mut s = TcpStream::connect(addr).unwrap();
+            // The server may refuse (and close) before all of it is read.
+            let _ = s.write_all(&frame);
+            socks.push(s);
+        }
+        socks
+    });
+    let start = Instant::now();
+    let refused = |evs: &Vec<Event>| evs.iter().filter(|e| matches!(e, Event::PeerRejected { .. })).count();
+    while refused(&evs) < ATTACKERS {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{} of {ATTACKERS} refused after 30 s: {:?}",
+            refused(&evs),
+            server.stats_line()
+        );
+        server.wait(&mut evs, 1024, Duration::from_millis(1)).unwrap();
+    }
+    let socks = attack.join().unwrap();
+    let not_on_header: Vec<_> = evs
+        .iter()
+        .filter(|e| {
+            !matches!(
+                e,
+                Event::PeerRejected {
+                    error: Error::BadFrame {
+                        reason: FrameError::Unexpected { .. },
+                        ..
+                    },
+                    ..
+                } | Event::PeerRejected {
+                    error: Error::TooManyHandshakes { .. },
+                    ..
+                }
+            )
+        })
+        .collect();
+    let on_header = ATTACKERS - not_on_header.len() - server.evicted() as usize;
+    eprintln!(
+        "{on_header} refused on the header, {} evicted (over {MAX_PENDING_HANDSHAKES} pending)",
+        server.evicted()
+    );
+    assert!(
+        not_on_header.is_empty(),
+        "every attacker is refused on its message header or evicted; these were not: {not_on_header:#?}"
+    );
+    drop(socks);
+}
+
 /// Every case on both TCP backends.
 macro_rules! on {
     ($backend:ident, $t:ty) => {
@@ -542,6 +613,10 @@ macro_rules! on {
             #[test]
             fn wrong_kind_or_size_is_refused_on_the_header() {
                 super::wrong_kind_or_size_is_refused_on_the_header::<$t>()
+            }
+            #[test]
+            fn refused_connections_leave_no_completion_behind() {
+                super::refused_connections_leave_no_completion_behind::<$t>()
             }
             #[test]
             fn a_hostile_server_is_refused_on_its_first_header() {

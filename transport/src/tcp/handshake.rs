@@ -161,7 +161,10 @@ impl TcpTransport {
 
     pub(super) fn on_accept(&mut self, ud: u64, listener: u64, res: i32, flags: u32) {
         let live = self.listeners.contains_key(&listener);
-        if cqueue::more(flags) && live {
+        // As for the control receive: a multishot op stays in its slot until
+        // its last completion, or that completion would reach whatever op
+        // reused the slot.
+        if cqueue::more(flags) {
             self.keep_op(ud, Op::Accept { listener });
         } else if let Some(l) = self.listeners.get_mut(&listener) {
             l.armed = false;

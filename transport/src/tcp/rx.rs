@@ -72,7 +72,11 @@ impl TcpTransport {
     pub(super) fn on_ctrl_recv(&mut self, ud: u64, conn: u64, res: i32, flags: u32) {
         let more = cqueue::more(flags);
         let live = self.conns.get(&conn).is_some_and(|c| c.is_live());
-        if more && live {
+        // While the kernel says more completions follow, the op keeps its slot
+        // (and keeps its connection from being reaped), live or not: a slot
+        // freed early is reused, and the multishot receive's next completion
+        // (its EOF after `fail`'s shutdown) would be delivered to the new op.
+        if more {
             self.keep_op(ud, Op::CtrlRecv { conn });
         } else if let Some(c) = self.conns.get_mut(&conn) {
             c.ctrl_rx_armed = false;
