@@ -12,7 +12,8 @@
 mod conformance;
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+use std::backtrace::Backtrace;
+use std::cell::{Cell, RefCell};
 
 use conformance::{buf, count, Backend, Opts, Pair};
 use tidewire_transport::{Access, Event, JobSecret, PortableTransport, TcpConfig, TcpTransport, Transport};
@@ -22,32 +23,46 @@ struct Counting;
 thread_local! {
     static ON: Cell<bool> = const { Cell::new(false) };
     static COUNT: Cell<u64> = const { Cell::new(0) };
+    /// Where the first counted allocation of a run came from: a failure names it.
+    static FIRST: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
-fn note() {
+fn note(bytes: usize) {
     // `try_with`: the thread's locals may already be gone while it exits.
     let _ = ON.try_with(|on| {
         if on.get() {
             let _ = COUNT.try_with(|c| c.set(c.get() + 1));
+            // Counting pauses while the first one's backtrace (which allocates) is taken.
+            on.set(false);
+            let _ = FIRST.try_with(|f| {
+                if let Ok(mut f) = f.try_borrow_mut() {
+                    if f.is_none() {
+                        *f = Some(format!("{bytes} bytes, at\n{}", Backtrace::force_capture()));
+                    }
+                }
+            });
+            on.set(true);
         }
     });
 }
 
 // SAFETY: every call forwards to the system allocator unchanged; the counting
-// touches only const-initialized thread locals, which never allocate.
+// touches only const-initialized thread locals, which never allocate, and the
+// backtrace of the first counted allocation is taken with counting paused
+// (its own allocations re-enter `note` and return at once).
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        note();
+        note(l.size());
         // SAFETY: forwarded with the caller's layout.
         unsafe { System.alloc(l) }
     }
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        note();
+        note(l.size());
         // SAFETY: forwarded with the caller's layout.
         unsafe { System.alloc_zeroed(l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        note();
+        note(n);
         // SAFETY: forwarded with the caller's pointer, layout and size.
         unsafe { System.realloc(p, l, n) }
     }
@@ -104,6 +119,7 @@ fn rounds<T: Transport>(p: &mut Pair<T>, src: &tidewire_transport::Region, round
     let mut evs = [Vec::with_capacity(4096), Vec::with_capacity(4096)];
     let slices: Vec<_> = SIZES.iter().map(|&n| src.slice(0, n).unwrap()).collect();
     COUNT.with(|c| c.set(0));
+    FIRST.with(|f| f.borrow_mut().take());
     ON.with(|on| on.set(counted));
     for r in 0..rounds {
         for i in 0..PER {
@@ -146,7 +162,11 @@ fn steady<B: Backend>(name: &str) {
     rounds(&mut p, &src, 50, false);
     let n = rounds(&mut p, &src, 200, true);
     println!("{name}: {n} allocations in 200 rounds of 16 writes (3200 writes and their polls)");
-    assert_eq!(n, 0, "{name}: steady-state writes and polls allocated {n} times");
+    let first = FIRST.with(|f| f.borrow_mut().take()).unwrap_or_default();
+    assert_eq!(
+        n, 0,
+        "{name}: steady-state writes and polls allocated {n} times; the first: {first}"
+    );
 }
 
 #[test]
