@@ -40,12 +40,14 @@ pub(super) fn measure(o: &AggregateOpts, mut progress: impl FnMut(&str)) -> Resu
     g.sum_into(&mut acc, 0, &refs, false)?;
     let mut dst = g.alloc::<f32>(n)?;
     g.copy_device(&mut dst, &inputs[0])?;
-    let (mut sums, mut copies) = (Vec::new(), Vec::new());
+    let (mut sums, mut copies, mut sum_ms, mut fresh_ms) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let sum_bytes = ((o.inputs + 2) * n * 4) as f64;
     let copy_bytes = (2 * n * 4) as f64;
     for r in 0..reps {
         let ms = g.event_ms(10, || g.sum_into_queued(&mut acc, 0, &refs, false))?;
         sums.push(gbps(sum_bytes, ms));
+        sum_ms.push(ms);
+        fresh_ms.push(g.event_ms(10, || g.sum_into_queued(&mut acc, 0, &refs, true))?);
         let ms = g.event_ms(10, || g.copy_device_queued(&mut dst, &inputs[0]))?;
         copies.push(gbps(copy_bytes, ms));
         progress(&format!(
@@ -117,6 +119,7 @@ pub(super) fn measure(o: &AggregateOpts, mut progress: impl FnMut(&str)) -> Resu
     }
     let best = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
     let (sum_gbps, d2d) = (best(&sums), best(&copies));
+    let least = |v: &[f64]| v.iter().cloned().fold(f64::INFINITY, f64::min);
     Ok(GpuPart {
         measured: true,
         reason: String::new(),
@@ -130,6 +133,8 @@ pub(super) fn measure(o: &AggregateOpts, mut progress: impl FnMut(&str)) -> Resu
         sum_gbps: Some(sum_gbps),
         d2d_copy_gbps: Some(d2d),
         ratio_vs_copy: Some(sum_gbps / d2d),
+        sum_ms: Some(least(&sum_ms)),
+        fresh_sum_ms: Some(least(&fresh_ms)),
         bf16_sum_gbps: Some(bf16_sum_gbps),
         sgemm_gflops,
         h2d_gbps: Some(h2d_gbps),

@@ -53,6 +53,11 @@ pub struct GpuPart {
     pub d2d_copy_gbps: Option<f64>,
     /// sum_gbps / d2d_copy_gbps.
     pub ratio_vs_copy: Option<f64>,
+    /// Milliseconds per accumulating sum (acc += x0 + ... + x(P-1)), best repetition.
+    pub sum_ms: Option<f64>,
+    /// Milliseconds per fresh sum (acc = x0 + ... + x(P-1): no read of acc,
+    /// torch.sum(X, dim=0, out=acc)'s operation), best repetition.
+    pub fresh_sum_ms: Option<f64>,
     /// The sum with bf16 inputs accumulated in f32 (P·N·2 + 2·N·4 bytes).
     pub bf16_sum_gbps: Option<f64>,
     /// cuBLAS SGEMM as SF reconstruction (4096×4096 from P·256 factor rows).
