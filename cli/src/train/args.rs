@@ -1,0 +1,558 @@
+//! The flags of `tidewire train` ([`TrainArgs`]) and what they decide.
+
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use tidewire_engine::book::LayerKind;
+use tidewire_engine::models::{self, Model};
+use tidewire_engine::{Book, BookConfig, Cluster, Consistency, SchedConfig, SyncMode};
+use tidewire_gpu::cpu::ApplyOp;
+
+use super::comm::CommArgs;
+use super::synth::Synth;
+use crate::error::{Error, Result};
+use crate::resilience::CheckpointArgs;
+
+/// Flags of `tidewire train`.
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
+pub struct TrainArgs {
+    /// Model profile: vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet, vgg19-mini.
+    #[arg(long, default_value = "vgg19")]
+    pub model: String,
+    /// Worker processes (P1).
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Server processes (P2); ignored with --colocate.
+    #[arg(long, default_value_t = 2)]
+    pub servers: usize,
+    /// Every node is a worker and a server (P1 = P2 = --workers).
+    #[arg(long)]
+    pub colocate: bool,
+    /// Iterations.
+    #[arg(long, default_value_t = 10)]
+    pub iters: u64,
+    /// fifo-ps, wfbp, hybrid, sliced, p3, full, kvstore (MXNet's KVStore,
+    /// P3's baseline: whole layers per server, notify then pull; BSP only)
+    /// or adam (Project Adam, Poseidon's baseline: FC layers' factors to the
+    /// one server holding the layer, full matrices back; BSP only).
+    #[arg(long, default_value = "full", value_parser = parse_sync)]
+    pub sync: String,
+    /// Batch size K per worker (default: the profile's).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Multiplies every layer's compute time (1.0 = the calibrated single-GPU time).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// bsp, or ssp:S for stale synchronous with bound S.
+    #[arg(long, default_value = "bsp", value_parser = parse_consistency)]
+    pub consistency: String,
+    /// Sum in arrival order instead of fixed rank order.
+    #[arg(long)]
+    pub fast: bool,
+    /// Where servers sum contributions: auto (Nexus's per-chunk CPU/GPU choice;
+    /// the CPU without a GPU), cpu, or gpu (fails without a usable GPU).
+    #[arg(long, default_value = "auto")]
+    pub aggregate: tidewire_gpu::agg::Policy,
+    /// sgd, mean or sum.
+    #[arg(long, default_value = "sgd")]
+    pub op: String,
+    /// SGD learning rate.
+    #[arg(long, default_value_t = 0.01)]
+    pub lr: f32,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f32,
+    /// SGD weight decay.
+    #[arg(long, default_value_t = 0.0005)]
+    pub weight_decay: f32,
+    /// Credit window in bytes (default: the engine's).
+    #[arg(long)]
+    pub credit_bytes: Option<usize>,
+    /// KV chunk size in bytes: the unit a server applies and broadcasts.
+    /// Default: one slice in sliced, p3 and full (P3's server applies and
+    /// broadcasts per slice; slices under 64 KiB are grouped to at least
+    /// 64 KiB, and a chunk stays within 2 MiB), Poseidon's 2 MiB in the other
+    /// modes.
+    #[arg(long)]
+    pub chunk_bytes: Option<usize>,
+    /// Slice size in parameters (sliced, p3 and full). Default: with
+    /// --cost-model seconds, the smallest slice whose per-message cost is at
+    /// most 4% of its time on the measured link, from P3's 50,000 up to a
+    /// 2 MiB chunk; otherwise 50,000.
+    #[arg(long)]
+    pub slice_params: Option<usize>,
+    /// Check the final parameters against a single-process reference (BSP, deterministic).
+    #[arg(long)]
+    pub verify: bool,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Seconds a wait or a silent peer may take before the run fails. The
+    /// launcher also kills the run when no worker finishes an iteration for
+    /// this long plus 30 s and 20 iterations' compute.
+    #[arg(long, default_value_t = 60)]
+    pub timeout_s: u64,
+    /// Lower the transport's bound on requests in flight per connection (the
+    /// engine queues within it; TIDEWIRE_MAX_OUTSTANDING does the same).
+    #[arg(long)]
+    pub max_outstanding: Option<usize>,
+    /// Lower the transport's message cap, bytes, at least 256 (larger factor
+    /// blocks are split; TIDEWIRE_MAX_MESSAGE_BYTES does the same).
+    #[arg(long)]
+    pub max_message_bytes: Option<usize>,
+    /// Which transport every rank uses: auto (RDMA when usable, else TCP), tcp
+    /// (io_uring, or the portable epoll backend where io_uring is not allowed),
+    /// portable (the epoll backend even where io_uring works), rdma, or mixed
+    /// (odd ranks portable, even ranks io_uring TCP: the two interoperate).
+    /// TIDEWIRE_TRANSPORT overrides it. Default: auto.
+    #[arg(long)]
+    pub transport: Option<String>,
+    /// Seed of the synthetic gradients.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Slow this worker rank's compute down (straggler experiments).
+    #[arg(long)]
+    pub slow_rank: Option<u32>,
+    /// Compute slowdown of --slow-rank.
+    #[arg(long, default_value_t = 3.0)]
+    pub slow_factor: f64,
+    /// When servers apply a chunk's round (Nexus's aggregation triggers):
+    /// all (BSP: every worker's gradient, the default), quorum:K (the first K
+    /// workers' whole contributions; later ones are dropped), async (every
+    /// contribution on arrival, Downpour; late ones join the next round) or
+    /// timeout:MS (what is in MS after the round's first contribution, the
+    /// mean over the contributors). Not all: BSP, PS layers only (--sync p3,
+    /// sliced, wfbp or fifo-ps), no --verify.
+    #[arg(long, default_value = "all")]
+    pub trigger: String,
+    /// Straggler removal (with --trigger other than all, and separate
+    /// --servers): the launcher, coordinating, removes a worker whose
+    /// progress stays under 1/FACTOR of the median worker's once the median
+    /// has done --straggler-window iterations. The worker leaves at its next
+    /// iteration boundary and the job goes on with one worker fewer (the
+    /// chunk placement stays).
+    #[arg(long)]
+    pub remove_stragglers: Option<f64>,
+    /// Iterations the median worker must have done before a straggler is judged.
+    #[arg(long, default_value_t = 5)]
+    pub straggler_window: u64,
+    /// With --remove-stragglers: once a removed worker has left, start a
+    /// replacement (a new process, at full speed) with its rank: it gets the
+    /// address table from rank 0, takes the current parameters from the
+    /// servers and is counted from the round in progress until the end.
+    #[arg(long, requires = "remove_stragglers")]
+    pub replace_stragglers: bool,
+    /// Learners per worker node (Nexus's local aggregation): each worker rank
+    /// leads L learner processes (itself and L-1 more) that hand their
+    /// gradients to it through shared memory; it sums them in local-rank order,
+    /// pushes once per node and fans the parameters out through a cache.
+    /// `--workers` counts nodes; every node computes L × `--batch` samples.
+    #[arg(long, default_value_t = 1)]
+    pub local_learners: usize,
+    /// With --local-learners L: the flat baseline. Every learner is a rank of
+    /// its own and pushes for itself (L copies per node), and servers sum each
+    /// node's L gradients first, as the local aggregator does, so both runs
+    /// give bitwise the same parameters (every PS-synced layer).
+    #[arg(long)]
+    pub flat: bool,
+    /// Local learners read parameters from the node's cache up to this many
+    /// versions old instead of waiting for the newest (Nexus's parameter cache).
+    #[arg(long, default_value_t = 0)]
+    pub cache_staleness: u64,
+    /// Run rank r in network namespace r mod N of this comma- or space-separated list
+    /// (`ip netns exec`; root). The bandwidth harness (ci/netem/netem.sh run) passes its
+    /// namespaces in NETEM_NS. Needs --netns-addrs.
+    #[arg(long, requires = "netns_addrs")]
+    pub netns: Option<String>,
+    /// The IPv4 address of each --netns namespace, in the same order (NETEM_ADDRS);
+    /// rank 0's is the rendezvous address.
+    #[arg(long, requires = "netns")]
+    pub netns_addrs: Option<String>,
+    /// Give these layers (comma-separated names; conv or other layers) the
+    /// sparse-push hint, and make their synthetic gradients sparse: only a
+    /// --sparse-density fraction of their 64-element rows is nonzero, as an
+    /// embedding's. The summary then shows how their slices went (pairs or
+    /// dense), their density and the bytes of each form.
+    #[arg(long)]
+    pub sparse_layers: Option<String>,
+    /// Fraction of the rows of a --sparse-layers gradient that is nonzero.
+    #[arg(long, default_value_t = 0.01)]
+    pub sparse_density: f64,
+    /// How HybComm weighs the PS against SFB for an FC layer: seconds (this
+    /// machine's measured rates: its GEMM, its sum, its loopback or shaped
+    /// link and per-message cost, shared by the ranks on it; see `tidewire
+    /// calibrate`) or bytes (Poseidon's Table 1, which counts reconstruction
+    /// as free). Default: seconds.
+    #[arg(long, default_value = "seconds")]
+    pub cost_model: String,
+    /// With --cost-model seconds: this machine's rates from a `tidewire
+    /// calibrate --out` profile, instead of measuring them at start (about 1 s).
+    #[arg(long)]
+    pub profile: Option<std::path::PathBuf>,
+    /// The rates every rank decides with (JSON; the launcher measures them
+    /// and passes them on to its ranks).
+    #[arg(long, hide = true)]
+    pub rates: Option<String>,
+    /// Communication frequency (Nexus): --comm-every, --comm-mode, --freq-*.
+    #[command(flatten)]
+    pub comm: CommArgs,
+    /// Checkpoints, resume, rollback and fault injection: --checkpoint-*, --resume,
+    /// --max-restarts, --fault-kill.
+    #[command(flatten)]
+    pub ckpt: CheckpointArgs,
+}
+
+pub(super) fn split_list(s: &str) -> Vec<String> {
+    s.split([',', ' '])
+        .filter(|x| !x.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+fn parse_sync(s: &str) -> std::result::Result<String, String> {
+    SyncMode::parse(s)
+        .map(|m| m.name().to_string())
+        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, sliced, p3, full, kvstore or adam".into())
+}
+
+fn parse_consistency(s: &str) -> std::result::Result<String, String> {
+    consistency_of(s).map(|_| s.to_string())
+}
+
+fn consistency_of(s: &str) -> std::result::Result<Consistency, String> {
+    if s == "bsp" {
+        return Ok(Consistency::Bsp);
+    }
+    s.strip_prefix("ssp:")
+        .and_then(|n| n.parse::<u32>().ok())
+        .map(Consistency::Ssp)
+        .ok_or_else(|| "use bsp or ssp:S (e.g. ssp:2)".into())
+}
+
+impl TrainArgs {
+    /// The model profile, with the sparse hint on the --sparse-layers.
+    pub fn model(&self) -> Result<Model> {
+        let mut m = models::profile(&self.model).ok_or_else(|| {
+            Error::Usage(format!(
+                "unknown model {:?}; known: {}",
+                self.model,
+                models::NAMES.join(", ")
+            ))
+        })?;
+        for name in self.sparse_layers.iter().flat_map(|s| s.split(',')).map(str::trim) {
+            if name.is_empty() {
+                continue;
+            }
+            match m.layers.iter_mut().find(|l| l.name == name) {
+                Some(l) if l.kind != LayerKind::Fc => l.sparse = true,
+                Some(_) => {
+                    return Err(Error::Usage(format!(
+                        "--sparse-layers {name}: an FC layer (its gradient is formed from factors); pick conv or other layers"
+                    )))
+                }
+                None => return Err(Error::Usage(format!("--sparse-layers: {} has no layer {name:?}", m.name))),
+            }
+        }
+        if !(0.0..=1.0).contains(&self.sparse_density) {
+            return Err(Error::Usage(format!(
+                "--sparse-density {} is not in [0, 1]",
+                self.sparse_density
+            )));
+        }
+        Ok(m)
+    }
+    /// The synthetic gradients, sparse on the --sparse-layers.
+    pub(super) fn synth(&self, model: &Model) -> Synth {
+        let mut s = Synth::new(self.seed);
+        s.density = model
+            .layers
+            .iter()
+            .map(|l| if l.sparse { self.sparse_density } else { 1.0 })
+            .collect();
+        s
+    }
+    /// The sync mode.
+    pub fn sync_mode(&self) -> SyncMode {
+        SyncMode::parse(&self.sync).expect("validated by clap")
+    }
+    /// The apply op.
+    pub fn apply_op(&self) -> Result<ApplyOp> {
+        Ok(match self.op.as_str() {
+            "sgd" => ApplyOp::Sgd {
+                lr: self.lr,
+                momentum: self.momentum,
+                weight_decay: self.weight_decay,
+            },
+            "mean" => ApplyOp::Mean,
+            "sum" => ApplyOp::Sum,
+            o => return Err(Error::Usage(format!("--op {o:?}: use sgd, mean or sum"))),
+        })
+    }
+    pub(super) fn batch(&self, m: &Model) -> usize {
+        self.batch.unwrap_or(m.batch)
+    }
+    /// (P1, P2, ranks): with --flat every learner is a worker rank.
+    pub(super) fn world(&self) -> (usize, usize, usize) {
+        let p1 = if self.flat {
+            self.workers * self.local_learners
+        } else {
+            self.workers
+        };
+        if self.colocate {
+            (p1, p1, p1)
+        } else {
+            (p1, self.servers, p1 + self.servers)
+        }
+    }
+    /// Learners behind each worker rank (1 with --flat).
+    pub(super) fn learners(&self) -> usize {
+        if self.flat {
+            1
+        } else {
+            self.local_learners.max(1)
+        }
+    }
+    /// Checks the flags before anything starts.
+    pub fn validate(&self) -> Result<()> {
+        self.model()?;
+        self.apply_op()?;
+        self.transport_kind(0)?;
+        if self.aggregate == tidewire_gpu::agg::Policy::Gpu {
+            // Refuse before any rank starts, with the probe's reason.
+            let p = tidewire_gpu::probe();
+            if !p.usable {
+                return Err(tidewire_gpu::agg::AggError::NoGpu(p.detail).into());
+            }
+        }
+        if self.workers == 0 {
+            return Err(Error::Usage("--workers must be at least 1".into()));
+        }
+        if !self.colocate && self.servers == 0 {
+            return Err(Error::Usage("--servers must be at least 1 (or use --colocate)".into()));
+        }
+        if self.iters == 0 {
+            return Err(Error::Usage("--iters must be at least 1".into()));
+        }
+        if self.local_learners == 0 {
+            return Err(Error::Usage("--local-learners must be at least 1".into()));
+        }
+        if self.local_learners > 1 && self.comm.active() {
+            return Err(Error::Usage(
+                "--local-learners with --comm-every or quality-guided frequency is not supported yet: use one of them"
+                    .into(),
+            ));
+        }
+        if self.flat && self.local_learners < 2 {
+            return Err(Error::Usage(
+                "--flat compares against --local-learners L with L ≥ 2: give L".into(),
+            ));
+        }
+        if self.verify && self.cache_staleness > 0 {
+            return Err(Error::Usage(
+                "--verify needs --cache-staleness 0: stale parameter reads depend on timing".into(),
+            ));
+        }
+        if let (Some(ns), Some(addrs)) = (&self.netns, &self.netns_addrs) {
+            let (ns, addrs) = (split_list(ns), split_list(addrs));
+            if ns.is_empty() || ns.len() != addrs.len() {
+                return Err(Error::Usage(format!(
+                    "--netns names {} namespaces and --netns-addrs {} addresses: give one address per namespace",
+                    ns.len(),
+                    addrs.len()
+                )));
+            }
+            if let Some(a) = addrs.iter().find(|a| a.parse::<std::net::Ipv4Addr>().is_err()) {
+                return Err(Error::Usage(format!("--netns-addrs: {a:?} is not an IPv4 address")));
+            }
+        }
+        if !matches!(self.cost_model.as_str(), "seconds" | "bytes") {
+            return Err(Error::Usage(format!(
+                "--cost-model {:?}: use seconds (measured rates) or bytes (Poseidon's Table 1)",
+                self.cost_model
+            )));
+        }
+        if self.profile.is_some() && self.cost_model == "bytes" {
+            return Err(Error::Usage(
+                "--profile gives rates for --cost-model seconds, not bytes".into(),
+            ));
+        }
+        self.agreed_rates()?;
+        if !(self.time_scale >= 0.0 && self.time_scale.is_finite()) {
+            return Err(Error::Usage("--time-scale must be a finite number ≥ 0".into()));
+        }
+        let c = consistency_of(&self.consistency).map_err(Error::Usage)?;
+        if self.comm.active() {
+            self.comm.validate(self.apply_op()?, self.iters)?;
+            if c != Consistency::Bsp {
+                return Err(Error::Usage("--comm-every/--comm-mode/--freq-max need BSP".into()));
+            }
+        }
+        let trigger = self.trigger()?;
+        if self.sync_mode() == SyncMode::KvStore {
+            if c != Consistency::Bsp {
+                return Err(Error::Usage(
+                    "--sync kvstore is MXNet's dist_sync (notify, then pull every version): it needs BSP".into(),
+                ));
+            }
+            if trigger != tidewire_engine::Trigger::All {
+                return Err(Error::Usage(format!(
+                    "--sync kvstore pulls every version of every chunk: --trigger {} needs another --sync mode",
+                    self.trigger
+                )));
+            }
+        }
+        if self.sync_mode() == SyncMode::Adam && (c != Consistency::Bsp || trigger != tidewire_engine::Trigger::All) {
+            return Err(Error::Usage(format!(
+                "--sync adam rebuilds each FC layer on its server from every worker's factors of one iteration: \
+                 it needs BSP and --trigger all, not --consistency {} --trigger {}",
+                self.consistency, self.trigger
+            )));
+        }
+        self.ckpt.validate(
+            self.world().2,
+            self.iters,
+            self.local_learners,
+            self.comm.active(),
+            c == Consistency::Bsp && trigger == tidewire_engine::Trigger::All,
+        )?;
+        if trigger != tidewire_engine::Trigger::All {
+            if self.verify {
+                return Err(Error::Usage(format!(
+                    "--verify needs --trigger all: under {} the sums depend on arrival",
+                    self.trigger
+                )));
+            }
+            if self.sync_mode().policy() != tidewire_engine::SchemePolicy::Ps {
+                return Err(Error::Usage(format!(
+                    "--trigger {} needs every layer through the PS (sufficient factors need every worker's): \
+                     use --sync p3, sliced, wfbp or fifo-ps",
+                    self.trigger
+                )));
+            }
+            if c != Consistency::Bsp {
+                return Err(Error::Usage(format!("--trigger {} needs BSP", self.trigger)));
+            }
+        }
+        if let Some(f) = self.remove_stragglers {
+            if trigger == tidewire_engine::Trigger::All {
+                return Err(Error::Usage(
+                    "--remove-stragglers needs --trigger quorum:K, timeout:MS or async: under all the \
+                     servers wait for every worker, so a removed one would end the job"
+                        .into(),
+                ));
+            }
+            if self.colocate {
+                return Err(Error::Usage(
+                    "--remove-stragglers needs separate --servers: a colocated worker holds a shard".into(),
+                ));
+            }
+            if !(f > 1.0 && f.is_finite()) {
+                return Err(Error::Usage(format!("--remove-stragglers {f}: give a factor above 1")));
+            }
+            if self.ckpt.active() {
+                return Err(Error::Usage(
+                    "--remove-stragglers with --checkpoint-dir is not supported yet".into(),
+                ));
+            }
+            if self.local_learners > 1 {
+                return Err(Error::Usage(
+                    "--remove-stragglers with --local-learners is not supported yet".into(),
+                ));
+            }
+        }
+        if self.verify && (c != Consistency::Bsp || self.fast) {
+            return Err(Error::Usage(
+                "--verify needs BSP with deterministic aggregation: SSP and --fast results depend on timing".into(),
+            ));
+        }
+        Ok(())
+    }
+    /// The slice size: `--slice-params`, or P3's 50,000.
+    fn slice(&self) -> usize {
+        self.slice_params.unwrap_or(tidewire_engine::cost::P3_SLICE_PARAMS)
+    }
+    /// The rates the launcher measured for its ranks (`--rates`), if any.
+    pub(super) fn agreed_rates(&self) -> Result<Option<tidewire_engine::cost::Rates>> {
+        match &self.rates {
+            None => Ok(None),
+            Some(j) => tidewire::calibrate::parse_rates(j)
+                .map(Some)
+                .map_err(|e| Error::Usage(format!("--rates: {e}"))),
+        }
+    }
+    /// The book every rank builds: the sizes of [`Self::book_config`] over
+    /// `cluster`, deciding in seconds at the agreed rates where there are some.
+    pub(super) fn book(&self, m: &Model, cluster: Cluster) -> Result<Book> {
+        let book = Book::new(cluster, m.layers.clone(), self.book_config(m))?;
+        Ok(match self.agreed_rates()? {
+            Some(r) => book.with_rates(r)?,
+            None => book,
+        })
+    }
+    pub(super) fn book_config(&self, m: &Model) -> BookConfig {
+        self.sync_mode().book_config(BookConfig {
+            batch: self.batch(m) * self.learners(),
+            chunk_bytes: self
+                .chunk_bytes
+                .unwrap_or_else(|| self.sync_mode().default_chunk_bytes(self.slice())),
+            slice_params: self.slice(),
+            ..Default::default()
+        })
+    }
+    /// The transport `--transport` asks for, for `rank`.
+    pub fn transport_kind(&self, rank: u32) -> Result<tidewire::TransportKind> {
+        use tidewire::TransportKind as K;
+        // Every rank would refuse a bad TIDEWIRE_TRANSPORT at start-up: say so once, here.
+        if let Ok(v) = std::env::var("TIDEWIRE_TRANSPORT") {
+            if !matches!(v.as_str(), "" | "auto" | "tcp" | "portable" | "rdma") {
+                return Err(Error::Usage(format!(
+                    "TIDEWIRE_TRANSPORT={v:?}: use tcp, portable, rdma or auto (it overrides --transport)"
+                )));
+            }
+        }
+        Ok(match self.transport.as_deref().unwrap_or("auto") {
+            "auto" => K::Auto,
+            "tcp" => K::Tcp,
+            "portable" => K::Portable,
+            "rdma" => K::Rdma,
+            "mixed" if rank % 2 == 1 => K::Portable,
+            "mixed" => K::Tcp,
+            o => {
+                return Err(Error::Usage(format!(
+                    "--transport {o:?}: use auto, tcp, portable, rdma or mixed"
+                )))
+            }
+        })
+    }
+    /// The transport limits the flags lower.
+    pub fn limits(&self) -> tidewire::TransportLimits {
+        tidewire::TransportLimits {
+            max_outstanding: self.max_outstanding,
+            max_message_bytes: self.max_message_bytes,
+        }
+    }
+    /// --trigger, parsed.
+    pub fn trigger(&self) -> Result<tidewire_engine::Trigger> {
+        tidewire_engine::Trigger::parse(&self.trigger).ok_or_else(|| {
+            Error::Usage(format!(
+                "--trigger {:?}: use all, quorum:K, async or timeout:MS",
+                self.trigger
+            ))
+        })
+    }
+
+    pub(super) fn sched(&self) -> SchedConfig {
+        let mut s = SchedConfig {
+            trigger: self.trigger().expect("validated"),
+            order: self.sync_mode().order(),
+            consistency: consistency_of(&self.consistency).expect("validated"),
+            deterministic: !self.fast,
+            fold_group: if self.flat { self.local_learners as u32 } else { 1 },
+            learners: self.learners() as u32,
+            ..SchedConfig::default()
+        };
+        if let Some(c) = self.credit_bytes {
+            s.credit_bytes = c;
+        }
+        s
+    }
+}

@@ -1,0 +1,547 @@
+//! One rank of `tidewire train` ([`run_node`]): the worker's training loop,
+//! the local learners, and a server-only rank.
+
+use std::io::Write;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tidewire_engine::book::LayerKind;
+use tidewire_engine::models::Model;
+use tidewire_engine::Cluster;
+use tidewire_gpu::cpu;
+
+use tidewire::cluster::ClusterSpec;
+use tidewire::session::{Builder, LayerBuffers, Session, SessionStats};
+
+use super::args::TrainArgs;
+use super::comm;
+use super::report::{IterStat, NodeResult};
+use super::synth::{digest, sleep, Synth};
+use crate::error::{Error, Result};
+use crate::resilience::{self, TrainerState};
+
+/// A replacement worker's iterations (`TIDEWIRE_REPLACEMENT_ITERS`, set by
+/// the launcher with --replace-stragglers): it runs the last this many.
+fn replacement_iters() -> Option<u64> {
+    std::env::var("TIDEWIRE_REPLACEMENT_ITERS").ok()?.trim().parse().ok()
+}
+
+/// Set when the launcher removes this worker (`leave` on its stdin, with
+/// --remove-stragglers); the training loop leaves at the next iteration boundary.
+fn leave_signal(args: &TrainArgs) -> Arc<std::sync::atomic::AtomicBool> {
+    if args.remove_stragglers.is_some() || resilience::held() {
+        resilience::launcher_line().leave.clone()
+    } else {
+        Arc::new(std::sync::atomic::AtomicBool::new(false))
+    }
+}
+
+/// Runs one rank of `tidewire train` with the cluster from the environment.
+/// Progress goes to stdout as `progress <iter>` lines, the result as one JSON line.
+pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
+    args.validate()?;
+    let model = args.model()?;
+    if let Some(local) = LocalEnv::from_env()? {
+        if local.index > 0 {
+            return run_learner(args, &model, &local);
+        }
+    }
+    let spec = ClusterSpec::from_env()?;
+    let synth = Arc::new(args.synth(&model));
+    let s2 = synth.clone();
+    let comm = args.comm.active();
+    let mut builder = Builder::new(args.comm.layers(&model, args.world().0));
+    if let Some(c) = args.ckpt.config() {
+        builder = builder.checkpoint(c);
+    }
+    if let Some(r) = &args.ckpt.resume {
+        builder = builder.resume(r);
+    }
+    if replacement_iters().is_some() {
+        builder = builder.rejoin();
+    }
+    if let Some(r) = args.agreed_rates()? {
+        builder = builder.rates(r);
+    }
+    let session = builder
+        .batch(args.batch(&model) * args.learners())
+        .chunk_bytes(args.book_config(&model).chunk_bytes)
+        .slice_params(args.book_config(&model).slice_params)
+        .placement(args.book_config(&model).placement)
+        .policy(if comm {
+            tidewire_engine::SchemePolicy::Ps
+        } else {
+            args.sync_mode().policy()
+        })
+        .sched(args.sched())
+        .apply(args.comm.server_op(args.apply_op()?))
+        .comm(args.comm.config(args.iters)?)
+        .aggregation(args.aggregate)
+        .transport_limits(args.limits())
+        .transport(args.transport_kind(spec.rank)?)
+        .timeout(Duration::from_secs(args.timeout_s))
+        .connect_timeout(Duration::from_secs(args.timeout_s))
+        .init_params(move |l, p| s2.init(l, p))
+        .build(spec)?;
+    if session.role().is_worker() && comm {
+        comm::worker_loop(args, &model, &synth, session, true)
+    } else if session.role().is_worker() {
+        let group = match LocalEnv::from_env()? {
+            Some(local) => Some(
+                tidewire::local::LocalGroup::create(
+                    &local.path,
+                    local.nonce,
+                    &local_layout(args, &model),
+                    Duration::from_secs(args.timeout_s),
+                )
+                .map_err(|e| Error::Launch(e.to_string()))?,
+            ),
+            None => None,
+        };
+        let r = worker_loop(
+            args,
+            &model,
+            &synth,
+            session,
+            LoopOpts {
+                progress: true,
+                fc_as_gradients: false,
+                group: group.as_ref(),
+            },
+        );
+        if r.is_err() {
+            if let Some(g) = &group {
+                g.abort();
+            }
+        }
+        r
+    } else {
+        let rank = session.rank();
+        let (kind, why) = session.transport();
+        let mut session = session;
+        session.shutdown()?;
+        // A server-only rank serves the whole job inside shutdown: its counters are there after.
+        let stats = session.stats()?;
+        Ok(NodeResult {
+            rank,
+            worker: false,
+            iters: vec![],
+            digests: vec![],
+            stats,
+            transport: format!("{kind}: {why}"),
+            local: None,
+            setup_tx_bytes: 0,
+            setup_rx_bytes: 0,
+            comm: None,
+            checkpoint: session.checkpoint_stats(),
+            removed_at: None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct LoopOpts<'a> {
+    /// Print `progress <iter>` lines for the launcher.
+    pub(super) progress: bool,
+    /// Form FC gradients Uᵀ·V in the trainer and hand them in with
+    /// `grad_ready` (a framework that does not use sufficient factors).
+    pub(super) fc_as_gradients: bool,
+    /// This worker leads a node's local learners (`--local-learners`).
+    pub(super) group: Option<&'a tidewire::local::LocalGroup>,
+}
+
+/// A process's place among its node's local learners, from the launcher's
+/// environment (`TIDEWIRE_LOCAL_RANK`, `TIDEWIRE_LOCAL_NODE`, `TIDEWIRE_LOCAL_PATH`,
+/// `TIDEWIRE_LOCAL_NONCE`); `None` without local learners.
+#[derive(Debug, Clone)]
+struct LocalEnv {
+    index: usize,
+    node: usize,
+    path: std::path::PathBuf,
+    nonce: u64,
+}
+
+impl LocalEnv {
+    fn from_env() -> Result<Option<Self>> {
+        let Ok(index) = std::env::var("TIDEWIRE_LOCAL_RANK") else {
+            return Ok(None);
+        };
+        let get = |k: &str| std::env::var(k).map_err(|_| Error::Usage(format!("{k} is not set")));
+        let num = |k: &str, v: String| {
+            v.parse::<u64>()
+                .map_err(|_| Error::Usage(format!("{k}={v:?} is not a number")))
+        };
+        Ok(Some(LocalEnv {
+            index: num("TIDEWIRE_LOCAL_RANK", index)? as usize,
+            node: num("TIDEWIRE_LOCAL_NODE", get("TIDEWIRE_LOCAL_NODE")?)? as usize,
+            path: get("TIDEWIRE_LOCAL_PATH")?.into(),
+            nonce: num("TIDEWIRE_LOCAL_NONCE", get("TIDEWIRE_LOCAL_NONCE")?)?,
+        }))
+    }
+}
+
+/// The node's shared-memory layout: per layer its parameters, and a slot for
+/// a learner's gradient or its U and V (K rows each), whichever is larger.
+fn local_layout(args: &TrainArgs, model: &Model) -> tidewire::local::LocalLayout {
+    let k = args.batch(model);
+    let params = model.layers.iter().map(|l| l.params()).collect();
+    let slots = model
+        .layers
+        .iter()
+        .map(|l| {
+            if l.kind == LayerKind::Fc {
+                l.params().max(k * (l.m + l.n))
+            } else {
+                l.params()
+            }
+        })
+        .collect();
+    tidewire::local::LocalLayout::new(args.local_learners, params, slots)
+}
+
+/// A local learner (local rank ≥ 1): the same compute and synthetic data as a
+/// worker, with gradients handed to the node's leader through shared memory
+/// and parameters read from its cache. Reports its final digests.
+fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<NodeResult> {
+    let synth = args.synth(model);
+    let layout = local_layout(args, model);
+    let timeout = Duration::from_secs(args.timeout_s);
+    let me = tidewire::local::LocalLearner::attach(&local.path, local.nonce, &layout, local.index, timeout)
+        .map_err(|e| Error::Launch(e.to_string()))?;
+    let k = args.batch(model);
+    let global = local.node * args.local_learners + local.index;
+    let times = model.layer_times(k, args.time_scale);
+    let nl = model.layers.len();
+    // The leader's book, for the scheme of each FC layer: factors go to the
+    // leader for SFB; for the PS this learner forms its own gradient Uᵀ·V.
+    let (p1, p2, _) = args.world();
+    let cluster = if args.colocate {
+        Cluster::colocated(p1)?
+    } else {
+        Cluster::split(p1, p2)?
+    };
+    let book = args.book(model, cluster)?;
+    let mut params: Vec<Vec<f32>> = model.layers.iter().map(|l| vec![0f32; l.params()]).collect();
+    let mut grad: Vec<Vec<f32>> = model.layers.iter().map(|l| vec![0f32; l.params()]).collect();
+    let mut stats = Vec::new();
+    let mut out = std::io::stdout();
+    let mut prev: Option<Instant> = None;
+    for it in 0..args.iters {
+        let start = Instant::now();
+        let mut blocked = Duration::ZERO;
+        for l in 0..nl {
+            let t = Instant::now();
+            me.params(l, it.saturating_sub(args.cache_staleness), &mut params[l])?;
+            blocked += t.elapsed();
+            sleep(times[l].0);
+        }
+        if let (Some(p), Some(last)) = (prev, stats.last_mut()) {
+            let last: &mut IterStat = last;
+            last.seconds = (start - p).as_secs_f64();
+        }
+        prev = Some(start);
+        let forward_done_unix = unix_now();
+        for l in (0..nl).rev() {
+            sleep(times[l].1);
+            let spec = &model.layers[l];
+            if spec.kind == LayerKind::Fc {
+                let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
+                synth.factors(global, it, l as u32, &mut u, &mut v);
+                if book.scheme(l as u32, it).takes_factors() {
+                    me.hand_in(l, it, &[&u, &v])?;
+                } else {
+                    cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, &mut grad[l]);
+                    me.hand_in(l, it, &[&grad[l]])?;
+                }
+            } else {
+                synth.grad(global, it, l as u32, &mut grad[l]);
+                me.hand_in(l, it, &[&grad[l]])?;
+            }
+        }
+        stats.push(IterStat {
+            iter: it,
+            seconds: 0.0,
+            blocked_s: blocked.as_secs_f64(),
+            sync_span_s: 0.0,
+            exposed_s: 0.0,
+            forward_done_unix,
+            backward_done_unix: unix_now(),
+        });
+        let _ = writeln!(out, "progress {}", it + 1);
+        let _ = out.flush();
+    }
+    for (l, p) in params.iter_mut().enumerate() {
+        me.params(l, args.iters, p)?;
+    }
+    if let (Some(p), Some(last)) = (prev, stats.last_mut()) {
+        last.seconds = p.elapsed().as_secs_f64();
+    }
+    Ok(NodeResult {
+        rank: u32::MAX,
+        worker: true,
+        iters: stats,
+        digests: params.iter().map(|p| digest(p)).collect(),
+        stats: SessionStats::default(),
+        transport: String::new(),
+        local: Some((local.node as u32, local.index as u32)),
+        setup_tx_bytes: 0,
+        setup_rx_bytes: 0,
+        comm: None,
+        checkpoint: None,
+        removed_at: None,
+    })
+}
+
+pub(super) fn worker_loop(
+    args: &TrainArgs,
+    model: &Model,
+    synth: &Synth,
+    mut session: Session,
+    opts: LoopOpts,
+) -> Result<NodeResult> {
+    let rank = session.rank();
+    let book = session.book().clone();
+    let wi = book.cluster().worker_index(rank).expect("worker");
+    let k = args.batch(model);
+    // A replacement of a straggler runs at full speed.
+    let slow = if args.slow_rank == Some(rank) && replacement_iters().is_none() {
+        args.slow_factor
+    } else {
+        1.0
+    };
+    let times = model.layer_times(k, args.time_scale * slow);
+    let wait_free = args.sync_mode().wait_free();
+    let nl = book.layers().len();
+    let mut layers = session.take_layers()?;
+    // A resumed run goes on from its checkpoint, which must be of this run.
+    // A replacement joins a running job: it does the last iterations only.
+    let start = match replacement_iters() {
+        Some(n) => args.iters.saturating_sub(n.max(1)),
+        None => session.start_iteration(),
+    };
+    let trainer_state = |iteration| TrainerState {
+        iteration,
+        model: model.name.to_string(),
+        seed: args.seed,
+        batch: k,
+        workers: args.workers,
+    };
+    if let Some(blob) = session.framework_state() {
+        let saved: TrainerState = serde_json::from_slice(blob)
+            .map_err(|e| Error::Usage(format!("the checkpoint's trainer state is damaged: {e}")))?;
+        saved.check(&trainer_state(start))?;
+    }
+    // Worker 0 saves the trainer's state with every checkpoint.
+    let save_state = |session: &Session, it: u64| -> Result<()> {
+        if wi == 0 && args.ckpt.active() && it > start && it % args.ckpt.checkpoint_every == 0 {
+            let blob = serde_json::to_vec(&trainer_state(it)).expect("serializable");
+            session.save_framework_state(it, blob)?;
+        }
+        Ok(())
+    };
+    // Set-up traffic (rendezvous, keys, the servers' seeding), before any
+    // iteration: reported apart from the training traffic.
+    let setup = session.stats()?;
+    let mut stats: Vec<IterStat> = Vec::new();
+    let mut starts: Vec<Instant> = Vec::new();
+    let mut first_hand_in = None;
+    let mut out = std::io::stdout();
+    let leave = leave_signal(args);
+    for it in start..args.iters {
+        if it > start && leave.load(Ordering::Relaxed) {
+            // Removed as a straggler: leave at this iteration boundary, once
+            // every push is in (a worker lost with half a contribution in would
+            // fail the round), without a goodbye: the process ends, its
+            // connections close, and the servers stop counting it.
+            let all = session.wait_all()?;
+            let mut r = worker_result(&session, &all, stats, &setup)?;
+            r.removed_at = Some(it);
+            drop(all);
+            std::mem::forget(session);
+            return Ok(r);
+        }
+        save_state(&session, it)?;
+        let began = Instant::now();
+        let mut last_sync: Option<Instant> = None;
+        let mut blocked = Duration::ZERO;
+        for l in 0..nl {
+            if it > start {
+                let t = Instant::now();
+                let b = session.wait_layer(l as u32)?;
+                blocked += t.elapsed();
+                last_sync = last_sync.max(b.synced_at());
+                layers[l] = Some(b);
+            }
+            if let Some(g) = opts.group {
+                // The fan-out: once per node, into the learners' cache.
+                g.publish(l, it, layers[l].as_ref().expect("held by the trainer").params())?;
+            }
+            sleep(times[l].0);
+        }
+        let forward_done_unix = unix_now();
+        if let Some(prev) = stats.last_mut() {
+            // The waits of this forward pass expose the previous iteration's sync.
+            prev.exposed_s = blocked.as_secs_f64();
+            prev.sync_span_s = span(first_hand_in, last_sync);
+            prev.seconds = (began - starts[starts.len() - 1]).as_secs_f64();
+            if opts.progress {
+                let _ = writeln!(out, "progress {it}");
+                let _ = out.flush();
+            }
+        }
+        starts.push(began);
+        first_hand_in = None;
+        let mut deferred = Vec::new();
+        let mut backward_done_unix = 0.0;
+        for l in (0..nl).rev() {
+            sleep(times[l].1);
+            let mut buf = layers[l].take().expect("held by the trainer");
+            let spec = &book.layers()[l];
+            if let Some(g) = opts.group {
+                // Learner 0 of node `wi`: its own gradient first, then the
+                // node's other learners in local-rank order; one hand-in.
+                let global = wi * args.local_learners;
+                let (km, kn) = (k * spec.m, k * spec.n);
+                let as_factors = spec.kind == LayerKind::Fc && book.scheme(l as u32, it).takes_factors();
+                if as_factors {
+                    let (u, v) = buf.uv_mut();
+                    synth.factors(global, it, l as u32, &mut u[..km], &mut v[..kn]);
+                    g.stack_into(l, it, &mut [u, v])?;
+                } else if spec.kind == LayerKind::Fc {
+                    // Through the PS: every learner forms its own Uᵀ·V (as a
+                    // flat run's Nodes do, one per worker); they are summed in order.
+                    let (mut u, mut v) = (vec![0f32; km], vec![0f32; kn]);
+                    synth.factors(global, it, l as u32, &mut u, &mut v);
+                    cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, buf.grad_mut());
+                    g.sum_into(l, it, buf.grad_mut())?;
+                } else {
+                    synth.grad(global, it, l as u32, buf.grad_mut());
+                    g.sum_into(l, it, buf.grad_mut())?;
+                }
+                if wait_free {
+                    first_hand_in.get_or_insert_with(Instant::now);
+                    if l == 0 {
+                        backward_done_unix = unix_now();
+                    }
+                    hand_in(&session, buf, !as_factors)?;
+                } else {
+                    deferred.push((buf, !as_factors));
+                }
+                continue;
+            }
+            if spec.kind == LayerKind::Fc && opts.fc_as_gradients {
+                let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
+                synth.factors(wi, it, l as u32, &mut u, &mut v);
+                cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, buf.grad_mut());
+            } else if spec.kind == LayerKind::Fc {
+                let (u, v) = buf.uv_mut();
+                synth.factors(wi, it, l as u32, u, v);
+            } else {
+                synth.grad(wi, it, l as u32, buf.grad_mut());
+            }
+            if wait_free {
+                first_hand_in.get_or_insert_with(Instant::now);
+                if l == 0 {
+                    backward_done_unix = unix_now();
+                }
+                hand_in(&session, buf, opts.fc_as_gradients)?;
+            } else {
+                deferred.push((buf, opts.fc_as_gradients));
+            }
+        }
+        let last = deferred.len().saturating_sub(1);
+        for (i, (buf, as_grad)) in deferred.into_iter().enumerate() {
+            first_hand_in.get_or_insert_with(Instant::now);
+            if i == last {
+                backward_done_unix = unix_now();
+            }
+            hand_in(&session, buf, as_grad)?;
+        }
+        stats.push(IterStat {
+            iter: it,
+            seconds: 0.0,
+            blocked_s: blocked.as_secs_f64(),
+            exposed_s: 0.0,
+            sync_span_s: 0.0,
+            forward_done_unix,
+            backward_done_unix,
+        });
+    }
+    let t = Instant::now();
+    let all = session.wait_all()?;
+    save_state(&session, args.iters)?;
+    let end = Instant::now();
+    let Some(last) = stats.last_mut() else {
+        return Err(Error::Usage(format!(
+            "the checkpoint resumed is of iteration {start}: nothing is left of --iters {}",
+            args.iters
+        )));
+    };
+    last.exposed_s = (end - t).as_secs_f64();
+    last.sync_span_s = span(first_hand_in, all.iter().filter_map(|b| b.synced_at()).max());
+    last.seconds = (end - starts[starts.len() - 1]).as_secs_f64();
+    if opts.progress {
+        let _ = writeln!(out, "progress {}", args.iters);
+        let _ = out.flush();
+    }
+    if let Some(g) = opts.group {
+        for (l, b) in all.iter().enumerate() {
+            g.publish(l, args.iters, b.params())?;
+        }
+    }
+    let mut r = worker_result(&session, &all, stats, &setup)?;
+    drop(all);
+    session.shutdown()?;
+    // After shutdown: the last checkpoint's writes are in.
+    r.checkpoint = session.checkpoint_stats();
+    Ok(r)
+}
+
+/// A worker's result: its iterations, its final parameters' digests, its
+/// counters and transport (`setup`: the counters before the first iteration).
+fn worker_result(
+    session: &Session,
+    all: &[LayerBuffers],
+    iters: Vec<IterStat>,
+    setup: &SessionStats,
+) -> Result<NodeResult> {
+    let (kind, why) = session.transport();
+    Ok(NodeResult {
+        rank: session.rank(),
+        worker: true,
+        iters,
+        digests: all.iter().map(|b| digest(b.params())).collect(),
+        stats: session.stats()?,
+        transport: format!("{kind}: {why}"),
+        local: None,
+        setup_tx_bytes: setup.tx_payload_bytes,
+        setup_rx_bytes: setup.rx_direct_bytes + setup.rx_copied_bytes,
+        comm: None,
+        checkpoint: None,
+        removed_at: None,
+    })
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
+fn span(from: Option<Instant>, to: Option<Instant>) -> f64 {
+    match (from, to) {
+        (Some(a), Some(b)) if b > a => (b - a).as_secs_f64(),
+        _ => 0.0,
+    }
+}
+
+fn hand_in(session: &Session, buf: LayerBuffers, fc_as_gradients: bool) -> Result<()> {
+    if session.book().layers()[buf.layer() as usize].kind == LayerKind::Fc && !fc_as_gradients {
+        session.sf_ready(buf)?;
+    } else {
+        session.grad_ready(buf)?;
+    }
+    Ok(())
+}
