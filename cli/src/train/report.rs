@@ -367,7 +367,7 @@ pub fn render(r: &TrainReport) -> String {
     let _ = writeln!(s);
     for l in r.layers.iter().filter(|l| l.kind == LayerKind::Fc) {
         let cost = match l.cost_s {
-            Some((ps, sfb)) => format!("   (PS {ps:.3} s, SFB {sfb:.3} s at the measured rates)"),
+            Some((ps, sfb)) => format!("   (PS {ps:.3} s, SFB {sfb:.3} s at the rates above)"),
             None => String::new(),
         };
         let _ = writeln!(
