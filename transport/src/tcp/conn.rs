@@ -54,7 +54,7 @@ impl TcpTransport {
             ctrl_rx: Vec::new(),
             reserved: false,
             msg_rx: None,
-            ctrl_rx_armed: false,
+            ctrl_rx_op: None,
             ctrl_tx: VecDeque::new(),
             ctrl_tx_busy: false,
             data_tx: VecDeque::new(),
@@ -96,6 +96,7 @@ impl TcpTransport {
         for fd in [&c.ctrl, &c.data].into_iter().flatten() {
             sys::shutdown(fd, libc::SHUT_RDWR);
         }
+        let rx_op = c.ctrl_rx_op;
         let mut failed = Vec::new();
         for f in c.ctrl_tx.drain(..) {
             if let Some((req, _)) = f.req {
@@ -146,6 +147,13 @@ impl TcpTransport {
                 source: None,
             };
             self.reject_pending(p, e, None);
+        }
+        // The shutdown above ends the control receive, except where the socket
+        // went elsewhere first (a refused Auth hands it to the reject, which
+        // shuts only its read side): cancel the receive, or a peer that keeps
+        // sending would keep it, and so this dead connection, alive.
+        if let Some(ud) = rx_op {
+            self.cancel_op(ud);
         }
         self.reap(conn);
     }

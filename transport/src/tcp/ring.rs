@@ -265,6 +265,27 @@ impl TcpTransport {
         Some(op)
     }
 
+    /// Asks the kernel to cancel the op in slot `ud`, which must hold a live
+    /// op; its own completion (`-ECANCELED`, or its result if it finished
+    /// first) still arrives and frees the slot as usual. The cancel is
+    /// submitted at once (this ring has no SQ thread, so the kernel looks `ud`
+    /// up during the submit): while this runs the slot still holds the op, even
+    /// if its last completion is already waiting in the queue, whereas at the
+    /// next flush the slot could belong to another op. Its completion is ignored.
+    pub(super) fn cancel_op(&mut self, ud: u64) {
+        debug_assert!(
+            self.ops.get(ud as usize).is_some_and(Option::is_some),
+            "cancel of free slot {ud}"
+        );
+        let e = opcode::AsyncCancel::new(ud).build().user_data(USER_DATA_NONE);
+        // SAFETY: a cancel references no memory.
+        unsafe { self.push(e) };
+        if let Err(err) = self.ring.submit() {
+            warn!(error = %err, "io_uring submit of a cancel failed");
+        }
+        self.stats.submits += 1;
+    }
+
     /// Puts an op back in its slot (a multishot op that stays armed).
     pub(super) fn keep_op(&mut self, ud: u64, op: Op) {
         // The slot was freed by `take_op` for this very completion; nothing may have reused it.

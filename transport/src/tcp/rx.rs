@@ -26,15 +26,17 @@ impl TcpTransport {
 
     pub(super) fn arm_ctrl_recv(&mut self, conn: u64) {
         let Some(c) = self.conns.get_mut(&conn) else { return };
-        if c.ctrl_rx_armed || c.state == State::Dead {
+        if c.ctrl_rx_op.is_some() || c.state == State::Dead {
             return;
         }
         let Some(fd) = c.ctrl.as_ref().map(|f| f.as_raw_fd()) else {
             return;
         };
-        c.ctrl_rx_armed = true;
         let bgid = self.bufring.bgid;
         let ud = self.add_op(Op::CtrlRecv { conn });
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.ctrl_rx_op = Some(ud);
+        }
         let e = opcode::RecvMulti::new(types::Fd(fd), bgid).build().user_data(ud);
         // SAFETY: buffers come from the provided-buffer ring owned by `self`.
         unsafe { self.push(e) };
@@ -79,7 +81,7 @@ impl TcpTransport {
         if more {
             self.keep_op(ud, Op::CtrlRecv { conn });
         } else if let Some(c) = self.conns.get_mut(&conn) {
-            c.ctrl_rx_armed = false;
+            c.ctrl_rx_op = None;
         }
         if res > 0 {
             let Some(bid) = cqueue::buffer_select(flags) else {

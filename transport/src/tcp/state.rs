@@ -101,7 +101,9 @@ pub(super) struct Conn {
     /// A message being received: its header and its payload so far, straight
     /// from the receive buffers (the payload's one copy in user space).
     pub(super) msg_rx: Option<(Header, Vec<u8>)>,
-    pub(super) ctrl_rx_armed: bool,
+    /// The op slot of the control socket's armed multishot receive, until
+    /// its last completion (a failed connection cancels it: see `fail`).
+    pub(super) ctrl_rx_op: Option<u64>,
     pub(super) ctrl_tx: VecDeque<TxFrame>,
     pub(super) ctrl_tx_busy: bool,
     pub(super) data_tx: VecDeque<WriteReq>,
