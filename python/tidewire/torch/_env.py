@@ -1,0 +1,210 @@
+"""Who this process is in the job: the launcher's environment (rank, world and local
+size, the rendezvous address, the secret), each session's placement, and host helpers."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets as _secrets
+import tempfile
+from typing import Any, Dict, Optional, Union
+
+from .._native import TidewireError
+
+
+#: Default offset of Tidewire's base port from ``MASTER_PORT`` (``TIDEWIRE_PORT_OFFSET``).
+PORT_OFFSET = 1000
+
+
+# --------------------------------------------------------------------------- environment
+
+
+class _Env:
+    """Who this process is in the job, and where rank 0 listens."""
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        local_rank: int,
+        source: str,
+        host: str,
+        base_port: int,
+        secret: bytes,
+        job: int,
+        timeout: float,
+        transport: str,
+        local_size: int = 1,
+        local_agg: bool = False,
+        cache_staleness: int = 0,
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self.local_agg = local_agg
+        self.cache_staleness = cache_staleness
+        self.source = source
+        self.host = host
+        self.base_port = base_port
+        self.secret = secret
+        self.job = job
+        self.timeout = timeout
+        self.transport = transport
+
+    def master(self, index: int) -> str:
+        """The rendezvous address of session ``index``."""
+        port = self.base_port + index
+        if port > 65535:
+            raise TidewireError(
+                f"session {index} would listen on port {port} (base {self.base_port}): "
+                "set TIDEWIRE_MASTER=host:port with a lower port"
+            )
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{port}"
+
+
+def _env_int(name: str, value: str) -> int:
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise TidewireError(f"{name}={value!r} is not a number") from None
+
+
+def _read_env(
+    secret: Union[str, bytes, None],
+    master: Optional[str],
+    timeout: Optional[float],
+    local_aggregation: Optional[bool] = None,
+) -> _Env:
+    env = os.environ
+    launchers = [
+        ("tidewire", "TIDEWIRE_RANK", "TIDEWIRE_WORLD_SIZE", ("TIDEWIRE_LOCAL_RANK", "LOCAL_RANK")),
+        ("torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK",)),
+        ("slurm", "SLURM_PROCID", "SLURM_NTASKS", ("SLURM_LOCALID",)),
+        ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",)),
+    ]
+    for source, rk, wk, lks in launchers:
+        if rk in env:
+            rank_ = _env_int(rk, env[rk])
+            if wk not in env:
+                raise TidewireError(f"{rk} is set but {wk} is not: set both")
+            size_ = _env_int(wk, env[wk])
+            local = next((_env_int(k, env[k]) for k in lks if k in env), 0)
+            break
+    else:
+        source, rank_, size_, local = "single process", 0, 1, 0
+    if size_ < 1 or not 0 <= rank_ < size_:
+        raise TidewireError(f"rank {rank_} outside a world of {size_} ({source} variables)")
+    if _env_int("TIDEWIRE_SERVERS", env.get("TIDEWIRE_SERVERS", "0")) != 0:
+        raise TidewireError(
+            "TIDEWIRE_SERVERS is set, but tidewire.torch runs every rank as worker and server: unset it"
+        )
+    master = master or env.get("TIDEWIRE_MASTER")
+    if master:
+        host, sep, port = master.rpartition(":")
+        if not sep or not host:
+            raise TidewireError(f"TIDEWIRE_MASTER={master!r}: want host:port")
+        base = _env_int("the port of TIDEWIRE_MASTER", port)
+        host = host.strip("[]")
+    elif env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        host = env["MASTER_ADDR"]
+        offset = _env_int("TIDEWIRE_PORT_OFFSET", env.get("TIDEWIRE_PORT_OFFSET", str(PORT_OFFSET)))
+        base = _env_int("MASTER_PORT", env["MASTER_PORT"]) + offset
+    elif size_ == 1:
+        host, base = "127.0.0.1", 1  # a job of one never listens
+    else:
+        raise TidewireError(
+            "no rendezvous address: set TIDEWIRE_MASTER=host:port (rank 0's host; the same on every rank), "
+            "or MASTER_ADDR and MASTER_PORT"
+        )
+    if not 0 < base < 65536:
+        raise TidewireError(f"Tidewire's base port {base} is outside 1..65535")
+    if env.get("MASTER_PORT", "").strip() == str(base) and size_ > 1:
+        who = (
+            "torchrun's agent listens there (TORCHELASTIC_USE_AGENT_STORE=True)"
+            if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            else "torch.distributed's store uses it"
+        )
+        raise TidewireError(
+            f"Tidewire's rendezvous would listen on MASTER_PORT={base}, but {who}: give "
+            "TIDEWIRE_MASTER another port, or unset it (Tidewire then uses MASTER_PORT + TIDEWIRE_PORT_OFFSET)"
+        )
+    if secret is None:
+        secret = env.get("TIDEWIRE_SECRET")
+    if not secret:
+        if size_ > 1:
+            raise TidewireError(
+                "TIDEWIRE_SECRET is not set: Tidewire's ranks authenticate each other with a job secret. "
+                "Set TIDEWIRE_SECRET to the same string on every rank (for example "
+                "`export TIDEWIRE_SECRET=$(head -c 16 /dev/urandom | xxd -p)` before torchrun), "
+                "or pass init(secret=...)"
+            )
+        secret = _secrets.token_hex(16)
+    if isinstance(secret, str):
+        secret = secret.encode()
+    job = _env_int("TIDEWIRE_JOB", env.get("TIDEWIRE_JOB", "1"))
+    if timeout is None:
+        try:
+            timeout = float(env.get("TIDEWIRE_TIMEOUT", "60"))
+        except ValueError:
+            raise TidewireError(f"TIDEWIRE_TIMEOUT={env['TIDEWIRE_TIMEOUT']!r} is not a number") from None
+    transport = env.get("TIDEWIRE_TRANSPORT", "auto").strip().lower() or "auto"
+    local_size = next(
+        (
+            _env_int(k, env[k])
+            for k in ("TIDEWIRE_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+            if k in env
+        ),
+        1,
+    )
+    if local_aggregation is None:
+        local_aggregation = env.get("TIDEWIRE_LOCAL_AGGREGATION", "0").strip().lower() in ("1", "true", "yes")
+    staleness = _env_int("TIDEWIRE_CACHE_STALENESS", env.get("TIDEWIRE_CACHE_STALENESS", "0"))
+    if local_aggregation and local_size > 1:
+        if local_size < 1 or size_ % local_size != 0 or rank_ % local_size != local:
+            raise TidewireError(
+                f"local aggregation needs every node's {local_size} learners (LOCAL_WORLD_SIZE) to be "
+                f"consecutive ranks with LOCAL_RANK = RANK mod {local_size}, as torchrun starts them; "
+                f"this process is rank {rank_} of {size_} with local rank {local}"
+            )
+        if staleness < 0:
+            raise TidewireError(f"TIDEWIRE_CACHE_STALENESS={staleness}: want >= 0")
+    else:
+        local_aggregation = False
+    return _Env(
+        rank_, size_, local, source, host, base, secret, job, timeout, transport,
+        local_size, bool(local_aggregation), staleness,
+    )
+
+
+def _place(env: _Env, index: int) -> Dict[str, Any]:
+    """The rank, world and local group of session ``index``: with local
+    aggregation a node's learners share one rank (its local rank 0 leads and
+    pushes once for all of them, through shared memory)."""
+    if not env.local_agg:
+        return {"rank": env.rank, "world": env.size}
+    n = env.local_size
+    node = env.rank // n
+    h = hashlib.blake2b(digest_size=8)
+    for part in (env.secret, str(env.job).encode(), env.host.encode(), str(env.base_port).encode()):
+        h.update(part)
+        h.update(b"\0")
+    nonce = int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+    d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(d, f"tidewire-{nonce:016x}-{index}-{node}")
+    return {"rank": node, "world": env.size // n, "local": (n, env.local_rank, path, nonce, env.cache_staleness)}
+
+
+def _job_id(env: _Env, index: int) -> int:
+    return (env.job << 16) | (index & 0xFFFF)
+
+
+def _probe_host(host: str) -> str:
+    """The address rank 0's link probe listens on: every interface, in the
+    family of ``host`` (the address the other ranks reach rank 0 at)."""
+    return "::" if ":" in host else "0.0.0.0"
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

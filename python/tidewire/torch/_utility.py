@@ -1,0 +1,207 @@
+"""The utility session: the scratch layers that tidewire.torch's collectives run on."""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import _native
+from .._native import TidewireError
+from ._env import _Env, _job_id, _place
+
+
+#: Float32 values per rank in the header of a utility collective.
+_HDR = 8
+#: The utility session's scratch layers, float32 values: a small one for small
+#: collectives (one round trip), a large one for the pieces of large tensors.
+_SCRATCH_SMALL = 1 << 14
+_SCRATCH_LARGE = 1 << 20
+
+_OP_SUM, _OP_BROADCAST, _OP_ALLGATHER = 1, 2, 3
+_OP_NAMES = {_OP_SUM: "push_pull", _OP_BROADCAST: "broadcast", _OP_ALLGATHER: "allgather"}
+_PATH_VALUES, _PATH_DIGITS = 0, 1
+
+
+# --------------------------------------------------------------------------- utility collectives
+
+
+class _Guard:
+    """A native session that remembers its first failure. After one,
+    :meth:`close` aborts (the peers fail at once) instead of shutting down:
+    a shutdown waits for the layers in flight, which may never complete (a
+    peer that skipped a collective, a timed-out pull)."""
+
+    def __init__(self, session: _native.Session) -> None:
+        self.s = session
+        self.broken: Optional[str] = None
+
+    def _call(self, f: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return f(*args)
+        except TidewireError as e:
+            self.broken = self.broken or str(e)
+            raise
+
+    def push(self, layer: int) -> None:
+        self._call(self.s.push, layer)
+
+    def push_factors(self, layer: int, u: Any, v: Any) -> None:
+        self._call(self.s.push_factors, layer, u, v)
+
+    def pull(self, layer: int) -> None:
+        self._call(self.s.pull, layer)
+
+    def pull_all(self) -> None:
+        self._call(self.s.pull_all)
+
+    def close(self) -> None:
+        if self.s.closed:
+            return
+        if self.broken is not None:
+            self.s.abort()
+            return
+        try:
+            self.s.shutdown()
+        except TidewireError:
+            self.s.abort()
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.s, name)
+
+
+def _digits16(v: int, n: int) -> List[float]:
+    return [float((v >> (16 * i)) & 0xFFFF) for i in range(n)]
+
+
+def _undigits16(ds: Sequence[float]) -> int:
+    return sum(int(d) << (16 * i) for i, d in enumerate(ds))
+
+
+class _Util:
+    """The utility session: scratch layers summed across ranks (ApplyOp::Sum).
+
+    A collective copies its data into a scratch layer's gradient, pushes,
+    pulls, and copies the sum out, in pieces when large. The first piece
+    carries a header row per rank (operation, root, element count, name
+    hash): every rank checks every row, so a disagreement raises on every rank
+    instead of hanging.
+    """
+
+    def __init__(self, env: _Env, index: int) -> None:
+        self.env = env
+        self.lock = threading.Lock()
+        hdr = env.size * _HDR
+        small = max(_SCRATCH_SMALL, hdr + 1024)
+        large = max(_SCRATCH_LARGE, small)
+        try:
+            large = max(int(os.environ.get("TIDEWIRE_SCRATCH_FLOATS", large)), small)
+        except ValueError:
+            raise TidewireError("TIDEWIRE_SCRATCH_FLOATS is not a number") from None
+        self.sizes = [small, large]
+        self.offsets = [0, small]
+        total = small + large
+        self.grad = torch.zeros(total, dtype=torch.float32)
+        self.res = torch.zeros(total, dtype=torch.float32)
+        self.session = _Guard(_native.Session(
+            [("tidewire.scratch.small", "other", 1, small), ("tidewire.scratch.large", "other", 1, large)],
+            params=self.res,
+            grads=self.grad,
+            **_place(env, index),
+            master=env.master(index),
+            secret=env.secret,
+            job=_job_id(env, index),
+            apply="sum",
+            policy="ps",
+            transport=env.transport,
+            timeout=env.timeout,
+            connect_timeout=max(env.timeout, 60.0),
+        ))
+
+    def close(self) -> None:
+        with self.lock:
+            self.session.close()
+
+    def _layer(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        o, n = self.offsets[i], self.sizes[i]
+        return self.grad[o : o + n], self.res[o : o + n]
+
+    def _round(self, i: int) -> None:
+        self.session.push(i)
+        self.session.pull(i)
+
+    def run(
+        self,
+        op: int,
+        path: int,
+        root: int,
+        count: int,
+        name: Optional[str],
+        data: Optional[torch.Tensor],
+        length: int,
+    ) -> torch.Tensor:
+        """One collective: ``data`` (float32, ``length`` values; None for
+        zeros) summed over every rank. ``count`` is what the header compares
+        (the caller's element count)."""
+        env = self.env
+        hdr = env.size * _HDR
+        code = op * 4 + path
+        h = zlib.crc32(name.encode()) if name else 0
+        row = [1.0, float(code), float(root)] + _digits16(count, 3) + _digits16(h, 2)
+        if count >= 1 << 48:
+            raise TidewireError(f"a tensor of {count} elements is too large for one collective")
+        out = torch.empty(length, dtype=torch.float32)
+        with self.lock:
+            if self.session.closed:
+                raise TidewireError("tidewire.torch was shut down")
+            # The first piece: the small layer, header then data.
+            g, r = self._layer(0)
+            first = min(length, self.sizes[0] - hdr)
+            g[:hdr].zero_()
+            g[env.rank * _HDR : (env.rank + 1) * _HDR] = torch.tensor(row, dtype=torch.float32)
+            if data is None:
+                g[hdr : hdr + first].zero_()
+            else:
+                g[hdr : hdr + first].copy_(data[:first])
+            self._round(0)
+            self._check_header(r[:hdr].view(env.size, _HDR), row, name)
+            out[:first].copy_(r[hdr : hdr + first])
+            at = first
+            while at < length:
+                left = length - at
+                i = 0 if left <= self.sizes[0] else 1
+                n = min(left, self.sizes[i])
+                g, r = self._layer(i)
+                if data is None:
+                    g[:n].zero_()
+                else:
+                    g[:n].copy_(data[at : at + n])
+                self._round(i)
+                out[at : at + n].copy_(r[:n])
+                at += n
+        return out
+
+    def _check_header(self, rows: torch.Tensor, mine: List[float], name: Optional[str]) -> None:
+        got = rows.tolist()
+        if all(r == mine for r in got):
+            return
+
+        def describe(r: List[float]) -> str:
+            if r[0] != 1.0:
+                return "nothing (its header is missing)"
+            op, path = divmod(int(r[1]), 4)
+            what = _OP_NAMES.get(op, f"operation {op}")
+            if op == _OP_BROADCAST:
+                what += f" from root {int(r[2])}"
+            kind = "float32 values" if path == _PATH_VALUES else "bytes as 16-bit digits"
+            return f"{what} of {_undigits16(r[3:6])} elements ({kind}), name hash {_undigits16(r[6:8]):#010x}"
+
+        lines = [f"  rank {i}: {describe(r)}" for i, r in enumerate(got)]
+        raise TidewireError(
+            "ranks disagree on a collective (every rank must call the same collectives with the same "
+            f"sizes, in the same order); this rank called it with name {name!r}:\n" + "\n".join(lines)
+        )
