@@ -432,6 +432,11 @@ fn bad_flags_are_clear_errors() {
             "--verify needs BSP",
         ),
         (vec!["train", "--workers", "0"], "--workers must be at least 1"),
+        (vec!["train", "--batch", "0"], "batch must be at least 1"),
+        (
+            vec!["train", "--chunk-bytes", "6"],
+            "chunk_bytes 6 must be a positive multiple of 4",
+        ),
         (
             vec!["train", "--sync", "fast"],
             "use fifo-ps, wfbp, hybrid, sliced, p3, full, kvstore or adam",
@@ -481,6 +486,10 @@ fn bad_flags_are_clear_errors() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(err.contains(want), "{args:?}: {err}");
+        assert!(
+            !err.contains("the local cluster failed"),
+            "{args:?} was launched: {err}"
+        );
     }
 }
 

@@ -332,6 +332,9 @@ impl TrainArgs {
         if self.iters == 0 {
             return Err(Error::Usage("--iters must be at least 1".into()));
         }
+        // The book's own checks (batch, chunk and slice sizes, --rates), here
+        // rather than in every rank after the launch.
+        self.book(&self.model()?, self.cluster()?)?;
         if self.local_learners == 0 {
             return Err(Error::Usage("--local-learners must be at least 1".into()));
         }
@@ -481,6 +484,15 @@ impl TrainArgs {
     }
     /// The book every rank builds: the sizes of [`Self::book_config`] over
     /// `cluster`, deciding in seconds at the agreed rates where there are some.
+    /// The engine's cluster: P1 workers and P2 servers, or P1 colocated nodes.
+    pub(super) fn cluster(&self) -> Result<Cluster> {
+        let (p1, p2, _) = self.world();
+        Ok(if self.colocate {
+            Cluster::colocated(p1)?
+        } else {
+            Cluster::split(p1, p2)?
+        })
+    }
     pub(super) fn book(&self, m: &Model, cluster: Cluster) -> Result<Book> {
         let book = Book::new(cluster, m.layers.clone(), self.book_config(m))?;
         Ok(match self.agreed_rates()? {

@@ -7,8 +7,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tidewire_engine::Cluster;
-
 use super::args::{split_list, TrainArgs};
 use super::comm;
 use super::reference::reference;
@@ -576,14 +574,7 @@ fn launch_attempt(
             learners.len()
         )));
     }
-    let book = args.book(
-        &model,
-        if args.colocate {
-            Cluster::colocated(p1)?
-        } else {
-            Cluster::split(p1, p2)?
-        },
-    )?;
+    let book = args.book(&model, args.cluster()?)?;
     // The slowest worker's iterations.
     let slowest = workers
         .iter()

@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use tidewire_engine::book::LayerKind;
 use tidewire_engine::models::Model;
-use tidewire_engine::Cluster;
 use tidewire_gpu::cpu;
 
 use tidewire::cluster::ClusterSpec;
@@ -215,13 +214,7 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
     let nl = model.layers.len();
     // The leader's book, for the scheme of each FC layer: factors go to the
     // leader for SFB; for the PS this learner forms its own gradient Uᵀ·V.
-    let (p1, p2, _) = args.world();
-    let cluster = if args.colocate {
-        Cluster::colocated(p1)?
-    } else {
-        Cluster::split(p1, p2)?
-    };
-    let book = args.book(model, cluster)?;
+    let book = args.book(model, args.cluster()?)?;
     let mut params: Vec<Vec<f32>> = model.layers.iter().map(|l| vec![0f32; l.params()]).collect();
     let mut grad: Vec<Vec<f32>> = model.layers.iter().map(|l| vec![0f32; l.params()]).collect();
     let mut stats = Vec::new();
