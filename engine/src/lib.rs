@@ -61,6 +61,7 @@
 //! assert!(ready && layer_ready);
 //! # Ok::<(), tidewire_engine::EngineError>(())
 //! ```
+#![forbid(unsafe_code)]
 
 pub mod agree;
 pub mod book;

@@ -4,9 +4,62 @@
 
 use super::*;
 
+/// Where a [`Node`] is in its life. It only ever moves forward (the order of
+/// the variants), except that a shutdown asked for during setup is kept in
+/// `Setup` until setup completes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Life {
+    /// Connecting, agreeing and seeding; `shutdown` once the caller asked to
+    /// leave (the rank drains as soon as it is ready).
+    Setup { shutdown: bool },
+    /// Ready ([`Output::Ready`]), training.
+    Running,
+    /// The caller asked to leave: the worker drains its layers in flight.
+    Draining,
+    /// This rank said `Finished` (a worker to every peer; a server-only rank
+    /// has nothing to finish): it pushes nothing more.
+    FinishedSent,
+    /// This rank said `Bye` to every peer: its server owes nothing more.
+    ByeSent,
+    /// Every peer said goodbye and nothing is in flight ([`Output::Finished`]).
+    Done,
+}
+
+impl Life {
+    /// Setup is complete.
+    pub(super) fn ready(self) -> bool {
+        !matches!(self, Life::Setup { .. })
+    }
+
+    /// The caller asked to leave.
+    pub(super) fn shutdown(self) -> bool {
+        matches!(self, Life::Setup { shutdown: true }) || self >= Life::Draining
+    }
+
+    /// The caller's [`Input::Shutdown`]: idempotent.
+    pub(super) fn request_shutdown(&mut self) {
+        match *self {
+            Life::Setup { .. } => *self = Life::Setup { shutdown: true },
+            Life::Running => *self = Life::Draining,
+            _ => {}
+        }
+        debug_assert!(self.shutdown());
+    }
+
+    /// One step forward to `to`, the next state after this one.
+    fn advance(&mut self, to: Life) {
+        debug_assert!(to > *self, "life goes forward: {self:?} to {to:?}");
+        debug_assert!(
+            to == Life::Running || self.shutdown(),
+            "the goodbye starts only after a shutdown: {self:?} to {to:?}"
+        );
+        *self = to;
+    }
+}
+
 impl Node {
     pub(super) fn check_ready(&mut self) {
-        if self.ready {
+        if self.life.ready() {
             return;
         }
         if self.open_peers + 1 < self.peers.len() {
@@ -33,7 +86,12 @@ impl Node {
             (None, None) => true,
         };
         if initialized {
-            self.ready = true;
+            let next = if self.life.shutdown() {
+                Life::Draining
+            } else {
+                Life::Running
+            };
+            self.life.advance(next);
             self.out.push_back(Output::Ready);
         }
     }
@@ -65,7 +123,7 @@ impl Node {
         let finished = |wi: usize| {
             let w = workers[wi];
             if w == self.rank {
-                self.finished_sent
+                self.life >= Life::FinishedSent
             } else {
                 self.peer_done(w, self.peers[w as usize].finished)
             }
@@ -81,12 +139,12 @@ impl Node {
     }
 
     pub(super) fn check_shutdown(&mut self) {
-        if !self.shutdown || !self.ready || self.done {
+        if !self.life.ready() || !self.life.shutdown() || self.life == Life::Done {
             return;
         }
         let world = self.peers.len() as u32;
         let me = self.rank;
-        if !self.finished_sent {
+        if self.life < Life::FinishedSent {
             let idle = match &self.worker {
                 None => true,
                 Some(w) => {
@@ -99,7 +157,7 @@ impl Node {
             if !idle {
                 return;
             }
-            self.finished_sent = true;
+            self.life.advance(Life::FinishedSent);
             self.any_finished = true;
             self.stranded_dirty = true;
             if self.worker.is_some() {
@@ -109,7 +167,7 @@ impl Node {
                 }
             }
         }
-        if !self.bye_sent {
+        if self.life < Life::ByeSent {
             let server_done = match &self.server {
                 None => true,
                 Some(s) => {
@@ -129,7 +187,7 @@ impl Node {
             if !server_done {
                 return;
             }
-            self.bye_sent = true;
+            self.life.advance(Life::ByeSent);
             for p in (0..world).filter(|&p| p != me) {
                 let writes = self.imm_sent[p as usize];
                 self.send_ctrl(p, &Msg::Bye { writes });
@@ -138,7 +196,7 @@ impl Node {
         let everyone = (0..world)
             .all(|p| p == self.rank || self.peers[p as usize].lost || self.peer_done(p, self.peers[p as usize].bye));
         if everyone && self.flow.idle() && self.jobs.is_empty() {
-            self.done = true;
+            self.life.advance(Life::Done);
             self.out.push_back(Output::Finished);
         }
     }

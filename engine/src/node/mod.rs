@@ -120,6 +120,7 @@ use crate::wire::{self, Hello, Kind, Msg};
 use crate::worker::{Worker, WorkerCommand};
 use factors::Inbox;
 use flow::{Flow, Op};
+use lifecycle::Life;
 
 /// How a [`Node`] is set up.
 #[derive(Debug, Clone)]
@@ -374,11 +375,8 @@ pub struct Node {
     now: Duration,
     startup_timeout: Duration,
     deadline: Option<Duration>,
-    ready: bool,
-    shutdown: bool,
-    finished_sent: bool,
-    bye_sent: bool,
-    done: bool,
+    /// Setup, running, the goodbye's steps: only ever forward ([`Life`]).
+    life: Life,
     fatal: Option<EngineError>,
     imm_sent: Vec<u64>,
     landed_from: Vec<u64>,
@@ -625,11 +623,7 @@ impl Node {
             now: Duration::ZERO,
             startup_timeout: cfg.startup_timeout,
             deadline: None,
-            ready: false,
-            shutdown: false,
-            finished_sent: false,
-            bye_sent: false,
-            done: false,
+            life: Life::Setup { shutdown: false },
             fatal: None,
             imm_sent: vec![0; world],
             landed_from: vec![0; world],
@@ -719,11 +713,11 @@ impl Node {
     }
     /// Setup is complete.
     pub fn is_ready(&self) -> bool {
-        self.ready
+        self.life.ready()
     }
     /// The goodbye is complete.
     pub fn is_finished(&self) -> bool {
-        self.done
+        self.life == Life::Done
     }
     /// The fatal error, once one happened.
     pub fn fatal(&self) -> Option<&EngineError> {
@@ -830,10 +824,10 @@ impl Node {
 
     /// When the Node next needs an [`Input::Tick`], if ever.
     pub fn poll_timeout(&self) -> Option<Duration> {
-        if self.fatal.is_some() || self.done {
+        if self.fatal.is_some() || self.life == Life::Done {
             return None;
         }
-        let d = if self.ready { None } else { self.deadline };
+        let d = if self.life.ready() { None } else { self.deadline };
         let rounds = self.server.as_ref().and_then(|s| s.core.next_deadline());
         [d, self.flow.poll_timeout(), rounds].into_iter().flatten().min()
     }
@@ -858,7 +852,7 @@ impl Node {
         let r = match input {
             Input::HandIn { layer, factors } => self.hand_in(layer, factors),
             Input::Shutdown => {
-                self.shutdown = true;
+                self.life.request_shutdown();
                 Ok(())
             }
             other => {
@@ -990,7 +984,7 @@ impl Node {
                 if let Some(s) = self.server.as_mut() {
                     s.core.handle_tick();
                 }
-                if !self.ready && self.deadline.is_some_and(|d| self.now >= d) {
+                if !self.life.ready() && self.deadline.is_some_and(|d| self.now >= d) {
                     return Err(EngineError::Timeout {
                         what: self.waiting_for(),
                         after: self.startup_timeout,
@@ -1017,7 +1011,7 @@ impl Node {
     /// holds no shard.
     fn may_lose(&self, peer: u32) -> bool {
         self.sched.trigger != Trigger::All
-            && self.ready
+            && self.life.ready()
             && self
                 .book
                 .cluster()

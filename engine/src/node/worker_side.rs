@@ -6,7 +6,7 @@ use crate::sparse::{self, Choice};
 
 impl Node {
     pub(super) fn hand_in(&mut self, layer: u32, factors: bool) -> Result<()> {
-        if self.shutdown {
+        if self.life.shutdown() {
             return Err(EngineError::Shutdown);
         }
         let spec = self.book.layer(layer)?.clone();
