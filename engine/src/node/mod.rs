@@ -93,6 +93,7 @@
 mod arrivals;
 pub mod factors;
 pub mod flow;
+mod layout;
 mod lifecycle;
 mod server_side;
 mod setup;
@@ -120,6 +121,7 @@ use crate::wire::{self, Hello, Kind, Msg};
 use crate::worker::{Worker, WorkerCommand};
 use factors::Inbox;
 use flow::{Flow, Op};
+use layout::region_index;
 use lifecycle::Life;
 
 /// How a [`Node`] is set up.
@@ -393,52 +395,6 @@ pub struct Node {
     stats: NodeStats,
 }
 
-fn extent(book: &Book, offs: &[u64]) -> u64 {
-    offs.iter()
-        .zip(book.layers())
-        .map(|(o, l)| o + l.params() as u64 * 4)
-        .max()
-        .unwrap_or(0)
-}
-
-fn check_offsets(book: &Book, offs: &[u64], what: &str, contiguous: bool) -> Result<()> {
-    let bad = |m: String| Err(EngineError::InvalidConfig(format!("{what} buffer: {m}")));
-    if offs.len() != book.layers().len() {
-        return bad(format!("{} offsets for {} layers", offs.len(), book.layers().len()));
-    }
-    let mut ranges: Vec<(u64, u64, usize)> = Vec::new();
-    for (i, (&o, l)) in offs.iter().zip(book.layers()).enumerate() {
-        if o % 4 != 0 {
-            return bad(format!("layer {i} ({}) starts at {o}, not a multiple of 4", l.name));
-        }
-        if contiguous && o - offs[0].min(o) != book.layer_offset(i as u32) as u64 * 4 {
-            return bad(format!(
-                "layer {i} starts at {o}, but parameters must be back to back from {} (expected {})",
-                offs[0],
-                offs[0] + book.layer_offset(i as u32) as u64 * 4
-            ));
-        }
-        ranges.push((o, o + l.params() as u64 * 4, i));
-    }
-    ranges.sort();
-    for w in ranges.windows(2) {
-        if w[1].0 < w[0].1 {
-            return bad(format!(
-                "layers {} ({}) and {} ({}) overlap",
-                w[0].2,
-                book.layers()[w[0].2].name,
-                w[1].2,
-                book.layers()[w[1].2].name
-            ));
-        }
-    }
-    Ok(())
-}
-
-fn region_index(r: LocalRegion) -> usize {
-    LocalRegion::ALL.iter().position(|x| *x == r).expect("listed")
-}
-
 impl Node {
     /// The Node for `cfg.rank`. Fails on a configuration that cannot work:
     /// the rank outside the cluster, bad buffer layouts, or transport limits
@@ -455,113 +411,10 @@ impl Node {
             ))
         })?;
         let l = cfg.limits;
-        if l.max_outstanding == 0 {
-            return Err(EngineError::InvalidConfig(
-                "the transport's max_outstanding must be at least 1".into(),
-            ));
-        }
-        if l.max_message_bytes < wire::MAX_CONTROL || l.max_write_bytes < 4 {
-            return Err(EngineError::InvalidConfig(format!(
-                "the transport's limits are too small: messages of {} bytes (at least {} needed), writes of {} bytes",
-                l.max_message_bytes,
-                wire::MAX_CONTROL,
-                l.max_write_bytes
-            )));
-        }
+        layout::check_limits(&l)?;
+        layout::check_modes(&book, &cfg.sched)?;
         let nl = book.layers().len();
-        let contiguous: Vec<u64> = (0..nl as u32).map(|i| book.layer_offset(i) as u64 * 4).collect();
-        let user_params = match cfg.params {
-            Some(p) => {
-                check_offsets(&book, &p, "parameter", true)?;
-                p
-            }
-            None => contiguous.clone(),
-        };
-        let grad_off = match cfg.grads {
-            Some(g) => {
-                check_offsets(&book, &g, "gradient", false)?;
-                g
-            }
-            None => contiguous.clone(),
-        };
-        // Under SSP a server may write a layer the caller holds: the caller
-        // reads a view published from the landing zone instead.
-        // So does any trigger but `All`: a slow worker gets newer versions
-        // while it computes.
-        let staged =
-            role.is_worker() && (cfg.sched.consistency != Consistency::Bsp || cfg.sched.trigger != Trigger::All);
-        if cfg.sched.trigger != Trigger::All {
-            if let Some(l) = (0..nl as u32).find(|&l| book.scheme(l, 0) == Scheme::Sfb) {
-                return Err(EngineError::InvalidConfig(format!(
-                    "layer {l} ({}) syncs by SFB, which needs every worker's factors: the {} trigger needs the PS for every layer (scheme policy ps)",
-                    book.layers()[l as usize].name,
-                    cfg.sched.trigger.name()
-                )));
-            }
-        }
-        if book.config().policy == crate::book::SchemePolicy::Adam
-            && (cfg.sched.consistency != Consistency::Bsp || cfg.sched.trigger != Trigger::All)
-        {
-            return Err(EngineError::InvalidConfig(format!(
-                "adam (the server rebuilds each FC layer from every worker's factors of one iteration) supports BSP with the all trigger only, not {:?} with {}",
-                cfg.sched.consistency,
-                cfg.sched.trigger.name()
-            )));
-        }
-        if book.config().placement == Placement::KvStore {
-            if cfg.sched.consistency != Consistency::Bsp {
-                return Err(EngineError::InvalidConfig(
-                    "kvstore (MXNet's dist_sync: notify, then pull) supports BSP only, not SSP".into(),
-                ));
-            }
-            if cfg.sched.trigger != Trigger::All {
-                return Err(EngineError::InvalidConfig(format!(
-                    "kvstore pulls every version of every chunk (BSP): the {} trigger needs another --sync mode",
-                    cfg.sched.trigger.name()
-                )));
-            }
-        }
-        let (param_off, view_off) = if staged {
-            (contiguous.clone(), user_params)
-        } else {
-            (user_params, Vec::new())
-        };
-        let k = book.config().batch as u64;
-        let mut factor_off = Vec::with_capacity(nl);
-        let mut factors_bytes = 0u64;
-        for spec in book.layers() {
-            if spec.kind == LayerKind::Fc && role.is_worker() {
-                factor_off.push(Some(factors_bytes));
-                factors_bytes += k * (spec.m + spec.n) as u64 * 4;
-            } else {
-                factor_off.push(None);
-            }
-        }
-        let mut sparse_off = Vec::with_capacity(nl);
-        let mut sparse_bytes = 0u64;
-        for spec in book.layers() {
-            if spec.sparse && role.is_worker() {
-                sparse_off.push(Some(sparse_bytes));
-                sparse_bytes += spec.params() as u64 * 4;
-            } else {
-                sparse_off.push(None);
-            }
-        }
-        let slot_bytes = book.max_slice_len() as u64 * 4;
-        let mut bytes = [0u64; 8];
-        if role.is_worker() {
-            bytes[region_index(LocalRegion::Params)] = extent(&book, &param_off);
-            bytes[region_index(LocalRegion::View)] = if staged { extent(&book, &view_off) } else { 0 };
-            bytes[region_index(LocalRegion::Grads)] = extent(&book, &grad_off);
-            bytes[region_index(LocalRegion::Factors)] = factors_bytes;
-            bytes[region_index(LocalRegion::Sparse)] = sparse_bytes;
-        }
-        if role.is_server() {
-            bytes[region_index(LocalRegion::Shard)] = book.shard_len(rank) as u64 * 4;
-            bytes[region_index(LocalRegion::Landing)] =
-                book.p1() as u64 * u64::from(cfg.sched.landing_slots()) * slot_bytes;
-        }
-        bytes[region_index(LocalRegion::Ctrl)] = (CELLS * CELL_BYTES) as u64;
+        let lay = layout::Layout::new(&book, rank, role, &cfg.sched, cfg.params.take(), cfg.grads.take())?;
         let worker = if role.is_worker() {
             Some(WorkerSide {
                 core: Worker::new(book.clone(), rank, cfg.sched)?,
@@ -598,18 +451,18 @@ impl Node {
             sched: cfg.sched,
             limits: l,
             keys: [0; 3],
-            staged,
-            param_off,
-            view_off,
-            grad_off,
-            factor_off,
-            sparse_off,
+            staged: lay.staged,
+            param_off: lay.param_off,
+            view_off: lay.view_off,
+            grad_off: lay.grad_off,
+            factor_off: lay.factor_off,
+            sparse_off: lay.sparse_off,
             sparse_costs: cfg.sparse,
             sparse_policy: SparsePolicy::new(&book),
             sparse_stats: vec![SparseLayerStats::default(); nl],
             landing_sparse: HashMap::default(),
-            bytes,
-            slot_bytes,
+            bytes: lay.bytes,
+            slot_bytes: lay.slot_bytes,
             worker,
             server,
             peers,

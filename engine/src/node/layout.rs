@@ -1,0 +1,217 @@
+//! Where a rank's buffers lie: the offsets of every layer in its parameter,
+//! view, gradient, factor and sparse buffers, the bytes of each region the
+//! runtime allocates, and the checks on a caller's layout and on the
+//! transport's limits and the job's modes that [`Node::new`] runs first.
+
+use super::*;
+use crate::book::Role;
+
+/// The transport's limits leave room for the protocol's control messages.
+pub(super) fn check_limits(l: &Limits) -> Result<()> {
+    if l.max_outstanding == 0 {
+        return Err(EngineError::InvalidConfig(
+            "the transport's max_outstanding must be at least 1".into(),
+        ));
+    }
+    if l.max_message_bytes < wire::MAX_CONTROL || l.max_write_bytes < 4 {
+        return Err(EngineError::InvalidConfig(format!(
+            "the transport's limits are too small: messages of {} bytes (at least {} needed), writes of {} bytes",
+            l.max_message_bytes,
+            wire::MAX_CONTROL,
+            l.max_write_bytes
+        )));
+    }
+    Ok(())
+}
+
+/// The schemes, placement, consistency and trigger go together: SFB and
+/// Adam need every worker's factors of one iteration, the kvstore pulls every
+/// version (BSP, all).
+pub(super) fn check_modes(book: &Book, sched: &SchedConfig) -> Result<()> {
+    let nl = book.layers().len() as u32;
+    if sched.trigger != Trigger::All {
+        if let Some(l) = (0..nl).find(|&l| book.scheme(l, 0) == Scheme::Sfb) {
+            return Err(EngineError::InvalidConfig(format!(
+                "layer {l} ({}) syncs by SFB, which needs every worker's factors: the {} trigger needs the PS for every layer (scheme policy ps)",
+                book.layers()[l as usize].name,
+                sched.trigger.name()
+            )));
+        }
+    }
+    if book.config().policy == crate::book::SchemePolicy::Adam
+        && (sched.consistency != Consistency::Bsp || sched.trigger != Trigger::All)
+    {
+        return Err(EngineError::InvalidConfig(format!(
+            "adam (the server rebuilds each FC layer from every worker's factors of one iteration) supports BSP with the all trigger only, not {:?} with {}",
+            sched.consistency,
+            sched.trigger.name()
+        )));
+    }
+    if book.config().placement == Placement::KvStore {
+        if sched.consistency != Consistency::Bsp {
+            return Err(EngineError::InvalidConfig(
+                "kvstore (MXNet's dist_sync: notify, then pull) supports BSP only, not SSP".into(),
+            ));
+        }
+        if sched.trigger != Trigger::All {
+            return Err(EngineError::InvalidConfig(format!(
+                "kvstore pulls every version of every chunk (BSP): the {} trigger needs another --sync mode",
+                sched.trigger.name()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A rank's buffer layout (see the fields of the same names in [`Node`]).
+pub(super) struct Layout {
+    /// The caller reads a view published from the landing zone (SSP, or a
+    /// trigger other than `All`): a server may write a layer the caller holds.
+    pub(super) staged: bool,
+    pub(super) param_off: Vec<u64>,
+    pub(super) view_off: Vec<u64>,
+    pub(super) grad_off: Vec<u64>,
+    pub(super) factor_off: Vec<Option<u64>>,
+    pub(super) sparse_off: Vec<Option<u64>>,
+    /// Bytes of each region, by [`region_index`].
+    pub(super) bytes: [u64; 8],
+    /// Bytes of one landing slot (the largest slice).
+    pub(super) slot_bytes: u64,
+}
+
+impl Layout {
+    /// The layout for `rank` with the caller's parameter and gradient
+    /// offsets (checked), or back to back where it gives none.
+    pub(super) fn new(
+        book: &Book,
+        rank: u32,
+        role: Role,
+        sched: &SchedConfig,
+        params: Option<Vec<u64>>,
+        grads: Option<Vec<u64>>,
+    ) -> Result<Layout> {
+        let nl = book.layers().len();
+        let contiguous: Vec<u64> = (0..nl as u32).map(|i| book.layer_offset(i) as u64 * 4).collect();
+        let user_params = match params {
+            Some(p) => {
+                check_offsets(book, &p, "parameter", true)?;
+                p
+            }
+            None => contiguous.clone(),
+        };
+        let grad_off = match grads {
+            Some(g) => {
+                check_offsets(book, &g, "gradient", false)?;
+                g
+            }
+            None => contiguous.clone(),
+        };
+        // Under SSP a server may write a layer the caller holds: the caller
+        // reads a view published from the landing zone instead.
+        // So does any trigger but `All`: a slow worker gets newer versions
+        // while it computes.
+        let staged = role.is_worker() && (sched.consistency != Consistency::Bsp || sched.trigger != Trigger::All);
+        let (param_off, view_off) = if staged {
+            (contiguous, user_params)
+        } else {
+            (user_params, Vec::new())
+        };
+        let k = book.config().batch as u64;
+        let (factor_off, factors_bytes) = packed(book, |s| {
+            (s.kind == LayerKind::Fc && role.is_worker()).then(|| k * (s.m + s.n) as u64 * 4)
+        });
+        let (sparse_off, sparse_bytes) =
+            packed(book, |s| (s.sparse && role.is_worker()).then(|| s.params() as u64 * 4));
+        let slot_bytes = book.max_slice_len() as u64 * 4;
+        let mut bytes = [0u64; 8];
+        if role.is_worker() {
+            bytes[region_index(LocalRegion::Params)] = extent(book, &param_off);
+            bytes[region_index(LocalRegion::View)] = if staged { extent(book, &view_off) } else { 0 };
+            bytes[region_index(LocalRegion::Grads)] = extent(book, &grad_off);
+            bytes[region_index(LocalRegion::Factors)] = factors_bytes;
+            bytes[region_index(LocalRegion::Sparse)] = sparse_bytes;
+        }
+        if role.is_server() {
+            bytes[region_index(LocalRegion::Shard)] = book.shard_len(rank) as u64 * 4;
+            bytes[region_index(LocalRegion::Landing)] =
+                book.p1() as u64 * u64::from(sched.landing_slots()) * slot_bytes;
+        }
+        bytes[region_index(LocalRegion::Ctrl)] = (CELLS * CELL_BYTES) as u64;
+        debug_assert_eq!(param_off.len(), nl);
+        debug_assert_eq!(grad_off.len(), nl);
+        Ok(Layout {
+            staged,
+            param_off,
+            view_off,
+            grad_off,
+            factor_off,
+            sparse_off,
+            bytes,
+            slot_bytes,
+        })
+    }
+}
+
+/// Back-to-back offsets of the layers that `size` gives a size, and the
+/// total.
+fn packed(book: &Book, size: impl Fn(&crate::book::LayerSpec) -> Option<u64>) -> (Vec<Option<u64>>, u64) {
+    let mut total = 0u64;
+    let offs = book
+        .layers()
+        .iter()
+        .map(|s| {
+            size(s).map(|b| {
+                let at = total;
+                total += b;
+                at
+            })
+        })
+        .collect();
+    (offs, total)
+}
+
+fn extent(book: &Book, offs: &[u64]) -> u64 {
+    offs.iter()
+        .zip(book.layers())
+        .map(|(o, l)| o + l.params() as u64 * 4)
+        .max()
+        .unwrap_or(0)
+}
+
+fn check_offsets(book: &Book, offs: &[u64], what: &str, contiguous: bool) -> Result<()> {
+    let bad = |m: String| Err(EngineError::InvalidConfig(format!("{what} buffer: {m}")));
+    if offs.len() != book.layers().len() {
+        return bad(format!("{} offsets for {} layers", offs.len(), book.layers().len()));
+    }
+    let mut ranges: Vec<(u64, u64, usize)> = Vec::new();
+    for (i, (&o, l)) in offs.iter().zip(book.layers()).enumerate() {
+        if o % 4 != 0 {
+            return bad(format!("layer {i} ({}) starts at {o}, not a multiple of 4", l.name));
+        }
+        if contiguous && o - offs[0].min(o) != book.layer_offset(i as u32) as u64 * 4 {
+            return bad(format!(
+                "layer {i} starts at {o}, but parameters must be back to back from {} (expected {})",
+                offs[0],
+                offs[0] + book.layer_offset(i as u32) as u64 * 4
+            ));
+        }
+        ranges.push((o, o + l.params() as u64 * 4, i));
+    }
+    ranges.sort();
+    for w in ranges.windows(2) {
+        if w[1].0 < w[0].1 {
+            return bad(format!(
+                "layers {} ({}) and {} ({}) overlap",
+                w[0].2,
+                book.layers()[w[0].2].name,
+                w[1].2,
+                book.layers()[w[1].2].name
+            ));
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn region_index(r: LocalRegion) -> usize {
+    LocalRegion::ALL.iter().position(|x| *x == r).expect("listed")
+}
