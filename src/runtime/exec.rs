@@ -25,6 +25,7 @@ use tidewire_gpu::agg::{AggStats, Aggregator, Policy};
 use tidewire_gpu::cpu;
 use tidewire_transport::{Lease, Region, Waker};
 
+use super::job_error::{JobError, JobResult as Jr};
 use super::snapshot::{ServerSnap, WorkerMomentum};
 use crate::config::CkptRun;
 use crate::error::{Error, Result};
@@ -39,18 +40,21 @@ impl Memory {
     pub(crate) fn insert(&mut self, r: LocalRegion, region: Region) {
         self.regions.insert(r, region);
     }
-    pub(crate) fn get(&self, r: LocalRegion) -> std::result::Result<&Region, String> {
-        self.regions
-            .get(&r)
-            .ok_or_else(|| format!("this rank has no {r:?} region"))
+    pub(crate) fn get(&self, r: LocalRegion) -> Jr<&Region> {
+        self.regions.get(&r).ok_or(JobError::NoRegion { region: r })
     }
     pub(crate) fn region(&self, r: LocalRegion) -> Option<&Region> {
         self.regions.get(&r)
     }
-    fn lease(&self, at: Loc, len: u64) -> std::result::Result<Lease, String> {
+    fn lease(&self, at: Loc, len: u64) -> Jr<Lease> {
         self.get(at.region)?
             .lease(at.offset as usize, len as usize)
-            .map_err(|e| format!("{:?} at {}+{len}: {e}", at.region, at.offset))
+            .map_err(|source| JobError::Lease {
+                region: at.region,
+                offset: at.offset,
+                len,
+                source,
+            })
     }
 }
 
@@ -58,7 +62,7 @@ impl Memory {
 #[derive(Debug)]
 pub(crate) struct JobResult {
     pub(crate) id: u64,
-    pub(crate) result: std::result::Result<Option<Vec<u8>>, String>,
+    pub(crate) result: Jr<Option<Vec<u8>>>,
 }
 
 /// Where a job's result goes: the runtime's channel, and its wake-up.
@@ -252,16 +256,14 @@ impl Executors {
     }
 
     /// Queues a job on its executor.
-    pub(crate) fn submit(&self, job: Job) -> std::result::Result<(), String> {
+    pub(crate) fn submit(&self, job: Job) -> Jr<()> {
         let q = match job.queue {
             Queue::Server => &self.server,
             Queue::Worker => &self.worker,
         };
         match q {
-            Some(tx) => tx
-                .send(job)
-                .map_err(|_| "the executor is gone (it panicked?)".to_string()),
-            None => Err(format!("a {:?} job on a rank without that role", job.queue)),
+            Some(tx) => tx.send(job).map_err(|_| JobError::ExecutorGone),
+            None => Err(JobError::NoExecutor { queue: job.queue }),
         }
     }
 
@@ -281,11 +283,7 @@ impl Drop for Executors {
     }
 }
 
-fn run_queue(
-    rx: Receiver<Job>,
-    reply: &Reply,
-    mut f: impl FnMut(&Job) -> std::result::Result<Option<Vec<u8>>, String>,
-) {
+fn run_queue(rx: Receiver<Job>, reply: &Reply, mut f: impl FnMut(&Job) -> Jr<Option<Vec<u8>>>) {
     for job in rx {
         let id = job.id;
         let result = match std::panic::catch_unwind(AssertUnwindSafe(|| f(&job))) {
@@ -294,7 +292,7 @@ fn run_queue(
                 let msg = panic_message(&*p);
                 let mut slot = reply.panic.lock().unwrap_or_else(|e| e.into_inner());
                 slot.get_or_insert_with(|| format!("a {:?} job panicked: {msg}", job.queue));
-                Err(format!("panicked: {msg}"))
+                Err(JobError::Panicked { message: msg })
             }
         };
         let failed = result.is_err();
@@ -320,7 +318,7 @@ fn factor_views<'a>(
     factors: &'a [Blob],
     (k, m, n): (usize, usize, usize),
     scratch: &'a mut Vec<[Vec<f32>; 2]>,
-) -> std::result::Result<Views<'a>, String> {
+) -> Jr<Views<'a>> {
     let want = k * (m + n) * 4;
     if scratch.len() < factors.len() {
         scratch.resize_with(factors.len(), Default::default);
@@ -334,7 +332,7 @@ fn factor_views<'a>(
                 bytes[usize::from(dv)] += (v.len() * 4) as u64;
                 views.push((u, v));
             }
-            _ => return Err(format!("factors of {} bytes, expected {want}", b.len())),
+            _ => return Err(JobError::FactorSize { got: b.len(), want }),
         }
     }
     Ok((views, bytes))
@@ -366,11 +364,40 @@ struct ServerExec {
     threads: usize,
 }
 
+/// Where one sum goes: a slice of a chunk's accumulator in a window.
+#[derive(Debug, Clone, Copy)]
+struct SumAt {
+    window: u32,
+    chunk: u32,
+    /// The slice's first element in the shard.
+    acc_at: usize,
+    len: usize,
+    /// The first contribution of its round: copied, not added.
+    first: bool,
+    contributions: usize,
+}
+
+/// `at.chunk`'s accumulator in `at.window`, and the offset of `at.acc_at` in it.
+fn chunk_acc<'a>(book: &Book, acc: &'a mut [Vec<f32>], at: SumAt) -> Jr<(&'a mut [f32], usize)> {
+    let ch = book
+        .chunks()
+        .get(at.chunk as usize)
+        .ok_or(JobError::outside("unknown chunk"))?;
+    let (from, len) = (ch.shard_offset, ch.len);
+    let off = at
+        .acc_at
+        .checked_sub(from)
+        .ok_or(JobError::outside("slice before its chunk"))?;
+    let acc = acc
+        .get_mut(at.window as usize)
+        .ok_or(JobError::outside("unknown window"))?
+        .get_mut(from..from + len)
+        .ok_or(JobError::outside("chunk outside the shard"))?;
+    Ok((acc, off))
+}
+
 impl ServerExec {
-    fn run(&mut self, job: &Job) -> std::result::Result<Option<Vec<u8>>, String> {
-        let book = self.book.clone();
-        let k = book.config().batch;
-        let nchunks = book.chunks().len() as u64;
+    fn run(&mut self, job: &Job) -> Jr<Option<Vec<u8>>> {
         let r = match &job.kind {
             JobKind::Accumulate {
                 window,
@@ -383,68 +410,15 @@ impl ServerExec {
                 contributions,
                 pairs,
             } => {
-                let ch = book.chunks().get(*chunk as usize).ok_or("unknown chunk")?;
-                // A landing slot is memory a peer writes: the protocol keeps it quiet
-                // until its credit goes back, but a peer that broke it could write
-                // now. Copy it out with relaxed loads rather than read it as a slice.
-                let mut scratch = std::mem::take(&mut self.scratch);
-                let lease;
-                let data: &[f32] = if let Some(n) = pairs {
-                    // A sparse push: read its words the same way, then densify them
-                    // (checked: a peer wrote them) into the slice it stands for.
-                    let n = *n as usize;
-                    let mut words = vec![0f32; 2 + 2 * n];
-                    self.mem
-                        .get(src.region)?
-                        .read_f32_relaxed(src.offset as usize, &mut words)
-                        .map_err(|e| e.to_string())?;
-                    let words: Vec<u32> = words.iter().map(|w| w.to_bits()).collect();
-                    scratch.resize(*len, 0.0);
-                    cpu::sparse_densify(&words, n, &mut scratch[..*len], self.threads)
-                        .map_err(|e| format!("a sparse push of {len} elements: {e}"))?;
-                    &scratch[..*len]
-                } else if src.region.remote_write() {
-                    scratch.resize(*len, 0.0);
-                    self.mem
-                        .get(src.region)?
-                        .read_f32_relaxed(src.offset as usize, &mut scratch[..*len])
-                        .map_err(|e| e.to_string())?;
-                    &scratch[..*len]
-                } else {
-                    lease = self.mem.lease(*src, *len as u64 * 4)?;
-                    lease.as_f32().map_err(|e| e.to_string())?
+                let at = SumAt {
+                    window: *window,
+                    chunk: *chunk,
+                    acc_at: *acc_at,
+                    len: *len,
+                    first: *first,
+                    contributions: *contributions,
                 };
-                if *partial {
-                    // A fold group's partial sum: on the CPU, in group order.
-                    if self.partial.is_empty() {
-                        let n = self.acc.first().map_or(0, Vec::len);
-                        self.partial = (0..self.windows).map(|_| vec![0.0; n]).collect();
-                    }
-                    let dst = self
-                        .partial
-                        .get_mut(*window as usize)
-                        .ok_or("unknown window")?
-                        .get_mut(*acc_at..acc_at + len)
-                        .ok_or("slice outside the shard")?;
-                    if *first {
-                        dst.copy_from_slice(data);
-                    } else {
-                        cpu::add_assign(dst, data);
-                    }
-                } else {
-                    let acc = self
-                        .acc
-                        .get_mut(*window as usize)
-                        .ok_or("unknown window")?
-                        .get_mut(ch.shard_offset..ch.shard_offset + ch.len)
-                        .ok_or("chunk outside the shard")?;
-                    let key = u64::from(*window) * nchunks + u64::from(*chunk);
-                    let off = acc_at.checked_sub(ch.shard_offset).ok_or("slice before its chunk")?;
-                    self.agg
-                        .accumulate(key, *contributions, acc, off, data, *first)
-                        .map_err(|e| e.to_string())?;
-                }
-                self.scratch = scratch;
+                self.accumulate(at, *src, *pairs, *partial)?;
                 None
             }
             JobKind::FoldPartial {
@@ -454,24 +428,15 @@ impl ServerExec {
                 len,
                 contributions,
             } => {
-                let ch = book.chunks().get(*chunk as usize).ok_or("unknown chunk")?;
-                let w = *window as usize;
-                let part = self
-                    .partial
-                    .get(w)
-                    .and_then(|p| p.get(*acc_at..acc_at + len))
-                    .ok_or("a fold group's partial sum that was never formed")?;
-                let acc = self
-                    .acc
-                    .get_mut(w)
-                    .ok_or("unknown window")?
-                    .get_mut(ch.shard_offset..ch.shard_offset + ch.len)
-                    .ok_or("chunk outside the shard")?;
-                let key = u64::from(*window) * nchunks + u64::from(*chunk);
-                let off = acc_at.checked_sub(ch.shard_offset).ok_or("slice before its chunk")?;
-                self.agg
-                    .accumulate(key, *contributions, acc, off, part, false)
-                    .map_err(|e| e.to_string())?;
+                let at = SumAt {
+                    window: *window,
+                    chunk: *chunk,
+                    acc_at: *acc_at,
+                    len: *len,
+                    first: false,
+                    contributions: *contributions,
+                };
+                self.fold_partial(at)?;
                 None
             }
             JobKind::Apply {
@@ -482,38 +447,7 @@ impl ServerExec {
                 iter,
                 gradients,
             } => {
-                let range = *shard_at..shard_at + len;
-                let acc = self
-                    .acc
-                    .get_mut(*window as usize)
-                    .ok_or("unknown window")?
-                    .get_mut(range.clone())
-                    .ok_or("chunk outside the shard")?;
-                let key = u64::from(*window) * nchunks + u64::from(*chunk);
-                self.agg.finish(key, acc).map_err(|e| e.to_string())?;
-                let mut dst = self.mem.lease(
-                    Loc {
-                        region: LocalRegion::Shard,
-                        offset: *shard_at as u64 * 4,
-                    },
-                    *len as u64 * 4,
-                )?;
-                let mom = if self.momentum.is_empty() {
-                    &mut [][..]
-                } else {
-                    &mut self.momentum[range]
-                };
-                // The gradients in this sum: every worker's (× local learners)
-                // under the `All` trigger, the contributors' under the others.
-                let n = if *gradients > 0 {
-                    *gradients as usize
-                } else {
-                    self.gradients
-                };
-                cpu::apply(self.op, n, acc, dst.as_f32_mut().map_err(|e| e.to_string())?, mom);
-                if let Some(snap) = &mut self.snap {
-                    snap.applied(*chunk, *iter, mom)?;
-                }
+                self.apply(*window, *chunk, *shard_at..shard_at + len, *iter, *gradients)?;
                 None
             }
             JobKind::SumFactors {
@@ -523,31 +457,171 @@ impl ServerExec {
                 factors,
                 ..
             } => {
-                // Adam's server: the layer's gradient, rebuilt from every
-                // worker's factors in worker order, where the PS would have
-                // folded the gradients (the same sums, element by element).
-                let l = book.layers().get(*layer as usize).ok_or("unknown layer")?;
-                let (uv, [in_place, decoded]) = factor_views(factors, (k, l.m, l.n), &mut self.factor_scratch)?;
-                self.reads.in_place.fetch_add(in_place, Ordering::Relaxed);
-                self.reads.decoded.fetch_add(decoded, Ordering::Relaxed);
-                let acc = self
-                    .acc
-                    .get_mut(*window as usize)
-                    .ok_or("unknown window")?
-                    .get_mut(*acc_at..acc_at + l.params())
-                    .ok_or("layer outside the shard")?;
-                cpu::sf_sum(&uv, k, l.m, l.n, acc);
+                self.sum_factors(*layer, *window, *acc_at, factors)?;
                 None
             }
             JobKind::Copy { src, dst, len } => copy(&self.mem, *src, *dst, *len)?,
-            other => return Err(format!("not a server job: {other:?}")),
+            other => {
+                return Err(JobError::WrongQueue {
+                    queue: Queue::Server,
+                    job: format!("{other:?}"),
+                })
+            }
         };
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.agg.stats();
         Ok(r)
     }
+
+    /// The aggregator's key of a chunk's accumulator in a window.
+    fn key(&self, window: u32, chunk: u32) -> u64 {
+        u64::from(window) * self.book.chunks().len() as u64 + u64::from(chunk)
+    }
+
+    /// One worker's slice, from its landing slot (or the rank's own
+    /// gradient), into the chunk's accumulator or a fold group's partial sum.
+    fn accumulate(&mut self, at: SumAt, src: Loc, pairs: Option<u32>, partial: bool) -> Jr<()> {
+        self.book
+            .chunks()
+            .get(at.chunk as usize)
+            .ok_or(JobError::outside("unknown chunk"))?;
+        let len = at.len;
+        // A landing slot is memory a peer writes: the protocol keeps it quiet
+        // until its credit goes back, but a peer that broke it could write
+        // now. Copy it out with relaxed loads rather than read it as a slice.
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let lease;
+        let data: &[f32] = if let Some(n) = pairs {
+            // A sparse push: read its words the same way, then densify them
+            // (checked: a peer wrote them) into the slice it stands for.
+            let n = n as usize;
+            let mut words = vec![0f32; 2 + 2 * n];
+            self.mem
+                .get(src.region)?
+                .read_f32_relaxed(src.offset as usize, &mut words)?;
+            let words: Vec<u32> = words.iter().map(|w| w.to_bits()).collect();
+            scratch.resize(len, 0.0);
+            cpu::sparse_densify(&words, n, &mut scratch[..len], self.threads)
+                .map_err(|source| JobError::Sparse { len, source })?;
+            &scratch[..len]
+        } else if src.region.remote_write() {
+            scratch.resize(len, 0.0);
+            self.mem
+                .get(src.region)?
+                .read_f32_relaxed(src.offset as usize, &mut scratch[..len])?;
+            &scratch[..len]
+        } else {
+            lease = self.mem.lease(src, len as u64 * 4)?;
+            lease.as_f32()?
+        };
+        let r = if partial {
+            self.add_partial(at, data)
+        } else {
+            let key = self.key(at.window, at.chunk);
+            let (acc, off) = chunk_acc(&self.book, &mut self.acc, at)?;
+            self.agg
+                .accumulate(key, at.contributions, acc, off, data, at.first)
+                .map_err(JobError::from)
+        };
+        self.scratch = scratch;
+        r
+    }
+
+    /// A fold group's partial sum: on the CPU, in group order.
+    fn add_partial(&mut self, at: SumAt, data: &[f32]) -> Jr<()> {
+        if self.partial.is_empty() {
+            let n = self.acc.first().map_or(0, Vec::len);
+            self.partial = (0..self.windows).map(|_| vec![0.0; n]).collect();
+        }
+        let dst = self
+            .partial
+            .get_mut(at.window as usize)
+            .ok_or(JobError::outside("unknown window"))?
+            .get_mut(at.acc_at..at.acc_at + at.len)
+            .ok_or(JobError::outside("slice outside the shard"))?;
+        if at.first {
+            dst.copy_from_slice(data);
+        } else {
+            cpu::add_assign(dst, data);
+        }
+        Ok(())
+    }
+
+    /// A fold group's partial sum into the chunk's accumulator.
+    fn fold_partial(&mut self, at: SumAt) -> Jr<()> {
+        let part = self
+            .partial
+            .get(at.window as usize)
+            .and_then(|p| p.get(at.acc_at..at.acc_at + at.len))
+            .ok_or(JobError::outside("a fold group's partial sum that was never formed"))?;
+        let key = self.key(at.window, at.chunk);
+        let (acc, off) = chunk_acc(&self.book, &mut self.acc, at)?;
+        self.agg.accumulate(key, at.contributions, acc, off, part, false)?;
+        Ok(())
+    }
+
+    /// A chunk's sum is complete: apply it to the shard (and snapshot the
+    /// momentum when a checkpoint is due).
+    fn apply(&mut self, window: u32, chunk: u32, range: std::ops::Range<usize>, iter: u64, gradients: u32) -> Jr<()> {
+        let key = self.key(window, chunk);
+        let acc = self
+            .acc
+            .get_mut(window as usize)
+            .ok_or(JobError::outside("unknown window"))?
+            .get_mut(range.clone())
+            .ok_or(JobError::outside("chunk outside the shard"))?;
+        self.agg.finish(key, acc)?;
+        let mut dst = self.mem.lease(
+            Loc {
+                region: LocalRegion::Shard,
+                offset: range.start as u64 * 4,
+            },
+            range.len() as u64 * 4,
+        )?;
+        let mom = if self.momentum.is_empty() {
+            &mut [][..]
+        } else {
+            &mut self.momentum[range]
+        };
+        // The gradients in this sum: every worker's (× local learners)
+        // under the `All` trigger, the contributors' under the others.
+        let n = if gradients > 0 {
+            gradients as usize
+        } else {
+            self.gradients
+        };
+        cpu::apply(self.op, n, acc, dst.as_f32_mut()?, mom);
+        if let Some(snap) = &mut self.snap {
+            snap.applied(chunk, iter, mom)?;
+        }
+        Ok(())
+    }
+
+    /// Adam's server: the layer's gradient, rebuilt from every worker's
+    /// factors in worker order, where the PS would have folded the gradients
+    /// (the same sums, element by element).
+    fn sum_factors(&mut self, layer: u32, window: u32, acc_at: usize, factors: &[Blob]) -> Jr<()> {
+        let k = self.book.config().batch;
+        let l = self
+            .book
+            .layers()
+            .get(layer as usize)
+            .ok_or(JobError::outside("unknown layer"))?;
+        let (m, n, params) = (l.m, l.n, l.params());
+        let (uv, [in_place, decoded]) = factor_views(factors, (k, m, n), &mut self.factor_scratch)?;
+        self.reads.in_place.fetch_add(in_place, Ordering::Relaxed);
+        self.reads.decoded.fetch_add(decoded, Ordering::Relaxed);
+        let acc = self
+            .acc
+            .get_mut(window as usize)
+            .ok_or(JobError::outside("unknown window"))?
+            .get_mut(acc_at..acc_at + params)
+            .ok_or(JobError::outside("layer outside the shard"))?;
+        cpu::sf_sum(&uv, k, m, n, acc);
+        Ok(())
+    }
 }
 
-fn copy(mem: &Memory, src: Loc, dst: Loc, len: u64) -> std::result::Result<Option<Vec<u8>>, String> {
+fn copy(mem: &Memory, src: Loc, dst: Loc, len: u64) -> Jr<Option<Vec<u8>>> {
     let s = mem.lease(src, len)?;
     let mut d = mem.lease(dst, len)?;
     d.as_bytes_mut().copy_from_slice(s.as_bytes());
@@ -570,18 +644,21 @@ struct WorkerExec {
 }
 
 impl WorkerExec {
-    fn run(&mut self, job: &Job) -> std::result::Result<Option<Vec<u8>>, String> {
+    fn run(&mut self, job: &Job) -> Jr<Option<Vec<u8>>> {
         let book = self.book.clone();
         let k = book.config().batch;
         match &job.kind {
             JobKind::Copy { src, dst, len } => copy(&self.mem, *src, *dst, *len),
             JobKind::FactorsToGrad { layer, factors, grad } => {
-                let l = book.layers().get(*layer as usize).ok_or("unknown layer")?;
+                let l = book
+                    .layers()
+                    .get(*layer as usize)
+                    .ok_or(JobError::outside("unknown layer"))?;
                 let f = self.mem.lease(*factors, (k * (l.m + l.n) * 4) as u64)?;
                 let mut g = self.mem.lease(*grad, (l.params() * 4) as u64)?;
-                let uv = f.as_f32().map_err(|e| e.to_string())?;
+                let uv = f.as_f32()?;
                 let (u, v) = uv.split_at(k * l.m);
-                cpu::sf_rows(u, v, k, l.m, l.n, 0, g.as_f32_mut().map_err(|e| e.to_string())?);
+                cpu::sf_rows(u, v, k, l.m, l.n, 0, g.as_f32_mut()?);
                 Ok(None)
             }
             JobKind::CaptureFactors { factors, len, .. } => {
@@ -591,7 +668,10 @@ impl WorkerExec {
             JobKind::Reconstruct {
                 layer, params, factors, ..
             } => {
-                let l = book.layers().get(*layer as usize).ok_or("unknown layer")?;
+                let l = book
+                    .layers()
+                    .get(*layer as usize)
+                    .ok_or(JobError::outside("unknown layer"))?;
                 let (uv, [in_place, decoded]) = factor_views(factors, (k, l.m, l.n), &mut self.factor_scratch)?;
                 self.reads.in_place.fetch_add(in_place, Ordering::Relaxed);
                 self.reads.decoded.fetch_add(decoded, Ordering::Relaxed);
@@ -607,25 +687,14 @@ impl WorkerExec {
                         Vec::new()
                     }
                 });
-                cpu::apply(
-                    op,
-                    self.gradients,
-                    &self.scratch[..l.params()],
-                    p.as_f32_mut().map_err(|e| e.to_string())?,
-                    mom,
-                );
+                cpu::apply(op, self.gradients, &self.scratch[..l.params()], p.as_f32_mut()?, mom);
                 Ok(None)
             }
             JobKind::EncodeSparse { src, len, dst, cap, .. } => {
                 let s = self.mem.lease(*src, *len as u64 * 4)?;
                 // The staging of a slice is as long as its gradient.
                 let mut d = self.mem.lease(*dst, *len as u64 * 4)?;
-                let pairs = cpu::sparse_encode(
-                    s.as_f32().map_err(|e| e.to_string())?,
-                    *cap,
-                    d.as_bytes_mut(),
-                    self.threads,
-                );
+                let pairs = cpu::sparse_encode(s.as_f32()?, *cap, d.as_bytes_mut(), self.threads);
                 let report = tidewire_engine::sparse::EncodeReport {
                     pairs: pairs.map(|n| n as u32),
                     scanned: if pairs.is_some() { *len as u64 } else { 0 },
@@ -637,11 +706,13 @@ impl WorkerExec {
                 // element by element through relaxed atomics, never as a slice.
                 let s = self.mem.get(src.region)?;
                 let mut d = self.mem.lease(*dst, *len)?;
-                s.read_f32_relaxed(src.offset as usize, d.as_f32_mut().map_err(|e| e.to_string())?)
-                    .map_err(|e| e.to_string())?;
+                s.read_f32_relaxed(src.offset as usize, d.as_f32_mut()?)?;
                 Ok(None)
             }
-            other => Err(format!("not a worker job: {other:?}")),
+            other => Err(JobError::WrongQueue {
+                queue: Queue::Worker,
+                job: format!("{other:?}"),
+            }),
         }
     }
 }

@@ -12,6 +12,8 @@
 //! holds its layers.
 
 pub(crate) mod exec;
+pub(crate) mod job_error;
+mod setup;
 pub(crate) mod shared;
 mod snapshot;
 
@@ -25,14 +27,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use tidewire_engine::book::LayerKind;
-use tidewire_engine::node::{
-    Input, Limits, LocalRegion, Node, NodeConfig, Output, Payload, SendSrc, Transmit, TxOp, CELL_BYTES,
-};
+use tidewire_engine::node::{Input, Limits, LocalRegion, Node, Output, Payload, SendSrc, Transmit, TxOp, CELL_BYTES};
 use tidewire_engine::{Book, EngineError};
 use tidewire_transport::select::{self, Preference};
-use tidewire_transport::{
-    Access, ConnId, Event, PinOptions, PinnedBuffer, Region, RemoteRegion, ReqId, TcpConfig, Transport,
-};
+use tidewire_transport::{Access, ConnId, Event, PinOptions, PinnedBuffer, Region, RemoteRegion, ReqId, Transport};
 
 use crate::buffers::LayerBuffers;
 use crate::cluster::ClusterSpec;
@@ -164,285 +162,6 @@ struct Runtime {
 }
 
 impl Runtime {
-    fn setup(
-        cfg: Config,
-        book: Arc<Book>,
-        spec: &ClusterSpec,
-        shared: Arc<Shared>,
-        rx: Receiver<Request>,
-    ) -> Result<Self> {
-        let rank = spec.rank;
-        let world = book.cluster().world();
-        let role = book.cluster().role(rank).expect("checked by the builder");
-        let secret = cfg.secret.clone().expect("set by build");
-        let limits = cfg.limits.from_env()?;
-        let mut tcp = TcpConfig::new(cfg.job, rank, secret.clone());
-        // The runtime sleeps in `wait` until there is work: no spinning.
-        tcp.busy_poll = Duration::ZERO;
-        tcp.peer_timeout = cfg.timeout;
-        // The handshake keeps its own short deadline (unauthenticated peers hold
-        // resources until it passes); the connect timeout only shortens it.
-        tcp.handshake_timeout = tcp.handshake_timeout.min(cfg.connect_timeout);
-        if let Some(n) = limits.max_outstanding {
-            tcp.max_outstanding = n;
-        }
-        if let Some(n) = limits.max_message_bytes {
-            tcp.max_message_bytes = n;
-        }
-        let host = if rank == 0 && world > 1 {
-            Some(rendezvous::Host::bind(spec.master)?)
-        } else {
-            None
-        };
-        #[cfg(feature = "rdma")]
-        let tweak = move |c: &mut tidewire_transport::RdmaConfig| {
-            if let Some(n) = limits.max_message_bytes {
-                c.max_message_bytes = n;
-            }
-        };
-        #[cfg(not(feature = "rdma"))]
-        let tweak = |_: &mut ()| {};
-        let selected = select::open(preference(cfg.transport), tcp, &tweak).map_err(|e| match e {
-            tidewire_transport::Error::RdmaUnavailable { reason } => Error::TransportUnavailable(format!(
-                "RDMA was requested but is unavailable: {reason}; use TIDEWIRE_TRANSPORT=tcp or auto"
-            )),
-            o => o.into(),
-        })?;
-        tracing::info!(rank, transport = selected.kind, reason = %selected.reason, "transport");
-        shared.set_transport(selected.kind, &selected.reason);
-        let mut t = selected.transport;
-        let waker = t.waker()?;
-        shared.set_waker(waker.clone());
-        let ip = match cfg.listen_ip {
-            Some(ip) => ip,
-            None => rendezvous::local_ip_towards(spec.master)?,
-        };
-        let listener = t.listen(SocketAddr::new(ip, 0))?;
-        let me = t.listener_addr(listener)?;
-
-        let props = t.properties().clone();
-        let node_limits = Limits {
-            max_outstanding: props.max_outstanding,
-            max_message_bytes: props.max_message_bytes,
-            max_write_bytes: props.max_write_bytes,
-        };
-        let mut nc = NodeConfig::new(book.clone(), rank);
-        nc.sched = cfg.sched;
-        nc.apply = cfg.op;
-        nc.comm = cfg.comm;
-        nc.checkpoint = cfg.ckpt.fingerprint;
-        nc.limits = node_limits;
-        // What every rank must agree on is the wire protocol: the io_uring and the
-        // portable TCP backends speak the same one, so a job may mix them.
-        nc.transport = match selected.kind {
-            "portable" => "tcp".to_string(),
-            k => k.to_string(),
-        };
-        nc.params = cfg
-            .params
-            .as_ref()
-            .map(|l| l.offsets.iter().map(|&o| o as u64).collect());
-        nc.grads = cfg
-            .grads
-            .as_ref()
-            .map(|l| l.offsets.iter().map(|&o| o as u64).collect());
-        nc.startup_timeout = cfg.connect_timeout;
-        if role.is_worker() {
-            if let Some(len) = book
-                .slices()
-                .iter()
-                .filter(|s| book.layers()[s.layer as usize].sparse)
-                .map(|s| s.len)
-                .max()
-            {
-                // The sparse threshold is measured: this machine's encode and
-                // densify costs, against the link's speed.
-                let env = std::env::var("TIDEWIRE_LINK_GBPS")
-                    .ok()
-                    .and_then(|v| v.trim().parse::<f64>().ok());
-                let gbps = env
-                    .or(cfg.link_gbps)
-                    .or(props.speed_mbps.map(|m| m as f64 / 1000.0))
-                    .filter(|g| *g > 0.0)
-                    .unwrap_or(10.0);
-                let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
-                nc.sparse = tidewire_gpu::cpu::calibrate_sparse(len, threads, gbps * 1e9 / 8.0);
-                tracing::info!(rank, costs = ?nc.sparse, threshold = nc.sparse.threshold(len), "sparse push");
-            }
-        }
-        let mut node = Node::new(nc)?;
-        if cfg.rejoin {
-            // A replacement: no seeding; the servers send it the current values.
-            node.rejoin()?;
-        }
-
-        // The regions the Node asks for: the caller's own memory where it gave some.
-        let (mut user_params, mut user_grads) = (cfg.params.map(|l| l.buffer), cfg.grads.map(|l| l.buffer));
-        let staged = node.is_staged();
-        let mut mem = Memory::default();
-        let mut key_region = HashMap::new();
-        for r in LocalRegion::ALL {
-            let bytes = node.region_bytes(r) as usize;
-            if bytes == 0 {
-                continue;
-            }
-            let buf = match r {
-                LocalRegion::Params if !staged => user_params.take(),
-                LocalRegion::View => user_params.take(),
-                LocalRegion::Grads => user_grads.take(),
-                _ => None,
-            };
-            let (buf, ours) = match buf {
-                Some(b) => (b, false),
-                None => (pinned(bytes)?, true),
-            };
-            let access = if r.remote_write() {
-                Access::REMOTE_WRITE
-            } else {
-                Access::LOCAL
-            };
-            let region = t.register(buf, access)?;
-            if ours {
-                // Fault our own pages in now, so the first iteration does not pay for
-                // them. The caller's memory keeps its values: they are its initial ones.
-                region.fill(0, region.len(), 0)?;
-            }
-            if r.remote_write() {
-                key_region.insert(region.key(), r);
-            }
-            mem.insert(r, region);
-        }
-        if let (true, Some(view), Some(params)) =
-            (staged, mem.region(LocalRegion::View), mem.region(LocalRegion::Params))
-        {
-            // Under SSP the caller's buffer is the view; the initial values go out from the landing copy.
-            for (i, l) in book.layers().iter().enumerate() {
-                let v = node.layer_locs(i as u32).expect("worker").0;
-                let p = node.params_loc(i as u32).expect("worker");
-                let src = view.lease(v.offset as usize, l.params() * 4)?;
-                let mut dst = params.lease(p.offset as usize, l.params() * 4)?;
-                dst.as_bytes_mut().copy_from_slice(src.as_bytes());
-            }
-        }
-        if let (Some(init), Some(params)) = (&cfg.init, mem.region(LocalRegion::Params)) {
-            for (i, l) in book.layers().iter().enumerate() {
-                let at = node.params_loc(i as u32).expect("worker");
-                let mut lease = params.lease(at.offset as usize, l.params() * 4)?;
-                init(i as u32, lease.as_f32_mut()?);
-            }
-        }
-        let key = |r| mem.region(r).map_or(0, Region::key);
-        node.set_keys([
-            key(LocalRegion::Params),
-            key(LocalRegion::Shard),
-            key(LocalRegion::Landing),
-        ]);
-        let mem = Arc::new(mem);
-
-        let (jobs_tx, jobs) = crossbeam_channel::unbounded();
-        let reply = Reply {
-            tx: jobs_tx,
-            waker,
-            panic: shared.panic.clone(),
-        };
-        let server = role.is_server().then(|| ServerSetup {
-            policy: cfg.aggregation,
-            windows: node.windows(),
-            shard_len: book.shard_len(rank),
-        });
-        let momentum = snapshot::WorkerMomentum::default();
-        let (ex, describe) = Executors::start(
-            book.clone(),
-            (cfg.op, cfg.sched.learners),
-            mem.clone(),
-            server,
-            role.is_worker(),
-            reply,
-            rank,
-            &cfg.ckpt,
-            momentum.clone(),
-        )?;
-        let snap = cfg
-            .ckpt
-            .writer
-            .clone()
-            .filter(|w| w.plan().model_writer)
-            .map(|w| snapshot::ModelSnap::new(w, momentum));
-        if let Some(d) = describe {
-            tracing::info!(rank, "{d}");
-        }
-
-        let mut rejoins = None;
-        let addrs = match host {
-            Some(h) => {
-                let addrs = h.run(&secret, cfg.job, world, me, node.job_config(), cfg.connect_timeout)?;
-                if cfg.sched.trigger != tidewire_engine::Trigger::All {
-                    // Under these triggers a lost worker may be replaced: rank 0
-                    // keeps answering replacements with the address table.
-                    rejoins =
-                        Some(h.serve_rejoins(secret.clone(), cfg.job, addrs.clone(), node.job_config().clone())?);
-                }
-                addrs
-            }
-            None if world > 1 => rendezvous::join(
-                spec.master,
-                &secret,
-                cfg.job,
-                rank,
-                world,
-                me,
-                node.job_config(),
-                cfg.connect_timeout,
-            )?,
-            None => vec![me],
-        };
-        let mut dialing = HashMap::new();
-        // Each rank dials the ranks below it; a replacement dials every rank
-        // (the others are long past dialing).
-        let dial = if cfg.rejoin { world } else { rank as usize };
-        for (j, addr) in addrs.iter().enumerate().take(dial) {
-            if j as u32 != rank {
-                dialing.insert(t.connect(*addr)?, j as u32);
-            }
-        }
-        let nl = book.layers().len();
-        Ok(Runtime {
-            t,
-            node,
-            rank,
-            mem,
-            ex,
-            jobs,
-            rx,
-            shared,
-            epoch: Instant::now(),
-            conn_of: vec![None; world],
-            rank_of: HashMap::new(),
-            dialing,
-            peer_keys: vec![None; world],
-            peer_regions: vec![[None; 3]; world],
-            peer_known: vec![false; world],
-            key_region,
-            reqs: HashMap::new(),
-            held: vec![Held::User; if role.is_worker() { nl } else { 0 }],
-            synced_at: vec![None; nl],
-            waiters: HashMap::new(),
-            wait_all: None,
-            ready: None,
-            shutdown: None,
-            fatal: None,
-            finished: false,
-            hand_in_at: None,
-            latencies: VecDeque::new(),
-            hand_in_posts: 0,
-            would_block: 0,
-            evs: Vec::with_capacity(512),
-            _rejoins: rejoins,
-            snap,
-            book,
-        })
-    }
-
     fn now(&self) -> Duration {
         self.epoch.elapsed()
     }
@@ -517,7 +236,10 @@ impl Runtime {
             any = true;
             let input = match j.result {
                 Ok(data) => Input::JobDone { id: j.id, data },
-                Err(reason) => Input::JobFailed { id: j.id, reason },
+                Err(e) => Input::JobFailed {
+                    id: j.id,
+                    reason: e.to_string(),
+                },
             };
             self.input(input);
         }
@@ -578,7 +300,7 @@ impl Runtime {
                 }
                 Output::Job(job) => {
                     if let Err(e) = self.ex.submit(job) {
-                        failure.get_or_insert(e);
+                        failure.get_or_insert(e.to_string());
                     }
                 }
                 Output::PeerKeys { peer, keys } => {
@@ -645,7 +367,7 @@ impl Runtime {
         let region = |mem: &Memory, r: LocalRegion| -> Result<Region> {
             mem.get(r)
                 .cloned()
-                .map_err(|e| Error::Engine(EngineError::InvalidConfig(e)))
+                .map_err(|e| Error::Engine(EngineError::InvalidConfig(e.to_string())))
         };
         match &t.op {
             TxOp::Write { src, dst, len, imm } => {

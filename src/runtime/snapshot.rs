@@ -11,6 +11,7 @@ use tidewire_engine::{Book, Scheme};
 use tidewire_engine::node::LocalRegion;
 use tidewire_transport::Region;
 
+use super::job_error::{JobError, JobResult as Jr};
 use crate::checkpoint::{Tensor, Writer};
 
 /// The worker executor's momentum of the layers it updates itself (SFB),
@@ -50,10 +51,10 @@ impl ModelSnap {
         &mut self,
         book: &Book,
         node: &Node,
-        region: impl Fn(LocalRegion) -> Result<&'a Region, String>,
+        region: impl Fn(LocalRegion) -> Jr<&'a Region>,
         layer: u32,
         iter: u64,
-    ) -> Result<(), String> {
+    ) -> Jr<()> {
         let Some(k) = self.writer.plan().due(iter) else {
             return Ok(());
         };
@@ -67,20 +68,18 @@ impl ModelSnap {
         &mut self,
         book: &Book,
         node: &Node,
-        region: impl Fn(LocalRegion) -> Result<&'a Region, String>,
+        region: impl Fn(LocalRegion) -> Jr<&'a Region>,
         layer: u32,
         iter: u64,
         k: u64,
-    ) -> Result<(), String> {
+    ) -> Jr<()> {
         let nl = book.layers().len();
-        let spec = book.layer(layer).map_err(|e| e.to_string())?;
-        let at = node.layer_locs(layer).ok_or("not a worker")?.0;
+        let spec = book.layer(layer)?;
+        let at = node.layer_locs(layer).ok_or(JobError::outside("not a worker"))?.0;
         let mut data = vec![0f32; spec.params()];
         // Servers may write this region (their next broadcasts, under SSP):
         // read it through relaxed atomics, never as a slice.
-        region(at.region)?
-            .read_f32_relaxed(at.offset as usize, &mut data)
-            .map_err(|e| e.to_string())?;
+        region(at.region)?.read_f32_relaxed(at.offset as usize, &mut data)?;
         let entry = self.pending.entry(k).or_insert_with(|| Pending {
             layers: vec![None; nl],
             momentum: Vec::new(),
@@ -134,7 +133,7 @@ impl ServerSnap {
 
     /// `chunk` was applied for engine iteration `iter`; `momentum` is its
     /// momentum now (empty when the op keeps none: nothing to save).
-    pub(crate) fn applied(&mut self, chunk: u32, iter: u64, momentum: &[f32]) -> Result<(), String> {
+    pub(crate) fn applied(&mut self, chunk: u32, iter: u64, momentum: &[f32]) -> Jr<()> {
         let Some(k) = self.writer.plan().due(iter) else {
             return Ok(());
         };
@@ -142,7 +141,11 @@ impl ServerSnap {
             return Ok(());
         }
         let t = std::time::Instant::now();
-        let ch = self.book.chunks().get(chunk as usize).ok_or("unknown chunk")?;
+        let ch = self
+            .book
+            .chunks()
+            .get(chunk as usize)
+            .ok_or(JobError::outside("unknown chunk"))?;
         let name = &self.book.layers()[ch.layer as usize].name;
         let p = self.pending.entry(k).or_default();
         p.push(Tensor {
