@@ -463,7 +463,7 @@ impl ServerExec {
             JobKind::Copy { src, dst, len } => copy(&self.mem, *src, *dst, *len)?,
             other => {
                 return Err(JobError::WrongQueue {
-                    queue: Queue::Server,
+                    side: "server",
                     job: format!("{other:?}"),
                 })
             }
@@ -710,7 +710,7 @@ impl WorkerExec {
                 Ok(None)
             }
             other => Err(JobError::WrongQueue {
-                queue: Queue::Worker,
+                side: "worker",
                 job: format!("{other:?}"),
             }),
         }

@@ -48,8 +48,8 @@ pub(crate) enum JobError {
     #[error("factors of {got} bytes, expected {want}")]
     FactorSize { got: usize, want: usize },
     /// A job sent to the executor of the other queue.
-    #[error("not a {queue:?} job: {job}")]
-    WrongQueue { queue: Queue, job: String },
+    #[error("not a {side} job: {job}")]
+    WrongQueue { side: &'static str, job: String },
     /// A job for a queue this rank has no executor for (not that role).
     #[error("a {queue:?} job on a rank without that role")]
     NoExecutor { queue: Queue },
