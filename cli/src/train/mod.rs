@@ -8,14 +8,18 @@
 //! The module's files: `args` (the flags), `synth` (the synthetic
 //! data and compute), `report` (what ranks and the launcher report, and its
 //! text), `worker` (one rank's training loop), `reference` (the single-process
-//! runs), `launch` (the launcher and its supervision) and [`comm`] (the
-//! communication frequency).
+//! runs), `launch` (the attempts and the rollback), `spawn` (starting the
+//! rank processes), `supervise` (following and supervising them), `collect`
+//! (the report of an attempt) and [`comm`] (the communication frequency).
 
 mod args;
+mod collect;
 pub mod comm;
 mod launch;
 mod reference;
 mod report;
+mod spawn;
+mod supervise;
 mod synth;
 mod worker;
 
