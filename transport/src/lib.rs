@@ -28,6 +28,7 @@
 
 pub mod api;
 pub mod auth;
+mod conn_core;
 pub mod error;
 pub mod frame;
 pub mod handshake;

@@ -12,6 +12,7 @@ use tracing::{debug, info, warn};
 
 use crate::api::{ConnId, Event, ListenerId, PeerInfo};
 use crate::auth;
+use crate::conn_core::Backend;
 use crate::error::{Error, Result};
 use crate::frame::{Header, HEADER_LEN};
 use crate::handshake::{self as hs, FirstFrame, Frame, Handshake, Outcome, Refusal, MAX_PENDING_HANDSHAKES};
@@ -293,7 +294,7 @@ impl PortableTransport {
                     return self.fail(conn, e);
                 }
                 self.tokens.remove(&token);
-                let list = self.announce_list();
+                let list = self.regions.announce_list();
                 let c = self.conns.get_mut(&conn).expect("checked");
                 c.data = Some(p.sock);
                 c.data_ready = super::state::Ready { rd: true, wr: true };
@@ -464,12 +465,7 @@ impl PortableTransport {
                     addr: c.peer_addr,
                 };
                 info!(conn, rank = info.rank, "connection ready (portable)");
-                let list = self.announce_list();
-                self.send_regions(conn, &list, false);
-                self.events.push_back(Event::Connected {
-                    conn: ConnId(conn),
-                    peer: info,
-                });
+                self.on_established(conn, info);
                 Ok(())
             }
         }

@@ -15,8 +15,9 @@
 //!   the handshake state before any payload byte is read. Afterwards it is read
 //!   in large chunks and frames are reassembled in a reused buffer.
 //! - the **data socket** carries one-sided writes. Its receive side reads the
-//!   40-byte header, checks region, generation and bounds (as the io_uring
-//!   backend's `check_incoming`), and then `recv(2)`s the payload straight into
+//!   40-byte header, checks region, generation, access and bounds (the
+//!   `check_incoming` both backends share, in `crate::conn_core`), and then
+//!   `recv(2)`s the payload straight into
 //!   the registered region ([`Region`](crate::Region)'s `recv_into`): user space
 //!   copies nothing. A rejected write's payload is read into a reused scratch
 //!   buffer and dropped, and the writer gets a `Nack`.
@@ -51,6 +52,11 @@
 //! - `tx`: gathered `sendmsg` of control frames and writes, partial sends.
 //! - `transport`: [`PortableTransport`]: the poller, the event loop, connection
 //!   lifecycle and deadlines, and the [`Transport`](crate::Transport) implementation.
+//!
+//! What both TCP backends do alike (the region table and `check_incoming`, the
+//! admission checks of `send`, `write`, `register` and `deregister`, the queued
+//! frames and writes, Ack/Nack/Regions handling, deadlines) is the sans-IO
+//! `crate::conn_core`, which this backend drives with its own syscalls.
 //!
 //! The configuration is the io_uring backend's [`TcpConfig`](crate::TcpConfig)
 //! (`ring_entries`, `send_zc_min_bytes` and the receive-buffer knobs are ignored).

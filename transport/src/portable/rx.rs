@@ -8,9 +8,10 @@ use std::time::Instant;
 use tracing::debug;
 
 use crate::api::{ConnId, Event};
+use crate::conn_core::{self, Backend};
 use crate::error::{Error, FrameError, Result};
 use crate::frame::{self, Header, Kind, HEADER_LEN};
-use crate::memory::{InFlight, Region};
+use crate::memory::InFlight;
 
 use super::config::{Sock, RX_BUDGET};
 use super::state::{DataRx, State};
@@ -240,45 +241,17 @@ impl PortableTransport {
                 self.deliver_message(conn, hdr, payload.to_vec());
             }
             Kind::Ack => {
-                while c.awaiting_ack.front().is_some_and(|a| a.seq <= hdr.seq) {
-                    let a = c.awaiting_ack.pop_front().expect("front");
-                    c.outstanding -= 1;
-                    self.events.push_back(Event::WriteDone {
-                        conn: ConnId(conn),
-                        req: a.req,
-                        bytes: a.bytes,
-                    });
-                }
+                conn_core::on_ack(&mut c.awaiting_ack, &mut c.outstanding, conn, hdr.seq, &mut self.events);
                 self.dirty.push(conn);
             }
             Kind::Nack => {
-                if let Some(i) = c.awaiting_ack.iter().position(|a| a.seq == hdr.seq) {
-                    let a = c.awaiting_ack.remove(i).expect("index valid");
-                    c.outstanding -= 1;
-                    self.events.push_back(Event::OpFailed {
-                        conn: ConnId(conn),
-                        req: a.req,
-                        error: Error::RemoteAccess {
-                            conn,
-                            seq: hdr.seq,
-                            reason: frame::decode_reason(payload),
-                        },
-                    });
-                }
+                let (awaiting, outstanding) = (&mut c.awaiting_ack, &mut c.outstanding);
+                conn_core::on_nack(awaiting, outstanding, conn, hdr.seq, payload, &mut self.events);
                 self.dirty.push(conn);
             }
             Kind::Regions => {
-                let list =
-                    frame::decode_regions(payload).map_err(|reason| Error::BadFrame { peer: c.peer(), reason })?;
-                for r in list {
-                    if hdr.flags & frame::FLAG_REVOKE != 0 {
-                        c.remote.remove(&r.rkey);
-                    } else {
-                        c.remote.insert(r.rkey, r);
-                    }
-                }
-                self.events
-                    .push_back(Event::RemoteRegionsChanged { conn: ConnId(conn) });
+                conn_core::on_regions(&mut c.remote, conn, hdr, payload, &mut self.events)
+                    .map_err(|reason| Error::BadFrame { peer: c.peer(), reason })?;
             }
             Kind::Close => {
                 c.peer_closed = true;
@@ -304,37 +277,6 @@ impl PortableTransport {
     }
 
     // ---------------------------------------------------------------- data
-
-    /// The io_uring backend's `check_incoming`: region, generation, access, bounds.
-    pub(super) fn check_incoming(&self, hdr: &Header) -> Result<Region> {
-        let op = "incoming write";
-        let r = self
-            .regions
-            .get(&hdr.region)
-            .filter(|r| r.generation() == hdr.generation)
-            .ok_or(Error::UnknownRegion {
-                op,
-                region: hdr.region,
-                generation: hdr.generation,
-            })?;
-        if !r.access().remote_write {
-            return Err(Error::AccessDenied {
-                op,
-                region: hdr.region,
-                needed: "remote write",
-            });
-        }
-        match hdr.offset.checked_add(hdr.length as u64) {
-            Some(end) if end <= r.len() as u64 => Ok(r.clone()),
-            _ => Err(Error::OutOfBounds {
-                op,
-                region: hdr.region,
-                offset: hdr.offset,
-                len: hdr.length as u64,
-                region_len: r.len() as u64,
-            }),
-        }
-    }
 
     /// Reads the data socket until it would block or its budget is spent.
     pub(super) fn read_data(&mut self, conn: u64) {
@@ -464,22 +406,11 @@ impl PortableTransport {
     }
 
     fn on_data_header(&mut self, conn: u64, b: &[u8; HEADER_LEN]) -> Step {
-        let hdr = match Header::decode(b) {
-            Ok(h) if h.kind == Kind::Write => h,
-            Ok(h) => {
-                let peer = self.conns[&conn].peer();
-                let reason = FrameError::Unexpected {
-                    kind: h.kind.name(),
-                    state: "DataSocket",
-                };
-                return Step::Failed(Error::BadFrame { peer, reason });
-            }
-            Err(reason) => {
-                let peer = self.conns[&conn].peer();
-                return Step::Failed(Error::BadFrame { peer, reason });
-            }
+        let hdr = match conn_core::decode_data_header(b, || self.conns[&conn].peer()) {
+            Ok(h) => h,
+            Err(e) => return Step::Failed(e),
         };
-        let checked = self.check_incoming(&hdr);
+        let checked = self.regions.check_incoming(&hdr);
         let c = self.conns.get_mut(&conn).expect("live");
         match checked {
             Ok(_) if hdr.length == 0 => {
@@ -520,27 +451,12 @@ impl PortableTransport {
     /// A rejected write was drained: acknowledge what came before it, then refuse it.
     fn nack(&mut self, conn: u64, hdr: Header, reason: String) {
         let Some(c) = self.conns.get_mut(&conn) else { return };
-        if let Some(seq) = c.ack_to_send.take() {
-            let mut h = Header::new(Kind::Ack, 0);
-            h.seq = seq;
-            self.queue_ctrl(conn, h, super::state::Payload::None, None);
-        }
-        let body = reason.into_bytes();
-        let mut h = Header::new(Kind::Nack, body.len() as u32);
-        h.seq = hdr.seq;
-        self.queue_ctrl(conn, h, super::state::Payload::Owned(body), None);
+        let ack = c.ack_to_send.take();
+        self.queue_nack(conn, ack, hdr.seq, reason);
     }
 
     fn placed(&mut self, conn: u64, hdr: Header) {
-        if hdr.flags & frame::FLAG_IMM != 0 {
-            self.events.push_back(Event::WriteReceived {
-                conn: ConnId(conn),
-                region: hdr.region,
-                offset: hdr.offset,
-                len: hdr.length as u64,
-                imm: hdr.imm,
-            });
-        }
+        self.events.extend(conn_core::write_received(conn, &hdr));
         if let Some(c) = self.conns.get_mut(&conn) {
             c.ack_to_send = Some(hdr.seq);
         }

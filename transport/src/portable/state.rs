@@ -6,10 +6,12 @@ use std::time::Instant;
 
 use mio::net::{TcpListener, TcpStream};
 
-use crate::api::{ConnId, PeerInfo, ReqId};
+use crate::api::{ConnId, PeerInfo};
 use crate::frame::{Header, HEADER_LEN};
 use crate::handshake::{Handshake, FIRST_FRAME_MAX};
-use crate::memory::{InFlight, Region, RemoteRegion, Slice};
+use crate::memory::{InFlight, Region, RemoteRegion};
+
+pub(super) use crate::conn_core::{AwaitAck, Payload, TxFrame, WriteReq};
 
 use super::config::CTRL_RX_BYTES;
 
@@ -56,52 +58,6 @@ pub(super) struct Pending {
     pub(super) buf: [u8; HEADER_LEN + FIRST_FRAME_MAX as usize],
     pub(super) have: usize,
     pub(super) hdr: Option<Header>,
-}
-
-/// Payload of a queued control frame.
-pub(super) enum Payload {
-    None,
-    Owned(Vec<u8>),
-    Region { slice: Slice, _guard: InFlight },
-}
-
-impl Payload {
-    pub(super) fn len(&self) -> usize {
-        match self {
-            Payload::None => 0,
-            Payload::Owned(v) => v.len(),
-            Payload::Region { slice, .. } => slice.len(),
-        }
-    }
-    pub(super) fn ptr(&self) -> *const u8 {
-        match self {
-            Payload::None => std::ptr::null(),
-            Payload::Owned(v) => v.as_ptr(),
-            Payload::Region { slice, .. } => slice.ptr(),
-        }
-    }
-}
-
-pub(super) struct TxFrame {
-    pub(super) hdr: [u8; HEADER_LEN],
-    pub(super) payload: Payload,
-    pub(super) req: Option<ReqId>,
-}
-
-pub(super) struct WriteReq {
-    pub(super) req: ReqId,
-    pub(super) hdr: [u8; HEADER_LEN],
-    pub(super) src: Slice,
-    pub(super) guard: InFlight,
-    pub(super) seq: u64,
-}
-
-pub(super) struct AwaitAck {
-    pub(super) seq: u64,
-    pub(super) req: ReqId,
-    pub(super) bytes: usize,
-    pub(super) _guard: InFlight,
-    pub(super) since: Instant,
 }
 
 /// The control socket's receive buffer: valid bytes are `buf[start..end]`.

@@ -11,17 +11,17 @@ use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll};
 use tracing::{debug, info};
 
-use crate::api::{check_write, ConnId, Event, ListenerId, PeerInfo, Properties, ReqId, Transport, WakeFd, Waker};
-use crate::auth;
+use crate::api::{ConnId, Event, ListenerId, Properties, Transport, WakeFd};
+use crate::conn_core::{self, Backend, RegionTable};
 use crate::error::{Error, Result};
-use crate::frame::{self, Header, Kind};
+use crate::frame;
 use crate::handshake::Params;
-use crate::memory::{Access, InFlight, MemoryKind, PinnedBuffer, Region, RemoteRegion, Slice};
+use crate::memory::{Access, MemoryKind, PinnedBuffer, Region};
 use crate::tcp::sys::SockOpts;
 use crate::TcpConfig;
 
 use super::config::{PortableStats, Sock, DISCARD_CHUNK, EVENTS};
-use super::state::{Conn, CtrlRx, DataRx, Listener, Payload, Pending, Ready, Side, State, WriteReq};
+use super::state::{Conn, CtrlRx, DataRx, Listener, Pending, Ready, Side, State};
 
 /// The portable (epoll) TCP transport. See the module docs.
 pub struct PortableTransport {
@@ -36,7 +36,7 @@ pub struct PortableTransport {
     pub(super) pending: HashMap<u64, Pending>,
     pub(super) conns: HashMap<u64, Conn>,
     pub(super) tokens: HashMap<u64, u64>,
-    pub(super) regions: HashMap<u32, Region>,
+    pub(super) regions: RegionTable,
     pub(super) events: VecDeque<Event>,
     pub(super) next_id: u64,
     pub(super) next_req: u64,
@@ -132,7 +132,7 @@ impl PortableTransport {
             pending: HashMap::new(),
             conns: HashMap::new(),
             tokens: HashMap::new(),
-            regions: HashMap::new(),
+            regions: RegionTable::default(),
             events: VecDeque::new(),
             next_id: 1,
             next_req: 1,
@@ -152,6 +152,11 @@ impl PortableTransport {
     /// Data-path counters.
     pub fn stats(&self) -> PortableStats {
         self.stats
+    }
+
+    /// Marks `conn` as having output to send.
+    pub(super) fn mark_dirty(&mut self, conn: u64) {
+        self.dirty.push(conn);
     }
 
     pub(super) fn id(&mut self) -> u64 {
@@ -269,12 +274,6 @@ impl PortableTransport {
         self.flush(c);
     }
 
-    pub(super) fn drain_events(&mut self, out: &mut Vec<Event>, max: usize) -> usize {
-        let n = self.events.len().min(max);
-        out.extend(self.events.drain(..n));
-        n
-    }
-
     // ---------------------------------------------------------------- lifecycle
 
     pub(super) fn new_conn(
@@ -380,13 +379,7 @@ impl PortableTransport {
     }
 
     pub(super) fn lost(&self, conn: u64, during: &'static str, source: Option<io::Error>) -> Error {
-        let peer = self.conns.get(&conn).map(|c| c.peer()).unwrap_or_default();
-        Error::ConnectionLost {
-            conn,
-            peer,
-            during,
-            source,
-        }
+        conn_core::lost(conn, self.conns.get(&conn).map(|c| c.peer()), during, source)
     }
 
     pub(super) fn check_close_done(&mut self, conn: u64) {
@@ -414,72 +407,35 @@ impl PortableTransport {
 
     pub(super) fn check_deadlines(&mut self) {
         let now = Instant::now();
-        let peer_timeout = self.cfg.peer_timeout;
         let mut expired = Vec::new();
         for c in self.conns.values() {
-            if c.deadline.is_some_and(|d| d <= now) {
-                let (op, after) = if c.state == State::Closing {
-                    ("graceful close", self.cfg.close_timeout)
-                } else {
-                    ("handshake", self.cfg.handshake_timeout)
-                };
+            let oldest = c.awaiting_ack.front().map(|a| a.since);
+            if let Some((op, after)) = conn_core::expired(&self.cfg, now, c.deadline, c.state == State::Closing, oldest)
+            {
                 expired.push((c.id, op, after));
-            } else if c.awaiting_ack.front().is_some_and(|a| now - a.since > peer_timeout) {
-                expired.push((c.id, "write acknowledgement", peer_timeout));
             }
         }
         for (id, op, after) in expired {
             let peer = self.conns.get(&id).map(|c| c.peer()).unwrap_or_default();
-            let e = Error::Timeout {
-                op,
-                peer,
-                after_ms: after.as_millis() as u64,
-            };
-            self.fail(id, e);
+            self.fail(id, conn_core::timeout(op, peer, after));
         }
-        let late: Vec<u64> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| p.deadline <= now)
-            .map(|(&id, _)| id)
-            .collect();
+        let late = self.pending.iter().filter(|(_, p)| p.deadline <= now);
+        let late: Vec<u64> = late.map(|(&id, _)| id).collect();
         for id in late {
-            let peer = self.pending[&id].addr.to_string();
-            let e = Error::Timeout {
-                op: "handshake (first frame)",
-                peer,
-                after_ms: self.cfg.handshake_timeout.as_millis() as u64,
-            };
-            self.refuse_pending(id, crate::handshake::Refusal { error: e, reply: None });
+            let error = conn_core::first_frame_timeout(&self.cfg, self.pending[&id].addr);
+            self.refuse_pending(id, crate::handshake::Refusal { error, reply: None });
         }
     }
 
     /// The earliest instant at which `check_deadlines` has something to do.
     pub(super) fn nearest_deadline(&self) -> Option<Instant> {
-        let peer_timeout = self.cfg.peer_timeout;
-        let conn_d = self.conns.values().filter_map(|c| c.deadline).min();
-        let ack_d = self
-            .conns
-            .values()
-            .filter_map(|c| c.awaiting_ack.front().map(|a| a.since + peer_timeout))
-            .min();
-        let pend_d = self.pending.values().map(|p| p.deadline).min();
-        [conn_d, ack_d, pend_d].into_iter().flatten().min()
+        let conns = self.conns.values();
+        let conns = conns.map(|c| (c.deadline, c.awaiting_ack.front().map(|a| a.since)));
+        let pending = self.pending.values().map(|p| p.deadline);
+        conn_core::nearest_deadline(&self.cfg, conns, pending)
     }
 
-    fn check_source(&self, src: &Slice, op: &'static str) -> Result<()> {
-        let r = src.region();
-        if !self.regions.get(&r.key()).is_some_and(|x| x.same(r)) {
-            return Err(Error::UnknownRegion {
-                op,
-                region: r.key(),
-                generation: r.generation(),
-            });
-        }
-        Ok(())
-    }
-
-    fn ready_conn(&mut self, conn: ConnId, op: &'static str) -> Result<&mut Conn> {
+    pub(super) fn ready_conn(&mut self, conn: ConnId, op: &'static str) -> Result<&mut Conn> {
         let c = self
             .conns
             .get_mut(&conn.0)
@@ -499,9 +455,8 @@ impl Conn {
 }
 
 impl Transport for PortableTransport {
-    fn properties(&self) -> &Properties {
-        &self.props
-    }
+    // properties, listener_addr, accept, remote_regions, send, write, waker.
+    crate::conn_core::transport_common!();
 
     fn listen(&mut self, addr: SocketAddr) -> Result<ListenerId> {
         let mut sock = mio::net::TcpListener::bind(addr).map_err(Self::io_err("listen (bind)", Some(addr)))?;
@@ -525,155 +480,30 @@ impl Transport for PortableTransport {
         Ok(ListenerId(id))
     }
 
-    fn listener_addr(&self, listener: ListenerId) -> Result<SocketAddr> {
-        self.listeners
-            .get(&listener.0)
-            .map(|l| l.addr)
-            .ok_or(Error::UnknownListener {
-                op: "listener_addr",
-                listener: listener.0,
-            })
-    }
-
     fn connect(&mut self, addr: SocketAddr) -> Result<ConnId> {
         self.start_connect(addr)
     }
 
-    fn accept(&mut self, listener: ListenerId) -> Result<Option<(ConnId, PeerInfo)>> {
-        let l = self.listeners.get_mut(&listener.0).ok_or(Error::UnknownListener {
-            op: "accept",
-            listener: listener.0,
-        })?;
-        Ok(l.accepted.pop_front())
-    }
-
     fn register(&mut self, buf: PinnedBuffer, access: Access) -> Result<Region> {
-        if buf.len() > u32::MAX as usize {
-            return Err(Error::TooLarge {
-                op: "register",
-                len: buf.len() as u64,
-                max: u32::MAX as u64,
-            });
-        }
-        let mut key = auth::random_u32();
-        while key == 0 || self.regions.contains_key(&key) {
-            key = auth::random_u32();
-        }
+        conn_core::check_register(&buf)?;
+        let key = self.regions.new_key();
         let generation = (self.id() & 0xffff_ffff) as u32;
         let r = Region::new(buf, key, generation, access, None);
-        self.regions.insert(key, r.clone());
+        self.regions.insert(r.clone());
         debug!(
             key = format_args!("{key:#x}"),
             len = r.len(),
             ?access,
             "registered region"
         );
-        if access.remote_write {
-            self.broadcast_regions(r.remote(), false);
-        }
+        self.broadcast_regions(&r, false);
         Ok(r)
     }
 
     fn deregister(&mut self, region: &Region) -> Result<()> {
-        let known = self.regions.get(&region.key()).is_some_and(|r| r.same(region));
-        crate::memory::check_deregister(known, region)?;
-        self.regions.remove(&region.key());
-        region.0.registered.store(false, std::sync::atomic::Ordering::Release);
-        if region.access().remote_write {
-            self.broadcast_regions(region.remote(), true);
-        }
+        self.regions.deregister(region)?;
+        self.broadcast_regions(region, true);
         Ok(())
-    }
-
-    fn remote_regions(&self, conn: ConnId) -> Result<Vec<RemoteRegion>> {
-        let c = self.conns.get(&conn.0).ok_or(Error::UnknownConnection {
-            op: "remote_regions",
-            conn: conn.0,
-        })?;
-        let mut v: Vec<_> = c.remote.values().copied().collect();
-        v.sort_by_key(|r| r.rkey);
-        Ok(v)
-    }
-
-    fn send(&mut self, conn: ConnId, src: &Slice, tag: u32) -> Result<ReqId> {
-        self.check_source(src, "send")?;
-        let max = self.cfg.max_message_bytes;
-        if src.len() > max {
-            return Err(Error::TooLarge {
-                op: "send",
-                len: src.len() as u64,
-                max: max as u64,
-            });
-        }
-        let limit = self.cfg.max_outstanding;
-        let req = ReqId(self.next_req);
-        let c = self.ready_conn(conn, "send")?;
-        if c.outstanding >= limit {
-            return Err(Error::WouldBlock {
-                op: "send",
-                conn: conn.0,
-                limit,
-            });
-        }
-        c.outstanding += 1;
-        self.next_req += 1;
-        let mut h = Header::new(Kind::Message, src.len() as u32);
-        h.imm = tag;
-        let guard = InFlight::new(src.region());
-        self.queue_ctrl(
-            conn.0,
-            h,
-            Payload::Region {
-                slice: src.clone(),
-                _guard: guard,
-            },
-            Some(req),
-        );
-        Ok(req)
-    }
-
-    fn write(
-        &mut self,
-        conn: ConnId,
-        src: &Slice,
-        dst: &RemoteRegion,
-        dst_offset: u64,
-        imm: Option<u32>,
-    ) -> Result<ReqId> {
-        self.check_source(src, "write")?;
-        check_write(src, dst, dst_offset, frame::MAX_WRITE_BYTES as usize)?;
-        let limit = self.cfg.max_outstanding;
-        let req = ReqId(self.next_req);
-        let c = self.ready_conn(conn, "write")?;
-        if c.outstanding >= limit {
-            return Err(Error::WouldBlock {
-                op: "write",
-                conn: conn.0,
-                limit,
-            });
-        }
-        c.outstanding += 1;
-        let seq = c.next_write_seq;
-        c.next_write_seq += 1;
-        let mut h = Header::new(Kind::Write, src.len() as u32);
-        h.region = dst.rkey;
-        h.generation = dst.generation;
-        h.offset = dst_offset;
-        h.seq = seq;
-        if let Some(i) = imm {
-            h.imm = i;
-            h.flags |= frame::FLAG_IMM;
-        }
-        c.data_tx.push_back(WriteReq {
-            req,
-            hdr: h.encode(),
-            src: src.clone(),
-            guard: InFlight::new(src.region()),
-            seq,
-        });
-        self.next_req += 1;
-        self.dirty.push(conn.0);
-        Ok(req)
     }
 
     fn poll(&mut self, events: &mut Vec<Event>, max: usize) -> Result<usize> {
@@ -693,24 +523,7 @@ impl Transport for PortableTransport {
         while self.events.is_empty() && !self.wake.is_pending() && Instant::now() < spin_end {
             self.progress(Some(Duration::ZERO))?;
         }
-        if !self.events.is_empty() || self.wake.take() {
-            self.wake.take();
-            return Ok(self.drain_events(events, max));
-        }
-        loop {
-            let now = Instant::now();
-            let mut slice = end.saturating_duration_since(now);
-            if let Some(d) = self.nearest_deadline() {
-                slice = slice.min(d.saturating_duration_since(now) + Duration::from_millis(1));
-            }
-            // Sleeps in epoll_wait until readiness (the waker's eventfd among it),
-            // the nearest deadline, or the end of the timeout.
-            self.progress(Some(slice))?;
-            if !self.events.is_empty() || self.wake.take() || Instant::now() >= end {
-                self.wake.take();
-                return Ok(self.drain_events(events, max));
-            }
-        }
+        self.wait_rest(events, max, end)
     }
 
     fn close(&mut self, conn: ConnId) -> Result<()> {
@@ -734,10 +547,6 @@ impl Transport for PortableTransport {
             }
         }
         Ok(())
-    }
-
-    fn waker(&self) -> Result<Waker> {
-        Ok(Waker(Arc::clone(&self.wake)))
     }
 
     fn counters(&self) -> crate::api::Counters {

@@ -7,12 +7,11 @@ use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Instant;
 
-use crate::api::{ConnId, Event, ReqId};
-use crate::frame::{self, Header, Kind, HEADER_LEN};
-use crate::memory::RemoteRegion;
+use crate::api::{ConnId, Event};
+use crate::frame::HEADER_LEN;
 
 use super::config::GATHER_MAX;
-use super::state::{AwaitAck, Payload, State, TxFrame};
+use super::state::{AwaitAck, State, TxFrame};
 use super::PortableTransport;
 
 /// `sendmsg(2)` of `iov` with MSG_NOSIGNAL (a vanished peer is an error, not a signal).
@@ -38,66 +37,15 @@ fn iov(p: *const u8, len: usize) -> libc::iovec {
     }
 }
 
+crate::conn_core::impl_backend!(PortableTransport);
+
 impl PortableTransport {
-    pub(super) fn queue_ctrl(&mut self, conn: u64, hdr: Header, payload: Payload, req: Option<ReqId>) {
-        if let Some(c) = self.conns.get_mut(&conn) {
-            c.ctrl_tx.push_back(TxFrame {
-                hdr: hdr.encode(),
-                payload,
-                req,
-            });
-            self.dirty.push(conn);
-        }
-    }
-
-    pub(super) fn announce_list(&self) -> Vec<RemoteRegion> {
-        let mut l: Vec<_> = self
-            .regions
-            .values()
-            .filter(|r| r.access().remote_write)
-            .map(|r| r.remote())
-            .collect();
-        l.sort_by_key(|r| r.rkey);
-        l
-    }
-
-    pub(super) fn send_regions(&mut self, conn: u64, list: &[RemoteRegion], revoke: bool) {
-        if list.is_empty() {
-            return;
-        }
-        let body = frame::encode_regions(list);
-        let mut h = Header::new(Kind::Regions, body.len() as u32);
-        if revoke {
-            h.flags |= frame::FLAG_REVOKE;
-        }
-        self.queue_ctrl(conn, h, Payload::Owned(body), None);
-    }
-
-    /// Announces (or revokes) one region to every established connection.
-    pub(super) fn broadcast_regions(&mut self, r: RemoteRegion, revoke: bool) {
-        let ready: Vec<u64> = self
-            .conns
-            .values()
-            .filter(|c| c.state == State::Ready)
-            .map(|c| c.id)
-            .collect();
-        for c in ready {
-            self.send_regions(c, &[r], revoke);
-        }
-    }
-
     /// Sends whatever one connection has queued, as far as its sockets take it.
     pub(super) fn flush(&mut self, conn: u64) {
         let Some(c) = self.conns.get_mut(&conn) else { return };
         // A pending acknowledgement goes ahead of anything queued later.
         if let Some(seq) = c.ack_to_send.take() {
-            let mut h = Header::new(Kind::Ack, 0);
-            h.seq = seq;
-            c.ctrl_tx.push_back(TxFrame {
-                hdr: h.encode(),
-                payload: Payload::None,
-                req: None,
-            });
+            c.ctrl_tx.push_back(TxFrame::ack(seq));
         }
         if c.state == State::Closing
             && !c.sent_close
@@ -106,11 +54,7 @@ impl PortableTransport {
             && c.ctrl_tx.is_empty()
         {
             c.sent_close = true;
-            c.ctrl_tx.push_back(TxFrame {
-                hdr: Header::new(Kind::Close, 0).encode(),
-                payload: Payload::None,
-                req: None,
-            });
+            c.ctrl_tx.push_back(TxFrame::close());
         }
         self.flush_ctrl(conn);
         self.flush_data(conn);
@@ -241,13 +185,7 @@ impl PortableTransport {
                 n -= len;
                 let w = c.data_tx.pop_front().expect("front");
                 self.stats.tx_payload_bytes += w.src.len() as u64;
-                c.awaiting_ack.push_back(AwaitAck {
-                    seq: w.seq,
-                    req: w.req,
-                    bytes: w.src.len(),
-                    _guard: w.guard,
-                    since: now,
-                });
+                c.awaiting_ack.push_back(AwaitAck::new(w, now));
             }
             c.data_off = n;
         }

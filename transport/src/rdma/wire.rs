@@ -202,7 +202,7 @@ pub(crate) struct NoticeTarget {
 }
 
 /// Checks a write notice the peer left in the ring as the TCP backend checks
-/// a write header (`tcp/rx.rs`, `check_incoming`): the region is registered
+/// a write header (`conn_core.rs`, `RegionTable::check_incoming`): the region is registered
 /// here (`target`, looked up by the notice's key) with the notice's
 /// generation, it takes remote writes, the range lies inside it without
 /// overflow, and the notice's length is what landed (`landed`, from the

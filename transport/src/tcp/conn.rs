@@ -11,6 +11,7 @@ use tracing::{debug, debug_span};
 
 use crate::api::{ConnId, Event, ListenerId, ReqId};
 use crate::auth::Transcript;
+use crate::conn_core;
 use crate::error::{Error, Result};
 use crate::frame::NONCE_LEN;
 
@@ -99,7 +100,7 @@ impl TcpTransport {
         let rx_op = c.ctrl_rx_op;
         let mut failed = Vec::new();
         for f in c.ctrl_tx.drain(..) {
-            if let Some((req, _)) = f.req {
+            if let Some(req) = f.req {
                 failed.push(req);
             }
         }
@@ -178,13 +179,7 @@ impl TcpTransport {
     }
 
     pub(super) fn lost(&self, conn: u64, during: &'static str, source: Option<io::Error>) -> Error {
-        let peer = self.conns.get(&conn).map(|c| c.peer()).unwrap_or_default();
-        Error::ConnectionLost {
-            conn,
-            peer,
-            during,
-            source,
-        }
+        conn_core::lost(conn, self.conns.get(&conn).map(|c| c.peer()), during, source)
     }
     pub(super) fn check_close_done(&mut self, conn: u64) {
         let Some(c) = self.conns.get(&conn) else { return };
@@ -215,44 +210,21 @@ impl TcpTransport {
     }
     pub(super) fn check_deadlines(&mut self) {
         let now = Instant::now();
-        let peer_timeout = self.cfg.peer_timeout;
         let mut expired = Vec::new();
-        for c in self.conns.values() {
-            if !c.is_live() {
-                continue;
-            }
-            if c.deadline.is_some_and(|d| d <= now) {
-                let (op, after) = if c.state == State::Closing {
-                    ("graceful close", self.cfg.close_timeout)
-                } else {
-                    ("handshake", self.cfg.handshake_timeout)
-                };
+        for c in self.conns.values().filter(|c| c.is_live()) {
+            let oldest = c.awaiting_ack.front().map(|a| a.since);
+            if let Some((op, after)) = conn_core::expired(&self.cfg, now, c.deadline, c.state == State::Closing, oldest)
+            {
                 expired.push((c.id, op, after, c.peer()));
-            } else if c.awaiting_ack.front().is_some_and(|a| now - a.since > peer_timeout) {
-                expired.push((c.id, "write acknowledgement", peer_timeout, c.peer()));
             }
         }
         for (id, op, after, peer) in expired {
-            let e = Error::Timeout {
-                op,
-                peer,
-                after_ms: after.as_millis() as u64,
-            };
-            self.fail(id, e);
+            self.fail(id, conn_core::timeout(op, peer, after));
         }
-        let late: Vec<u64> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| !p.done && p.deadline <= now)
-            .map(|(&id, _)| id)
-            .collect();
+        let late = self.pending.iter().filter(|(_, p)| !p.done && p.deadline <= now);
+        let late: Vec<u64> = late.map(|(&id, _)| id).collect();
         for id in late {
-            let peer = self.pending[&id].addr.to_string();
-            let e = Error::Timeout {
-                op: "handshake (first frame)",
-                peer,
-                after_ms: self.cfg.handshake_timeout.as_millis() as u64,
-            };
+            let e = conn_core::first_frame_timeout(&self.cfg, self.pending[&id].addr);
             self.reject_pending(id, e, None);
         }
     }
@@ -261,14 +233,10 @@ impl TcpTransport {
     /// write's `peer_timeout`, or a pending socket's first-frame deadline.
     /// `wait` sleeps no longer than this.
     pub(super) fn nearest_deadline(&self) -> Option<Instant> {
-        let peer_timeout = self.cfg.peer_timeout;
-        let live = || self.conns.values().filter(|c| c.is_live());
-        let conn_d = live().filter_map(|c| c.deadline).min();
-        let ack_d = live()
-            .filter_map(|c| c.awaiting_ack.front().map(|a| a.since + peer_timeout))
-            .min();
-        let pend_d = self.pending.values().filter(|p| !p.done).map(|p| p.deadline).min();
-        [conn_d, ack_d, pend_d].into_iter().flatten().min()
+        let live = self.conns.values().filter(|c| c.is_live());
+        let conns = live.map(|c| (c.deadline, c.awaiting_ack.front().map(|a| a.since)));
+        let pending = self.pending.values().filter(|p| !p.done).map(|p| p.deadline);
+        conn_core::nearest_deadline(&self.cfg, conns, pending)
     }
 
     pub(super) fn ready_conn(&mut self, conn: ConnId, op: &'static str) -> Result<&mut Conn> {

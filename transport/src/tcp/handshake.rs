@@ -10,6 +10,7 @@ use tracing::{debug, info, warn};
 
 use crate::api::{ConnId, Event, ListenerId, PeerInfo};
 use crate::auth::{self, Role as MacRole};
+use crate::conn_core::Backend;
 use crate::error::{Error, FrameError, Result};
 use crate::frame::{self, Header, Kind, HEADER_LEN, MAX_PENDING_HANDSHAKES, MAX_REJECT_BYTES, NONCE_LEN};
 
@@ -444,7 +445,7 @@ impl TcpTransport {
         p.done = true;
         let fd = p.fd.take().expect("not done");
         self.reap_pending(pending);
-        let list = self.announce_list();
+        let list = self.regions.announce_list();
         let Some(c) = self.conns.get_mut(&conn).filter(|c| c.state == State::AwaitData) else {
             return;
         };
@@ -598,12 +599,7 @@ impl TcpTransport {
                 };
                 info!(parent: &c.span, rank = c.peer_rank, "connection ready");
                 self.reserve_for_ready(conn);
-                let list = self.announce_list();
-                self.send_regions(conn, &list, false);
-                self.events.push_back(Event::Connected {
-                    conn: ConnId(conn),
-                    peer: info,
-                });
+                self.on_established(conn, info);
                 Ok(())
             }
             (s, _) => Err(unexpected(s)),

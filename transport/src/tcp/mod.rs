@@ -76,6 +76,11 @@
 //! - `tx`: control frames and writes out (gathered SENDMSG, SEND_ZC), send completions.
 //! - `rx`: control frame reassembly, placement of writes straight into regions.
 //! - `transport`: the [`Transport`](crate::Transport) implementation.
+//!
+//! What both TCP backends do alike (the region table and `check_incoming`, the
+//! admission checks of `send`, `write`, `register` and `deregister`, the queued
+//! frames and writes, Ack/Nack/Regions handling, deadlines) is the sans-IO
+//! `crate::conn_core`, which this backend drives with its own submissions.
 
 mod config;
 mod conn;

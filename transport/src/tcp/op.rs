@@ -4,63 +4,17 @@
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use std::time::Instant;
 
-use crate::api::{ReqId, WakeFd};
+use crate::api::WakeFd;
 use crate::frame::{Header, HEADER_LEN};
-use crate::memory::{InFlight, Slice};
+use crate::memory::InFlight;
+
+pub(super) use crate::conn_core::{AwaitAck, Payload, TxFrame, WriteReq};
 
 use super::sys::SockAddr;
 
 /// `user_data` of SQEs whose completion nobody waits for (cancels).
 pub(super) const USER_DATA_NONE: u64 = u64::MAX;
-
-/// Payload of a queued control frame.
-pub(super) enum Payload {
-    None,
-    Owned(Vec<u8>),
-    Region { slice: Slice, _guard: InFlight },
-}
-
-impl Payload {
-    pub(super) fn len(&self) -> usize {
-        match self {
-            Payload::None => 0,
-            Payload::Owned(v) => v.len(),
-            Payload::Region { slice, .. } => slice.len(),
-        }
-    }
-    pub(super) fn ptr(&self) -> *const u8 {
-        match self {
-            Payload::None => std::ptr::null(),
-            Payload::Owned(v) => v.as_ptr(),
-            Payload::Region { slice, .. } => slice.ptr(),
-        }
-    }
-}
-
-pub(super) struct TxFrame {
-    pub(super) hdr: [u8; HEADER_LEN],
-    pub(super) payload: Payload,
-    /// User request to complete, with its kind.
-    pub(super) req: Option<(ReqId, bool)>,
-}
-
-pub(super) struct WriteReq {
-    pub(super) req: ReqId,
-    pub(super) hdr: [u8; HEADER_LEN],
-    pub(super) src: Slice,
-    pub(super) guard: InFlight,
-    pub(super) seq: u64,
-}
-
-pub(super) struct AwaitAck {
-    pub(super) seq: u64,
-    pub(super) req: ReqId,
-    pub(super) bytes: usize,
-    pub(super) _guard: InFlight,
-    pub(super) since: Instant,
-}
 
 /// Memory of one gathered SENDMSG: the iovec array and the msghdr pointing at
 /// it. Recycled through [`Pool`], so a steady stream of sends reuses a few of

@@ -11,9 +11,10 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use tracing::{debug, info, warn};
 
 use crate::api::{Event, Properties, WakeFd};
+use crate::conn_core::RegionTable;
 use crate::error::{Error, Result};
 use crate::frame;
-use crate::memory::{MemoryKind, Region};
+use crate::memory::MemoryKind;
 
 use super::config::{TcpConfig, TcpStats};
 use super::op::{Op, Pool, USER_DATA_NONE};
@@ -39,7 +40,7 @@ pub struct TcpTransport {
     pub(super) pending: HashMap<u64, Pending>,
     pub(super) conns: HashMap<u64, Conn>,
     pub(super) tokens: HashMap<u64, u64>,
-    pub(super) regions: HashMap<u32, Region>,
+    pub(super) regions: RegionTable,
     pub(super) fixed_free: Vec<u16>,
     pub(super) fixed_ok: bool,
     pub(super) events: VecDeque<Event>,
@@ -142,7 +143,7 @@ impl TcpTransport {
             pending: HashMap::new(),
             conns: HashMap::new(),
             tokens: HashMap::new(),
-            regions: HashMap::new(),
+            regions: RegionTable::default(),
             fixed_free: (0..FIXED_SLOTS as u16).rev().collect(),
             fixed_ok,
             events: VecDeque::new(),
@@ -473,12 +474,6 @@ impl TcpTransport {
         }
         Ok(())
     }
-
-    pub(super) fn drain_events(&mut self, out: &mut Vec<Event>, max: usize) -> usize {
-        let n = max.min(self.events.len());
-        out.extend(self.events.drain(..n));
-        n
-    }
 }
 
 impl Drop for TcpTransport {
@@ -528,7 +523,7 @@ impl Drop for TcpTransport {
                 "io_uring ops did not drain at drop; leaking their buffers"
             );
             std::mem::forget(std::mem::take(&mut self.ops));
-            let placeholder = self.regions.drain().collect::<Vec<_>>();
+            let placeholder = self.regions.take_all();
             std::mem::forget(placeholder);
         }
     }

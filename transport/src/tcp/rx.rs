@@ -9,11 +9,12 @@ use io_uring::{cqueue, opcode, types};
 use tracing::{debug, warn};
 
 use crate::api::{ConnId, Event};
+use crate::conn_core::{self, Backend};
 use crate::error::{Error, FrameError, Result};
 use crate::frame::{self, Header, Kind, HEADER_LEN};
-use crate::memory::{InFlight, Region};
+use crate::memory::InFlight;
 
-use super::op::{Op, Payload, Stage};
+use super::op::{Op, Stage};
 use super::state::{peer_name, State};
 use super::sys::errno;
 use super::TcpTransport;
@@ -279,32 +280,14 @@ impl TcpTransport {
         match (c.state, hdr.kind) {
             (State::Ready | State::Closing, Kind::Ack) => {
                 c.acked_through = c.acked_through.max(hdr.seq);
-                while c.awaiting_ack.front().is_some_and(|a| a.seq <= hdr.seq) {
-                    let a = c.awaiting_ack.pop_front().expect("front");
-                    c.outstanding -= 1;
-                    self.events.push_back(Event::WriteDone {
-                        conn: ConnId(conn),
-                        req: a.req,
-                        bytes: a.bytes,
-                    });
-                }
+                conn_core::on_ack(&mut c.awaiting_ack, &mut c.outstanding, conn, hdr.seq, &mut self.events);
                 self.mark_dirty(conn);
                 Ok(())
             }
             (State::Ready | State::Closing, Kind::Nack) => {
-                if let Some(i) = c.awaiting_ack.iter().position(|a| a.seq == hdr.seq) {
-                    let a = c.awaiting_ack.remove(i).expect("index valid");
-                    c.outstanding -= 1;
-                    self.events.push_back(Event::OpFailed {
-                        conn: ConnId(conn),
-                        req: a.req,
-                        error: Error::RemoteAccess {
-                            conn,
-                            seq: hdr.seq,
-                            reason: frame::decode_reason(payload),
-                        },
-                    });
-                } else if hdr.seq < c.next_write_seq && hdr.seq > c.acked_through {
+                let (awaiting, outstanding) = (&mut c.awaiting_ack, &mut c.outstanding);
+                let nacked = conn_core::on_nack(awaiting, outstanding, conn, hdr.seq, payload, &mut self.events);
+                if !nacked && hdr.seq < c.next_write_seq && hdr.seq > c.acked_through {
                     // Its send has not completed yet: failed when it does.
                     c.early_nacks.insert(hdr.seq, frame::decode_reason(payload));
                 }
@@ -312,17 +295,7 @@ impl TcpTransport {
                 Ok(())
             }
             (State::Ready | State::Closing, Kind::Regions) => {
-                let list = frame::decode_regions(payload).map_err(bad)?;
-                for r in list {
-                    if hdr.flags & frame::FLAG_REVOKE != 0 {
-                        c.remote.remove(&r.rkey);
-                    } else {
-                        c.remote.insert(r.rkey, r);
-                    }
-                }
-                self.events
-                    .push_back(Event::RemoteRegionsChanged { conn: ConnId(conn) });
-                Ok(())
+                conn_core::on_regions(&mut c.remote, conn, &hdr, payload, &mut self.events).map_err(bad)
             }
             (State::Ready | State::Closing, Kind::Close) => {
                 c.peer_closed = true;
@@ -338,36 +311,6 @@ impl TcpTransport {
         }
     }
     // ---------------------------------------------------------------- data receive
-
-    pub(super) fn check_incoming(&self, hdr: &Header) -> Result<Region> {
-        let op = "incoming write";
-        let r = self
-            .regions
-            .get(&hdr.region)
-            .filter(|r| r.generation() == hdr.generation)
-            .ok_or(Error::UnknownRegion {
-                op,
-                region: hdr.region,
-                generation: hdr.generation,
-            })?;
-        if !r.access().remote_write {
-            return Err(Error::AccessDenied {
-                op,
-                region: hdr.region,
-                needed: "remote write",
-            });
-        }
-        match hdr.offset.checked_add(hdr.length as u64) {
-            Some(end) if end <= r.len() as u64 => Ok(r.clone()),
-            _ => Err(Error::OutOfBounds {
-                op,
-                region: hdr.region,
-                offset: hdr.offset,
-                len: hdr.length as u64,
-                region_len: r.len() as u64,
-            }),
-        }
-    }
 
     pub(super) fn on_data_stage(&mut self, conn: u64, res: i32, mut stage: Stage) {
         let Some(c) = self.conns.get_mut(&conn) else { return };
@@ -412,20 +355,9 @@ impl TcpTransport {
             }
             let fd = c.data.as_ref().expect("data socket").as_raw_fd();
             let raw: &[u8; HEADER_LEN] = stage.buf[pos..pos + HEADER_LEN].try_into().expect("header length");
-            let hdr = match Header::decode(raw) {
-                Ok(h) if h.kind == Kind::Write => h,
-                Ok(h) => {
-                    let peer = c.peer();
-                    let reason = FrameError::Unexpected {
-                        kind: h.kind.name(),
-                        state: "DataSocket",
-                    };
-                    return self.fail(conn, Error::BadFrame { peer, reason });
-                }
-                Err(reason) => {
-                    let peer = c.peer();
-                    return self.fail(conn, Error::BadFrame { peer, reason });
-                }
+            let hdr = match conn_core::decode_data_header(raw, || c.peer()) {
+                Ok(h) => h,
+                Err(e) => return self.fail(conn, e),
             };
             pos += HEADER_LEN;
             let avail = (stage.len - pos).min(hdr.length as usize);
@@ -434,7 +366,7 @@ impl TcpTransport {
             let whole = avail == hdr.length as usize;
             // The staged part goes in through the lease-respecting copy: a range under
             // a local lease is refused (the write is rejected) rather than written by Rust.
-            let checked = self.check_incoming(&hdr).and_then(|r| {
+            let checked = self.regions.check_incoming(&hdr).and_then(|r| {
                 if avail > 0 {
                     r.write_at(hdr.offset as usize, staged)?;
                 }
@@ -500,16 +432,8 @@ impl TcpTransport {
 
     /// Queues the Nack of a rejected write, after the Ack of every write placed before it.
     fn nack(&mut self, conn: u64, hdr: Header, reason: String) {
-        let c = self.conns.get_mut(&conn).expect("live");
-        if let Some(seq) = c.ack_to_send.take() {
-            let mut h = Header::new(Kind::Ack, 0);
-            h.seq = seq;
-            self.queue_ctrl(conn, h, Payload::None, None);
-        }
-        let body = reason.into_bytes();
-        let mut h = Header::new(Kind::Nack, body.len() as u32);
-        h.seq = hdr.seq;
-        self.queue_ctrl(conn, h, Payload::Owned(body), None);
+        let ack = self.conns.get_mut(&conn).expect("live").ack_to_send.take();
+        self.queue_nack(conn, ack, hdr.seq, reason);
     }
 
     pub(super) fn discard(
@@ -586,15 +510,7 @@ impl TcpTransport {
 
     /// A write is in place: its event (with an immediate) and its Ack to come.
     fn placed_no_arm(&mut self, conn: u64, hdr: Header) {
-        if hdr.flags & frame::FLAG_IMM != 0 {
-            self.events.push_back(Event::WriteReceived {
-                conn: ConnId(conn),
-                region: hdr.region,
-                offset: hdr.offset,
-                len: hdr.length as u64,
-                imm: hdr.imm,
-            });
-        }
+        self.events.extend(conn_core::write_received(conn, &hdr));
         if let Some(c) = self.conns.get_mut(&conn) {
             c.ack_to_send = Some(hdr.seq);
         }

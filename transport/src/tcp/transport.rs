@@ -3,39 +3,21 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, info};
 
-use crate::api::{check_write, ConnId, Event, ListenerId, PeerInfo, Properties, ReqId, Transport, Waker};
-use crate::auth;
+use crate::api::{ConnId, Event, ListenerId, Transport};
+use crate::conn_core::{self, Backend};
 use crate::error::{Error, Result};
-use crate::frame::{self, Header, Kind};
-use crate::memory::{Access, InFlight, PinnedBuffer, Region, RemoteRegion, Slice};
+use crate::memory::{Access, PinnedBuffer, Region};
 
-use super::op::{Payload, WriteReq};
 use super::state::{Listener, Side, State};
 use super::{sys, TcpTransport};
 
-impl TcpTransport {
-    pub(super) fn check_source(&self, src: &Slice, op: &'static str) -> Result<()> {
-        let r = src.region();
-        if !self.regions.get(&r.key()).is_some_and(|x| x.same(r)) {
-            return Err(Error::UnknownRegion {
-                op,
-                region: r.key(),
-                generation: r.generation(),
-            });
-        }
-        Ok(())
-    }
-}
-
 impl Transport for TcpTransport {
-    fn properties(&self) -> &Properties {
-        &self.props
-    }
+    // properties, listener_addr, accept, remote_regions, send, write, waker.
+    crate::conn_core::transport_common!();
 
     fn listen(&mut self, addr: SocketAddr) -> Result<ListenerId> {
         let l = std::net::TcpListener::bind(addr).map_err(|source| Error::Io {
@@ -63,16 +45,6 @@ impl Transport for TcpTransport {
         Ok(ListenerId(id))
     }
 
-    fn listener_addr(&self, listener: ListenerId) -> Result<SocketAddr> {
-        self.listeners
-            .get(&listener.0)
-            .map(|l| l.addr)
-            .ok_or(Error::UnknownListener {
-                op: "listener_addr",
-                listener: listener.0,
-            })
-    }
-
     fn connect(&mut self, addr: SocketAddr) -> Result<ConnId> {
         let fd = sys::socket_for(&addr)?;
         sys::tune(fd.as_raw_fd(), &self.sockopts)?;
@@ -81,26 +53,9 @@ impl Transport for TcpTransport {
         Ok(ConnId(conn))
     }
 
-    fn accept(&mut self, listener: ListenerId) -> Result<Option<(ConnId, PeerInfo)>> {
-        let l = self.listeners.get_mut(&listener.0).ok_or(Error::UnknownListener {
-            op: "accept",
-            listener: listener.0,
-        })?;
-        Ok(l.accepted.pop_front())
-    }
-
     fn register(&mut self, buf: PinnedBuffer, access: Access) -> Result<Region> {
-        if buf.len() > u32::MAX as usize {
-            return Err(Error::TooLarge {
-                op: "register",
-                len: buf.len() as u64,
-                max: u32::MAX as u64,
-            });
-        }
-        let mut key = auth::random_u32();
-        while key == 0 || self.regions.contains_key(&key) {
-            key = auth::random_u32();
-        }
+        conn_core::check_register(&buf)?;
+        let key = self.regions.new_key();
         let generation = (self.id() & 0xffff_ffff) as u32;
         let mut fixed = None;
         if self.fixed_ok && buf.len() <= 1 << 30 {
@@ -122,19 +77,14 @@ impl Transport for TcpTransport {
             }
         }
         let r = Region::new(buf, key, generation, access, fixed);
-        self.regions.insert(key, r.clone());
+        self.regions.insert(r.clone());
         debug!(key = format_args!("{key:#x}"), len = r.len(), ?access, fixed = ?fixed, "registered region");
-        if access.remote_write {
-            self.broadcast_regions(r.remote(), false);
-        }
+        self.broadcast_regions(&r, false);
         Ok(r)
     }
 
     fn deregister(&mut self, region: &Region) -> Result<()> {
-        let known = self.regions.get(&region.key()).is_some_and(|r| r.same(region));
-        crate::memory::check_deregister(known, region)?;
-        self.regions.remove(&region.key());
-        region.0.registered.store(false, std::sync::atomic::Ordering::Release);
+        self.regions.deregister(region)?;
         if let Some(slot) = region.0.fixed_index {
             let iov = libc::iovec {
                 iov_base: std::ptr::null_mut(),
@@ -145,104 +95,8 @@ impl Transport for TcpTransport {
                 self.fixed_free.push(slot);
             }
         }
-        if region.access().remote_write {
-            self.broadcast_regions(region.remote(), true);
-        }
+        self.broadcast_regions(region, true);
         Ok(())
-    }
-
-    fn remote_regions(&self, conn: ConnId) -> Result<Vec<RemoteRegion>> {
-        let c = self.conns.get(&conn.0).ok_or(Error::UnknownConnection {
-            op: "remote_regions",
-            conn: conn.0,
-        })?;
-        let mut v: Vec<_> = c.remote.values().copied().collect();
-        v.sort_by_key(|r| r.rkey);
-        Ok(v)
-    }
-
-    fn send(&mut self, conn: ConnId, src: &Slice, tag: u32) -> Result<ReqId> {
-        self.check_source(src, "send")?;
-        let max = self.cfg.max_message_bytes;
-        if src.len() > max {
-            return Err(Error::TooLarge {
-                op: "send",
-                len: src.len() as u64,
-                max: max as u64,
-            });
-        }
-        let limit = self.cfg.max_outstanding;
-        let req = ReqId(self.next_req);
-        let c = self.ready_conn(conn, "send")?;
-        if c.outstanding >= limit {
-            return Err(Error::WouldBlock {
-                op: "send",
-                conn: conn.0,
-                limit,
-            });
-        }
-        c.outstanding += 1;
-        self.next_req += 1;
-        let mut h = Header::new(Kind::Message, src.len() as u32);
-        h.imm = tag;
-        let guard = InFlight::new(src.region());
-        self.queue_ctrl(
-            conn.0,
-            h,
-            Payload::Region {
-                slice: src.clone(),
-                _guard: guard,
-            },
-            Some((req, false)),
-        );
-        Ok(req)
-    }
-
-    fn write(
-        &mut self,
-        conn: ConnId,
-        src: &Slice,
-        dst: &RemoteRegion,
-        dst_offset: u64,
-        imm: Option<u32>,
-    ) -> Result<ReqId> {
-        self.check_source(src, "write")?;
-        check_write(src, dst, dst_offset, frame::MAX_WRITE_BYTES as usize)?;
-        let limit = self.cfg.max_outstanding;
-        let req = ReqId(self.next_req);
-        {
-            let c = self.ready_conn(conn, "write")?;
-            if c.outstanding >= limit {
-                return Err(Error::WouldBlock {
-                    op: "write",
-                    conn: conn.0,
-                    limit,
-                });
-            }
-            c.outstanding += 1;
-        }
-        self.next_req += 1;
-        let c = self.conns.get_mut(&conn.0).expect("checked above");
-        let seq = c.next_write_seq;
-        c.next_write_seq += 1;
-        let mut h = Header::new(Kind::Write, src.len() as u32);
-        h.region = dst.rkey;
-        h.generation = dst.generation;
-        h.offset = dst_offset;
-        h.seq = seq;
-        if let Some(i) = imm {
-            h.imm = i;
-            h.flags |= frame::FLAG_IMM;
-        }
-        c.data_tx.push_back(WriteReq {
-            req,
-            hdr: h.encode(),
-            src: src.clone(),
-            guard: InFlight::new(src.region()),
-            seq,
-        });
-        self.mark_dirty(conn.0);
-        Ok(req)
     }
 
     fn poll(&mut self, events: &mut Vec<Event>, max: usize) -> Result<usize> {
@@ -265,25 +119,7 @@ impl Transport for TcpTransport {
             }
             self.progress(None)?;
         }
-        // Any return consumes a pending wake: the caller has control again.
-        if !self.events.is_empty() || self.wake.take() {
-            self.wake.take();
-            return Ok(self.drain_events(events, max));
-        }
-        loop {
-            let now = Instant::now();
-            let mut slice = end.saturating_duration_since(now);
-            if let Some(d) = self.nearest_deadline() {
-                slice = slice.min(d.saturating_duration_since(now) + Duration::from_millis(1));
-            }
-            // Sleeps in io_uring_enter until a completion (the waker's eventfd poll
-            // among them), the nearest deadline, or the end of the timeout.
-            self.progress(Some(slice))?;
-            if !self.events.is_empty() || self.wake.take() || Instant::now() >= end {
-                self.wake.take();
-                return Ok(self.drain_events(events, max));
-            }
-        }
+        self.wait_rest(events, max, end)
     }
 
     fn close(&mut self, conn: ConnId) -> Result<()> {
@@ -307,10 +143,6 @@ impl Transport for TcpTransport {
             }
         }
         Ok(())
-    }
-
-    fn waker(&self) -> Result<Waker> {
-        Ok(Waker(Arc::clone(&self.wake)))
     }
 
     fn counters(&self) -> crate::api::Counters {

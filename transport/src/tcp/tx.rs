@@ -8,12 +8,12 @@ use std::time::Instant;
 
 use io_uring::{cqueue, opcode, squeue, types};
 
-use crate::api::{ConnId, Event, ReqId};
+use crate::api::{ConnId, Event};
 use crate::error::Error;
-use crate::frame::{self, Header, Kind, HEADER_LEN};
-use crate::memory::{InFlight, RemoteRegion};
+use crate::frame::HEADER_LEN;
+use crate::memory::InFlight;
 
-use super::op::{AwaitAck, Op, Payload, TxFrame, WriteReq};
+use super::op::{AwaitAck, Op, TxFrame, WriteReq};
 use super::state::State;
 use super::sys::errno;
 use super::TcpTransport;
@@ -23,53 +23,9 @@ const GATHER_MAX: usize = super::op::GATHER_PARTS;
 /// Payload bytes gathered into one SENDMSG, at most (a single larger one goes alone).
 const GATHER_BYTES_MAX: usize = 8 << 20;
 
+crate::conn_core::impl_backend!(TcpTransport);
+
 impl TcpTransport {
-    pub(super) fn queue_ctrl(&mut self, conn: u64, hdr: Header, payload: Payload, req: Option<(ReqId, bool)>) {
-        if let Some(c) = self.conns.get_mut(&conn) {
-            c.ctrl_tx.push_back(TxFrame {
-                hdr: hdr.encode(),
-                payload,
-                req,
-            });
-            self.mark_dirty(conn);
-        }
-    }
-
-    pub(super) fn announce_list(&self) -> Vec<RemoteRegion> {
-        let mut l: Vec<_> = self
-            .regions
-            .values()
-            .filter(|r| r.access().remote_write)
-            .map(|r| r.remote())
-            .collect();
-        l.sort_by_key(|r| r.rkey);
-        l
-    }
-
-    pub(super) fn send_regions(&mut self, conn: u64, list: &[RemoteRegion], revoke: bool) {
-        if list.is_empty() {
-            return;
-        }
-        let body = frame::encode_regions(list);
-        let mut h = Header::new(Kind::Regions, body.len() as u32);
-        if revoke {
-            h.flags |= frame::FLAG_REVOKE;
-        }
-        self.queue_ctrl(conn, h, Payload::Owned(body), None);
-    }
-
-    /// Announces (or revokes) one region to every established connection.
-    pub(super) fn broadcast_regions(&mut self, r: RemoteRegion, revoke: bool) {
-        let ready: Vec<u64> = self
-            .conns
-            .values()
-            .filter(|c| c.state == State::Ready)
-            .map(|c| c.id)
-            .collect();
-        for c in ready {
-            self.send_regions(c, &[r], revoke);
-        }
-    }
     // ---------------------------------------------------------------- transmit
 
     /// Starts sends for every connection with queued frames and no send in flight.
@@ -90,13 +46,7 @@ impl TcpTransport {
         // Pending acknowledgement goes ahead of anything queued later.
         if let Some(c) = self.conns.get_mut(&conn) {
             if let Some(seq) = c.ack_to_send.take() {
-                let mut h = Header::new(Kind::Ack, 0);
-                h.seq = seq;
-                c.ctrl_tx.push_back(TxFrame {
-                    hdr: h.encode(),
-                    payload: Payload::None,
-                    req: None,
-                });
+                c.ctrl_tx.push_back(TxFrame::ack(seq));
             }
         }
         self.maybe_send_close(conn);
@@ -118,11 +68,7 @@ impl TcpTransport {
             return;
         }
         c.sent_close = true;
-        c.ctrl_tx.push_back(TxFrame {
-            hdr: Header::new(Kind::Close, 0).encode(),
-            payload: Payload::None,
-            req: None,
-        });
+        c.ctrl_tx.push_back(TxFrame::close());
     }
 
     pub(super) fn flush_ctrl(&mut self, conn: u64) {
@@ -240,7 +186,7 @@ impl TcpTransport {
         }
         let err_src = (res < 0).then(|| errno(res));
         for f in frames.drain(..) {
-            let Some((req, _)) = f.req else { continue };
+            let Some(req) = f.req else { continue };
             if let Some(c) = self.conns.get_mut(&conn) {
                 c.outstanding = c.outstanding.saturating_sub(1);
             }
@@ -296,13 +242,7 @@ impl TcpTransport {
             });
             return;
         }
-        c.awaiting_ack.push_back(AwaitAck {
-            seq: w.seq,
-            req: w.req,
-            bytes: w.src.len(),
-            _guard: w.guard,
-            since: Instant::now(),
-        });
+        c.awaiting_ack.push_back(AwaitAck::new(w, Instant::now()));
     }
 
     pub(super) fn on_data_sent(&mut self, conn: u64, res: i32, mut writes: Vec<WriteReq>, total: usize) {
