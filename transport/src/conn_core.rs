@@ -11,18 +11,23 @@
 //! - What the two queue and await: [`Payload`], [`TxFrame`], [`WriteReq`],
 //!   [`AwaitAck`], and the control frames built from them.
 //! - A peer's Ack, Nack and Regions frames applied to a connection's queues.
+//! - Setup: the configuration checks, properties and socket options of `new`.
+//! - Deadlines: which of a connection's has passed, the nearest one, and the
+//!   sleeping tail of `wait`.
 //! - [`Backend`]: what each backend lends (its configuration, regions, queues
 //!   and counters), and on it the `Transport` calls' admission and queueing
 //!   (`send`, `write`, `remote_regions`), region announcements and Nacks.
 
 use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use crate::api::{check_write, ConnId, Event, ListenerId, PeerInfo, ReqId, WakeFd};
+use crate::api::{check_write, ConnId, Event, ListenerId, PeerInfo, Properties, ReqId, WakeFd};
 use crate::auth;
 use crate::error::{Error, FrameError, Result};
 use crate::frame::{self, Header, Kind, HEADER_LEN};
-use crate::memory::{InFlight, PinnedBuffer, Region, RemoteRegion, Slice};
+use crate::memory::{InFlight, MemoryKind, PinnedBuffer, Region, RemoteRegion, Slice};
+use crate::tcp::sys::SockOpts;
 use crate::tcp::TcpConfig;
 
 // ---------------------------------------------------------------- regions
@@ -127,6 +132,84 @@ impl RegionTable {
     }
 }
 
+// ---------------------------------------------------------------- connections
+
+/// Which end of a connection this side is: the one that dialled, or the one that accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    Client,
+    Server,
+}
+
+/// Gives a backend's connection-state enum `name()`: each variant's own name,
+/// for errors and logs. The match is exhaustive, so a variant left out of the
+/// list does not compile.
+macro_rules! state_names {
+    ($t:ident: $($v:ident),* $(,)?) => {
+        impl $t {
+            pub(super) fn name(self) -> &'static str {
+                match self {
+                    $($t::$v => stringify!($v),)*
+                }
+            }
+        }
+    };
+}
+pub(crate) use state_names;
+
+// ---------------------------------------------------------------- setup
+
+/// `new`'s check of `max_message_bytes`: in 1..=[`frame::MAX_MESSAGE_BYTES`].
+pub(crate) fn check_max_message(cfg: &TcpConfig, op: &'static str) -> Result<()> {
+    if cfg.max_message_bytes > frame::MAX_MESSAGE_BYTES as usize || cfg.max_message_bytes == 0 {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!("max_message_bytes must be in 1..={}", frame::MAX_MESSAGE_BYTES),
+        });
+    }
+    Ok(())
+}
+
+/// `new`'s check of `max_outstanding`: at least 1.
+pub(crate) fn check_max_outstanding(cfg: &TcpConfig, op: &'static str) -> Result<()> {
+    if cfg.max_outstanding == 0 {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: "max_outstanding must be > 0".into(),
+        });
+    }
+    Ok(())
+}
+
+/// A TCP backend's properties (host memory, two-sided on the wire, the
+/// configured caps), under `name`.
+pub(crate) fn properties(cfg: &TcpConfig, name: &str) -> Properties {
+    Properties {
+        name: name.into(),
+        speed_mbps: None,
+        memory_kinds: vec![MemoryKind::Host],
+        max_message_bytes: cfg.max_message_bytes,
+        max_write_bytes: frame::MAX_WRITE_BYTES as usize,
+        one_sided: false,
+        max_outstanding: cfg.max_outstanding,
+    }
+}
+
+/// The socket options `cfg` asks for.
+pub(crate) fn sockopts(cfg: &TcpConfig) -> SockOpts {
+    SockOpts {
+        sndbuf: cfg.sndbuf_bytes,
+        rcvbuf: cfg.rcvbuf_bytes,
+        peer_timeout: cfg.peer_timeout,
+    }
+}
+
+/// A peer's name in errors: its address and rank. Built only when an error or a
+/// log line needs it, never on the hot path.
+pub(crate) fn peer_name(addr: SocketAddr, rank: u32) -> String {
+    format!("{addr} (rank {rank})")
+}
+
 // ---------------------------------------------------------------- admission
 
 /// `register`'s length check: a region's offsets and lengths are `u32` on the wire.
@@ -142,7 +225,7 @@ pub(crate) fn check_register(buf: &PinnedBuffer) -> Result<()> {
 }
 
 /// `send`'s checks on its source: registered here, and at most `max` bytes.
-pub(crate) fn check_send(regions: &RegionTable, src: &Slice, max: usize) -> Result<()> {
+fn check_send(regions: &RegionTable, src: &Slice, max: usize) -> Result<()> {
     regions.check_source(src, "send")?;
     if src.len() > max {
         return Err(Error::TooLarge {
@@ -155,14 +238,14 @@ pub(crate) fn check_send(regions: &RegionTable, src: &Slice, max: usize) -> Resu
 }
 
 /// `write`'s checks: the source registered here, then [`check_write`].
-pub(crate) fn check_write_req(regions: &RegionTable, src: &Slice, dst: &RemoteRegion, dst_offset: u64) -> Result<()> {
+fn check_write_req(regions: &RegionTable, src: &Slice, dst: &RemoteRegion, dst_offset: u64) -> Result<()> {
     regions.check_source(src, "write")?;
     check_write(src, dst, dst_offset, frame::MAX_WRITE_BYTES as usize)
 }
 
 /// Takes one of a connection's `limit` outstanding requests, or refuses with
 /// `WouldBlock` (back-pressure, not failure).
-pub(crate) fn admit(outstanding: &mut usize, limit: usize, op: &'static str, conn: ConnId) -> Result<()> {
+fn admit(outstanding: &mut usize, limit: usize, op: &'static str, conn: ConnId) -> Result<()> {
     if *outstanding >= limit {
         return Err(Error::WouldBlock {
             op,
@@ -175,7 +258,7 @@ pub(crate) fn admit(outstanding: &mut usize, limit: usize, op: &'static str, con
 }
 
 /// A connection's view of its peer's regions, sorted by key.
-pub(crate) fn remote_list(remote: &HashMap<u32, RemoteRegion>) -> Vec<RemoteRegion> {
+fn remote_list(remote: &HashMap<u32, RemoteRegion>) -> Vec<RemoteRegion> {
     let mut v: Vec<_> = remote.values().copied().collect();
     v.sort_by_key(|r| r.rkey);
     v
@@ -257,7 +340,7 @@ pub(crate) fn timeout(op: &'static str, peer: String, after: Duration) -> Error 
 }
 
 /// A pending socket's first frame did not come within `handshake_timeout`.
-pub(crate) fn first_frame_timeout(cfg: &TcpConfig, addr: std::net::SocketAddr) -> Error {
+pub(crate) fn first_frame_timeout(cfg: &TcpConfig, addr: SocketAddr) -> Error {
     timeout("handshake (first frame)", addr.to_string(), cfg.handshake_timeout)
 }
 
@@ -329,7 +412,7 @@ fn ack_header(seq: u64) -> Header {
 }
 
 /// The header of a message of `len` bytes with `tag`.
-pub(crate) fn message_header(len: usize, tag: u32) -> Header {
+fn message_header(len: usize, tag: u32) -> Header {
     let mut h = Header::new(Kind::Message, len as u32);
     h.imm = tag;
     h
@@ -669,11 +752,11 @@ fn take_req(next: &mut u64) -> ReqId {
 }
 
 /// Implements [`Backend`] for a backend's transport type. Both backends name
-/// the lent parts alike (the fields `cfg`, `regions`, `events`, `next_req` and
-/// `conns`; a connection's `outstanding`, `next_write_seq`, `remote`, `ctrl_tx`,
-/// `data_tx` and `state`; the fields `wake` and the methods `ready_conn`,
-/// `mark_dirty`, `progress` and `nearest_deadline`), so one
-/// impl serves both; paths in it resolve where it is expanded (`State` is the
+/// the lent parts alike (the fields `cfg`, `regions`, `events`, `next_req`,
+/// `conns` and `wake`; a connection's `id`, `state`, `outstanding`,
+/// `next_write_seq`, `remote`, `ctrl_tx` and `data_tx`; the methods
+/// `ready_conn`, `mark_dirty`, `progress` and `nearest_deadline`), so one impl
+/// serves both; paths in it resolve where it is expanded (`State` is the
 /// backend's own).
 macro_rules! impl_backend {
     ($t:ty) => {

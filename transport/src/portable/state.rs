@@ -11,15 +11,9 @@ use crate::frame::{Header, HEADER_LEN};
 use crate::handshake::{Handshake, FIRST_FRAME_MAX};
 use crate::memory::{InFlight, Region, RemoteRegion};
 
-pub(super) use crate::conn_core::{AwaitAck, Payload, TxFrame, WriteReq};
+pub(super) use crate::conn_core::{AwaitAck, Payload, Side, TxFrame, WriteReq};
 
 use super::config::CTRL_RX_BYTES;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Side {
-    Client,
-    Server,
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum State {
@@ -32,16 +26,7 @@ pub(super) enum State {
     Closing,
 }
 
-impl State {
-    pub(super) fn name(self) -> &'static str {
-        match self {
-            State::Connecting => "Connecting",
-            State::Handshake => "Handshake",
-            State::Ready => "Ready",
-            State::Closing => "Closing",
-        }
-    }
-}
+crate::conn_core::state_names!(State: Connecting, Handshake, Ready, Closing);
 
 pub(super) struct Listener {
     pub(super) sock: TcpListener,
@@ -154,8 +139,9 @@ pub(super) struct Conn {
 }
 
 impl Conn {
+    /// The peer's name, for errors and logs only (it allocates).
     pub(super) fn peer(&self) -> String {
-        format!("{} (rank {})", self.peer_addr, self.peer_rank)
+        crate::conn_core::peer_name(self.peer_addr, self.peer_rank)
     }
     pub(super) fn handshaking(&self) -> bool {
         matches!(self.state, State::Connecting | State::Handshake)

@@ -14,9 +14,8 @@ use tracing::{debug, info};
 use crate::api::{ConnId, Event, ListenerId, Properties, Transport, WakeFd};
 use crate::conn_core::{self, Backend, RegionTable};
 use crate::error::{Error, Result};
-use crate::frame;
 use crate::handshake::Params;
-use crate::memory::{Access, MemoryKind, PinnedBuffer, Region};
+use crate::memory::{Access, PinnedBuffer, Region};
 use crate::tcp::sys::SockOpts;
 use crate::TcpConfig;
 
@@ -76,18 +75,8 @@ impl std::fmt::Debug for PortableTransport {
 impl PortableTransport {
     /// A poller and a waker; no sockets yet. Needs only epoll and eventfd.
     pub fn new(cfg: TcpConfig) -> Result<Self> {
-        if cfg.max_message_bytes > frame::MAX_MESSAGE_BYTES as usize || cfg.max_message_bytes == 0 {
-            return Err(Error::InvalidArgument {
-                op: "PortableTransport::new",
-                reason: format!("max_message_bytes must be in 1..={}", frame::MAX_MESSAGE_BYTES),
-            });
-        }
-        if cfg.max_outstanding == 0 {
-            return Err(Error::InvalidArgument {
-                op: "PortableTransport::new",
-                reason: "max_outstanding must be > 0".into(),
-            });
-        }
+        conn_core::check_max_message(&cfg, "PortableTransport::new")?;
+        conn_core::check_max_outstanding(&cfg, "PortableTransport::new")?;
         let poll = Poll::new().map_err(|source| Error::Io {
             op: "epoll_create",
             peer: None,
@@ -101,20 +90,8 @@ impl PortableTransport {
                 peer: None,
                 source,
             })?;
-        let props = Properties {
-            name: "tcp-portable".into(),
-            speed_mbps: None,
-            memory_kinds: vec![MemoryKind::Host],
-            max_message_bytes: cfg.max_message_bytes,
-            max_write_bytes: frame::MAX_WRITE_BYTES as usize,
-            one_sided: false,
-            max_outstanding: cfg.max_outstanding,
-        };
-        let sockopts = SockOpts {
-            sndbuf: cfg.sndbuf_bytes,
-            rcvbuf: cfg.rcvbuf_bytes,
-            peer_timeout: cfg.peer_timeout,
-        };
+        let props = conn_core::properties(&cfg, "tcp-portable");
+        let sockopts = conn_core::sockopts(&cfg);
         let params = Params {
             job_id: cfg.job_id,
             rank: cfg.rank,

@@ -11,10 +11,9 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use tracing::{debug, info, warn};
 
 use crate::api::{Event, Properties, WakeFd};
-use crate::conn_core::RegionTable;
+use crate::conn_core::{self, RegionTable};
 use crate::error::{Error, Result};
 use crate::frame;
-use crate::memory::MemoryKind;
 
 use super::config::{TcpConfig, TcpStats};
 use super::op::{Op, Pool, USER_DATA_NONE};
@@ -79,12 +78,7 @@ impl TcpTransport {
     /// Fails with [`Error::UringUnavailable`] (saying why) where io_uring is
     /// disabled (`kernel.io_uring_disabled`, seccomp) or too old.
     pub fn new(cfg: TcpConfig) -> Result<Self> {
-        if cfg.max_message_bytes > frame::MAX_MESSAGE_BYTES as usize || cfg.max_message_bytes == 0 {
-            return Err(Error::InvalidArgument {
-                op: "TcpTransport::new",
-                reason: format!("max_message_bytes must be in 1..={}", frame::MAX_MESSAGE_BYTES),
-            });
-        }
+        conn_core::check_max_message(&cfg, "TcpTransport::new")?;
         let max_buf = (frame::PRE_AUTH_MAX_BYTES / 2) as u32;
         if !cfg.recv_buffers.is_power_of_two() || !(4096..=max_buf).contains(&cfg.recv_buffer_bytes) {
             return Err(Error::InvalidArgument {
@@ -92,12 +86,7 @@ impl TcpTransport {
                 reason: format!("recv_buffers must be a power of two and recv_buffer_bytes in 4096..={max_buf}"),
             });
         }
-        if cfg.max_outstanding == 0 {
-            return Err(Error::InvalidArgument {
-                op: "TcpTransport::new",
-                reason: "max_outstanding must be > 0".into(),
-            });
-        }
+        conn_core::check_max_outstanding(&cfg, "TcpTransport::new")?;
         let ring = IoUring::builder()
             .setup_cqsize(cfg.ring_entries * 4)
             .build(cfg.ring_entries)
@@ -115,20 +104,8 @@ impl TcpTransport {
                 false
             }
         };
-        let props = Properties {
-            name: "tcp-io_uring".into(),
-            speed_mbps: None,
-            memory_kinds: vec![MemoryKind::Host],
-            max_message_bytes: cfg.max_message_bytes,
-            max_write_bytes: frame::MAX_WRITE_BYTES as usize,
-            one_sided: false,
-            max_outstanding: cfg.max_outstanding,
-        };
-        let sockopts = SockOpts {
-            sndbuf: cfg.sndbuf_bytes,
-            rcvbuf: cfg.rcvbuf_bytes,
-            peer_timeout: cfg.peer_timeout,
-        };
+        let props = conn_core::properties(&cfg, "tcp-io_uring");
+        let sockopts = conn_core::sockopts(&cfg);
         let wake = WakeFd::new()?;
         info!(rank = cfg.rank, "io_uring TCP transport ready");
         let mut t = TcpTransport {

@@ -14,11 +14,7 @@ use crate::memory::RemoteRegion;
 
 use super::op::{AwaitAck, Stage, TxFrame, WriteReq};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Side {
-    Client,
-    Server,
-}
+pub(super) use crate::conn_core::Side;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum State {
@@ -47,20 +43,18 @@ impl State {
             State::AwaitChallenge | State::AwaitReady | State::AwaitAuth | State::AwaitData
         )
     }
-
-    pub(super) fn name(self) -> &'static str {
-        match self {
-            State::Connecting => "Connecting",
-            State::AwaitChallenge => "AwaitChallenge",
-            State::AwaitReady => "AwaitReady",
-            State::AwaitAuth => "AwaitAuth",
-            State::AwaitData => "AwaitData",
-            State::Ready => "Ready",
-            State::Closing => "Closing",
-            State::Dead => "Dead",
-        }
-    }
 }
+
+crate::conn_core::state_names!(
+    State: Connecting,
+    AwaitChallenge,
+    AwaitReady,
+    AwaitAuth,
+    AwaitData,
+    Ready,
+    Closing,
+    Dead
+);
 
 pub(super) struct Listener {
     pub(super) fd: OwnedFd,
@@ -133,11 +127,7 @@ pub(super) struct Conn {
     pub(super) span: tracing::Span,
 }
 
-/// A peer's name in errors: its address and rank. Built only when an error or a
-/// log line needs it, never on the hot path.
-pub(super) fn peer_name(addr: SocketAddr, rank: u32) -> String {
-    format!("{addr} (rank {rank})")
-}
+pub(super) use crate::conn_core::peer_name;
 
 impl Conn {
     /// The peer's name, for errors and logs only (it allocates).
