@@ -141,11 +141,15 @@ pub(crate) enum Side {
     Server,
 }
 
-/// Gives a backend's connection-state enum `name()`: each variant's own name,
-/// for errors and logs. The match is exhaustive, so a variant left out of the
-/// list does not compile.
-macro_rules! state_names {
-    ($t:ident: $($v:ident),* $(,)?) => {
+/// Declares a backend's connection-state enum (unit variants) with `name()`:
+/// each variant's own name, for errors and logs.
+macro_rules! state_enum {
+    ($(#[$m:meta])* $vis:vis enum $t:ident { $($(#[$vm:meta])* $v:ident,)* }) => {
+        $(#[$m])*
+        $vis enum $t {
+            $($(#[$vm])* $v,)*
+        }
+
         impl $t {
             pub(super) fn name(self) -> &'static str {
                 match self {
@@ -155,7 +159,7 @@ macro_rules! state_names {
         }
     };
 }
-pub(crate) use state_names;
+pub(crate) use state_enum;
 
 // ---------------------------------------------------------------- setup
 

@@ -15,18 +15,18 @@ pub(super) use crate::conn_core::{AwaitAck, Payload, Side, TxFrame, WriteReq};
 
 use super::config::CTRL_RX_BYTES;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum State {
-    /// Client: the control socket's TCP connect is in progress.
-    Connecting,
-    /// The handshake runs (see `Conn::hs`).
-    Handshake,
-    Ready,
-    /// Graceful close under way.
-    Closing,
+crate::conn_core::state_enum! {
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(super) enum State {
+        /// Client: the control socket's TCP connect is in progress.
+        Connecting,
+        /// The handshake runs (see `Conn::hs`).
+        Handshake,
+        Ready,
+        /// Graceful close under way.
+        Closing,
+    }
 }
-
-crate::conn_core::state_names!(State: Connecting, Handshake, Ready, Closing);
 
 pub(super) struct Listener {
     pub(super) sock: TcpListener,

@@ -16,23 +16,25 @@ use super::op::{AwaitAck, Stage, TxFrame, WriteReq};
 
 pub(super) use crate::conn_core::Side;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum State {
-    /// Client: TCP connect of the control socket in progress.
-    Connecting,
-    /// Client: Hello sent, waiting for the server's Challenge.
-    AwaitChallenge,
-    /// Client: Auth sent and data socket attached; waiting for Ready.
-    AwaitReady,
-    /// Server: Challenge sent, waiting for the client's Auth.
-    AwaitAuth,
-    /// Server: authenticated, waiting for the data socket.
-    AwaitData,
-    Ready,
-    /// Graceful close under way.
-    Closing,
-    /// Failed or closed; waiting for in-flight ops to drain.
-    Dead,
+crate::conn_core::state_enum! {
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(super) enum State {
+        /// Client: TCP connect of the control socket in progress.
+        Connecting,
+        /// Client: Hello sent, waiting for the server's Challenge.
+        AwaitChallenge,
+        /// Client: Auth sent and data socket attached; waiting for Ready.
+        AwaitReady,
+        /// Server: Challenge sent, waiting for the client's Auth.
+        AwaitAuth,
+        /// Server: authenticated, waiting for the data socket.
+        AwaitData,
+        Ready,
+        /// Graceful close under way.
+        Closing,
+        /// Failed or closed; waiting for in-flight ops to drain.
+        Dead,
+    }
 }
 
 impl State {
@@ -44,17 +46,6 @@ impl State {
         )
     }
 }
-
-crate::conn_core::state_names!(
-    State: Connecting,
-    AwaitChallenge,
-    AwaitReady,
-    AwaitAuth,
-    AwaitData,
-    Ready,
-    Closing,
-    Dead
-);
 
 pub(super) struct Listener {
     pub(super) fd: OwnedFd,
