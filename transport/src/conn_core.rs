@@ -884,3 +884,92 @@ macro_rules! transport_common {
     };
 }
 pub(crate) use transport_common;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::Kind;
+    use crate::memory::Access;
+
+    fn table(len: usize) -> (RegionTable, Region, Region) {
+        let mut t = RegionTable::default();
+        let w = Region::new(PinnedBuffer::new(len).unwrap(), 7, 3, Access::REMOTE_WRITE, None);
+        let l = Region::new(PinnedBuffer::new(len).unwrap(), 9, 3, Access::LOCAL, None);
+        t.insert(w.clone());
+        t.insert(l.clone());
+        (t, w, l)
+    }
+
+    fn write(region: u32, generation: u32, offset: u64, length: u32) -> Header {
+        let mut h = Header::new(Kind::Write, length);
+        h.region = region;
+        h.generation = generation;
+        h.offset = offset;
+        h
+    }
+
+    #[test]
+    fn incoming_writes_are_checked_for_region_generation_access_and_bounds() {
+        let (t, w, _) = table(4096);
+        // In bounds, to the last byte.
+        assert!(t.check_incoming(&write(7, 3, 0, 4096)).unwrap().same(&w));
+        assert!(t.check_incoming(&write(7, 3, 4095, 1)).is_ok());
+        assert!(t.check_incoming(&write(7, 3, 4096, 0)).is_ok());
+        // An unknown key, or the right key of another generation.
+        assert!(matches!(
+            t.check_incoming(&write(8, 3, 0, 1)),
+            Err(Error::UnknownRegion {
+                region: 8,
+                generation: 3,
+                ..
+            })
+        ));
+        assert!(matches!(
+            t.check_incoming(&write(7, 4, 0, 1)),
+            Err(Error::UnknownRegion {
+                region: 7,
+                generation: 4,
+                ..
+            })
+        ));
+        // A local region is never a peer's to write, however small the write.
+        assert!(matches!(
+            t.check_incoming(&write(9, 3, 0, 0)),
+            Err(Error::AccessDenied { region: 9, .. })
+        ));
+        // One byte past the end, and an offset that wraps u64 with the length.
+        assert!(matches!(
+            t.check_incoming(&write(7, 3, 4095, 2)),
+            Err(Error::OutOfBounds {
+                offset: 4095,
+                len: 2,
+                region_len: 4096,
+                ..
+            })
+        ));
+        assert!(matches!(
+            t.check_incoming(&write(7, 3, u64::MAX - 1, 4)),
+            Err(Error::OutOfBounds { .. })
+        ));
+    }
+
+    #[test]
+    fn a_deregistered_region_is_no_source_and_takes_no_writes() {
+        let (mut t, w, _) = table(64);
+        let src = w.slice(0, 64).unwrap();
+        assert!(t.check_source(&src, "send").is_ok());
+        t.deregister(&w).unwrap();
+        assert!(matches!(
+            t.check_source(&src, "send"),
+            Err(Error::UnknownRegion { op: "send", .. })
+        ));
+        assert!(matches!(
+            t.check_incoming(&write(7, 3, 0, 1)),
+            Err(Error::UnknownRegion { .. })
+        ));
+        // A second deregistration is refused, not a silent success.
+        assert!(t.deregister(&w).is_err());
+        // The remote-writable regions announced: only those left.
+        assert!(t.announce_list().is_empty());
+    }
+}
