@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use tidewire::cluster::ClusterSpec;
 use tidewire::engine::book::{LayerKind, LayerSpec};
+use tidewire::engine::testkit::mix;
 use tidewire::engine::{SchedConfig, SchemePolicy};
 use tidewire::gpu::cpu::{ApplyOp, HostType};
 use tidewire::local::{LearnerPushPull, LocalGroup};
@@ -26,13 +27,6 @@ fn free_master() -> SocketAddr {
         .unwrap()
         .port();
     format!("127.0.0.1:{port}").parse().unwrap()
-}
-
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// Learner `g`'s gradient: arbitrary floats, so the summation order shows.

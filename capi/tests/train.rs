@@ -29,10 +29,7 @@ fn ok(rc: c_int) {
 
 /// A value in [-1, 1) from a seed (splitmix64).
 fn uniform(seed: u64) -> f32 {
-    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^= z >> 31;
+    let z = tidewire::engine::testkit::mix(seed);
     (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
 }
 

@@ -421,26 +421,17 @@ impl SparseLayerStats {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    struct Rng(u64);
-    impl Rng {
-        fn new(seed: u64) -> Self {
-            Rng(seed)
-        }
-        fn next(&mut self) -> u64 {
-            crate::testkit::next(&mut self.0)
-        }
-    }
+    use crate::testkit::Rng;
 
     fn random_slice(rng: &mut Rng, len: usize, density: f64) -> Vec<f32> {
         (0..len)
             .map(|_| {
-                if (rng.next() % 1_000_000) as f64 / 1e6 < density {
-                    match rng.next() % 8 {
+                if (rng.next_u64() % 1_000_000) as f64 / 1e6 < density {
+                    match rng.next_u64() % 8 {
                         0 => -0.0,
                         1 => f32::from_bits(0x7fc0_0001),
                         2 => f32::from_bits(1),
-                        _ => (rng.next() % 2001) as f32 / 7.0 - 140.0,
+                        _ => (rng.next_u64() % 2001) as f32 / 7.0 - 140.0,
                     }
                 } else {
                     0.0
@@ -458,10 +449,10 @@ mod tests {
     #[test]
     fn encode_then_densify_gives_back_the_bits() {
         let seed = crate::testkit::seed("TIDEWIRE_SPARSE_SEED");
-        let mut rng = Rng::new(seed);
+        let mut rng = Rng(seed);
         for _ in 0..200 {
-            let len = 1 + (rng.next() % 5000) as usize;
-            let density = [0.0, 0.001, 0.05, 0.3, 1.0][(rng.next() % 5) as usize];
+            let len = 1 + (rng.next_u64() % 5000) as usize;
+            let density = [0.0, 0.001, 0.05, 0.3, 1.0][(rng.next_u64() % 5) as usize];
             let src = random_slice(&mut rng, len, density);
             let nnz = src.iter().filter(|v| is_pair(**v)).count();
             let mut enc = Vec::new();
@@ -487,16 +478,16 @@ mod tests {
     #[test]
     fn hostile_encodings_are_errors() {
         let seed = crate::testkit::seed("TIDEWIRE_SPARSE_SEED");
-        let mut rng = Rng::new(seed);
+        let mut rng = Rng(seed);
         for _ in 0..2000 {
-            let len = 1 + (rng.next() % 64) as usize;
-            let pairs = (rng.next() % 8) as usize;
-            let n = (rng.next() % 20) as usize;
+            let len = 1 + (rng.next_u64() % 64) as usize;
+            let pairs = (rng.next_u64() % 8) as usize;
+            let n = (rng.next_u64() % 20) as usize;
             let w: Vec<u32> = (0..n)
-                .map(|_| match rng.next() % 3 {
-                    0 => (rng.next() % 70) as u32,
+                .map(|_| match rng.next_u64() % 3 {
+                    0 => (rng.next_u64() % 70) as u32,
                     1 => pairs as u32,
-                    _ => rng.next() as u32,
+                    _ => rng.next_u64() as u32,
                 })
                 .collect();
             let mut out = vec![0.0; len];

@@ -9,14 +9,8 @@ use std::sync::Arc;
 use tidewire_engine::book::{LayerKind, LayerSpec};
 use tidewire_engine::sim::{Sim, SimConfig, SimReport};
 use tidewire_engine::sparse::SparseCosts;
+use tidewire_engine::testkit::Rng;
 use tidewire_engine::{Book, BookConfig, Cluster, Consistency, SyncMode};
-
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        tidewire_engine::testkit::next(&mut self.0) % n
-    }
-}
 
 /// Costs under which sparse always pays (a slow link: the cap is the slot's).
 fn always_sparse() -> SparseCosts {

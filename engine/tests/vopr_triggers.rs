@@ -30,33 +30,10 @@ use std::time::Duration;
 use tidewire_engine::book::{LayerKind, LayerSpec};
 use tidewire_engine::node::Limits;
 use tidewire_engine::sim::{Faults, Sim, SimConfig, SimError};
+use tidewire_engine::testkit::Rng;
 use tidewire_engine::{
     Book, BookConfig, Cluster, Consistency, EngineError, SchedConfig, SchemePolicy, SyncMode, Trigger,
 };
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
-    }
-    fn chance(&mut self, p: f64) -> bool {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p
-    }
-    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len() as u64) as usize]
-    }
-}
 
 /// What a seed's run must end in.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -36,6 +36,7 @@ use clap::Parser;
 use plotters::prelude::*;
 use serde::Serialize;
 use tidewire::engine::sparse::{encoded_bytes, pair_limit, Choice, SparseCosts, SparsePolicy};
+use tidewire::engine::testkit::Rng;
 use tidewire::gpu::cpu;
 
 #[derive(Parser, Debug)]
@@ -137,18 +138,14 @@ fn median_ns(reps: usize, mut f: impl FnMut()) -> f64 {
     tidewire_bench::median(&v)
 }
 
-fn splitmix(s: &mut u64) -> u64 {
-    tidewire::engine::testkit::next(s)
-}
-
 /// A gradient with a `density` fraction of its rows nonzero.
 fn gradient(elems: usize, row: usize, density: f64, seed: u64) -> Vec<f32> {
-    let mut s = seed;
+    let mut rng = Rng(seed);
     let mut g = vec![0f32; elems];
     for r in g.chunks_mut(row) {
-        if ((splitmix(&mut s) >> 11) as f64 / (1u64 << 53) as f64) < density {
+        if rng.unit() < density {
             for x in r.iter_mut() {
-                *x = ((splitmix(&mut s) % 20_000) as f32 - 9_999.5) / 1e4;
+                *x = (rng.below(20_000) as f32 - 9_999.5) / 1e4;
             }
         }
     }
