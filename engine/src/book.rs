@@ -116,7 +116,7 @@ impl Cluster {
 }
 
 /// Layer kind, as the cost model sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LayerKind {
     /// Fully connected: the gradient has sufficient factors.
@@ -215,7 +215,7 @@ impl LayerSpec {
 }
 
 /// How a layer synchronizes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Scheme {
     /// Push gradients to the sharded parameter server, receive parameters back.

@@ -68,7 +68,7 @@ pub struct NodeResult {
 }
 
 /// The sparse-push counters of a `tidewire train` run, over all workers.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub struct SparseSummary {
     /// Slices sent as index/value pairs.
     pub pushes: u64,
@@ -85,7 +85,7 @@ pub struct SparseSummary {
 }
 
 /// The launcher's summary.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TrainReport {
     /// Model.
     pub model: String,
@@ -206,7 +206,7 @@ pub struct TrainReport {
 /// Where the servers' sums ran: bytes and chunks on the CPU and the GPU
 /// (`--aggregate`). Rebuilding a gradient from sufficient factors runs on
 /// the CPU: the runtime has no GPU path for it yet.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct AggregationShare {
     /// Contribution bytes summed on the CPU.
     pub cpu_bytes: u64,
@@ -219,7 +219,7 @@ pub struct AggregationShare {
 }
 
 /// One row of the scheme table.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LayerRow {
     /// Name.
     pub name: String,
