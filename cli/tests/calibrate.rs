@@ -2,43 +2,38 @@
 //! new user writes, `train --profile` and `sim --profile` reading it, the
 //! decision following the rates, and `--verify` holding either way.
 
-use std::process::{Command, Output};
+mod support;
+
+use std::process::Output;
 
 use serde_json::Value;
+use support::{serial, tidewire, TrainReport};
+use tidewire_engine::book::{LayerKind, Scheme};
 
-/// Clusters one at a time: a 2-core machine.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn tidewire() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_tidewire"))
-}
-
-fn json(out: &Output) -> Value {
+fn succeeded(out: &Output) {
     assert!(
         out.status.success(),
         "tidewire failed ({}):\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+fn json(out: &Output) -> Value {
+    succeeded(out);
     serde_json::from_slice(&out.stdout).expect("JSON on stdout")
 }
 
-fn schemes(r: &Value) -> Vec<(String, String)> {
-    r["layers"]
-        .as_array()
-        .unwrap()
+/// The FC layers' names and schemes.
+fn schemes(r: &TrainReport) -> Vec<(String, Scheme)> {
+    r.layers
         .iter()
-        .filter(|l| l["kind"] == "fc")
-        .map(|l| {
-            (
-                l["name"].as_str().unwrap().to_string(),
-                l["scheme"].as_str().unwrap().to_string(),
-            )
-        })
+        .filter(|l| l.kind == LayerKind::Fc)
+        .map(|l| (l.name.clone(), l.scheme))
         .collect()
 }
 
-fn train(extra: &[&str]) -> Value {
+fn train(extra: &[&str]) -> TrainReport {
     let out = tidewire()
         .args(["train", "--model", "vgg19-mini", "--workers", "3", "--servers", "1"])
         .args([
@@ -54,13 +49,14 @@ fn train(extra: &[&str]) -> Value {
         .args(extra)
         .output()
         .unwrap();
-    json(&out)
+    succeeded(&out);
+    support::report(&out.stdout)
 }
 
 #[test]
 fn a_profile_is_written_read_and_refused_when_bad() {
-    let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let dir = std::env::temp_dir().join(format!("tw-calibrate-{}", std::process::id()));
+    let _s = serial();
+    let dir = support::tmp("calibrate");
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("profile.json");
     let p = json(
@@ -81,14 +77,14 @@ fn a_profile_is_written_read_and_refused_when_bad() {
 
     // train reads it: the report carries the rates, shared among the 4 ranks.
     let r = train(&["--profile", path.to_str().unwrap()]);
-    assert_eq!(r["verified"], true);
+    assert_eq!(r.verified, Some(true));
     let cores = p["cores"].as_f64().unwrap();
     let share = (cores / 4.0).min(1.0);
-    let gemm = r["rates"]["gemm_flop_per_s"].as_f64().unwrap();
+    let gemm = r.rates.expect("rates").gemm_flop_per_s;
     let want = p["rates"]["gemm_flop_per_s"].as_f64().unwrap() * share;
     assert!((gemm - want).abs() <= 1e-6 * want, "{gemm} vs {want}");
-    for l in r["layers"].as_array().unwrap() {
-        assert_eq!(l["cost_s"].is_array(), l["kind"] == "fc", "{l}");
+    for l in &r.layers {
+        assert_eq!(l.cost_s.is_some(), l.kind == LayerKind::Fc, "{l:?}");
     }
 
     // sim reads it too, and says so.
@@ -138,25 +134,25 @@ fn a_profile_is_written_read_and_refused_when_bad() {
 
 #[test]
 fn hybcomm_follows_the_rates_and_verifies_either_way() {
-    let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _s = serial();
     // A slow CPU's GEMM beside a fast link: rebuilding the peers' gradients
     // costs more than moving them, so every FC layer goes through the PS.
     let cpu = r#"{"link_bytes_per_s":3e9,"msg_s":1e-5,"sum_bytes_per_s":3e9,"gemm_flop_per_s":1e8}"#;
     let r = train(&["--rates", cpu]);
-    assert_eq!(r["verified"], true);
-    assert!(schemes(&r).iter().all(|(_, s)| s == "ps"), "{:?}", schemes(&r));
-    for l in r["layers"].as_array().unwrap().iter().filter(|l| l["kind"] == "fc") {
-        let c = l["cost_s"].as_array().unwrap();
-        assert!(c[0].as_f64().unwrap() < c[1].as_f64().unwrap(), "{l}");
+    assert_eq!(r.verified, Some(true));
+    assert!(schemes(&r).iter().all(|(_, s)| *s == Scheme::Ps), "{:?}", schemes(&r));
+    for l in r.layers.iter().filter(|l| l.kind == LayerKind::Fc) {
+        let (ps, sfb) = l.cost_s.unwrap();
+        assert!(ps < sfb, "{l:?}");
     }
     // A GPU's GEMM on a 100 Mbit/s link: SFB, as Poseidon's bytes say.
     let gpu = r#"{"link_bytes_per_s":1.25e7,"msg_s":1e-5,"sum_bytes_per_s":1e11,"gemm_flop_per_s":5e13}"#;
     let g = train(&["--rates", gpu]);
-    assert_eq!(g["verified"], true);
+    assert_eq!(g.verified, Some(true));
     let b = train(&["--cost-model", "bytes"]);
-    assert!(b["rates"].is_null());
+    assert!(b.rates.is_none());
     assert_eq!(schemes(&g), schemes(&b));
-    assert!(schemes(&g).iter().all(|(_, s)| s == "sfb"), "{:?}", schemes(&g));
+    assert!(schemes(&g).iter().all(|(_, s)| *s == Scheme::Sfb), "{:?}", schemes(&g));
     // Rates out of range are refused before anything starts.
     let out = tidewire()
         .args([

@@ -7,17 +7,17 @@
 //! The randomized test draws clusters, sync modes, consistency, checkpoint
 //! periods and faults from a seed (`TIDEWIRE_CKPT_SEED`, printed).
 
+mod support;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::process::Output;
+use std::time::Instant;
 
-use serde_json::Value;
-
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+use support::{report, s, serial, tidewire, Rng, TrainReport};
 
 fn run(args: &[String]) -> (Output, f64) {
     let t = Instant::now();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tidewire"));
+    let mut c = tidewire();
     c.args(["train", "--json"]);
     if !args.iter().any(|a| a == "--model") {
         c.args(["--model", "vgg19-mini"]);
@@ -26,7 +26,7 @@ fn run(args: &[String]) -> (Output, f64) {
     (out, t.elapsed().as_secs_f64())
 }
 
-fn train(args: &[String]) -> Value {
+fn train(args: &[String]) -> TrainReport {
     let (out, wall) = run(args);
     assert!(
         out.status.success(),
@@ -36,7 +36,7 @@ fn train(args: &[String]) -> Value {
         String::from_utf8_lossy(&out.stderr)
     );
     println!("  train {}: wall {wall:.1} s", args.join(" "));
-    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+    report(&out.stdout)
 }
 
 fn fails(args: &[String]) -> String {
@@ -45,14 +45,8 @@ fn fails(args: &[String]) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-fn s(v: &[&str]) -> Vec<String> {
-    v.iter().map(|x| x.to_string()).collect()
-}
-
 fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tidewire-ckpt-test-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+    support::tmp(&format!("ckpt-{tag}"))
 }
 
 fn steps(dir: &Path) -> Vec<String> {
@@ -67,25 +61,16 @@ fn steps(dir: &Path) -> Vec<String> {
     v
 }
 
-fn digests(r: &Value) -> Vec<String> {
-    r["digests"]
-        .as_array()
-        .expect("digests")
-        .iter()
-        .map(|d| d.as_str().expect("a digest").to_string())
-        .collect()
-}
-
 /// The acceptance test: in a 20-iteration `--verify --checkpoint-every 4`
 /// run, a worker and then a server are killed with SIGKILL at iteration 5.
 /// The job rolls back twice to iteration 4, completes, and its parameters
 /// equal the uninterrupted run's bit for bit.
 #[test]
 fn a_killed_worker_and_then_server_roll_back_to_the_uninterrupted_result() {
-    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _g = serial();
     let base = s(&["--iters", "20", "--workers", "2", "--servers", "1", "--verify"]);
     let plain = train(&base);
-    assert_eq!(plain["verified"], Value::Bool(true));
+    assert_eq!(plain.verified, Some(true));
     let dir = tmp("acceptance");
     let mut a = base.clone();
     a.extend(s(&[
@@ -96,11 +81,11 @@ fn a_killed_worker_and_then_server_roll_back_to_the_uninterrupted_result() {
     ]));
     a.extend(s(&["--fault-kill", "1@5", "--fault-kill", "2@5"]));
     let r = train(&a);
-    let restarts = r["restarts"].as_array().expect("restarts");
-    assert_eq!(restarts.len(), 2, "{:#}", r["restarts"]);
+    let restarts = &r.restarts;
+    assert_eq!(restarts.len(), 2, "{restarts:#?}");
     for (x, rank) in restarts.iter().zip([1, 2]) {
-        assert_eq!(x["resumed_from"], 4, "{x:#}");
-        let cause = x["cause"].as_str().unwrap();
+        assert_eq!(x.resumed_from, 4, "{x:#?}");
+        let cause = &x.cause;
         assert!(
             cause.contains(&format!("rank {rank} was killed (SIGKILL) at iteration ")),
             "{cause}"
@@ -108,12 +93,12 @@ fn a_killed_worker_and_then_server_roll_back_to_the_uninterrupted_result() {
         println!(
             "  rollback: {} (resumed from 4 in {:.2} s)",
             cause.lines().next().unwrap(),
-            x["recovery_s"]
+            x.recovery_s
         );
     }
-    assert_eq!(r["resumed_from"], 4);
-    assert_eq!(r["verified"], Value::Bool(true));
-    assert_eq!(digests(&r), digests(&plain), "the rolled-back run's parameters differ");
+    assert_eq!(r.resumed_from, Some(4));
+    assert_eq!(r.verified, Some(true));
+    assert_eq!(r.digests, plain.digests, "the rolled-back run's parameters differ");
     // The run's last iterations were checkpointed and the oldest removed (keep 2).
     assert_eq!(steps(&dir), vec!["step-00000016", "step-00000020"]);
     let _ = std::fs::remove_dir_all(&dir);
@@ -124,7 +109,7 @@ fn a_killed_worker_and_then_server_roll_back_to_the_uninterrupted_result() {
 /// another run, a damaged file and a full directory are refused with the reason.
 #[test]
 fn resume_goes_on_bitwise_and_refuses_what_does_not_fit() {
-    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _g = serial();
     let dir = tmp("resume");
     let d = dir.to_str().unwrap().to_string();
     let cluster = s(&["--workers", "3", "--colocate", "--sync", "p3", "--chunk-bytes", "65536"]);
@@ -134,7 +119,7 @@ fn resume_goes_on_bitwise_and_refuses_what_does_not_fit() {
     let mut first = cluster.clone();
     first.extend(s(&["--iters", "12", "--checkpoint-dir", &d, "--checkpoint-every", "6"]));
     let r = train(&first);
-    assert!(r["restarts"].as_array().unwrap().is_empty());
+    assert!(r.restarts.is_empty());
     assert_eq!(steps(&dir), vec!["step-00000006", "step-00000012"]);
 
     // The same command again would overwrite: refused, naming the way on.
@@ -156,9 +141,9 @@ fn resume_goes_on_bitwise_and_refuses_what_does_not_fit() {
     ]));
     again.extend(s(&["--resume", &d]));
     let r = train(&again);
-    assert_eq!(r["resumed_from"], 12);
-    assert_eq!(r["verified"], Value::Bool(true));
-    assert_eq!(digests(&r), digests(&plain));
+    assert_eq!(r.resumed_from, Some(12));
+    assert_eq!(r.verified, Some(true));
+    assert_eq!(r.digests, plain.digests);
 
     // Another seed is another run: the trainer's state saved with the checkpoint says so.
     let mut other = cluster.clone();
@@ -220,39 +205,18 @@ fn resume_goes_on_bitwise_and_refuses_what_does_not_fit() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// splitmix64.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
-        xs[self.below(xs.len() as u64) as usize]
-    }
-}
-
 /// Random clusters, modes, periods and kills (any rank, any iteration): the
 /// runs must end bitwise equal to the single-process reference. Every rollback resumes from the newest checkpoint due by
 /// the kill.
 #[test]
 fn random_faults_roll_back_and_complete() {
-    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let seed = std::env::var("TIDEWIRE_CKPT_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64);
+    let _g = serial();
+    let seed = support::testkit::seed("TIDEWIRE_CKPT_SEED");
     let cases: u64 = std::env::var("TIDEWIRE_CKPT_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
-    println!("TIDEWIRE_CKPT_SEED={seed} ({cases} cases)");
+    println!("{cases} cases");
     let mut rng = Rng(seed);
     for case in 0..cases {
         let workers = 1 + rng.below(3);
@@ -303,30 +267,29 @@ fn random_faults_roll_back_and_complete() {
         }
         println!("case {case}: {}", a.join(" "));
         let r = train(&a);
-        let restarts = r["restarts"].as_array().expect("restarts");
+        let restarts = &r.restarts;
         // The first fault comes before the last iteration, so it fires; a later
         // one may find its rank finished (then nothing is killed).
-        assert!(
-            (1..=want.len()).contains(&restarts.len()),
-            "case {case}: {:#}",
-            r["restarts"]
-        );
+        assert!((1..=want.len()).contains(&restarts.len()), "case {case}: {restarts:#?}");
         let mut floor = 0;
         for (x, (rank, at)) in restarts.iter().zip(&want) {
-            let cause = x["cause"].as_str().unwrap();
+            let cause = &x.cause;
             assert!(
                 cause.contains(&format!("rank {rank} was killed")),
                 "case {case}: {cause}"
             );
             // At least the newest checkpoint due by the kill's iteration, and
             // never before the checkpoint the attempt resumed from.
-            let from = x["resumed_from"].as_u64().unwrap();
+            let from = x.resumed_from;
             floor = floor.max(at / every * every);
-            assert!(from >= floor && from % every == 0 && from < iters, "case {case}: {x:#}");
+            assert!(
+                from >= floor && from % every == 0 && from < iters,
+                "case {case}: {x:#?}"
+            );
             floor = from;
         }
         if !ssp {
-            assert_eq!(r["verified"], Value::Bool(true), "case {case}");
+            assert_eq!(r.verified, Some(true), "case {case}");
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -3,17 +3,13 @@
 //! against the single-process reference that accumulates (or averages) the
 //! same way (`--verify`), with the exchanges counted by the workers.
 
-use std::process::Command;
+mod support;
 
-use serde_json::Value;
-use tidewire_engine::testkit;
-
-/// These start clusters of processes: one at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+use support::{report, serial, testkit, tidewire, Rng, TrainReport};
 
 fn run(args: &[&str]) -> std::process::Output {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    Command::new(env!("CARGO_BIN_EXE_tidewire"))
+    let _serial = serial();
+    tidewire()
         .arg("train")
         .args(["--model", "vgg19-mini", "--time-scale", "0", "--json"])
         .args(args)
@@ -21,7 +17,7 @@ fn run(args: &[&str]) -> std::process::Output {
         .expect("tidewire runs")
 }
 
-fn train(args: &[&str]) -> Value {
+fn train(args: &[&str]) -> TrainReport {
     let out = run(args);
     assert!(
         out.status.success(),
@@ -30,30 +26,25 @@ fn train(args: &[&str]) -> Value {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    let r: Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let r = report(&out.stdout);
+    assert_eq!(r.log_warnings.len(), 0, "{:#?}", r.log_warnings);
     assert_eq!(
-        r["log_warnings"].as_array().map(Vec::len),
-        Some(0),
-        "{:#}",
-        r["log_warnings"]
-    );
-    assert_eq!(
-        r["verified"],
-        Value::Bool(true),
-        "train {}: layers {}",
+        r.verified,
+        Some(true),
+        "train {}: layers {:?}",
         args.join(" "),
-        r["mismatched_layers"]
+        r.mismatched_layers
     );
     r
 }
 
-fn t_per_step(r: &Value) -> Vec<u64> {
-    r["comm"]["t_per_step"]
-        .as_array()
-        .expect("t_per_step")
-        .iter()
-        .map(|v| v.as_u64().expect("a number"))
-        .collect()
+fn t_per_step(r: &TrainReport) -> &[u32] {
+    &r.comm.as_ref().expect("t_per_step").t_per_step
+}
+
+/// The run's exchanges (None without a communication summary).
+fn exchanges(r: &TrainReport) -> Option<u64> {
+    r.comm.as_ref().map(|c| c.exchanges)
 }
 
 #[test]
@@ -67,7 +58,7 @@ fn fixed_t_verifies_in_both_modes_with_the_exchanges_counted() {
             a.extend_from_slice(split);
             let r = train(&a);
             // Exchanges at iterations 2, 5 and 8, and the final one at 9.
-            assert_eq!(r["comm"]["exchanges"], 4, "{mode} {split:?}: {:#}", r["comm"]);
+            assert_eq!(exchanges(&r), Some(4), "{mode} {split:?}: {:#?}", r.comm);
             assert_eq!(t_per_step(&r), vec![3; 10]);
         }
     }
@@ -76,13 +67,13 @@ fn fixed_t_verifies_in_both_modes_with_the_exchanges_counted() {
 #[test]
 fn randomized_fixed_t_verifies() {
     let seed = testkit::seed("TIDEWIRE_COMM_SEED");
-    let mut s = seed;
+    let mut rng = Rng(seed);
     for _ in 0..3 {
-        let t = (1 + testkit::next(&mut s) % 5).to_string();
-        let iters = (3 + testkit::next(&mut s) % 12).to_string();
-        let workers = (1 + testkit::next(&mut s) % 3).to_string();
-        let mode = ["accumulate", "average"][(testkit::next(&mut s) % 2) as usize];
-        let op = ["sgd", "mean", "sum"][(testkit::next(&mut s) % 3) as usize];
+        let t = (1 + rng.below(5)).to_string();
+        let iters = (3 + rng.below(12)).to_string();
+        let workers = (1 + rng.below(3)).to_string();
+        let mode = rng.pick(&["accumulate", "average"]);
+        let op = rng.pick(&["sgd", "mean", "sum"]);
         let a = [
             "--iters",
             &iters,
@@ -103,9 +94,9 @@ fn randomized_fixed_t_verifies() {
         let want = iters / t + u64::from(iters % t != 0);
         if t == 1 && mode == "accumulate" {
             // Every iteration, gradients: the plain trainer, with no communication summary.
-            assert!(r["comm"].is_null(), "seed {seed}: {a:?}");
+            assert!(r.comm.is_none(), "seed {seed}: {a:?}");
         } else {
-            assert_eq!(r["comm"]["exchanges"], want, "seed {seed}: {a:?}");
+            assert_eq!(exchanges(&r), Some(want), "seed {seed}: {a:?}");
         }
     }
 }
@@ -132,18 +123,13 @@ fn quality_guided_adjusts_rejects_and_reverts_and_verifies() {
         assert!(ts.iter().all(|t| (1..=16).contains(t)), "{ts:?}");
         assert!(ts.contains(&4) && !ts[..101].contains(&16), "{ts:?}");
         assert!(ts[102..].iter().all(|t| *t == 1), "{ts:?}");
-        let decisions: Vec<&str> = r["comm"]["decisions"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|d| d.as_str().unwrap())
-            .collect();
+        let decisions = &r.comm.as_ref().expect("comm").decisions;
         assert!(
             decisions.iter().any(|d| d.contains("rejects T 8, back to 4")),
             "{decisions:?}"
         );
         assert!(decisions.last().unwrap().contains("revert to T 1"), "{decisions:?}");
-        let ex = r["comm"]["exchanges"].as_u64().unwrap();
+        let ex = exchanges(&r).unwrap();
         assert!(ex * 3 < 120 * 2, "{ex} exchanges: at least 1.5x fewer than 120");
     }
 }

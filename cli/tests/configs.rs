@@ -6,18 +6,17 @@
 //! lowered. Each run must exit 0, verify bit for bit where it is BSP with
 //! `--verify`, and log no WARN or ERROR line.
 
-use std::process::Command;
+mod support;
+
 use std::time::Instant;
 
-use serde_json::Value;
+use support::{report, serial, tidewire, TrainReport};
+use tidewire_engine::book::Scheme;
 
-/// These start whole clusters (up to 9 processes of VGG19): one at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn train(args: &[&str]) -> Value {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+fn train(args: &[&str]) -> TrainReport {
+    let _serial = serial();
     let t = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+    let out = tidewire()
         .arg("train")
         .args(["--time-scale", "0.05", "--json"])
         .args(args)
@@ -30,31 +29,31 @@ fn train(args: &[&str]) -> Value {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    let r: Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let r = report(&out.stdout);
     println!(
-        "train {}: iteration {:.3} s, verified {}, wall {:.1} s",
+        "train {}: iteration {:.3} s, verified {:?}, wall {:.1} s",
         args.join(" "),
-        r["iteration_s"].as_f64().unwrap_or(f64::NAN),
-        r["verified"],
+        r.iteration_s,
+        r.verified,
         t.elapsed().as_secs_f64()
     );
     assert_eq!(
-        r["log_warnings"].as_array().map(Vec::len),
-        Some(0),
-        "train {}: a healthy run logs no WARN or ERROR: {:#}",
+        r.log_warnings.len(),
+        0,
+        "train {}: a healthy run logs no WARN or ERROR: {:#?}",
         args.join(" "),
-        r["log_warnings"]
+        r.log_warnings
     );
     if args.contains(&"--verify") {
         assert_eq!(
-            r["verified"],
-            Value::Bool(true),
-            "train {}: layers {}",
+            r.verified,
+            Some(true),
+            "train {}: layers {:?}",
             args.join(" "),
-            r["mismatched_layers"]
+            r.mismatched_layers
         );
     }
-    assert!(r["throughput_samples_s"].as_f64().unwrap_or(0.0) > 0.0);
+    assert!(r.throughput_samples_s > 0.0);
     r
 }
 
@@ -135,15 +134,11 @@ fn a_tiny_window_small_slices_and_lowered_transport_limits() {
         "--verify",
     ]);
     assert!(
-        r["layers"].as_array().unwrap().iter().any(|l| l["scheme"] == "sfb"),
+        r.layers.iter().any(|l| l.scheme == Scheme::Sfb),
         "the run must send factor blocks to exercise the message cap"
     );
-    assert!(r["max_outstanding"].as_u64().unwrap() <= 4, "{}", r["max_outstanding"]);
-    assert!(
-        r["max_message_bytes"].as_u64().unwrap() <= 65536,
-        "{}",
-        r["max_message_bytes"]
-    );
+    assert!(r.max_outstanding <= 4, "{}", r.max_outstanding);
+    assert!(r.max_message_bytes <= 65536, "{}", r.max_message_bytes);
 }
 
 #[test]
@@ -169,10 +164,10 @@ fn factor_blocks_split_at_any_message_cap_verify() {
             "--verify",
         ]);
         assert!(
-            r["layers"].as_array().unwrap().iter().any(|l| l["scheme"] == "sfb"),
+            r.layers.iter().any(|l| l.scheme == Scheme::Sfb),
             "the run must send factor blocks"
         );
-        let max = r["max_message_bytes"].as_u64().unwrap();
+        let max = r.max_message_bytes;
         assert!(max <= cap.parse().unwrap(), "{max}");
     }
 }

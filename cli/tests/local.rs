@@ -9,16 +9,18 @@
 //! every layer both sync through the PS; and with separate servers each node's
 //! NIC carries L times less with local aggregation (the transports' counters).
 
+mod support;
+
 use std::process::Command;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
+use support::{report, serial, tidewire, Rng, TrainReport};
+use tidewire_engine::book::Scheme;
 
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn train(args: &[String]) -> Value {
+fn train(args: &[String]) -> TrainReport {
     let t = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+    let out = tidewire()
         .arg("train")
         .args(["--json", "--model", "vgg19-mini", "--time-scale", "0"])
         .args(args)
@@ -31,33 +33,10 @@ fn train(args: &[String]) -> Value {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    let r: Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let r = report(&out.stdout);
     println!("  train {}: wall {:.1} s", args.join(" "), t.elapsed().as_secs_f64());
-    assert_eq!(
-        r["log_warnings"].as_array().map(Vec::len),
-        Some(0),
-        "{:#}",
-        r["log_warnings"]
-    );
+    assert_eq!(r.log_warnings.len(), 0, "{:#?}", r.log_warnings);
     r
-}
-
-/// splitmix64.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
-        xs[self.below(xs.len() as u64) as usize]
-    }
 }
 
 fn seed() -> u64 {
@@ -67,22 +46,13 @@ fn seed() -> u64 {
         .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64 % 1_000_000)
 }
 
-fn strs(v: &Value, key: &str) -> Vec<String> {
-    v[key]
-        .as_array()
-        .unwrap_or_else(|| panic!("{key} in {v:#}"))
-        .iter()
-        .map(|x| x.as_str().map_or_else(|| x.to_string(), str::to_string))
-        .collect()
-}
-
-fn bytes(v: &Value, key: &str) -> Vec<f64> {
-    v[key].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+fn f64s(v: &[u64]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
 }
 
 #[test]
 fn local_aggregation_equals_the_flat_run_and_cuts_each_nic_by_l() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = serial();
     let seed = seed();
     let cases: u64 = std::env::var("TIDEWIRE_LOCAL_CASES")
         .ok()
@@ -128,22 +98,22 @@ fn local_aggregation_equals_the_flat_run_and_cuts_each_nic_by_l() {
         let flat = train(&flat_args);
         for run in [&local, &flat] {
             assert_eq!(
-                run["verified"],
-                Value::Bool(true),
-                "seed {seed} case {case}: {}",
-                run["mismatched_layers"]
+                run.verified,
+                Some(true),
+                "seed {seed} case {case}: {:?}",
+                run.mismatched_layers
             );
         }
         // Bitwise the same parameters on every layer both runs sync through the PS.
-        let (dl, df) = (strs(&local, "digests"), strs(&flat, "digests"));
-        let (sl, sf) = (&local["layers"], &flat["layers"]);
+        let (dl, df) = (&local.digests, &flat.digests);
+        let (sl, sf) = (&local.layers, &flat.layers);
         let mut compared = 0;
-        for (i, (a, b)) in dl.iter().zip(&df).enumerate() {
-            if sl[i]["scheme"] == "ps" && sf[i]["scheme"] == "ps" {
+        for ((a, b), (la, lf)) in dl.iter().zip(df).zip(sl.iter().zip(sf)) {
+            if la.scheme == Scheme::Ps && lf.scheme == Scheme::Ps {
                 assert_eq!(
                     a, b,
                     "seed {seed} case {case}: layer {} differs from the flat run",
-                    sl[i]["name"]
+                    la.name
                 );
                 compared += 1;
             }
@@ -155,8 +125,8 @@ fn local_aggregation_equals_the_flat_run_and_cuts_each_nic_by_l() {
         // Each node's NIC: L times the bytes in the flat run (separate servers:
         // a node's traffic is its learners' pushes and the broadcasts to them).
         if !colocate && sync != "hybrid" && sync != "full" {
-            let (tl, tf) = (bytes(&local, "node_tx_bytes"), bytes(&flat, "node_tx_bytes"));
-            let (rl, rf) = (bytes(&local, "node_rx_bytes"), bytes(&flat, "node_rx_bytes"));
+            let (tl, tf) = (f64s(&local.node_tx_bytes), f64s(&flat.node_tx_bytes));
+            let (rl, rf) = (f64s(&local.node_rx_bytes), f64s(&flat.node_rx_bytes));
             for n in 0..nodes as usize {
                 let (tx, rx) = (tf[n] / tl[n], rf[n] / rl[n]);
                 println!("  node {n}: flat/local NIC bytes: sent {tx:.3}x, received {rx:.3}x (L = {l})");
@@ -175,15 +145,15 @@ fn local_aggregation_equals_the_flat_run_and_cuts_each_nic_by_l() {
 /// finish, and every learner ends with the node leader's final parameters.
 #[test]
 fn a_stale_parameter_cache_finishes_and_ends_in_agreement() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = serial();
     let args: Vec<String> =
         "--workers 2 --servers 1 --iters 5 --local-learners 3 --cache-staleness 1 --slow-rank 0 --slow-factor 2"
             .split(' ')
             .map(str::to_string)
             .collect();
     let r = train(&args);
-    assert_eq!(strs(&r, "digests").len(), r["layers"].as_array().unwrap().len());
-    let bad = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+    assert_eq!(r.digests.len(), r.layers.len());
+    let bad = tidewire()
         .args(["train", "--local-learners", "2", "--cache-staleness", "1", "--verify"])
         .output()
         .unwrap();
@@ -198,7 +168,7 @@ fn a_stale_parameter_cache_finishes_and_ends_in_agreement() {
 #[test]
 fn sim_local_learners_cut_each_nic_by_l() {
     for (l, workers, sync) in [(2, 3, "wfbp"), (4, 2, "p3"), (3, 4, "fifo-ps")] {
-        let out = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+        let out = tidewire()
             .args([
                 "sim",
                 "--model",
@@ -248,7 +218,7 @@ fn children(pid: u32) -> Vec<u32> {
 /// Kills child `pick` of a running `train --local-learners 3` (ranks first,
 /// then the learners) and returns the launcher's stderr.
 fn kill_one(pick: impl Fn(&[u32]) -> u32) -> String {
-    let c = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+    let c = tidewire()
         .args([
             "train",
             "--model",
@@ -293,7 +263,7 @@ fn kill_one(pick: impl Fn(&[u32]) -> u32) -> String {
 /// for their timeout.
 #[test]
 fn a_dead_learner_or_leader_fails_the_node_clearly() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = serial();
     let err = kill_one(|k| k[3]);
     assert!(err.contains("local learner 2 of node 0 exited with signal: 9"), "{err}");
     assert!(err.contains("waiting for local learner 2 to hand in layer"), "{err}");

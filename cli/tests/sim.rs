@@ -1,15 +1,14 @@
 //! `tidewire sim`: the engine core on a simulated network, from the command line.
 
-use std::process::{Command, Output};
+mod support;
+
+use std::process::Output;
 
 use serde_json::Value;
+use support::tidewire;
 
 fn sim(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tidewire"))
-        .arg("sim")
-        .args(args)
-        .output()
-        .unwrap()
+    tidewire().arg("sim").args(args).output().unwrap()
 }
 
 fn json(args: &[&str]) -> Value {

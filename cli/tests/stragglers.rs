@@ -14,16 +14,16 @@
 //! Compute is slept (`--time-scale 4`: 80 ms per iteration of vgg19-mini),
 //! so the paces compared do not depend on the machine's load.
 
-use std::process::Command;
+mod support;
 
-use serde_json::Value;
+use support::{report, tidewire, TrainReport};
 
-fn train(trigger: &str, straggler: bool) -> Value {
+fn train(trigger: &str, straggler: bool) -> TrainReport {
     train_with(trigger, straggler, &[])
 }
 
-fn train_with(trigger: &str, straggler: bool, more: &[&str]) -> Value {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tidewire"));
+fn train_with(trigger: &str, straggler: bool, more: &[&str]) -> TrainReport {
+    let mut c = tidewire();
     c.args(["train", "--json", "--model", "vgg19-mini", "--workers", "4"]);
     c.args(["--servers", "1", "--sync", "p3", "--iters", "20"]);
     c.args(["--time-scale", "4", "--trigger", trigger]);
@@ -37,17 +37,12 @@ fn train_with(trigger: &str, straggler: bool, more: &[&str]) -> Value {
         "--trigger {trigger} failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).expect("JSON")
+    report(&out.stdout)
 }
 
 /// The mean iteration of the workers other than rank 1 (the straggler).
-fn others(r: &Value) -> f64 {
-    let w: Vec<f64> = r["worker_iteration_s"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+fn others(r: &TrainReport) -> f64 {
+    let w = &r.worker_iteration_s;
     match w.len() {
         // Ranks 0..4, the straggler (or its replacement) at 1.
         4 => (w[0] + w[2] + w[3]) / 3.0,
@@ -68,7 +63,7 @@ const TRIES: usize = 3;
 /// Runs `trigger` with a straggler (and `more`) until the other workers keep
 /// `bar` times their pace without a straggler, measured just before; returns
 /// the last run and its ratio, failing after [`TRIES`] misses.
-fn keeps_pace(label: &str, trigger: &str, more: &[&str], bar: f64) -> (Value, f64) {
+fn keeps_pace(label: &str, trigger: &str, more: &[&str], bar: f64) -> (TrainReport, f64) {
     for k in 1..=TRIES {
         let pace = others(&train("all", false));
         let r = train_with(trigger, true, more);
@@ -77,10 +72,10 @@ fn keeps_pace(label: &str, trigger: &str, more: &[&str], bar: f64) -> (Value, f6
             "{label} (try {k}): {:.4} s per iteration against {pace:.4} s without a straggler, \
              {ratio:.3}x; straggler {:.4} s; {} partial applies, {} dropped, {} folded",
             others(&r),
-            r["worker_iteration_s"][1].as_f64().unwrap(),
-            r["partial_applies"],
-            r["dropped"],
-            r["late_folded"]
+            r.worker_iteration_s[1],
+            r.partial_applies,
+            r.dropped,
+            r.late_folded
         );
         if ratio >= bar {
             return (r, ratio);
@@ -99,38 +94,32 @@ fn quorum_timeout_and_async_keep_the_pace_bsp_takes_the_stragglers() {
         pace / others(&bsp)
     );
     assert!(others(&bsp) > 2.0 * pace, "BSP should wait for the straggler");
-    assert_eq!(bsp["dropped"], 0);
+    assert_eq!(bsp.dropped, 0);
     for t in ["quorum:3", "timeout:5", "async"] {
         // The acceptance's bar for the quorum and the timeout; async (every
         // contribution applied on arrival, more applies) only has to stay far
         // from BSP's pace: it measured 0.92-1.03x here.
         let bar = if t == "async" { 0.8 } else { 0.9 };
         let (r, _) = keeps_pace(t, t, &[], bar);
-        assert!(
-            r["partial_applies"].as_u64().unwrap() > 0,
-            "{t}: no round went without the straggler"
-        );
+        assert!(r.partial_applies > 0, "{t}: no round went without the straggler");
         if t == "async" {
-            assert!(r["late_folded"].as_u64().unwrap() > 0, "{t}: nothing folded");
-            assert_eq!(r["dropped"], 0, "async folds, never drops");
+            assert!(r.late_folded > 0, "{t}: nothing folded");
+            assert_eq!(r.dropped, 0, "async folds, never drops");
         } else {
-            assert!(
-                r["dropped"].as_u64().unwrap() > 0,
-                "{t}: the straggler's late gradients were not dropped"
-            );
+            assert!(r.dropped > 0, "{t}: the straggler's late gradients were not dropped");
         }
     }
     // The coordinator removes the straggler: it leaves at an iteration
     // boundary and the job goes on with P1 - 1 workers at their pace.
     let (r, ratio) = keeps_pace("quorum:3 with removal", "quorum:3", &["--remove-stragglers", "2"], 0.9);
-    let removed = r["removed"].as_array().unwrap();
-    assert_eq!(removed.len(), 1, "{:#}", r["removed"]);
-    assert_eq!(removed[0]["rank"], 1);
-    let left = removed[0]["left_at"].as_u64().expect("it left at a boundary");
+    let removed = &r.removed;
+    assert_eq!(removed.len(), 1, "{removed:#?}");
+    assert_eq!(removed[0].rank, 1);
+    let left = removed[0].left_at.expect("it left at a boundary");
     assert!(left < 20, "{left}");
     println!(
         "quorum:3 with removal: rank 1 {} and left at iteration {left}; the others at {ratio:.3}x",
-        removed[0]["why"].as_str().unwrap()
+        removed[0].why
     );
     // A replacement then joins (a new process with rank 1, at full speed):
     // it takes the current parameters from the servers, trains to the end,
@@ -141,17 +130,17 @@ fn quorum_timeout_and_async_keep_the_pace_bsp_takes_the_stragglers() {
         &["--remove-stragglers", "2", "--replace-stragglers"],
         0.9,
     );
-    let removed = r["removed"].as_array().unwrap();
-    assert_eq!(removed.len(), 1, "{:#}", r["removed"]);
-    let n = removed[0]["replaced_for"].as_u64().expect("a replacement joined");
+    let removed = &r.removed;
+    assert_eq!(removed.len(), 1, "{removed:#?}");
+    let n = removed[0].replaced_for.expect("a replacement joined");
     assert!(n > 0 && n < 20, "{n}");
-    assert_eq!(r["workers"], 4, "the replacement reported as rank 1");
+    assert_eq!(r.workers, 4, "the replacement reported as rank 1");
     println!(
         "quorum:3 with removal and a replacement for the last {n} iterations: the others at {ratio:.3}x, \
          the replacement at {:.4} s per iteration",
-        r["worker_iteration_s"][1].as_f64().unwrap()
+        r.worker_iteration_s[1]
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+    let out = tidewire()
         .args([
             "train",
             "--model",
@@ -166,7 +155,7 @@ fn quorum_timeout_and_async_keep_the_pace_bsp_takes_the_stragglers() {
     let why = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && why.contains("--trigger"), "{why}");
     // The refusals say why.
-    let out = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+    let out = tidewire()
         .args([
             "train",
             "--model",
@@ -180,7 +169,7 @@ fn quorum_timeout_and_async_keep_the_pace_bsp_takes_the_stragglers() {
         .unwrap();
     let why = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && why.contains("through the PS"), "{why}");
-    let out = Command::new(env!("CARGO_BIN_EXE_tidewire"))
+    let out = tidewire()
         .args([
             "train",
             "--model",

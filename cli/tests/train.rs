@@ -1,32 +1,34 @@
 //! End-to-end tests of `tidewire train` and `tidewire plan`: real processes
 //! on loopback over the io_uring TCP transport.
 
+mod support;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use support::{serial, tidewire, TrainReport};
+use tidewire_engine::book::Scheme;
 
-/// The tests below start whole clusters; one at a time, so that a 2-core
-/// machine does not turn their timeouts into flakes.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn tidewire() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_tidewire"))
-}
-
-fn json(out: &Output) -> Value {
+fn succeeded(out: &Output) {
     assert!(
         out.status.success(),
         "tidewire failed ({}):\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+fn json(out: &Output) -> Value {
+    succeeded(out);
     serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+/// `tidewire train --json`'s report, typed.
+fn report(out: &Output) -> TrainReport {
+    succeeded(out);
+    support::report(&out.stdout)
 }
 
 #[test]
@@ -88,21 +90,16 @@ fn vgg19_bsp_matches_the_single_process_reference_bitwise() {
             ])
             .output()
             .unwrap();
-        let r = json(&out);
+        let r = report(&out);
         println!(
-            "vgg19 workers={n}: verified={} iteration {:.3} s, wall {:.1} s",
-            r["verified"],
-            r["iteration_s"].as_f64().unwrap(),
+            "vgg19 workers={n}: verified={:?} iteration {:.3} s, wall {:.1} s",
+            r.verified,
+            r.iteration_s,
             t.elapsed().as_secs_f64()
         );
-        assert_eq!(
-            r["verified"],
-            Value::Bool(true),
-            "workers={n}: {:?}",
-            r["mismatched_layers"]
-        );
-        assert_eq!(r["per_iteration"].as_array().unwrap().len(), 10);
-        assert!(r["throughput_samples_s"].as_f64().unwrap() > 0.0);
+        assert_eq!(r.verified, Some(true), "workers={n}: {:?}", r.mismatched_layers);
+        assert_eq!(r.per_iteration.len(), 10);
+        assert!(r.throughput_samples_s > 0.0);
     }
 }
 
@@ -131,13 +128,8 @@ fn colocated_and_every_sync_mode_verify() {
             ])
             .output()
             .unwrap();
-        let r = json(&out);
-        assert_eq!(
-            r["verified"],
-            Value::Bool(true),
-            "sync {sync}: {:?}",
-            r["mismatched_layers"]
-        );
+        let r = report(&out);
+        assert_eq!(r.verified, Some(true), "sync {sync}: {:?}", r.mismatched_layers);
     }
 }
 
@@ -180,39 +172,28 @@ fn the_papers_baselines_train_to_the_parameters_of_wfbp() {
                 "--verify",
                 "--json",
             ]);
-            let r = json(&tidewire().args(&args).output().unwrap());
-            assert_eq!(r["sync"], sync);
-            assert_eq!(
-                r["verified"],
-                Value::Bool(true),
-                "{layout:?} {sync}: {:?}",
-                r["mismatched_layers"]
-            );
-            (
-                r["digests"].clone(),
-                r["layers"].clone(),
-                r["factor_bytes_in_place"].as_u64(),
-            )
+            let r = report(&tidewire().args(&args).output().unwrap());
+            assert_eq!(r.sync, sync);
+            assert_eq!(r.verified, Some(true), "{layout:?} {sync}: {:?}", r.mismatched_layers);
+            (r.digests, r.layers, r.factor_bytes_in_place)
         };
         let (wfbp, _, _) = run("wfbp");
         for &mode in modes {
             let (digests, layers, in_place) = run(mode);
-            assert_eq!(digests.as_array().map(Vec::len), Some(19), "{layout:?}");
+            assert_eq!(digests.len(), 19, "{layout:?}");
             if !layout.contains(&"--local-learners") {
                 assert_eq!(digests, wfbp, "{layout:?}: {mode} and wfbp end with other parameters");
             }
             if mode == "adam" {
                 // Every FC layer (fc6, fc7, fc8) syncs by Adam's strategy.
-                let adam: Vec<&Value> = layers
-                    .as_array()
-                    .unwrap()
+                let adam: Vec<&str> = layers
                     .iter()
-                    .filter(|l| l["scheme"] == "adam")
-                    .map(|l| &l["name"])
+                    .filter(|l| l.scheme == Scheme::Adam)
+                    .map(|l| l.name.as_str())
                     .collect();
                 assert_eq!(adam, ["fc6", "fc7", "fc8"], "{layout:?}");
                 // The layer's server reads the workers' factors where they were received.
-                assert!(in_place.unwrap_or(0) > 0, "{layout:?}: {in_place:?}");
+                assert!(in_place > 0, "{layout:?}: {in_place:?}");
             }
         }
     }
@@ -249,14 +230,9 @@ fn mixed_and_portable_transports_verify() {
             ])
             .output()
             .unwrap();
-        let r = json(&out);
-        assert_eq!(r["verified"], Value::Bool(true), "--transport {transport}");
-        let used: Vec<String> = r["transport"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_str().unwrap().to_string())
-            .collect();
+        let r = report(&out);
+        assert_eq!(r.verified, Some(true), "--transport {transport}");
+        let used = r.transport;
         if transport == "mixed" && tidewire_transport::select::uring_usable().is_ok() {
             // Each line names the ranks that use it: odd ones portable, even ones io_uring.
             assert!(
@@ -298,19 +274,16 @@ fn ssp_bounds_how_far_fast_workers_run_ahead() {
         ])
         .output()
         .unwrap();
-    let r = json(&out);
-    let w = r["workers_detail"].as_array().unwrap();
-    let slow = w[0].as_array().unwrap();
+    let r = report(&out);
+    let w = &r.workers_detail;
+    let slow = &w[0];
     let mut lead_max = 0i64;
     for fast in &w[1..] {
-        for (i, it) in fast.as_array().unwrap().iter().enumerate() {
+        for (i, it) in fast.iter().enumerate() {
             // When a fast worker may start iteration i's compute, how many
             // iterations has the slow worker finished handing in?
-            let t = it["forward_done_unix"].as_f64().unwrap();
-            let c_slow = slow
-                .iter()
-                .filter(|j| j["backward_done_unix"].as_f64().unwrap() <= t)
-                .count() as i64;
+            let t = it.forward_done_unix;
+            let c_slow = slow.iter().filter(|j| j.backward_done_unix <= t).count() as i64;
             lead_max = lead_max.max(i as i64 - c_slow);
         }
     }
@@ -320,7 +293,7 @@ fn ssp_bounds_how_far_fast_workers_run_ahead() {
         lead_max >= 1,
         "SSP(2) never let a fast worker run ahead of the slow one"
     );
-    assert_eq!(r["per_iteration"].as_array().unwrap().len(), 8);
+    assert_eq!(r.per_iteration.len(), 8);
 }
 
 fn spawn_node(rank: usize, world: usize, port: u16, args: &[&str]) -> Child {
@@ -523,22 +496,17 @@ fn sparse_layers_push_pairs_and_verify() {
             ])
             .output()
             .unwrap();
-        let r = json(&out);
-        assert_eq!(
-            r["verified"],
-            Value::Bool(true),
-            "density {density}: {:?}",
-            r["mismatched_layers"]
-        );
-        let sp = &r["sparse"];
-        let pairs = sp["pushes"].as_u64().unwrap();
-        assert_eq!(pairs > 0, any_pairs, "density {density}: {sp}");
+        let r = report(&out);
+        assert_eq!(r.verified, Some(true), "density {density}: {:?}", r.mismatched_layers);
+        let sp = r.sparse;
+        let pairs = sp.pushes;
+        assert_eq!(pairs > 0, any_pairs, "density {density}: {sp:?}");
         if any_pairs {
-            let (nz, el) = (sp["nonzeros"].as_u64().unwrap(), sp["elements"].as_u64().unwrap());
-            assert!(nz > 0 && (nz as f64) < 0.05 * el as f64, "density {density}: {sp}");
-            assert!(sp["bytes"].as_u64().unwrap() < el, "{sp}");
+            let (nz, el) = (sp.nonzeros, sp.elements);
+            assert!(nz > 0 && (nz as f64) < 0.05 * el as f64, "density {density}: {sp:?}");
+            assert!(sp.bytes < el, "{sp:?}");
         } else {
-            assert!(sp["dense_pushes"].as_u64().unwrap() > 0, "{sp}");
+            assert!(sp.dense_pushes > 0, "{sp:?}");
         }
     }
 }
