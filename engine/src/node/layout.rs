@@ -1,10 +1,14 @@
 //! Where a rank's buffers lie: the offsets of every layer in its parameter,
 //! view, gradient, factor and sparse buffers, the bytes of each region the
 //! runtime allocates, and the checks on a caller's layout and on the
-//! transport's limits and the job's modes that [`Node::new`] runs first.
+//! transport's limits and the job's modes that [`super::Node::new`] runs first.
 
-use super::*;
-use crate::book::Role;
+use super::flow::{CELLS, CELL_BYTES};
+use super::types::{Limits, LocalRegion};
+use crate::book::{Book, LayerKind, LayerSpec, Placement, Role, Scheme, SchemePolicy};
+use crate::config::{Consistency, SchedConfig, Trigger};
+use crate::error::{EngineError, Result};
+use crate::wire;
 
 /// The transport's limits leave room for the protocol's control messages.
 pub(super) fn check_limits(l: &Limits) -> Result<()> {
@@ -38,7 +42,7 @@ pub(super) fn check_modes(book: &Book, sched: &SchedConfig) -> Result<()> {
             )));
         }
     }
-    if book.config().policy == crate::book::SchemePolicy::Adam
+    if book.config().policy == SchemePolicy::Adam
         && (sched.consistency != Consistency::Bsp || sched.trigger != Trigger::All)
     {
         return Err(EngineError::InvalidConfig(format!(
@@ -63,7 +67,7 @@ pub(super) fn check_modes(book: &Book, sched: &SchedConfig) -> Result<()> {
     Ok(())
 }
 
-/// A rank's buffer layout (see the fields of the same names in [`Node`]).
+/// A rank's buffer layout (see the fields of the same names in [`super::Node`]).
 pub(super) struct Layout {
     /// The caller reads a view published from the landing zone (SSP, or a
     /// trigger other than `All`): a server may write a layer the caller holds.
@@ -154,7 +158,7 @@ impl Layout {
 
 /// Back-to-back offsets of the layers that `size` gives a size, and the
 /// total.
-fn packed(book: &Book, size: impl Fn(&crate::book::LayerSpec) -> Option<u64>) -> (Vec<Option<u64>>, u64) {
+fn packed(book: &Book, size: impl Fn(&LayerSpec) -> Option<u64>) -> (Vec<Option<u64>>, u64) {
     let mut total = 0u64;
     let offs = book
         .layers()

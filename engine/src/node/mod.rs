@@ -94,6 +94,7 @@ mod arrivals;
 pub mod factors;
 pub mod flow;
 mod layout;
+mod life;
 mod lifecycle;
 mod server_side;
 mod setup;
@@ -111,8 +112,8 @@ pub use types::{
 };
 
 use crate::agree::JobConfig;
-use crate::book::{Book, LayerKind, Placement, Scheme};
-use crate::config::{ApplyOp, Consistency, QueueOrder, SchedConfig, Trigger};
+use crate::book::{Book, LayerKind, Scheme};
+use crate::config::{ApplyOp, QueueOrder, SchedConfig, Trigger};
 use crate::error::{EngineError, Result};
 use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use crate::server::{Server, ServerCommand};
@@ -122,7 +123,7 @@ use crate::worker::{Worker, WorkerCommand};
 use factors::Inbox;
 use flow::{Flow, Op};
 use layout::region_index;
-use lifecycle::Life;
+use life::Life;
 
 /// How a [`Node`] is set up.
 #[derive(Debug, Clone)]
