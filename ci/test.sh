@@ -144,7 +144,7 @@ tier sans-io sans_io
 # re-exports are not imports). --map prints each crate's module map.
 tier layout python3 ci/import-cycles.py
 
-# The randomized simulation (engine/tests/vopr.rs) runs 1000 seeds here (200 by default).
+# The randomized simulation (sim/tests/vopr.rs) runs 1000 seeds here (200 by default).
 export TIDEWIRE_VOPR_SEEDS=${TIDEWIRE_VOPR_SEEDS:-1000}
 tier tests cargo test --workspace --all-features --locked --no-fail-fast
 

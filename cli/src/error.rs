@@ -24,7 +24,7 @@ pub enum Error {
     Session(#[from] tidewire::Error),
     /// The discrete-event simulation failed.
     #[error("simulation: {0}")]
-    Sim(#[from] tidewire_engine::sim::SimError),
+    Sim(#[from] tidewire_sim::SimError),
 }
 
 /// Shorthand.

@@ -1,5 +1,5 @@
-//! `tidewire sim`: the engine's own sans-IO core ([`tidewire_engine::sim`])
-//! driven by a discrete-event network of full-duplex NICs, at any scale.
+//! `tidewire sim`: the engine's own sans-IO core driven by the simulator (the
+//! `tidewire-sim` crate) over a discrete-event network of full-duplex NICs, at any scale.
 //!
 //! ```text
 //! tidewire sim --model vgg19 --nodes 16 --bandwidth 10gbit --sync full --json
@@ -32,7 +32,7 @@ use serde::Serialize;
 use tidewire_engine::book::{Book, BookConfig, Cluster};
 use tidewire_engine::config::{Consistency, SyncMode, Trigger};
 use tidewire_engine::models::{self, Model};
-use tidewire_engine::sim::{Faults, Sim, SimConfig, SimReport};
+use tidewire_sim::{Faults, Sim, SimConfig, SimReport};
 
 use crate::error::{Error, Result};
 

@@ -10,7 +10,8 @@
 //! ([`Output`](node::Output): transmits with their exact addressing and
 //! bytes, compute jobs, layer-ready events). The runtime in the `tidewire`
 //! crate executes them over a transport, and the deterministic simulator
-//! ([`sim`]) executes them over a modelled network: both run the same protocol.
+//! (the `tidewire-sim` crate) executes them over a modelled network: both run
+//! the same protocol.
 //!
 //! Underneath are Poseidon's information book and cost model ([`book`],
 //! [`cost`]), P3's slicing with priority and credit scheduling
@@ -71,10 +72,8 @@ pub mod error;
 pub mod freq;
 pub mod fxhash;
 pub mod models;
-pub mod net;
 pub mod node;
 pub mod server;
-pub mod sim;
 pub mod sparse;
 #[doc(hidden)]
 pub mod testkit;

@@ -7,7 +7,7 @@
 //! every message ([`crate::wire`]), landing-slot credits, factor blocks split
 //! to the transport's message cap, seeding, flow control within the
 //! transport's limits, and the goodbye. It does no I/O and keeps no clock:
-//! the runtime (the `tidewire` crate) and the simulator ([`crate::sim`]) feed
+//! the runtime (the `tidewire` crate) and the simulator (the `tidewire-sim` crate) feed
 //! it [`Input`]s with the time and execute its [`Output`]s, so both run the
 //! same protocol.
 //!

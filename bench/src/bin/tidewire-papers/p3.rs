@@ -720,7 +720,7 @@ fn p3_utilization_md(s: &mut String, pts: &[Point], util: &[Util]) {
          *idle* the share of bins under {}% of it. The bandwidth of the paper's figures is not in a source \
          we could reach: we use {P3_FIG_BW} Gbit/s, and each model's best bandwidth for P3 in the bandwidth \
          figure above ({}). The receive side is the simulator's fair share, which can run ahead of a slower \
-         sender (`engine/src/net.rs`).\n",
+         sender (`sim/src/net.rs`).\n",
         UTIL_BIN_US / 1000.0,
         IDLE * 100.0,
         bws(&UTIL_MODELS)

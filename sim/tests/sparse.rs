@@ -2,15 +2,15 @@
 //! run dense, sparse and with the automatic choice ends with bitwise the same
 //! parameters on every worker, at densities 0, tiny, around the threshold and
 //! 1.0. Every failure names the seed; replay one with
-//! `TIDEWIRE_SPARSE_SEED=<seed> cargo test -p tidewire-engine --test sparse`.
+//! `TIDEWIRE_SPARSE_SEED=<seed> cargo test -p tidewire-sim --test sparse`.
 
 use std::sync::Arc;
 
 use tidewire_engine::book::{LayerKind, LayerSpec};
-use tidewire_engine::sim::{Sim, SimConfig, SimReport};
 use tidewire_engine::sparse::SparseCosts;
 use tidewire_engine::testkit::Rng;
 use tidewire_engine::{Book, BookConfig, Cluster, Consistency, SyncMode};
+use tidewire_sim::{Sim, SimConfig, SimReport};
 
 /// Costs under which sparse always pays (a slow link: the cap is the slot's).
 fn always_sparse() -> SparseCosts {

@@ -29,11 +29,11 @@ use std::time::Duration;
 
 use tidewire_engine::book::{LayerKind, LayerSpec};
 use tidewire_engine::node::Limits;
-use tidewire_engine::sim::{Faults, Sim, SimConfig, SimError};
 use tidewire_engine::testkit::Rng;
 use tidewire_engine::{
     Book, BookConfig, Cluster, Consistency, EngineError, SchedConfig, SchemePolicy, SyncMode, Trigger,
 };
+use tidewire_sim::{Faults, Sim, SimConfig, SimError};
 
 /// What a seed's run must end in.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -25,7 +25,7 @@
 //!   costs one branch per catch-up.
 //!
 //! ```
-//! use tidewire_engine::net::Net;
+//! use tidewire_sim::net::Net;
 //! // 8 Gbit/s = 1 byte/ns, 1 µs latency; two senders into one receiver.
 //! let mut net: Net<&str> = Net::new(3, 8e9, 1_000);
 //! net.send(0, 0, 2, 1_000_000, "a", None, 0);
@@ -42,7 +42,7 @@
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, VecDeque};
 
-use crate::fxhash::FxHashMap as HashMap;
+use tidewire_engine::fxhash::FxHashMap as HashMap;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Tag(f64);

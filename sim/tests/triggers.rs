@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use tidewire_engine::book::{LayerKind, LayerSpec};
 use tidewire_engine::node::{Node, NodeConfig};
-use tidewire_engine::sim::{Sim, SimConfig, SimError, SimReport};
 use tidewire_engine::{Book, BookConfig, Cluster, EngineError, SchemePolicy, SyncMode, Trigger};
+use tidewire_sim::{Sim, SimConfig, SimError, SimReport};
 
 /// Four workers and two servers on hosts of their own, a small PS-only model.
 fn job(trigger: Trigger, slow: Option<(u32, f64)>, crash: Option<(u32, u64)>) -> SimConfig {

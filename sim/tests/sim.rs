@@ -1,13 +1,13 @@
 //! Tier 2: the engine core in a deterministic simulated cluster, with seeded
 //! faults. Every failure message starts with the seed; rerun one seed with
-//! `TIDEWIRE_SIM_SEED=<seed> cargo test -p tidewire-engine --test sim`.
+//! `TIDEWIRE_SIM_SEED=<seed> cargo test -p tidewire-sim --test sim`.
 
 use std::sync::Arc;
 
 use tidewire_engine::book::{LayerKind, LayerSpec};
-use tidewire_engine::sim::{Faults, Sim, SimConfig, SimError, SimReport};
 use tidewire_engine::EngineError;
 use tidewire_engine::{models, Book, BookConfig, Cluster, Consistency, SyncMode};
+use tidewire_sim::{Faults, Sim, SimConfig, SimError, SimReport};
 
 fn seeds() -> Vec<u64> {
     match std::env::var("TIDEWIRE_SIM_SEED") {
@@ -203,7 +203,7 @@ fn adam_is_bitwise_the_ps_and_loads_the_layer_s_server() {
                 continue;
             }
             // Bytes each server moved (sent + received), and their spread.
-            let load = |r: &tidewire_engine::sim::SimReport| -> Vec<u64> {
+            let load = |r: &tidewire_sim::SimReport| -> Vec<u64> {
                 book.cluster()
                     .servers()
                     .iter()

@@ -20,11 +20,11 @@ use std::sync::Arc;
 
 use tidewire_engine::book::{LayerKind, LayerSpec, Placement};
 use tidewire_engine::node::Limits;
-use tidewire_engine::sim::{Faults, Sim, SimConfig, SimError};
 use tidewire_engine::testkit::Rng;
 use tidewire_engine::{
     Book, BookConfig, Cluster, Consistency, EngineError, SchedConfig, SchemePolicy, SyncMode, Trigger,
 };
+use tidewire_sim::{Faults, Sim, SimConfig, SimError};
 
 /// A whole job drawn from `seed`, and whether a rank dies in it.
 fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {

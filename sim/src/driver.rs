@@ -1,0 +1,374 @@
+//! The runtime's part, as the simulator plays it: feeding a Node its inputs,
+//! draining its outputs (transmits over the modelled transport with its
+//! limits and injected back-pressure, jobs onto the executors, layer-ready
+//! events to the worker loop), and a crashed worker's rejoin.
+
+use std::time::Duration;
+
+use tidewire_engine::config::{ApplyOp, Consistency, Trigger};
+use tidewire_engine::fxhash::FxHashSet as HashSet;
+use tidewire_engine::node::{
+    Input, Limits, Loc, LocalRegion, Output, Payload, Queue, SendSrc, Transmit, TxOp, CELL_BYTES,
+};
+
+use crate::config::{SimError, CONTROL_BYTES};
+use crate::exec::{job_ns, ridx};
+use crate::rank::{make_rank, Phase};
+use crate::world::{brief_input, brief_output, Ev, Sim};
+
+impl Sim {
+    /// Feeds an input to a rank's Node and executes what comes out.
+    pub(crate) fn feed(&mut self, r: u32, input: Input) -> Result<(), SimError> {
+        let rank = &mut self.ranks[r as usize];
+        if rank.dead || rank.fatal.is_some() {
+            return Ok(());
+        }
+        if self.trace {
+            eprintln!("{:>12} r{r} <- {}", self.now, brief_input(&input));
+        }
+        if let Input::Done { token } | Input::Blocked { token } = &input {
+            if let Some(p) = rank.tokens.remove(token) {
+                rank.posted[p as usize] -= 1;
+            }
+        }
+        let now = Duration::from_nanos(self.now);
+        // Kept for the report of a refusal; a message's bytes go to the Node
+        // as they are (moved: the receive path copies nothing, see `delivered`).
+        let shown = match &input {
+            Input::Message { peer, tag, data } => Input::Message {
+                peer: *peer,
+                tag: *tag,
+                data: Payload::Opaque(data.len()),
+            },
+            other => other.clone(),
+        };
+        if let Err(e) = rank.node.handle(now, input) {
+            return Err(self.violation(format!("rank {r} refused {shown:?}: {e}")));
+        }
+        self.drain(r)
+    }
+
+    pub(crate) fn drain(&mut self, r: u32) -> Result<(), SimError> {
+        let mut blocked: HashSet<u32> = HashSet::default();
+        let mut refused: Vec<u64> = Vec::new();
+        while let Some(out) = self.ranks[r as usize].node.poll_output() {
+            self.last_progress = self.now;
+            if self.trace {
+                eprintln!("{:>12} r{r} -> {}", self.now, brief_output(&out));
+            }
+            match out {
+                Output::Transmit(t) => {
+                    let peer = t.peer;
+                    if blocked.contains(&peer) || self.chance(self.cfg.faults.block_prob) {
+                        blocked.insert(peer);
+                        self.report.blocked += 1;
+                        let rank = &mut self.ranks[r as usize];
+                        rank.posted[peer as usize] += 1;
+                        rank.tokens.insert(t.token, peer);
+                        refused.push(t.token);
+                        continue;
+                    }
+                    self.transmit(r, t)?;
+                }
+                Output::Job(job) => {
+                    self.check_trigger(r, &job)?;
+                    let q = match job.queue {
+                        Queue::Server => 0,
+                        Queue::Worker => 1,
+                    };
+                    let dt = job_ns(&self.cfg, &job);
+                    let rank = &mut self.ranks[r as usize];
+                    let start = self.now.max(rank.busy[q]);
+                    rank.busy[q] = start + dt;
+                    self.at(start + dt, Ev::JobDone(r, job));
+                }
+                Output::PeerKeys { peer, .. } => {
+                    self.at(self.now, Ev::Input(r, Input::PeerRegionsKnown { peer }));
+                }
+                Output::LayerReady { layer, iter } => {
+                    if self.cfg.values
+                        && self.cfg.sched.consistency == Consistency::Bsp
+                        && self.cfg.sched.trigger == Trigger::All
+                        && self.cfg.apply == ApplyOp::Sum
+                    {
+                        let off = self.params_offset(r as usize, layer, true);
+                        let region = if self.ranks[r as usize].node.is_staged() {
+                            LocalRegion::View
+                        } else {
+                            LocalRegion::Params
+                        };
+                        self.check_values(r as usize, layer, iter, region, off)?;
+                    }
+                    let nl = self.cfg.book.layers().len() as u32;
+                    let fan = if self.cfg.local_learners > 1 {
+                        let bytes = self.cfg.book.layers()[layer as usize].params() as f64 * 4.0;
+                        (2.0 * bytes / self.cfg.local_bytes_per_s * 1e9) as u64
+                    } else {
+                        0
+                    };
+                    let now = self.now;
+                    let rank = &mut self.ranks[r as usize];
+                    let avail = if fan > 0 {
+                        let start = now.max(rank.local_busy);
+                        rank.local_busy = start + fan;
+                        rank.local_ns[1] += fan;
+                        start + fan
+                    } else {
+                        now
+                    };
+                    rank.local_avail[layer as usize] = rank.local_avail[layer as usize].max(avail);
+                    let synced = (0..nl).all(|l| !rank.node.is_in_flight(l));
+                    let w = rank.worker.as_mut().expect("worker");
+                    if w.phase == Phase::Done && w.finished.is_none() && synced {
+                        w.finished = Some(avail.max(rank.local_busy));
+                    }
+                    if matches!(w.waiting, Some((l, _)) if l == layer) {
+                        self.at(avail, Ev::Wake(r));
+                    }
+                }
+                Output::Ready => {
+                    // Under the other triggers, a worker ready late may start
+                    // from a version the others already made: no seeding check.
+                    if self.cfg.values
+                        && self.ranks[r as usize].worker.is_some()
+                        && self.cfg.sched.trigger == Trigger::All
+                    {
+                        self.check_seeding(r as usize)?;
+                    }
+                    if self.ranks[r as usize].worker.as_ref().is_some_and(|w| w.rejoined) {
+                        // A worker that came back goes on from the model's
+                        // newest iteration (each chunk counts its pushes from
+                        // where it was when the worker came back: never past
+                        // the job's last round).
+                        let book = self.cfg.book.clone();
+                        let newest = (0..book.chunks().len() as u32)
+                            .filter_map(|c| self.ranks[book.chunks()[c as usize].server as usize].node.applied(c))
+                            .max()
+                            .unwrap_or(0);
+                        let iters = self.cfg.iters;
+                        let w = self.ranks[r as usize].worker.as_mut().expect("a worker");
+                        w.iter = w.iter.max(newest).min(iters);
+                        if w.iter == iters {
+                            w.phase = Phase::Done;
+                        }
+                    }
+                    if self.ranks[r as usize].worker.is_some() {
+                        self.at(self.now, Ev::Wake(r));
+                    }
+                }
+                Output::Finished => {
+                    if self.ranks[r as usize].finished.is_none() {
+                        self.ranks[r as usize].finished = Some(self.now);
+                        self.settle(r);
+                        // The rank leaves: it closes its connections gracefully.
+                        for p in (0..self.ranks.len() as u32).filter(|&p| p != r) {
+                            if !self.dead(p) {
+                                self.fins_in_net += 1;
+                                self.net.send(self.now, r, p, 1, Ev::Fin { from: r, to: p }, None, 0);
+                            }
+                        }
+                    }
+                }
+                Output::Fatal(e) => {
+                    if self.ranks[r as usize].fatal.is_none() {
+                        self.ranks[r as usize].fatal = Some((self.now, e));
+                        self.settle(r);
+                    }
+                }
+            }
+        }
+        // This drain's sends that completed at once (only this rank's: a drain
+        // posts for its own rank), taken before feeding anything back.
+        let done_now = std::mem::take(&mut self.sent_now);
+        // Refusals go back before any other input, as the runtime reports them.
+        for token in refused {
+            self.feed(r, Input::Blocked { token })?;
+        }
+        for (_, token) in done_now {
+            self.feed(r, Input::Done { token })?;
+        }
+        // The Node's timer (retries after back-pressure, the setup deadline).
+        let rank = &mut self.ranks[r as usize];
+        if let Some(t) = rank.node.poll_timeout() {
+            let t = (t.as_nanos() as u64).max(self.now);
+            if rank.tick_at != Some(t) {
+                rank.tick_at = Some(t);
+                self.at(t, Ev::Input(r, Input::Tick));
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn limits_of(&self, r: u32) -> Limits {
+        self.cfg
+            .rank_limits
+            .as_ref()
+            .and_then(|l| l.get(r as usize).copied())
+            .unwrap_or(self.cfg.limits)
+    }
+
+    pub(crate) fn transmit(&mut self, r: u32, t: Transmit) -> Result<(), SimError> {
+        let peer = t.peer;
+        let (mine, theirs) = (self.limits_of(r), self.limits_of(peer));
+        // The sender's bound on requests in flight; messages and writes must fit both ends.
+        let limits = Limits {
+            max_outstanding: mine.max_outstanding,
+            max_message_bytes: mine.max_message_bytes.min(theirs.max_message_bytes),
+            max_write_bytes: mine.max_write_bytes.min(theirs.max_write_bytes),
+        };
+        {
+            let rank = &mut self.ranks[r as usize];
+            rank.posted[peer as usize] += 1;
+            rank.tokens.insert(t.token, peer);
+            if rank.posted[peer as usize] > limits.max_outstanding {
+                let n = rank.posted[peer as usize];
+                return Err(self.violation(format!(
+                    "rank {r} has {n} transmits outstanding to rank {peer} (the transport allows {})",
+                    limits.max_outstanding
+                )));
+            }
+        }
+        if peer == r || peer as usize >= self.ranks.len() {
+            return Err(self.violation(format!("rank {r} transmits to rank {peer}")));
+        }
+        if self.dead(r) || self.dead(peer) {
+            return Ok(());
+        }
+        let now = self.now;
+        let mut extra = 0;
+        if self.chance(self.cfg.faults.delay_prob) && self.cfg.faults.delay_max_ns > 0 {
+            extra = self.rand() % self.cfg.faults.delay_max_ns;
+        }
+        let mut post_at = now;
+        if self.cfg.msg_ns > 0 {
+            let rank = &mut self.ranks[r as usize];
+            rank.post_busy = rank.post_busy.max(now) + self.cfg.msg_ns;
+            post_at = rank.post_busy;
+        }
+        if let Some((side, a, b)) = &self.cfg.faults.partition {
+            if now >= *a && now < *b && side.contains(&r) != side.contains(&peer) {
+                post_at = *b;
+            }
+        }
+        match t.op {
+            TxOp::Write { src, dst, len, imm } => {
+                if len as usize > limits.max_write_bytes || len == 0 {
+                    return Err(self.violation(format!(
+                        "rank {r} wrote {len} bytes (the transport allows {})",
+                        limits.max_write_bytes
+                    )));
+                }
+                let ev = Ev::WriteArrive {
+                    from: r,
+                    to: peer,
+                    token: t.token,
+                    src,
+                    dst: Loc {
+                        region: dst.region,
+                        offset: dst.offset,
+                    },
+                    len,
+                    imm,
+                };
+                self.net.send(post_at, r, peer, len as usize, ev, None, extra);
+            }
+            TxOp::Send { tag, src } => {
+                let len = src.len();
+                if len as usize > limits.max_message_bytes {
+                    return Err(self.violation(format!(
+                        "rank {r} sent a message of {len} bytes (the transport allows {})",
+                        limits.max_message_bytes
+                    )));
+                }
+                let data = match src {
+                    SendSrc::Inline { bytes, .. } => {
+                        if bytes.len() > CELL_BYTES {
+                            return Err(self.violation(format!("an inline message of {} bytes", bytes.len())));
+                        }
+                        Payload::Bytes(bytes)
+                    }
+                    SendSrc::Region { at, len } => {
+                        if self.cfg.values {
+                            let m = &self.ranks[r as usize].store.mem[ridx(at.region)];
+                            Payload::Bytes(m[at.offset as usize..(at.offset + len) as usize].to_vec())
+                        } else {
+                            Payload::Opaque(len as usize)
+                        }
+                    }
+                };
+                let arrive = Ev::MsgArrive {
+                    from: r,
+                    to: peer,
+                    tag,
+                    data,
+                };
+                let sent = Ev::Sent {
+                    from: r,
+                    token: t.token,
+                };
+                let conn = r as usize * self.ranks.len() + peer as usize;
+                let in_net = self.msgs_in_net[conn];
+                // Control messages interleave with bulk data at packet
+                // granularity, so they pay latency only, unless a message is
+                // ahead of them on the connection.
+                if len as usize <= CONTROL_BYTES && in_net == 0 {
+                    if post_at == self.now {
+                        // It has left already: complete it after this drain, without an event.
+                        self.sent_now.push((r, t.token));
+                    } else {
+                        self.at(post_at, sent);
+                    }
+                    self.arrival(post_at + self.cfg.latency_ns, arrive, false);
+                } else {
+                    self.msgs_in_net[conn] += 1;
+                    self.net.send(post_at, r, peer, len as usize, arrive, Some(sent), extra);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The crashed worker `r` comes back: a new process with a fresh Node
+    /// that rejoins, at the iteration it crashed in.
+    pub(crate) fn rejoin(&mut self, r: u32) -> Result<(), SimError> {
+        let role = self.cfg.book.cluster().role(r).expect("in the cluster");
+        let running = self
+            .ranks
+            .iter()
+            .all(|x| x.finished.is_none() && x.worker.as_ref().map_or(true, |w| !w.shutdown_sent || x.dead));
+        if self.cfg.sched.trigger == Trigger::All || role.is_server() || !running || !self.dead(r) {
+            return Ok(());
+        }
+        let iter = self.crashed_at.expect("it crashed");
+        self.retired_pushes += self.ranks[r as usize].node.stats().pushes;
+        let mut rank = make_rank(&self.cfg, r)?;
+        let (seed, now) = (self.cfg.seed, self.now);
+        rank.node.rejoin().map_err(|error| SimError::Rank {
+            seed,
+            rank: r,
+            at_ns: now,
+            error,
+        })?;
+        let w = rank.worker.as_mut().expect("a worker");
+        w.iter = iter;
+        w.rejoined = true;
+        self.ranks[r as usize] = rank;
+        self.settled -= 1;
+        // What the others posted to the old process never completes: their
+        // Nodes dropped it with the connection.
+        for x in &mut self.ranks {
+            x.posted[r as usize] = 0;
+            x.tokens.retain(|_, p| *p != r);
+        }
+        self.report.rejoined += 1;
+        for p in (0..self.ranks.len() as u32).filter(|&p| p != r) {
+            if !self.dead(p) {
+                self.at(self.now, Ev::Input(p, Input::Connected { peer: r }));
+                self.at(self.now, Ev::Input(r, Input::Connected { peer: p }));
+            }
+        }
+        self.at(self.now, Ev::Step(r));
+        self.at(self.now, Ev::Input(r, Input::Tick));
+        Ok(())
+    }
+}
