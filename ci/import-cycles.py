@@ -251,7 +251,7 @@ def main():
     args = sys.argv[1:]
     show = "--map" in args
     crates = [a for a in args if a != "--map"] or ["."] + sorted(
-        d for d in ("transport", "engine", "gpu", "cli", "bench") if os.path.isdir(d)
+        d for d in ("transport", "engine", "gpu", "sim", "cli", "bench") if os.path.isdir(d)
     )
     bad = 0
     for c in crates:
