@@ -311,6 +311,7 @@ impl PortableTransport {
                     rank = info.rank,
                     "peer authenticated; connection ready (portable)"
                 );
+                self.reserve_for_ready(conn);
                 self.queue_frame(conn, ready);
                 self.send_regions(conn, &list, false);
                 if let Some(l) = self.listeners.get_mut(&listener) {
@@ -465,10 +466,27 @@ impl PortableTransport {
                     addr: c.peer_addr,
                 };
                 info!(conn, rank = info.rank, "connection ready (portable)");
+                self.reserve_for_ready(conn);
                 self.on_established(conn, info);
                 Ok(())
             }
         }
+    }
+
+    /// A connection just became ready: its queues get room for what its steady
+    /// traffic can hold (`max_outstanding` writes queued and awaiting their
+    /// Acks), and the event list for what every ready connection can deliver
+    /// between two polls (its completions and the peer's window), so that how
+    /// the two sides' polls interleave never grows a list on the hot path.
+    pub(super) fn reserve_for_ready(&mut self, conn: u64) {
+        let n = self.cfg.max_outstanding;
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.data_tx.reserve(n.saturating_sub(c.data_tx.len()));
+            c.awaiting_ack.reserve(n.saturating_sub(c.awaiting_ack.len()));
+        }
+        let ready = self.conns.values().filter(|c| c.state == State::Ready).count();
+        let want = ready * (2 * n + 8);
+        self.events.reserve(want.saturating_sub(self.events.len()));
     }
 
     pub(super) fn queue_frame(&mut self, conn: u64, f: Frame) {

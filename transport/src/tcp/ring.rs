@@ -72,6 +72,12 @@ impl std::fmt::Debug for TcpTransport {
     }
 }
 
+/// Bytes `ctrl_rx` reserves when a connection becomes ready: a steady-state
+/// control frame (an Ack or a Close: a header and a few bytes) with room to
+/// spare. The rare frames (a Nack and its reason, a Regions list after a
+/// registration) may grow it; they are failures or set-up, not the hot path.
+const STEADY_CTRL_FRAME: usize = crate::frame::HEADER_LEN + 64;
+
 impl TcpTransport {
     /// Sets up the ring, the provided-buffer ring and the fixed-buffer table.
     ///
@@ -203,6 +209,7 @@ impl TcpTransport {
     /// Acks, each with at most two ops: a SEND_ZC header and payload), so that
     /// the hot path never grows a table. Growth happens here, once per connection.
     pub(super) fn ops_per_conn(max_outstanding: usize) -> usize {
+        debug_assert!(max_outstanding > 0, "a connection allows at least one transmit");
         2 * max_outstanding + 8
     }
 
@@ -214,11 +221,18 @@ impl TcpTransport {
         c.data_tx.reserve(n);
         c.awaiting_ack.reserve(n);
         c.ctrl_tx.reserve(2 * super::op::GATHER_PARTS);
+        // A steady-state control frame (an Ack, a Close) split across two receives is assembled here: room for one, so that the
+        // first split (a matter of timing, rare on a quiet machine) allocates nothing.
+        c.ctrl_rx.reserve(STEADY_CTRL_FRAME.saturating_sub(c.ctrl_rx.len()));
         c.reserved = true;
         // Given back when the connection is reaped: the tables then grow only past
         // the most connections ever ready at once, not with every one ever made.
         self.ops_budget += Self::ops_per_conn(n);
         self.ops.reserve(self.ops_budget.saturating_sub(self.ops.len()));
+        // Events wait for the next poll: at most one per op completion (sends and
+        // writes done) plus what the peer's window lets it deliver, which the same
+        // budget covers; how many pile up between polls is a matter of timing.
+        self.events.reserve(self.ops_budget.saturating_sub(self.events.len()));
         self.free_ops
             .reserve(self.ops.capacity().saturating_sub(self.free_ops.len()));
         let live = self.conns.len();
