@@ -5,7 +5,7 @@
 
 use tidewire_engine::book::LayerKind;
 use tidewire_engine::config::{ApplyOp, Consistency, Trigger};
-use tidewire_engine::node::{Job, JobKind, LocalRegion};
+use tidewire_engine::node::{Job, JobKind, Loc, LocalRegion};
 
 use crate::config::SimError;
 use crate::exec::{f32s, ridx};
@@ -182,117 +182,134 @@ impl Sim {
     /// one, and `Timeout(d)` every live worker or else no earlier than `d`
     /// after the round's first contribution.
     pub(crate) fn check_trigger(&mut self, r: u32, job: &Job) -> Result<(), SimError> {
-        let book = self.cfg.book.clone();
-        let p1 = book.p1();
         match &job.kind {
-            JobKind::Accumulate { chunk, src, .. } => {
-                self.accumulates += 1;
-                let wi = if src.region == LocalRegion::Landing {
-                    let slot_bytes = book.max_slice_len() as u64 * 4;
-                    (src.offset / (u64::from(self.cfg.sched.landing_slots()) * slot_bytes)) as usize
-                } else {
-                    book.cluster()
-                        .worker_index(r)
-                        .expect("a local push comes from this rank's worker")
-                };
-                let now = self.now;
-                let e = self.ranks[r as usize]
-                    .round
-                    .entry(*chunk)
-                    .or_insert_with(|| (vec![0; p1], now));
-                if e.0.iter().all(|&c| c == 0) {
-                    e.1 = now;
-                }
-                e.0[wi] += 1;
-                let by = &mut self.report.accumulated_by_worker;
-                by.resize(p1, 0);
-                by[wi] += 1;
-            }
-            JobKind::SumFactors { layer, factors, .. } => {
-                // Adam: every worker's whole contribution to each of the
-                // layer's chunks at once (one factor block per worker).
-                if factors.len() != p1 {
-                    return Err(self.violation(format!(
-                        "layer {layer}: a sum of {} factor blocks, of {p1} workers",
-                        factors.len()
-                    )));
-                }
-                let now = self.now;
-                for c in book.layer_chunks(*layer) {
-                    let n = book.chunk_slices(c).len() as u32;
-                    let e = self.ranks[r as usize]
-                        .round
-                        .entry(c)
-                        .or_insert_with(|| (vec![0; p1], now));
-                    for x in e.0.iter_mut() {
-                        *x += n;
-                    }
-                }
-            }
+            JobKind::Accumulate { chunk, src, .. } => self.round_accumulate(r, *chunk, *src),
+            JobKind::SumFactors { layer, factors, .. } => self.round_sum_factors(r, *layer, factors.len())?,
             JobKind::Apply {
                 chunk, iter, gradients, ..
-            } => {
-                self.report.updates_ns = self.now.saturating_sub(self.start.unwrap_or(0));
-                let seen = self.ranks[r as usize].applies_seen.entry(*chunk).or_insert(0);
-                if *iter != *seen {
-                    let s = *seen;
-                    return Err(self.violation(format!(
-                        "chunk {chunk} applied for iteration {iter} after {s} applies (applied twice or skipped)"
-                    )));
-                }
-                *seen += 1;
-                let (counts, t0) = self.ranks[r as usize]
-                    .round
-                    .remove(chunk)
-                    .unwrap_or((vec![0; p1], self.now));
-                if self.cfg.sched.consistency != Consistency::Bsp {
-                    return Ok(());
-                }
-                let n = book.chunk_slices(*chunk).len() as u32;
-                if let Some(wi) = counts.iter().position(|&c| c % n != 0) {
-                    return Err(self.violation(format!(
-                        "chunk {chunk} iteration {iter} applied with {} of the {n} slices of worker {wi}'s contribution",
-                        counts[wi]
-                    )));
-                }
-                let contributions: u32 = counts.iter().sum::<u32>() / n;
-                if *gradients != contributions * self.cfg.sched.learners {
-                    return Err(self.violation(format!(
-                        "chunk {chunk} iteration {iter}: the apply divides by {gradients} gradients, the sum holds {contributions} contributions × {} learners",
-                        self.cfg.sched.learners
-                    )));
-                }
-                let workers = book.cluster().workers();
-                let complete = counts.iter().filter(|&&c| c >= n).count();
-                // A worker that came back counts from when it is ready (the
-                // servers count it a little earlier, when it connected: a
-                // weaker check in between, never a false alarm).
-                let live_w = |w: u32| {
-                    let x = &self.ranks[w as usize];
-                    !x.dead && (!x.worker.as_ref().is_some_and(|l| l.rejoined) || x.node.is_ready())
-                };
-                let live = workers.iter().filter(|&&w| live_w(w)).count();
-                let live_in = (0..p1).filter(|&i| counts[i] >= n && live_w(workers[i])).count();
-                let ok = match self.cfg.sched.trigger {
-                    Trigger::All => counts.iter().all(|&c| c == n),
-                    Trigger::Quorum(k) => complete >= k as usize,
-                    Trigger::Async => complete >= 1,
-                    Trigger::Timeout(d) => complete >= 1 && (live_in >= live || self.now >= t0 + d.as_nanos() as u64),
-                };
-                if !ok {
-                    return Err(self.violation(format!(
-                        "chunk {chunk} iteration {iter} applied with contributions {counts:?} (of {n} slices each), {} ns after the round's first, under the {} trigger",
-                        self.now - t0,
-                        self.cfg.sched.trigger.name()
-                    )));
-                }
-                // Counted as value checks where no value is checked (the
-                // other triggers); under `all` the values are, as before.
-                if self.cfg.sched.trigger != Trigger::All {
-                    self.report.checks += 1;
-                }
-            }
+            } => self.round_apply(r, *chunk, *iter, *gradients)?,
             _ => {}
+        }
+        Ok(())
+    }
+
+    /// A slice of one worker's contribution to `chunk` enters the round.
+    fn round_accumulate(&mut self, r: u32, chunk: u32, src: Loc) {
+        let book = self.cfg.book.clone();
+        let p1 = book.p1();
+        self.accumulates += 1;
+        let wi = if src.region == LocalRegion::Landing {
+            let slot_bytes = book.max_slice_len() as u64 * 4;
+            (src.offset / (u64::from(self.cfg.sched.landing_slots()) * slot_bytes)) as usize
+        } else {
+            book.cluster()
+                .worker_index(r)
+                .expect("a local push comes from this rank's worker")
+        };
+        let now = self.now;
+        let e = self.ranks[r as usize]
+            .round
+            .entry(chunk)
+            .or_insert_with(|| (vec![0; p1], now));
+        if e.0.iter().all(|&c| c == 0) {
+            e.1 = now;
+        }
+        e.0[wi] += 1;
+        let by = &mut self.report.accumulated_by_worker;
+        by.resize(p1, 0);
+        by[wi] += 1;
+    }
+
+    /// Adam: every worker's whole contribution to each of `layer`'s chunks at
+    /// once (one factor block per worker, `blocks` of them).
+    fn round_sum_factors(&mut self, r: u32, layer: u32, blocks: usize) -> Result<(), SimError> {
+        let book = self.cfg.book.clone();
+        let p1 = book.p1();
+        // Adam: every worker's whole contribution to each of the
+        // layer's chunks at once (one factor block per worker).
+        if blocks != p1 {
+            return Err(self.violation(format!(
+                "layer {layer}: a sum of {} factor blocks, of {p1} workers",
+                blocks
+            )));
+        }
+        let now = self.now;
+        for c in book.layer_chunks(layer) {
+            let n = book.chunk_slices(c).len() as u32;
+            let e = self.ranks[r as usize]
+                .round
+                .entry(c)
+                .or_insert_with(|| (vec![0; p1], now));
+            for x in e.0.iter_mut() {
+                *x += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// `chunk` is applied for `iter`, dividing by `gradients`: in order, with
+    /// whole contributions, and as many as the trigger requires.
+    fn round_apply(&mut self, r: u32, chunk: u32, iter: u64, gradients: u32) -> Result<(), SimError> {
+        let book = self.cfg.book.clone();
+        let p1 = book.p1();
+        self.report.updates_ns = self.now.saturating_sub(self.start.unwrap_or(0));
+        let seen = self.ranks[r as usize].applies_seen.entry(chunk).or_insert(0);
+        if iter != *seen {
+            let s = *seen;
+            return Err(self.violation(format!(
+                "chunk {chunk} applied for iteration {iter} after {s} applies (applied twice or skipped)"
+            )));
+        }
+        *seen += 1;
+        let (counts, t0) = self.ranks[r as usize]
+            .round
+            .remove(&chunk)
+            .unwrap_or((vec![0; p1], self.now));
+        if self.cfg.sched.consistency != Consistency::Bsp {
+            return Ok(());
+        }
+        let n = book.chunk_slices(chunk).len() as u32;
+        if let Some(wi) = counts.iter().position(|&c| c % n != 0) {
+            return Err(self.violation(format!(
+                "chunk {chunk} iteration {iter} applied with {} of the {n} slices of worker {wi}'s contribution",
+                counts[wi]
+            )));
+        }
+        let contributions: u32 = counts.iter().sum::<u32>() / n;
+        if gradients != contributions * self.cfg.sched.learners {
+            return Err(self.violation(format!(
+                "chunk {chunk} iteration {iter}: the apply divides by {gradients} gradients, the sum holds {contributions} contributions × {} learners",
+                self.cfg.sched.learners
+            )));
+        }
+        let workers = book.cluster().workers();
+        let complete = counts.iter().filter(|&&c| c >= n).count();
+        // A worker that came back counts from when it is ready (the
+        // servers count it a little earlier, when it connected: a
+        // weaker check in between, never a false alarm).
+        let live_w = |w: u32| {
+            let x = &self.ranks[w as usize];
+            !x.dead && (!x.worker.as_ref().is_some_and(|l| l.rejoined) || x.node.is_ready())
+        };
+        let live = workers.iter().filter(|&&w| live_w(w)).count();
+        let live_in = (0..p1).filter(|&i| counts[i] >= n && live_w(workers[i])).count();
+        let ok = match self.cfg.sched.trigger {
+            Trigger::All => counts.iter().all(|&c| c == n),
+            Trigger::Quorum(k) => complete >= k as usize,
+            Trigger::Async => complete >= 1,
+            Trigger::Timeout(d) => complete >= 1 && (live_in >= live || self.now >= t0 + d.as_nanos() as u64),
+        };
+        if !ok {
+            return Err(self.violation(format!(
+                "chunk {chunk} iteration {iter} applied with contributions {counts:?} (of {n} slices each), {} ns after the round's first, under the {} trigger",
+                self.now - t0,
+                self.cfg.sched.trigger.name()
+            )));
+        }
+        // Counted as value checks where no value is checked (the
+        // other triggers); under `all` the values are, as before.
+        if self.cfg.sched.trigger != Trigger::All {
+            self.report.checks += 1;
         }
         Ok(())
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tidewire_engine::config::{ApplyOp, Consistency, Trigger};
 use tidewire_engine::fxhash::FxHashSet as HashSet;
 use tidewire_engine::node::{
-    Input, Limits, Loc, LocalRegion, Output, Payload, Queue, SendSrc, Transmit, TxOp, CELL_BYTES,
+    Input, Job, Limits, Loc, LocalRegion, Output, Payload, Queue, RemoteLoc, SendSrc, Transmit, TxOp, CELL_BYTES,
 };
 
 use crate::config::{SimError, CONTROL_BYTES};
@@ -48,6 +48,9 @@ impl Sim {
         self.drain(r)
     }
 
+    /// Takes every output of rank `r`'s Node and acts on it, then feeds back
+    /// what the transport refused (first, in order, as the runtime does) and
+    /// the sends that completed at once, and schedules the Node's timer.
     pub(crate) fn drain(&mut self, r: u32) -> Result<(), SimError> {
         let mut blocked: HashSet<u32> = HashSet::default();
         let mut refused: Vec<u64> = Vec::new();
@@ -61,114 +64,19 @@ impl Sim {
                     let peer = t.peer;
                     if blocked.contains(&peer) || self.chance(self.cfg.faults.block_prob) {
                         blocked.insert(peer);
-                        self.report.blocked += 1;
-                        let rank = &mut self.ranks[r as usize];
-                        rank.posted[peer as usize] += 1;
-                        rank.tokens.insert(t.token, peer);
+                        self.refuse(r, &t);
                         refused.push(t.token);
                         continue;
                     }
                     self.transmit(r, t)?;
                 }
-                Output::Job(job) => {
-                    self.check_trigger(r, &job)?;
-                    let q = match job.queue {
-                        Queue::Server => 0,
-                        Queue::Worker => 1,
-                    };
-                    let dt = job_ns(&self.cfg, &job);
-                    let rank = &mut self.ranks[r as usize];
-                    let start = self.now.max(rank.busy[q]);
-                    rank.busy[q] = start + dt;
-                    self.at(start + dt, Ev::JobDone(r, job));
-                }
+                Output::Job(job) => self.on_job(r, job)?,
                 Output::PeerKeys { peer, .. } => {
                     self.at(self.now, Ev::Input(r, Input::PeerRegionsKnown { peer }));
                 }
-                Output::LayerReady { layer, iter } => {
-                    if self.cfg.values
-                        && self.cfg.sched.consistency == Consistency::Bsp
-                        && self.cfg.sched.trigger == Trigger::All
-                        && self.cfg.apply == ApplyOp::Sum
-                    {
-                        let off = self.params_offset(r as usize, layer, true);
-                        let region = if self.ranks[r as usize].node.is_staged() {
-                            LocalRegion::View
-                        } else {
-                            LocalRegion::Params
-                        };
-                        self.check_values(r as usize, layer, iter, region, off)?;
-                    }
-                    let nl = self.cfg.book.layers().len() as u32;
-                    let fan = if self.cfg.local_learners > 1 {
-                        let bytes = self.cfg.book.layers()[layer as usize].params() as f64 * 4.0;
-                        (2.0 * bytes / self.cfg.local_bytes_per_s * 1e9) as u64
-                    } else {
-                        0
-                    };
-                    let now = self.now;
-                    let rank = &mut self.ranks[r as usize];
-                    let avail = if fan > 0 {
-                        let start = now.max(rank.local_busy);
-                        rank.local_busy = start + fan;
-                        rank.local_ns[1] += fan;
-                        start + fan
-                    } else {
-                        now
-                    };
-                    rank.local_avail[layer as usize] = rank.local_avail[layer as usize].max(avail);
-                    let synced = (0..nl).all(|l| !rank.node.is_in_flight(l));
-                    let w = rank.worker.as_mut().expect("worker");
-                    if w.phase == Phase::Done && w.finished.is_none() && synced {
-                        w.finished = Some(avail.max(rank.local_busy));
-                    }
-                    if matches!(w.waiting, Some((l, _)) if l == layer) {
-                        self.at(avail, Ev::Wake(r));
-                    }
-                }
-                Output::Ready => {
-                    // Under the other triggers, a worker ready late may start
-                    // from a version the others already made: no seeding check.
-                    if self.cfg.values
-                        && self.ranks[r as usize].worker.is_some()
-                        && self.cfg.sched.trigger == Trigger::All
-                    {
-                        self.check_seeding(r as usize)?;
-                    }
-                    if self.ranks[r as usize].worker.as_ref().is_some_and(|w| w.rejoined) {
-                        // A worker that came back goes on from the model's
-                        // newest iteration (each chunk counts its pushes from
-                        // where it was when the worker came back: never past
-                        // the job's last round).
-                        let book = self.cfg.book.clone();
-                        let newest = (0..book.chunks().len() as u32)
-                            .filter_map(|c| self.ranks[book.chunks()[c as usize].server as usize].node.applied(c))
-                            .max()
-                            .unwrap_or(0);
-                        let iters = self.cfg.iters;
-                        let w = self.ranks[r as usize].worker.as_mut().expect("a worker");
-                        w.iter = w.iter.max(newest).min(iters);
-                        if w.iter == iters {
-                            w.phase = Phase::Done;
-                        }
-                    }
-                    if self.ranks[r as usize].worker.is_some() {
-                        self.at(self.now, Ev::Wake(r));
-                    }
-                }
-                Output::Finished => {
-                    if self.ranks[r as usize].finished.is_none() {
-                        self.ranks[r as usize].finished = Some(self.now);
-                        self.settle(r);
-                        // The rank leaves: it closes its connections gracefully.
-                        for p in (0..self.ranks.len() as u32).filter(|&p| p != r) {
-                            if !self.dead(p) {
-                                self.fins_in_net += 1;
-                                self.net.send(self.now, r, p, 1, Ev::Fin { from: r, to: p }, None, 0);
-                            }
-                        }
-                    }
-                }
+                Output::LayerReady { layer, iter } => self.on_layer_ready(r, layer, iter)?,
+                Output::Ready => self.on_ready(r)?,
+                Output::Finished => self.on_finished(r),
                 Output::Fatal(e) => {
                     if self.ranks[r as usize].fatal.is_none() {
                         self.ranks[r as usize].fatal = Some((self.now, e));
@@ -187,7 +95,22 @@ impl Sim {
         for (_, token) in done_now {
             self.feed(r, Input::Done { token })?;
         }
-        // The Node's timer (retries after back-pressure, the setup deadline).
+        self.schedule_tick(r);
+        Ok(())
+    }
+
+    /// The transport refuses transmit `t` of rank `r` for now (`WouldBlock`):
+    /// it counts as posted until the Node hears of the refusal.
+    fn refuse(&mut self, r: u32, t: &Transmit) {
+        self.report.blocked += 1;
+        let rank = &mut self.ranks[r as usize];
+        rank.posted[t.peer as usize] += 1;
+        rank.tokens.insert(t.token, t.peer);
+    }
+
+    /// The Node's timer (retries after back-pressure, the setup deadline), as
+    /// the Node now asks for it.
+    fn schedule_tick(&mut self, r: u32) {
         let rank = &mut self.ranks[r as usize];
         if let Some(t) = rank.node.poll_timeout() {
             let t = (t.as_nanos() as u64).max(self.now);
@@ -196,7 +119,113 @@ impl Sim {
                 self.at(t, Ev::Input(r, Input::Tick));
             }
         }
+    }
+
+    /// A job of rank `r` goes to the end of its executor's queue.
+    fn on_job(&mut self, r: u32, job: Job) -> Result<(), SimError> {
+        self.check_trigger(r, &job)?;
+        let q = match job.queue {
+            Queue::Server => 0,
+            Queue::Worker => 1,
+        };
+        let dt = job_ns(&self.cfg, &job);
+        let rank = &mut self.ranks[r as usize];
+        let start = self.now.max(rank.busy[q]);
+        rank.busy[q] = start + dt;
+        self.at(start + dt, Ev::JobDone(r, job));
         Ok(())
+    }
+
+    /// Layer `layer` of rank `r` is synced for iteration `iter`: its values
+    /// are checked (BSP), published to the node's learners, and the worker
+    /// loop woken if it waits for it.
+    fn on_layer_ready(&mut self, r: u32, layer: u32, iter: u64) -> Result<(), SimError> {
+        if self.cfg.values
+            && self.cfg.sched.consistency == Consistency::Bsp
+            && self.cfg.sched.trigger == Trigger::All
+            && self.cfg.apply == ApplyOp::Sum
+        {
+            let off = self.params_offset(r as usize, layer, true);
+            let region = if self.ranks[r as usize].node.is_staged() {
+                LocalRegion::View
+            } else {
+                LocalRegion::Params
+            };
+            self.check_values(r as usize, layer, iter, region, off)?;
+        }
+        let nl = self.cfg.book.layers().len() as u32;
+        let fan = if self.cfg.local_learners > 1 {
+            let bytes = self.cfg.book.layers()[layer as usize].params() as f64 * 4.0;
+            (2.0 * bytes / self.cfg.local_bytes_per_s * 1e9) as u64
+        } else {
+            0
+        };
+        let now = self.now;
+        let rank = &mut self.ranks[r as usize];
+        let avail = if fan > 0 {
+            let start = now.max(rank.local_busy);
+            rank.local_busy = start + fan;
+            rank.local_ns[1] += fan;
+            start + fan
+        } else {
+            now
+        };
+        rank.local_avail[layer as usize] = rank.local_avail[layer as usize].max(avail);
+        let synced = (0..nl).all(|l| !rank.node.is_in_flight(l));
+        let w = rank.worker.as_mut().expect("worker");
+        if w.phase == Phase::Done && w.finished.is_none() && synced {
+            w.finished = Some(avail.max(rank.local_busy));
+        }
+        if matches!(w.waiting, Some((l, _)) if l == layer) {
+            self.at(avail, Ev::Wake(r));
+        }
+        Ok(())
+    }
+
+    /// Rank `r`'s set-up is done: the seeding is checked, and a worker that
+    /// came back goes on from the model's newest iteration.
+    fn on_ready(&mut self, r: u32) -> Result<(), SimError> {
+        // Under the other triggers, a worker ready late may start
+        // from a version the others already made: no seeding check.
+        if self.cfg.values && self.ranks[r as usize].worker.is_some() && self.cfg.sched.trigger == Trigger::All {
+            self.check_seeding(r as usize)?;
+        }
+        if self.ranks[r as usize].worker.as_ref().is_some_and(|w| w.rejoined) {
+            // A worker that came back goes on from the model's
+            // newest iteration (each chunk counts its pushes from
+            // where it was when the worker came back: never past
+            // the job's last round).
+            let book = self.cfg.book.clone();
+            let newest = (0..book.chunks().len() as u32)
+                .filter_map(|c| self.ranks[book.chunks()[c as usize].server as usize].node.applied(c))
+                .max()
+                .unwrap_or(0);
+            let iters = self.cfg.iters;
+            let w = self.ranks[r as usize].worker.as_mut().expect("a worker");
+            w.iter = w.iter.max(newest).min(iters);
+            if w.iter == iters {
+                w.phase = Phase::Done;
+            }
+        }
+        if self.ranks[r as usize].worker.is_some() {
+            self.at(self.now, Ev::Wake(r));
+        }
+        Ok(())
+    }
+
+    /// Rank `r` said goodbye: it leaves, closing its connections gracefully.
+    fn on_finished(&mut self, r: u32) {
+        if self.ranks[r as usize].finished.is_none() {
+            self.ranks[r as usize].finished = Some(self.now);
+            self.settle(r);
+            // The rank leaves: it closes its connections gracefully.
+            for p in (0..self.ranks.len() as u32).filter(|&p| p != r) {
+                if !self.dead(p) {
+                    self.fins_in_net += 1;
+                    self.net.send(self.now, r, p, 1, Ev::Fin { from: r, to: p }, None, 0);
+                }
+            }
+        }
     }
 
     pub(crate) fn limits_of(&self, r: u32) -> Limits {
@@ -234,6 +263,22 @@ impl Sim {
         if self.dead(r) || self.dead(peer) {
             return Ok(());
         }
+        let (post_at, extra) = self.post_time(r, peer);
+        match t.op {
+            TxOp::Write { src, dst, len, imm } => {
+                self.send_write(r, (peer, t.token), (src, dst, len, imm), &limits, (post_at, extra))
+            }
+            TxOp::Send { tag, src } => self.send_message(r, (peer, t.token), tag, src, &limits, (post_at, extra)),
+        }
+    }
+
+    /// When a transmit of rank `r` to `peer` posted now leaves, and the random
+    /// extra delay it meets: after the runtime's per-message cost
+    /// ([`SimConfig::msg_ns`], serialized per rank), and after a partition
+    /// between them heals.
+    ///
+    /// [`SimConfig::msg_ns`]: crate::SimConfig::msg_ns
+    fn post_time(&mut self, r: u32, peer: u32) -> (u64, u64) {
         let now = self.now;
         let mut extra = 0;
         if self.chance(self.cfg.faults.delay_prob) && self.cfg.faults.delay_max_ns > 0 {
@@ -250,80 +295,97 @@ impl Sim {
                 post_at = *b;
             }
         }
-        match t.op {
-            TxOp::Write { src, dst, len, imm } => {
-                if len as usize > limits.max_write_bytes || len == 0 {
-                    return Err(self.violation(format!(
-                        "rank {r} wrote {len} bytes (the transport allows {})",
-                        limits.max_write_bytes
-                    )));
+        (post_at, extra)
+    }
+
+    /// A one-sided write on the network, within the transport's write cap.
+    fn send_write(
+        &mut self,
+        r: u32,
+        (peer, token): (u32, u64),
+        (src, dst, len, imm): (Loc, RemoteLoc, u64, Option<u32>),
+        limits: &Limits,
+        (post_at, extra): (u64, u64),
+    ) -> Result<(), SimError> {
+        if len as usize > limits.max_write_bytes || len == 0 {
+            return Err(self.violation(format!(
+                "rank {r} wrote {len} bytes (the transport allows {})",
+                limits.max_write_bytes
+            )));
+        }
+        let ev = Ev::WriteArrive {
+            from: r,
+            to: peer,
+            token: token,
+            src,
+            dst: Loc {
+                region: dst.region,
+                offset: dst.offset,
+            },
+            len,
+            imm,
+        };
+        self.net.send(post_at, r, peer, len as usize, ev, None, extra);
+        Ok(())
+    }
+
+    /// A message on the network (or, small on an idle connection, beside the
+    /// bulk data at the cost of latency only), within the message cap.
+    fn send_message(
+        &mut self,
+        r: u32,
+        (peer, token): (u32, u64),
+        tag: u32,
+        src: SendSrc,
+        limits: &Limits,
+        (post_at, extra): (u64, u64),
+    ) -> Result<(), SimError> {
+        let len = src.len();
+        if len as usize > limits.max_message_bytes {
+            return Err(self.violation(format!(
+                "rank {r} sent a message of {len} bytes (the transport allows {})",
+                limits.max_message_bytes
+            )));
+        }
+        let data = match src {
+            SendSrc::Inline { bytes, .. } => {
+                if bytes.len() > CELL_BYTES {
+                    return Err(self.violation(format!("an inline message of {} bytes", bytes.len())));
                 }
-                let ev = Ev::WriteArrive {
-                    from: r,
-                    to: peer,
-                    token: t.token,
-                    src,
-                    dst: Loc {
-                        region: dst.region,
-                        offset: dst.offset,
-                    },
-                    len,
-                    imm,
-                };
-                self.net.send(post_at, r, peer, len as usize, ev, None, extra);
+                Payload::Bytes(bytes)
             }
-            TxOp::Send { tag, src } => {
-                let len = src.len();
-                if len as usize > limits.max_message_bytes {
-                    return Err(self.violation(format!(
-                        "rank {r} sent a message of {len} bytes (the transport allows {})",
-                        limits.max_message_bytes
-                    )));
-                }
-                let data = match src {
-                    SendSrc::Inline { bytes, .. } => {
-                        if bytes.len() > CELL_BYTES {
-                            return Err(self.violation(format!("an inline message of {} bytes", bytes.len())));
-                        }
-                        Payload::Bytes(bytes)
-                    }
-                    SendSrc::Region { at, len } => {
-                        if self.cfg.values {
-                            let m = &self.ranks[r as usize].store.mem[ridx(at.region)];
-                            Payload::Bytes(m[at.offset as usize..(at.offset + len) as usize].to_vec())
-                        } else {
-                            Payload::Opaque(len as usize)
-                        }
-                    }
-                };
-                let arrive = Ev::MsgArrive {
-                    from: r,
-                    to: peer,
-                    tag,
-                    data,
-                };
-                let sent = Ev::Sent {
-                    from: r,
-                    token: t.token,
-                };
-                let conn = r as usize * self.ranks.len() + peer as usize;
-                let in_net = self.msgs_in_net[conn];
-                // Control messages interleave with bulk data at packet
-                // granularity, so they pay latency only, unless a message is
-                // ahead of them on the connection.
-                if len as usize <= CONTROL_BYTES && in_net == 0 {
-                    if post_at == self.now {
-                        // It has left already: complete it after this drain, without an event.
-                        self.sent_now.push((r, t.token));
-                    } else {
-                        self.at(post_at, sent);
-                    }
-                    self.arrival(post_at + self.cfg.latency_ns, arrive, false);
+            SendSrc::Region { at, len } => {
+                if self.cfg.values {
+                    let m = &self.ranks[r as usize].store.mem[ridx(at.region)];
+                    Payload::Bytes(m[at.offset as usize..(at.offset + len) as usize].to_vec())
                 } else {
-                    self.msgs_in_net[conn] += 1;
-                    self.net.send(post_at, r, peer, len as usize, arrive, Some(sent), extra);
+                    Payload::Opaque(len as usize)
                 }
             }
+        };
+        let arrive = Ev::MsgArrive {
+            from: r,
+            to: peer,
+            tag,
+            data,
+        };
+        let sent = Ev::Sent { from: r, token: token };
+        let conn = r as usize * self.ranks.len() + peer as usize;
+        let in_net = self.msgs_in_net[conn];
+        // Control messages interleave with bulk data at packet
+        // granularity, so they pay latency only, unless a message is
+        // ahead of them on the connection.
+        if len as usize <= CONTROL_BYTES && in_net == 0 {
+            if post_at == self.now {
+                // It has left already: complete it after this drain, without an event.
+                self.sent_now.push((r, token));
+            } else {
+                self.at(post_at, sent);
+            }
+            self.arrival(post_at + self.cfg.latency_ns, arrive, false);
+        } else {
+            self.msgs_in_net[conn] += 1;
+            self.net.send(post_at, r, peer, len as usize, arrive, Some(sent), extra);
         }
         Ok(())
     }

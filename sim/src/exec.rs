@@ -7,7 +7,7 @@
 
 use tidewire_engine::book::Book;
 use tidewire_engine::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
-use tidewire_engine::node::{Blob, Job, JobKind, LocalRegion, Node};
+use tidewire_engine::node::{Blob, Job, JobKind, Loc, LocalRegion, Node};
 use tidewire_engine::sparse::{self, EncodeReport};
 use tidewire_gpu::cpu;
 
@@ -104,28 +104,31 @@ impl Store {
     /// what the Node needs back, an encode's report). Returns the bytes the
     /// job hands back to the Node, or what broke.
     pub(crate) fn execute(&mut self, cfg: &SimConfig, r: u32, job: &Job) -> Result<Option<Vec<u8>>, String> {
-        let book = &cfg.book;
-        let k = book.config().batch;
+        if !cfg.values {
+            // Only what the Node needs back: an encode's report, at the run's density.
+            return Ok(match &job.kind {
+                JobKind::EncodeSparse { len, cap, .. } => {
+                    let n = (cfg.sparse_density * *len as f64).round() as usize;
+                    let pairs = (n <= *cap).then_some(n as u32);
+                    let scanned = if pairs.is_some() { *len as u64 } else { 0 };
+                    Some(EncodeReport { pairs, scanned }.to_bytes())
+                }
+                _ => None,
+            });
+        }
         match &job.kind {
-            JobKind::CaptureFactors { factors, len, .. } => Ok(cfg.values.then(|| {
-                self.mem[ridx(factors.region)][factors.offset as usize..(factors.offset + len) as usize].to_vec()
-            })),
-            JobKind::EncodeSparse { len, cap, .. } if !cfg.values => {
-                let n = (cfg.sparse_density * *len as f64).round() as usize;
-                let pairs = (n <= *cap).then_some(n as u32);
-                let scanned = if pairs.is_some() { *len as u64 } else { 0 };
-                Ok(Some(EncodeReport { pairs, scanned }.to_bytes()))
-            }
-            _ if !cfg.values => Ok(None),
-            JobKind::EncodeSparse { src, len, dst, cap, .. } => {
-                let data = self.read(src.region, src.offset, *len);
-                // The staging of a slice is as long as its gradient (as in the runtime).
-                let out = &mut self.mem[ridx(dst.region)][dst.offset as usize..dst.offset as usize + len * 4];
-                let pairs = cpu::sparse_encode(&data, *cap, out, THREADS);
-                let scanned = if pairs.is_some() { *len as u64 } else { 0 };
-                let pairs = pairs.map(|n| n as u32);
-                Ok(Some(EncodeReport { pairs, scanned }.to_bytes()))
-            }
+            JobKind::CaptureFactors { factors, len, .. } => Ok(Some(
+                self.mem[ridx(factors.region)][factors.offset as usize..(factors.offset + len) as usize].to_vec(),
+            )),
+            JobKind::EncodeSparse { src, len, dst, cap, .. } => Ok(Some(self.encode(*src, *len, *dst, *cap))),
+            kind => self.run(cfg, r, kind).map(|()| None),
+        }
+    }
+
+    /// The jobs that hand nothing back to the Node, on rank `r`'s memory.
+    fn run(&mut self, cfg: &SimConfig, r: u32, kind: &JobKind) -> Result<(), String> {
+        let book = &cfg.book;
+        match kind {
             JobKind::Accumulate {
                 window,
                 acc_at,
@@ -138,27 +141,9 @@ impl Store {
             } => {
                 let data = match pairs {
                     None => self.read(src.region, src.offset, *len),
-                    Some(n) => {
-                        let bytes = sparse::encoded_bytes(*n as usize);
-                        let m = &self.mem[ridx(src.region)];
-                        let words: Vec<u32> = m[src.offset as usize..src.offset as usize + bytes]
-                            .chunks_exact(4)
-                            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                            .collect();
-                        let mut d = vec![0f32; *len];
-                        cpu::sparse_densify(&words, *n as usize, &mut d, THREADS)
-                            .map_err(|e| format!("rank {r}: {e}"))?;
-                        d
-                    }
+                    Some(n) => self.densify(*src, *len, *n).map_err(|e| format!("rank {r}: {e}"))?,
                 };
-                let into = if *partial { &mut self.partial } else { &mut self.acc };
-                let acc = &mut into[*window as usize][*acc_at..acc_at + len];
-                if *first {
-                    acc.copy_from_slice(&data);
-                } else {
-                    cpu::add_assign(acc, &data);
-                }
-                Ok(None)
+                self.accumulate(*window as usize, *acc_at, &data, *first, *partial);
             }
             JobKind::FoldPartial {
                 window, acc_at, len, ..
@@ -166,7 +151,6 @@ impl Store {
                 let w = *window as usize;
                 let range = *acc_at..acc_at + len;
                 cpu::add_assign(&mut self.acc[w][range.clone()], &self.partial[w][range]);
-                Ok(None)
             }
             JobKind::Apply {
                 window,
@@ -175,49 +159,19 @@ impl Store {
                 gradients,
                 ..
             } => {
-                let acc = &self.acc[*window as usize][*shard_at..shard_at + len];
-                let range = shard_at * 4..(shard_at + len) * 4;
-                let mut w = f32s(&self.mem[ridx(LocalRegion::Shard)][range.clone()]);
-                let mom = if self.momentum.is_empty() {
-                    &mut [][..]
-                } else {
-                    &mut self.momentum[*shard_at..shard_at + len]
-                };
-                cpu::apply(cfg.apply, *gradients as usize, acc, &mut w, mom);
-                put_f32s(&mut self.mem[ridx(LocalRegion::Shard)][range], &w);
-                Ok(None)
+                self.apply(cfg, *window as usize, *shard_at..shard_at + len, *gradients as usize);
             }
             JobKind::Copy { src, dst, len } | JobKind::Publish { src, dst, len, .. } => {
                 let data = self.mem[ridx(src.region)][src.offset as usize..(src.offset + len) as usize].to_vec();
                 self.mem[ridx(dst.region)][dst.offset as usize..(dst.offset + len) as usize].copy_from_slice(&data);
-                Ok(None)
             }
             JobKind::FactorsToGrad { layer, factors, grad } => {
-                let l = &book.layers()[*layer as usize];
-                let uv = self.read(factors.region, factors.offset, k * (l.m + l.n));
-                let mut g = vec![0f32; l.m * l.n];
-                cpu::sf_rows(&uv[..k * l.m], &uv[k * l.m..], k, l.m, l.n, 0, &mut g);
-                put_f32s(&mut self.mem[ridx(grad.region)][grad.offset as usize..], &g);
-                Ok(None)
+                self.factors_to_grad(cfg, *layer, *factors, *grad);
             }
             JobKind::Reconstruct {
                 layer, params, factors, ..
             } => {
-                let sum = self.factor_sum(r, book, *layer, factors)?;
-                let range = params.offset as usize..params.offset as usize + sum.len() * 4;
-                let mut w = f32s(&self.mem[ridx(params.region)][range.clone()]);
-                let mom = self.sfb_momentum.entry(*layer).or_insert_with(|| {
-                    if cfg.apply.needs_momentum() {
-                        vec![0.0; sum.len()]
-                    } else {
-                        Vec::new()
-                    }
-                });
-                // The mean and SGD divide by every gradient in the sum.
-                let p1 = book.p1() * cfg.sched.learners as usize;
-                cpu::apply(cfg.apply, p1, &sum, &mut w, mom);
-                put_f32s(&mut self.mem[ridx(params.region)][range], &w);
-                Ok(None)
+                self.reconstruct(cfg, r, *layer, *params, factors)?;
             }
             JobKind::SumFactors {
                 layer,
@@ -228,9 +182,102 @@ impl Store {
             } => {
                 let sum = self.factor_sum(r, book, *layer, factors)?;
                 self.acc[*window as usize][*acc_at..acc_at + sum.len()].copy_from_slice(&sum);
-                Ok(None)
             }
+            JobKind::CaptureFactors { .. } | JobKind::EncodeSparse { .. } => unreachable!("handed back by execute"),
         }
+        Ok(())
+    }
+
+    /// Folds `data` into window `window`'s accumulator (or its fold group's
+    /// partial sum) from element `at`: the first contribution is copied.
+    fn accumulate(&mut self, window: usize, at: usize, data: &[f32], first: bool, partial: bool) {
+        let into = if partial { &mut self.partial } else { &mut self.acc };
+        let acc = &mut into[window][at..at + data.len()];
+        if first {
+            acc.copy_from_slice(data);
+        } else {
+            cpu::add_assign(acc, data);
+        }
+    }
+
+    /// A PS layer handed in by its factors: this worker's own gradient UᵀV of
+    /// `layer`, from its factors at `factors` into `grad`.
+    fn factors_to_grad(&mut self, cfg: &SimConfig, layer: u32, factors: Loc, grad: Loc) {
+        let k = cfg.book.config().batch;
+        let l = &cfg.book.layers()[layer as usize];
+        let uv = self.read(factors.region, factors.offset, k * (l.m + l.n));
+        let mut g = vec![0f32; l.m * l.n];
+        cpu::sf_rows(&uv[..k * l.m], &uv[k * l.m..], k, l.m, l.n, 0, &mut g);
+        put_f32s(&mut self.mem[ridx(grad.region)][grad.offset as usize..], &g);
+    }
+
+    /// Encodes the `len` elements at `src` as pairs into `dst` unless more
+    /// than `cap` are nonzero; the report the Node reads.
+    fn encode(&mut self, src: Loc, len: usize, dst: Loc, cap: usize) -> Vec<u8> {
+        let data = self.read(src.region, src.offset, len);
+        // The staging of a slice is as long as its gradient (as in the runtime).
+        let out = &mut self.mem[ridx(dst.region)][dst.offset as usize..dst.offset as usize + len * 4];
+        let pairs = cpu::sparse_encode(&data, cap, out, THREADS);
+        let scanned = if pairs.is_some() { len as u64 } else { 0 };
+        let pairs = pairs.map(|n| n as u32);
+        EncodeReport { pairs, scanned }.to_bytes()
+    }
+
+    /// A server applies window `window`'s sum of `gradients` contributions to
+    /// the shard's elements `range`, with their momentum.
+    fn apply(&mut self, cfg: &SimConfig, window: usize, range: std::ops::Range<usize>, gradients: usize) {
+        let acc = &self.acc[window][range.clone()];
+        let bytes = range.start * 4..range.end * 4;
+        let mut w = f32s(&self.mem[ridx(LocalRegion::Shard)][bytes.clone()]);
+        let mom = if self.momentum.is_empty() {
+            &mut [][..]
+        } else {
+            &mut self.momentum[range]
+        };
+        cpu::apply(cfg.apply, gradients, acc, &mut w, mom);
+        put_f32s(&mut self.mem[ridx(LocalRegion::Shard)][bytes], &w);
+    }
+
+    /// The `len` elements of a sparse push of `pairs` pairs at `src`,
+    /// densified (checked: a peer wrote them).
+    fn densify(&self, src: Loc, len: usize, pairs: u32) -> Result<Vec<f32>, sparse::SparseError> {
+        let bytes = sparse::encoded_bytes(pairs as usize);
+        let m = &self.mem[ridx(src.region)];
+        let words: Vec<u32> = m[src.offset as usize..src.offset as usize + bytes]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let mut d = vec![0f32; len];
+        cpu::sparse_densify(&words, pairs as usize, &mut d, THREADS)?;
+        Ok(d)
+    }
+
+    /// SFB: worker `r` rebuilds `layer`'s gradient from every worker's factors
+    /// and applies it to its own parameters at `params`, with the layer's momentum.
+    fn reconstruct(
+        &mut self,
+        cfg: &SimConfig,
+        r: u32,
+        layer: u32,
+        params: Loc,
+        factors: &[Blob],
+    ) -> Result<(), String> {
+        let book = &cfg.book;
+        let sum = self.factor_sum(r, book, layer, factors)?;
+        let range = params.offset as usize..params.offset as usize + sum.len() * 4;
+        let mut w = f32s(&self.mem[ridx(params.region)][range.clone()]);
+        let mom = self.sfb_momentum.entry(layer).or_insert_with(|| {
+            if cfg.apply.needs_momentum() {
+                vec![0.0; sum.len()]
+            } else {
+                Vec::new()
+            }
+        });
+        // The mean and SGD divide by every gradient in the sum.
+        let p1 = book.p1() * cfg.sched.learners as usize;
+        cpu::apply(cfg.apply, p1, &sum, &mut w, mom);
+        put_f32s(&mut self.mem[ridx(params.region)][range], &w);
+        Ok(())
     }
 
     /// Σ_p U_pᵀ·V_p of `layer` over every worker's factors, in worker order

@@ -65,6 +65,24 @@ pub(crate) struct Rank {
     pub(crate) applies_seen: HashMap<u32, u64>,
 }
 
+impl WLoop {
+    /// Worker `r`'s loop at the start of a run: the first forward pass next.
+    fn new(cfg: &SimConfig, r: u32) -> WLoop {
+        WLoop {
+            phase: Phase::Fwd(0),
+            iter: 0,
+            waiting: None,
+            deferred: Vec::new(),
+            slow: cfg.faults.stragglers.iter().find(|(w, _)| *w == r).map_or(1.0, |s| s.1),
+            span: 1.0,
+            wait_ns: 0,
+            finished: None,
+            shutdown_sent: false,
+            rejoined: false,
+        }
+    }
+}
+
 /// Rank `r`'s Node, memory and worker loop, as at the start of a run.
 pub(crate) fn make_rank(cfg: &SimConfig, r: u32) -> Result<Rank, SimError> {
     let seed = cfg.seed;
@@ -94,18 +112,7 @@ pub(crate) fn make_rank(cfg: &SimConfig, r: u32) -> Result<Rank, SimError> {
     });
     node.set_keys(keys);
     let role = book.cluster().role(r).expect("in the cluster");
-    let worker = role.is_worker().then(|| WLoop {
-        phase: Phase::Fwd(0),
-        iter: 0,
-        waiting: None,
-        deferred: Vec::new(),
-        slow: cfg.faults.stragglers.iter().find(|(w, _)| *w == r).map_or(1.0, |s| s.1),
-        span: 1.0,
-        wait_ns: 0,
-        finished: None,
-        shutdown_sent: false,
-        rejoined: false,
-    });
+    let worker = role.is_worker().then(|| WLoop::new(cfg, r));
     let mut rank = Rank {
         store: Store::new(cfg, &node, r),
         node,

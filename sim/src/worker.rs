@@ -11,110 +11,132 @@ use crate::values::factor_value;
 use crate::world::{Ev, Sim};
 
 impl Sim {
+    /// Worker `r`'s compute timer fired, or something it waits for changed:
+    /// it moves on through its iteration as far as it can.
     pub(crate) fn step(&mut self, r: u32) -> Result<(), SimError> {
-        let now = self.now;
         if self.dead(r) || self.ranks[r as usize].fatal.is_some() {
             return Ok(());
         }
+        match self.ranks[r as usize].worker.as_ref().expect("worker").phase {
+            Phase::Fwd(l) => self.forward(r, l),
+            Phase::Bwd(l) => self.backward(r, l),
+            Phase::Done => self.wind_down(r),
+        }
+    }
+
+    /// The forward pass of layer `l`, once its parameters are in (the Node's
+    /// sync and the node's learners' copy), or a wait for them.
+    fn forward(&mut self, r: u32, l: u32) -> Result<(), SimError> {
+        let now = self.now;
         let iters = self.cfg.iters;
         let nl = self.cfg.book.layers().len() as u32;
         let rank = &mut self.ranks[r as usize];
         let ready = rank.node.is_ready();
         let w = rank.worker.as_mut().expect("worker");
-        match w.phase {
-            Phase::Fwd(l) => {
-                let avail = rank.local_avail[l as usize];
-                let node_wait = rank.node.is_in_flight(l) || !ready;
-                if node_wait || avail > now {
-                    if w.waiting.is_none() {
-                        w.waiting = Some((l, now));
-                    }
-                    if !node_wait {
-                        // Only the node's learners are behind (a local hand-in
-                        // or fan-out): nothing else will wake it.
-                        self.at(avail, Ev::Wake(r));
-                    }
-                    return Ok(());
-                }
-                if let Some((_, since)) = w.waiting.take() {
-                    // Waiting for the initial parameters is not training time.
-                    if w.iter > 0 || l > 0 {
-                        w.wait_ns += now - since;
-                    }
-                }
-                if l == 0 && w.iter == 0 && self.start.is_none() {
-                    self.start = Some(now);
-                }
-                if l == 0 && self.cfg.faults.crash == Some((r, w.iter)) && w.iter < iters && self.crashed_at.is_none() {
-                    // It stops here: the crash takes it once its last iteration synced.
-                    self.at(now, Ev::Crash(r));
-                    return Ok(());
-                }
-                let span = self
-                    .cfg
-                    .faults
-                    .slow
-                    .iter()
-                    .filter(|(x, _, a, b)| *x == r && (*a..*b).contains(&w.iter))
-                    .map(|s| s.1)
-                    .product::<f64>();
-                if iters == 0 {
-                    w.phase = Phase::Done;
-                    self.at(now, Ev::Step(r));
-                    return Ok(());
-                }
-                // The step after the last forward fires when the last layer's backward ends.
-                let slow = w.slow * span;
-                let mut dt = (self.cfg.layer_ns[l as usize].0 as f64 * slow) as u64;
-                if l + 1 == nl {
-                    dt += (self.cfg.layer_ns[l as usize].1 as f64 * slow) as u64;
-                }
-                w.span = span;
-                w.phase = if l + 1 < nl {
-                    Phase::Fwd(l + 1)
-                } else {
-                    Phase::Bwd(nl - 1)
-                };
-                self.at(now + dt, Ev::Step(r));
+        let avail = rank.local_avail[l as usize];
+        let node_wait = rank.node.is_in_flight(l) || !ready;
+        if node_wait || avail > now {
+            if w.waiting.is_none() {
+                w.waiting = Some((l, now));
             }
-            Phase::Bwd(l) => {
-                // The backward of l is done: hand it in (WFBP) or defer it.
-                if self.cfg.wait_free {
-                    self.hand_in(r, l)?;
-                } else {
-                    self.ranks[r as usize].worker.as_mut().expect("worker").deferred.push(l);
-                }
-                let w = self.ranks[r as usize].worker.as_mut().expect("worker");
-                if l > 0 {
-                    w.phase = Phase::Bwd(l - 1);
-                    let dt = (self.cfg.layer_ns[l as usize - 1].1 as f64 * w.slow * w.span) as u64;
-                    self.at(now + dt, Ev::Step(r));
-                } else {
-                    let deferred = std::mem::take(&mut w.deferred);
-                    for d in deferred {
-                        self.hand_in(r, d)?;
-                    }
-                    let w = self.ranks[r as usize].worker.as_mut().expect("worker");
-                    w.iter += 1;
-                    w.phase = if w.iter == iters { Phase::Done } else { Phase::Fwd(0) };
-                    self.at(now, Ev::Step(r));
-                }
+            if !node_wait {
+                // Only the node's learners are behind (a local hand-in
+                // or fan-out): nothing else will wake it.
+                self.at(avail, Ev::Wake(r));
             }
-            Phase::Done => {
-                if w.finished.is_none() && (0..nl).all(|l| !rank.node.is_in_flight(l)) {
-                    w.finished = Some(now.max(rank.local_busy));
-                }
-                if !w.shutdown_sent && rank.local_busy > now {
-                    // A local hand-in is still on its way to the Node.
-                    let at = rank.local_busy;
-                    self.at(at, Ev::Step(r));
-                    return Ok(());
-                }
-                if !w.shutdown_sent {
-                    w.shutdown_sent = true;
-                    self.feed(r, Input::Shutdown)?;
-                }
+            return Ok(());
+        }
+        if let Some((_, since)) = w.waiting.take() {
+            // Waiting for the initial parameters is not training time.
+            if w.iter > 0 || l > 0 {
+                w.wait_ns += now - since;
             }
+        }
+        if l == 0 && w.iter == 0 && self.start.is_none() {
+            self.start = Some(now);
+        }
+        if l == 0 && self.cfg.faults.crash == Some((r, w.iter)) && w.iter < iters && self.crashed_at.is_none() {
+            // It stops here: the crash takes it once its last iteration synced.
+            self.at(now, Ev::Crash(r));
+            return Ok(());
+        }
+        let span = self
+            .cfg
+            .faults
+            .slow
+            .iter()
+            .filter(|(x, _, a, b)| *x == r && (*a..*b).contains(&w.iter))
+            .map(|s| s.1)
+            .product::<f64>();
+        if iters == 0 {
+            w.phase = Phase::Done;
+            self.at(now, Ev::Step(r));
+            return Ok(());
+        }
+        // The step after the last forward fires when the last layer's backward ends.
+        let slow = w.slow * span;
+        let mut dt = (self.cfg.layer_ns[l as usize].0 as f64 * slow) as u64;
+        if l + 1 == nl {
+            dt += (self.cfg.layer_ns[l as usize].1 as f64 * slow) as u64;
+        }
+        w.span = span;
+        w.phase = if l + 1 < nl {
+            Phase::Fwd(l + 1)
+        } else {
+            Phase::Bwd(nl - 1)
+        };
+        self.at(now + dt, Ev::Step(r));
+        Ok(())
+    }
+
+    /// The backward pass of layer `l` is done: hand it in (WFBP) or defer it
+    /// to the end of the pass; after layer 0, the iteration ends.
+    fn backward(&mut self, r: u32, l: u32) -> Result<(), SimError> {
+        let now = self.now;
+        let iters = self.cfg.iters;
+        // The backward of l is done: hand it in (WFBP) or defer it.
+        if self.cfg.wait_free {
+            self.hand_in(r, l)?;
+        } else {
+            self.ranks[r as usize].worker.as_mut().expect("worker").deferred.push(l);
+        }
+        let w = self.ranks[r as usize].worker.as_mut().expect("worker");
+        if l > 0 {
+            w.phase = Phase::Bwd(l - 1);
+            let dt = (self.cfg.layer_ns[l as usize - 1].1 as f64 * w.slow * w.span) as u64;
+            self.at(now + dt, Ev::Step(r));
+        } else {
+            let deferred = std::mem::take(&mut w.deferred);
+            for d in deferred {
+                self.hand_in(r, d)?;
+            }
+            let w = self.ranks[r as usize].worker.as_mut().expect("worker");
+            w.iter += 1;
+            w.phase = if w.iter == iters { Phase::Done } else { Phase::Fwd(0) };
+            self.at(now, Ev::Step(r));
+        }
+        Ok(())
+    }
+
+    /// Every iteration is done: once the last layers synced and the learners'
+    /// hand-ins reached the Node, the worker says goodbye.
+    fn wind_down(&mut self, r: u32) -> Result<(), SimError> {
+        let now = self.now;
+        let nl = self.cfg.book.layers().len() as u32;
+        let rank = &mut self.ranks[r as usize];
+        let w = rank.worker.as_mut().expect("worker");
+        if w.finished.is_none() && (0..nl).all(|l| !rank.node.is_in_flight(l)) {
+            w.finished = Some(now.max(rank.local_busy));
+        }
+        if !w.shutdown_sent && rank.local_busy > now {
+            // A local hand-in is still on its way to the Node.
+            let at = rank.local_busy;
+            self.at(at, Ev::Step(r));
+            return Ok(());
+        }
+        if !w.shutdown_sent {
+            w.shutdown_sent = true;
+            self.feed(r, Input::Shutdown)?;
         }
         Ok(())
     }

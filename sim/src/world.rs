@@ -300,7 +300,18 @@ impl Sim {
         }
     }
 
+    /// The end of a run: the earliest failure if there is one, else the
+    /// report and the final checks.
     fn finish(&mut self) -> Result<(), SimError> {
+        self.failure()?;
+        self.report_times();
+        self.report_ranks();
+        self.check_end()
+    }
+
+    /// A rank's typed failure (earliest first), a stall, or transfers left in
+    /// the network after every rank left.
+    fn failure(&self) -> Result<(), SimError> {
         let seed = self.cfg.seed;
         // A rank's typed failure, earliest first (a dead peer makes the others fail).
         if let Some((r, (at, e))) = self
@@ -340,6 +351,12 @@ impl Sim {
                 self.net.in_flight() - self.fins_in_net
             )));
         }
+        Ok(())
+    }
+
+    /// The report's times: the run, its iterations, waits, local aggregation
+    /// and fan-out, and the NICs' bytes.
+    fn report_times(&mut self) {
         let end = self
             .ranks
             .iter()
@@ -362,6 +379,11 @@ impl Sim {
             let bytes = |v: &[f64]| v.iter().map(|b| b.round() as u64).collect::<Vec<u64>>();
             self.report.nic_trace = t.iter().map(|[tx, rx]| [bytes(tx), bytes(rx)]).collect();
         }
+    }
+
+    /// The report's per-rank parts: iterations and finish times, the Nodes'
+    /// counters, sparse pushes and (values mode) every worker's parameters.
+    fn report_ranks(&mut self) {
         let start = self.start.unwrap_or(0);
         for r in &self.ranks {
             if let Some(w) = &r.worker {
@@ -406,7 +428,6 @@ impl Sim {
                 })
                 .collect();
         }
-        self.check_end()
     }
 
     pub(crate) fn dead(&self, rank: u32) -> bool {
@@ -431,41 +452,7 @@ impl Sim {
                 dst,
                 len,
                 imm,
-            } => {
-                if self.dead(to) || self.dead(from) {
-                    return Ok(());
-                }
-                if self.cfg.values {
-                    let data = self.ranks[from as usize].store.mem[ridx(src.region)]
-                        [src.offset as usize..(src.offset + len) as usize]
-                        .to_vec();
-                    let end = (dst.offset + len) as usize;
-                    let have = self.ranks[to as usize].store.mem[ridx(dst.region)].len();
-                    if end > have {
-                        return Err(self.violation(format!(
-                            "rank {from} wrote {len} bytes at {} into rank {to}'s {:?} of {have} bytes",
-                            dst.offset, dst.region
-                        )));
-                    }
-                    self.ranks[to as usize].store.mem[ridx(dst.region)][dst.offset as usize..end]
-                        .copy_from_slice(&data);
-                }
-                if let Some(imm) = imm {
-                    self.feed(
-                        to,
-                        Input::Landed {
-                            peer: from,
-                            region: dst.region,
-                            offset: dst.offset,
-                            len,
-                            imm,
-                        },
-                    )?;
-                }
-                // The writer learns of the placement one latency later.
-                let at = self.now + self.cfg.latency_ns;
-                self.at(at, Ev::Input(from, Input::Done { token }));
-            }
+            } => self.on_write_arrive(from, to, token, (src, dst, len), imm)?,
             Ev::MsgArrive { from, to, tag, data } => {
                 if !self.dead(to) && !self.dead(from) {
                     if let (true, Payload::Bytes(b)) = (tag == Kind::FactorData.tag(), &data) {
@@ -501,51 +488,104 @@ impl Sim {
                 let data = done.map_err(|what| self.violation(what))?;
                 self.feed(r, Input::JobDone { id: job.id, data })?;
             }
-            Ev::Crash(r) => {
-                let w = self.ranks[r as usize].worker.as_ref().expect("a worker");
-                let nl = self.cfg.book.layers().len() as u32;
-                let busy = (0..nl).any(|l| self.ranks[r as usize].node.is_in_flight(l));
-                if self.dead(r) || w.phase == Phase::Done {
-                    return Ok(());
-                }
-                if busy {
-                    // Its last iteration is still syncing: crash once it is.
-                    let at = self.now + 10_000;
-                    self.at(at, Ev::Crash(r));
-                    return Ok(());
-                }
-                self.crashed_at = Some(w.iter);
-                self.handle(Ev::Kill(r))?;
-                if let Some(after) = self.cfg.faults.rejoin_after_ns {
-                    let after = after.max(2 * self.cfg.faults.detect_ns + 1_000_000);
-                    let at = self.now + after;
-                    self.at(at, Ev::Rejoin(r));
-                }
-            }
+            Ev::Crash(r) => self.on_crash(r)?,
             Ev::Rejoin(r) => self.rejoin(r)?,
-            Ev::Kill(r) => {
-                if !self.ranks[r as usize].dead {
-                    self.ranks[r as usize].dead = true;
-                    self.settle(r);
-                }
-                let detect = self.now + self.cfg.faults.detect_ns;
-                for p in 0..self.ranks.len() as u32 {
-                    if p != r {
-                        self.at(
-                            detect,
-                            Ev::Input(
-                                p,
-                                Input::Closed {
-                                    peer: r,
-                                    error: Some(format!("connection reset: rank {r} died")),
-                                },
-                            ),
-                        );
-                    }
-                }
-            }
+            Ev::Kill(r) => self.on_kill(r),
         }
         Ok(())
+    }
+
+    /// A write's bytes arrive at `to`: placed (values mode), a notice with its
+    /// immediate, and the writer's completion one latency later.
+    fn on_write_arrive(
+        &mut self,
+        from: u32,
+        to: u32,
+        token: u64,
+        (src, dst, len): (Loc, Loc, u64),
+        imm: Option<u32>,
+    ) -> Result<(), SimError> {
+        if self.dead(to) || self.dead(from) {
+            return Ok(());
+        }
+        if self.cfg.values {
+            let data = self.ranks[from as usize].store.mem[ridx(src.region)]
+                [src.offset as usize..(src.offset + len) as usize]
+                .to_vec();
+            let end = (dst.offset + len) as usize;
+            let have = self.ranks[to as usize].store.mem[ridx(dst.region)].len();
+            if end > have {
+                return Err(self.violation(format!(
+                    "rank {from} wrote {len} bytes at {} into rank {to}'s {:?} of {have} bytes",
+                    dst.offset, dst.region
+                )));
+            }
+            self.ranks[to as usize].store.mem[ridx(dst.region)][dst.offset as usize..end].copy_from_slice(&data);
+        }
+        if let Some(imm) = imm {
+            self.feed(
+                to,
+                Input::Landed {
+                    peer: from,
+                    region: dst.region,
+                    offset: dst.offset,
+                    len,
+                    imm,
+                },
+            )?;
+        }
+        // The writer learns of the placement one latency later.
+        let at = self.now + self.cfg.latency_ns;
+        self.at(at, Ev::Input(from, Input::Done { token }));
+        Ok(())
+    }
+
+    /// The crash fault strikes worker `r` at an iteration boundary, once its
+    /// last iteration synced; it may come back later.
+    fn on_crash(&mut self, r: u32) -> Result<(), SimError> {
+        let w = self.ranks[r as usize].worker.as_ref().expect("a worker");
+        let nl = self.cfg.book.layers().len() as u32;
+        let busy = (0..nl).any(|l| self.ranks[r as usize].node.is_in_flight(l));
+        if self.dead(r) || w.phase == Phase::Done {
+            return Ok(());
+        }
+        if busy {
+            // Its last iteration is still syncing: crash once it is.
+            let at = self.now + 10_000;
+            self.at(at, Ev::Crash(r));
+            return Ok(());
+        }
+        self.crashed_at = Some(w.iter);
+        self.handle(Ev::Kill(r))?;
+        if let Some(after) = self.cfg.faults.rejoin_after_ns {
+            let after = after.max(2 * self.cfg.faults.detect_ns + 1_000_000);
+            let at = self.now + after;
+            self.at(at, Ev::Rejoin(r));
+        }
+        Ok(())
+    }
+
+    /// Rank `r` dies: its peers see their connections to it fail `detect_ns` later.
+    fn on_kill(&mut self, r: u32) {
+        if !self.ranks[r as usize].dead {
+            self.ranks[r as usize].dead = true;
+            self.settle(r);
+        }
+        let detect = self.now + self.cfg.faults.detect_ns;
+        for p in 0..self.ranks.len() as u32 {
+            if p != r {
+                self.at(
+                    detect,
+                    Ev::Input(
+                        p,
+                        Input::Closed {
+                            peer: r,
+                            error: Some(format!("connection reset: rank {r} died")),
+                        },
+                    ),
+                );
+            }
+        }
     }
 
     /// A delivery, in per-connection order of its class. `from_net`: it
