@@ -316,7 +316,7 @@ impl Sim {
         let ev = Ev::WriteArrive {
             from: r,
             to: peer,
-            token: token,
+            token,
             src,
             dst: Loc {
                 region: dst.region,
@@ -369,7 +369,7 @@ impl Sim {
             tag,
             data,
         };
-        let sent = Ev::Sent { from: r, token: token };
+        let sent = Ev::Sent { from: r, token };
         let conn = r as usize * self.ranks.len() + peer as usize;
         let in_net = self.msgs_in_net[conn];
         // Control messages interleave with bulk data at packet
