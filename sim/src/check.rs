@@ -7,6 +7,8 @@ use tidewire_engine::book::LayerKind;
 use tidewire_engine::config::{ApplyOp, Consistency, Trigger};
 use tidewire_engine::node::{Job, JobKind, Loc, LocalRegion};
 
+use tidewire_engine::fxhash::FxHashMap as HashMap;
+
 use crate::config::SimError;
 use crate::exec::{f32s, ridx};
 use crate::values::{factor_value, grad_value, init_value, sparse_grad_value};
@@ -65,7 +67,7 @@ impl Sim {
                 )));
             }
         }
-        if !self.cfg.values || self.cfg.apply != ApplyOp::Sum || iters == 0 || trigger != Trigger::All {
+        if !self.cfg.values || iters == 0 || trigger != Trigger::All {
             return Ok(());
         }
         for r in 0..self.ranks.len() {
@@ -113,6 +115,48 @@ impl Sim {
         }
     }
 
+    /// Fills the oracle of layer `l` through iteration `iter`: from the
+    /// initial values, each iteration's exact sum ([`Sim::expected`]) applied
+    /// by the op's formula in f64, element by element. It shares no code with
+    /// the kernels the run executes ([`tidewire_gpu::cpu::apply`]).
+    fn oracle_through(&mut self, l: u32, iter: u64) {
+        let n = self.cfg.book.layers()[l as usize].params();
+        // The mean and SGD divide by every gradient in the sum (BSP, the all trigger).
+        let p = (self.cfg.book.p1() * self.cfg.sched.learners as usize) as f64;
+        let op = self.cfg.apply;
+        loop {
+            let done = self.oracle.states.get(&l).map_or(0, Vec::len) as u64;
+            if done > iter {
+                return;
+            }
+            let (mut w, mut v) = match self.oracle.states.get(&l).and_then(|s| s.last()) {
+                Some((w, v)) => (w.clone(), v.clone()),
+                None => ((0..n).map(|i| f64::from(init_value(l, i))).collect(), vec![0.0; n]),
+            };
+            for i in 0..n {
+                let g = self.expected(l, done, i) / p;
+                match op {
+                    ApplyOp::Sum => w[i] = g * p,
+                    ApplyOp::Mean => w[i] = g,
+                    ApplyOp::Sgd {
+                        lr,
+                        momentum,
+                        weight_decay,
+                    } => {
+                        let step = f64::from(lr) * (g + f64::from(weight_decay) * w[i]);
+                        v[i] = if momentum == 0.0 {
+                            step
+                        } else {
+                            f64::from(momentum) * v[i] + step
+                        };
+                        w[i] -= v[i];
+                    }
+                }
+            }
+            self.oracle.states.entry(l).or_default().push((w, v));
+        }
+    }
+
     /// Worker `wi`'s gradient element `i` of layer `l` in `iter`.
     pub(crate) fn grad(&self, wi: usize, iter: u64, l: u32, i: usize) -> f32 {
         if self.cfg.book.layers()[l as usize].sparse {
@@ -139,11 +183,24 @@ impl Sim {
         let n = self.cfg.book.layers()[l as usize].params();
         let m = &self.ranks[r].store.mem[ridx(region)];
         let got = f32s(&m[off as usize..off as usize + n * 4]);
-        for (i, g) in got.iter().enumerate() {
-            let want = self.expected(l, iter, i);
-            if f64::from(*g) != want {
+        if self.cfg.apply == ApplyOp::Sum {
+            // Sums of small integers are exact in f32: every bit is checked.
+            for (i, g) in got.iter().enumerate() {
+                let want = self.expected(l, iter, i);
+                if f64::from(*g) != want {
+                    return Err(self.violation(format!(
+                        "rank {r} layer {l} element {i} after iteration {iter}: {g} != {want} (lost or doubled contribution)"
+                    )));
+                }
+            }
+        } else {
+            self.oracle_through(l, iter);
+            let want = &self.oracle.states[&l][iter as usize].0;
+            if let Some(i) = (0..n).find(|&i| !close(got[i], want[i])) {
+                let (g, w) = (got[i], want[i]);
                 return Err(self.violation(format!(
-                    "rank {r} layer {l} element {i} after iteration {iter}: {g} != {want} (lost or doubled contribution)"
+                    "rank {r} layer {l} element {i} after iteration {iter}: {g} where the {:?} oracle (f64) has {w} (a lost or doubled contribution, or the apply's arithmetic)",
+                    self.cfg.apply
                 )));
             }
         }
@@ -313,4 +370,20 @@ impl Sim {
         }
         Ok(())
     }
+}
+
+/// The values a run must produce under an apply op other than the sum: per
+/// layer, its parameters and momentum after each iteration, in f64
+/// ([`Sim::oracle_through`]).
+#[derive(Debug, Default)]
+pub(crate) struct Oracle {
+    states: HashMap<u32, Vec<(Vec<f64>, Vec<f64>)>>,
+}
+
+/// Whether `got` (f32, the run's) matches `want` (f64, the oracle's) within
+/// what f32 rounding can account for over a few iterations: 1e-4 relative,
+/// or absolute below 1. A wrong learning rate, a lost momentum or weight
+/// decay, or a missing division is far outside it.
+fn close(got: f32, want: f64) -> bool {
+    (f64::from(got) - want).abs() <= 1e-4 * want.abs().max(1.0)
 }

@@ -53,7 +53,8 @@ pub struct SimConfig {
     pub book: Arc<Book>,
     /// Scheduling settings.
     pub sched: SchedConfig,
-    /// What servers do with a complete chunk. The value checks need `Sum`.
+    /// What servers do with a complete chunk. The value checks are exact under
+    /// `Sum`, and against an f64 oracle under the mean and SGD.
     pub apply: ApplyOp,
     /// The transport's limits.
     pub limits: Limits,

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use tidewire_engine::config::{ApplyOp, Consistency, Trigger};
+use tidewire_engine::config::{Consistency, Trigger};
 use tidewire_engine::fxhash::FxHashSet as HashSet;
 use tidewire_engine::node::{
     Input, Job, Limits, Loc, LocalRegion, Output, Payload, Queue, RemoteLoc, SendSrc, Transmit, TxOp, CELL_BYTES,
@@ -140,11 +140,7 @@ impl Sim {
     /// are checked (BSP), published to the node's learners, and the worker
     /// loop woken if it waits for it.
     fn on_layer_ready(&mut self, r: u32, layer: u32, iter: u64) -> Result<(), SimError> {
-        if self.cfg.values
-            && self.cfg.sched.consistency == Consistency::Bsp
-            && self.cfg.sched.trigger == Trigger::All
-            && self.cfg.apply == ApplyOp::Sum
-        {
+        if self.cfg.values && self.cfg.sched.consistency == Consistency::Bsp && self.cfg.sched.trigger == Trigger::All {
             let off = self.params_offset(r as usize, layer, true);
             let region = if self.ranks[r as usize].node.is_staged() {
                 LocalRegion::View

@@ -9,6 +9,7 @@ use tidewire_engine::node::{Input, Job, JobKind, Loc, LocalRegion, Output, Paylo
 use tidewire_engine::sparse::SparseLayerStats;
 use tidewire_engine::wire::Kind;
 
+use crate::check::Oracle;
 use crate::config::{SimConfig, SimError};
 use crate::exec::{f32s, ridx};
 use crate::net::Net;
@@ -91,6 +92,8 @@ pub struct Sim {
     /// Sends that left at once (control messages on an idle connection):
     /// their completions, fed after the drain that posted them.
     pub(crate) sent_now: Vec<(u32, u64)>,
+    /// The checker's oracle of the values under the mean and SGD.
+    pub(crate) oracle: Oracle,
 }
 
 pub(crate) fn brief_input(i: &Input) -> String {
@@ -186,6 +189,7 @@ impl Sim {
             crashed_at: None,
             retired_pushes: 0,
             sent_now: Vec::new(),
+            oracle: Oracle::default(),
         })
     }
 

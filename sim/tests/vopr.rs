@@ -22,7 +22,7 @@ use tidewire_engine::book::{LayerKind, LayerSpec, Placement};
 use tidewire_engine::node::Limits;
 use tidewire_engine::testkit::Rng;
 use tidewire_engine::{
-    Book, BookConfig, Cluster, Consistency, EngineError, SchedConfig, SchemePolicy, SyncMode, Trigger,
+    ApplyOp, Book, BookConfig, Cluster, Consistency, EngineError, SchedConfig, SchemePolicy, SyncMode, Trigger,
 };
 use tidewire_sim::{Faults, Sim, SimConfig, SimError};
 
@@ -95,6 +95,20 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
     cfg.seed = seed;
     cfg.values = true;
     cfg.fc_factors = r.chance(0.3);
+    // The apply op, on a stream of its own (the rest of a seed's job is the one
+    // it drew before): the sum in half the jobs (every bit checked), the mean
+    // and SGD in the others (against the checker's f64 oracle), so that the
+    // shipped apply kernel's every arm runs under the VOPR.
+    let mut ra = Rng(seed ^ 0x0a99_1e5e_ed00_0002);
+    cfg.apply = match ra.range(0, 6) {
+        0..=2 => ApplyOp::Sum,
+        3 => ApplyOp::Mean,
+        _ => ApplyOp::Sgd {
+            lr: ra.pick(&[0.01, 0.1, 0.5]),
+            momentum: ra.pick(&[0.0, 0.9]),
+            weight_decay: ra.pick(&[0.0, 0.01, 0.1]),
+        },
+    };
     cfg.sched = SchedConfig {
         order: mode.order(),
         credit_bytes: if r.chance(0.2) {
