@@ -377,8 +377,11 @@ impl Sim {
 /// ([`Sim::oracle_through`]).
 #[derive(Debug, Default)]
 pub(crate) struct Oracle {
-    states: HashMap<u32, Vec<(Vec<f64>, Vec<f64>)>>,
+    states: HashMap<u32, Vec<State>>,
 }
+
+/// A layer's (parameters, momentum) after one iteration, in f64.
+type State = (Vec<f64>, Vec<f64>);
 
 /// Whether `got` (f32, the run's) matches `want` (f64, the oracle's) within
 /// what f32 rounding can account for over a few iterations: 1e-4 relative,
