@@ -81,51 +81,8 @@ impl RdmaTransport {
         if c.state == State::Dead {
             return;
         }
-        // The peer's name is built only when an error is.
-        let peer = c.peer;
         if status != 0 {
-            let op = match kind {
-                KIND_RECV => "receive",
-                KIND_META => "write notice",
-                KIND_CREDIT => "credit return",
-                _ => match c.inflight.iter().find(|o| o.seq == seq).map(|o| o.kind) {
-                    Some(OpKind::Send) => "send",
-                    Some(OpKind::Read) => "read",
-                    _ => "write",
-                },
-            };
-            let err = || Error::WorkCompletion {
-                op,
-                conn,
-                peer: peer_name(peer, conn),
-                status,
-                vendor_err,
-            };
-            if kind == KIND_RECV || status == WC_WR_FLUSH_ERR {
-                // Our queue pair failed underneath the receives: the peer usually says why
-                // (ABORT) over the control plane; wait for that briefly.
-                if c.qp_failed.is_none() {
-                    c.qp_failed = Some((err(), Instant::now() + ABORT_GRACE));
-                }
-                return;
-            }
-            if kind == KIND_CREDIT {
-                // No op of the caller's failed: those posted before it completed
-                // (in order, and each batch ends signalled); the rest are cancelled.
-                self.fail_conn(conn, err(), None);
-                return;
-            }
-            // Everything before `seq` completed (RC completes in order); `seq` failed.
-            while c.inflight.front().is_some_and(|o| o.seq < seq) {
-                let o = c.inflight.pop_front().expect("front");
-                c.wrs_in_flight = c.wrs_in_flight.saturating_sub(o.wrs);
-                self.events.push_back(done_event(conn, &o));
-            }
-            if status == WC_REM_ACCESS_ERR {
-                let why = err().to_string();
-                self.ctrl_send(conn, wire::TAG_ABORT, wire::encode_abort(true, &why));
-            }
-            self.fail_conn(conn, err(), Some((seq, err())));
+            self.on_failed_completion(conn, kind, seq, status, vendor_err);
             return;
         }
         match kind {
@@ -137,109 +94,199 @@ impl RdmaTransport {
                 }
             }
             KIND_CREDIT => c.wrs_in_flight = c.wrs_in_flight.saturating_sub(1),
-            KIND_RECV => {
-                let msg = self.cfg.max_message_bytes;
-                let idx = seq as usize;
-                let (rx, rx_mr) = c.rx_buf.as_ref().expect("receives need buffers");
-                // IBV_WC_RECV = 128, IBV_WC_RECV_RDMA_WITH_IMM = 129.
-                if opcode == 129 {
-                    let rx_depth = self.cfg.rx_depth as u64;
-                    let slot = (c.notices_seen % rx_depth) as usize;
-                    c.notices_seen += 1;
-                    let ring = &c.ring.as_ref().expect("ring").0;
-                    // The peer's NIC may be writing other slots: copy this one out
-                    // with relaxed loads rather than borrow the ring as a slice.
-                    let mut slot_bytes = [0u8; NOTICE_LEN];
-                    let notice = match ring.read_relaxed(slot * NOTICE_LEN, &mut slot_bytes) {
-                        Ok(()) => Notice::decode(&slot_bytes),
-                        Err(_) => Err(FrameError::Malformed {
-                            what: "notice slot outside the ring",
-                        }),
-                    };
-                    // The peer wrote the notice: check it as TCP checks a write header.
-                    let checked = match notice {
-                        Ok(n) => {
-                            let target = notice_target(&self.regions, &self.dmabuf_targets, n.rkey);
-                            wire::check_notice(&n, len as u64, target).map(|()| n)
-                        }
-                        Err(_) => Err(Violation::NoticeMissing { slot: slot as u64 }),
-                    };
-                    match checked {
-                        Ok(n) => {
-                            self.stats.rx_write_bytes += len as u64;
-                            let ev = Event::WriteReceived {
-                                conn: ConnId(conn),
-                                region: n.rkey,
-                                offset: n.offset,
-                                len: len as u64,
-                                imm,
-                            };
-                            if c.ready_event_sent {
-                                self.events.push_back(ev);
-                            } else {
-                                c.early.push(ev);
-                            }
-                        }
-                        Err(violation) => {
-                            let e = Error::Protocol {
-                                conn,
-                                peer: peer_name(peer, conn),
-                                violation,
-                            };
-                            warn!(conn, error = %e, "a bad write notice; failing the connection");
-                            self.fail_conn(conn, e, None);
-                            return;
-                        }
-                    }
-                } else {
-                    // Only this receive is complete; the NIC may be filling the others.
-                    let mut data = vec![0u8; len as usize];
-                    if let Err(e) = rx.read_relaxed(idx * msg, &mut data) {
-                        warn!(conn, error = %e, "a receive outside its buffer");
-                        return;
-                    }
-                    self.stats.rx_message_copy_bytes += len as u64;
-                    let ev = Event::Message {
-                        conn: ConnId(conn),
-                        tag: imm,
-                        data,
-                    };
-                    // Held back until the connection has been announced.
-                    if c.ready_event_sent {
-                        self.events.push_back(ev);
-                    } else {
-                        c.early.push(ev);
-                    }
-                }
-                // Repost the same buffer at once, and owe the peer one credit. One work
-                // request built here and posted with ibv_post_recv: sideway's
-                // start_post_recv allocates two Vecs per post.
-                let mut sge = rdma_mummy_sys::ibv_sge {
-                    addr: rx.as_ptr() as u64 + (idx * msg) as u64,
-                    length: msg as u32,
-                    lkey: rx_mr.lkey(),
-                };
-                let mut wr = rdma_mummy_sys::ibv_recv_wr {
-                    wr_id: wr_id(conn, KIND_RECV, seq),
-                    next: std::ptr::null_mut(),
-                    sg_list: &mut sge,
-                    num_sge: 1,
-                };
-                let mut bad = std::ptr::null_mut();
-                let qp = c.qp.as_ref().expect("live connection");
-                // The buffer is the one that just completed, inside the registered receive
-                // area, which outlives the queue pair (field order in `Conn`, and `fail_conn`).
-                // SAFETY: the queue pair is live; `wr` and `sge` are valid for the call, which copies them.
-                let rc = unsafe { rdma_mummy_sys::ibv_post_recv(qp.qp().as_ptr(), &mut wr, &mut bad) };
-                if rc != 0 {
-                    let e = verbs("ibv_post_recv", &self.dev.name, std::io::Error::from_raw_os_error(rc));
-                    self.fail_conn(conn, e, None);
-                    return;
-                }
-                c.credit_return += 1;
-            }
+            KIND_RECV => self.on_recv(conn, seq, opcode, len, imm),
             _ => {}
         }
+    }
+
+    /// A work request of `conn` completed in error: what it was decides
+    /// whether the connection waits for the peer's reason, or fails now (with
+    /// everything before it done, in order).
+    fn on_failed_completion(&mut self, conn: u64, kind: u64, seq: u64, status: u32, vendor_err: u32) {
+        let Some(c) = self.conns.get_mut(&conn) else { return };
+        // The peer's name is built only when an error is.
+        let peer = c.peer;
+        let op = match kind {
+            KIND_RECV => "receive",
+            KIND_META => "write notice",
+            KIND_CREDIT => "credit return",
+            _ => match c.inflight.iter().find(|o| o.seq == seq).map(|o| o.kind) {
+                Some(OpKind::Send) => "send",
+                Some(OpKind::Read) => "read",
+                _ => "write",
+            },
+        };
+        let err = || Error::WorkCompletion {
+            op,
+            conn,
+            peer: peer_name(peer, conn),
+            status,
+            vendor_err,
+        };
+        if kind == KIND_RECV || status == WC_WR_FLUSH_ERR {
+            // Our queue pair failed underneath the receives: the peer usually says why
+            // (ABORT) over the control plane; wait for that briefly.
+            if c.qp_failed.is_none() {
+                c.qp_failed = Some((err(), Instant::now() + ABORT_GRACE));
+            }
+            return;
+        }
+        if kind == KIND_CREDIT {
+            // No op of the caller's failed: those posted before it completed
+            // (in order, and each batch ends signalled); the rest are cancelled.
+            self.fail_conn(conn, err(), None);
+            return;
+        }
+        // Everything before `seq` completed (RC completes in order); `seq` failed.
+        while c.inflight.front().is_some_and(|o| o.seq < seq) {
+            let o = c.inflight.pop_front().expect("front");
+            c.wrs_in_flight = c.wrs_in_flight.saturating_sub(o.wrs);
+            self.events.push_back(done_event(conn, &o));
+        }
+        if status == WC_REM_ACCESS_ERR {
+            let why = err().to_string();
+            self.ctrl_send(conn, wire::TAG_ABORT, wire::encode_abort(true, &why));
+        }
+        self.fail_conn(conn, err(), Some((seq, err())));
+    }
+
+    /// Receive `seq` of `conn` completed: a write's notice (the peer's RDMA
+    /// WRITE with immediate, checked as TCP checks a write header) or a
+    /// message; then its buffer is posted again and the peer owed a credit.
+    fn on_recv(&mut self, conn: u64, seq: u64, opcode: u32, len: u32, imm: u32) {
+        // IBV_WC_RECV = 128, IBV_WC_RECV_RDMA_WITH_IMM = 129.
+        let ok = if opcode == 129 {
+            self.on_write_notice(conn, len, imm)
+        } else {
+            self.on_message(conn, seq, len, imm)
+        };
+        if ok {
+            self.repost_recv(conn, seq);
+        }
+    }
+
+    /// The notice of a peer's write of `len` bytes with immediate `imm`,
+    /// read from its slot of the notice ring and checked. False when the
+    /// connection failed on it.
+    fn on_write_notice(&mut self, conn: u64, len: u32, imm: u32) -> bool {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return false;
+        };
+        let peer = c.peer;
+        let rx_depth = self.cfg.rx_depth as u64;
+        let slot = (c.notices_seen % rx_depth) as usize;
+        c.notices_seen += 1;
+        let ring = &c.ring.as_ref().expect("ring").0;
+        // The peer's NIC may be writing other slots: copy this one out
+        // with relaxed loads rather than borrow the ring as a slice.
+        let mut slot_bytes = [0u8; NOTICE_LEN];
+        let notice = match ring.read_relaxed(slot * NOTICE_LEN, &mut slot_bytes) {
+            Ok(()) => Notice::decode(&slot_bytes),
+            Err(_) => Err(FrameError::Malformed {
+                what: "notice slot outside the ring",
+            }),
+        };
+        // The peer wrote the notice: check it as TCP checks a write header.
+        let checked = match notice {
+            Ok(n) => {
+                let target = notice_target(&self.regions, &self.dmabuf_targets, n.rkey);
+                wire::check_notice(&n, len as u64, target).map(|()| n)
+            }
+            Err(_) => Err(Violation::NoticeMissing { slot: slot as u64 }),
+        };
+        match checked {
+            Ok(n) => {
+                self.stats.rx_write_bytes += len as u64;
+                let ev = Event::WriteReceived {
+                    conn: ConnId(conn),
+                    region: n.rkey,
+                    offset: n.offset,
+                    len: len as u64,
+                    imm,
+                };
+                if c.ready_event_sent {
+                    self.events.push_back(ev);
+                } else {
+                    c.early.push(ev);
+                }
+            }
+            Err(violation) => {
+                let e = Error::Protocol {
+                    conn,
+                    peer: peer_name(peer, conn),
+                    violation,
+                };
+                warn!(conn, error = %e, "a bad write notice; failing the connection");
+                self.fail_conn(conn, e, None);
+                return false;
+            }
+        }
+        true
+    }
+
+    /// A message of `len` bytes in receive buffer `seq`, copied out and
+    /// delivered (held back until the connection has been announced). False
+    /// when the buffer could not be read.
+    fn on_message(&mut self, conn: u64, seq: u64, len: u32, imm: u32) -> bool {
+        let msg = self.cfg.max_message_bytes;
+        let idx = seq as usize;
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return false;
+        };
+        let (rx, _) = c.rx_buf.as_ref().expect("receives need buffers");
+        // Only this receive is complete; the NIC may be filling the others.
+        let mut data = vec![0u8; len as usize];
+        if let Err(e) = rx.read_relaxed(idx * msg, &mut data) {
+            warn!(conn, error = %e, "a receive outside its buffer");
+            return false;
+        }
+        self.stats.rx_message_copy_bytes += len as u64;
+        let ev = Event::Message {
+            conn: ConnId(conn),
+            tag: imm,
+            data,
+        };
+        // Held back until the connection has been announced.
+        if c.ready_event_sent {
+            self.events.push_back(ev);
+        } else {
+            c.early.push(ev);
+        }
+        true
+    }
+
+    /// Posts receive buffer `seq` of `conn` again at once, and owes the peer a credit.
+    fn repost_recv(&mut self, conn: u64, seq: u64) {
+        let msg = self.cfg.max_message_bytes;
+        let idx = seq as usize;
+        let Some(c) = self.conns.get_mut(&conn) else { return };
+        let (rx, rx_mr) = c.rx_buf.as_ref().expect("receives need buffers");
+        // Repost the same buffer at once, and owe the peer one credit. One work
+        // request built here and posted with ibv_post_recv: sideway's
+        // start_post_recv allocates two Vecs per post.
+        let mut sge = rdma_mummy_sys::ibv_sge {
+            addr: rx.as_ptr() as u64 + (idx * msg) as u64,
+            length: msg as u32,
+            lkey: rx_mr.lkey(),
+        };
+        let mut wr = rdma_mummy_sys::ibv_recv_wr {
+            wr_id: wr_id(conn, KIND_RECV, seq),
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: 1,
+        };
+        let mut bad = std::ptr::null_mut();
+        let qp = c.qp.as_ref().expect("live connection");
+        // The buffer is the one that just completed, inside the registered receive
+        // area, which outlives the queue pair (field order in `Conn`, and `fail_conn`).
+        // SAFETY: the queue pair is live; `wr` and `sge` are valid for the call, which copies them.
+        let rc = unsafe { rdma_mummy_sys::ibv_post_recv(qp.qp().as_ptr(), &mut wr, &mut bad) };
+        if rc != 0 {
+            let e = verbs("ibv_post_recv", &self.dev.name, std::io::Error::from_raw_os_error(rc));
+            self.fail_conn(conn, e, None);
+            return;
+        }
+        c.credit_return += 1;
     }
     /// Sleeps until the completion channel, the control plane or the waker has
     /// something, at most `d` (and at most 10 ms: deadlines, the inner control

@@ -200,79 +200,15 @@ impl RdmaTransport {
             } else {
                 WorkRequestFlags::none()
             };
-            let id_send = wr_id(id, KIND_SEND, op.seq);
-            match wr {
-                Wr::Send { lkey, addr, len, tag } => {
-                    let inline = *len <= max_inline;
-                    let flags = if inline {
-                        flags | WorkRequestFlags::Inline
-                    } else {
-                        flags
-                    };
-                    let h = g.construct_wr(id_send, flags).setup_send_imm(*tag);
-                    if inline {
-                        // SAFETY: addr..addr+len lies in a registered region kept alive by the op's guard.
-                        let bytes = unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) };
-                        h.setup_inline_data(bytes);
-                        inline_bytes += *len as u64;
-                    } else {
-                        // SAFETY: the sge lies in a registered region the op's guard keeps alive
-                        // until the completion.
-                        unsafe { h.setup_sge(*lkey, *addr, *len) };
-                    }
-                }
-                Wr::Write {
-                    lkey,
-                    addr,
-                    len,
-                    rkey,
-                    raddr,
-                    imm,
-                } => {
-                    if let Some((imm, notice)) = imm {
-                        let slot = c.notices_sent % rx_depth_peer;
-                        c.notices_sent += 1;
-                        let bytes = notice.encode();
-                        // IBV_SEND_INLINE as well as ibv_wr_set_inline_data: rxe's kernel side
-                        // reads the flag to know the data is inline (LOC_QP_OP_ERR without it).
-                        let h = g
-                            .construct_wr(wr_id(id, KIND_META, op.seq), WorkRequestFlags::Inline)
-                            .setup_write(info.ring_rkey, info.ring_addr + slot * NOTICE_LEN as u64);
-                        h.setup_inline_data(&bytes);
-                        let h = g.construct_wr(id_send, flags).setup_write_imm(*rkey, *raddr, *imm);
-                        // SAFETY: as for sends.
-                        unsafe { h.setup_sge(*lkey, *addr, *len) };
-                    } else {
-                        let inline = *len <= max_inline;
-                        let flags = if inline {
-                            flags | WorkRequestFlags::Inline
-                        } else {
-                            flags
-                        };
-                        let h = g.construct_wr(id_send, flags).setup_write(*rkey, *raddr);
-                        if inline {
-                            // SAFETY: as for inline sends.
-                            let b = unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) };
-                            h.setup_inline_data(b);
-                            inline_bytes += *len as u64;
-                        } else {
-                            // SAFETY: as for sends.
-                            unsafe { h.setup_sge(*lkey, *addr, *len) };
-                        }
-                    }
-                }
-                Wr::Read {
-                    lkey,
-                    addr,
-                    len,
-                    rkey,
-                    raddr,
-                } => {
-                    let h = g.construct_wr(id_send, flags).setup_read(*rkey, *raddr);
-                    // SAFETY: the destination lies in a registered region the op's guard keeps alive.
-                    unsafe { h.setup_sge(*lkey, *addr, *len) };
-                }
-            }
+            inline_bytes += build_wr(
+                &mut g,
+                id,
+                (op, wr),
+                flags,
+                max_inline,
+                (info.ring_rkey, info.ring_addr, rx_depth_peer),
+                &mut c.notices_sent,
+            );
             wrs += op.wrs as u64;
             payload += op.bytes as u64;
         }
@@ -350,4 +286,95 @@ impl RdmaTransport {
             self.fail_conn(id, e, None);
         }
     }
+}
+
+/// Builds `wr`, op `op` of connection `id`, into the post's list `g` with
+/// `flags` (signalled or not): sends and writes up to `max_inline` bytes go
+/// inline, and a write with an immediate is preceded by its notice, written
+/// inline into slot `notices_sent` (counted) of the peer's ring `(rkey,
+/// address, slots)`. Returns the bytes sent inline.
+fn build_wr<G: PostSendGuard>(
+    g: &mut G,
+    id: u64,
+    (op, wr): (&Op, &Wr),
+    flags: WorkRequestFlags,
+    max_inline: u32,
+    ring: (u32, u64, u64),
+    notices_sent: &mut u64,
+) -> u64 {
+    let id_send = wr_id(id, KIND_SEND, op.seq);
+    let mut inline_bytes = 0u64;
+    match wr {
+        Wr::Send { lkey, addr, len, tag } => {
+            let inline = *len <= max_inline;
+            let flags = if inline {
+                flags | WorkRequestFlags::Inline
+            } else {
+                flags
+            };
+            let h = g.construct_wr(id_send, flags).setup_send_imm(*tag);
+            if inline {
+                // SAFETY: addr..addr+len lies in a registered region kept alive by the op's guard.
+                let bytes = unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) };
+                h.setup_inline_data(bytes);
+                inline_bytes += *len as u64;
+            } else {
+                // SAFETY: the sge lies in a registered region the op's guard keeps alive
+                // until the completion.
+                unsafe { h.setup_sge(*lkey, *addr, *len) };
+            }
+        }
+        Wr::Write {
+            lkey,
+            addr,
+            len,
+            rkey,
+            raddr,
+            imm,
+        } => {
+            if let Some((imm, notice)) = imm {
+                let slot = *notices_sent % ring.2;
+                *notices_sent += 1;
+                let bytes = notice.encode();
+                // IBV_SEND_INLINE as well as ibv_wr_set_inline_data: rxe's kernel side
+                // reads the flag to know the data is inline (LOC_QP_OP_ERR without it).
+                let h = g
+                    .construct_wr(wr_id(id, KIND_META, op.seq), WorkRequestFlags::Inline)
+                    .setup_write(ring.0, ring.1 + slot * NOTICE_LEN as u64);
+                h.setup_inline_data(&bytes);
+                let h = g.construct_wr(id_send, flags).setup_write_imm(*rkey, *raddr, *imm);
+                // SAFETY: as for sends.
+                unsafe { h.setup_sge(*lkey, *addr, *len) };
+            } else {
+                let inline = *len <= max_inline;
+                let flags = if inline {
+                    flags | WorkRequestFlags::Inline
+                } else {
+                    flags
+                };
+                let h = g.construct_wr(id_send, flags).setup_write(*rkey, *raddr);
+                if inline {
+                    // SAFETY: as for inline sends.
+                    let b = unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) };
+                    h.setup_inline_data(b);
+                    inline_bytes += *len as u64;
+                } else {
+                    // SAFETY: as for sends.
+                    unsafe { h.setup_sge(*lkey, *addr, *len) };
+                }
+            }
+        }
+        Wr::Read {
+            lkey,
+            addr,
+            len,
+            rkey,
+            raddr,
+        } => {
+            let h = g.construct_wr(id_send, flags).setup_read(*rkey, *raddr);
+            // SAFETY: the destination lies in a registered region the op's guard keeps alive.
+            unsafe { h.setup_sge(*lkey, *addr, *len) };
+        }
+    }
+    inline_bytes
 }
