@@ -7,6 +7,10 @@
 #   3. sans-io   the engine core's dependency tree holds no I/O crate, and the library's
 #                (`tidewire`) none of the command's (clap, indicatif, tracing-subscriber)
 #   3b. layout   no import cycles between the modules of any crate (ci/import-cycles.py)
+#   3c. docs     the book (docs/, mdBook; mdbook installed by cargo when missing) builds into
+#                $TARGET_DIR/book, and no relative link or #anchor of the README, python/README.md,
+#                the book's sources or the built book is broken (ci/check-links.py; external
+#                links are counted, not fetched)
 #   4. tests     cargo test --workspace --all-features: unit tests, the engine's deterministic
 #                simulation (tier 2) and its randomized jobs (1000 VOPR seeds), conformance
 #                on TCP, the embedding API, and end-to-end `tidewire train` clusters (VGG19
@@ -143,6 +147,29 @@ tier sans-io sans_io
 # No two modules of a crate import each other, directly or in a ring (ci/import-cycles.py;
 # re-exports are not imports). --map prints each crate's module map.
 tier layout python3 ci/import-cycles.py
+
+# The book (docs/): mdBook builds it, and ci/check-links.py checks every relative link and
+# anchor of the README and the book, in the sources and in the built pages. mdbook is
+# installed once with cargo (from crates.io; without its `serve` and `watch` features, so
+# without tokio and axum) and found again in cargo's bin directory or on the PATH.
+MDBOOK_VERSION=0.5.4
+docs() {
+  local mdbook= m v
+  for m in "${CARGO_HOME:-$HOME/.cargo}/bin/mdbook" "$(command -v mdbook)"; do
+    [ -n "$m" ] && v=$("$m" --version 2>/dev/null) && [[ $v == "mdbook v0.5."* ]] && { mdbook=$m; break; }
+  done
+  if [ -z "$mdbook" ]; then
+    echo "installing mdbook $MDBOOK_VERSION (cargo install, once)"
+    cargo install mdbook --version "$MDBOOK_VERSION" --locked --no-default-features --features search \
+      || { echo "cargo install mdbook $MDBOOK_VERSION failed (it needs crates.io)"; return 1; }
+    mdbook=${CARGO_HOME:-$HOME/.cargo}/bin/mdbook
+  fi
+  "$mdbook" --version || return 1
+  rm -rf "$TARGET_DIR/book"
+  "$mdbook" build docs --dest-dir "$TARGET_DIR/book" || return 1
+  python3 ci/check-links.py --html "$TARGET_DIR/book"
+}
+tier docs docs
 
 # The randomized simulation (sim/tests/vopr.rs) runs 1000 seeds here (200 by default).
 export TIDEWIRE_VOPR_SEEDS=${TIDEWIRE_VOPR_SEEDS:-1000}
