@@ -36,7 +36,7 @@ pub struct TcpConfig {
     pub rcvbuf_bytes: Option<usize>,
     /// Writes at least this large go by SEND_ZC; `None` never uses it.
     /// Default: `None`, because on loopback and veth SEND_ZC measured slower at
-    /// every size (see README, "SEND_ZC threshold").
+    /// every size (see the book, `docs/src/benchmarks.md`, "SEND_ZC threshold").
     pub send_zc_min_bytes: Option<usize>,
     /// `wait` first spins this long watching the completion ring (no syscalls)
     /// before it sleeps in the kernel; it trades CPU for wake-up latency, as

@@ -36,7 +36,7 @@
 //! gathered into one `SENDMSG` (MSG_WAITALL) whose iovecs point into the
 //! regions. Writes of at least [`TcpConfig::send_zc_min_bytes`] use `SEND_ZC`
 //! from the io_uring fixed-buffer table instead (regions are registered there
-//! when the memlock limit allows). See the README for the measured threshold.
+//! when the memlock limit allows). See the book (`docs/src/benchmarks.md`) for the measured threshold.
 //!
 //! # Unauthenticated peers
 //! A socket's first frame must be a `Hello` or `DataAttach` of at most 256
