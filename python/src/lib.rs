@@ -26,25 +26,29 @@
 //! `shutdown`) releases the GIL. Errors raise `tidewire.TidewireError` (a
 //! `RuntimeError`) with the Rust error's message.
 
+mod config;
+mod memory;
+
 use std::any::Any;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Mutex, MutexGuard, TryLockError};
-use std::time::Duration;
 
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyString};
 use tidewire::cluster::ClusterSpec;
-use tidewire::engine::book::{LayerKind, LayerSpec};
-use tidewire::engine::freq::{CommConfig, CommMode, Decision, FreqConfig};
-use tidewire::engine::{ApplyOp, Consistency, Role, Scheme, SchemePolicy};
+use tidewire::engine::book::LayerSpec;
+use tidewire::engine::freq::Decision;
+use tidewire::engine::{ApplyOp, Role, Scheme};
 use tidewire::freq::Guide;
-use tidewire::gpu::cpu::HostType;
 use tidewire::local::{LearnerPushPull, LocalGroup};
 use tidewire::pushpull::PushPull;
 use tidewire::transport::{JobSecret, PinnedBuffer};
-use tidewire::{Builder, TransportKind};
+use tidewire::Builder;
+
+use config::{parse_apply, parse_comm, parse_consistency, parse_kind, parse_policy, parse_transport, seconds};
+use memory::{factor_values, host_memory};
 
 create_exception!(
     tidewire,
@@ -55,228 +59,6 @@ create_exception!(
 
 fn tw_err(e: tidewire::Error) -> PyErr {
     TidewireError::new_err(e.to_string())
-}
-
-/// Where a host tensor's memory is: (address, bytes, element type). Accepts a
-/// `torch.Tensor` (CPU, contiguous; float32, float16, bfloat16 or float64) or
-/// anything with NumPy's `__array_interface__` (`<f4`, `<f2` or `<f8`,
-/// C-contiguous, writable).
-fn host_memory(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(usize, usize, HostType)> {
-    let (ptr, nbytes, t) = if obj.hasattr("data_ptr")? {
-        let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
-        if device != "cpu" {
-            return Err(PyValueError::new_err(format!(
-                "{what}: a {device} tensor; a session registers host memory (stage through a CPU tensor)"
-            )));
-        }
-        let dtype = obj.getattr("dtype")?.str()?.to_string();
-        let t = match dtype.as_str() {
-            "torch.float32" => HostType::F32,
-            "torch.float16" => HostType::F16,
-            "torch.bfloat16" => HostType::Bf16,
-            "torch.float64" => HostType::F64,
-            _ => {
-                return Err(PyValueError::new_err(format!(
-                    "{what}: dtype {dtype}, want torch.float32, float16, bfloat16 or float64"
-                )))
-            }
-        };
-        if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
-            return Err(PyValueError::new_err(format!("{what}: the tensor is not contiguous")));
-        }
-        let ptr: usize = obj.call_method0("data_ptr")?.extract()?;
-        let nbytes: usize = obj.getattr("nbytes")?.extract()?;
-        (ptr, nbytes, t)
-    } else if obj.hasattr("__array_interface__")? {
-        let ai = obj.getattr("__array_interface__")?;
-        let ai = ai
-            .cast::<PyDict>()
-            .map_err(|_| PyTypeError::new_err(format!("{what}: __array_interface__ is not a dict")))?;
-        let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
-            ai.get_item(k)?
-                .ok_or_else(|| PyTypeError::new_err(format!("{what}: __array_interface__ has no {k:?}")))
-        };
-        let typestr: String = get("typestr")?.extract()?;
-        let t = match typestr.as_str() {
-            "<f4" => HostType::F32,
-            "<f2" => HostType::F16,
-            "<f8" => HostType::F64,
-            _ => {
-                return Err(PyValueError::new_err(format!(
-                    "{what}: array type {typestr:?}, want float32 ('<f4'), float16 ('<f2') or float64 ('<f8')"
-                )))
-            }
-        };
-        if ai.get_item("strides")?.is_some_and(|s| !s.is_none()) {
-            return Err(PyValueError::new_err(format!("{what}: the array is not C-contiguous")));
-        }
-        let (ptr, readonly): (usize, bool) = get("data")?.extract()?;
-        if readonly {
-            return Err(PyValueError::new_err(format!("{what}: the array is read-only")));
-        }
-        let nbytes: usize = obj.getattr("nbytes")?.extract()?;
-        (ptr, nbytes, t)
-    } else {
-        return Err(PyTypeError::new_err(format!(
-            "{what}: want a CPU floating-point torch.Tensor or NumPy array, got {}",
-            obj.get_type().name()?
-        )));
-    };
-    if ptr == 0 || ptr % t.size() != 0 {
-        return Err(PyValueError::new_err(format!(
-            "{what}: address {ptr:#x} is null or not aligned for {}",
-            t.name()
-        )));
-    }
-    Ok((ptr, nbytes, t))
-}
-
-/// The bytes of a factor matrix: `bytes`, `bytearray`, anything with
-/// `tobytes()` (a NumPy array), or a torch tensor (copied through NumPy).
-fn factor_values(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f32>> {
-    let bytes: Vec<u8> = if let Ok(b) = obj.cast::<PyBytes>() {
-        b.as_bytes().to_vec()
-    } else if let Ok(b) = obj.cast::<PyByteArray>() {
-        b.to_vec()
-    } else if obj.hasattr("tobytes")? {
-        obj.call_method0("tobytes")?.cast::<PyBytes>()?.as_bytes().to_vec()
-    } else if obj.hasattr("data_ptr")? {
-        let dtype = obj.getattr("dtype")?.str()?.to_string();
-        if dtype != "torch.float32" {
-            return Err(PyValueError::new_err(format!(
-                "{what}: dtype {dtype}, want torch.float32"
-            )));
-        }
-        let arr = obj
-            .call_method0("detach")?
-            .call_method0("cpu")?
-            .call_method0("contiguous")?
-            .call_method0("numpy")?;
-        arr.call_method0("tobytes")?.cast::<PyBytes>()?.as_bytes().to_vec()
-    } else {
-        return Err(PyTypeError::new_err(format!(
-            "{what}: want float32 bytes, a NumPy array or a torch tensor, got {}",
-            obj.get_type().name()?
-        )));
-    };
-    if bytes.len() % 4 != 0 {
-        return Err(PyValueError::new_err(format!(
-            "{what}: {} bytes is not a whole number of float32 values",
-            bytes.len()
-        )));
-    }
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
-}
-
-/// A layer kind, with `:sparse` after it for the sparse-push hint
-/// (`"other:sparse"`: an `nn.Embedding(sparse=True)`).
-fn parse_kind(kind: &str, name: &str) -> PyResult<(LayerKind, bool)> {
-    let (base, sparse) = match kind.strip_suffix(":sparse") {
-        Some(b) => (b, true),
-        None => (kind, false),
-    };
-    Ok((parse_base_kind(base, name)?, sparse))
-}
-
-fn parse_base_kind(kind: &str, name: &str) -> PyResult<LayerKind> {
-    match kind {
-        "fc" => Ok(LayerKind::Fc),
-        "conv" => Ok(LayerKind::Conv),
-        "other" => Ok(LayerKind::Other),
-        k => Err(PyValueError::new_err(format!(
-            "layer {name:?}: kind {k:?}, want 'fc', 'conv' or 'other'"
-        ))),
-    }
-}
-
-/// `"mean"`, `"sum"`, or `("sgd", lr, momentum, weight_decay)`.
-fn parse_apply(obj: Option<&Bound<'_, PyAny>>) -> PyResult<ApplyOp> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(ApplyOp::Mean);
-    };
-    if let Ok(s) = obj.cast::<PyString>() {
-        return match &*s.to_cow()? {
-            "mean" => Ok(ApplyOp::Mean),
-            "sum" => Ok(ApplyOp::Sum),
-            o => Err(PyValueError::new_err(format!(
-                "apply={o:?}: want 'mean', 'sum' or ('sgd', lr, momentum, weight_decay)"
-            ))),
-        };
-    }
-    let t = obj.cast::<PyTuple>().map_err(|_| {
-        PyTypeError::new_err("apply: want 'mean', 'sum' or a tuple ('sgd', lr, momentum, weight_decay)")
-    })?;
-    let (op, lr, momentum, weight_decay): (String, f32, f32, f32) = t.extract()?;
-    if op != "sgd" {
-        return Err(PyValueError::new_err(format!(
-            "apply=({op:?}, ...): only 'sgd' takes arguments"
-        )));
-    }
-    if !(lr.is_finite() && momentum.is_finite() && weight_decay.is_finite()) {
-        return Err(PyValueError::new_err(
-            "apply=('sgd', ...): lr, momentum and weight_decay must be finite",
-        ));
-    }
-    Ok(ApplyOp::Sgd {
-        lr,
-        momentum,
-        weight_decay,
-    })
-}
-
-/// `"bsp"` or `("ssp", staleness)`.
-fn parse_consistency(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Consistency> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(Consistency::Bsp);
-    };
-    if let Ok(s) = obj.cast::<PyString>() {
-        return match &*s.to_cow()? {
-            "bsp" => Ok(Consistency::Bsp),
-            o => Err(PyValueError::new_err(format!(
-                "consistency={o:?}: want 'bsp' or ('ssp', staleness)"
-            ))),
-        };
-    }
-    let (name, s): (String, u32) = obj
-        .extract()
-        .map_err(|_| PyTypeError::new_err("consistency: want 'bsp' or a tuple ('ssp', staleness)"))?;
-    if name != "ssp" {
-        return Err(PyValueError::new_err(format!(
-            "consistency=({name:?}, ...): want ('ssp', staleness)"
-        )));
-    }
-    Ok(Consistency::Ssp(s))
-}
-
-fn parse_policy(p: &str) -> PyResult<SchemePolicy> {
-    match p {
-        "hybrid" => Ok(SchemePolicy::Hybrid),
-        "ps" => Ok(SchemePolicy::Ps),
-        "sfb" => Ok(SchemePolicy::Sfb),
-        o => Err(PyValueError::new_err(format!(
-            "policy={o:?}: want 'hybrid' (HybComm), 'ps' or 'sfb'"
-        ))),
-    }
-}
-
-fn parse_transport(t: &str) -> PyResult<TransportKind> {
-    match t {
-        "auto" => Ok(TransportKind::Auto),
-        "tcp" => Ok(TransportKind::Tcp),
-        "portable" => Ok(TransportKind::Portable),
-        "rdma" => Ok(TransportKind::Rdma),
-        o => Err(PyValueError::new_err(format!(
-            "transport={o:?}: want 'auto', 'tcp', 'portable' or 'rdma'"
-        ))),
-    }
-}
-
-fn seconds(s: f64, what: &str) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(s)
-        .map_err(|_| PyValueError::new_err(format!("{what}={s}: want a positive number of seconds")))
 }
 
 /// A worker's session behind its push/pull interface, or a server-only
@@ -906,22 +688,6 @@ impl Session {
             if self.closed() { "closed" } else { "open" }
         )
     }
-}
-
-/// `(mode, t, t_max, period, tolerance, revert_at_step)` as a [`CommConfig`].
-fn parse_comm(c: (String, u32, u32, u32, f64, Option<u64>)) -> PyResult<CommConfig> {
-    let (mode, t_initial, t_max, period, tolerance, revert_at_step) = c;
-    let mode = CommMode::parse(&mode)
-        .ok_or_else(|| PyValueError::new_err(format!("comm mode {mode:?}: want 'accumulate' or 'average'")))?;
-    let freq = FreqConfig {
-        t_initial,
-        t_max,
-        period,
-        tolerance,
-        revert_at_step,
-    };
-    freq.validate().map_err(|e| PyValueError::new_err(e.to_string()))?;
-    Ok(CommConfig { mode, freq })
 }
 
 fn decision_dict<'py>(py: Python<'py>, d: &Decision) -> PyResult<Bound<'py, PyDict>> {
