@@ -10,17 +10,22 @@
 //! belongs to the engine: the caller must not read or write that layer's part
 //! of either tensor. `tidewire.torch` builds its DistributedOptimizer on this.
 //!
+//! Everything else a session is comes in one `tidewire.SessionConfig` (a
+//! frozen dataclass of python/tidewire/_config.py), which [`config`] reads by
+//! attribute and checks: `Session(config, params=, grads=)`.
+//!
 //! With `servers=N` the last N ranks are servers only: their session has no
 //! layers, and `shutdown` serves the job until every worker has shut down.
 //! After an error, `abort` ends a session without waiting for its peers.
 //!
-//! With `local=(learners, index, path, nonce, staleness)` the session is one
-//! of a node's `learners` local learners (Nexus's local aggregation,
-//! `tidewire::local`): index 0 is the node's rank (its `rank` and `world`
-//! count nodes) and sums the other learners' gradients into its own before
-//! each push; index ≥ 1 joins no rendezvous, hands its gradients to index 0
-//! through shared memory at `path`, and pulls the parameters from the node's
-//! cache (up to `staleness` versions old). Every layer syncs through the PS.
+//! With `local=LocalAggregation(learners, index, path, nonce, staleness)` the
+//! session is one of a node's `learners` local learners (Nexus's local
+//! aggregation, `tidewire::local`): index 0 is the node's rank (its `rank` and
+//! `world` count nodes) and sums the other learners' gradients into its own
+//! before each push; index ≥ 1 joins no rendezvous, hands its gradients to
+//! index 0 through shared memory at `path`, and pulls the parameters from the
+//! node's cache (up to `staleness` versions old). Every layer syncs through
+//! the PS.
 //!
 //! Every call that waits (the constructor's rendezvous, `pull`, `pull_all`,
 //! `shutdown`) releases the GIL. Errors raise `tidewire.TidewireError` (a
@@ -29,26 +34,28 @@
 mod config;
 mod memory;
 
-use std::any::Any;
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::Path;
 use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::time::Duration;
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict};
 use tidewire::cluster::ClusterSpec;
 use tidewire::engine::book::LayerSpec;
 use tidewire::engine::freq::Decision;
 use tidewire::engine::{ApplyOp, Role, Scheme};
 use tidewire::freq::Guide;
+use tidewire::gpu::cpu::HostType;
 use tidewire::local::{LearnerPushPull, LocalGroup};
 use tidewire::pushpull::PushPull;
-use tidewire::transport::{JobSecret, PinnedBuffer};
+use tidewire::transport::PinnedBuffer;
 use tidewire::Builder;
 
-use config::{parse_apply, parse_comm, parse_consistency, parse_kind, parse_policy, parse_transport, seconds};
-use memory::{factor_values, host_memory};
+use config::{seconds, Comm, Local, SessionConfig};
+use memory::{factor_values, Memory};
 
 create_exception!(
     tidewire,
@@ -78,6 +85,66 @@ impl Inner {
             Inner::Server(s) => Some(s),
             Inner::Learner(_) => None,
         }
+    }
+}
+
+/// What a rank opens once its configuration is checked: [`Opening::open`]
+/// runs with the GIL released.
+struct Opening {
+    builder: Builder,
+    cluster: ClusterSpec,
+    dtype: HostType,
+    params: PinnedBuffer,
+    grads: PinnedBuffer,
+    /// With local aggregation: which of its node's learners this one is.
+    local: Option<Local>,
+    /// Values per layer, in table order.
+    sizes: Vec<usize>,
+    /// How long a local learner waits for its group (`connect_timeout`).
+    wait: Duration,
+}
+
+impl Opening {
+    /// A rank's session (a worker's, the leader of its node's local
+    /// learners, or a server-only rank's), or a local learner behind its
+    /// node's leader.
+    fn open(self) -> tidewire::Result<Inner> {
+        let Opening {
+            builder,
+            cluster,
+            dtype,
+            params,
+            grads,
+            local,
+            sizes,
+            wait,
+        } = self;
+        if let Some(l) = local.as_ref().filter(|l| l.index > 0) {
+            let path = Path::new(&l.path);
+            let (learners, index) = (l.learners, l.index);
+            let pp = LearnerPushPull::attach(
+                path,
+                l.nonce,
+                learners,
+                index,
+                &sizes,
+                dtype,
+                params,
+                grads,
+                wait,
+                l.staleness,
+            )?;
+            return Ok(Inner::Learner(pp));
+        }
+        let mut pp = PushPull::build(builder, cluster, dtype, params, grads)?;
+        if !pp.session().role().is_worker() {
+            return Ok(Inner::Server(pp.into_session()));
+        }
+        if let Some(l) = local {
+            let layout = LearnerPushPull::layout(l.learners, &sizes);
+            pp.lead(LocalGroup::create(Path::new(&l.path), l.nonce, &layout, wait)?)?;
+        }
+        Ok(Inner::Worker(pp))
     }
 }
 
@@ -201,6 +268,49 @@ impl Session {
         })
     }
 
+    /// The Python object over `inner`, just opened from `c` over `memory`
+    /// (a table of `sizes` values per layer).
+    fn opened(inner: Inner, c: SessionConfig<'_>, sizes: Vec<usize>, memory: Memory<'_>) -> PyResult<Self> {
+        let layers = c.layers.len();
+        let (start_iteration, framework) = inner.session().map_or((0, None), |s| {
+            (s.start_iteration(), s.framework_state().map(<[u8]>::to_vec))
+        });
+        let (role, schemes, transport, batch) = match inner.session() {
+            Some(s) => (
+                s.role(),
+                (0..layers as u32)
+                    .map(|l| s.scheme(l))
+                    .collect::<tidewire::Result<Vec<_>>>()
+                    .map_err(tw_err)?,
+                s.transport(),
+                s.book().config().batch,
+            ),
+            None => (
+                Role::Worker,
+                vec![Scheme::Ps; layers],
+                (
+                    "local".to_string(),
+                    "a local learner: its node's leader rank talks to the network".to_string(),
+                ),
+                c.batch,
+            ),
+        };
+        Ok(Session {
+            start_iteration,
+            framework,
+            rank: c.rank,
+            role,
+            world: c.world,
+            batch,
+            names: c.layers.into_iter().map(|l| l.0).collect(),
+            sizes,
+            schemes,
+            transport,
+            pp: Mutex::new(Some(inner)),
+            memory: memory.into_tensors(),
+        })
+    }
+
     fn check_layer(&self, layer: usize) -> PyResult<()> {
         if layer >= self.names.len() {
             return Err(TidewireError::new_err(format!(
@@ -214,267 +324,41 @@ impl Session {
 
 #[pymethods]
 impl Session {
-    /// Builds a session: rendezvous with every rank, connections, registration
-    /// of `params` and `grads` in place, and the broadcast of worker rank 0's
-    /// initial values in `params` to every rank. Blocks (GIL released) until
-    /// every rank has joined or `connect_timeout` passes.
+    /// Builds a session from `config` (a `tidewire.SessionConfig`) over the
+    /// caller's `params` and `grads`: rendezvous with every rank, connections,
+    /// registration of `params` and `grads` in place, and the broadcast of
+    /// worker rank 0's initial values in `params` to every rank. Blocks (GIL
+    /// released) until every rank has joined or `connect_timeout` passes.
+    /// The keyword form of earlier versions, `Session(layers, params=,
+    /// grads=, rank=, ...)`, still works (see [`config::resolve`]).
     #[new]
-    #[pyo3(signature = (
-        layers, *, params, grads, rank, world, master, secret, servers = 0, job = 1, batch = 32,
-        apply = None, consistency = None, policy = "hybrid", transport = "auto", timeout = 60.0,
-        connect_timeout = 60.0, chunk_bytes = None, slice_params = None, listen_ip = None, local = None,
-        comm = None, checkpoint = None, resume = None, trigger = "all", rates = None
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        layers: Vec<(String, String, usize, usize)>,
-        params: Bound<'_, PyAny>,
-        grads: Bound<'_, PyAny>,
-        rank: u32,
-        world: usize,
-        master: &str,
-        secret: Bound<'_, PyAny>,
-        servers: usize,
-        job: u64,
-        batch: usize,
-        apply: Option<Bound<'_, PyAny>>,
-        consistency: Option<Bound<'_, PyAny>>,
-        policy: &str,
-        transport: &str,
-        timeout: f64,
-        connect_timeout: f64,
-        chunk_bytes: Option<usize>,
-        slice_params: Option<usize>,
-        listen_ip: Option<&str>,
-        local: Option<(usize, usize, String, u64, u64)>,
-        comm: Option<(String, u32, u32, u32, f64, Option<u64>)>,
-        checkpoint: Option<(String, u64, usize, bool)>,
-        resume: Option<String>,
-        trigger: &str,
-        rates: Option<(f64, f64, f64, f64)>,
+    #[pyo3(signature = (config, *, params, grads, **settings))]
+    fn new<'py>(
+        py: Python<'py>,
+        config: Bound<'py, PyAny>,
+        params: Bound<'py, PyAny>,
+        grads: Bound<'py, PyAny>,
+        settings: Option<Bound<'py, PyDict>>,
     ) -> PyResult<Self> {
-        if layers.is_empty() {
-            return Err(PyValueError::new_err("the layer table is empty"));
-        }
-        let mut specs = Vec::with_capacity(layers.len());
-        for (name, kind, m, n) in &layers {
-            if *m == 0 || *n == 0 {
-                return Err(PyValueError::new_err(format!(
-                    "layer {name:?}: {m}x{n} has no parameters"
-                )));
-            }
-            let (k, sparse) = parse_kind(kind, name)?;
-            specs.push(LayerSpec::new(name.clone(), k, *m, *n).sparse(sparse));
-        }
+        let given = config::resolve(config, settings)?;
+        let c = SessionConfig::read(&given)?;
+        let specs = c.layer_specs()?;
         let sizes: Vec<usize> = specs.iter().map(LayerSpec::params).collect();
-        let (pptr, plen, t) = host_memory(&params, "params")?;
-        let (gptr, glen, gt) = host_memory(&grads, "grads")?;
-        if gt != t {
-            return Err(PyValueError::new_err(format!(
-                "params are {} but grads are {}: both must have one dtype",
-                t.name(),
-                gt.name()
-            )));
-        }
-        let count = sizes
-            .iter()
-            .try_fold(0usize, |a, &s| a.checked_add(s))
-            .ok_or_else(|| PyValueError::new_err("the layer table's size overflows"))?;
-        let total = count
-            .checked_mul(t.size())
-            .ok_or_else(|| PyValueError::new_err("the layer table's size overflows"))?;
-        for (what, len) in [("params", plen), ("grads", glen)] {
-            if len < total {
-                return Err(PyValueError::new_err(format!(
-                    "{what}: {len} bytes, but the layer table needs {total} ({count} {} values)",
-                    t.name()
-                )));
-            }
-        }
-        if pptr < gptr + total && gptr < pptr + total {
-            return Err(PyValueError::new_err("params and grads overlap"));
-        }
-        let secret = if let Ok(s) = secret.cast::<PyString>() {
-            s.to_cow()?.as_bytes().to_vec()
-        } else if let Ok(b) = secret.cast::<PyBytes>() {
-            b.as_bytes().to_vec()
-        } else {
-            return Err(PyTypeError::new_err("secret: want str or bytes"));
+        let memory = Memory::check(params, grads, &sizes)?;
+        let (builder, cluster) = c.builder(specs)?;
+        let (params, grads) = memory.pin()?;
+        let opening = Opening {
+            builder,
+            cluster,
+            dtype: memory.dtype,
+            params,
+            grads,
+            local: c.local.clone(),
+            sizes: sizes.clone(),
+            wait: seconds(c.connect_timeout, "connect_timeout")?,
         };
-        if secret.is_empty() {
-            return Err(PyValueError::new_err(
-                "secret is empty: every rank must pass the same non-empty secret",
-            ));
-        }
-        let addr: SocketAddr = master
-            .to_socket_addrs()
-            .map_err(|e| PyValueError::new_err(format!("master {master:?}: {e} (want host:port)")))?
-            .next()
-            .ok_or_else(|| PyValueError::new_err(format!("master {master:?} resolves to nothing")))?;
-        if servers >= world {
-            return Err(PyValueError::new_err(format!(
-                "servers={servers} leaves no worker in a world of {world}"
-            )));
-        }
-        let spec = if servers == 0 {
-            ClusterSpec::new(rank, world, 0, true, addr)
-        } else {
-            ClusterSpec::new(rank, world - servers, servers, false, addr)
-        }
-        .map_err(tw_err)?;
-        if let Some((learners, index, _, _, _)) = &local {
-            if *learners < 1 || index >= learners {
-                return Err(PyValueError::new_err(format!(
-                    "local: learner index {index} of {learners} learners (want 0 <= index < learners)"
-                )));
-            }
-            if policy != "ps" {
-                return Err(PyValueError::new_err(format!(
-                    "local: with local aggregation every layer syncs through the PS: give policy='ps', not {policy:?}"
-                )));
-            }
-        }
-        let mut b = Builder::new(specs)
-            .batch(batch)
-            .apply(parse_apply(apply.as_ref())?)
-            .consistency(parse_consistency(consistency.as_ref())?)
-            .policy(parse_policy(policy)?)
-            .transport(parse_transport(transport)?)
-            .timeout(seconds(timeout, "timeout")?)
-            .connect_timeout(seconds(connect_timeout, "connect_timeout")?)
-            .job(job, JobSecret::new(secret));
-        if let Some(c) = comm {
-            b = b.comm(parse_comm(c)?);
-        }
-        if (checkpoint.is_some() || resume.is_some()) && local.is_some() {
-            return Err(PyValueError::new_err(
-                "checkpoint/resume with local aggregation is not supported yet",
-            ));
-        }
-        if let Some((dir, every, keep, framework_state)) = checkpoint {
-            b = b.checkpoint(tidewire::checkpoint::Checkpointing {
-                dir: dir.into(),
-                every,
-                keep,
-                framework_state,
-            });
-        }
-        if let Some(r) = resume {
-            b = b.resume(r);
-        }
-        b = b.trigger(tidewire::engine::Trigger::parse(trigger).ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "trigger {trigger:?}: want 'all', 'quorum:K', 'async' or 'timeout:MS'"
-            ))
-        })?);
-        if let Some((link_bytes_per_s, msg_s, sum_bytes_per_s, gemm_flop_per_s)) = rates {
-            let r = tidewire::engine::cost::Rates {
-                link_bytes_per_s,
-                msg_s,
-                sum_bytes_per_s,
-                gemm_flop_per_s,
-            };
-            r.validate().map_err(|e| PyValueError::new_err(format!("rates: {e}")))?;
-            b = b.rates(r);
-        }
-        if let Some(c) = chunk_bytes {
-            b = b.chunk_bytes(c);
-        }
-        if let Some(s) = slice_params {
-            b = b.slice_params(s);
-        }
-        if let Some(ip) = listen_ip {
-            let ip = ip
-                .parse()
-                .map_err(|e| PyValueError::new_err(format!("listen_ip {ip:?}: {e}")))?;
-            b = b.listen_ip(ip);
-        }
-        let (p_owner, g_owner): (Box<dyn Any + Send + Sync>, Box<dyn Any + Send + Sync>) =
-            (Box::new(params.clone().unbind()), Box::new(grads.clone().unbind()));
-        // pptr..pptr+total lies in the storage of the tensor `params` (address
-        // and size read from the tensor itself above, and checked to cover the
-        // layer table). The buffer owns a reference to that tensor, dropped with
-        // the buffer and its last region (even a region the transport leaks
-        // keeps it), so the storage stays allocated while any of them lives,
-        // unless Python code re-points or resizes the tensor, which this class's
-        // contract forbids, as it forbids touching a layer's part between its
-        // push and its pull.
-        // SAFETY: the storage outlives the buffer (it holds the tensor), as above.
-        let p = unsafe { PinnedBuffer::foreign(pptr as *mut u8, total, Some(p_owner)) };
-        let p = p.map_err(|e| tw_err(e.into()))?;
-        // SAFETY: as for `params` just above, for the tensor `grads`, which this buffer owns a reference to.
-        let g = unsafe { PinnedBuffer::foreign(gptr as *mut u8, total, Some(g_owner)) };
-        let g = g.map_err(|e| tw_err(e.into()))?;
-        // float32 memory is registered in place; float16, bfloat16 and float64 are
-        // staged through float32 (PushPull::build: widened at push, narrowed at pull).
-        let wait = seconds(connect_timeout, "connect_timeout")?;
-        let lsizes = sizes.clone();
-        if let Some((learners, _, _, _, _)) = &local {
-            b = b.local_learners(*learners as u32);
-        }
-        let inner = py
-            .detach(move || {
-                if let Some((learners, index, path, nonce, staleness)) = local {
-                    let path = std::path::PathBuf::from(path);
-                    if index > 0 {
-                        let pp =
-                            LearnerPushPull::attach(&path, nonce, learners, index, &lsizes, t, p, g, wait, staleness)?;
-                        return Ok(Inner::Learner(pp));
-                    }
-                    let mut pp = PushPull::build(b, spec, t, p, g)?;
-                    if pp.session().role().is_worker() {
-                        let layout = LearnerPushPull::layout(learners, &lsizes);
-                        pp.lead(LocalGroup::create(&path, nonce, &layout, wait)?)?;
-                        return Ok(Inner::Worker(pp));
-                    }
-                    return Ok(Inner::Server(pp.into_session()));
-                }
-                let pp = PushPull::build(b, spec, t, p, g)?;
-                Ok(if pp.session().role().is_worker() {
-                    Inner::Worker(pp)
-                } else {
-                    Inner::Server(pp.into_session())
-                })
-            })
-            .map_err(tw_err)?;
-        let (start_iteration, framework) = inner.session().map_or((0, None), |s| {
-            (s.start_iteration(), s.framework_state().map(<[u8]>::to_vec))
-        });
-        let (role, schemes, transport, batch) = match inner.session() {
-            Some(s) => (
-                s.role(),
-                (0..layers.len() as u32)
-                    .map(|l| s.scheme(l))
-                    .collect::<tidewire::Result<Vec<_>>>()
-                    .map_err(tw_err)?,
-                s.transport(),
-                s.book().config().batch,
-            ),
-            None => (
-                Role::Worker,
-                vec![Scheme::Ps; layers.len()],
-                (
-                    "local".to_string(),
-                    "a local learner: its node's leader rank talks to the network".to_string(),
-                ),
-                batch,
-            ),
-        };
-        Ok(Session {
-            start_iteration,
-            framework,
-            rank,
-            role,
-            world,
-            batch,
-            names: layers.into_iter().map(|l| l.0).collect(),
-            sizes,
-            schemes,
-            transport,
-            pp: Mutex::new(Some(inner)),
-            memory: [params.unbind(), grads.unbind()],
-        })
+        let inner = py.detach(move || opening.open()).map_err(tw_err)?;
+        Session::opened(inner, c, sizes, memory)
     }
 
     /// Hands layer `layer`'s gradient in, straight from the gradient tensor.
@@ -729,10 +613,10 @@ struct FreqGuide {
 
 #[pymethods]
 impl FreqGuide {
-    /// `comm` is `(mode, t, t_max, period, tolerance, revert_at_step)`.
+    /// `comm` is a `tidewire.CommConfig`.
     #[new]
-    fn new(comm: (String, u32, u32, u32, f64, Option<u64>), learner: usize, learners: usize) -> PyResult<Self> {
-        let c = parse_comm(comm)?;
+    fn new(comm: Bound<'_, PyAny>, learner: usize, learners: usize) -> PyResult<Self> {
+        let c = Comm::read(&comm, "comm")?.check()?;
         Ok(FreqGuide {
             g: Guide::new(c, ApplyOp::Mean, learner, learners).map_err(|e| PyValueError::new_err(e.to_string()))?,
         })

@@ -1,16 +1,21 @@
-//! The caller's memory: where a host tensor's memory is, and the factor
-//! matrices `push_factors` copies.
+//! The caller's memory: the parameter and gradient tensors a session registers
+//! in place ([`Memory`]), and the factor matrices `push_factors` copies.
+
+use std::any::Any;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 use tidewire::gpu::cpu::HostType;
+use tidewire::transport::PinnedBuffer;
+
+use crate::tw_err;
 
 /// Where a host tensor's memory is: (address, bytes, element type). Accepts a
 /// `torch.Tensor` (CPU, contiguous; float32, float16, bfloat16 or float64) or
 /// anything with NumPy's `__array_interface__` (`<f4`, `<f2` or `<f8`,
 /// C-contiguous, writable).
-pub(crate) fn host_memory(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(usize, usize, HostType)> {
+fn host_memory(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(usize, usize, HostType)> {
     let (ptr, nbytes, t) = if obj.hasattr("data_ptr")? {
         let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
         if device != "cpu" {
@@ -78,6 +83,90 @@ pub(crate) fn host_memory(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(usize
         )));
     }
     Ok((ptr, nbytes, t))
+}
+
+/// A session's parameter and gradient tensors, checked against its layer
+/// table: `bytes` bytes from `params_at` in `params` and from `grads_at` in
+/// `grads`, apart, of one element type.
+pub(crate) struct Memory<'py> {
+    params: Bound<'py, PyAny>,
+    grads: Bound<'py, PyAny>,
+    params_at: usize,
+    grads_at: usize,
+    bytes: usize,
+    pub dtype: HostType,
+}
+
+impl<'py> Memory<'py> {
+    /// Checks `params` and `grads` against a table of `sizes` values per layer.
+    pub(crate) fn check(params: Bound<'py, PyAny>, grads: Bound<'py, PyAny>, sizes: &[usize]) -> PyResult<Self> {
+        let (pptr, plen, t) = host_memory(&params, "params")?;
+        let (gptr, glen, gt) = host_memory(&grads, "grads")?;
+        if gt != t {
+            return Err(PyValueError::new_err(format!(
+                "params are {} but grads are {}: both must have one dtype",
+                t.name(),
+                gt.name()
+            )));
+        }
+        let count = sizes
+            .iter()
+            .try_fold(0usize, |a, &s| a.checked_add(s))
+            .ok_or_else(|| PyValueError::new_err("the layer table's size overflows"))?;
+        let total = count
+            .checked_mul(t.size())
+            .ok_or_else(|| PyValueError::new_err("the layer table's size overflows"))?;
+        for (what, len) in [("params", plen), ("grads", glen)] {
+            if len < total {
+                return Err(PyValueError::new_err(format!(
+                    "{what}: {len} bytes, but the layer table needs {total} ({count} {} values)",
+                    t.name()
+                )));
+            }
+        }
+        if pptr < gptr + total && gptr < pptr + total {
+            return Err(PyValueError::new_err("params and grads overlap"));
+        }
+        Ok(Memory {
+            params,
+            grads,
+            params_at: pptr,
+            grads_at: gptr,
+            bytes: total,
+            dtype: t,
+        })
+    }
+
+    /// The two ranges as buffers to register in place, each owning a
+    /// reference to its tensor. float32 memory is registered as it is;
+    /// float16, bfloat16 and float64 are staged through float32
+    /// (`PushPull::build`: widened at push, narrowed at pull).
+    pub(crate) fn pin(&self) -> PyResult<(PinnedBuffer, PinnedBuffer)> {
+        let (p_owner, g_owner): (Box<dyn Any + Send + Sync>, Box<dyn Any + Send + Sync>) = (
+            Box::new(self.params.clone().unbind()),
+            Box::new(self.grads.clone().unbind()),
+        );
+        // params_at..params_at+bytes lies in the storage of the tensor `params`
+        // (address and size read from the tensor itself by `check`, and checked
+        // to cover the layer table). The buffer owns a reference to that tensor,
+        // dropped with the buffer and its last region (even a region the
+        // transport leaks keeps it), so the storage stays allocated while any of
+        // them lives, unless Python code re-points or resizes the tensor, which
+        // the Session's contract forbids, as it forbids touching a layer's part
+        // between its push and its pull.
+        // SAFETY: the storage outlives the buffer (it holds the tensor), as above.
+        let p = unsafe { PinnedBuffer::foreign(self.params_at as *mut u8, self.bytes, Some(p_owner)) };
+        let p = p.map_err(|e| tw_err(e.into()))?;
+        // SAFETY: as for `params` just above, for the tensor `grads`, which this buffer owns a reference to.
+        let g = unsafe { PinnedBuffer::foreign(self.grads_at as *mut u8, self.bytes, Some(g_owner)) };
+        let g = g.map_err(|e| tw_err(e.into()))?;
+        Ok((p, g))
+    }
+
+    /// The parameter and gradient tensors.
+    pub(crate) fn into_tensors(self) -> [Py<PyAny>; 2] {
+        [self.params.unbind(), self.grads.unbind()]
+    }
 }
 
 /// The bytes of a factor matrix: `bytes`, `bytearray`, anything with

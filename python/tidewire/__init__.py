@@ -6,7 +6,10 @@ backprop and hybrid PS / sufficient-factor broadcast, P3's priority slicing).
 This package exposes:
 
 - :class:`tidewire.Session` (from the extension module ``tidewire._native``):
-  push/pull by layer index over caller-owned flat float32 memory;
+  push/pull by layer index over caller-owned flat float32 memory, built as
+  ``Session(config, params=, grads=)`` from a :class:`tidewire.SessionConfig`
+  (with its records :class:`LocalAggregation`, :class:`CommConfig`,
+  :class:`Checkpointing` and :class:`Rates`);
 - :mod:`tidewire.torch`: a Horovod-like ``DistributedOptimizer`` for PyTorch,
   with ``init()``, ``rank()``, ``size()``, ``broadcast_parameters`` and
   ``push_pull`` (import it explicitly: ``import tidewire.torch as tw``);
@@ -14,6 +17,16 @@ This package exposes:
   (a subclass of ``RuntimeError``; the message is the Rust error's).
 """
 
+from ._config import Checkpointing, CommConfig, LocalAggregation, Rates, SessionConfig
 from ._native import Session, TidewireError, __version__
 
-__all__ = ["Session", "TidewireError", "__version__"]
+__all__ = [
+    "Checkpointing",
+    "CommConfig",
+    "LocalAggregation",
+    "Rates",
+    "Session",
+    "SessionConfig",
+    "TidewireError",
+    "__version__",
+]

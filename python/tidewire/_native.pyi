@@ -1,6 +1,8 @@
 """Type stubs for the extension module tidewire._native (Rust, pyo3)."""
 
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, overload
+
+from ._config import CommConfig, Layer, SessionConfig
 
 __version__: str
 
@@ -8,19 +10,13 @@ class TidewireError(RuntimeError):
     """An error from Tidewire (engine, transport, rendezvous, or a misuse of a
     session); the message is the Rust error's."""
 
-_Apply = Union[str, Tuple[str, float, float, float]]
-_Consistency = Union[str, Tuple[str, int]]
 _Factor = Any  # bytes, bytearray, a float32 NumPy array, or a float32 torch.Tensor
-
-#: ``(mode, t, t_max, period, tolerance, revert_at_step)``: mode ``'accumulate'`` or
-#: ``'average'``; T = t, adjusted by quality up to t_max when t_max > t.
-_Comm = Tuple[str, int, int, int, float, Optional[int]]
 
 class FreqGuide:
     """One learner's communication frequency (Rust ``tidewire::freq::Guide``
     over the engine's ``freq::FreqController``), with servers that average."""
 
-    def __init__(self, comm: _Comm, learner: int, learners: int) -> None: ...
+    def __init__(self, comm: CommConfig, learner: int, learners: int) -> None: ...
     def report(self, quality: float) -> None:
         """Reports a quality figure (a loss) for the step now running."""
     def due(self) -> bool:
@@ -54,57 +50,21 @@ class Session:
     GIL. Every failure raises :class:`TidewireError`.
     """
 
-    def __init__(
-        self,
-        layers: List[Tuple[str, str, int, int]],
-        *,
-        params: Any,
-        grads: Any,
-        rank: int,
-        world: int,
-        master: str,
-        secret: Union[str, bytes],
-        servers: int = 0,
-        job: int = 1,
-        batch: int = 32,
-        apply: Optional[_Apply] = None,
-        consistency: Optional[_Consistency] = None,
-        policy: str = "hybrid",
-        transport: str = "auto",
-        timeout: float = 60.0,
-        connect_timeout: float = 60.0,
-        chunk_bytes: Optional[int] = None,
-        slice_params: Optional[int] = None,
-        listen_ip: Optional[str] = None,
-        comm: Optional[_Comm] = None,
-        checkpoint: Optional[Tuple[str, int, int, bool]] = None,
-        resume: Optional[str] = None,
-        trigger: str = "all",
-        rates: Optional[Tuple[float, float, float, float]] = None,
-    ) -> None:
+    @overload
+    def __init__(self, config: SessionConfig, *, params: Any, grads: Any) -> None:
         """Rendezvous, connect, register the memory and broadcast worker rank
         0's initial ``params`` to every rank (blocks, GIL released).
 
-        ``layers``: ``(name, kind, m, n)`` rows, kind ``'fc'``, ``'conv'`` or
-        ``'other'``, m×n float32 values each. ``apply``: ``'mean'`` (default),
-        ``'sum'`` or ``('sgd', lr, momentum, weight_decay)`` (Caffe-form
-        momentum). ``consistency``: ``'bsp'`` (default) or ``('ssp', s)``.
-        ``policy``: ``'hybrid'`` (HybComm), ``'ps'`` or ``'sfb'``. ``servers``:
-        the last N ranks are servers only (0: every rank is both). ``comm``:
-        ``(mode, t, t_max, period, tolerance, revert_at_step)``, the
-        communication frequency every rank must agree on (see :class:`FreqGuide`).
-        ``checkpoint``: ``(dir, every, keep, framework_state)``, checkpoints of
-        the servers' state and worker 0's parameters every ``every``
-        iterations (safetensors, in ``dir/step-NNNNNNNN/``); ``resume``: a
-        checkpoint to start from (a step directory, or a checkpoint directory:
-        its newest complete one). ``trigger``: when servers apply a round,
-        ``'all'`` (BSP), ``'quorum:K'``, ``'async'`` or ``'timeout:MS'`` (the
-        others need ``'bsp'`` and ``policy='ps'``). ``rates``: with
-        ``policy='hybrid'``, ``(link_bytes_per_s, msg_s, sum_bytes_per_s,
-        gemm_flop_per_s)`` of this rank (see :func:`calibrate`): each FC
-        layer's PS or SFB is then chosen in seconds, not bytes; every rank
-        must reach the same schemes (pass the same rates).
+        ``config`` is everything else the session is (its layer table, its
+        place in the job, how it syncs): see :class:`tidewire.SessionConfig`,
+        whose fields are checked here; a field refused is named in the error.
         """
+    @overload
+    def __init__(self, layers: List[Layer], *, params: Any, grads: Any, **settings: Any) -> None:
+        """The keyword form of earlier versions: ``Session(layers, params=p,
+        grads=g, rank=r, ...)`` is ``Session(SessionConfig(layers, rank=r,
+        ...), params=p, grads=g)``, where ``local``, ``comm``, ``checkpoint``
+        and ``rates`` may also be plain tuples in their records' field order."""
     def push(self, layer: int) -> None:
         """Hand layer ``layer``'s gradient in from ``grads`` (returns at once)."""
     def push_factors(self, layer: int, u: _Factor, v: _Factor) -> None:
@@ -164,8 +124,8 @@ def calibrate(ms: int = 100) -> Tuple[int, float, float, float, float]:
     """This machine's rates, one thread each, measured for about ``ms``
     milliseconds apiece: ``(cores, link_bytes_per_s, msg_s, sum_bytes_per_s,
     gemm_flop_per_s)``; what ``policy='hybrid'`` weighs in seconds when
-    given ``rates=(link_bytes_per_s, msg_s, sum_bytes_per_s,
-    gemm_flop_per_s)`` (see ``tidewire calibrate``)."""
+    given ``SessionConfig(rates=Rates(link_bytes_per_s, msg_s,
+    sum_bytes_per_s, gemm_flop_per_s))`` (see ``tidewire calibrate``)."""
 
 class LinkProbe:
     """Serves one :func:`probe_stream` on ``host`` (an IP address; ``"0.0.0.0"``

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import _native
+from .._config import CommConfig
 from .._native import TidewireError
 from ._env import _bracketed, _job_id, _place, _probe_host
 from ._utility import _Guard
@@ -137,7 +138,7 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
         self.comm_on = every > 1 or guided or mode == "average"
         self.comm_mode = mode
         self.guided = guided
-        self.comm = (mode, every, t_max, period, tol, revert)
+        self.comm = CommConfig(mode, every, t_max, period, tol, revert)
         if self.comm_on:
             what = f"comm_every={every}, comm_mode={mode!r}" + (", quality_guided=True" if guided else "")
             if self.apply != "local":
