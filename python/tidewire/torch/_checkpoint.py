@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import _native
+from .._config import Checkpointing
 
 
 class _TwCheckpoint:
@@ -40,7 +41,7 @@ class _TwCheckpoint:
             raise ValueError("checkpoint_dir with comm_every/comm_mode/quality_guided is not supported yet")
         if self.env.local_agg:
             raise ValueError("checkpoint_dir with local aggregation (TIDEWIRE_LOCAL_AGGREGATION) is not supported yet")
-        self.ckpt = (self.ckpt_dir, every, keep, True)
+        self.ckpt = Checkpointing(self.ckpt_dir, every, keep, True)
         if resume is True:
             # A restarted job (torchrun's elastic restart runs the script again):
             # the newest complete checkpoint, if there is one.

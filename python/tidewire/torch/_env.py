@@ -9,6 +9,7 @@ import secrets as _secrets
 import tempfile
 from typing import Any, Dict, Optional, Union
 
+from .._config import LocalAggregation
 from .._native import TidewireError
 
 
@@ -193,7 +194,8 @@ def _place(env: _Env, index: int) -> Dict[str, Any]:
     nonce = int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
     d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     path = os.path.join(d, f"tidewire-{nonce:016x}-{index}-{node}")
-    return {"rank": node, "world": env.size // n, "local": (n, env.local_rank, path, nonce, env.cache_staleness)}
+    local = LocalAggregation(n, env.local_rank, path, nonce, env.cache_staleness)
+    return {"rank": node, "world": env.size // n, "local": local}
 
 
 def _job_id(env: _Env, index: int) -> int:

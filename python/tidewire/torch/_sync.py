@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict, Tuple
 
 import torch
@@ -289,7 +290,7 @@ class _TwSync:
         s["transport"] = self.session.transport[0]
         s["schemes"] = {L.name: L.scheme for L in self.layers}
         if self.rates is not None:
-            s["rates"] = dict(zip(("link_bytes_per_s", "msg_s", "sum_bytes_per_s", "gemm_flop_per_s"), self.rates))
+            s["rates"] = dataclasses.asdict(self.rates)
         g = self.guide
         s["comm_every"] = g.t
         if self.comm_on:

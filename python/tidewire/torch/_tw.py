@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import _native
-from .._config import CommConfig
+from .._config import CommConfig, Rates, SessionConfig
 from .._native import TidewireError
 from ._env import _bracketed, _job_id, _place, _probe_host
 from ._utility import _Guard
@@ -97,7 +97,7 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
             raise ValueError("broadcast_buffers=True needs model=")
         self.timeout = env.timeout if timeout is None else float(timeout)
         self.grad_rebinds = 0
-        self.rates: Optional[Tuple[float, float, float, float]] = None  # what HybComm decided with (sfb="auto")
+        self.rates: Optional[Rates] = None  # what HybComm decided with (sfb="auto")
         self.synced = False  # this step's layers are all pushed
         self.pending = False  # a gradient arrived since the last step
         self.skip_sync = False
@@ -328,7 +328,7 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
     def _table(self) -> List[Tuple[str, str, int, int]]:
         return [(L.name, L.kind + (":sparse" if L.sparse else ""), L.m, L.n) for L in self.layers]
 
-    def _agreed_rates(self) -> Optional[Tuple[float, float, float, float]]:
+    def _agreed_rates(self) -> Rates:
         """The rates HybComm decides with (``sfb='auto'``), the same on every
         rank: each rank measures its machine (``tidewire calibrate``'s rates,
         about 0.4 s), and one rank probes the link to rank 0 (a TCP stream of
@@ -355,7 +355,7 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
             if any(r != every[0] for r in every):
                 raise TidewireError("TIDEWIRE_RATES differs between ranks: give every rank the same")
             link, msg, summ, gemm = every[0]
-            return (link, msg, summ, gemm)
+            return Rates(link, msg, summ, gemm)
         # Only rank 0 measures: every rank takes its figures, and ranks that
         # measured at once on shared cores would each see a fraction of the
         # machine (4 ranks on 2 cores read half the loopback stream and half
@@ -394,7 +394,7 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
         link = loop0 * share
         if probed > 0:
             link = min(link, probed)
-        return (link, msg0 / share, summ0 * share, gemm0 * share)
+        return Rates(link, msg0 / share, summ0 * share, gemm0 * share)
 
     def _build_session(self) -> None:
         env = self.env
@@ -436,10 +436,8 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
             for info, v in zip(L.params, self._views(self.r_host, L)):
                 v.copy_(info.param.detach())
         self.index = index
-        self.session = _Guard(_native.Session(
-            self._table(),
-            params=self.r_host,
-            grads=self.g_host,
+        config = SessionConfig(
+            layers=self._table(),
             **_place(env, index),
             master=env.master(index),
             secret=env.secret,
@@ -455,7 +453,8 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
             checkpoint=self.ckpt if self.ckpt_dir is not None else None,
             resume=self.resumed_from,
             rates=rates,
-        ))
+        )
+        self.session = _Guard(_native.Session(config, params=self.r_host, grads=self.g_host))
         self.start_step = self.session.start_iteration
         if self.staged:
             self.r_dev.copy_(self.r_host)

@@ -10,6 +10,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .. import _native
+from .._config import SessionConfig
 from .._native import TidewireError
 from ._env import _Env, _job_id, _place
 
@@ -107,10 +108,8 @@ class _Util:
         total = small + large
         self.grad = torch.zeros(total, dtype=torch.float32)
         self.res = torch.zeros(total, dtype=torch.float32)
-        self.session = _Guard(_native.Session(
-            [("tidewire.scratch.small", "other", 1, small), ("tidewire.scratch.large", "other", 1, large)],
-            params=self.res,
-            grads=self.grad,
+        config = SessionConfig(
+            layers=[("tidewire.scratch.small", "other", 1, small), ("tidewire.scratch.large", "other", 1, large)],
             **_place(env, index),
             master=env.master(index),
             secret=env.secret,
@@ -120,7 +119,8 @@ class _Util:
             transport=env.transport,
             timeout=env.timeout,
             connect_timeout=max(env.timeout, 60.0),
-        ))
+        )
+        self.session = _Guard(_native.Session(config, params=self.res, grads=self.grad))
 
     def close(self) -> None:
         with self.lock:
