@@ -106,9 +106,9 @@ def native(cfg) -> dict:
     n = 6 + 20
     params = torch.full((n,), float(r + 1))  # rank 0's values win at build
     grads = torch.zeros(n)
-    s = tidewire.Session(layers, params=params, grads=grads, rank=r, world=w,
-                         master=os.environ["TIDEWIRE_MASTER"], secret="s3", batch=2, apply="sum",
-                         policy="ps", timeout=20.0)
+    config = tidewire.SessionConfig(layers, rank=r, world=w, master=os.environ["TIDEWIRE_MASTER"], secret="s3",
+                                    batch=2, apply="sum", policy="ps", timeout=20.0)
+    s = tidewire.Session(config, params=params, grads=grads)
     res = {"init": params.clone(), "schemes": [s.scheme(0), s.scheme(1)], "len": len(s),
            "names": s.layer_names, "sizes": s.layer_sizes, "transport": s.transport[0]}
     grads[:6] = float(r + 1)
@@ -157,9 +157,10 @@ def native_servers(cfg) -> dict:
     """Two workers and one server-only rank (servers=1)."""
     r, w = int(os.environ["TIDEWIRE_RANK"]), int(os.environ["TIDEWIRE_WORLD_SIZE"])
     params, grads = torch.zeros(8), torch.zeros(8)
-    s = tidewire.Session([("w", "other", 2, 4)], params=params, grads=grads, rank=r, world=w, servers=1,
-                         master=os.environ["TIDEWIRE_MASTER"], secret="s3", apply=("sgd", 0.5, 0.0, 0.0),
-                         timeout=20.0)
+    config = tidewire.SessionConfig([("w", "other", 2, 4)], rank=r, world=w, servers=1,
+                                    master=os.environ["TIDEWIRE_MASTER"], secret="s3", apply=("sgd", 0.5, 0.0, 0.0),
+                                    timeout=20.0)
+    s = tidewire.Session(config, params=params, grads=grads)
     res = {"role": s.role}
     if s.role == "server":
         try:

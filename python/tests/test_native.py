@@ -46,10 +46,16 @@ def test_server_only_rank_serves(tmp_path):
         assert torch.equal(r["params"], torch.full((8,), -2.25))
 
 
-def _session(**kw):
-    args = dict(params=torch.zeros(6), grads=torch.zeros(6), rank=0, world=1, master="127.0.0.1:1", secret="s")
-    args.update(kw)
-    return tidewire.Session([("a", "other", 2, 3)], **args)
+def _config(**settings):
+    args = dict(layers=[("a", "other", 2, 3)], rank=0, world=1, master="127.0.0.1:1", secret="s")
+    args.update(settings)
+    return tidewire.SessionConfig(**args)
+
+
+def _session(params=None, grads=None, **settings):
+    params = torch.zeros(6) if params is None else params
+    grads = torch.zeros(6) if grads is None else grads
+    return tidewire.Session(_config(**settings), params=params, grads=grads)
 
 
 def test_one_rank_session_over_numpy_arrays():
@@ -89,6 +95,56 @@ def test_one_rank_session_over_numpy_arrays():
 def test_bad_arguments_are_clear_errors(kw, err, match):
     with pytest.raises(err, match=match):
         _session(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        ({"rank": "0"}, TypeError, "^SessionConfig.rank: "),
+        ({"world": -1}, OverflowError, "^SessionConfig.world: "),
+        ({"layers": [("a", "other", 2)]}, ValueError, "^SessionConfig.layers: expected tuple of length 4"),
+        ({"layers": "a"}, TypeError, "^SessionConfig.layers: "),
+        ({"rates": tidewire.Rates("fast", 0.0, 0.0, 0.0)}, TypeError, "^SessionConfig.rates.link_bytes_per_s: "),
+        ({"local": (1, 0, "/x", 1, 0)}, AttributeError, "^SessionConfig.local.learners: "),
+        ({"rates": tidewire.Rates(0.0, 0.0, 0.0, 0.0)}, ValueError, "^rates: "),
+        ({"comm": tidewire.CommConfig("sometimes", 1, 1, 1, 0.0, None)}, ValueError, 'comm mode "sometimes"'),
+    ],
+)
+def test_a_config_field_refused_is_named(kw, err, match):
+    with pytest.raises(err, match=match):
+        _session(**kw)
+
+
+def test_config_is_frozen_and_keeps_its_secret():
+    import dataclasses
+
+    c = _config(secret="hush")
+    assert "hush" not in repr(c)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.rank = 1  # type: ignore[misc]
+    assert dataclasses.replace(c, rank=1).rank == 1 and c.rank == 0
+
+
+def test_config_and_keywords_do_not_mix():
+    with pytest.raises(TypeError, match=r"not as keywords \(.*'rank'"):
+        tidewire.Session(_config(), params=torch.zeros(6), grads=torch.zeros(6), rank=0)
+
+
+def test_the_keyword_form_of_earlier_versions_still_builds():
+    # Session(layers, params=, grads=, **settings), records as plain tuples.
+    p, g = torch.full((6,), 2.0), torch.zeros(6)
+    s = tidewire.Session([("a", "other", 2, 3)], params=p, grads=g, rank=0, world=1, master="127.0.0.1:1",
+                         secret="s", apply=("sgd", 0.5, 0.0, 0.0), rates=(1e9, 1e-6, 1e9, 1e10))
+    g[:] = 1.0
+    s.push(0)
+    s.pull(0)
+    assert torch.equal(p, torch.full((6,), 1.5))
+    s.shutdown()
+    with pytest.raises(AttributeError, match="^SessionConfig.layers: 'list' object has no attribute 'layers'"):
+        tidewire.Session([("a", "other", 2, 3)], params=p, grads=g)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'ranks'"):
+        tidewire.Session([("a", "other", 2, 3)], params=p, grads=g, ranks=0, world=1, master="127.0.0.1:1",
+                         secret="s")
 
 
 def test_overlapping_buffers_are_refused():
