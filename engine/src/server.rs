@@ -218,6 +218,15 @@ impl Server {
         }
         let nls = nls as usize;
         let nlc = book.server_chunks(rank).len();
+        // The book's shard length is its chunks' (placement and shard agree).
+        debug_assert_eq!(
+            book.server_chunks(rank)
+                .iter()
+                .map(|&c| book.chunks()[c as usize].len)
+                .sum::<usize>(),
+            book.shard_len(rank)
+        );
+        debug_assert!((1..=65).contains(&window), "SSP staleness is at most 64");
         Ok(Server {
             p1,
             window,
@@ -271,6 +280,7 @@ impl Server {
     }
     /// Whether every chunk of the shard has its initial values.
     pub fn is_initialized(&self) -> bool {
+        debug_assert!(self.init_left <= self.applied.len());
         self.init_left == 0
     }
     /// Counters.
@@ -283,6 +293,10 @@ impl Server {
     }
     /// No broadcast is queued or in flight: nothing is owed to any worker now.
     pub fn is_quiet(&self) -> bool {
+        // Pending counts every broadcast queued or in flight.
+        debug_assert!(
+            self.bcast_pending.iter().any(|&n| n > 0) || (self.bcast_queue.is_empty() && self.bcast_bytes == 0)
+        );
         self.bcast_queue.is_empty() && self.bcast_bytes == 0 && self.bcast_pending.iter().all(|&n| n == 0)
     }
     /// Iterations applied to `chunk` so far.
@@ -338,7 +352,9 @@ impl Server {
         }
         let groups = self.p1.div_ceil(g);
         // Group 0's g members, then one fold per later group.
-        g + groups - 1
+        let n = g + groups - 1;
+        debug_assert!(n <= self.p1, "every later group has a member");
+        n
     }
 
     /// Whether contributions are folded in worker order. Only under BSP: under
@@ -360,6 +376,8 @@ impl Server {
         }
         self.init_left -= 1;
         if self.init_left == 0 {
+            // Nothing is applied before every chunk has its initial values.
+            debug_assert!(self.applied.iter().all(|&a| a == 0));
             let chunks: Vec<u32> = self.book.server_chunks(self.rank).to_vec();
             for c in chunks {
                 self.queue_broadcast(0, c);
@@ -420,6 +438,13 @@ impl Server {
                 ),
             ));
         }
+        // Each worker's contribution lands once per iteration: the window
+        // never has all of them before this one.
+        debug_assert!(
+            (self.folded[sw] as usize) < self.p1,
+            "slice {slice}: {} folds",
+            self.folded[sw]
+        );
         self.received[wi * nls + ls] += 1;
         self.slots_held[wi] += 1;
         self.stats.max_slots_held = self.stats.max_slots_held.max(self.slots_held[wi]);
@@ -427,6 +452,11 @@ impl Server {
             return Err(self.err(worker, "more pushes in flight than credits granted".into()));
         }
         if self.deterministic() {
+            debug_assert!(self.folded[sw] as usize <= wi, "worker {wi} folded out of rank order");
+            debug_assert!(
+                self.held[sw * self.p1 + wi].is_none(),
+                "worker {wi} holds two slots of slice {slice}"
+            );
             // Not its turn: park it, so that rank order holds no credit.
             let parked = if self.folded[sw] as usize != wi {
                 self.park(wi, worker)
@@ -464,13 +494,17 @@ impl Server {
             None
         } else {
             match self.spare_free[wi].pop() {
-                Some(y) => Some(y),
+                Some(y) => {
+                    debug_assert!(y < self.cfg.landing_slots(), "spare slot {y}");
+                    Some(y)
+                }
                 None => {
                     self.stats.held_for_order += 1;
                     return None;
                 }
             }
         };
+        debug_assert!(self.slots_held[wi] > 0, "a parked contribution held a slot");
         self.slots_held[wi] -= 1;
         self.stats.parked += 1;
         let used = self.cfg.spare_slots - self.spare_free[wi].len() as u32;
@@ -508,6 +542,9 @@ impl Server {
         // once the group is complete. That is what a node's local aggregator
         // and then the server compute for the same learners.
         let g = self.cfg.fold_group.max(1) as usize;
+        // The deterministic order: worker index wi is the next to fold.
+        debug_assert!(!self.deterministic() || self.folded[sw] as usize == wi);
+        debug_assert!((self.folded[sw] as usize) < self.p1);
         let grouped = self.deterministic() && g > 1 && wi >= g && self.p1.min(wi / g * g + g) - wi / g * g > 1;
         let pos = wi % g;
         self.out.push_back(ServerCommand::Accumulate {
@@ -528,6 +565,7 @@ impl Server {
             });
         }
         if credit {
+            debug_assert!(self.slots_held[wi] > 0, "the folded slot was held");
             self.slots_held[wi] -= 1;
         }
         self.stats.accumulated += 1;
@@ -535,6 +573,7 @@ impl Server {
         if self.folded[sw] as usize == self.p1 {
             let chunk = self.book.slices()[slice as usize].chunk;
             let lc = self.chunk_local[chunk as usize] as usize;
+            debug_assert!(self.chunk_done[lc * self.window + w] < self.nslices(chunk));
             self.chunk_done[lc * self.window + w] += 1;
             self.try_apply(chunk);
         }
@@ -560,8 +599,17 @@ impl Server {
         });
         self.stats.applies += 1;
         self.chunk_done[lc * self.window + w] = 0;
+        let adam = self.book.scheme(self.book.chunks()[chunk as usize].layer, t) == Scheme::Adam;
         for s in self.book.chunk_slices(chunk) {
             let sw = self.slice_local[s as usize] as usize * self.window + w;
+            // Every worker's contribution to every slice is in (Adam sums factors instead),
+            // and the window holds the iteration applied.
+            debug_assert!(
+                adam || self.folded[sw] as usize == self.p1,
+                "slice {s}: {} folds",
+                self.folded[sw]
+            );
+            debug_assert_eq!(self.win_iter[sw], t, "slice {s}");
             self.folded[sw] = 0;
             self.win_iter[sw] = t + self.window as u64;
         }
@@ -572,6 +620,10 @@ impl Server {
 
     fn queue_broadcast(&mut self, version: u64, chunk: u32) {
         let lc = self.chunk_local[chunk as usize] as usize;
+        debug_assert_eq!(
+            version, self.applied[lc],
+            "chunk {chunk}: the version broadcast is the one applied"
+        );
         for wi in 0..self.p1 {
             if self.lost[wi] {
                 continue;
@@ -580,6 +632,7 @@ impl Server {
                 // Kvstore: a notification now, the values when pulled. The
                 // pull counts as pending until its write is placed, so the
                 // next iteration's apply waits for every worker's pull.
+                debug_assert!(!self.owed[lc * self.p1 + wi], "one notification per version");
                 self.owed[lc * self.p1 + wi] = true;
                 self.bcast_pending[lc] += 1;
                 self.out.push_back(ServerCommand::Notify {
@@ -601,7 +654,11 @@ impl Server {
                 return;
             }
             self.bcast_queue.pop();
+            debug_assert!(!self.lost[wi as usize], "nothing is queued for a lost worker");
+            debug_assert!(self.bcast_pending[self.chunk_local[chunk as usize] as usize] > 0);
             self.bcast_bytes += bytes;
+            // The broadcast window: never exceeded, but by one chunk alone.
+            debug_assert!(self.bcast_bytes <= self.cfg.credit_bytes || self.bcast_bytes == bytes);
             self.stats.broadcasts += 1;
             self.out.push_back(ServerCommand::Broadcast {
                 chunk,
@@ -632,6 +689,7 @@ impl Server {
                 ),
             ));
         }
+        debug_assert!(self.bcast_pending[lc] > 0, "a notified pull counts as pending");
         self.bcast_queue.push(Reverse((self.pull_seq, chunk, wi as u32)));
         self.pull_seq += 1;
         self.pump_broadcasts();
@@ -706,6 +764,11 @@ impl Server {
             window: w as u32,
         });
         for (c, lc) in chunks.zip(lcs) {
+            debug_assert_eq!(
+                self.chunk_done[lc * self.window + w],
+                0,
+                "chunk {c}: its last iteration was applied"
+            );
             self.chunk_done[lc * self.window + w] = self.nslices(c);
             self.try_apply(c);
         }
@@ -721,6 +784,7 @@ impl Server {
                 format!("broadcast completion for chunk {chunk} that was not sent"),
             ));
         }
+        debug_assert!(self.bcast_bytes >= self.book.chunks()[chunk as usize].len * 4);
         self.bcast_pending[lc] -= 1;
         self.bcast_bytes -= self.book.chunks()[chunk as usize].len * 4;
         self.pump_broadcasts();
@@ -735,6 +799,7 @@ impl Server {
 impl Server {
     /// The clock of the input being handled (the Node sets it before every input).
     pub fn set_now(&mut self, now: Duration) {
+        debug_assert!(now >= self.now, "time goes forward: {now:?} after {:?}", self.now);
         self.now = now;
     }
 
@@ -766,11 +831,13 @@ impl Server {
     }
 
     fn nslices(&self, chunk: u32) -> u32 {
+        debug_assert!(!self.book.chunk_slices(chunk).is_empty(), "chunk {chunk} has slices");
         self.book.chunk_slices(chunk).len() as u32
     }
 
     fn landed_triggered(&mut self, wi: usize, worker: u32, slot: u32, slice: u32, ls: usize) -> Result<()> {
         let nls = self.folded.len();
+        debug_assert!(self.window == 1 && self.got.len() == self.applied.len() * self.p1);
         let iter = self.received[wi * nls + ls];
         self.received[wi * nls + ls] += 1;
         let chunk = self.book.slices()[slice as usize].chunk;
@@ -824,6 +891,7 @@ impl Server {
     /// (workers whose whole contribution is in, contributions in the sum,
     /// whether a worker's contribution is half in) for the round in progress.
     fn round(&self, lc: usize, n: u32) -> (usize, u32, bool) {
+        debug_assert!(n > 0);
         let got = &self.got[lc * self.p1..(lc + 1) * self.p1];
         let complete = got.iter().filter(|&&g| g >= n).count();
         let half = got.iter().any(|&g| g % n != 0);
@@ -855,6 +923,8 @@ impl Server {
             return;
         }
         let t = self.applied[lc];
+        // A worker's whole contribution is in: the mean divides by a positive count.
+        debug_assert!(contributions > 0 && complete <= self.p1);
         if complete < self.live {
             self.stats.partial_applies += 1;
         }
@@ -893,6 +963,7 @@ impl Server {
             return Ok(());
         }
         self.lost[wi] = true;
+        debug_assert!(self.live > 0, "worker {wi} was counted live");
         self.live -= 1;
         self.stats.lost += 1;
         let chunks: Vec<u32> = self.book.server_chunks(self.rank).to_vec();
@@ -921,6 +992,7 @@ impl Server {
         let queue = std::mem::take(&mut self.bcast_queue);
         for Reverse((v, c, w)) in queue {
             if w == wi32 {
+                debug_assert!(self.bcast_pending[self.chunk_local[c as usize] as usize] > 0);
                 self.bcast_pending[self.chunk_local[c as usize] as usize] -= 1;
             } else {
                 self.bcast_queue.push(Reverse((v, c, w)));
@@ -944,6 +1016,7 @@ impl Server {
         }
         self.lost[wi] = false;
         self.live += 1;
+        debug_assert!(self.live <= self.p1);
         self.stats.rejoined += 1;
         self.slots_held[wi] = 0;
         let nls = self.folded.len() / self.window;

@@ -118,6 +118,7 @@ impl Worker {
             .cluster()
             .worker_index(rank)
             .ok_or_else(|| EngineError::InvalidConfig(format!("rank {rank} is not a worker in this cluster")))?;
+        debug_assert_eq!(book.cluster().workers()[index], rank);
         let world = book.cluster().world();
         let mut free_slots = vec![Vec::new(); world];
         for &s in book.cluster().servers() {
@@ -155,6 +156,9 @@ impl Worker {
                 });
             }
         }
+        // Every landing slot of every server starts as this worker's credit.
+        debug_assert_eq!(w.free_credits(), w.cfg.slots as usize * w.book.p2());
+        debug_assert_eq!(w.out.len(), if index == 0 { w.book.chunks().len() } else { 0 });
         Ok(w)
     }
 
@@ -172,6 +176,7 @@ impl Worker {
     }
     /// Whether every chunk's initial parameters have arrived.
     pub fn is_initialized(&self) -> bool {
+        debug_assert!(self.uninitialized <= self.book.chunks().len());
         self.uninitialized == 0
     }
     /// Whether the layer is handed in and not yet synced.
@@ -193,6 +198,11 @@ impl Worker {
     /// Forgets the seeding (a worker that rejoins: the servers hold the
     /// parameters already). Call it before draining any command.
     pub fn skip_seeding(&mut self) {
+        debug_assert_eq!(
+            self.uninitialized,
+            self.book.chunks().len(),
+            "skip_seeding after parameters arrived"
+        );
         self.out.retain(|c| !matches!(c, WorkerCommand::InitPush { .. }));
     }
     /// Landing-slot credits this worker holds now, over every server (all
@@ -225,6 +235,8 @@ impl Worker {
                 iter: st.done,
             });
         }
+        // A layer not in flight owes no push and no send.
+        debug_assert!(st.pushes_left == 0 && st.sends_left == 0, "layer {layer}: {st:?}");
         Ok(())
     }
 
@@ -240,8 +252,11 @@ impl Worker {
             });
         }
         let slices = self.book.layer_slices(layer);
+        debug_assert!(!slices.is_empty(), "a layer has parameters, so slices");
         for s in slices.clone() {
+            debug_assert_eq!(self.book.slices()[s as usize].layer, layer);
             let server = self.book.chunks()[self.book.slices()[s as usize].chunk as usize].server;
+            debug_assert!(self.book.cluster().server_index(server).is_some());
             let key = self.key(s as u64);
             self.ready.push(Reverse((iter, key, Item::Push { slice: s }, server)));
         }
@@ -277,6 +292,10 @@ impl Worker {
             // One destination: the server holding the whole layer. The layer
             // is then synced as through the PS: by its chunks' broadcasts.
             let server = self.book.chunks()[self.book.layer_chunks(layer).start as usize].server;
+            debug_assert!(self
+                .book
+                .layer_chunks(layer)
+                .all(|c| self.book.chunks()[c as usize].server == server));
             self.ready.push(Reverse((iter, key, Item::Factors { layer }, server)));
             let st = &mut self.layers[layer as usize];
             st.in_flight = true;
@@ -294,6 +313,7 @@ impl Worker {
             .copied()
             .filter(|&w| w != self.rank)
             .collect();
+        debug_assert_eq!(peers.len() + 1, self.book.p1(), "this worker and its peers");
         for &p in &peers {
             self.ready.push(Reverse((iter, key, Item::Factors { layer }, p)));
         }
@@ -308,6 +328,7 @@ impl Worker {
     }
 
     fn key(&mut self, prio: u64) -> u64 {
+        debug_assert!(prio < self.book.slices().len() as u64, "a priority is a slice id");
         match self.cfg.order {
             QueueOrder::Priority => prio,
             QueueOrder::Fifo => {
@@ -322,6 +343,7 @@ impl Worker {
             Item::Push { slice } => self.book.slices()[slice as usize].len * 4,
             Item::Factors { layer } => {
                 let l = &self.book.layers()[layer as usize];
+                debug_assert_eq!(l.kind, LayerKind::Fc, "only FC layers have factors");
                 self.book.config().batch * (l.m + l.n) * 4
             }
         }
@@ -343,10 +365,13 @@ impl Worker {
             }
             self.ready.pop();
             self.bytes_in_flight += bytes;
+            // The credit window: never exceeded, but by one item alone.
+            debug_assert!(self.bytes_in_flight <= self.cfg.credit_bytes || self.bytes_in_flight == bytes);
             self.stats.max_bytes_in_flight = self.stats.max_bytes_in_flight.max(self.bytes_in_flight);
             match item {
                 Item::Push { slice } => {
                     let slot = self.free_slots[dst as usize].pop().expect("checked");
+                    debug_assert!(slot < self.cfg.landing_slots(), "slot {slot} of server {dst}");
                     self.stats.pushes += 1;
                     self.out.push_back(WorkerCommand::Push {
                         server: dst,
@@ -356,6 +381,10 @@ impl Worker {
                     });
                 }
                 Item::Factors { layer } => {
+                    debug_assert!(
+                        dst != self.rank || self.layers[layer as usize].scheme == Some(Scheme::Adam),
+                        "factors go to peers (SFB), or to the layer's server (Adam)"
+                    );
                     self.stats.factor_sends += 1;
                     self.out
                         .push_back(WorkerCommand::SendFactors { peer: dst, layer, iter });
@@ -382,6 +411,11 @@ impl Worker {
                 format!("push completion for slice {slice} that is not in flight"),
             ));
         }
+        debug_assert_eq!(st.scheme, Some(Scheme::Ps), "only PS layers push");
+        debug_assert!(
+            self.bytes_in_flight >= info.len * 4,
+            "a push's bytes were counted when it went"
+        );
         st.pushes_left -= 1;
         self.bytes_in_flight -= info.len * 4;
         self.check_ready(info.layer);
@@ -400,6 +434,14 @@ impl Worker {
                 format!("factor send completion for layer {layer} that is not in flight"),
             ));
         }
+        debug_assert!(
+            matches!(st.scheme, Some(Scheme::Sfb | Scheme::Adam)),
+            "only SFB and Adam layers send factors"
+        );
+        debug_assert!(
+            self.bytes_in_flight >= bytes,
+            "a send's bytes were counted when it went"
+        );
         st.sends_left -= 1;
         self.bytes_in_flight -= bytes;
         self.check_ready(layer);
@@ -420,12 +462,17 @@ impl Worker {
             return Err(self.protocol(server, format!("credit for slot {slot} that was not lent")));
         }
         free.push(slot);
+        debug_assert!(
+            free.len() <= self.cfg.slots as usize,
+            "credits never exceed the slots lent"
+        );
         // As many of the server's parked pushes as it has free slots may go
         // again, best first (the rest stay parked: no re-sorting per credit).
         for _ in 0..free.len() {
             let Some(Reverse((iter, key, item))) = self.parked[server as usize].pop() else {
                 break;
             };
+            debug_assert!(matches!(item, Item::Push { .. }), "only pushes wait for a slot");
             self.ready.push(Reverse((iter, key, item, server)));
         }
         self.pump();
@@ -467,9 +514,12 @@ impl Worker {
                 ),
             ));
         }
+        debug_assert_eq!(self.book.config().placement, Placement::KvStore);
         self.notified[chunk as usize] = version;
         let chunks = self.book.layer_chunks(ch.layer);
         if chunks.clone().all(|c| self.notified[c as usize] >= version) {
+            // A layer's chunks are notified one version at a time, together.
+            debug_assert!(chunks.clone().all(|c| self.notified[c as usize] == version));
             for c in chunks {
                 self.stats.pulls += 1;
                 self.out.push_back(WorkerCommand::Pull {
@@ -513,6 +563,10 @@ impl Worker {
         }
         self.chunk_updates[chunk as usize] += 1;
         if self.chunk_updates[chunk as usize] == 1 {
+            debug_assert!(
+                self.uninitialized > 0,
+                "chunk {chunk}: a first update, but every chunk has one"
+            );
             self.uninitialized -= 1;
         }
         self.check_ready(layer);
@@ -549,6 +603,8 @@ impl Worker {
             return;
         }
         if self.sf_arrived.get(&(layer, next)).copied().unwrap_or(0) as usize == self.book.p1() {
+            // Reconstructions are asked for one iteration after the other.
+            debug_assert_eq!(self.sf_emitted[layer as usize].map_or(0, |e| e + 1), next);
             self.sf_emitted[layer as usize] = Some(next);
             self.out.push_back(WorkerCommand::Reconstruct { layer, iter: next });
         }
@@ -563,6 +619,11 @@ impl Worker {
                 format!("apply of layer {layer} iteration {iter} was not asked for"),
             ));
         }
+        debug_assert_eq!(
+            self.sf_arrived.get(&(layer, iter)).map(|&n| n as usize),
+            Some(self.book.p1()),
+            "a reconstruction is asked for once every worker's factors arrived"
+        );
         self.sf_applied[layer as usize] = iter + 1;
         self.sf_arrived.remove(&(layer, iter));
         self.check_ready(layer);
@@ -588,6 +649,8 @@ impl Worker {
             None => false,
         };
         if ready {
+            // The scheme taken at the hand-in is the book's for the iteration.
+            debug_assert_eq!(st.scheme, Some(self.book.scheme(layer, t)));
             let st = &mut self.layers[layer as usize];
             st.in_flight = false;
             st.done += 1;
