@@ -31,6 +31,7 @@ impl Node {
             what: format!("completion of unknown job {id}"),
         })?;
         if track.queue() == Queue::Server && self.sched.trigger == Trigger::All {
+            debug_assert!(self.srv_out > 0, "server job {id} was handed out");
             self.srv_out -= 1;
             self.pump_server_jobs();
         }
@@ -69,7 +70,9 @@ impl Node {
             }
             JobTrack::Apply { chunk } => {
                 let s = self.server.as_mut().expect("server");
-                s.apply_running.remove(&chunk);
+                // One apply of a chunk runs at a time: this one.
+                let running = s.apply_running.remove(&chunk);
+                debug_assert_eq!(running, Some(id), "chunk {chunk}");
                 let notify = s.deferred_notify.remove(&chunk).unwrap_or_default();
                 for w in s.deferred.remove(&chunk).unwrap_or_default() {
                     self.broadcast(chunk, w);
@@ -89,10 +92,17 @@ impl Node {
             }
             JobTrack::FormGrad { layer } => {
                 let w = self.worker.as_mut().expect("worker");
+                debug_assert!(w.forming[layer as usize], "layer {layer} was forming its gradient");
                 w.forming[layer as usize] = false;
                 w.core.grad_ready(layer)?;
             }
             JobTrack::Capture { layer, iter, len } => {
+                let spec = &self.book.layers()[layer as usize];
+                debug_assert_eq!(
+                    len,
+                    self.book.config().batch * (spec.m + spec.n) * 4,
+                    "U and V of layer {layer}"
+                );
                 let blob = match data {
                     Some(b) if b.len() == len => Blob::Bytes(b),
                     Some(b) => {
@@ -114,7 +124,14 @@ impl Node {
                 .handle_factors_applied(layer, iter)?,
             JobTrack::Publish { layer, iter } => match iter {
                 Some(iter) => self.out.push_back(Output::LayerReady { layer, iter }),
-                None => self.worker.as_mut().expect("worker").publish_left -= 1,
+                None => {
+                    let w = self.worker.as_mut().expect("worker");
+                    debug_assert!(
+                        w.publish_started && w.publish_left > 0,
+                        "an initial publish was counted"
+                    );
+                    w.publish_left -= 1;
+                }
             },
         }
         Ok(())
@@ -177,10 +194,13 @@ impl Node {
                             crate::sparse::pair_limit(si.len)
                         )));
                     };
+                    debug_assert!(crate::sparse::encoded_bytes(n as usize) as u64 <= slot_bytes);
                     if self.landing_sparse.insert((peer, slot), n as u32).is_some() {
                         return Err(bad(format!("landing slot {slot} written twice")));
                     }
                 }
+                // The sender's slots lie inside the landing region.
+                debug_assert!(start + slot_bytes <= self.bytes[region_index(LocalRegion::Landing)]);
                 let s = self.server.as_mut().expect("checked above");
                 s.core.handle_landed(peer, slot, slice)
             }
@@ -197,6 +217,10 @@ impl Node {
                 if ch.server != self.rank || len == 0 || offset < a || offset + len != b {
                     return Err(bad(format!("seeding chunk {imm} at {offset}+{len}, outside it")));
                 }
+                debug_assert!(
+                    b <= self.bytes[region_index(LocalRegion::Shard)],
+                    "chunk {imm} in the shard"
+                );
                 s.core.handle_init(peer, imm)
             }
             LocalRegion::Params => {
@@ -214,6 +238,10 @@ impl Node {
                 if ch.server != peer || len == 0 || offset < a || offset + len != b {
                     return Err(bad(format!("parameters of chunk {imm} at {offset}+{len}, outside it")));
                 }
+                debug_assert!(
+                    b <= self.bytes[region_index(LocalRegion::Params)],
+                    "chunk {imm} in the parameters"
+                );
                 // The core cannot know who wrote: a violation is the writer's.
                 w.core.handle_params(imm).map_err(|e| match e {
                     EngineError::Protocol { what, .. } => EngineError::Protocol { rank: peer, what },

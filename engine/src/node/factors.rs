@@ -34,6 +34,11 @@ pub fn fragments(u: u64, total: u64, cap: u64) -> impl Iterator<Item = (u64, u64
         }
         let end = if off < split { split } else { total };
         let n = (end - off).min(frag);
+        // Every fragment makes progress and fits the cap (4 bytes at least).
+        debug_assert!(
+            n > 0 && n <= cap.max(4) && off + n <= total,
+            "fragment {off}+{n} of {total}, cap {cap}"
+        );
         off += n;
         Some((off - n, n))
     })
@@ -116,11 +121,13 @@ impl Inbox {
             return Ok(None);
         }
         let s = slot.take().expect("open");
+        debug_assert_eq!(s.got, s.total);
         let blob = match s.pieces {
             Some(mut p) if p.len() == 1 => Blob::Bytes(p.pop().expect("one")),
             Some(p) => Blob::Fragments(p),
             None => Blob::Opaque(s.total),
         };
+        debug_assert_eq!(blob.len(), s.total, "the block is its fragments, whole");
         Ok(Some((s.layer, s.iter, blob)))
     }
 
@@ -132,6 +139,7 @@ impl Inbox {
         }
         e[wi] = Some(blob);
         self.held += 1;
+        debug_assert!(self.held <= self.store.len() * self.p1);
         self.max_held = self.max_held.max(self.held);
         Ok(())
     }
@@ -143,6 +151,7 @@ impl Inbox {
             return None;
         }
         let e = self.store.remove(&(layer, iter)).expect("present");
+        debug_assert!(e.len() == self.p1 && self.held >= e.len());
         self.held -= e.len();
         Some(e.into_iter().map(|b| b.expect("checked")).collect())
     }

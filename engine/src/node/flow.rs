@@ -96,6 +96,7 @@ pub(crate) struct Flow<T> {
 
 impl<T> Flow<T> {
     pub(crate) fn new(world: usize, cap: usize) -> Self {
+        debug_assert!(cap > 0, "a window of 0 transmits would never post");
         Flow {
             cap,
             peers: (0..world)
@@ -124,6 +125,7 @@ impl<T> Flow<T> {
         if !self.is_dirty[peer as usize] {
             self.is_dirty[peer as usize] = true;
             self.dirty.push(peer);
+            debug_assert!(self.dirty.len() <= self.peers.len(), "a peer is marked once");
         }
     }
 
@@ -132,6 +134,7 @@ impl<T> Flow<T> {
         if self.peers[peer as usize].gone {
             return;
         }
+        debug_assert!(!matches!(&op, Op::SendInline { bytes, .. } if bytes.len() > CELL_BYTES));
         self.peers[peer as usize].queue.push_back(Queued {
             op,
             track,
@@ -162,6 +165,7 @@ impl<T> Flow<T> {
                 Some(t) if now >= t => {
                     pf.blocked = false;
                     pf.retry_at = None;
+                    debug_assert!(self.retrying > 0);
                     self.retrying -= 1;
                 }
                 _ => return,
@@ -187,6 +191,7 @@ impl<T> Flow<T> {
             };
             let q = pf.queue.pop_front().expect("peeked");
             pf.out += 1;
+            debug_assert!(pf.out <= self.cap, "the window of rank {peer}");
             self.max_out_seen = self.max_out_seen.max(pf.out);
             let token = self.next_token;
             self.next_token += 1;
@@ -195,6 +200,7 @@ impl<T> Flow<T> {
                 peer,
                 op: to_tx(&q.op, cell),
             }));
+            debug_assert!(!self.inflight.contains_key(&token), "token {token} posted twice");
             self.inflight.insert(
                 token,
                 InFlight {
@@ -210,8 +216,11 @@ impl<T> Flow<T> {
 
     fn release(&mut self, f: &InFlight<T>) {
         let pf = &mut self.peers[f.peer as usize];
+        debug_assert!(pf.out > 0, "a transmit to rank {} was counted", f.peer);
         pf.out -= 1;
         if let Some(c) = f.cell {
+            // A cell is taken before it is freed.
+            debug_assert!(self.free_cells.len() < CELLS, "cell {c} freed twice");
             self.free_cells.push(c);
             for w in std::mem::take(&mut self.cell_waiters) {
                 self.mark(w);
@@ -227,6 +236,7 @@ impl<T> Flow<T> {
         let pf = &mut self.peers[f.peer as usize];
         pf.blocked = false;
         if pf.retry_at.take().is_some() {
+            debug_assert!(self.retrying > 0);
             self.retrying -= 1;
         }
         Some((f.peer, f.track))
@@ -267,6 +277,7 @@ impl<T> Flow<T> {
             (true, false) => self.retrying -= 1,
             _ => {}
         }
+        debug_assert!(self.retrying <= self.peers.len(), "{} retry timers", self.retrying);
         true
     }
 
@@ -284,11 +295,14 @@ impl<T> Flow<T> {
         tokens.sort_unstable();
         for t in tokens {
             let f = self.inflight.remove(&t).expect("listed");
+            debug_assert!(self.peers[peer as usize].out > 0);
             self.peers[peer as usize].out -= 1;
             self.dropped.insert(t, f.cell);
             tracks.push(f.track);
         }
         let pf = &mut self.peers[peer as usize];
+        // Every transmit in flight to the peer was listed.
+        debug_assert_eq!(pf.out, 0, "rank {peer}");
         tracks.extend(pf.queue.drain(..).map(|q| q.track));
         pf.blocked = false;
         if pf.retry_at.take().is_some() {
@@ -323,6 +337,7 @@ impl<T> Flow<T> {
         match self.dropped.remove(&token) {
             Some(cell) => {
                 if let Some(c) = cell {
+                    debug_assert!(self.free_cells.len() < CELLS, "cell {c} freed twice");
                     self.free_cells.push(c);
                     for w in std::mem::take(&mut self.cell_waiters) {
                         self.mark(w);
@@ -339,7 +354,9 @@ impl<T> Flow<T> {
         if self.retrying == 0 {
             return None;
         }
-        self.peers.iter().filter_map(|p| p.retry_at).min()
+        let t = self.peers.iter().filter_map(|p| p.retry_at).min();
+        debug_assert!(t.is_some(), "{} retry timers, none set", self.retrying);
+        t
     }
 
     /// Marks peers whose retry timer expired.
@@ -361,6 +378,7 @@ impl<T> Flow<T> {
 
     /// Transmits outstanding to `peer`.
     pub(crate) fn outstanding(&self, peer: u32) -> usize {
+        debug_assert!(self.peers[peer as usize].out <= self.cap);
         self.peers[peer as usize].out
     }
 
@@ -389,6 +407,8 @@ impl<T> Flow<T> {
             op: to_tx(&op, Some(cell)),
         }));
         self.peers[peer as usize].out += 1;
+        debug_assert!(self.peers[peer as usize].out <= self.cap);
+        debug_assert!(!self.inflight.contains_key(&token), "token {token} posted twice");
         self.inflight.insert(
             token,
             InFlight {
@@ -404,6 +424,9 @@ impl<T> Flow<T> {
 }
 
 fn to_tx(op: &Op, cell: Option<u32>) -> TxOp {
+    // Inline bytes, and only they, take a control cell, which they fit.
+    debug_assert_eq!(cell.is_some(), matches!(op, Op::SendInline { .. }));
+    debug_assert!(!matches!(op, Op::SendInline { bytes, .. } if bytes.len() > CELL_BYTES));
     match op {
         Op::Write { src, dst, len, imm } => TxOp::Write {
             src: *src,

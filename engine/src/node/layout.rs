@@ -127,6 +127,7 @@ impl Layout {
         let (sparse_off, sparse_bytes) =
             packed(book, |s| (s.sparse && role.is_worker()).then(|| s.params() as u64 * 4));
         let slot_bytes = book.max_slice_len() as u64 * 4;
+        debug_assert!(slot_bytes > 0, "every layer has parameters");
         let mut bytes = [0u64; 8];
         if role.is_worker() {
             bytes[region_index(LocalRegion::Params)] = extent(book, &param_off);
@@ -143,6 +144,9 @@ impl Layout {
         bytes[region_index(LocalRegion::Ctrl)] = (CELLS * CELL_BYTES) as u64;
         debug_assert_eq!(param_off.len(), nl);
         debug_assert_eq!(grad_off.len(), nl);
+        debug_assert_eq!(view_off.len(), if staged { nl } else { 0 });
+        // The landing region holds every worker's slots.
+        debug_assert!(!role.is_server() || bytes[region_index(LocalRegion::Landing)] >= slot_bytes * book.p1() as u64);
         Ok(Layout {
             staged,
             param_off,
@@ -170,7 +174,14 @@ fn packed(book: &Book, size: impl Fn(&LayerSpec) -> Option<u64>) -> (Vec<Option<
                 at
             })
         })
-        .collect();
+        .collect::<Vec<_>>();
+    // Back to back: each offset below the total, in order.
+    debug_assert!(offs.iter().flatten().all(|&o| o < total));
+    debug_assert!(offs
+        .iter()
+        .flatten()
+        .zip(offs.iter().flatten().skip(1))
+        .all(|(a, b)| a < b));
     (offs, total)
 }
 

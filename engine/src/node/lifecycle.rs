@@ -33,6 +33,7 @@ impl Node {
             (None, None) => true,
         };
         if initialized {
+            debug_assert_eq!(self.open_peers + 1, self.peers.len(), "every peer is open");
             let next = if self.life.shutdown() {
                 Life::Draining
             } else {
@@ -143,6 +144,8 @@ impl Node {
         let everyone = (0..world)
             .all(|p| p == self.rank || self.peers[p as usize].lost || self.peer_done(p, self.peers[p as usize].bye));
         if everyone && self.flow.idle() && self.jobs.is_empty() {
+            // Server jobs handed out or queued are jobs too.
+            debug_assert!(self.srv_out == 0 && self.srv_queue.is_empty() && self.srv_jobs.is_empty());
             self.life.advance(Life::Done);
             self.out.push_back(Output::Finished);
         }

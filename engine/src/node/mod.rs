@@ -416,6 +416,12 @@ impl Node {
         layout::check_modes(&book, &cfg.sched)?;
         let nl = book.layers().len();
         let lay = layout::Layout::new(&book, rank, role, &cfg.sched, cfg.params.take(), cfg.grads.take())?;
+        // A landing slot holds the largest slice: `landed` divides offsets by it.
+        debug_assert!(
+            lay.slot_bytes >= 4 && lay.slot_bytes % 4 == 0,
+            "slot of {} bytes",
+            lay.slot_bytes
+        );
         let worker = if role.is_worker() {
             Some(WorkerSide {
                 core: Worker::new(book.clone(), rank, cfg.sched)?,
@@ -495,6 +501,7 @@ impl Node {
     /// The keys of this rank's Params, Shard and Landing regions (0 where it
     /// has none), announced in the hello. Call before the first `Connected`.
     pub fn set_keys(&mut self, keys: [u32; 3]) {
+        debug_assert!(self.peers.iter().all(|p| !p.connected), "keys are set before any hello");
         self.keys = keys;
     }
 
@@ -524,6 +531,10 @@ impl Node {
             region: LocalRegion::Grads,
             offset: self.grad_off[l],
         };
+        debug_assert_eq!(
+            self.factor_off[l].is_some(),
+            self.book.layers()[l].kind == LayerKind::Fc
+        );
         let f = self.factor_off[l].map(|o| Loc {
             region: LocalRegion::Factors,
             offset: o,
@@ -648,6 +659,7 @@ impl Node {
         }
         match self.worker.as_mut() {
             Some(w) if self.server.is_none() => {
+                debug_assert!(self.peers.iter().all(|p| !p.connected), "rejoin comes before any input");
                 w.core.skip_seeding();
                 Ok(())
             }
@@ -690,6 +702,7 @@ impl Node {
     /// is virtual). Errors are the caller's: a bad hand-in. Everything that
     /// fails the rank comes out as [`Output::Fatal`].
     pub fn handle(&mut self, now: Duration, input: Input) -> Result<()> {
+        debug_assert!(now >= self.now, "the clock goes forward: {now:?} after {:?}", self.now);
         self.now = now;
         if let Some(s) = self.server.as_mut() {
             s.core.set_now(now);
@@ -737,6 +750,7 @@ impl Node {
                 p.open = true;
                 if first {
                     self.open_peers += 1;
+                    debug_assert!(self.open_peers < self.peers.len(), "every peer opens once");
                 }
                 self.flow.open(peer);
                 if rejoined {
@@ -888,6 +902,7 @@ impl Node {
         for track in self.flow.drop_peer(peer) {
             self.tx_done(track)?;
         }
+        debug_assert_eq!(self.flow.pending_to(peer), 0, "nothing goes to a lost worker");
         if let Some(s) = self.server.as_mut() {
             let wi = self.book.cluster().worker_index(peer).expect("a worker");
             s.core.handle_worker_lost(wi)?;
@@ -932,7 +947,8 @@ impl Node {
     fn new_job_at(&mut self, queue: Queue, prio: (u64, u32), kind: JobKind, track: JobTrack) {
         let id = self.next_job;
         self.next_job += 1;
-        self.jobs.insert(id, track);
+        let reused = self.jobs.insert(id, track);
+        debug_assert!(reused.is_none(), "job id {id} given twice");
         let job = Job { id, queue, kind };
         if queue == Queue::Server && self.sched.trigger == Trigger::All {
             // P3's priority only where the worker sends by priority: the FIFO
@@ -957,6 +973,7 @@ impl Node {
             };
             let job = self.srv_jobs.remove(&id).expect("queued with its job");
             self.srv_out += 1;
+            debug_assert!(self.srv_out <= SERVER_JOBS_OUT);
             self.out.push_back(Output::Job(job));
         }
     }
@@ -972,6 +989,8 @@ impl Node {
     /// Queues a transmit. To a peer that left after its goodbye, nothing
     /// goes: it needs nothing more, so the transmit counts as delivered.
     fn enqueue(&mut self, peer: u32, op: Op, track: Track, gated: bool) {
+        // What stays on this rank goes through jobs, never the transport.
+        debug_assert_ne!(peer, self.rank, "a transmit to oneself: {track:?}");
         if self.flow.is_gone(peer) {
             self.moot.push((peer, track));
         } else {
@@ -994,10 +1013,14 @@ impl Node {
             return;
         }
         let max = self.write_cap(peer);
+        // An empty write would count an immediate that never lands; a cap
+        // under 4 bytes would never end.
+        debug_assert!(len > 0 && max >= 4, "a write of {len} bytes, cap {max}");
         let mut off = 0;
         while off < len {
             let n = (len - off).min(max);
             let last = off + n == len;
+            debug_assert!(last || n % 4 == 0, "pieces keep whole f32s");
             self.stats.max_write = self.stats.max_write.max(n);
             self.enqueue(
                 peer,
@@ -1018,6 +1041,7 @@ impl Node {
             );
             off += n;
         }
+        debug_assert_eq!(off, len, "the pieces cover the write");
         self.imm_sent[peer as usize] += 1;
     }
 
@@ -1069,6 +1093,8 @@ impl Node {
             }) = o
             {
                 if dst.region == LocalRegion::Params {
+                    // The base came with its hello: writes wait for the peer to open.
+                    debug_assert!(self.peers[*peer as usize].open);
                     dst.offset += self.peers[*peer as usize].params_base;
                 }
             }

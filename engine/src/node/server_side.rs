@@ -21,6 +21,9 @@ impl Node {
             } => {
                 let si = book.slices()[slice as usize];
                 let ch = book.chunks()[si.chunk as usize];
+                // The slice lies in its chunk, which lies in this shard.
+                debug_assert!(si.offset >= ch.offset && si.offset + si.len <= ch.offset + ch.len);
+                debug_assert_eq!(ch.server, me, "slice {slice} is summed by its owner");
                 let pairs = if worker == me {
                     None
                 } else {
@@ -58,6 +61,8 @@ impl Node {
             ServerCommand::FoldPartial { slice, window, iter } => {
                 let si = book.slices()[slice as usize];
                 let ch = book.chunks()[si.chunk as usize];
+                debug_assert_eq!(window, 0, "fold groups are deterministic BSP: one window");
+                debug_assert!(si.offset >= ch.offset && si.offset + si.len <= ch.offset + ch.len);
                 self.new_job_at(
                     Queue::Server,
                     (iter, si.layer),
@@ -92,7 +97,8 @@ impl Node {
                     },
                     JobTrack::Apply { chunk },
                 );
-                self.server.as_mut().expect("server").apply_running.insert(chunk, id);
+                let running = self.server.as_mut().expect("server").apply_running.insert(chunk, id);
+                debug_assert!(running.is_none(), "two applies of chunk {chunk} at once");
             }
             ServerCommand::Drop { worker, slot } | ServerCommand::Credit { worker, slot } => {
                 self.return_slot(worker, slot)?
@@ -110,6 +116,7 @@ impl Node {
                     rank: me,
                     what: format!("the server summed layer {layer} iteration {iter} without every worker's factors"),
                 })?;
+                debug_assert_eq!(factors.len(), book.p1(), "every worker's factors");
                 let acc_at = book.chunks()[book.layer_chunks(layer).start as usize].shard_offset;
                 self.new_job_at(
                     Queue::Server,
@@ -138,6 +145,7 @@ impl Node {
 
     /// Kvstore: tells `worker` that `chunk` is at `version` (once its apply ran).
     pub(super) fn notify(&mut self, chunk: u32, worker: u32, version: u64) -> Result<()> {
+        debug_assert!(version > 0, "a notification names an applied version");
         if worker == self.rank {
             let me = self.rank;
             self.worker
@@ -155,6 +163,7 @@ impl Node {
     /// this rank's own worker at once; to a peer with the next credit message).
     pub(super) fn return_slot(&mut self, worker: u32, slot: u32) -> Result<()> {
         let me = self.rank;
+        debug_assert!(slot < self.sched.landing_slots(), "slot {slot} of rank {worker}");
         if worker == me {
             let s = self.server.as_mut().expect("server");
             let slice = s.local_slots.remove(&slot).ok_or_else(|| EngineError::Protocol {
@@ -180,6 +189,7 @@ impl Node {
     pub(super) fn broadcast(&mut self, chunk: u32, worker: u32) {
         let book = self.book.clone();
         let ch = book.chunks()[chunk as usize];
+        debug_assert_eq!(ch.server, self.rank, "chunk {chunk} is broadcast by its owner");
         let src = Loc {
             region: LocalRegion::Shard,
             offset: ch.shard_offset as u64 * 4,
@@ -212,6 +222,7 @@ impl Node {
         }
         let pending = std::mem::take(&mut s.credit_out);
         for (w, slots) in pending {
+            debug_assert!(w != self.rank && !slots.is_empty(), "credits for rank {w}: {slots:?}");
             for part in slots.chunks(wire::MAX_CREDITS) {
                 self.send_ctrl(w, &Msg::Credit(part.to_vec()));
             }

@@ -8,11 +8,19 @@ impl Node {
     /// caps (the peer's is known once it is open: transmits that need it
     /// wait in `early` until then).
     pub(super) fn message_cap(&self, peer: u32) -> u64 {
+        debug_assert!(
+            self.peers[peer as usize].hello,
+            "rank {peer}'s cap comes with its hello"
+        );
         (self.limits.max_message_bytes as u64).min(self.peers[peer as usize].max_message)
     }
 
     /// The largest write to `peer`, a multiple of 4.
     pub(super) fn write_cap(&self, peer: u32) -> u64 {
+        debug_assert!(
+            self.peers[peer as usize].hello,
+            "rank {peer}'s cap comes with its hello"
+        );
         (self.limits.max_write_bytes as u64).min(self.peers[peer as usize].max_write) / 4 * 4
     }
 
@@ -110,6 +118,7 @@ impl Node {
 
     /// Whether this rank writes into `peer`'s region `i` (0 params, 1 shard, 2 landing).
     pub(super) fn needs_region(&self, peer: u32, i: usize) -> bool {
+        debug_assert!(i < 3, "params, shard or landing");
         match i {
             0 => self.server.is_some(),
             1 => self.worker.as_ref().is_some_and(|w| w.core.index() == 0) && self.book.shard_len(peer) > 0,

@@ -50,12 +50,15 @@ impl LocalRegion {
 
     /// The index of this region's key in a hello (remote-writable regions only).
     pub fn key_index(self) -> Option<usize> {
-        match self {
+        let i = match self {
             LocalRegion::Params => Some(0),
             LocalRegion::Shard => Some(1),
             LocalRegion::Landing => Some(2),
             _ => None,
-        }
+        };
+        // A hello carries the keys of the remote-writable regions, and only theirs.
+        debug_assert_eq!(i.is_some(), self.remote_write());
+        i
     }
 }
 
@@ -216,7 +219,14 @@ impl Blob {
     pub fn pieces(&self) -> &[Vec<u8>] {
         match self {
             Blob::Bytes(b) => std::slice::from_ref(b),
-            Blob::Fragments(f) => f,
+            Blob::Fragments(f) => {
+                debug_assert!(
+                    f.len() >= 2 && f.iter().all(|p| !p.is_empty()),
+                    "fragments: {:?}",
+                    f.len()
+                );
+                f
+            }
             Blob::Opaque(_) => &[],
         }
     }
@@ -232,7 +242,9 @@ impl Blob {
         let mut start = 0;
         for p in self.pieces() {
             if at >= start && end <= start + p.len() {
-                return bytemuck::try_cast_slice(&p[at - start..end - start]).ok();
+                let v: Option<&[f32]> = bytemuck::try_cast_slice(&p[at - start..end - start]).ok();
+                debug_assert!(v.map_or(true, |v| v.len() == count));
+                return v;
             }
             start += p.len();
         }
@@ -294,6 +306,7 @@ impl Blob {
         if !self.read_f32s(at, count, scratch) {
             return None;
         }
+        debug_assert_eq!(scratch.len(), count);
         Some((&scratch[..], true))
     }
 }

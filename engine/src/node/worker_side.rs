@@ -40,6 +40,7 @@ impl Node {
                 let iter = w.core.completed(layer);
                 let len = k * (spec.m + spec.n) as u64 * 4;
                 w.core.sf_ready(layer)?;
+                debug_assert!(w.core.is_in_flight(layer), "layer {layer} went by SFB");
                 self.new_job(
                     Queue::Worker,
                     JobKind::CaptureFactors { layer, factors: f, len },
@@ -54,6 +55,7 @@ impl Node {
                 // To the layer's server (a `SendFactors`, or this rank's own
                 // server through a capture: see `worker_cmd`).
                 w.core.sf_ready(layer)?;
+                debug_assert!(w.core.is_in_flight(layer), "layer {layer} went by Adam");
             }
             Scheme::Ps => {
                 w.forming[layer as usize] = true;
@@ -81,6 +83,8 @@ impl Node {
         match cmd {
             WorkerCommand::InitPush { server, chunk } => {
                 let ch = book.chunks()[chunk as usize];
+                debug_assert_eq!(ch.server, server, "chunk {chunk} is seeded at its owner");
+                debug_assert_eq!(self.worker.as_ref().map(|w| w.core.index()), Some(0), "worker 0 seeds");
                 let src = Loc {
                     region: LocalRegion::Params,
                     offset: self.param_off[ch.layer as usize] + ch.offset as u64 * 4,
@@ -109,9 +113,16 @@ impl Node {
                 server, slot, slice, ..
             } => {
                 let si = book.slices()[slice as usize];
+                debug_assert_eq!(
+                    book.chunks()[si.chunk as usize].server,
+                    server,
+                    "slice {slice} goes to its owner"
+                );
                 if server == me {
                     let s = self.server.as_mut().expect("colocated");
-                    s.local_slots.insert(slot, slice);
+                    // A slot is free before it is taken.
+                    let taken = s.local_slots.insert(slot, slice);
+                    debug_assert!(taken.is_none(), "local slot {slot} taken twice");
                     s.core.handle_landed(me, slot, slice)?;
                     self.stranded_dirty = true;
                 } else if let Some(base) = self.sparse_off[si.layer as usize] {
@@ -146,6 +157,7 @@ impl Node {
             WorkerCommand::SendFactors { peer, layer, iter } if peer == me => {
                 // Adam, and this rank holds the layer: its own server takes
                 // the factors from a capture (`factors_in`).
+                debug_assert_eq!(book.scheme(layer, iter), Scheme::Adam);
                 let spec = &book.layers()[layer as usize];
                 let len = book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
                 let factors = Loc {
@@ -197,6 +209,7 @@ impl Node {
     pub(super) fn push_write(&mut self, server: u32, slot: u32, slice: u32, pairs: Option<u32>) {
         let si = self.book.slices()[slice as usize];
         let wi = self.worker.as_ref().expect("worker").core.index() as u64;
+        debug_assert!(slot < self.sched.landing_slots(), "slot {slot}");
         let dst = RemoteLoc {
             region: LocalRegion::Landing,
             offset: (wi * u64::from(self.sched.landing_slots()) + u64::from(slot)) * self.slot_bytes,
@@ -226,6 +239,12 @@ impl Node {
                 (src, len, slice)
             }
         };
+        // Dense or encoded, a push fits its landing slot (the server checks it too).
+        debug_assert!(
+            len <= self.slot_bytes,
+            "a push of {len} bytes, slots of {}",
+            self.slot_bytes
+        );
         self.write(server, src, dst, len, imm, Track::Push { slice });
     }
 
@@ -238,6 +257,11 @@ impl Node {
         let k = self.book.config().batch as u64;
         let (u, total) = (k * spec.m as u64 * 4, k * (spec.m + spec.n) as u64 * 4);
         let base = self.factor_off[layer as usize].expect("FC");
+        // The cap is the peer's from its hello: blocks wait in `early` until it opens.
+        debug_assert!(
+            self.peers[peer as usize].open,
+            "factors to rank {peer} before it opened"
+        );
         self.send_ctrl(peer, &Msg::FactorsBegin { layer, iter, total });
         for (off, n) in factors::fragments(u, total, self.message_cap(peer)) {
             self.stats.max_message = self.stats.max_message.max(n);
@@ -256,6 +280,7 @@ impl Node {
     }
 
     pub(super) fn publish(&mut self, layer: u32, iter: Option<u64>) {
+        debug_assert!(self.staged, "only a staged worker publishes a view");
         let len = self.book.layers()[layer as usize].params() as u64 * 4;
         let src = Loc {
             region: LocalRegion::Params,
@@ -275,6 +300,7 @@ impl Node {
     pub(super) fn reconstruct(&mut self, layer: u32, iter: u64) {
         match self.inbox.take(layer, iter) {
             Some(factors) => {
+                debug_assert_eq!(factors.len(), self.book.p1(), "every worker's factors");
                 let params = Loc {
                     region: LocalRegion::Params,
                     offset: self.param_off[layer as usize],
@@ -299,6 +325,13 @@ impl Node {
     /// Worker index `wi`'s factors of `layer` for `iter` are complete: for
     /// this rank's worker (SFB) or its server (Adam, which holds the layer).
     pub(super) fn factors_in(&mut self, layer: u32, iter: u64, wi: usize, blob: Blob) -> Result<()> {
+        let spec = &self.book.layers()[layer as usize];
+        debug_assert_eq!(spec.kind, LayerKind::Fc, "layer {layer} has factors");
+        debug_assert_eq!(
+            blob.len(),
+            self.book.config().batch * (spec.m + spec.n) * 4,
+            "U and V of layer {layer}"
+        );
         let from = self.book.cluster().workers()[wi];
         self.inbox
             .put(layer, iter, wi, blob)
