@@ -105,7 +105,10 @@ impl Field {
             Trigger,
             Checkpoint,
         ];
-        ALL.get(id as usize).copied()
+        let f = ALL.get(id as usize).copied();
+        // The table is in id order: a field's id is its wire value.
+        debug_assert!(f.map_or(true, |f| f as u8 == id));
+        f
     }
 
     /// The field's name as users set it.
@@ -272,6 +275,9 @@ impl JobConfig {
         let mut j = JobConfig { fields }.with_comm(&CommConfig::default());
         j.fields.push((Field::Trigger, sched.trigger.encode()));
         j.fields.push((Field::Checkpoint, 0));
+        // Every field once, in id order (`check` compares the counts).
+        debug_assert_eq!(j.fields.len(), Field::COUNT);
+        debug_assert!(j.fields.windows(2).all(|w| w[0].0 < w[1].0));
         j
     }
 
@@ -281,6 +287,7 @@ impl JobConfig {
             Some(e) => e.1 = fingerprint,
             None => self.fields.push((Field::Checkpoint, fingerprint)),
         }
+        debug_assert!(self.fields.windows(2).all(|w| w[0].0 < w[1].0), "fields in id order");
         self
     }
 
@@ -306,6 +313,7 @@ impl JobConfig {
                 None => self.fields.push((f, v)),
             }
         }
+        debug_assert!(self.fields.windows(2).all(|w| w[0].0 < w[1].0), "fields in id order");
         self
     }
 
@@ -316,6 +324,8 @@ impl JobConfig {
 
     /// One digest of every field.
     pub fn digest(&self) -> u64 {
+        // Ranks digest the same fields in the same order.
+        debug_assert!(self.fields.windows(2).all(|w| w[0].0 < w[1].0));
         let enc: Vec<u8> = self
             .fields
             .iter()
@@ -326,6 +336,7 @@ impl JobConfig {
 
     /// Checks `rank`'s fields against ours; the first difference names the field.
     pub fn check(&self, rank: u32, theirs: &[(Field, u64)]) -> Result<(), EngineError> {
+        debug_assert_eq!(self.fields.len(), Field::COUNT, "ours has every field");
         for &(f, ours) in &self.fields {
             match theirs.iter().find(|(g, _)| *g == f) {
                 Some(&(_, v)) if v == ours => {}

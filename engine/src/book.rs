@@ -61,6 +61,9 @@ impl Cluster {
                 servers.len()
             )));
         }
+        // Ascending, as `worker_index` and `server_index` search them.
+        debug_assert!(workers.windows(2).all(|w| w[0] < w[1]));
+        debug_assert!(servers.windows(2).all(|w| w[0] < w[1]));
         Ok(Cluster {
             roles,
             workers,
@@ -72,12 +75,16 @@ impl Cluster {
     pub fn split(workers: usize, servers: usize) -> Result<Self> {
         let mut roles = vec![Role::Worker; workers];
         roles.extend(std::iter::repeat(Role::Server).take(servers));
-        Self::from_roles(roles)
+        let c = Self::from_roles(roles)?;
+        debug_assert!(c.workers.len() == workers && c.servers.len() == servers && !c.is_colocated());
+        Ok(c)
     }
 
     /// `n` nodes that are each a worker and a server.
     pub fn colocated(n: usize) -> Result<Self> {
-        Self::from_roles(vec![Role::Both; n])
+        let c = Self::from_roles(vec![Role::Both; n])?;
+        debug_assert!(c.is_colocated() && c.workers == c.servers);
+        Ok(c)
     }
 
     /// Number of ranks.
@@ -306,13 +313,16 @@ pub struct BookConfig {
 
 impl Default for BookConfig {
     fn default() -> Self {
-        BookConfig {
+        let c = BookConfig {
             batch: 32,
             chunk_bytes: 2 << 20,
             slice_params: 50_000,
             policy: SchemePolicy::Hybrid,
             placement: Placement::Chunked,
-        }
+        };
+        // What `Book::new` asks of it.
+        debug_assert!(c.batch > 0 && c.chunk_bytes % 4 == 0 && c.slice_params > 0);
+        c
     }
 }
 
@@ -507,7 +517,64 @@ impl Book {
         };
         book.schemes = (0..book.layers.len() as u32).map(|l| book.best_scheme(l)).collect();
         book.hash = book.compute_hash();
+        book.debug_invariants();
         Ok(book)
+    }
+
+    /// What `new` builds (O(chunks + slices), once): chunks tile every layer
+    /// and slices every chunk, none empty nor over its size; Adam's layers lie
+    /// whole on one server; every parameter is in one shard, evenly by bytes
+    /// where each chunk went to the least-loaded server.
+    fn debug_invariants(&self) {
+        if !cfg!(debug_assertions) {
+            return;
+        }
+        let chunk_params = self.cfg.chunk_bytes / 4;
+        let slice_params = self.cfg.slice_params.min(chunk_params);
+        let chunked = self.cfg.placement == Placement::Chunked;
+        debug_assert!(self.layer_chunks.len() == self.layers.len() && self.layer_slices.len() == self.layers.len());
+        for (li, l) in self.layers.iter().enumerate() {
+            let cs = self.layer_chunks[li].clone();
+            debug_assert!(!cs.is_empty(), "layer {li} has chunks");
+            let mut off = 0;
+            for c in cs.clone() {
+                let ch = &self.chunks[c as usize];
+                let ok =
+                    ch.layer == li as u32 && ch.offset == off && ch.len > 0 && (!chunked || ch.len <= chunk_params);
+                debug_assert!(ok, "chunk {c}: {ch:?}");
+                let mut so = off;
+                for s in self.chunk_slices[c as usize].clone() {
+                    let sl = &self.slices[s as usize];
+                    let ok = sl.chunk == c && sl.offset == so && sl.len > 0 && (!chunked || sl.len <= slice_params);
+                    debug_assert!(ok, "slice {s}: {sl:?}");
+                    so += sl.len;
+                }
+                debug_assert_eq!(so, off + ch.len, "chunk {c}: its slices tile it");
+                off += ch.len;
+            }
+            debug_assert_eq!(off, l.params(), "layer {li}: its chunks tile it");
+            debug_assert_eq!(
+                (self.layer_slices[li].start, self.layer_slices[li].end),
+                (
+                    self.chunk_slices[cs.start as usize].start,
+                    self.chunk_slices[cs.end as usize - 1].end
+                ),
+                "layer {li}: its slices are its chunks'"
+            );
+            let adam = self.cfg.policy == SchemePolicy::Adam && l.kind == LayerKind::Fc && !l.sparse;
+            let server = self.chunks[cs.start as usize].server;
+            debug_assert!(
+                !adam || cs.clone().all(|c| self.chunks[c as usize].server == server),
+                "layer {li}"
+            );
+        }
+        debug_assert_eq!(self.shard_len.iter().sum::<usize>(), self.total_params());
+        let loads = self.cluster.servers().iter().map(|&s| self.shard_len[s as usize]);
+        let spread = loads.clone().max().unwrap_or(0) - loads.min().unwrap_or(0);
+        debug_assert!(
+            !chunked || self.cfg.policy == SchemePolicy::Adam || spread <= chunk_params,
+            "{spread}"
+        );
     }
 
     /// Poseidon's BestScheme for `layer`: conv and other layers go to the PS;
@@ -521,7 +588,11 @@ impl Book {
         match self.cfg.policy {
             SchemePolicy::Ps => Scheme::Ps,
             SchemePolicy::Sfb => Scheme::Sfb,
-            SchemePolicy::Adam => Scheme::Adam,
+            SchemePolicy::Adam => {
+                // Adam's server rebuilds a whole layer: it holds every chunk of it.
+                debug_assert_eq!(self.cfg.placement, Placement::Chunked);
+                Scheme::Adam
+            }
             SchemePolicy::Hybrid => {
                 let sfb_cheaper = match self.seconds(layer) {
                     Some((ps, sfb)) => sfb.total() < ps.total(),
@@ -548,6 +619,8 @@ impl Book {
         rates.validate().map_err(EngineError::InvalidConfig)?;
         self.rates = Some(rates);
         self.schemes = (0..self.layers.len() as u32).map(|l| self.best_scheme(l)).collect();
+        // The rates choose schemes, nothing of what the book hash covers.
+        debug_assert_eq!(self.hash, self.compute_hash());
         Ok(self)
     }
 
@@ -564,6 +637,7 @@ impl Book {
         if l.kind != LayerKind::Fc || l.sparse {
             return None;
         }
+        debug_assert!(self.p1() >= 1 && self.p2() >= 1 && !self.layer_slices(layer).is_empty());
         let load = cost::LayerLoad {
             colocated: self.cluster.is_colocated(),
             k: self.cfg.batch as u64,
@@ -588,7 +662,10 @@ impl Book {
         let h = self.schemes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, s| {
             (h ^ *s as u64).wrapping_mul(0x0100_0000_01b3)
         });
-        (h & 0xff_ffff_ffff) | 1
+        let fp = (h & 0xff_ffff_ffff) | 1;
+        // 40 bits: the agreed policy field carries it above its 16 bits of policy and placement.
+        debug_assert!(fp != 0 && fp >> 40 == 0);
+        fp
     }
 
     /// (PS, SFB) parameters moved by the busiest node for `layer`.
@@ -609,7 +686,15 @@ impl Book {
     /// iteration; it is evaluated per iteration so that a book rebuilt with new
     /// inputs takes effect at once.
     pub fn scheme(&self, layer: u32, _iter: u64) -> Scheme {
-        self.schemes[layer as usize]
+        let s = self.schemes[layer as usize];
+        // Factors only for dense FC layers: the others always go through the PS.
+        debug_assert!(
+            !s.takes_factors() || {
+                let l = &self.layers[layer as usize];
+                l.kind == LayerKind::Fc && !l.sparse
+            }
+        );
+        s
     }
 
     /// The cluster.
@@ -618,10 +703,12 @@ impl Book {
     }
     /// P1: the number of workers.
     pub fn p1(&self) -> usize {
+        debug_assert!(!self.cluster.workers().is_empty(), "a cluster has a worker");
         self.cluster.workers().len()
     }
     /// P2: the number of servers.
     pub fn p2(&self) -> usize {
+        debug_assert!(!self.cluster.servers().is_empty(), "a cluster has a server");
         self.cluster.servers().len()
     }
     /// The layer table, in forward order.
@@ -650,23 +737,40 @@ impl Book {
     }
     /// Chunk ids of a layer.
     pub fn layer_chunks(&self, layer: u32) -> Range<u32> {
-        self.layer_chunks[layer as usize].clone()
+        let r = self.layer_chunks[layer as usize].clone();
+        debug_assert!(!r.is_empty(), "layer {layer} has chunks");
+        r
     }
     /// Slice ids of a layer.
     pub fn layer_slices(&self, layer: u32) -> Range<u32> {
-        self.layer_slices[layer as usize].clone()
+        let r = self.layer_slices[layer as usize].clone();
+        debug_assert!(!r.is_empty(), "layer {layer} has slices");
+        r
     }
     /// Slice ids of a chunk.
     pub fn chunk_slices(&self, chunk: u32) -> Range<u32> {
-        self.chunk_slices[chunk as usize].clone()
+        let r = self.chunk_slices[chunk as usize].clone();
+        debug_assert!(!r.is_empty(), "chunk {chunk} has slices");
+        r
     }
     /// Element offset of a layer in the flat model (all layers back to back).
     pub fn layer_offset(&self, layer: u32) -> usize {
-        self.layer_offsets[layer as usize]
+        let l = layer as usize;
+        // Prefix sums of the layers' parameters: every layer has some.
+        debug_assert!(l == 0 || self.layer_offsets[l] > self.layer_offsets[l - 1]);
+        self.layer_offsets[l]
     }
     /// Total parameters.
     pub fn total_params(&self) -> usize {
-        self.layers.iter().map(LayerSpec::params).sum()
+        let n = self.layers.iter().map(LayerSpec::params).sum();
+        // The layer offsets are the prefix sums of the layers' parameters.
+        debug_assert_eq!(
+            Some(n),
+            self.layers
+                .last()
+                .map(|l| self.layer_offsets[self.layers.len() - 1] + l.params())
+        );
+        n
     }
     /// Elements held by the shard on `rank` (0 for a worker-only rank).
     pub fn shard_len(&self, rank: u32) -> usize {
@@ -674,11 +778,16 @@ impl Book {
     }
     /// Chunk ids owned by `rank`, in ascending (priority) order.
     pub fn server_chunks(&self, rank: u32) -> &[u32] {
-        self.server_chunks.get(rank as usize).map(Vec::as_slice).unwrap_or(&[])
+        let c = self.server_chunks.get(rank as usize).map(Vec::as_slice).unwrap_or(&[]);
+        // Ascending: a shard's local chunk order is the priority order.
+        debug_assert!(c.windows(2).all(|w| w[0] < w[1]));
+        c
     }
     /// The largest slice, in elements: the size of one landing slot.
     pub fn max_slice_len(&self) -> usize {
-        self.slices.iter().map(|s| s.len).max().unwrap_or(0)
+        let n = self.slices.iter().map(|s| s.len).max().unwrap_or(0);
+        debug_assert!(n > 0, "a book has a slice");
+        n
     }
     /// A digest of everything that must agree between ranks.
     pub fn hash(&self) -> u64 {

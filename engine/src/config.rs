@@ -110,12 +110,18 @@ impl Trigger {
     }
     /// Its name, as [`Trigger::parse`] reads it.
     pub fn name(self) -> String {
-        match self {
+        let n = match self {
             Trigger::All => "all".into(),
             Trigger::Quorum(k) => format!("quorum:{k}"),
             Trigger::Async => "async".into(),
             Trigger::Timeout(d) => format!("timeout:{}", d.as_secs_f64() * 1e3),
-        }
+        };
+        // `parse` reads it back (a timeout up to the rounding of its milliseconds).
+        debug_assert!(
+            matches!(self, Trigger::Timeout(_)) || Trigger::parse(&n) == Some(self),
+            "{n}"
+        );
+        n
     }
     /// Its rendezvous encoding (see [`crate::agree`]).
     pub fn encode(self) -> u64 {
@@ -176,7 +182,7 @@ pub struct SchedConfig {
 
 impl Default for SchedConfig {
     fn default() -> Self {
-        SchedConfig {
+        let c = SchedConfig {
             order: QueueOrder::Priority,
             credit_bytes: 8 << 20,
             slots: SLOTS_AUTO,
@@ -186,7 +192,9 @@ impl Default for SchedConfig {
             fold_group: 1,
             learners: 1,
             trigger: Trigger::All,
-        }
+        };
+        debug_assert!(c.validate().is_ok());
+        c
     }
 }
 
@@ -241,6 +249,7 @@ impl SchedConfig {
             let n = (SPARE_CREDIT_WINDOWS * REFERENCE_CREDIT_BYTES as f64 / slot).ceil();
             self.spare_slots = n.clamp(1.0, 256.0) as u32;
         }
+        debug_assert!(self.slots != SLOTS_AUTO && self.spare_slots != SPARE_AUTO);
         self
     }
 
@@ -381,7 +390,7 @@ impl SyncMode {
 
     /// Parses `fifo-ps`, `wfbp`, `hybrid`, `sliced`, `p3`, `full`, `kvstore` or `adam`.
     pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
+        let m = match s {
             "fifo-ps" => SyncMode::FifoPs,
             "wfbp" => SyncMode::Wfbp,
             "hybrid" => SyncMode::Hybrid,
@@ -391,7 +400,9 @@ impl SyncMode {
             "kvstore" => SyncMode::KvStore,
             "adam" => SyncMode::Adam,
             _ => return None,
-        })
+        };
+        debug_assert_eq!(m.name(), s, "parse and name agree");
+        Some(m)
     }
     /// Its name.
     pub fn name(self) -> &'static str {
@@ -459,7 +470,11 @@ impl SyncMode {
             return POSEIDON;
         }
         let slice = slice_params.clamp(1, POSEIDON / 4) * 4;
-        (slice * MIN.div_ceil(slice)).min(POSEIDON / slice * slice)
+        let chunk = (slice * MIN.div_ceil(slice)).min(POSEIDON / slice * slice);
+        // Whole slices, at most 2 MiB, at least 64 KiB where 2 MiB allows.
+        debug_assert!(chunk % slice == 0 && chunk <= POSEIDON);
+        debug_assert!(chunk >= MIN.min(POSEIDON / slice * slice));
+        chunk
     }
     /// Whether a layer is handed in as soon as its backward ends.
     pub fn wait_free(self) -> bool {
@@ -475,6 +490,8 @@ impl SyncMode {
             SyncMode::KvStore => crate::book::Placement::KvStore,
             _ => crate::book::Placement::Chunked,
         };
+        // Unsliced, a slice is a whole chunk.
+        debug_assert!(self.sliced() || base.slice_params * 4 == base.chunk_bytes / 4 * 4);
         base
     }
 }

@@ -132,12 +132,17 @@ impl Rates {
     /// sharing one host. The per-message cost grows by the CPU share.
     pub fn shared(self, cpu: f64, link: f64) -> Rates {
         let (cpu, link) = (cpu.clamp(1e-6, 1.0), link.clamp(1e-6, 1.0));
-        Rates {
+        let r = Rates {
             link_bytes_per_s: self.link_bytes_per_s * link,
             msg_s: self.msg_s / cpu,
             sum_bytes_per_s: self.sum_bytes_per_s * cpu,
             gemm_flop_per_s: self.gemm_flop_per_s * cpu,
-        }
+        };
+        // A share of valid rates is valid (and never faster).
+        debug_assert!(
+            self.validate().is_err() || (r.validate().is_ok() && r.link_bytes_per_s <= self.link_bytes_per_s)
+        );
+        r
     }
 }
 
@@ -219,6 +224,7 @@ impl SchemeSeconds {
 ///   out, it tipped a 4096×4096 layer to SFB on a 2-core machine where SFB
 ///   made `tidewire.torch` 0.81x DDP against 0.97x with the PS.)
 pub fn seconds(l: &LayerLoad, r: &Rates) -> (SchemeSeconds, SchemeSeconds) {
+    debug_assert!(l.p1 >= 1 && l.p2 >= 1, "a cluster has a worker and a server");
     let mn = (l.m * l.n) as f64;
     let (p1, p2) = (l.p1 as f64, l.p2.max(1) as f64);
     let peers = l.p1.saturating_sub(1) as f64;
@@ -251,6 +257,14 @@ pub fn seconds(l: &LayerLoad, r: &Rates) -> (SchemeSeconds, SchemeSeconds) {
         messages_s: 2.0 * peers * r.msg_s,
         compute_s: p1 * 2.0 * l.k as f64 * mn / r.gemm_flop_per_s + peers * mn * 4.0 / r.sum_bytes_per_s,
     };
+    // Valid rates give times HybComm can compare: finite, and none negative.
+    debug_assert!(
+        r.validate().is_err()
+            || [ps, sfb].iter().all(|s| [s.transfer_s, s.messages_s, s.compute_s]
+                .iter()
+                .all(|x| x.is_finite() && *x >= 0.0)),
+        "{ps:?} {sfb:?}"
+    );
     (ps, sfb)
 }
 

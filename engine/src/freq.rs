@@ -88,11 +88,13 @@ pub enum CommMode {
 impl CommMode {
     /// Parses `accumulate` or `average`.
     pub fn parse(s: &str) -> Option<Self> {
-        match s {
+        let m = match s {
             "accumulate" => Some(CommMode::Accumulate),
             "average" => Some(CommMode::Average),
             _ => None,
-        }
+        };
+        debug_assert!(m.map_or(true, |m| m.name() == s), "parse and name agree");
+        m
     }
     /// Its name.
     pub fn name(self) -> &'static str {
@@ -193,10 +195,12 @@ pub struct CommConfig {
 impl Default for CommConfig {
     /// Every step (T = 1), no adjustment.
     fn default() -> Self {
-        CommConfig {
+        let c = CommConfig {
             mode: CommMode::Accumulate,
             freq: FreqConfig::fixed(1),
-        }
+        };
+        debug_assert!(c.freq.validate().is_ok() && !c.freq.adjusts());
+        c
     }
 }
 
@@ -297,7 +301,7 @@ impl FreqController {
                 "communication frequency: at least one learner".into(),
             ));
         }
-        Ok(FreqController {
+        let c = FreqController {
             cfg,
             learners,
             t: cfg.t_initial,
@@ -311,7 +315,11 @@ impl FreqController {
             memory: BTreeMap::new(),
             reverted: false,
             history: Vec::new(),
-        })
+        };
+        c.debug_invariants();
+        // T = 1: every step is an exchange.
+        debug_assert_eq!(c.due(), cfg.t_initial == 1);
+        Ok(c)
     }
 
     /// The settings.
@@ -372,6 +380,7 @@ impl FreqController {
         }
         self.step += 1;
         self.since += 1;
+        self.debug_invariants();
         Ok(())
     }
 
@@ -407,10 +416,32 @@ impl FreqController {
                 decision: d,
             });
         }
+        // A proposal is on trial from the exchange it is made at; a reversion ends them.
+        debug_assert!(
+            !matches!(d, Decision::Propose { .. } | Decision::Accept { next: Some(_), .. }) || self.trial.is_some()
+        );
+        debug_assert!(!matches!(d, Decision::Revert { .. }) || self.reverted);
         self.step += 1;
         self.since = 0;
         self.exchanges += 1;
+        self.debug_invariants();
         Ok(d)
+    }
+
+    /// What every step leaves true.
+    fn debug_invariants(&self) {
+        // T within its bounds; the steps since the exchange under it.
+        debug_assert!(self.t >= 1 && self.t <= self.cfg.t_max, "T = {}", self.t);
+        debug_assert!(self.since < self.t, "{} steps at T = {}", self.since, self.t);
+        // A trial is a larger T, in force; after the reversion there is none, at the original T.
+        debug_assert!(
+            self.trial.map_or(true, |tr| tr.from < tr.to && tr.to == self.t),
+            "{:?}",
+            self.trial
+        );
+        debug_assert!(!self.reverted || (self.trial.is_none() && self.t == self.cfg.t_initial));
+        debug_assert!(self.window_n < self.cfg.period.max(1) && self.history.len() <= HISTORY_MAX);
+        debug_assert!(self.baseline.as_ref().map_or(true, |b| b.len() == self.learners));
     }
 
     fn decide(&mut self, q: &[f64]) -> Decision {
@@ -431,12 +462,16 @@ impl FreqController {
             return Decision::Keep;
         }
         let n = f64::from(self.window_n);
+        debug_assert_eq!(self.window_n, self.cfg.period, "a window is one period of exchanges");
         let means: Vec<f64> = self.window.iter().map(|w| w / n).collect();
         self.window.iter_mut().for_each(|w| *w = 0.0);
         self.window_n = 0;
         let overall = means.iter().sum::<f64>() / means.len() as f64;
         if let Some(tr) = self.trial.take() {
+            // A trial is a lower frequency, and it is the T in force.
+            debug_assert!(tr.from < tr.to && tr.to == self.t, "{tr:?} at T = {}", self.t);
             let base = self.baseline.as_deref().expect("a trial follows a baseline");
+            debug_assert_eq!(base.len(), means.len(), "a figure per learner");
             let worse = means
                 .iter()
                 .zip(base)
@@ -458,6 +493,8 @@ impl FreqController {
                     learner: learner as u32,
                 };
             }
+            // What is accepted was never rejected: rejected T are not proposed again.
+            debug_assert!(self.memory.get(&tr.to).is_some_and(|m| !m.rejected));
             self.baseline = Some(means);
             let next = match self.propose() {
                 Decision::Propose { to, .. } => Some(to),
@@ -484,6 +521,7 @@ impl FreqController {
         let mut c = self.t.saturating_mul(2).min(self.cfg.t_max);
         while c > self.t {
             if !self.memory.get(&c).is_some_and(|m| m.rejected) {
+                debug_assert!(c <= self.cfg.t_max && c <= self.t.saturating_mul(2));
                 return Some(c);
             }
             c = self.t + (c - self.t) / 2;
@@ -495,6 +533,7 @@ impl FreqController {
         match self.candidate() {
             Some(to) => {
                 let from = self.t;
+                debug_assert!(self.trial.is_none(), "one trial at a time");
                 self.trial = Some(Trial { from, to });
                 self.t = to;
                 Decision::Propose { from, to }

@@ -125,11 +125,16 @@ impl Calibration {
 
     /// `titan-x` (or `titanx`) or `p4000` (case-insensitive; `_` and `-` are the same).
     pub fn parse(s: &str) -> Option<Self> {
-        match s.to_ascii_lowercase().replace('_', "-").as_str() {
+        let c = match s.to_ascii_lowercase().replace('_', "-").as_str() {
             "titan-x" | "titanx" => Some(Calibration::TitanX),
             "p4000" | "quadro-p4000" => Some(Calibration::P4000),
             _ => None,
-        }
+        };
+        debug_assert!(
+            c.map_or(true, |c| Self::NAMES.contains(&c.name())),
+            "its name is listed"
+        );
+        c
     }
 
     /// Its name, as `parse` takes it.
@@ -150,7 +155,12 @@ impl Calibration {
 
     /// The factor on the Titan X calibration's FLOP rates: the ratio of FP32 peaks.
     pub fn rate_factor(self) -> f64 {
-        self.peak_fp32() / TITAN_X_PEAK_FP32
+        let f = self.peak_fp32() / TITAN_X_PEAK_FP32;
+        debug_assert!(
+            f > 0.0 && f <= 1.0,
+            "{self:?}: the Titan X is the fastest calibrated GPU"
+        );
+        f
     }
 }
 
@@ -198,7 +208,10 @@ impl Model {
             Some(img_s) => 3.0 * self.flops() * img_s,
             None => reference_flop_rate(),
         };
-        titan_x * self.gpu.rate_factor()
+        let rate = titan_x * self.gpu.rate_factor();
+        // Compute times divide by it.
+        debug_assert!(rate.is_finite() && rate > 0.0, "{}: {rate} FLOP/s", self.name);
+        rate
     }
 
     /// One iteration's compute (forward + backward) at batch `k`, times `time_scale`.
@@ -227,13 +240,14 @@ pub fn reference_flop_rate() -> f64 {
         .iter()
         .map(|n| profile(n).expect("built in").calibrated_flop_rate())
         .collect();
+    debug_assert!(rates.iter().all(|r| r.is_finite() && *r > 0.0));
     rates.iter().sum::<f64>() / rates.len() as f64
 }
 
 /// A profile by name (case-insensitive; `_` and `-` are the same).
 pub fn profile(name: &str) -> Option<Model> {
     let n = name.to_ascii_lowercase().replace('_', "-");
-    Some(match n.as_str() {
+    let m = match n.as_str() {
         "vgg19" | "vgg-19" => vgg19(1000),
         "vgg19-mini" | "vgg-19-mini" => vgg19_mini(),
         "vgg19-22k" | "vgg-19-22k" => vgg19(21841),
@@ -244,13 +258,31 @@ pub fn profile(name: &str) -> Option<Model> {
         "alexnet" => alexnet(),
         "sockeye" => sockeye(),
         _ => return None,
-    })
+    };
+    debug_assert!(NAMES.contains(&m.name), "{} is listed", m.name);
+    // A book takes it: layers with parameters and FLOPs, named once each.
+    debug_assert!(m
+        .layers
+        .iter()
+        .all(|l| l.params() > 0 && l.flops.is_finite() && l.flops >= 0.0));
+    debug_assert_eq!(
+        m.layers
+            .iter()
+            .map(|l| l.name.as_str())
+            .collect::<std::collections::HashSet<_>>()
+            .len(),
+        m.layers.len(),
+        "{}: a layer name twice",
+        m.name
+    );
+    Some(m)
 }
 
 struct Builder(Vec<LayerSpec>);
 
 impl Builder {
     fn conv(&mut self, name: String, out: usize, inp: usize, kh: usize, kw: usize, hw: usize) {
+        debug_assert!(out * inp * kh * kw * hw > 0, "{name}");
         let mut l = LayerSpec::new(name, LayerKind::Conv, out, inp * kh * kw);
         l.flops = 2.0 * (out * inp * kh * kw * hw * hw) as f64;
         self.0.push(l);
@@ -258,10 +290,16 @@ impl Builder {
     fn conv_bn(&mut self, name: String, out: usize, inp: usize, kh: usize, kw: usize, hw: usize) {
         self.conv(name.clone(), out, inp, kh, kw, hw);
         let mut bn = LayerSpec::new(format!("{name}.bn"), LayerKind::Other, 2, out);
+        debug_assert_eq!(
+            self.0.last().map(|l| l.m),
+            Some(out),
+            "a norm of the convolution's channels"
+        );
         bn.flops = 4.0 * (out * hw * hw) as f64;
         self.0.push(bn);
     }
     fn fc(&mut self, name: &str, out: usize, inp: usize) {
+        debug_assert!(out * inp > 0, "{name}");
         let mut l = LayerSpec::new(name, LayerKind::Fc, out, inp);
         l.flops = 2.0 * (out * inp) as f64;
         self.0.push(l);
@@ -270,6 +308,7 @@ impl Builder {
     /// FLOPs each): `Other`, since its gradient sums outer products over
     /// batch × steps, not the batch alone SFB assumes.
     fn seq(&mut self, name: String, m: usize, n: usize, times: f64) {
+        debug_assert!(m * n > 0 && times >= 0.0, "{name}");
         let mut l = LayerSpec::new(name, LayerKind::Other, m, n);
         l.flops = 2.0 * (m * n) as f64 * times;
         self.0.push(l);
@@ -277,6 +316,7 @@ impl Builder {
     /// An LSTM layer (MXNet's LSTMCell) of `hid` units reading `inp` wide
     /// inputs for `steps` steps: i2h (4·hid × inp) and h2h (4·hid × hid).
     fn lstm(&mut self, prefix: &str, hid: usize, inp: usize, steps: f64) {
+        debug_assert!(hid > 0 && inp > 0, "{prefix}");
         self.seq(format!("{prefix}_i2h"), 4 * hid, inp, steps);
         self.seq(format!("{prefix}_h2h"), 4 * hid, hid, steps);
     }
@@ -295,6 +335,8 @@ fn vgg19(classes: usize) -> Model {
         }
         hw /= 2;
     }
+    // Five poolings halve 224 to the 7×7 map fc6 reads.
+    debug_assert_eq!((inp, hw), (512, 7));
     b.fc("fc6", 4096, 512 * 7 * 7);
     b.fc("fc7", 4096, 4096);
     b.fc("fc8", classes, 4096);
@@ -326,9 +368,11 @@ fn vgg19_mini() -> Model {
         }
         hw /= 2;
     }
+    debug_assert_eq!((inp, hw), (64, 7));
     b.fc("fc6", 512, 64 * 7 * 7);
     b.fc("fc7", 512, 512);
     b.fc("fc8", 125, 512);
+    debug_assert_eq!(b.0.len(), 19, "VGG19's 19 layers");
     Model {
         name: "vgg19-mini",
         layers: b.0,
@@ -345,6 +389,7 @@ fn alexnet() -> Model {
     b.conv("conv3".into(), 384, 192, 3, 3, 13);
     b.conv("conv4".into(), 256, 384, 3, 3, 13);
     b.conv("conv5".into(), 256, 256, 3, 3, 13);
+    debug_assert_eq!(b.0.last().map(|l| l.m), Some(256), "fc6 reads conv5's 256 channels");
     b.fc("fc6", 4096, 256 * 6 * 6);
     b.fc("fc7", 4096, 4096);
     b.fc("fc8", 1000, 4096);
@@ -374,7 +419,11 @@ fn googlenet() -> Model {
         ("5a", 832, 256, 160, 320, 32, 128, 128, 7),
         ("5b", 832, 384, 192, 384, 48, 128, 128, 7),
     ];
+    // Each module reads what the one before concatenated (conv2's 192 first).
+    let mut channels = 192;
     for (m, inp, c1, c3r, c3, c5r, c5, pp, hw) in modules {
+        debug_assert_eq!(inp, channels, "inception_{m}");
+        channels = c1 + c3 + c5 + pp;
         b.conv(format!("inception_{m}.1x1"), c1, inp, 1, 1, hw);
         b.conv(format!("inception_{m}.3x3_reduce"), c3r, inp, 1, 1, hw);
         b.conv(format!("inception_{m}.3x3"), c3, c3r, 3, 3, hw);
@@ -382,6 +431,7 @@ fn googlenet() -> Model {
         b.conv(format!("inception_{m}.5x5"), c5, c5r, 5, 5, hw);
         b.conv(format!("inception_{m}.pool_proj"), pp, inp, 1, 1, hw);
     }
+    debug_assert_eq!(channels, 1024, "the fc reads inception_5b's output");
     b.fc("fc", 1000, 1024);
     Model {
         name: "googlenet",
@@ -413,6 +463,7 @@ fn resnet(blocks: &[usize; 4], name: &'static str) -> Model {
             inp = 4 * width;
         }
     }
+    debug_assert_eq!(inp, 2048, "the fc reads the last stage's output");
     b.fc("fc", 1000, 2048);
     Model {
         name,
@@ -430,8 +481,12 @@ fn inception_v3() -> Model {
     b.conv_bn("Conv2d_2b_3x3".into(), 64, 32, 3, 3, 147);
     b.conv_bn("Conv2d_3b_1x1".into(), 80, 64, 1, 1, 73);
     b.conv_bn("Conv2d_4a_3x3".into(), 192, 80, 3, 3, 71);
+    let mut channels = 192;
     for (m, inp, pf) in [("Mixed_5b", 192, 32), ("Mixed_5c", 256, 64), ("Mixed_5d", 288, 64)] {
         let hw = 35;
+        // Each block reads what the one before concatenated: 1x1, 5x5, 3x3dbl, pool.
+        debug_assert_eq!(inp, channels, "{m}");
+        channels = 64 + 64 + 96 + pf;
         b.conv_bn(format!("{m}.branch1x1"), 64, inp, 1, 1, hw);
         b.conv_bn(format!("{m}.branch5x5_1"), 48, inp, 1, 1, hw);
         b.conv_bn(format!("{m}.branch5x5_2"), 64, 48, 5, 5, hw);
@@ -440,6 +495,7 @@ fn inception_v3() -> Model {
         b.conv_bn(format!("{m}.branch3x3dbl_3"), 96, 96, 3, 3, hw);
         b.conv_bn(format!("{m}.branch_pool"), pf, inp, 1, 1, hw);
     }
+    debug_assert_eq!(channels, 288, "Mixed_6a reads Mixed_5d");
     b.conv_bn("Mixed_6a.branch3x3".into(), 384, 288, 3, 3, 17);
     b.conv_bn("Mixed_6a.branch3x3dbl_1".into(), 64, 288, 1, 1, 35);
     b.conv_bn("Mixed_6a.branch3x3dbl_2".into(), 96, 64, 3, 3, 35);
@@ -468,8 +524,12 @@ fn inception_v3() -> Model {
     b.conv_bn("Mixed_7a.branch7x7x3_2".into(), 192, 192, 1, 7, 17);
     b.conv_bn("Mixed_7a.branch7x7x3_3".into(), 192, 192, 7, 1, 17);
     b.conv_bn("Mixed_7a.branch7x7x3_4".into(), 192, 192, 3, 3, 8);
+    // Mixed_7a concatenates 320, 192 and the 768 it pooled.
+    let mut channels = 320 + 192 + 768;
     for (m, inp) in [("Mixed_7b", 1280), ("Mixed_7c", 2048)] {
         let hw = 8;
+        debug_assert_eq!(inp, channels, "{m}");
+        channels = 320 + 2 * 384 + 2 * 384 + 192;
         b.conv_bn(format!("{m}.branch1x1"), 320, inp, 1, 1, hw);
         b.conv_bn(format!("{m}.branch3x3_1"), 384, inp, 1, 1, hw);
         b.conv_bn(format!("{m}.branch3x3_2a"), 384, 384, 1, 3, hw);
@@ -480,7 +540,13 @@ fn inception_v3() -> Model {
         b.conv_bn(format!("{m}.branch3x3dbl_3b"), 384, 384, 3, 1, hw);
         b.conv_bn(format!("{m}.branch_pool"), 192, inp, 1, 1, hw);
     }
+    debug_assert_eq!(channels, 2048, "the fc reads Mixed_7c");
     b.fc("fc", 1000, 2048);
+    debug_assert_eq!(
+        b.0.iter().map(LayerSpec::params).sum::<usize>(),
+        23_833_568,
+        "see the module docs"
+    );
     Model {
         name: "inception-v3",
         layers: b.0,
@@ -546,6 +612,12 @@ fn sockeye() -> Model {
     b.0.last_mut().expect("just pushed").flops += 2.0 * h as f64 * s * t;
     b.seq("decoder_hidden".into(), h, 2 * h, t);
     b.seq("decoder_cls".into(), SOCKEYE_TGT_VOCAB, h, t);
+    debug_assert_eq!(
+        b.0.iter().map(LayerSpec::params).sum::<usize>(),
+        27_707_904,
+        "see the module docs"
+    );
+    debug_assert_eq!(b.0.len(), 21);
     Model {
         name: "sockeye",
         layers: b.0,

@@ -72,7 +72,13 @@ pub fn encoded_bytes(pairs: usize) -> usize {
 /// The most pairs a slice of `len` elements may carry: its encoding must fit
 /// a landing slot (and be smaller than the dense slice).
 pub fn pair_limit(len: usize) -> usize {
-    (len * 4).saturating_sub(HEADER_BYTES + 1) / PAIR_BYTES
+    let n = (len * 4).saturating_sub(HEADER_BYTES + 1) / PAIR_BYTES;
+    // Smaller than the dense slice, from 3 elements up (below, the header alone is not).
+    debug_assert!(
+        len < 3 || encoded_bytes(n) < len * 4,
+        "{n} pairs of a {len}-element slice"
+    );
+    n
 }
 
 /// Whether an element goes as a pair: every value but `+0.0`, by its bits.
@@ -104,10 +110,14 @@ pub fn encode_into(src: &[f32], base: u32, cap: usize, out: &mut Vec<u32>) -> bo
             buf[2 * m + 1] = v.to_bits();
             m += usize::from(is_pair(v));
         }
+        // Indices strictly increase, run after run (the receiver checks it).
+        debug_assert!(m == 0 || out.len() < 2 || out[out.len() - 2] < buf[0]);
         out.extend_from_slice(&buf[..2 * m]);
         n += m;
+        debug_assert_eq!(out.len(), 2 * n, "two words a pair");
         if n > cap {
             out.truncate(2 * (cap + 1));
+            debug_assert_eq!(out.len(), 2 * (cap + 1));
             return false;
         }
     }
@@ -128,11 +138,14 @@ pub fn encode(src: &[f32], cap: usize, out: &mut Vec<u8>) -> Option<usize> {
     for w in words {
         out.extend_from_slice(&w.to_le_bytes());
     }
+    // The write's length says how many pairs it holds, as the header does.
+    debug_assert_eq!(out.len(), encoded_bytes(n));
     Some(n)
 }
 
 /// The header bytes of an encoded slice.
 pub fn header(pairs: usize, len: usize) -> [u8; HEADER_BYTES] {
+    debug_assert!(pairs <= len && u32::try_from(len).is_ok(), "{pairs} pairs of {len}");
     let mut h = [0u8; HEADER_BYTES];
     h[..4].copy_from_slice(&(pairs as u32).to_le_bytes());
     h[4..].copy_from_slice(&(len as u32).to_le_bytes());
@@ -191,6 +204,13 @@ pub fn scatter_range(
     len: usize,
     out: &mut [f32],
 ) -> Result<(), SparseError> {
+    // The caller cuts whole pairs, and a window of the slice.
+    debug_assert!(
+        pairs.len() % 2 == 0 && lo + out.len() <= len,
+        "{} words at {lo}+{}",
+        pairs.len(),
+        out.len()
+    );
     let mut last = prev;
     for (k, p) in pairs.chunks_exact(2).enumerate() {
         let (i, v) = (p[0], p[1]);
@@ -220,7 +240,10 @@ pub fn densify(words: &[u32], pairs: usize, out: &mut [f32]) -> Result<(), Spars
     check_header(words, pairs, out.len())?;
     out.fill(0.0);
     let len = out.len();
-    scatter_range(&words[2..], 0, None, 0, len, out)
+    scatter_range(&words[2..], 0, None, 0, len, out)?;
+    // Only the pairs' places hold anything but +0.0.
+    debug_assert!(out.iter().filter(|v| is_pair(**v)).count() <= pairs);
+    Ok(())
 }
 
 /// Measured costs of the two forms of a push, and the link they cross.
@@ -286,16 +309,21 @@ impl SparseCosts {
             return None;
         }
         let n = (spare_ns / per_pair).floor();
-        Some(if n >= pair_limit(len) as f64 {
+        let n = if n >= pair_limit(len) as f64 {
             pair_limit(len)
         } else {
             n as usize
-        })
+        };
+        // A server refuses more pairs than the limit: never ask for more.
+        debug_assert!(n <= pair_limit(len));
+        Some(n)
     }
 
     /// The density below which sparse pays for a `len`-element slice (0: never).
     pub fn threshold(&self, len: usize) -> f64 {
-        self.max_pairs(len).map_or(0.0, |n| n as f64 / len.max(1) as f64)
+        let t = self.max_pairs(len).map_or(0.0, |n| n as f64 / len.max(1) as f64);
+        debug_assert!((0.0..1.0).contains(&t), "a density under 1: {t}");
+        t
     }
 }
 
@@ -312,8 +340,11 @@ pub struct EncodeReport {
 impl EncodeReport {
     /// Its bytes: pairs u32 (u32::MAX: over the cap), scanned u64, LE.
     pub fn to_bytes(self) -> Vec<u8> {
+        // u32::MAX says "over the cap": no count is that large.
+        debug_assert_ne!(self.pairs, Some(u32::MAX));
         let mut b = self.pairs.unwrap_or(u32::MAX).to_le_bytes().to_vec();
         b.extend_from_slice(&self.scanned.to_le_bytes());
+        debug_assert_eq!(b.len(), 12);
         b
     }
     /// Decodes [`to_bytes`](Self::to_bytes); `None` when malformed.
@@ -322,10 +353,12 @@ impl EncodeReport {
             return None;
         }
         let p = u32::from_le_bytes(b[..4].try_into().ok()?);
-        Some(EncodeReport {
+        let r = EncodeReport {
             pairs: (p != u32::MAX).then_some(p),
             scanned: u64::from_le_bytes(b[4..].try_into().ok()?),
-        })
+        };
+        debug_assert_eq!(r.to_bytes(), b, "to_bytes and from_bytes agree");
+        Some(r)
     }
 }
 
@@ -366,10 +399,14 @@ impl SparsePolicy {
         };
         match self.skip.get_mut(slice as usize) {
             Some(s) if *s > 0 => {
+                debug_assert!(*s < Self::REPROBE, "slice {slice} skips {s}");
                 *s -= 1;
                 Choice::Dense
             }
-            _ => Choice::Try { cap },
+            _ => {
+                debug_assert!(cap <= pair_limit(len));
+                Choice::Try { cap }
+            }
         }
     }
 
@@ -401,6 +438,8 @@ pub struct SparseLayerStats {
 impl SparseLayerStats {
     /// Nonzeros over elements of the slices encoded (0 when none was).
     pub fn density(&self) -> f64 {
+        // A try counts the nonzeros of the elements it scanned.
+        debug_assert!(self.nonzeros <= self.scanned);
         if self.scanned == 0 {
             0.0
         } else {
@@ -415,6 +454,7 @@ impl SparseLayerStats {
         self.scanned += o.scanned;
         self.sparse_bytes += o.sparse_bytes;
         self.dense_bytes += o.dense_bytes;
+        debug_assert!(self.nonzeros <= self.scanned, "{self:?}");
     }
 }
 

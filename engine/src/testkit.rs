@@ -35,11 +35,14 @@ impl Rng {
     }
     /// In `lo..=hi`.
     pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        debug_assert!(lo <= hi && hi - lo < u64::MAX, "{lo}..={hi}");
         lo + self.below(hi - lo + 1)
     }
     /// In `[0, 1)`, from the top 53 bits.
     pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+        let u = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        debug_assert!((0.0..1.0).contains(&u));
+        u
     }
     /// True with probability `p` (`unit() <= p`).
     pub fn chance(&mut self, p: f64) -> bool {
@@ -47,6 +50,7 @@ impl Rng {
     }
     /// One of `xs`, uniformly.
     pub fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        debug_assert!(!xs.is_empty(), "a pick from nothing");
         xs[self.below(xs.len() as u64) as usize]
     }
 }

@@ -44,6 +44,13 @@ pub const VERSION: u8 = 3;
 
 const MAGIC: u32 = 0x5457_0000;
 
+// The biggest control messages, a credit and a hello with every field, fit MAX_CONTROL.
+const _: () = assert!(2 + 4 * MAX_CREDITS <= MAX_CONTROL && MAX_REASON <= MAX_CONTROL);
+const _: () = assert!(HELLO_BYTES + 9 * crate::agree::Field::COUNT <= MAX_CONTROL);
+
+/// Bytes of a hello before its fields.
+const HELLO_BYTES: usize = 2 + 2 + 4 + 4 + 3 * 4 + 8 + 8 + 8;
+
 /// Most slots one `Credit` message returns (it fits a 256-byte control cell).
 pub const MAX_CREDITS: usize = 60;
 
@@ -80,7 +87,9 @@ pub enum Kind {
 impl Kind {
     /// The transport tag of this kind, at the current version.
     pub fn tag(self) -> u32 {
-        MAGIC | (u32::from(VERSION) << 8) | self as u32
+        let tag = MAGIC | (u32::from(VERSION) << 8) | self as u32;
+        debug_assert_eq!(kind_of(tag), Ok(self), "tag and kind_of agree");
+        tag
     }
 
     fn from_u8(k: u8) -> Option<Kind> {
@@ -96,6 +105,7 @@ impl Kind {
             9 => Kind::Pull,
             _ => return None,
         })
+        .inspect(|kind| debug_assert_eq!(*kind as u8, k))
     }
 }
 
@@ -323,6 +333,8 @@ pub fn decode(tag: u32, data: &[u8]) -> Result<Msg, WireError> {
         }
     };
     r.end()?;
+    // Only canonical bytes decode: they are what `encode` makes of the message.
+    debug_assert_eq!(encode(&msg), (tag, data.to_vec()), "{msg:?}");
     Ok(msg)
 }
 
@@ -342,6 +354,7 @@ pub fn encode(msg: &Msg) -> (u32, Vec<u8>) {
             b.extend_from_slice(&h.params_base.to_le_bytes());
             b.extend_from_slice(&h.max_message.to_le_bytes());
             b.extend_from_slice(&h.max_write.to_le_bytes());
+            debug_assert_eq!(b.len(), HELLO_BYTES);
             for (f, v) in &h.fields {
                 b.push(*f as u8);
                 b.extend_from_slice(&v.to_le_bytes());
@@ -390,6 +403,12 @@ pub fn encode(msg: &Msg) -> (u32, Vec<u8>) {
             Kind::Abort
         }
     };
+    // A hello's size depends on its fields; every other control message fits a cell.
+    debug_assert!(
+        matches!(msg, Msg::Hello(_)) || b.len() <= MAX_CONTROL,
+        "{kind:?} of {} bytes",
+        b.len()
+    );
     (kind.tag(), b)
 }
 

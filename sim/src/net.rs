@@ -127,6 +127,7 @@ pub struct Net<P> {
 
 /// Adds `rate` bytes/ns over `[t0, t1)` to `bins` of `bin_ns` each.
 fn deposit(bins: &mut Vec<f64>, bin_ns: u64, t0: u64, t1: u64, rate: f64) {
+    debug_assert!(t0 < t1 && bin_ns > 0, "[{t0}, {t1}) in bins of {bin_ns}");
     let last = ((t1 - 1) / bin_ns) as usize;
     if bins.len() <= last {
         bins.resize(last + 1, 0.0);
@@ -158,6 +159,11 @@ impl<P> Net<P> {
     /// the same latency, without touching the NIC.
     pub fn with_hosts(host: Vec<u32>, bandwidth_bps: f64, latency_ns: u64, local_bytes_per_s: f64) -> Self {
         let world = host.len();
+        // Messages take bytes / rate: the rates are positive.
+        debug_assert!(
+            bandwidth_bps > 0.0 && local_bytes_per_s > 0.0,
+            "{bandwidth_bps} bit/s, {local_bytes_per_s} B/s"
+        );
         let hosts = host.iter().map(|&h| h as usize + 1).max().unwrap_or(0);
         let rate = bandwidth_bps / 8e9;
         let side = |rate: f64| Side {
@@ -225,6 +231,11 @@ impl<P> Net<P> {
 
     /// Messages posted and not yet delivered.
     pub fn in_flight(&self) -> usize {
+        debug_assert_eq!(
+            self.in_flight + self.free.len(),
+            self.msgs.len(),
+            "a message is in flight or free"
+        );
         self.in_flight
     }
 
@@ -278,6 +289,7 @@ impl<P> Net<P> {
             Timer::Post(id) => {
                 let (from, to, bytes) = {
                     let m = self.msgs[id].as_ref().expect("posted message");
+                    debug_assert!(m.sent.is_none() && m.received.is_none(), "message {id} posted twice");
                     (m.from, m.to, m.bytes)
                 };
                 let (hf, ht) = (self.host[from as usize], self.host[to as usize]);
@@ -292,15 +304,19 @@ impl<P> Net<P> {
             Timer::RxStart(id) => {
                 let (from, to) = {
                     let m = self.msgs[id].as_ref().expect("message in flight");
+                    debug_assert!(m.received.is_none(), "message {id} received before it started there");
                     (m.from, m.to)
                 };
                 self.enqueue(self.hosts + self.host[to as usize], (from, to), id, t, false);
             }
             Timer::Finish { side, gen } => {
                 if self.sides[side].gen != gen {
+                    // A stale timer: the side was rescheduled since.
+                    debug_assert!(self.sides[side].gen > gen);
                     return;
                 }
                 self.catch_up(side, t);
+                debug_assert_eq!(self.sides[side].last, t, "side {side} is brought up to now");
                 // One byte-nanosecond of slack absorbs the rounding of the timer.
                 let slack = self.sides[side].rate.max(1e-9) * 2.0;
                 let mut done = Vec::new();
@@ -318,8 +334,21 @@ impl<P> Net<P> {
                     self.finished(side, id, t, out);
                 }
                 self.reschedule(side, t);
+                self.debug_invariants();
             }
         }
+    }
+
+    /// What every finish leaves true (O(sides)).
+    fn debug_invariants(&self) {
+        debug_assert_eq!(self.in_flight + self.free.len(), self.msgs.len());
+        // A connection is kept while it has a message, which is on at most two sides at once.
+        debug_assert!(
+            self.conns.len() <= 2 * self.in_flight,
+            "{} connections",
+            self.conns.len()
+        );
+        debug_assert!(self.sides.iter().all(|s| s.rate > 0.0 && s.v.is_finite()));
     }
 
     fn timer(&mut self, t: u64, timer: Timer) {
@@ -333,6 +362,7 @@ impl<P> Net<P> {
         let n = s.heads.len();
         if n > 0 && t > s.last {
             s.v += (t - s.last) as f64 * s.rate / n as f64;
+            debug_assert!(s.v.is_finite(), "virtual time of side {side}");
             if let Some((bin, sides)) = &mut self.trace {
                 if let Some(bins) = sides.get_mut(side) {
                     deposit(bins, *bin, s.last, t, s.rate);
@@ -349,6 +379,7 @@ impl<P> Net<P> {
             return;
         };
         let n = s.heads.len() as f64;
+        debug_assert!(s.rate > 0.0, "side {side} serves at a positive rate");
         let dt = ((tag.0 - s.v).max(0.0) * n / s.rate).ceil() as u64;
         let gen = s.gen;
         self.timer(t + dt, Timer::Finish { side, gen });
@@ -367,6 +398,7 @@ impl<P> Net<P> {
     fn start(&mut self, side: usize, id: usize, t: u64, tx: bool) {
         self.catch_up(side, t);
         let bytes = self.msgs[id].as_ref().expect("message in flight").bytes;
+        debug_assert!(bytes >= 1.0);
         let s = &mut self.sides[side];
         s.heads.push(Reverse((Tag(s.v + bytes), id)));
         self.reschedule(side, t);
@@ -382,7 +414,9 @@ impl<P> Net<P> {
         let (key, deliver_at) = {
             let m = self.msgs[id].as_mut().expect("message in flight");
             let key = (m.from, m.to);
+            // Each side finishes a message once.
             if tx {
+                debug_assert!(m.sent.is_none(), "message {id} sent twice");
                 m.sent = Some(t);
                 if loopback {
                     // Inside the host: no receiving NIC to cross.
@@ -392,6 +426,7 @@ impl<P> Net<P> {
                     out.push((t, p));
                 }
             } else {
+                debug_assert!(m.received.is_none(), "message {id} received twice");
                 m.received = Some(t);
             }
             let at = match (m.sent, m.received) {
@@ -404,9 +439,16 @@ impl<P> Net<P> {
             let m = self.msgs[id].take().expect("message in flight");
             out.push((at, m.on_arrival.expect("delivered once")));
             self.free.push(id);
+            debug_assert!(self.in_flight > 0);
             self.in_flight -= 1;
         }
         let q = self.conns.get_mut(&(side, key.0, key.1)).expect("connection");
+        // Only a connection's head message uses the link.
+        debug_assert_eq!(
+            q.front(),
+            Some(&id),
+            "message {id} finished behind its connection's head"
+        );
         q.pop_front();
         if let Some(&next) = q.front() {
             self.start(side, next, t, tx);
