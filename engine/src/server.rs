@@ -272,10 +272,12 @@ impl Server {
 
     /// This server's rank.
     pub fn rank(&self) -> u32 {
+        debug_assert!(self.book.cluster().server_index(self.rank).is_some());
         self.rank
     }
     /// Accumulator copies of the shard the driver must keep (s + 1).
     pub fn windows(&self) -> usize {
+        debug_assert_eq!(self.window as u64, self.cfg.consistency.staleness() + 1);
         self.window
     }
     /// Whether every chunk of the shard has its initial values.
@@ -382,6 +384,8 @@ impl Server {
             for c in chunks {
                 self.queue_broadcast(0, c);
             }
+            // Every worker gets every chunk's initial values.
+            debug_assert!(self.bcast_pending.iter().all(|&n| n as usize == self.live));
             self.pump_broadcasts();
         }
         Ok(())
@@ -481,6 +485,10 @@ impl Server {
         } else {
             self.fold(wi, slot, slice, sw, w, true);
         }
+        // A worker is at most the window's iterations ahead of the chunk's apply (SSP's bound).
+        let lc = self.chunk_local[self.book.slices()[slice as usize].chunk as usize] as usize;
+        debug_assert!(self.received[wi * nls + ls] <= self.applied[lc] + self.window as u64);
+        self.debug_invariants();
         Ok(())
     }
 
@@ -515,6 +523,8 @@ impl Server {
     /// A parked slot's `Accumulate` (one without `credit`) ran: the slot is a
     /// spare again. Nothing for this rank's own worker (its slots are tokens).
     pub fn handle_parked_read(&mut self, worker: u32, slot: u32) -> Result<()> {
+        // Only the deterministic order parks (the Node reports the parked reads it ran).
+        debug_assert!(self.deterministic(), "a parked slot without the rank order");
         if worker == self.rank {
             return Ok(());
         }
@@ -531,11 +541,13 @@ impl Server {
             return Err(self.err(worker, format!("parked slot {slot} freed twice")));
         }
         self.spare_free[wi].push(slot);
+        self.debug_invariants();
         Ok(())
     }
 
     fn fold(&mut self, wi: usize, slot: u32, slice: u32, sw: usize, w: usize, credit: bool) {
         let worker = self.book.cluster().workers()[wi];
+        debug_assert!(slot < self.cfg.landing_slots(), "slot {slot} of worker {wi}");
         // Fold groups (deterministic order only, where `wi == folded[sw]`):
         // group 0 sums straight into the accumulator; every later group of two
         // or more sums into the partial buffer, which joins the accumulator
@@ -645,13 +657,15 @@ impl Server {
             self.bcast_queue.push(Reverse((version, chunk, wi as u32)));
             self.bcast_pending[lc] += 1;
         }
+        // At most one broadcast (or notification) of a chunk per worker is owed.
+        debug_assert!(self.bcast_pending[lc] as usize <= self.p1, "chunk {chunk}");
     }
 
     fn pump_broadcasts(&mut self) {
         while let Some(&Reverse((_, chunk, wi))) = self.bcast_queue.peek() {
             let bytes = self.book.chunks()[chunk as usize].len * 4;
             if self.bcast_bytes > 0 && self.bcast_bytes + bytes > self.cfg.credit_bytes {
-                return;
+                break;
             }
             self.bcast_queue.pop();
             debug_assert!(!self.lost[wi as usize], "nothing is queued for a lost worker");
@@ -665,6 +679,36 @@ impl Server {
                 worker: self.book.cluster().workers()[wi as usize],
             });
         }
+        self.debug_invariants();
+    }
+
+    /// What every input leaves true (O(workers)), checked after each.
+    fn debug_invariants(&self) {
+        debug_assert_eq!(self.live, self.lost.iter().filter(|&&l| !l).count(), "live workers");
+        debug_assert!(self.init_left <= self.applied.len());
+        debug_assert!(self.spare_free.iter().all(|f| f.len() <= self.cfg.spare_slots as usize));
+        // A worker never has more slots held here than the credits it was lent.
+        debug_assert!(
+            self.slots_held.iter().all(|&h| h <= self.cfg.slots),
+            "{:?}",
+            self.slots_held
+        );
+        // Each mode's state exists exactly in its mode.
+        let per_chunk_worker = self.applied.len() * self.p1;
+        let kvstore = self.book.config().placement == Placement::KvStore;
+        debug_assert_eq!(self.owed.len(), if kvstore { per_chunk_worker } else { 0 });
+        debug_assert_eq!(
+            self.got.len(),
+            if self.cfg.trigger == Trigger::All {
+                0
+            } else {
+                per_chunk_worker
+            }
+        );
+        debug_assert!(
+            self.window == 1 || self.cfg.trigger == Trigger::All,
+            "SSP needs the all trigger"
+        );
     }
 
     /// Kvstore: `worker` pulls `chunk` at `version`, the version it was
@@ -786,6 +830,7 @@ impl Server {
         }
         debug_assert!(self.bcast_bytes >= self.book.chunks()[chunk as usize].len * 4);
         self.bcast_pending[lc] -= 1;
+        debug_assert!((self.bcast_pending[lc] as usize) < self.p1);
         self.bcast_bytes -= self.book.chunks()[chunk as usize].len * 4;
         self.pump_broadcasts();
         // A later iteration may have completed while this broadcast was out.
@@ -810,6 +855,7 @@ impl Server {
 
     /// Time passed: applies the rounds whose timeout expired.
     pub fn handle_tick(&mut self) {
+        debug_assert!(matches!(self.cfg.trigger, Trigger::Timeout(_)) || self.deadlines.is_empty());
         while let Some(&Reverse((t, lc))) = self.deadlines.peek() {
             if t > self.now {
                 break;
@@ -822,6 +868,7 @@ impl Server {
 
     /// Live workers (not lost).
     pub fn live_workers(&self) -> usize {
+        debug_assert!(self.live <= self.p1);
         self.live
     }
 
@@ -831,7 +878,11 @@ impl Server {
     }
 
     fn nslices(&self, chunk: u32) -> u32 {
-        debug_assert!(!self.book.chunk_slices(chunk).is_empty(), "chunk {chunk} has slices");
+        debug_assert_eq!(
+            self.book.chunks()[chunk as usize].server,
+            self.rank,
+            "chunk {chunk} is in this shard"
+        );
         self.book.chunk_slices(chunk).len() as u32
     }
 
@@ -941,6 +992,7 @@ impl Server {
             self.win_iter[ls] = t + 1;
         }
         self.got[lc * self.p1..(lc + 1) * self.p1].fill(0);
+        debug_assert!(self.round_first[lc].is_none() || matches!(self.cfg.trigger, Trigger::Timeout(_)));
         self.round_first[lc] = None;
         self.applied[lc] = t + 1;
         self.queue_broadcast(t + 1, chunk);
@@ -1014,9 +1066,9 @@ impl Server {
         if !self.lost[wi] {
             return Err(self.err(rank, "a worker that was not lost came back".into()));
         }
+        debug_assert!(self.live < self.p1, "worker {wi} was not counted");
         self.lost[wi] = false;
         self.live += 1;
-        debug_assert!(self.live <= self.p1);
         self.stats.rejoined += 1;
         self.slots_held[wi] = 0;
         let nls = self.folded.len() / self.window;
@@ -1028,6 +1080,10 @@ impl Server {
             }
             self.bcast_queue.push(Reverse((self.applied[lc], c, wi as u32)));
             self.bcast_pending[lc] += 1;
+            debug_assert!(
+                self.bcast_pending[lc] as usize <= self.p1,
+                "chunk {c}: one broadcast per worker"
+            );
         }
         self.pump_broadcasts();
         Ok(())

@@ -168,6 +168,7 @@ impl Worker {
     }
     /// This worker's index among the workers (its place in the aggregation order).
     pub fn index(&self) -> usize {
+        debug_assert_eq!(self.book.cluster().workers()[self.index], self.rank);
         self.index
     }
     /// The book.
@@ -193,6 +194,7 @@ impl Worker {
     }
     /// Bytes currently in flight (pushes and factor sends).
     pub fn bytes_in_flight(&self) -> usize {
+        debug_assert!(self.bytes_in_flight == 0 || self.layers.iter().any(|l| l.in_flight));
         self.bytes_in_flight
     }
     /// Forgets the seeding (a worker that rejoins: the servers hold the
@@ -208,7 +210,12 @@ impl Worker {
     /// Landing-slot credits this worker holds now, over every server (all
     /// `slots × P2` of them when nothing is in flight).
     pub fn free_credits(&self) -> usize {
-        self.free_slots.iter().map(Vec::len).sum()
+        let n = self.free_slots.iter().map(Vec::len).sum();
+        debug_assert!(
+            n <= self.cfg.slots as usize * self.book.p2(),
+            "never more credits than lent"
+        );
+        n
     }
     /// Counters.
     pub fn stats(&self) -> WorkerStats {
@@ -359,9 +366,16 @@ impl Worker {
                 self.parked[dst as usize].push(Reverse((iter, key, item)));
                 continue;
             }
+            // What is queued is owed by a layer in flight, for the iteration it was handed in.
+            let st = &self.layers[match item {
+                Item::Push { slice } => self.book.slices()[slice as usize].layer,
+                Item::Factors { layer } => layer,
+            } as usize];
+            debug_assert!(st.in_flight && st.done == iter, "{item:?} of iteration {iter}: {st:?}");
+            debug_assert!(st.pushes_left + st.sends_left > 0, "{item:?}: {st:?}");
             let bytes = self.item_bytes(item);
             if self.bytes_in_flight > 0 && self.bytes_in_flight + bytes > self.cfg.credit_bytes {
-                return;
+                break;
             }
             self.ready.pop();
             self.bytes_in_flight += bytes;
@@ -391,6 +405,39 @@ impl Worker {
                 }
             }
         }
+        self.debug_invariants();
+    }
+
+    /// What every input leaves true (O(layers + ranks)), checked after each.
+    fn debug_invariants(&self) {
+        debug_assert_eq!(self.book.cluster().workers()[self.index], self.rank);
+        debug_assert!(self.uninitialized <= self.chunk_updates.len());
+        debug_assert!(self.free_slots.iter().all(|f| f.len() <= self.cfg.slots as usize));
+        debug_assert_eq!(
+            self.notified.is_empty(),
+            self.book.config().placement != Placement::KvStore
+        );
+        debug_assert!(self.fifo_seq == 0 || self.cfg.order == QueueOrder::Fifo);
+        for (l, st) in self.layers.iter().enumerate() {
+            // A layer owes pushes and sends only while in flight, and only by its scheme.
+            debug_assert!(st.in_flight || st.pushes_left + st.sends_left == 0, "layer {l}: {st:?}");
+            debug_assert!(
+                st.pushes_left == 0 || st.scheme == Some(Scheme::Ps),
+                "layer {l}: {st:?}"
+            );
+            debug_assert!(
+                st.sends_left == 0 || st.scheme.is_some_and(Scheme::takes_factors),
+                "layer {l}: {st:?}"
+            );
+            // The reconstruction asked for is the next one to apply, or the one before it.
+            debug_assert!(
+                self.sf_emitted[l].map_or(self.sf_applied[l] == 0, |e| e == self.sf_applied[l]
+                    || e + 1 == self.sf_applied[l]),
+                "layer {l}: emitted {:?}, applied {}",
+                self.sf_emitted[l],
+                self.sf_applied[l]
+            );
+        }
     }
 
     fn protocol(&self, rank: u32, what: String) -> EngineError {
@@ -417,6 +464,8 @@ impl Worker {
             "a push's bytes were counted when it went"
         );
         st.pushes_left -= 1;
+        // It counts down from the layer's slices, and reaches 0 once.
+        debug_assert!((st.pushes_left as usize) < self.book.layer_slices(info.layer).len());
         self.bytes_in_flight -= info.len * 4;
         self.check_ready(info.layer);
         self.pump();
@@ -443,6 +492,8 @@ impl Worker {
             "a send's bytes were counted when it went"
         );
         st.sends_left -= 1;
+        // SFB sends to P1 - 1 peers, Adam to one server.
+        debug_assert!((st.sends_left as usize) < self.book.p1().max(2) - 1);
         self.bytes_in_flight -= bytes;
         self.check_ready(layer);
         self.pump();
@@ -529,6 +580,7 @@ impl Worker {
                 });
             }
         }
+        self.debug_invariants();
         Ok(())
     }
 
@@ -570,6 +622,7 @@ impl Worker {
             self.uninitialized -= 1;
         }
         self.check_ready(layer);
+        self.debug_invariants();
         Ok(())
     }
 
@@ -593,6 +646,8 @@ impl Worker {
                 format!("too many factor messages for layer {layer} iteration {iter}"),
             ));
         }
+        // Factors come to workers for SFB only (Adam's go to the layer's server).
+        debug_assert_eq!(self.book.scheme(layer, iter), Scheme::Sfb, "layer {layer}");
         self.maybe_reconstruct(layer);
         Ok(())
     }
@@ -628,6 +683,7 @@ impl Worker {
         self.sf_arrived.remove(&(layer, iter));
         self.check_ready(layer);
         self.maybe_reconstruct(layer);
+        self.debug_invariants();
         Ok(())
     }
 
@@ -651,6 +707,8 @@ impl Worker {
         if ready {
             // The scheme taken at the hand-in is the book's for the iteration.
             debug_assert_eq!(st.scheme, Some(self.book.scheme(layer, t)));
+            // A reconstruction needs this worker's factors too: none runs ahead of its hand-ins.
+            debug_assert!(self.sf_applied[layer as usize] <= t + 1, "layer {layer} at {t}");
             let st = &mut self.layers[layer as usize];
             st.in_flight = false;
             st.done += 1;

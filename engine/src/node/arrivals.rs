@@ -7,20 +7,31 @@ use super::*;
 impl Node {
     pub(super) fn tx_done(&mut self, track: Track) -> Result<()> {
         match track {
-            Track::Ctrl | Track::Init | Track::Piece => Ok(()),
-            Track::Push { slice } => self.worker.as_mut().expect("worker").core.handle_push_done(slice),
+            Track::Init => {
+                debug_assert_eq!(self.worker.as_ref().map(|w| w.core.index()), Some(0), "worker 0 seeds");
+                Ok(())
+            }
+            Track::Ctrl | Track::Piece => Ok(()),
+            Track::Push { slice } => {
+                // What stays on this rank is no transmit: a pushed slice's server is a peer.
+                let chunk = self.book.slices()[slice as usize].chunk;
+                debug_assert_ne!(self.book.chunks()[chunk as usize].server, self.rank);
+                self.worker.as_mut().expect("worker").core.handle_push_done(slice)
+            }
             Track::Bcast { chunk, worker } => self
                 .server
                 .as_mut()
                 .expect("server")
                 .core
                 .handle_broadcast_done(chunk, worker),
-            Track::Factors { layer, peer } => self
-                .worker
-                .as_mut()
-                .expect("worker")
-                .core
-                .handle_factors_sent(layer, peer),
+            Track::Factors { layer, peer } => {
+                debug_assert_ne!(peer, self.rank, "own factors are captured, not sent");
+                self.worker
+                    .as_mut()
+                    .expect("worker")
+                    .core
+                    .handle_factors_sent(layer, peer)
+            }
         }
     }
 
@@ -52,6 +63,7 @@ impl Node {
             }
             JobTrack::FoldPartial | JobTrack::SumFactors => {}
             JobTrack::Encode { server, slot, slice } => {
+                debug_assert!(self.sparse_off[self.book.slices()[slice as usize].layer as usize].is_some());
                 let report = data
                     .as_deref()
                     .and_then(crate::sparse::EncodeReport::from_bytes)
@@ -81,8 +93,20 @@ impl Node {
                     self.notify(chunk, w, version)?;
                 }
             }
-            JobTrack::InitCopy { chunk } => self.server.as_mut().expect("server").core.handle_init(me, chunk)?,
+            JobTrack::InitCopy { chunk } => {
+                debug_assert_eq!(
+                    self.book.chunks()[chunk as usize].server,
+                    me,
+                    "chunk {chunk} is seeded here"
+                );
+                self.server.as_mut().expect("server").core.handle_init(me, chunk)?
+            }
             JobTrack::LocalBcast { chunk } => {
+                debug_assert_eq!(
+                    self.book.chunks()[chunk as usize].server,
+                    me,
+                    "chunk {chunk} is held here"
+                );
                 self.worker.as_mut().expect("worker").core.handle_params(chunk)?;
                 self.server
                     .as_mut()
@@ -123,7 +147,10 @@ impl Node {
                 .core
                 .handle_factors_applied(layer, iter)?,
             JobTrack::Publish { layer, iter } => match iter {
-                Some(iter) => self.out.push_back(Output::LayerReady { layer, iter }),
+                Some(iter) => {
+                    debug_assert!(self.staged, "only a staged worker publishes");
+                    self.out.push_back(Output::LayerReady { layer, iter })
+                }
                 None => {
                     let w = self.worker.as_mut().expect("worker");
                     debug_assert!(

@@ -139,8 +139,8 @@ impl Inbox {
         }
         e[wi] = Some(blob);
         self.held += 1;
-        debug_assert!(self.held <= self.store.len() * self.p1);
         self.max_held = self.max_held.max(self.held);
+        self.debug_invariants();
         Ok(())
     }
 
@@ -153,7 +153,17 @@ impl Inbox {
         let e = self.store.remove(&(layer, iter)).expect("present");
         debug_assert!(e.len() == self.p1 && self.held >= e.len());
         self.held -= e.len();
+        self.debug_invariants();
         Some(e.into_iter().map(|b| b.expect("checked")).collect())
+    }
+
+    /// `held` counts the blocks stored (O(blocks stored)).
+    fn debug_invariants(&self) {
+        debug_assert_eq!(
+            self.held,
+            self.store.values().map(|e| e.iter().flatten().count()).sum::<usize>()
+        );
+        debug_assert!(self.held <= self.max_held && self.store.values().all(|e| e.len() == self.p1));
     }
 
     /// Blocks held now (for the memory bound).

@@ -18,6 +18,9 @@ pub const CELL_BYTES: usize = 256;
 /// Control cells per rank.
 pub const CELLS: usize = 1024;
 
+// Every control message fits one cell.
+const _: () = assert!(crate::wire::MAX_CONTROL <= CELL_BYTES);
+
 /// After a `WouldBlock` with nothing else in flight to that peer, retry after this long.
 const RETRY_AFTER: Duration = Duration::from_millis(1);
 
@@ -135,6 +138,10 @@ impl<T> Flow<T> {
             return;
         }
         debug_assert!(!matches!(&op, Op::SendInline { bytes, .. } if bytes.len() > CELL_BYTES));
+        debug_assert!(
+            gated || matches!(op, Op::SendInline { .. }),
+            "only control messages go before the peer opens"
+        );
         self.peers[peer as usize].queue.push_back(Queued {
             op,
             track,
@@ -146,6 +153,10 @@ impl<T> Flow<T> {
 
     /// The peer's hello arrived and its regions are known: gated transmits may go.
     pub(crate) fn open(&mut self, peer: u32) {
+        debug_assert!(
+            !self.peers[peer as usize].gone,
+            "rank {peer} left (a new connection resets it first)"
+        );
         self.peers[peer as usize].open = true;
         self.mark(peer);
     }
@@ -156,6 +167,27 @@ impl<T> Flow<T> {
             self.is_dirty[p as usize] = false;
             self.pump_peer(p, now, out);
         }
+        self.debug_invariants();
+    }
+
+    /// What every pump leaves true (O(ranks + transmits in flight)).
+    fn debug_invariants(&self) {
+        // Each transmit in flight is counted once, in its peer's window.
+        debug_assert_eq!(self.inflight.len(), self.peers.iter().map(|p| p.out).sum::<usize>());
+        debug_assert!(self.peers.iter().all(|p| p.out <= self.cap));
+        // A cell is free, or held by a transmit in flight or by a dropped one: never two.
+        debug_assert_eq!(
+            self.free_cells.len()
+                + self.inflight.values().filter(|f| f.cell.is_some()).count()
+                + self.dropped.values().filter(|c| c.is_some()).count(),
+            CELLS
+        );
+        debug_assert_eq!(
+            self.retrying,
+            self.peers.iter().filter(|p| p.retry_at.is_some()).count()
+        );
+        // Nothing waits for, or flies to, a peer that is gone.
+        debug_assert!(self.peers.iter().all(|p| !p.gone || (p.queue.is_empty() && p.out == 0)));
     }
 
     fn pump_peer(&mut self, peer: u32, now: Duration, out: &mut VecDeque<Output>) {
@@ -267,6 +299,11 @@ impl<T> Flow<T> {
                 gated: f.gated,
             },
         );
+        // Back in posting order: the tokens of what came back blocked ascend.
+        debug_assert!({
+            let tokens: Vec<u64> = pf.queue.iter().filter_map(|q| q.token).collect();
+            tokens.windows(2).all(|w| w[0] < w[1])
+        });
         pf.blocked = true;
         // Other transmits to this peer will complete and unblock it; with none
         // in flight, only time will.
@@ -318,6 +355,7 @@ impl<T> Flow<T> {
     pub(crate) fn reset_peer(&mut self, peer: u32) {
         let pf = &mut self.peers[peer as usize];
         debug_assert!(pf.out == 0 && pf.queue.is_empty());
+        debug_assert!(pf.gone && !pf.open, "only a peer that left comes back");
         if pf.retry_at.take().is_some() {
             self.retrying -= 1;
         }

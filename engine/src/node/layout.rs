@@ -145,6 +145,10 @@ impl Layout {
         debug_assert_eq!(param_off.len(), nl);
         debug_assert_eq!(grad_off.len(), nl);
         debug_assert_eq!(view_off.len(), if staged { nl } else { 0 });
+        // The caller's buffers hold every layer.
+        let total = book.total_params() as u64 * 4;
+        debug_assert!(!role.is_worker() || bytes[region_index(LocalRegion::Params)] >= total);
+        debug_assert!(!role.is_worker() || bytes[region_index(LocalRegion::Grads)] >= total);
         // The landing region holds every worker's slots.
         debug_assert!(!role.is_server() || bytes[region_index(LocalRegion::Landing)] >= slot_bytes * book.p1() as u64);
         Ok(Layout {

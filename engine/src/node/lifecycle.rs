@@ -34,6 +34,8 @@ impl Node {
         };
         if initialized {
             debug_assert_eq!(self.open_peers + 1, self.peers.len(), "every peer is open");
+            // A worker has every chunk only once every shard, this rank's too, was seeded.
+            debug_assert!(self.server.as_ref().map_or(true, |s| s.core.is_initialized()));
             let next = if self.life.shutdown() {
                 Life::Draining
             } else {
@@ -146,6 +148,10 @@ impl Node {
         if everyone && self.flow.idle() && self.jobs.is_empty() {
             // Server jobs handed out or queued are jobs too.
             debug_assert!(self.srv_out == 0 && self.srv_queue.is_empty() && self.srv_jobs.is_empty());
+            // The worker drained before it said `Finished`, and took no hand-in since.
+            debug_assert!(self.worker.as_ref().map_or(true, |w| {
+                (0..self.book.layers().len() as u32).all(|l| !w.core.is_in_flight(l))
+            }));
             self.life.advance(Life::Done);
             self.out.push_back(Output::Finished);
         }

@@ -20,7 +20,10 @@
 //! - `setup`: hellos, agreement, the limits both ends take;
 //! - `worker_side`, `server_side`: the cores' commands turned into outputs;
 //! - `arrivals`: completions, peers' writes and messages;
-//! - `lifecycle`: readiness and the goodbye.
+//! - `lifecycle`: readiness and the goodbye;
+//! - `checks`: what the Node asserts about itself (debug builds): its
+//!   invariants after every input, and every job and transmit inside the
+//!   regions of both ends.
 //!
 //! # Driving it
 //! 1. [`Node::new`], then [`Node::set_keys`] with the keys of the regions
@@ -91,6 +94,7 @@
 //! accept that new connection from a rank it lost.
 
 mod arrivals;
+mod checks;
 pub mod factors;
 pub mod flow;
 mod layout;
@@ -450,7 +454,7 @@ impl Node {
         peers[rank as usize].open = true;
         let mut flow = Flow::new(world, l.max_outstanding);
         flow.open(rank);
-        Ok(Node {
+        let node = Node {
             job: JobConfig::new(&book, &cfg.sched, cfg.apply, &cfg.transport)
                 .with_comm(&cfg.comm)
                 .with_checkpoint(cfg.checkpoint),
@@ -495,7 +499,10 @@ impl Node {
             stats: NodeStats::default(),
             book,
             rank,
-        })
+        };
+        // The hello carries every agreed field.
+        debug_assert_eq!(node.job.fields().len(), crate::agree::Field::COUNT);
+        Ok(node)
     }
 
     /// The keys of this rank's Params, Shard and Landing regions (0 where it
@@ -539,6 +546,10 @@ impl Node {
             region: LocalRegion::Factors,
             offset: o,
         });
+        // The caller's layer lies inside the regions the runtime allocates.
+        let bytes = self.book.layers()[l].params() as u64 * 4;
+        debug_assert!(params.offset + bytes <= self.bytes[region_index(params.region)]);
+        debug_assert!(grad.offset + bytes <= self.bytes[region_index(LocalRegion::Grads)]);
         Some((params, grad, f))
     }
 
@@ -546,10 +557,13 @@ impl Node {
     /// view under BSP; the landing zone under SSP). The initial values go here.
     pub fn params_loc(&self, layer: u32) -> Option<Loc> {
         self.worker.as_ref()?;
-        Some(Loc {
+        let at = Loc {
             region: LocalRegion::Params,
             offset: *self.param_off.get(layer as usize)?,
-        })
+        };
+        let bytes = self.book.layers()[layer as usize].params() as u64 * 4;
+        debug_assert!(at.offset + bytes <= self.bytes[region_index(LocalRegion::Params)]);
+        Some(at)
     }
 
     /// Accumulator copies of the shard a server keeps (`s + 1` under SSP(s)).
@@ -558,6 +572,7 @@ impl Node {
     }
     /// Whether this rank's callers read a published view (SSP workers).
     pub fn is_staged(&self) -> bool {
+        debug_assert!(!self.staged || self.worker.is_some(), "only a worker reads a view");
         self.staged
     }
     /// The book.
@@ -578,10 +593,18 @@ impl Node {
     }
     /// Setup is complete.
     pub fn is_ready(&self) -> bool {
+        debug_assert!(
+            !self.life.ready() || self.open_peers + 1 == self.peers.len(),
+            "ready with every peer open"
+        );
         self.life.ready()
     }
     /// The goodbye is complete.
     pub fn is_finished(&self) -> bool {
+        debug_assert!(
+            self.life != Life::Done || self.jobs.is_empty(),
+            "done with nothing running"
+        );
         self.life == Life::Done
     }
     /// The fatal error, once one happened.
@@ -634,6 +657,10 @@ impl Node {
         }
         s.max_outstanding = self.flow.max_out_seen;
         s.max_factor_blocks = self.inbox.max_held();
+        // The transport's limits, which the Node never exceeds.
+        debug_assert!(s.max_outstanding <= self.limits.max_outstanding, "{s:?}");
+        debug_assert!(s.max_message <= self.limits.max_message_bytes as u64, "{s:?}");
+        debug_assert!(s.max_write <= self.limits.max_write_bytes as u64, "{s:?}");
         s
     }
     /// Per layer: this worker's sparse-push counters (all zero for layers
@@ -730,6 +757,9 @@ impl Node {
             }
         };
         self.drive();
+        if self.fatal.is_none() {
+            self.debug_invariants();
+        }
         r
     }
 
@@ -771,6 +801,8 @@ impl Node {
                         Early::Factors { layer, iter } => self.send_factors(peer, layer, iter),
                     }
                 }
+                // Open now: nothing more waits for it.
+                debug_assert!(self.early[peer as usize].is_empty());
                 Ok(())
             }
             Input::Done { token } => match self.flow.done(token) {
@@ -831,6 +863,7 @@ impl Node {
                     for track in self.flow.drop_peer(peer) {
                         self.tx_done(track)?;
                     }
+                    debug_assert_eq!(self.flow.pending_to(peer), 0, "nothing goes to rank {peer} any more");
                     return Ok(());
                 }
                 if self.may_lose(peer) {
@@ -864,6 +897,7 @@ impl Node {
     }
 
     fn waiting_for(&self) -> String {
+        debug_assert!(!self.life.ready(), "only setup waits");
         let missing: Vec<u32> = (0..self.peers.len() as u32)
             .filter(|&r| r != self.rank && !self.peers[r as usize].open)
             .collect();
@@ -891,6 +925,7 @@ impl Node {
     /// or in flight to it counts as delivered, and this rank's server goes
     /// on without it (or fails, when its rounds cannot complete without it).
     fn lose_worker(&mut self, peer: u32) -> Result<()> {
+        debug_assert!(self.may_lose(peer), "rank {peer} is a worker the job goes on without");
         let p = &mut self.peers[peer as usize];
         if p.lost {
             return Ok(());
@@ -925,6 +960,14 @@ impl Node {
         if self.fatal.is_some() {
             return;
         }
+        // The caller's mistakes go back to it; only failures end the rank.
+        debug_assert!(
+            !matches!(
+                e,
+                EngineError::LayerBusy { .. } | EngineError::NeedsFactors { .. } | EngineError::Shutdown
+            ),
+            "{e}"
+        );
         let (tag, bytes) = wire::encode(&Msg::Abort(e.to_string()));
         for p in 0..self.peers.len() as u32 {
             let peer = &self.peers[p as usize];
@@ -949,6 +992,9 @@ impl Node {
         self.next_job += 1;
         let reused = self.jobs.insert(id, track);
         debug_assert!(reused.is_none(), "job id {id} given twice");
+        if cfg!(debug_assertions) {
+            self.debug_job(&kind);
+        }
         let job = Job { id, queue, kind };
         if queue == Queue::Server && self.sched.trigger == Trigger::All {
             // P3's priority only where the worker sends by priority: the FIFO
@@ -979,6 +1025,7 @@ impl Node {
     }
 
     fn send_ctrl(&mut self, peer: u32, msg: &Msg) {
+        debug_assert!(!matches!(msg, Msg::FactorData), "factor data goes from its region");
         let (tag, bytes) = wire::encode(msg);
         debug_assert!(bytes.len() <= CELL_BYTES);
         self.stats.max_message = self.stats.max_message.max(bytes.len() as u64);
@@ -1001,6 +1048,8 @@ impl Node {
     /// Queues a write, split into pieces of at most the transport's write cap;
     /// the last piece carries the immediate and the track.
     fn write(&mut self, peer: u32, src: Loc, dst: RemoteLoc, len: u64, imm: u32, track: Track) {
+        // Into a region the peer announced a key for, in whole words (f32s, or sparse pairs).
+        debug_assert!(dst.region.remote_write() && len % 4 == 0, "{dst:?}+{len}");
         if !self.peers[peer as usize].open {
             // Split once the peer's limits are known.
             self.early[peer as usize].push(Early::Write {
@@ -1096,6 +1145,13 @@ impl Node {
                     // The base came with its hello: writes wait for the peer to open.
                     debug_assert!(self.peers[*peer as usize].open);
                     dst.offset += self.peers[*peer as usize].params_base;
+                }
+            }
+        }
+        if cfg!(debug_assertions) {
+            for o in self.out.range(start..) {
+                if let Output::Transmit(t) = o {
+                    self.debug_transmit(t);
                 }
             }
         }

@@ -20,10 +20,10 @@ impl Node {
                 iter,
             } => {
                 let si = book.slices()[slice as usize];
-                let ch = book.chunks()[si.chunk as usize];
-                // The slice lies in its chunk, which lies in this shard.
-                debug_assert!(si.offset >= ch.offset && si.offset + si.len <= ch.offset + ch.len);
-                debug_assert_eq!(ch.server, me, "slice {slice} is summed by its owner");
+                debug_assert!((window as usize) < self.windows(), "window {window}");
+                // Parked slots and fold groups are the deterministic order's.
+                debug_assert!(credit || self.server.as_ref().is_some_and(|s| s.core.deterministic()));
+                debug_assert!(!partial || self.sched.fold_group > 1);
                 let pairs = if worker == me {
                     None
                 } else {
@@ -47,7 +47,7 @@ impl Node {
                     JobKind::Accumulate {
                         window,
                         chunk: si.chunk,
-                        acc_at: ch.shard_offset + (si.offset - ch.offset),
+                        acc_at: self.acc_at(slice),
                         src,
                         len: si.len,
                         first,
@@ -60,16 +60,15 @@ impl Node {
             }
             ServerCommand::FoldPartial { slice, window, iter } => {
                 let si = book.slices()[slice as usize];
-                let ch = book.chunks()[si.chunk as usize];
                 debug_assert_eq!(window, 0, "fold groups are deterministic BSP: one window");
-                debug_assert!(si.offset >= ch.offset && si.offset + si.len <= ch.offset + ch.len);
+                debug_assert!(self.sched.fold_group > 1);
                 self.new_job_at(
                     Queue::Server,
                     (iter, si.layer),
                     JobKind::FoldPartial {
                         window,
                         chunk: si.chunk,
-                        acc_at: ch.shard_offset + (si.offset - ch.offset),
+                        acc_at: self.acc_at(slice),
                         len: si.len,
                         contributions: self.server.as_ref().expect("server").core.acc_contributions(),
                     },
@@ -83,6 +82,8 @@ impl Node {
                 gradients,
             } => {
                 let ch = book.chunks()[chunk as usize];
+                // The mean and SGD divide by the gradients in the sum.
+                debug_assert!(gradients > 0 && (window as usize) < self.windows(), "chunk {chunk}");
                 let id = self.next_job;
                 self.new_job_at(
                     Queue::Server,
@@ -101,9 +102,17 @@ impl Node {
                 debug_assert!(running.is_none(), "two applies of chunk {chunk} at once");
             }
             ServerCommand::Drop { worker, slot } | ServerCommand::Credit { worker, slot } => {
+                debug_assert!(
+                    book.cluster().worker_index(worker).is_some(),
+                    "slots are lent to workers"
+                );
                 self.return_slot(worker, slot)?
             }
             ServerCommand::Broadcast { chunk, worker } => {
+                debug_assert!(
+                    book.cluster().worker_index(worker).is_some(),
+                    "broadcasts go to workers"
+                );
                 let s = self.server.as_mut().expect("server");
                 if s.apply_running.contains_key(&chunk) {
                     s.deferred.entry(chunk).or_default().push(worker);
@@ -116,8 +125,9 @@ impl Node {
                     rank: me,
                     what: format!("the server summed layer {layer} iteration {iter} without every worker's factors"),
                 })?;
-                debug_assert_eq!(factors.len(), book.p1(), "every worker's factors");
                 let acc_at = book.chunks()[book.layer_chunks(layer).start as usize].shard_offset;
+                debug_assert_eq!(factors.len(), book.p1(), "every worker's factors");
+                debug_assert!((window as usize) < self.windows(), "window {window}");
                 self.new_job_at(
                     Queue::Server,
                     (iter, layer),
@@ -143,9 +153,24 @@ impl Node {
         Ok(())
     }
 
+    /// Where `slice` lies in this rank's shard (and its accumulators): its
+    /// chunk's place there, plus its own place in the chunk.
+    fn acc_at(&self, slice: u32) -> usize {
+        let si = self.book.slices()[slice as usize];
+        let ch = self.book.chunks()[si.chunk as usize];
+        // The slice lies in its chunk, which lies in this shard.
+        debug_assert!(si.offset >= ch.offset && si.offset + si.len <= ch.offset + ch.len);
+        debug_assert_eq!(ch.server, self.rank, "slice {slice} is summed by its owner");
+        ch.shard_offset + (si.offset - ch.offset)
+    }
+
     /// Kvstore: tells `worker` that `chunk` is at `version` (once its apply ran).
     pub(super) fn notify(&mut self, chunk: u32, worker: u32, version: u64) -> Result<()> {
         debug_assert!(version > 0, "a notification names an applied version");
+        debug_assert!(self
+            .server
+            .as_ref()
+            .is_some_and(|s| !s.apply_running.contains_key(&chunk)));
         if worker == self.rank {
             let me = self.rank;
             self.worker
@@ -187,6 +212,11 @@ impl Node {
     }
 
     pub(super) fn broadcast(&mut self, chunk: u32, worker: u32) {
+        // The shard is read only once the chunk's apply ran.
+        debug_assert!(self
+            .server
+            .as_ref()
+            .is_some_and(|s| !s.apply_running.contains_key(&chunk)));
         let book = self.book.clone();
         let ch = book.chunks()[chunk as usize];
         debug_assert_eq!(ch.server, self.rank, "chunk {chunk} is broadcast by its owner");

@@ -12,7 +12,10 @@ impl Node {
             self.peers[peer as usize].hello,
             "rank {peer}'s cap comes with its hello"
         );
-        (self.limits.max_message_bytes as u64).min(self.peers[peer as usize].max_message)
+        let cap = (self.limits.max_message_bytes as u64).min(self.peers[peer as usize].max_message);
+        // Both ends take every control message (checked at new and at hello).
+        debug_assert!(cap >= wire::MAX_CONTROL as u64);
+        cap
     }
 
     /// The largest write to `peer`, a multiple of 4.
@@ -21,12 +24,15 @@ impl Node {
             self.peers[peer as usize].hello,
             "rank {peer}'s cap comes with its hello"
         );
-        (self.limits.max_write_bytes as u64).min(self.peers[peer as usize].max_write) / 4 * 4
+        let cap = (self.limits.max_write_bytes as u64).min(self.peers[peer as usize].max_write) / 4 * 4;
+        debug_assert!(cap >= 4, "both ends take writes of 4 bytes");
+        cap
     }
 
     pub(super) fn connected(&mut self, peer: u32) -> Result<()> {
         let world = self.peers.len() as u32;
         if self.peer_mut(peer)?.lost {
+            debug_assert_ne!(self.sched.trigger, Trigger::All, "only other triggers lose a worker");
             // A lost worker came back (a new process): a fresh peer.
             self.peers[peer as usize] = Peer {
                 rejoined: true,
@@ -65,6 +71,7 @@ impl Node {
     }
 
     pub(super) fn hello(&mut self, peer: u32, h: Hello) -> Result<()> {
+        debug_assert!(!self.peers[peer as usize].hello, "a second hello is refused before");
         let bad = |what: String| EngineError::Protocol { rank: peer, what };
         if h.version != u16::from(wire::VERSION) {
             return Err(bad(format!(

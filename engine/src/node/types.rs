@@ -485,11 +485,14 @@ pub struct Limits {
 impl Default for Limits {
     /// The io_uring TCP backend's defaults.
     fn default() -> Self {
-        Limits {
+        let l = Limits {
             max_outstanding: 256,
             max_message_bytes: 16 << 20,
             max_write_bytes: 1 << 30,
-        }
+        };
+        // Room for the protocol's control messages (what `Node::new` checks).
+        debug_assert!(l.max_outstanding > 0 && l.max_message_bytes >= crate::wire::MAX_CONTROL);
+        l
     }
 }
 

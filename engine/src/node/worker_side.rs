@@ -23,7 +23,9 @@ impl Node {
             });
         }
         if !factors {
-            return w.core.grad_ready(layer);
+            w.core.grad_ready(layer)?;
+            debug_assert!(w.core.is_in_flight(layer), "layer {layer} went by the PS");
+            return Ok(());
         }
         if spec.kind != LayerKind::Fc {
             return Err(EngineError::NotFullyConnected {
@@ -175,14 +177,24 @@ impl Node {
                 );
             }
             WorkerCommand::SendFactors { peer, layer, iter } => {
+                debug_assert!(book.scheme(layer, iter).takes_factors(), "layer {layer} sends factors");
                 if !self.peers[peer as usize].open {
                     self.early[peer as usize].push(Early::Factors { layer, iter });
                     return Ok(());
                 }
                 self.send_factors(peer, layer, iter);
             }
-            WorkerCommand::Reconstruct { layer, iter } => self.reconstruct(layer, iter),
+            WorkerCommand::Reconstruct { layer, iter } => {
+                debug_assert_eq!(book.scheme(layer, iter), Scheme::Sfb, "only SFB rebuilds on the worker");
+                self.reconstruct(layer, iter);
+            }
             WorkerCommand::Pull { server, chunk, version } => {
+                debug_assert_eq!(
+                    book.chunks()[chunk as usize].server,
+                    server,
+                    "chunk {chunk} is pulled from its owner"
+                );
+                debug_assert!(version > 0, "a pull names an applied version");
                 if server == me {
                     self.server
                         .as_mut()
@@ -194,6 +206,10 @@ impl Node {
                 }
             }
             WorkerCommand::LayerReady { layer, iter } => {
+                // The core finished the iteration: the layer's next one is the one after.
+                let w = &self.worker.as_ref().expect("worker").core;
+                debug_assert!(!w.is_in_flight(layer), "layer {layer} is ready");
+                debug_assert_eq!(w.completed(layer), iter + 1, "layer {layer}");
                 if self.staged {
                     self.publish(layer, Some(iter));
                 } else {
@@ -217,6 +233,8 @@ impl Node {
         let st = &mut self.sparse_stats[si.layer as usize];
         let (src, len, imm) = match pairs {
             Some(n) => {
+                // The server refuses more pairs than the limit.
+                debug_assert!(n as usize <= sparse::pair_limit(si.len), "{n} pairs of slice {slice}");
                 let len = sparse::encoded_bytes(n as usize) as u64;
                 st.sparse_pushes += 1;
                 st.sparse_bytes += len;
@@ -256,6 +274,7 @@ impl Node {
         let spec = &self.book.layers()[layer as usize];
         let k = self.book.config().batch as u64;
         let (u, total) = (k * spec.m as u64 * 4, k * (spec.m + spec.n) as u64 * 4);
+        debug_assert!(0 < u && u < total, "U and V of layer {layer} are not empty");
         let base = self.factor_off[layer as usize].expect("FC");
         // The cap is the peer's from its hello: blocks wait in `early` until it opens.
         debug_assert!(
@@ -317,7 +336,9 @@ impl Node {
                 );
             }
             None => {
-                self.worker.as_mut().expect("worker").want.insert((layer, iter));
+                // One reconstruction is asked for per iteration.
+                let new = self.worker.as_mut().expect("worker").want.insert((layer, iter));
+                debug_assert!(new, "layer {layer} iteration {iter} wanted twice");
             }
         }
     }
@@ -338,6 +359,11 @@ impl Node {
             .map_err(|what| EngineError::Protocol { rank: from, what })?;
         if self.book.scheme(layer, iter) == Scheme::Adam {
             let me = self.rank;
+            // Adam's factors reach the layer's server only (checked at their begin).
+            debug_assert_eq!(
+                self.book.chunks()[self.book.layer_chunks(layer).start as usize].server,
+                me
+            );
             let s = self.server.as_mut().ok_or_else(|| EngineError::Protocol {
                 rank: from,
                 what: format!("adam factors of layer {layer} sent to rank {me}, which is not a server"),
