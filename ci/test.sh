@@ -6,7 +6,8 @@
 #   2. lint      cargo clippy --all-targets --all-features -D warnings
 #   3. sans-io   the engine core's dependency tree holds no I/O crate, and the library's
 #                (`tidewire`) none of the command's (clap, indicatif, tracing-subscriber)
-#   3b. layout   no import cycles between the modules of any crate (ci/import-cycles.py)
+#   3b. layout   no import cycles between the modules of any crate (ci/import-cycles.py), and at
+#                least one assertion per function in the engine outside tests (ci/assert-density.py)
 #   3c. docs     the book (docs/, mdBook; mdbook installed by cargo when missing) builds into
 #                $TARGET_DIR/book, and no relative link or #anchor of the README, python/README.md,
 #                the book's sources or the built book is broken (ci/check-links.py; external
@@ -145,8 +146,10 @@ sans_io() {
 tier sans-io sans_io
 
 # No two modules of a crate import each other, directly or in a ring (ci/import-cycles.py;
-# re-exports are not imports). --map prints each crate's module map.
-tier layout python3 ci/import-cycles.py
+# re-exports are not imports). --map prints each crate's module map. And the engine keeps at
+# least one assertion per function outside tests (ci/assert-density.py; its debug_asserts run
+# in every debug test, the VOPR's included).
+tier layout bash -c 'python3 ci/import-cycles.py && python3 ci/assert-density.py --check'
 
 # The book (docs/): mdBook builds it, and ci/check-links.py checks every relative link and
 # anchor of the README and the book, in the sources and in the built pages. mdbook is
