@@ -188,6 +188,7 @@ pub extern "C" fn tw_version() -> *const c_char {
 mod tests {
     use super::*;
     use std::ffi::CStr;
+    use tidewire::engine::ProtocolViolation;
 
     fn last() -> String {
         // SAFETY: tw_last_error returns a NUL-terminated string valid until the next
@@ -254,10 +255,7 @@ mod tests {
                 TW_ERR_INVALID_ARGUMENT,
             ),
             (
-                E::Engine(EngineError::Protocol {
-                    rank: 1,
-                    what: "x".into(),
-                }),
+                E::Engine(EngineError::protocol(1, ProtocolViolation::SecondHello)),
                 TW_ERR_ENGINE,
             ),
         ];

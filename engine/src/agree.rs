@@ -13,7 +13,7 @@
 
 use crate::book::Book;
 use crate::config::{ApplyOp, Consistency, QueueOrder, SchedConfig};
-use crate::error::EngineError;
+use crate::error::{EngineError, ProtocolViolation};
 use crate::freq::{CommConfig, CommMode};
 
 /// One agreed field. The id is its wire value.
@@ -361,10 +361,13 @@ impl JobConfig {
             }
         }
         if theirs.len() != self.fields.len() {
-            return Err(EngineError::Protocol {
+            return Err(EngineError::protocol(
                 rank,
-                what: format!("{} configuration fields, expected {}", theirs.len(), self.fields.len()),
-            });
+                ProtocolViolation::FieldCount {
+                    got: theirs.len(),
+                    want: self.fields.len(),
+                },
+            ));
         }
         Ok(())
     }

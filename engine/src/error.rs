@@ -1,4 +1,9 @@
-//! The engine's one error type.
+//! The engine's one error type, with the named peer faults
+//! ([`ProtocolViolation`]) it carries.
+
+mod violation;
+
+pub use violation::ProtocolViolation;
 
 /// What went wrong in the engine core, or in the way it was used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -36,9 +41,14 @@ pub enum EngineError {
         name: String,
         dtype: &'static str,
     },
-    /// A peer broke the protocol (e.g. a slice outside this server's shard).
-    #[error("protocol violation by rank {rank}: {what}")]
-    Protocol { rank: u32, what: String },
+    /// A peer broke the protocol (e.g. a slice outside this server's shard);
+    /// the violation is also the [`source`](std::error::Error::source).
+    #[error("protocol violation by rank {rank}: {violation}")]
+    Protocol {
+        rank: u32,
+        #[source]
+        violation: ProtocolViolation,
+    },
     /// Two ranks disagree on a field of the job configuration.
     #[error("rank {rank} has {field} = {theirs}, but {reference} has {ours} (every rank must be started with the same configuration)")]
     Disagree {
@@ -77,5 +87,97 @@ pub enum EngineError {
     Shutdown,
 }
 
+impl EngineError {
+    /// `rank` broke the protocol: shorthand for [`EngineError::Protocol`].
+    pub fn protocol(rank: u32, violation: ProtocolViolation) -> Self {
+        EngineError::Protocol { rank, violation }
+    }
+}
+
 /// Shorthand.
 pub type Result<T> = std::result::Result<T, EngineError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::book::Scheme;
+    use crate::wire::WireError;
+    use std::error::Error as _;
+
+    #[test]
+    fn violations_say_what_the_checks_always_said() {
+        let cases = [
+            (
+                EngineError::protocol(2, ProtocolViolation::SlotWrittenTwice { slot: 3 }),
+                "protocol violation by rank 2: landing slot 3 written twice",
+            ),
+            (
+                EngineError::protocol(
+                    0,
+                    ProtocolViolation::NotifyOutOfStep {
+                        chunk: 4,
+                        layer: 1,
+                        version: 7,
+                        waits_for: Some(5),
+                        owner: 3,
+                    },
+                ),
+                "protocol violation by rank 0: a notification of chunk 4 (layer 1) at version 7, while the layer waits for version 5 (chunk owned by rank 3)",
+            ),
+            (
+                EngineError::protocol(
+                    0,
+                    ProtocolViolation::NotifyOutOfStep {
+                        chunk: 4,
+                        layer: 1,
+                        version: 7,
+                        waits_for: None,
+                        owner: 3,
+                    },
+                ),
+                "protocol violation by rank 0: a notification of chunk 4 (layer 1) at version 7, while the layer is not handed in (chunk owned by rank 3)",
+            ),
+            (
+                EngineError::protocol(
+                    1,
+                    ProtocolViolation::HelloLimits {
+                        max_message: 100,
+                        max_write: 2,
+                    },
+                ),
+                "protocol violation by rank 1: its transport takes messages of 100 bytes and writes of 2 (the protocol needs at least 256 and 4)",
+            ),
+            (
+                EngineError::protocol(
+                    1,
+                    ProtocolViolation::FactorBlockMismatch {
+                        total: 8,
+                        layer: 2,
+                        name: "fc7".into(),
+                        scheme: Scheme::Ps,
+                        want: 16,
+                    },
+                ),
+                "protocol violation by rank 1: a factor block of 8 bytes for layer 2 (fc7), which syncs by Ps (16 bytes expected)",
+            ),
+        ];
+        for (e, text) in cases {
+            assert_eq!(e.to_string(), text);
+        }
+    }
+
+    #[test]
+    fn a_violation_is_the_source_and_keeps_the_wire_error() {
+        let e = EngineError::protocol(1, ProtocolViolation::Wire(WireError::UnknownKind(99)));
+        assert_eq!(e.to_string(), "protocol violation by rank 1: unknown message kind 99");
+        let v = e.source().expect("the violation");
+        assert_eq!(
+            v.downcast_ref::<ProtocolViolation>(),
+            Some(&ProtocolViolation::Wire(WireError::UnknownKind(99)))
+        );
+        assert_eq!(
+            v.source().and_then(|w| w.downcast_ref::<WireError>()),
+            Some(&WireError::UnknownKind(99))
+        );
+    }
+}

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use crate::book::{Book, Placement, Scheme};
 use crate::config::{SchedConfig, Trigger};
-use crate::error::{EngineError, Result};
+use crate::error::{EngineError, ProtocolViolation, Result};
 
 /// What the server core asks its driver to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -366,15 +366,15 @@ impl Server {
         self.cfg.deterministic && self.window == 1 && self.cfg.trigger == Trigger::All
     }
 
-    fn err(&self, rank: u32, what: String) -> EngineError {
-        EngineError::Protocol { rank, what }
+    fn err(&self, rank: u32, violation: ProtocolViolation) -> EngineError {
+        EngineError::protocol(rank, violation)
     }
 
     /// Worker index 0 wrote the initial values of `chunk` into the shard.
     pub fn handle_init(&mut self, from: u32, chunk: u32) -> Result<()> {
         let lc = self.local_chunk(from, chunk)?;
         if self.applied[lc] != 0 || self.init_left == 0 {
-            return Err(self.err(from, format!("initial values for chunk {chunk} sent twice")));
+            return Err(self.err(from, ProtocolViolation::InitTwice { chunk }));
         }
         self.init_left -= 1;
         if self.init_left == 0 {
@@ -394,7 +394,13 @@ impl Server {
     fn local_chunk(&self, from: u32, chunk: u32) -> Result<usize> {
         match self.chunk_local.get(chunk as usize) {
             Some(&lc) if lc != u32::MAX => Ok(lc as usize),
-            _ => Err(self.err(from, format!("chunk {chunk} is not in the shard of rank {}", self.rank))),
+            _ => Err(self.err(
+                from,
+                ProtocolViolation::ChunkNotInShard {
+                    chunk,
+                    server: self.rank,
+                },
+            )),
         }
     }
 
@@ -404,17 +410,17 @@ impl Server {
             .book
             .cluster()
             .worker_index(worker)
-            .ok_or_else(|| self.err(worker, "a push from a rank that is not a worker".into()))?;
+            .ok_or_else(|| self.err(worker, ProtocolViolation::PushFromNonWorker))?;
         if self.init_left != 0 {
-            return Err(self.err(worker, "a gradient push before the shard was initialized".into()));
+            return Err(self.err(worker, ProtocolViolation::PushBeforeInit));
         }
         if slot >= self.cfg.landing_slots() {
             return Err(self.err(
                 worker,
-                format!(
-                    "landing slot {slot} out of range (landing slots: {})",
-                    self.cfg.landing_slots()
-                ),
+                ProtocolViolation::SlotOutOfRange {
+                    slot,
+                    slots: self.cfg.landing_slots(),
+                },
             ));
         }
         let ls = match self.slice_local.get(slice as usize) {
@@ -422,7 +428,10 @@ impl Server {
             _ => {
                 return Err(self.err(
                     worker,
-                    format!("slice {slice} is not in the shard of rank {}", self.rank),
+                    ProtocolViolation::SliceNotInShard {
+                        slice,
+                        server: self.rank,
+                    },
                 ))
             }
         };
@@ -436,10 +445,11 @@ impl Server {
         if self.win_iter[sw] != iter {
             return Err(self.err(
                 worker,
-                format!(
-                    "slice {slice} for iteration {iter} while iteration {} is not applied",
-                    self.win_iter[sw]
-                ),
+                ProtocolViolation::SliceTooEarly {
+                    slice,
+                    iter,
+                    applied: self.win_iter[sw],
+                },
             ));
         }
         // Each worker's contribution lands once per iteration: the window
@@ -453,7 +463,7 @@ impl Server {
         self.slots_held[wi] += 1;
         self.stats.max_slots_held = self.stats.max_slots_held.max(self.slots_held[wi]);
         if self.slots_held[wi] > self.cfg.slots {
-            return Err(self.err(worker, "more pushes in flight than credits granted".into()));
+            return Err(self.err(worker, ProtocolViolation::CreditsExceeded));
         }
         if self.deterministic() {
             debug_assert!(self.folded[sw] as usize <= wi, "worker {wi} folded out of rank order");
@@ -532,13 +542,13 @@ impl Server {
             .book
             .cluster()
             .worker_index(worker)
-            .ok_or_else(|| self.err(worker, "a parked slot of a rank that is not a worker".into()))?;
+            .ok_or_else(|| self.err(worker, ProtocolViolation::ParkedFromNonWorker))?;
         let total = self.cfg.landing_slots() as usize;
         if slot as usize >= total
             || self.spare_free[wi].contains(&slot)
             || self.spare_free[wi].len() >= self.cfg.spare_slots as usize
         {
-            return Err(self.err(worker, format!("parked slot {slot} freed twice")));
+            return Err(self.err(worker, ProtocolViolation::ParkedFreedTwice { slot }));
         }
         self.spare_free[wi].push(slot);
         self.debug_invariants();
@@ -719,18 +729,19 @@ impl Server {
             .book
             .cluster()
             .worker_index(worker)
-            .ok_or_else(|| self.err(worker, "a pull from a rank that is not a worker".into()))?;
+            .ok_or_else(|| self.err(worker, ProtocolViolation::PullFromNonWorker))?;
         if self.owed.is_empty() {
-            return Err(self.err(worker, "a pull, but this job broadcasts (it is not kvstore)".into()));
+            return Err(self.err(worker, ProtocolViolation::PullNotKvstore));
         }
         let lc = self.local_chunk(worker, chunk)?;
         if !std::mem::take(&mut self.owed[lc * self.p1 + wi]) || version != self.applied[lc] {
             return Err(self.err(
                 worker,
-                format!(
-                    "a pull of chunk {chunk} at version {version}, which was not notified (the chunk is at {})",
-                    self.applied[lc]
-                ),
+                ProtocolViolation::PullNotNotified {
+                    chunk,
+                    version,
+                    at: self.applied[lc],
+                },
             ));
         }
         debug_assert!(self.bcast_pending[lc] > 0, "a notified pull counts as pending");
@@ -757,15 +768,12 @@ impl Server {
             .book
             .cluster()
             .worker_index(worker)
-            .ok_or_else(|| self.err(worker, "factors from a rank that is not a worker".into()))?;
+            .ok_or_else(|| self.err(worker, ProtocolViolation::FactorsFromNonWorker))?;
         if self.init_left != 0 {
-            return Err(self.err(worker, "factors before the shard was initialized".into()));
+            return Err(self.err(worker, ProtocolViolation::FactorsBeforeInit));
         }
         if self.book.layer(layer).is_err() || self.book.scheme(layer, iter) != Scheme::Adam {
-            return Err(self.err(
-                worker,
-                format!("factors for layer {layer}, which does not sync by adam"),
-            ));
+            return Err(self.err(worker, ProtocolViolation::FactorsNotAdam { layer }));
         }
         let chunks = self.book.layer_chunks(layer);
         let mut lcs = Vec::with_capacity(chunks.len());
@@ -780,19 +788,17 @@ impl Server {
         if iter != next || lcs.iter().any(|&lc| self.applied[lc] != iter) {
             return Err(self.err(
                 worker,
-                format!(
-                    "factors of layer {layer} for iteration {iter}, while the layer's next iteration is {}",
-                    self.applied[lcs[0]]
-                ),
+                ProtocolViolation::FactorsOutOfOrder {
+                    layer,
+                    iter,
+                    next: self.applied[lcs[0]],
+                },
             ));
         }
         let p1 = self.p1;
         let got = self.factors_got.entry(layer).or_insert_with(|| vec![false; p1]);
         if std::mem::replace(&mut got[wi], true) {
-            return Err(self.err(
-                worker,
-                format!("a second factor block for layer {layer} iteration {iter}"),
-            ));
+            return Err(self.err(worker, ProtocolViolation::SecondFactorBlock { layer, iter }));
         }
         self.stats.factor_blocks += 1;
         if !got.iter().all(|&g| g) {
@@ -823,10 +829,7 @@ impl Server {
     pub fn handle_broadcast_done(&mut self, chunk: u32, worker: u32) -> Result<()> {
         let lc = self.local_chunk(worker, chunk)?;
         if self.bcast_pending[lc] == 0 {
-            return Err(self.err(
-                worker,
-                format!("broadcast completion for chunk {chunk} that was not sent"),
-            ));
+            return Err(self.err(worker, ProtocolViolation::BroadcastNotSent { chunk }));
         }
         debug_assert!(self.bcast_bytes >= self.book.chunks()[chunk as usize].len * 4);
         self.bcast_pending[lc] -= 1;
@@ -897,13 +900,17 @@ impl Server {
         if iter > cur {
             return Err(self.err(
                 worker,
-                format!("slice {slice} for iteration {iter} while iteration {cur} is not applied"),
+                ProtocolViolation::SliceTooEarly {
+                    slice,
+                    iter,
+                    applied: cur,
+                },
             ));
         }
         self.slots_held[wi] += 1;
         self.stats.max_slots_held = self.stats.max_slots_held.max(self.slots_held[wi]);
         if self.slots_held[wi] > self.cfg.slots {
-            return Err(self.err(worker, "more pushes in flight than credits granted".into()));
+            return Err(self.err(worker, ProtocolViolation::CreditsExceeded));
         }
         let late = iter < cur;
         if self.lost[wi] || (late && self.cfg.trigger != Trigger::Async) {
@@ -1064,7 +1071,7 @@ impl Server {
     pub fn handle_worker_rejoined(&mut self, wi: usize) -> Result<()> {
         let rank = self.book.cluster().workers()[wi];
         if !self.lost[wi] {
-            return Err(self.err(rank, "a worker that was not lost came back".into()));
+            return Err(self.err(rank, ProtocolViolation::RejoinNotLost));
         }
         debug_assert!(self.live < self.p1, "worker {wi} was not counted");
         self.lost[wi] = false;

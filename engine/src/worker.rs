@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use crate::book::{Book, LayerKind, Placement, Scheme};
 use crate::config::{QueueOrder, SchedConfig};
-use crate::error::{EngineError, Result};
+use crate::error::{EngineError, ProtocolViolation, Result};
 use crate::fxhash::FxHashMap as HashMap;
 
 /// What the worker core asks its driver to do.
@@ -440,8 +440,8 @@ impl Worker {
         }
     }
 
-    fn protocol(&self, rank: u32, what: String) -> EngineError {
-        EngineError::Protocol { rank, what }
+    fn protocol(&self, rank: u32, violation: ProtocolViolation) -> EngineError {
+        EngineError::protocol(rank, violation)
     }
 
     /// A push's data is placed at the server (its source may be reused).
@@ -450,13 +450,10 @@ impl Worker {
             .book
             .slices()
             .get(slice as usize)
-            .ok_or_else(|| self.protocol(self.rank, format!("push completion for unknown slice {slice}")))?;
+            .ok_or_else(|| self.protocol(self.rank, ProtocolViolation::PushDoneUnknownSlice { slice }))?;
         let st = &mut self.layers[info.layer as usize];
         if !st.in_flight || st.pushes_left == 0 {
-            return Err(self.protocol(
-                self.rank,
-                format!("push completion for slice {slice} that is not in flight"),
-            ));
+            return Err(self.protocol(self.rank, ProtocolViolation::PushDoneNotInFlight { slice }));
         }
         debug_assert_eq!(st.scheme, Some(Scheme::Ps), "only PS layers push");
         debug_assert!(
@@ -478,10 +475,7 @@ impl Worker {
         let bytes = self.item_bytes(Item::Factors { layer });
         let st = &mut self.layers[layer as usize];
         if !st.in_flight || st.sends_left == 0 {
-            return Err(self.protocol(
-                peer,
-                format!("factor send completion for layer {layer} that is not in flight"),
-            ));
+            return Err(self.protocol(peer, ProtocolViolation::FactorsSentNotInFlight { layer }));
         }
         debug_assert!(
             matches!(st.scheme, Some(Scheme::Sfb | Scheme::Adam)),
@@ -505,12 +499,9 @@ impl Worker {
         let free = self
             .free_slots
             .get_mut(server as usize)
-            .ok_or_else(|| EngineError::Protocol {
-                rank: server,
-                what: "credit from a rank outside the cluster".into(),
-            })?;
+            .ok_or(EngineError::protocol(server, ProtocolViolation::CreditFromOutside))?;
         if slot >= self.cfg.landing_slots() || free.contains(&slot) || free.len() >= self.cfg.slots as usize {
-            return Err(self.protocol(server, format!("credit for slot {slot} that was not lent")));
+            return Err(self.protocol(server, ProtocolViolation::CreditNotLent { slot }));
         }
         free.push(slot);
         debug_assert!(
@@ -538,12 +529,9 @@ impl Worker {
             .book
             .chunks()
             .get(chunk as usize)
-            .ok_or_else(|| self.protocol(server, format!("a notification for unknown chunk {chunk}")))?;
+            .ok_or_else(|| self.protocol(server, ProtocolViolation::NotifyUnknownChunk { chunk }))?;
         if self.notified.is_empty() {
-            return Err(self.protocol(
-                server,
-                "a notification, but this job broadcasts (it is not kvstore)".into(),
-            ));
+            return Err(self.protocol(server, ProtocolViolation::NotifyNotKvstore));
         }
         let st = &self.layers[ch.layer as usize];
         if ch.server != server
@@ -553,16 +541,13 @@ impl Worker {
         {
             return Err(self.protocol(
                 server,
-                format!(
-                    "a notification of chunk {chunk} (layer {}) at version {version}, while the layer {} (chunk owned by rank {})",
-                    ch.layer,
-                    if st.in_flight {
-                        format!("waits for version {}", st.done + 1)
-                    } else {
-                        "is not handed in".into()
-                    },
-                    ch.server
-                ),
+                ProtocolViolation::NotifyOutOfStep {
+                    chunk,
+                    layer: ch.layer,
+                    version,
+                    waits_for: st.in_flight.then_some(st.done + 1),
+                    owner: ch.server,
+                },
             ));
         }
         debug_assert_eq!(self.book.config().placement, Placement::KvStore);
@@ -590,16 +575,13 @@ impl Worker {
             .book
             .chunks()
             .get(chunk as usize)
-            .ok_or_else(|| self.protocol(self.rank, format!("parameters for unknown chunk {chunk}")))?
+            .ok_or_else(|| self.protocol(self.rank, ProtocolViolation::ParamsForUnknownChunk { chunk }))?
             .layer;
         if !self.notified.is_empty()
             && self.chunk_updates[chunk as usize] > 0
             && self.chunk_updates[chunk as usize] > self.notified[chunk as usize]
         {
-            return Err(self.protocol(
-                self.rank,
-                format!("parameters of chunk {chunk} arrived without a pull (kvstore)"),
-            ));
+            return Err(self.protocol(self.rank, ProtocolViolation::ParamsWithoutPull { chunk }));
         }
         let held = self.uninitialized == 0 && !self.layers[layer as usize].in_flight;
         if held
@@ -608,10 +590,7 @@ impl Worker {
         {
             // Under BSP a chunk changes only while its layer is handed in: this
             // write landed in memory the caller may hold.
-            return Err(self.protocol(
-                self.rank,
-                format!("parameters of chunk {chunk} arrived while its layer {layer} is not handed in"),
-            ));
+            return Err(self.protocol(self.rank, ProtocolViolation::ParamsWhileHeld { chunk, layer }));
         }
         self.chunk_updates[chunk as usize] += 1;
         if self.chunk_updates[chunk as usize] == 1 {
@@ -630,21 +609,15 @@ impl Worker {
     pub fn handle_factors_arrived(&mut self, layer: u32, iter: u64, from: u32) -> Result<()> {
         self.book.layer(layer)?;
         if self.book.cluster().worker_index(from).is_none() {
-            return Err(self.protocol(from, "factors from a rank that is not a worker".into()));
+            return Err(self.protocol(from, ProtocolViolation::FactorsFromNonWorker));
         }
         if iter < self.sf_applied[layer as usize] {
-            return Err(self.protocol(
-                from,
-                format!("factors of layer {layer} for iteration {iter}, already applied"),
-            ));
+            return Err(self.protocol(from, ProtocolViolation::FactorsAlreadyApplied { layer, iter }));
         }
         let n = self.sf_arrived.entry((layer, iter)).or_insert(0);
         *n += 1;
         if *n as usize > self.book.p1() {
-            return Err(self.protocol(
-                from,
-                format!("too many factor messages for layer {layer} iteration {iter}"),
-            ));
+            return Err(self.protocol(from, ProtocolViolation::TooManyFactors { layer, iter }));
         }
         // Factors come to workers for SFB only (Adam's go to the layer's server).
         debug_assert_eq!(self.book.scheme(layer, iter), Scheme::Sfb, "layer {layer}");
@@ -669,10 +642,7 @@ impl Worker {
     pub fn handle_factors_applied(&mut self, layer: u32, iter: u64) -> Result<()> {
         self.book.layer(layer)?;
         if self.sf_emitted[layer as usize] != Some(iter) || self.sf_applied[layer as usize] != iter {
-            return Err(self.protocol(
-                self.rank,
-                format!("apply of layer {layer} iteration {iter} was not asked for"),
-            ));
+            return Err(self.protocol(self.rank, ProtocolViolation::ApplyNotAsked { layer, iter }));
         }
         debug_assert_eq!(
             self.sf_arrived.get(&(layer, iter)).map(|&n| n as usize),

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use tidewire_engine::book::LayerKind;
 use tidewire_engine::node::{Input, Limits, LocalRegion, Node, Output, Payload, SendSrc, Transmit, TxOp, CELL_BYTES};
-use tidewire_engine::{Book, EngineError};
+use tidewire_engine::{Book, EngineError, ProtocolViolation};
 use tidewire_transport::select::{self, Preference};
 use tidewire_transport::{Access, ConnId, Event, PinOptions, PinnedBuffer, Region, RemoteRegion, ReqId, Transport};
 
@@ -374,10 +374,10 @@ impl Runtime {
                 let s = region(&self.mem, src.region)?.slice(src.offset as usize, *len as usize)?;
                 let i = dst.region.key_index().expect("remote-writable");
                 let d = self.peer_regions[t.peer as usize][i].ok_or_else(|| {
-                    Error::Engine(EngineError::Protocol {
-                        rank: t.peer,
-                        what: format!("it announced no {:?} region", dst.region),
-                    })
+                    Error::Engine(EngineError::protocol(
+                        t.peer,
+                        ProtocolViolation::RegionNotAnnounced { region: dst.region },
+                    ))
                 })?;
                 Ok(self.t.write(conn, &s, &d, dst.offset, *imm)?)
             }

@@ -37,10 +37,10 @@ impl Node {
 
     pub(super) fn job_done(&mut self, id: u64, data: Option<Vec<u8>>) -> Result<()> {
         let me = self.rank;
-        let track = self.jobs.remove(&id).ok_or_else(|| EngineError::Protocol {
-            rank: me,
-            what: format!("completion of unknown job {id}"),
-        })?;
+        let track = self
+            .jobs
+            .remove(&id)
+            .ok_or_else(|| EngineError::protocol(me, ProtocolViolation::UnknownJob { id }))?;
         if track.queue() == Queue::Server && self.sched.trigger == Trigger::All {
             debug_assert!(self.srv_out > 0, "server job {id} was handed out");
             self.srv_out -= 1;
@@ -168,35 +168,36 @@ impl Node {
         self.peer_mut(peer)?;
         self.landed_from[peer as usize] += 1;
         self.stranded_dirty = true;
-        let bad = |what: String| EngineError::Protocol { rank: peer, what };
+        let bad = |violation| EngineError::protocol(peer, violation);
         let book = self.book.clone();
         let slots = u64::from(self.sched.landing_slots());
         let slot_bytes = self.slot_bytes;
         match region {
             LocalRegion::Landing => {
                 if self.server.is_none() {
-                    return Err(bad("a push to a rank that is not a server".into()));
+                    return Err(bad(ProtocolViolation::PushToNonServer));
                 }
                 let wi = book
                     .cluster()
                     .worker_index(peer)
-                    .ok_or_else(|| bad("a push from a rank that is not a worker".into()))?
-                    as u64;
+                    .ok_or_else(|| bad(ProtocolViolation::PushFromNonWorker))? as u64;
                 let sparse = imm & crate::sparse::SPARSE_IMM != 0;
                 let slice = imm & !crate::sparse::SPARSE_IMM;
                 let si = book
                     .slices()
                     .get(slice as usize)
-                    .ok_or_else(|| bad(format!("a push of unknown slice {slice}")))?;
+                    .ok_or_else(|| bad(ProtocolViolation::PushUnknownSlice { slice }))?;
                 let g = offset / slot_bytes;
                 let start = g * slot_bytes;
                 let slot = (g % slots) as u32;
                 if !sparse {
                     if g / slots != wi || len == 0 || offset + len != start + si.len as u64 * 4 {
-                        return Err(bad(format!(
-                            "a push of slice {slice} ({} bytes) at offset {offset}+{len}, outside the sender's landing slots",
-                            si.len * 4
-                        )));
+                        return Err(bad(ProtocolViolation::PushOutsideSlots {
+                            slice,
+                            bytes: si.len * 4,
+                            offset,
+                            len,
+                        }));
                     }
                 } else {
                     // "Sparse, (len - 8) / 8 pairs", written from the slot's start (a
@@ -216,14 +217,16 @@ impl Node {
                         && pairs.is_some_and(|n| n as usize <= crate::sparse::pair_limit(si.len))
                         && book.layers()[si.layer as usize].sparse;
                     let Some(n) = pairs.filter(|_| ok) else {
-                        return Err(bad(format!(
-                            "a sparse push of slice {slice} at offset {offset}+{len}: not a sparse layer, outside the sender's landing slots, or not 8 + 8n bytes with n at most {}",
-                            crate::sparse::pair_limit(si.len)
-                        )));
+                        return Err(bad(ProtocolViolation::SparsePushMalformed {
+                            slice,
+                            offset,
+                            len,
+                            pairs_max: crate::sparse::pair_limit(si.len),
+                        }));
                     };
                     debug_assert!(crate::sparse::encoded_bytes(n as usize) as u64 <= slot_bytes);
                     if self.landing_sparse.insert((peer, slot), n as u32).is_some() {
-                        return Err(bad(format!("landing slot {slot} written twice")));
+                        return Err(bad(ProtocolViolation::SlotWrittenTwice { slot }));
                     }
                 }
                 // The sender's slots lie inside the landing region.
@@ -235,14 +238,18 @@ impl Node {
                 let s = self
                     .server
                     .as_mut()
-                    .ok_or_else(|| bad("seeding a rank that is not a server".into()))?;
+                    .ok_or_else(|| bad(ProtocolViolation::SeedToNonServer))?;
                 let ch = book
                     .chunks()
                     .get(imm as usize)
-                    .ok_or_else(|| bad(format!("seeding unknown chunk {imm}")))?;
+                    .ok_or_else(|| bad(ProtocolViolation::SeedUnknownChunk { chunk: imm }))?;
                 let (a, b) = (ch.shard_offset as u64 * 4, (ch.shard_offset + ch.len) as u64 * 4);
                 if ch.server != self.rank || len == 0 || offset < a || offset + len != b {
-                    return Err(bad(format!("seeding chunk {imm} at {offset}+{len}, outside it")));
+                    return Err(bad(ProtocolViolation::SeedOutsideChunk {
+                        chunk: imm,
+                        offset,
+                        len,
+                    }));
                 }
                 debug_assert!(
                     b <= self.bytes[region_index(LocalRegion::Shard)],
@@ -255,15 +262,19 @@ impl Node {
                 let w = self
                     .worker
                     .as_mut()
-                    .ok_or_else(|| bad("parameters for a rank that is not a worker".into()))?;
+                    .ok_or_else(|| bad(ProtocolViolation::ParamsToNonWorker))?;
                 let ch = book
                     .chunks()
                     .get(imm as usize)
-                    .ok_or_else(|| bad(format!("parameters of unknown chunk {imm}")))?;
+                    .ok_or_else(|| bad(ProtocolViolation::ParamsUnknownChunk { chunk: imm }))?;
                 let a = base + (book.layer_offset(ch.layer) + ch.offset) as u64 * 4;
                 let b = a + ch.len as u64 * 4;
                 if ch.server != peer || len == 0 || offset < a || offset + len != b {
-                    return Err(bad(format!("parameters of chunk {imm} at {offset}+{len}, outside it")));
+                    return Err(bad(ProtocolViolation::ParamsOutsideChunk {
+                        chunk: imm,
+                        offset,
+                        len,
+                    }));
                 }
                 debug_assert!(
                     b <= self.bytes[region_index(LocalRegion::Params)],
@@ -271,20 +282,20 @@ impl Node {
                 );
                 // The core cannot know who wrote: a violation is the writer's.
                 w.core.handle_params(imm).map_err(|e| match e {
-                    EngineError::Protocol { what, .. } => EngineError::Protocol { rank: peer, what },
+                    EngineError::Protocol { violation, .. } => EngineError::protocol(peer, violation),
                     other => other,
                 })
             }
-            other => Err(bad(format!("a write into the {other:?} region"))),
+            other => Err(bad(ProtocolViolation::WriteIntoRegion { region: other })),
         }
     }
 
     pub(super) fn message(&mut self, peer: u32, tag: u32, data: Payload) -> Result<()> {
-        let bad = |what: String| EngineError::Protocol { rank: peer, what };
-        let kind = wire::kind_of(tag).map_err(|e| bad(e.to_string()))?;
+        let bad = |violation| EngineError::protocol(peer, violation);
+        let kind = wire::kind_of(tag).map_err(|e| bad(ProtocolViolation::Wire(e)))?;
         let hello_seen = self.peer_mut(peer)?.hello;
         if kind != Kind::Hello && !hello_seen {
-            return Err(bad(format!("a {kind:?} message before its hello")));
+            return Err(bad(ProtocolViolation::BeforeHello { kind }));
         }
         if kind == Kind::FactorData {
             // Refused unless a block was begun (checked at its begin).
@@ -295,12 +306,12 @@ impl Node {
             return Ok(());
         }
         let Payload::Bytes(bytes) = data else {
-            return Err(bad(format!("a {kind:?} message without bytes")));
+            return Err(bad(ProtocolViolation::MessageWithoutBytes { kind }));
         };
-        match wire::decode(tag, &bytes).map_err(|e| bad(e.to_string()))? {
+        match wire::decode(tag, &bytes).map_err(|e| bad(ProtocolViolation::Wire(e)))? {
             Msg::Hello(h) => {
                 if hello_seen {
-                    return Err(bad("a second hello".into()));
+                    return Err(bad(ProtocolViolation::SecondHello));
                 }
                 self.hello(peer, h)
             }
@@ -308,7 +319,7 @@ impl Node {
                 let w = self
                     .worker
                     .as_mut()
-                    .ok_or_else(|| bad("credit sent to a rank that is not a worker".into()))?;
+                    .ok_or_else(|| bad(ProtocolViolation::CreditToNonWorker))?;
                 for s in slots {
                     w.core.handle_credit(peer, s)?;
                 }
@@ -317,27 +328,34 @@ impl Node {
             Msg::FactorsBegin { layer, iter, total } => {
                 let book = self.book.clone();
                 if book.cluster().worker_index(peer).is_none() {
-                    return Err(bad("factors from a rank that is not a worker".into()));
+                    return Err(bad(ProtocolViolation::FactorsFromNonWorker));
                 }
-                let spec = book.layer(layer).map_err(|e| bad(e.to_string()))?;
+                let spec = book.layer(layer).map_err(|_| {
+                    bad(ProtocolViolation::FactorsUnknownLayer {
+                        layer,
+                        layers: book.layers().len() as u32,
+                    })
+                })?;
                 let want = book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
                 let scheme = book.scheme(layer, iter);
                 if spec.kind != LayerKind::Fc || !scheme.takes_factors() || total != want {
-                    return Err(bad(format!(
-                        "a factor block of {total} bytes for layer {layer} ({}), which syncs by {scheme:?} ({want} bytes expected)",
-                        spec.name,
-                    )));
+                    return Err(bad(ProtocolViolation::FactorBlockMismatch {
+                        total,
+                        layer,
+                        name: spec.name.clone(),
+                        scheme,
+                        want,
+                    }));
                 }
                 let holder = book.chunks()[book.layer_chunks(layer).start as usize].server;
                 match scheme {
-                    Scheme::Sfb if self.worker.is_none() => {
-                        return Err(bad("factors sent to a rank that is not a worker".into()))
-                    }
+                    Scheme::Sfb if self.worker.is_none() => return Err(bad(ProtocolViolation::FactorsToNonWorker)),
                     Scheme::Adam if holder != self.rank || self.server.is_none() => {
-                        return Err(bad(format!(
-                            "adam factors of layer {layer} sent to rank {}, but rank {holder} holds the layer",
-                            self.rank
-                        )))
+                        return Err(bad(ProtocolViolation::AdamFactorsMisrouted {
+                            layer,
+                            to: self.rank,
+                            holder,
+                        }))
                     }
                     _ => {}
                 }
@@ -347,7 +365,7 @@ impl Node {
             Msg::Finished { writes } => {
                 let p = self.peer_mut(peer)?;
                 if p.finished.is_some() {
-                    return Err(bad("finished twice".into()));
+                    return Err(bad(ProtocolViolation::FinishedTwice));
                 }
                 p.finished = Some(writes);
                 self.any_finished = true;
@@ -357,7 +375,7 @@ impl Node {
             Msg::Bye { writes } => {
                 let p = self.peer_mut(peer)?;
                 if p.bye.is_some() {
-                    return Err(bad("said goodbye twice".into()));
+                    return Err(bad(ProtocolViolation::ByeTwice));
                 }
                 p.bye = Some(writes);
                 Ok(())
@@ -366,14 +384,14 @@ impl Node {
                 let w = self
                     .worker
                     .as_mut()
-                    .ok_or_else(|| bad("a notification sent to a rank that is not a worker".into()))?;
+                    .ok_or_else(|| bad(ProtocolViolation::NotifyToNonWorker))?;
                 w.core.handle_notify(peer, chunk, version)
             }
             Msg::Pull { chunk, version } => {
                 let s = self
                     .server
                     .as_mut()
-                    .ok_or_else(|| bad("a pull sent to a rank that is not a server".into()))?;
+                    .ok_or_else(|| bad(ProtocolViolation::PullToNonServer))?;
                 s.core.handle_pull(peer, chunk, version)
             }
             Msg::Abort(reason) => Err(EngineError::PeerAborted { rank: peer, reason }),

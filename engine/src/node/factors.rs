@@ -12,6 +12,7 @@
 //! values in place ([`Blob::f32s`]).
 
 use super::types::{Blob, Payload};
+use crate::error::ProtocolViolation;
 use crate::fxhash::FxHashMap as HashMap;
 
 /// How a sender cuts a factor block of `total` bytes whose U takes the first
@@ -77,13 +78,14 @@ impl Inbox {
     }
 
     /// A block of `total` bytes from `peer` starts.
-    pub(crate) fn begin(&mut self, peer: u32, layer: u32, iter: u64, total: usize) -> Result<(), String> {
+    pub(crate) fn begin(&mut self, peer: u32, layer: u32, iter: u64, total: usize) -> Result<(), ProtocolViolation> {
         let slot = &mut self.open[peer as usize];
         if let Some(s) = slot {
-            return Err(format!(
-                "a factor block for layer {layer} began while the one for layer {} iteration {} was incomplete",
-                s.layer, s.iter
-            ));
+            return Err(ProtocolViolation::FactorBlockOverlap {
+                layer,
+                open_layer: s.layer,
+                open_iter: s.iter,
+            });
         }
         *slot = Some(Stream {
             layer,
@@ -96,17 +98,18 @@ impl Inbox {
     }
 
     /// A fragment from `peer`. Returns the block when it is complete.
-    pub(crate) fn data(&mut self, peer: u32, data: Payload) -> Result<Option<(u32, u64, Blob)>, String> {
+    pub(crate) fn data(&mut self, peer: u32, data: Payload) -> Result<Option<(u32, u64, Blob)>, ProtocolViolation> {
         let slot = &mut self.open[peer as usize];
         let Some(s) = slot.as_mut() else {
-            return Err("factor data without a factor block".into());
+            return Err(ProtocolViolation::FactorDataWithoutBlock);
         };
         let n = data.len();
         if n == 0 || s.got + n > s.total {
-            return Err(format!(
-                "a factor fragment of {n} bytes at {} of a {}-byte block",
-                s.got, s.total
-            ));
+            return Err(ProtocolViolation::FactorFragmentOverrun {
+                bytes: n,
+                at: s.got,
+                total: s.total,
+            });
         }
         s.got += n;
         match data {
@@ -132,10 +135,10 @@ impl Inbox {
     }
 
     /// Stores worker index `wi`'s block.
-    pub(crate) fn put(&mut self, layer: u32, iter: u64, wi: usize, blob: Blob) -> Result<(), String> {
+    pub(crate) fn put(&mut self, layer: u32, iter: u64, wi: usize, blob: Blob) -> Result<(), ProtocolViolation> {
         let e = self.store.entry((layer, iter)).or_insert_with(|| vec![None; self.p1]);
         if e[wi].is_some() {
-            return Err(format!("a second factor block for layer {layer} iteration {iter}"));
+            return Err(ProtocolViolation::SecondFactorBlock { layer, iter });
         }
         e[wi] = Some(blob);
         self.held += 1;

@@ -118,7 +118,7 @@ pub use types::{
 use crate::agree::JobConfig;
 use crate::book::{Book, LayerKind, Scheme};
 use crate::config::{ApplyOp, QueueOrder, SchedConfig, Trigger};
-use crate::error::{EngineError, Result};
+use crate::error::{EngineError, ProtocolViolation, Result};
 use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use crate::server::{Server, ServerCommand};
 use crate::sparse::{SparseCosts, SparseLayerStats, SparsePolicy};
@@ -770,10 +770,7 @@ impl Node {
             Input::PeerRegionsKnown { peer } => {
                 let p = self.peer_mut(peer)?;
                 if !p.hello {
-                    return Err(EngineError::Protocol {
-                        rank: peer,
-                        what: "regions known before its hello".into(),
-                    });
+                    return Err(EngineError::protocol(peer, ProtocolViolation::RegionsBeforeHello));
                 }
                 let rejoined = std::mem::take(&mut p.rejoined);
                 let first = !p.open && !rejoined;
@@ -808,10 +805,10 @@ impl Node {
             Input::Done { token } => match self.flow.done(token) {
                 Some((_, track)) => self.tx_done(track),
                 None if self.flow.was_dropped(token) => Ok(()),
-                None => Err(EngineError::Protocol {
-                    rank: self.rank,
-                    what: format!("completion of unknown transmit {token}"),
-                }),
+                None => Err(EngineError::protocol(
+                    self.rank,
+                    ProtocolViolation::UnknownTransmit { token },
+                )),
             },
             Input::Failed { token, reason } => {
                 if self.flow.was_dropped(token) {
@@ -829,20 +826,20 @@ impl Node {
                         rank: peer,
                         reason: format!("an operation failed: {reason}"),
                     }),
-                    None => Err(EngineError::Protocol {
-                        rank: self.rank,
-                        what: format!("failure of unknown transmit {token}: {reason}"),
-                    }),
+                    None => Err(EngineError::protocol(
+                        self.rank,
+                        ProtocolViolation::UnknownTransmitFailed { token, reason },
+                    )),
                 }
             }
             Input::Blocked { token } => {
                 if self.flow.blocked(token, self.now) || self.flow.was_dropped(token) {
                     Ok(())
                 } else {
-                    Err(EngineError::Protocol {
-                        rank: self.rank,
-                        what: format!("back-pressure on unknown transmit {token}"),
-                    })
+                    Err(EngineError::protocol(
+                        self.rank,
+                        ProtocolViolation::UnknownTransmitBlocked { token },
+                    ))
                 }
             }
             Input::Landed {
@@ -949,10 +946,7 @@ impl Node {
         let me = self.rank;
         match self.peers.get_mut(peer as usize) {
             Some(p) if peer != me => Ok(p),
-            _ => Err(EngineError::Protocol {
-                rank: peer,
-                what: format!("an event names rank {peer}, which is not a peer of rank {me}"),
-            }),
+            _ => Err(EngineError::protocol(peer, ProtocolViolation::NotAPeer { peer, me })),
         }
     }
 

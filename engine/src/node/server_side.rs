@@ -121,10 +121,10 @@ impl Node {
                 }
             }
             ServerCommand::SumFactors { layer, iter, window } => {
-                let factors = self.inbox.take(layer, iter).ok_or_else(|| EngineError::Protocol {
-                    rank: me,
-                    what: format!("the server summed layer {layer} iteration {iter} without every worker's factors"),
-                })?;
+                let factors = self
+                    .inbox
+                    .take(layer, iter)
+                    .ok_or_else(|| EngineError::protocol(me, ProtocolViolation::SumWithoutFactors { layer, iter }))?;
                 let acc_at = book.chunks()[book.layer_chunks(layer).start as usize].shard_offset;
                 debug_assert_eq!(factors.len(), book.p1(), "every worker's factors");
                 debug_assert!((window as usize) < self.windows(), "window {window}");
@@ -191,10 +191,10 @@ impl Node {
         debug_assert!(slot < self.sched.landing_slots(), "slot {slot} of rank {worker}");
         if worker == me {
             let s = self.server.as_mut().expect("server");
-            let slice = s.local_slots.remove(&slot).ok_or_else(|| EngineError::Protocol {
-                rank: me,
-                what: format!("local slot {slot} was not taken"),
-            })?;
+            let slice = s
+                .local_slots
+                .remove(&slot)
+                .ok_or_else(|| EngineError::protocol(me, ProtocolViolation::LocalSlotNotTaken { slot }))?;
             let w = self.worker.as_mut().expect("colocated");
             w.core.handle_push_done(slice)?;
             w.core.handle_credit(me, slot)?;

@@ -50,10 +50,7 @@ impl Node {
         }
         let p = self.peer_mut(peer)?;
         if p.connected {
-            return Err(EngineError::Protocol {
-                rank: peer,
-                what: "connected twice".into(),
-            });
+            return Err(EngineError::protocol(peer, ProtocolViolation::ConnectedTwice));
         }
         p.connected = true;
         let hello = Msg::Hello(Hello {
@@ -72,16 +69,15 @@ impl Node {
 
     pub(super) fn hello(&mut self, peer: u32, h: Hello) -> Result<()> {
         debug_assert!(!self.peers[peer as usize].hello, "a second hello is refused before");
-        let bad = |what: String| EngineError::Protocol { rank: peer, what };
+        let bad = |violation| EngineError::protocol(peer, violation);
         if h.version != u16::from(wire::VERSION) {
-            return Err(bad(format!(
-                "it speaks protocol version {}, this rank {}",
-                h.version,
-                wire::VERSION
-            )));
+            return Err(bad(ProtocolViolation::HelloVersion {
+                theirs: h.version,
+                ours: wire::VERSION,
+            }));
         }
         if h.rank != peer {
-            return Err(bad(format!("its hello names rank {}", h.rank)));
+            return Err(bad(ProtocolViolation::HelloRank { named: h.rank }));
         }
         if h.world as usize != self.peers.len() {
             return Err(EngineError::Disagree {
@@ -99,19 +95,16 @@ impl Node {
             .enumerate()
         {
             if needed && h.keys[i] == 0 && self.needs_region(peer, i) {
-                return Err(bad(format!(
-                    "it announced no {} region",
-                    ["parameter", "shard", "landing"][i]
-                )));
+                return Err(bad(ProtocolViolation::HelloWithoutRegion {
+                    region: ["parameter", "shard", "landing"][i],
+                }));
             }
         }
         if h.max_message < wire::MAX_CONTROL as u64 || h.max_write < 4 {
-            return Err(bad(format!(
-                "its transport takes messages of {} bytes and writes of {} (the protocol needs at least {} and 4)",
-                h.max_message,
-                h.max_write,
-                wire::MAX_CONTROL
-            )));
+            return Err(bad(ProtocolViolation::HelloLimits {
+                max_message: h.max_message,
+                max_write: h.max_write,
+            }));
         }
         let p = self.peer_mut(peer)?;
         p.hello = true;

@@ -356,7 +356,7 @@ impl Node {
         let from = self.book.cluster().workers()[wi];
         self.inbox
             .put(layer, iter, wi, blob)
-            .map_err(|what| EngineError::Protocol { rank: from, what })?;
+            .map_err(|violation| EngineError::protocol(from, violation))?;
         if self.book.scheme(layer, iter) == Scheme::Adam {
             let me = self.rank;
             // Adam's factors reach the layer's server only (checked at their begin).
@@ -364,9 +364,8 @@ impl Node {
                 self.book.chunks()[self.book.layer_chunks(layer).start as usize].server,
                 me
             );
-            let s = self.server.as_mut().ok_or_else(|| EngineError::Protocol {
-                rank: from,
-                what: format!("adam factors of layer {layer} sent to rank {me}, which is not a server"),
+            let s = self.server.as_mut().ok_or_else(|| {
+                EngineError::protocol(from, ProtocolViolation::AdamFactorsToNonServer { layer, to: me })
             })?;
             s.core.handle_factors(from, layer, iter)?;
             if from == me {
