@@ -1,7 +1,9 @@
 //! The engine's one error type, with the named peer faults
-//! ([`ProtocolViolation`]) it carries.
+//! ([`ProtocolViolation`]) and job failures ([`JobFailure`]) it carries.
 
 mod violation;
+
+use std::sync::Arc;
 
 pub use violation::ProtocolViolation;
 
@@ -79,9 +81,10 @@ pub enum EngineError {
     /// Nothing happened within the configured time.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout { what: String, after: std::time::Duration },
-    /// A compute job (accumulate, apply, reconstruct) failed.
+    /// A compute job (accumulate, apply, reconstruct) failed, or finished
+    /// with a result the Node cannot use; the failure is also the source.
     #[error("compute job failed: {0}")]
-    Job(String),
+    Job(#[source] JobFailure),
     /// The session was shut down.
     #[error("the session is shut down")]
     Shutdown,
@@ -93,6 +96,81 @@ impl EngineError {
         EngineError::Protocol { rank, violation }
     }
 }
+
+/// Why a compute job failed ([`EngineError::Job`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum JobFailure {
+    /// The driver's executor could not run job `id` (its error is the
+    /// [`source`](std::error::Error::source)).
+    Failed { id: u64, cause: JobCause },
+    /// A sparse encoding job finished without reporting how many pairs it wrote.
+    NoEncodeCount { slice: u32 },
+    /// A capture job returned a factor block of the wrong size.
+    CaptureSize { layer: u32, got: usize, want: usize },
+}
+
+impl std::fmt::Display for JobFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JobFailure::Failed { id, cause } => write!(f, "job {id}: {cause}"),
+            JobFailure::NoEncodeCount { slice } => write!(f, "the encoding of slice {slice} reported no count"),
+            JobFailure::CaptureSize { layer, got, want } => {
+                write!(f, "captured {got} bytes of factors of layer {layer}, expected {want}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for JobFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            JobFailure::Failed { cause, .. } => Some(cause.error()),
+            _ => None,
+        }
+    }
+}
+
+/// The driver's error for a failed job ([`Input::JobFailed`](crate::node::Input::JobFailed)),
+/// held as a `dyn Error`: the sans-IO engine knows no runtime types, but
+/// keeps the error itself, so that a caller can walk to it with
+/// [`source`](std::error::Error::source) and downcast it.
+///
+/// Two causes compare equal when their texts are (what the engine used to
+/// keep was the text).
+#[derive(Clone)]
+pub struct JobCause(Arc<dyn std::error::Error + Send + Sync>);
+
+impl JobCause {
+    /// Wraps the driver's error.
+    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        JobCause(Arc::new(e))
+    }
+    /// The driver's error.
+    pub fn error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0
+    }
+}
+
+impl std::fmt::Display for JobCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::fmt::Debug for JobCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl PartialEq for JobCause {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for JobCause {}
 
 /// Shorthand.
 pub type Result<T> = std::result::Result<T, EngineError>;
@@ -160,6 +238,14 @@ mod tests {
                 ),
                 "protocol violation by rank 1: a factor block of 8 bytes for layer 2 (fc7), which syncs by Ps (16 bytes expected)",
             ),
+            (
+                EngineError::Job(JobFailure::CaptureSize {
+                    layer: 3,
+                    got: 10,
+                    want: 12,
+                }),
+                "compute job failed: captured 10 bytes of factors of layer 3, expected 12",
+            ),
         ];
         for (e, text) in cases {
             assert_eq!(e.to_string(), text);
@@ -178,6 +264,27 @@ mod tests {
         assert_eq!(
             v.source().and_then(|w| w.downcast_ref::<WireError>()),
             Some(&WireError::UnknownKind(99))
+        );
+    }
+
+    #[test]
+    fn a_failed_job_keeps_the_drivers_error_as_its_source() {
+        let cause = JobCause::new(std::io::Error::other("the executor is gone"));
+        let e = EngineError::Job(JobFailure::Failed { id: 7, cause });
+        assert_eq!(e.to_string(), "compute job failed: job 7: the executor is gone");
+        let failure = e.source().expect("the failure");
+        assert!(failure.is::<JobFailure>());
+        let driver = failure.source().expect("the driver's error");
+        assert!(driver.is::<std::io::Error>(), "{driver:?}");
+        // Causes compare by what they say, as the text the engine used to keep did.
+        assert_eq!(e.clone(), e);
+        assert_eq!(
+            JobCause::new(std::io::Error::other("a")),
+            JobCause::new(std::io::Error::other("a"))
+        );
+        assert_ne!(
+            JobCause::new(std::io::Error::other("a")),
+            JobCause::new(std::io::Error::other("b"))
         );
     }
 }

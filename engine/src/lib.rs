@@ -84,6 +84,6 @@ pub use book::{Book, BookConfig, Cluster, Placement, Role, Scheme, SchemePolicy}
 pub use config::{
     ApplyOp, Consistency, QueueOrder, SchedConfig, SyncMode, Trigger, REFERENCE_CREDIT_BYTES, SLOTS_AUTO, SPARE_AUTO,
 };
-pub use error::{EngineError, ProtocolViolation, Result};
+pub use error::{EngineError, JobCause, JobFailure, ProtocolViolation, Result};
 pub use server::{Server, ServerCommand};
 pub use worker::{Worker, WorkerCommand};

@@ -1,7 +1,9 @@
 //! Why a compute job failed: each cause named, with its source. The Node
-//! hears the text ([`tidewire_engine::node::Input::JobFailed`]: the engine
-//! is sans-IO and knows no runtime types); the runtime and its tests match
-//! on the kind.
+//! holds it as a `dyn Error` ([`tidewire_engine::node::Input::JobFailed`]'s
+//! [`JobCause`](tidewire_engine::JobCause): the engine is sans-IO and knows
+//! no runtime types), so the session's error reaches it through
+//! [`source`](std::error::Error::source); the runtime and its tests match on
+//! the kind.
 
 use tidewire_engine::node::{LocalRegion, Queue};
 use tidewire_engine::sparse::SparseError;

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use tidewire_engine::book::LayerKind;
 use tidewire_engine::node::{Input, Limits, LocalRegion, Node, Output, Payload, SendSrc, Transmit, TxOp, CELL_BYTES};
-use tidewire_engine::{Book, EngineError, ProtocolViolation};
+use tidewire_engine::{Book, EngineError, JobCause, ProtocolViolation};
 use tidewire_transport::select::{self, Preference};
 use tidewire_transport::{Access, ConnId, Event, PinOptions, PinnedBuffer, Region, RemoteRegion, ReqId, Transport};
 
@@ -238,7 +238,7 @@ impl Runtime {
                 Ok(data) => Input::JobDone { id: j.id, data },
                 Err(e) => Input::JobFailed {
                     id: j.id,
-                    reason: e.to_string(),
+                    error: JobCause::new(e),
                 },
             };
             self.input(input);

@@ -67,7 +67,7 @@ impl Node {
                 let report = data
                     .as_deref()
                     .and_then(crate::sparse::EncodeReport::from_bytes)
-                    .ok_or_else(|| EngineError::Job(format!("the encoding of slice {slice} reported no count")))?;
+                    .ok_or(EngineError::Job(JobFailure::NoEncodeCount { slice }))?;
                 let si = self.book.slices()[slice as usize];
                 let pairs = report
                     .pairs
@@ -130,10 +130,11 @@ impl Node {
                 let blob = match data {
                     Some(b) if b.len() == len => Blob::Bytes(b),
                     Some(b) => {
-                        return Err(EngineError::Job(format!(
-                            "captured {} bytes of factors of layer {layer}, expected {len}",
-                            b.len()
-                        )))
+                        return Err(EngineError::Job(JobFailure::CaptureSize {
+                            layer,
+                            got: b.len(),
+                            want: len,
+                        }))
                     }
                     None => Blob::Opaque(len),
                 };

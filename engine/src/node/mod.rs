@@ -118,7 +118,7 @@ pub use types::{
 use crate::agree::JobConfig;
 use crate::book::{Book, LayerKind, Scheme};
 use crate::config::{ApplyOp, QueueOrder, SchedConfig, Trigger};
-use crate::error::{EngineError, ProtocolViolation, Result};
+use crate::error::{EngineError, JobFailure, ProtocolViolation, Result};
 use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use crate::server::{Server, ServerCommand};
 use crate::sparse::{SparseCosts, SparseLayerStats, SparsePolicy};
@@ -875,7 +875,7 @@ impl Node {
                 })
             }
             Input::JobDone { id, data } => self.job_done(id, data),
-            Input::JobFailed { id, reason } => Err(EngineError::Job(format!("job {id}: {reason}"))),
+            Input::JobFailed { id, error } => Err(EngineError::Job(JobFailure::Failed { id, cause: error })),
             Input::Abort { reason } => Err(EngineError::Aborted(reason)),
             Input::Tick => {
                 self.flow.tick(self.now);

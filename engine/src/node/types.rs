@@ -442,8 +442,8 @@ pub enum Input {
     Closed { peer: u32, error: Option<String> },
     /// A job finished; `data` holds captured factors.
     JobDone { id: u64, data: Option<Vec<u8>> },
-    /// A job failed.
-    JobFailed { id: u64, reason: String },
+    /// A job failed: the driver's error.
+    JobFailed { id: u64, error: crate::error::JobCause },
     /// Time passed (see [`Node::poll_timeout`](super::Node::poll_timeout)).
     Tick,
     /// The runtime gives up (a local failure, or the caller dropped its
