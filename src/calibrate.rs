@@ -119,7 +119,7 @@ pub fn measure(budget: Duration) -> Result<Profile> {
         link_bytes_per_s: stream_rate(budget)?,
         msg_s: message_cost(budget)?,
     };
-    rates.validate().map_err(Error::Calibration)?;
+    rates.validate().map_err(|e| Error::Calibration(e.to_string()))?;
     Ok(Profile {
         cores,
         rates,

@@ -616,7 +616,9 @@ impl Book {
     /// decide differently are caught at rendezvous (the decision is part of
     /// the agreed scheme policy, [`Book::scheme_fingerprint`]).
     pub fn with_rates(mut self, rates: cost::Rates) -> Result<Self> {
-        rates.validate().map_err(EngineError::InvalidConfig)?;
+        rates
+            .validate()
+            .map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
         self.rates = Some(rates);
         self.schemes = (0..self.layers.len() as u32).map(|l| self.best_scheme(l)).collect();
         // The rates choose schemes, nothing of what the book hash covers.

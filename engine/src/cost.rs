@@ -108,21 +108,33 @@ pub struct Rates {
     pub gemm_flop_per_s: f64,
 }
 
+/// A rate out of range ([`Rates::validate`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum InvalidRate {
+    /// A throughput that is not finite and above 0 (`rate` names the field).
+    #[error("{rate} must be a finite rate above 0, not {value}")]
+    NotPositive { rate: &'static str, value: f64 },
+    /// A per-message cost that is not finite and at least 0.
+    #[error("msg_s must be finite and at least 0, not {value}")]
+    MessageCost { value: f64 },
+}
+
 impl Rates {
     /// Checks every rate is finite and positive (the message cost may be 0).
-    pub fn validate(&self) -> Result<(), String> {
-        let pos = |v: f64, what: &str| {
-            if v.is_finite() && v > 0.0 {
+    pub fn validate(&self) -> Result<(), InvalidRate> {
+        let pos = |value: f64, rate: &'static str| {
+            if value.is_finite() && value > 0.0 {
                 Ok(())
             } else {
-                Err(format!("{what} must be a finite rate above 0, not {v}"))
+                Err(InvalidRate::NotPositive { rate, value })
             }
         };
         pos(self.link_bytes_per_s, "link_bytes_per_s")?;
         pos(self.sum_bytes_per_s, "sum_bytes_per_s")?;
         pos(self.gemm_flop_per_s, "gemm_flop_per_s")?;
         if !(self.msg_s.is_finite() && self.msg_s >= 0.0) {
-            return Err(format!("msg_s must be finite and at least 0, not {}", self.msg_s));
+            return Err(InvalidRate::MessageCost { value: self.msg_s });
         }
         Ok(())
     }
@@ -388,12 +400,17 @@ mod tests {
         }
         .validate()
         .is_err());
-        assert!(Rates {
-            link_bytes_per_s: 0.0,
-            ..r
-        }
-        .validate()
-        .is_err());
+        assert_eq!(
+            Rates {
+                link_bytes_per_s: 0.0,
+                ..r
+            }
+            .validate(),
+            Err(InvalidRate::NotPositive {
+                rate: "link_bytes_per_s",
+                value: 0.0
+            })
+        );
     }
 
     #[test]
