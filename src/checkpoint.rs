@@ -684,66 +684,143 @@ pub fn remove_after(dir: &Path, k: u64) -> Result<Vec<u64>> {
     Ok(gone)
 }
 
+/// Why a step directory is not a complete checkpoint ([`completeness`]).
+#[derive(Debug, thiserror::Error)]
+enum Incomplete {
+    /// The manifest cannot be read.
+    #[error("no manifest.json")]
+    NoManifest(#[source] std::io::Error),
+    /// The manifest is not JSON.
+    #[error("manifest.json: {0}")]
+    ManifestJson(#[source] serde_json::Error),
+    /// The manifest is of another format.
+    #[error("manifest.json is not a Tidewire checkpoint's")]
+    NotTidewire,
+    /// The manifest lacks a field (`"iteration"`, `"run"`, `"files"`).
+    #[error("manifest.json has no {0}")]
+    ManifestLacks(&'static str),
+    /// The manifest's file list holds something other than a string.
+    #[error("manifest.json lists a file that is not a name")]
+    FileNotAName,
+    /// The manifest names a path outside the step directory.
+    #[error("manifest.json lists {0:?}, which is not a file of this directory")]
+    FileOutside(String),
+    /// A file the manifest lists is not there.
+    #[error("{0} is missing")]
+    Missing(String),
+    /// `framework.bin`'s metadata cannot be read.
+    #[error("framework.json is missing")]
+    NoFrameworkJson(#[source] std::io::Error),
+    /// `framework.bin`'s metadata is not a JSON map of strings.
+    #[error("framework.json: {0}")]
+    FrameworkJson(#[source] serde_json::Error),
+    /// A safetensors file cannot be opened.
+    #[error("{}: {source}", path.display())]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A safetensors file's size or header cannot be read.
+    #[error("{0}")]
+    Read(#[source] std::io::Error),
+    /// A safetensors file shorter than its header's length.
+    #[error("{} is truncated", path.display())]
+    Truncated {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A safetensors header length past the bound or the file.
+    #[error("{} has a damaged header", path.display())]
+    DamagedHeader { path: PathBuf },
+    /// A safetensors header that is not JSON.
+    #[error("{}: {source}", path.display())]
+    HeaderJson {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A safetensors file cut short in its data (or with bytes past it).
+    #[error("{} is {size} bytes, but its header describes {described}", path.display())]
+    Size { path: PathBuf, size: u64, described: u64 },
+    /// A file of another iteration or run than the manifest's.
+    #[error(
+        "{file} is of iteration {iteration:?} of run {run:?}, not of iteration {want_iteration} of run {want_run}"
+    )]
+    OtherRun {
+        file: String,
+        iteration: Option<String>,
+        run: Option<String>,
+        want_iteration: u64,
+        want_run: String,
+    },
+}
+
 /// Why the checkpoint in `step` is not complete, or its manifest.
-fn completeness(step: &Path) -> std::result::Result<Value, String> {
-    let m = fs::read(step.join("manifest.json")).map_err(|_| "no manifest.json".to_string())?;
-    let m: Value = serde_json::from_slice(&m).map_err(|e| format!("manifest.json: {e}"))?;
+fn completeness(step: &Path) -> std::result::Result<Value, Incomplete> {
+    let m = fs::read(step.join("manifest.json")).map_err(Incomplete::NoManifest)?;
+    let m: Value = serde_json::from_slice(&m).map_err(Incomplete::ManifestJson)?;
     if m.get("format").and_then(Value::as_str) != Some(FORMAT) {
-        return Err("manifest.json is not a Tidewire checkpoint's".into());
+        return Err(Incomplete::NotTidewire);
     }
     let k = m
         .get("iteration")
         .and_then(Value::as_u64)
-        .ok_or("manifest.json has no iteration")?;
-    let run = m.get("run").and_then(Value::as_str).ok_or("manifest.json has no run")?;
+        .ok_or(Incomplete::ManifestLacks("iteration"))?;
+    let run = m
+        .get("run")
+        .and_then(Value::as_str)
+        .ok_or(Incomplete::ManifestLacks("run"))?;
     let files = m
         .get("files")
         .and_then(Value::as_array)
-        .ok_or("manifest.json has no files")?;
+        .ok_or(Incomplete::ManifestLacks("files"))?;
     for f in files {
-        let f = f.as_str().ok_or("manifest.json lists a file that is not a name")?;
+        let f = f.as_str().ok_or(Incomplete::FileNotAName)?;
         if f.contains('/') || f.starts_with('.') {
-            return Err(format!(
-                "manifest.json lists {f:?}, which is not a file of this directory"
-            ));
+            return Err(Incomplete::FileOutside(f.to_string()));
         }
         let p = step.join(f);
         if !p.is_file() {
-            return Err(format!("{f} is missing"));
+            return Err(Incomplete::Missing(f.to_string()));
         }
         let meta: BTreeMap<String, String> = if f == "framework.bin" {
-            let j = fs::read(step.join("framework.json")).map_err(|_| "framework.json is missing".to_string())?;
-            serde_json::from_slice(&j).map_err(|e| format!("framework.json: {e}"))?
+            let j = fs::read(step.join("framework.json")).map_err(Incomplete::NoFrameworkJson)?;
+            serde_json::from_slice(&j).map_err(Incomplete::FrameworkJson)?
         } else {
             safetensors_metadata(&p)?
         };
         if meta.get("iteration").map(String::as_str) != Some(&k.to_string())
             || meta.get("run").map(String::as_str) != Some(run)
         {
-            return Err(format!(
-                "{f} is of iteration {:?} of run {:?}, not of iteration {k} of run {run}",
-                meta.get("iteration"),
-                meta.get("run")
-            ));
+            return Err(Incomplete::OtherRun {
+                file: f.to_string(),
+                iteration: meta.get("iteration").cloned(),
+                run: meta.get("run").cloned(),
+                want_iteration: k,
+                want_run: run.to_string(),
+            });
         }
     }
     Ok(m)
 }
 
 /// A safetensors file's metadata, without reading its data.
-fn safetensors_metadata(p: &Path) -> std::result::Result<BTreeMap<String, String>, String> {
-    let mut f = fs::File::open(p).map_err(|e| format!("{}: {e}", p.display()))?;
-    let size = f.metadata().map_err(|e| e.to_string())?.len();
+fn safetensors_metadata(p: &Path) -> std::result::Result<BTreeMap<String, String>, Incomplete> {
+    let path = || p.to_path_buf();
+    let mut f = fs::File::open(p).map_err(|source| Incomplete::Open { path: path(), source })?;
+    let size = f.metadata().map_err(Incomplete::Read)?.len();
     let mut n8 = [0u8; 8];
     f.read_exact(&mut n8)
-        .map_err(|_| format!("{} is truncated", p.display()))?;
+        .map_err(|source| Incomplete::Truncated { path: path(), source })?;
     let n = u64::from_le_bytes(n8);
     if n > MAX_HEADER || n > size.saturating_sub(8) {
-        return Err(format!("{} has a damaged header", p.display()));
+        return Err(Incomplete::DamagedHeader { path: path() });
     }
     let mut h = vec![0u8; n as usize];
-    f.read_exact(&mut h).map_err(|e| e.to_string())?;
-    let v: Value = serde_json::from_slice(&h).map_err(|e| format!("{}: {e}", p.display()))?;
+    f.read_exact(&mut h).map_err(Incomplete::Read)?;
+    let v: Value = serde_json::from_slice(&h).map_err(|source| Incomplete::HeaderJson { path: path(), source })?;
     // A file cut short in its data is not whole: its size is the header's and the data's.
     let end = v
         .as_object()
@@ -755,11 +832,11 @@ fn safetensors_metadata(p: &Path) -> std::result::Result<BTreeMap<String, String
         })
         .unwrap_or(0);
     if size != 8 + n + end {
-        return Err(format!(
-            "{} is {size} bytes, but its header describes {}",
-            p.display(),
-            8 + n + end
-        ));
+        return Err(Incomplete::Size {
+            path: path(),
+            size,
+            described: 8 + n + end,
+        });
     }
     Ok(v.get("__metadata__")
         .and_then(Value::as_object)
@@ -1061,7 +1138,8 @@ mod tests {
             write(f, "run-b");
         }
         let why = completeness(&step).unwrap_err();
-        assert!(why.contains("run"), "{why}");
+        assert!(matches!(why, Incomplete::OtherRun { .. }), "{why}");
+        assert!(why.to_string().contains("run"), "{why}");
         for f in plan.files.iter().skip(1) {
             write(f, "run-a");
         }
