@@ -94,7 +94,35 @@ struct Joined {
 }
 
 /// What a connection's thread reports: its id and a proven join, or why it was refused.
-type Outcome = (u64, std::result::Result<Joined, String>);
+type Outcome = (u64, std::result::Result<Joined, Refusal>);
+
+/// Why rank 0 refused a joiner before its join counted: it did not prove the
+/// job secret in time, or its connection failed. The text is what rank 0
+/// answers the joiner (`{"refused": why}`).
+#[derive(Debug, thiserror::Error)]
+enum Refusal {
+    /// The connection could not be set up (blocking mode, write timeout).
+    #[error("{0}")]
+    Socket(#[source] std::io::Error),
+    /// The challenge could not be sent.
+    #[error("sending the challenge: {0}")]
+    SendChallenge(#[source] std::io::Error),
+    /// No join line arrived before the deadline, or it was too long.
+    #[error("reading the join: {0}")]
+    ReadJoin(#[source] std::io::Error),
+    /// The signed join line, or the join inside it, is not the expected JSON.
+    #[error("malformed join: {0}")]
+    MalformedJoin(#[source] serde_json::Error),
+    /// The joiner's nonce is not 32 bytes of hex.
+    #[error("malformed joiner nonce")]
+    MalformedNonce,
+    /// The MAC is not hex.
+    #[error("malformed MAC")]
+    MalformedMac,
+    /// The MAC does not prove the job secret.
+    #[error("authentication failed (the joiner does not have this job's secret)")]
+    Unauthenticated,
+}
 
 /// Rank 0's side, bound before the transport listens so that the advertised IP
 /// is known.
@@ -193,7 +221,7 @@ impl Host {
                     .spawn(move || {
                         let r = authenticate(stream, &secret, conn_deadline);
                         if let Err(why) = &r {
-                            tracing::debug!(%peer, why, "rendezvous: refused a joiner");
+                            tracing::debug!(%peer, why = why.to_string(), "rendezvous: refused a joiner");
                         }
                         let _ = tx.send((id, r));
                     });
@@ -364,19 +392,17 @@ fn send_reply(c: &mut Joined, secret: &JobSecret, reply: &Reply) {
 
 /// One connection on rank 0: challenge, then a join that proves the secret,
 /// all before `deadline`. A refusal is answered (best effort) and closes it.
-fn authenticate(stream: TcpStream, secret: &JobSecret, deadline: Instant) -> std::result::Result<Joined, String> {
+fn authenticate(stream: TcpStream, secret: &JobSecret, deadline: Instant) -> std::result::Result<Joined, Refusal> {
     let host = auth::nonce();
     let r = (|| {
-        stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+        stream.set_nonblocking(false).map_err(Refusal::Socket)?;
         stream
             .set_write_timeout(Some(remaining(deadline)))
-            .map_err(|e| e.to_string())?;
+            .map_err(Refusal::Socket)?;
         let line = serde_json::to_string(&Challenge { nonce: hex(&host) }).expect("serializable") + "\n";
-        (&stream)
-            .write_all(line.as_bytes())
-            .map_err(|e| format!("sending the challenge: {e}"))?;
+        (&stream).write_all(line.as_bytes()).map_err(Refusal::SendChallenge)?;
         let mut reader = BufReader::new(&stream);
-        let line = read_line(&mut reader, &stream, deadline).map_err(|e| format!("reading the join: {e}"))?;
+        let line = read_line(&mut reader, &stream, deadline).map_err(Refusal::ReadJoin)?;
         check_join(&line, secret, &host)
     })();
     match r {
@@ -387,7 +413,7 @@ fn authenticate(stream: TcpStream, secret: &JobSecret, deadline: Instant) -> std
         }),
         Err(why) => {
             let refusal = SignedReply {
-                refused: Some(why.clone()),
+                refused: Some(why.to_string()),
                 ..Default::default()
             };
             let line = serde_json::to_string(&refusal).expect("serializable") + "\n";
@@ -401,14 +427,14 @@ fn authenticate(stream: TcpStream, secret: &JobSecret, deadline: Instant) -> std
 
 /// Rank 0's check of a joiner's signed join line against its challenge nonce
 /// `host`: the join and the joiner's nonce, or why it is refused.
-fn check_join(line: &[u8], secret: &JobSecret, host: &[u8; 32]) -> std::result::Result<(Join, [u8; 32]), String> {
-    let signed: SignedJoin = serde_json::from_slice(line).map_err(|e| format!("malformed join: {e}"))?;
-    let joiner = unhex32(&signed.nonce).ok_or("malformed joiner nonce")?;
-    let mac = unhex(&signed.mac).ok_or("malformed MAC")?;
+fn check_join(line: &[u8], secret: &JobSecret, host: &[u8; 32]) -> std::result::Result<(Join, [u8; 32]), Refusal> {
+    let signed: SignedJoin = serde_json::from_slice(line).map_err(Refusal::MalformedJoin)?;
+    let joiner = unhex32(&signed.nonce).ok_or(Refusal::MalformedNonce)?;
+    let mac = unhex(&signed.mac).ok_or(Refusal::MalformedMac)?;
     if !auth::verify_mac(secret, JOIN_LABEL, &[host, &joiner, signed.join.as_bytes()], &mac) {
-        return Err("authentication failed (the joiner does not have this job's secret)".to_string());
+        return Err(Refusal::Unauthenticated);
     }
-    let join: Join = serde_json::from_str(&signed.join).map_err(|e| format!("malformed join: {e}"))?;
+    let join: Join = serde_json::from_str(&signed.join).map_err(Refusal::MalformedJoin)?;
     Ok((join, joiner))
 }
 
@@ -838,5 +864,34 @@ mod tests {
         }
         assert_eq!(unhex("00ff").unwrap(), vec![0, 255]);
         assert_eq!(unhex32(&hex(&[9; 32])), Some([9; 32]));
+    }
+
+    #[test]
+    fn a_refusal_names_its_check_and_keeps_its_source() {
+        use std::error::Error as _;
+        let host = [1u8; 32];
+        let e = check_join(b"not json", &secret(), &host).unwrap_err();
+        assert!(matches!(e, Refusal::MalformedJoin(_)), "{e}");
+        assert!(e.to_string().starts_with("malformed join: "), "{e}");
+        assert!(e.source().is_some_and(|s| s.is::<serde_json::Error>()));
+        // Signed with another secret: the MAC does not verify.
+        let joiner = [2u8; 32];
+        let body = "{}";
+        let line = serde_json::to_string(&SignedJoin {
+            mac: hex(&auth::mac(
+                &JobSecret::new(b"another job".to_vec()),
+                JOIN_LABEL,
+                &[&host, &joiner, body.as_bytes()],
+            )),
+            nonce: hex(&joiner),
+            join: body.into(),
+        })
+        .unwrap();
+        let e = check_join(line.as_bytes(), &secret(), &host).unwrap_err();
+        assert!(matches!(e, Refusal::Unauthenticated), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "authentication failed (the joiner does not have this job's secret)"
+        );
     }
 }
