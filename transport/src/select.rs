@@ -115,14 +115,11 @@ pub fn open(pref: Preference, control: TcpConfig, tweak: RdmaTweak<'_>) -> Resul
     Ok(chosen)
 }
 
-/// Whether io_uring can be set up here: `Ok(())`, or the reason it cannot
-/// (what `tidewire doctor` reports).
-pub fn uring_usable() -> std::result::Result<(), String> {
+/// Whether io_uring can be set up here: `Ok(())`, or the error that says
+/// why it cannot (what `tidewire doctor` reports).
+pub fn uring_usable() -> Result<()> {
     let cfg = TcpConfig::new(0, 0, crate::JobSecret::new(b"probe".to_vec()));
-    match TcpTransport::new(cfg) {
-        Ok(_) => Ok(()),
-        Err(e) => Err(e.to_string()),
-    }
+    TcpTransport::new(cfg).map(|_| ())
 }
 
 #[cfg(feature = "rdma")]

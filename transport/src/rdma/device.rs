@@ -236,15 +236,26 @@ fn gids_of(ctx: &DeviceContext, port: u8) -> Vec<GidInfo> {
         .collect()
 }
 
+/// Why a port has no GID to use ([`pick_gid`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum NoGid {
+    /// The configured GID index has no entry.
+    #[error("GID index {index} is empty on this port")]
+    Empty { index: u32 },
+    /// A RoCE port without any GID.
+    #[error("the GID table is empty (no IP address on the netdev?)")]
+    NoTable,
+}
+
 /// Picks the GID to use on a port: the configured index, else a RoCE v2
 /// IPv4-mapped GID, else any RoCE v2 GID that is not link-local, else index 0
 /// (InfiniBand).
-pub(crate) fn pick_gid(gids: &[GidInfo], want: Option<u32>, link: LinkLayer) -> std::result::Result<u32, String> {
+pub(crate) fn pick_gid(gids: &[GidInfo], want: Option<u32>, link: LinkLayer) -> std::result::Result<u32, NoGid> {
     if let Some(i) = want {
         return if gids.iter().any(|g| g.index == i) || link == LinkLayer::InfiniBand {
             Ok(i)
         } else {
-            Err(format!("GID index {i} is empty on this port"))
+            Err(NoGid::Empty { index: i })
         };
     }
     if link == LinkLayer::InfiniBand {
@@ -256,9 +267,7 @@ pub(crate) fn pick_gid(gids: &[GidInfo], want: Option<u32>, link: LinkLayer) -> 
     if let Some(g) = gids.iter().find(|g| g.kind == "RoCE v2" && !g.gid.starts_with("fe80")) {
         return Ok(g.index);
     }
-    gids.first()
-        .map(|g| g.index)
-        .ok_or_else(|| "the GID table is empty (no IP address on the netdev?)".to_string())
+    gids.first().map(|g| g.index).ok_or(NoGid::NoTable)
 }
 
 fn link_name(l: LinkLayer) -> &'static str {
@@ -496,15 +505,15 @@ mod tests {
         ];
         assert_eq!(pick_gid(&table, None, LinkLayer::Ethernet), Ok(3));
         assert_eq!(pick_gid(&table, Some(2), LinkLayer::Ethernet), Ok(2));
-        assert!(pick_gid(&table, Some(9), LinkLayer::Ethernet)
-            .unwrap_err()
-            .contains("empty"));
+        let e = pick_gid(&table, Some(9), LinkLayer::Ethernet).unwrap_err();
+        assert_eq!(e, NoGid::Empty { index: 9 });
+        assert!(e.to_string().contains("empty"), "{e}");
         assert_eq!(
             pick_gid(&table[..2], None, LinkLayer::Ethernet),
             Ok(0),
             "link-local only: first entry"
         );
-        assert!(pick_gid(&[], None, LinkLayer::Ethernet).is_err());
+        assert_eq!(pick_gid(&[], None, LinkLayer::Ethernet), Err(NoGid::NoTable));
         assert_eq!(pick_gid(&[], None, LinkLayer::InfiniBand), Ok(0));
     }
 

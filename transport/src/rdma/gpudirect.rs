@@ -272,8 +272,19 @@ impl Drop for VgemBuffer {
     }
 }
 
-fn vgem_card() -> std::result::Result<std::path::PathBuf, String> {
-    let dir = std::fs::read_dir("/sys/class/drm").map_err(|e| format!("/sys/class/drm: {e} (no DRM)"))?;
+/// A vgem buffer could not be made ([`Error::DeviceMemory`], op `"vgem buffer"`):
+/// `reason` says why, and the OS error is the source where there is one.
+fn vgem_failed(reason: String, source: Option<std::io::Error>) -> Error {
+    Error::DeviceMemory {
+        op: "vgem buffer",
+        reason,
+        source: source.map(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>),
+    }
+}
+
+fn vgem_card() -> Result<std::path::PathBuf> {
+    let dir = std::fs::read_dir("/sys/class/drm")
+        .map_err(|e| vgem_failed(format!("/sys/class/drm: {e} (no DRM)"), Some(e)))?;
     for e in dir.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if !name.starts_with("card") || name.contains('-') {
@@ -290,7 +301,10 @@ fn vgem_card() -> std::result::Result<std::path::PathBuf, String> {
             return Ok(std::path::Path::new("/dev/dri").join(name));
         }
     }
-    Err("no vgem device: load it with `modprobe vgem` (CONFIG_DRM_VGEM)".into())
+    Err(vgem_failed(
+        "no vgem device: load it with `modprobe vgem` (CONFIG_DRM_VGEM)".into(),
+        None,
+    ))
 }
 
 impl VgemBuffer {
@@ -298,23 +312,19 @@ impl VgemBuffer {
     /// [`Error::DeviceMemory`] (op `"vgem buffer"`) saying why, e.g. when the
     /// vgem module is not loaded.
     pub fn new(len: usize) -> Result<VgemBuffer> {
-        Self::create(len).map_err(|reason| Error::DeviceMemory {
-            op: "vgem buffer",
-            reason,
-            source: None,
-        })
+        Self::create(len)
     }
 
-    fn create(len: usize) -> std::result::Result<VgemBuffer, String> {
+    fn create(len: usize) -> Result<VgemBuffer> {
         if len == 0 {
-            return Err("a vgem buffer of 0 bytes".into());
+            return Err(vgem_failed("a vgem buffer of 0 bytes".into(), None));
         }
         let path = vgem_card()?;
         let card = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .open(&path)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+            .map_err(|e| vgem_failed(format!("{}: {e}", path.display()), Some(e)))?;
         let card = OwnedFd::from(card);
         let page = 4096usize;
         let rows = len.div_ceil(page);
@@ -326,7 +336,8 @@ impl VgemBuffer {
         };
         // SAFETY: DRM_IOCTL_MODE_CREATE_DUMB reads and writes one `struct drm_mode_create_dumb`.
         if unsafe { libc::ioctl(card.as_raw_fd(), DRM_IOCTL_MODE_CREATE_DUMB as _, &mut c) } != 0 {
-            return Err(format!("vgem create: {}", std::io::Error::last_os_error()));
+            let e = std::io::Error::last_os_error();
+            return Err(vgem_failed(format!("vgem create: {e}"), Some(e)));
         }
         let mut p = PrimeHandle {
             handle: c.handle,
@@ -335,7 +346,8 @@ impl VgemBuffer {
         };
         // SAFETY: DRM_IOCTL_PRIME_HANDLE_TO_FD reads and writes one `struct drm_prime_handle`.
         if unsafe { libc::ioctl(card.as_raw_fd(), DRM_IOCTL_PRIME_HANDLE_TO_FD as _, &mut p) } != 0 || p.fd < 0 {
-            return Err(format!("vgem export: {}", std::io::Error::last_os_error()));
+            let e = std::io::Error::last_os_error();
+            return Err(vgem_failed(format!("vgem export: {e}"), Some(e)));
         }
         // SAFETY: the ioctl just created this fd for us.
         let dmabuf = unsafe { OwnedFd::from_raw_fd(p.fd) };
@@ -352,7 +364,8 @@ impl VgemBuffer {
             )
         };
         if map == libc::MAP_FAILED {
-            return Err(format!("mmap of the vgem dmabuf: {}", std::io::Error::last_os_error()));
+            let e = std::io::Error::last_os_error();
+            return Err(vgem_failed(format!("mmap of the vgem dmabuf: {e}"), Some(e)));
         }
         Ok(VgemBuffer {
             dmabuf,
