@@ -297,8 +297,11 @@ mod hostile {
 
     fn violation(e: Option<EngineError>, what: &str) {
         match e {
-            Some(EngineError::Protocol { rank: 0, .. }) => {}
-            other => panic!("{what}: want a protocol violation naming rank 0, got {other:?}"),
+            Some(EngineError::Protocol {
+                rank: 0,
+                violation: tidewire_engine::ProtocolViolation::SparsePushMalformed { .. },
+            }) => {}
+            other => panic!("{what}: want a malformed sparse push by rank 0, got {other:?}"),
         }
     }
 
