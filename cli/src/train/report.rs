@@ -1,6 +1,8 @@
 //! What ranks report ([`NodeResult`]), the launcher's summary ([`TrainReport`]),
 //! and its text ([`render`]).
 
+use std::fmt::Write;
+
 use serde::{Deserialize, Serialize};
 use tidewire_engine::book::{LayerKind, Scheme};
 
@@ -237,8 +239,19 @@ pub struct LayerRow {
 
 /// The report as text.
 pub fn render(r: &TrainReport) -> String {
-    use std::fmt::Write;
     let mut s = String::new();
+    render_header(&mut s, r);
+    render_resilience(&mut s, r);
+    render_setup(&mut s, r);
+    render_schemes(&mut s, r);
+    render_iterations(&mut s, r);
+    render_traffic(&mut s, r);
+    render_outcome(&mut s, r);
+    s
+}
+
+/// The run's shape and the transports.
+fn render_header(s: &mut String, r: &TrainReport) {
     let _ = writeln!(
         s,
         "{} | {} workers, {} servers{} | sync {} | {} | K={} | compute {:.3} s/iter (time scale {})",
@@ -255,6 +268,10 @@ pub fn render(r: &TrainReport) -> String {
     for t in &r.transport {
         let _ = writeln!(s, "transport {t}");
     }
+}
+
+/// Rollbacks, the trigger's figures, removed stragglers and checkpoints.
+fn render_resilience(s: &mut String, r: &TrainReport) {
     for (i, x) in r.restarts.iter().enumerate() {
         let _ = writeln!(
             s,
@@ -265,24 +282,7 @@ pub fn render(r: &TrainReport) -> String {
             x.recovery_s
         );
     }
-    let (lo, hi) = r
-        .worker_iteration_s
-        .iter()
-        .fold((f64::MAX, 0.0f64), |(lo, hi), &w| (lo.min(w), hi.max(w)));
-    // Under another trigger, or when the workers' paces differ by a fifth (a straggler).
-    if r.trigger != "all" || hi > 1.2 * lo {
-        let list: Vec<String> = r.worker_iteration_s.iter().map(|w| format!("{w:.3}")).collect();
-        let _ = writeln!(
-            s,
-            "trigger {}: mean iteration per worker {} s; {} rounds applied without every worker, {} late \
-             contributions dropped, {} folded into the next round",
-            r.trigger,
-            list.join(" / "),
-            r.partial_applies,
-            r.dropped,
-            r.late_folded
-        );
-    }
+    render_trigger(s, r);
     for x in &r.removed {
         let _ = writeln!(
             s,
@@ -317,6 +317,32 @@ pub fn render(r: &TrainReport) -> String {
             "the last attempt resumed from iteration {k}; its iterations are below"
         );
     }
+}
+
+/// The workers' paces and the servers' partial rounds, under a trigger other
+/// than all or when the paces differ by a fifth (a straggler).
+fn render_trigger(s: &mut String, r: &TrainReport) {
+    let (lo, hi) = r
+        .worker_iteration_s
+        .iter()
+        .fold((f64::MAX, 0.0f64), |(lo, hi), &w| (lo.min(w), hi.max(w)));
+    if r.trigger != "all" || hi > 1.2 * lo {
+        let list: Vec<String> = r.worker_iteration_s.iter().map(|w| format!("{w:.3}")).collect();
+        let _ = writeln!(
+            s,
+            "trigger {}: mean iteration per worker {} s; {} rounds applied without every worker, {} late \
+             contributions dropped, {} folded into the next round",
+            r.trigger,
+            list.join(" / "),
+            r.partial_applies,
+            r.dropped,
+            r.late_folded
+        );
+    }
+}
+
+/// The local learners' traffic, where the servers' sums ran, and the rates.
+fn render_setup(s: &mut String, r: &TrainReport) {
     if r.local_learners > 1 {
         let mb = |v: &[u64]| v.iter().sum::<u64>() as f64 / v.len().max(1) as f64 / 1e6;
         let _ = writeln!(
@@ -354,6 +380,10 @@ pub fn render(r: &TrainReport) -> String {
             r.slice_params
         );
     }
+}
+
+/// How many layers go through each scheme, and every FC layer's.
+fn render_schemes(s: &mut String, r: &TrainReport) {
     let count = |x: Scheme| r.layers.iter().filter(|l| l.scheme == x).count();
     let (sfb, adam) = (count(Scheme::Sfb), count(Scheme::Adam));
     let _ = write!(
@@ -376,6 +406,10 @@ pub fn render(r: &TrainReport) -> String {
             l.name, l.shape.0, l.shape.1, l.scheme
         );
     }
+}
+
+/// The table of the slowest worker's iterations, and their mean.
+fn render_iterations(s: &mut String, r: &TrainReport) {
     let _ = writeln!(
         s,
         "{:>5} {:>10} {:>12} {:>10} {:>10} {:>8}",
@@ -405,6 +439,10 @@ pub fn render(r: &TrainReport) -> String {
         r.throughput_samples_s,
         100.0 * r.hidden_fraction
     );
+}
+
+/// The sparse layers' pushes and the communication frequency's exchanges.
+fn render_traffic(s: &mut String, r: &TrainReport) {
     let sp = &r.sparse;
     if sp.pushes + sp.dense_pushes > 0 {
         let _ = writeln!(
@@ -434,6 +472,10 @@ pub fn render(r: &TrainReport) -> String {
             let _ = writeln!(s, "  {d}");
         }
     }
+}
+
+/// The verification's verdict and the ranks' warnings.
+fn render_outcome(s: &mut String, r: &TrainReport) {
     match r.verified {
         Some(true) => {
             let _ = writeln!(
@@ -452,5 +494,4 @@ pub fn render(r: &TrainReport) -> String {
             let _ = writeln!(s, "  {w}");
         }
     }
-    s
 }
