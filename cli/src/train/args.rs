@@ -316,13 +316,52 @@ impl TrainArgs {
         self.model()?;
         self.apply_op()?;
         self.transport_kind(0)?;
+        self.check_gpu()?;
+        self.check_sizes()?;
+        self.check_local_learners()?;
+        self.check_netns()?;
+        self.check_cost_model()?;
+        if !(self.time_scale >= 0.0 && self.time_scale.is_finite()) {
+            return Err(Error::Usage("--time-scale must be a finite number ≥ 0".into()));
+        }
+        let c = consistency_of(&self.consistency).map_err(Error::Usage)?;
+        if self.comm.active() {
+            self.comm.validate(self.apply_op()?, self.iters)?;
+            if c != Consistency::Bsp {
+                return Err(Error::Usage("--comm-every/--comm-mode/--freq-max need BSP".into()));
+            }
+        }
+        let trigger = self.trigger()?;
+        self.check_baselines(c, trigger)?;
+        self.ckpt.validate(
+            self.world().2,
+            self.iters,
+            self.local_learners,
+            self.comm.active(),
+            c == Consistency::Bsp && trigger == tidewire_engine::Trigger::All,
+        )?;
+        self.check_trigger(c, trigger)?;
+        self.check_remove_stragglers(trigger)?;
+        if self.verify && (c != Consistency::Bsp || self.fast) {
+            return Err(Error::Usage(
+                "--verify needs BSP with deterministic aggregation: SSP and --fast results depend on timing".into(),
+            ));
+        }
+        Ok(())
+    }
+    /// `--aggregate gpu`: refused before any rank starts, with the probe's reason.
+    fn check_gpu(&self) -> Result<()> {
         if self.aggregate == tidewire_gpu::agg::Policy::Gpu {
-            // Refuse before any rank starts, with the probe's reason.
             let p = tidewire_gpu::probe();
             if !p.usable {
                 return Err(tidewire_gpu::agg::AggError::NoGpu(p.detail).into());
             }
         }
+        Ok(())
+    }
+    /// The workers, servers and iterations, and the book's own checks (batch,
+    /// chunk and slice sizes, --rates), here rather than in every rank after the launch.
+    fn check_sizes(&self) -> Result<()> {
         if self.workers == 0 {
             return Err(Error::Usage("--workers must be at least 1".into()));
         }
@@ -332,9 +371,11 @@ impl TrainArgs {
         if self.iters == 0 {
             return Err(Error::Usage("--iters must be at least 1".into()));
         }
-        // The book's own checks (batch, chunk and slice sizes, --rates), here
-        // rather than in every rank after the launch.
         self.book(&self.model()?, self.cluster()?)?;
+        Ok(())
+    }
+    /// `--local-learners`, `--flat` and `--cache-staleness`.
+    fn check_local_learners(&self) -> Result<()> {
         if self.local_learners == 0 {
             return Err(Error::Usage("--local-learners must be at least 1".into()));
         }
@@ -354,6 +395,10 @@ impl TrainArgs {
                 "--verify needs --cache-staleness 0: stale parameter reads depend on timing".into(),
             ));
         }
+        Ok(())
+    }
+    /// `--netns` and `--netns-addrs`: one IPv4 address per namespace.
+    fn check_netns(&self) -> Result<()> {
         if let (Some(ns), Some(addrs)) = (&self.netns, &self.netns_addrs) {
             let (ns, addrs) = (split_list(ns), split_list(addrs));
             if ns.is_empty() || ns.len() != addrs.len() {
@@ -367,6 +412,10 @@ impl TrainArgs {
                 return Err(Error::Usage(format!("--netns-addrs: {a:?} is not an IPv4 address")));
             }
         }
+        Ok(())
+    }
+    /// `--cost-model`, with `--profile` and `--rates`.
+    fn check_cost_model(&self) -> Result<()> {
         if !matches!(self.cost_model.as_str(), "seconds" | "bytes") {
             return Err(Error::Usage(format!(
                 "--cost-model {:?}: use seconds (measured rates) or bytes (Poseidon's Table 1)",
@@ -379,17 +428,11 @@ impl TrainArgs {
             ));
         }
         self.agreed_rates()?;
-        if !(self.time_scale >= 0.0 && self.time_scale.is_finite()) {
-            return Err(Error::Usage("--time-scale must be a finite number ≥ 0".into()));
-        }
-        let c = consistency_of(&self.consistency).map_err(Error::Usage)?;
-        if self.comm.active() {
-            self.comm.validate(self.apply_op()?, self.iters)?;
-            if c != Consistency::Bsp {
-                return Err(Error::Usage("--comm-every/--comm-mode/--freq-max need BSP".into()));
-            }
-        }
-        let trigger = self.trigger()?;
+        Ok(())
+    }
+    /// The papers' baselines (`--sync kvstore` and `adam`) keep one version
+    /// per iteration: BSP and `--trigger all` only.
+    fn check_baselines(&self, c: Consistency, trigger: tidewire_engine::Trigger) -> Result<()> {
         if self.sync_mode() == SyncMode::KvStore {
             if c != Consistency::Bsp {
                 return Err(Error::Usage(
@@ -410,61 +453,60 @@ impl TrainArgs {
                 self.consistency, self.trigger
             )));
         }
-        self.ckpt.validate(
-            self.world().2,
-            self.iters,
-            self.local_learners,
-            self.comm.active(),
-            c == Consistency::Bsp && trigger == tidewire_engine::Trigger::All,
-        )?;
-        if trigger != tidewire_engine::Trigger::All {
-            if self.verify {
-                return Err(Error::Usage(format!(
-                    "--verify needs --trigger all: under {} the sums depend on arrival",
-                    self.trigger
-                )));
-            }
-            if self.sync_mode().policy() != tidewire_engine::SchemePolicy::Ps {
-                return Err(Error::Usage(format!(
-                    "--trigger {} needs every layer through the PS (sufficient factors need every worker's): \
-                     use --sync p3, sliced, wfbp or fifo-ps",
-                    self.trigger
-                )));
-            }
-            if c != Consistency::Bsp {
-                return Err(Error::Usage(format!("--trigger {} needs BSP", self.trigger)));
-            }
+        Ok(())
+    }
+    /// A trigger other than all: no --verify, every layer through the PS, BSP.
+    fn check_trigger(&self, c: Consistency, trigger: tidewire_engine::Trigger) -> Result<()> {
+        if trigger == tidewire_engine::Trigger::All {
+            return Ok(());
         }
-        if let Some(f) = self.remove_stragglers {
-            if trigger == tidewire_engine::Trigger::All {
-                return Err(Error::Usage(
-                    "--remove-stragglers needs --trigger quorum:K, timeout:MS or async: under all the \
-                     servers wait for every worker, so a removed one would end the job"
-                        .into(),
-                ));
-            }
-            if self.colocate {
-                return Err(Error::Usage(
-                    "--remove-stragglers needs separate --servers: a colocated worker holds a shard".into(),
-                ));
-            }
-            if !(f > 1.0 && f.is_finite()) {
-                return Err(Error::Usage(format!("--remove-stragglers {f}: give a factor above 1")));
-            }
-            if self.ckpt.active() {
-                return Err(Error::Usage(
-                    "--remove-stragglers with --checkpoint-dir is not supported yet".into(),
-                ));
-            }
-            if self.local_learners > 1 {
-                return Err(Error::Usage(
-                    "--remove-stragglers with --local-learners is not supported yet".into(),
-                ));
-            }
+        if self.verify {
+            return Err(Error::Usage(format!(
+                "--verify needs --trigger all: under {} the sums depend on arrival",
+                self.trigger
+            )));
         }
-        if self.verify && (c != Consistency::Bsp || self.fast) {
+        if self.sync_mode().policy() != tidewire_engine::SchemePolicy::Ps {
+            return Err(Error::Usage(format!(
+                "--trigger {} needs every layer through the PS (sufficient factors need every worker's): \
+                 use --sync p3, sliced, wfbp or fifo-ps",
+                self.trigger
+            )));
+        }
+        if c != Consistency::Bsp {
+            return Err(Error::Usage(format!("--trigger {} needs BSP", self.trigger)));
+        }
+        Ok(())
+    }
+    /// `--remove-stragglers`: a trigger other than all, separate servers, a
+    /// factor above 1, and neither checkpoints nor local learners.
+    fn check_remove_stragglers(&self, trigger: tidewire_engine::Trigger) -> Result<()> {
+        let Some(f) = self.remove_stragglers else {
+            return Ok(());
+        };
+        if trigger == tidewire_engine::Trigger::All {
             return Err(Error::Usage(
-                "--verify needs BSP with deterministic aggregation: SSP and --fast results depend on timing".into(),
+                "--remove-stragglers needs --trigger quorum:K, timeout:MS or async: under all the \
+                 servers wait for every worker, so a removed one would end the job"
+                    .into(),
+            ));
+        }
+        if self.colocate {
+            return Err(Error::Usage(
+                "--remove-stragglers needs separate --servers: a colocated worker holds a shard".into(),
+            ));
+        }
+        if !(f > 1.0 && f.is_finite()) {
+            return Err(Error::Usage(format!("--remove-stragglers {f}: give a factor above 1")));
+        }
+        if self.ckpt.active() {
+            return Err(Error::Usage(
+                "--remove-stragglers with --checkpoint-dir is not supported yet".into(),
+            ));
+        }
+        if self.local_learners > 1 {
+            return Err(Error::Usage(
+                "--remove-stragglers with --local-learners is not supported yet".into(),
             ));
         }
         Ok(())
