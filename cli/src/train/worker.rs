@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tidewire_engine::book::LayerKind;
+use tidewire_engine::book::{Book, LayerKind};
 use tidewire_engine::models::Model;
 use tidewire_gpu::cpu;
 
@@ -286,6 +286,8 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
     })
 }
 
+/// A worker's training loop: each iteration's forward pass waits for the
+/// synced parameters, the backward pass hands in the gradients.
 pub(super) fn worker_loop(
     args: &TrainArgs,
     model: &Model,
@@ -293,164 +295,34 @@ pub(super) fn worker_loop(
     mut session: Session,
     opts: LoopOpts,
 ) -> Result<NodeResult> {
-    let rank = session.rank();
-    let book = session.book().clone();
-    let wi = book.cluster().worker_index(rank).expect("worker");
-    let k = args.batch(model);
-    // A replacement of a straggler runs at full speed.
-    let slow = if args.slow_rank == Some(rank) && replacement_iters().is_none() {
-        args.slow_factor
-    } else {
-        1.0
-    };
-    let times = model.layer_times(k, args.time_scale * slow);
-    let wait_free = args.sync_mode().wait_free();
-    let nl = book.layers().len();
+    let w = Trainer::new(args, model, synth, &session, opts);
     let mut layers = session.take_layers()?;
-    // A resumed run goes on from its checkpoint, which must be of this run.
-    // A replacement joins a running job: it does the last iterations only.
-    let start = match replacement_iters() {
-        Some(n) => args.iters.saturating_sub(n.max(1)),
-        None => session.start_iteration(),
-    };
-    let trainer_state = |iteration| TrainerState {
-        iteration,
-        model: model.name.to_string(),
-        seed: args.seed,
-        batch: k,
-        workers: args.workers,
-    };
-    if let Some(blob) = session.framework_state() {
-        let saved: TrainerState = serde_json::from_slice(blob)
-            .map_err(|e| Error::Usage(format!("the checkpoint's trainer state is damaged: {e}")))?;
-        saved.check(&trainer_state(start))?;
-    }
-    // Worker 0 saves the trainer's state with every checkpoint.
-    let save_state = |session: &Session, it: u64| -> Result<()> {
-        if wi == 0 && args.ckpt.active() && it > start && it % args.ckpt.checkpoint_every == 0 {
-            let blob = serde_json::to_vec(&trainer_state(it)).expect("serializable");
-            session.save_framework_state(it, blob)?;
-        }
-        Ok(())
-    };
+    w.check_resumed_state(&session)?;
     // Set-up traffic (rendezvous, keys, the servers' seeding), before any
     // iteration: reported apart from the training traffic.
     let setup = session.stats()?;
     let mut stats: Vec<IterStat> = Vec::new();
     let mut starts: Vec<Instant> = Vec::new();
     let mut first_hand_in = None;
-    let mut out = std::io::stdout();
     let leave = leave_signal(args);
-    for it in start..args.iters {
-        if it > start && leave.load(Ordering::Relaxed) {
-            // Removed as a straggler: leave at this iteration boundary, once
-            // every push is in (a worker lost with half a contribution in would
-            // fail the round), without a goodbye: the process ends, its
-            // connections close, and the servers stop counting it.
-            let all = session.wait_all()?;
-            let mut r = worker_result(&session, &all, stats, &setup)?;
-            r.removed_at = Some(it);
-            drop(all);
-            std::mem::forget(session);
-            return Ok(r);
+    for it in w.start..args.iters {
+        if it > w.start && leave.load(Ordering::Relaxed) {
+            return leave_as_straggler(session, stats, &setup, it);
         }
-        save_state(&session, it)?;
+        w.save_state(&session, it)?;
         let began = Instant::now();
-        let mut last_sync: Option<Instant> = None;
-        let mut blocked = Duration::ZERO;
-        for l in 0..nl {
-            if it > start {
-                let t = Instant::now();
-                let b = session.wait_layer(l as u32)?;
-                blocked += t.elapsed();
-                last_sync = last_sync.max(b.synced_at());
-                layers[l] = Some(b);
-            }
-            if let Some(g) = opts.group {
-                // The fan-out: once per node, into the learners' cache.
-                g.publish(l, it, layers[l].as_ref().expect("held by the trainer").params())?;
-            }
-            sleep(times[l].0);
-        }
+        let (blocked, last_sync) = w.forward(&session, &mut layers, it)?;
         let forward_done_unix = unix_now();
         if let Some(prev) = stats.last_mut() {
             // The waits of this forward pass expose the previous iteration's sync.
             prev.exposed_s = blocked.as_secs_f64();
             prev.sync_span_s = span(first_hand_in, last_sync);
             prev.seconds = (began - starts[starts.len() - 1]).as_secs_f64();
-            if opts.progress {
-                let _ = writeln!(out, "progress {it}");
-                let _ = out.flush();
-            }
+            w.progress(it);
         }
         starts.push(began);
-        first_hand_in = None;
-        let mut deferred = Vec::new();
-        let mut backward_done_unix = 0.0;
-        for l in (0..nl).rev() {
-            sleep(times[l].1);
-            let mut buf = layers[l].take().expect("held by the trainer");
-            let spec = &book.layers()[l];
-            if let Some(g) = opts.group {
-                // Learner 0 of node `wi`: its own gradient first, then the
-                // node's other learners in local-rank order; one hand-in.
-                let global = wi * args.local_learners;
-                let (km, kn) = (k * spec.m, k * spec.n);
-                let as_factors = spec.kind == LayerKind::Fc && book.scheme(l as u32, it).takes_factors();
-                if as_factors {
-                    let (u, v) = buf.uv_mut();
-                    synth.factors(global, it, l as u32, &mut u[..km], &mut v[..kn]);
-                    g.stack_into(l, it, &mut [u, v])?;
-                } else if spec.kind == LayerKind::Fc {
-                    // Through the PS: every learner forms its own Uᵀ·V (as a
-                    // flat run's Nodes do, one per worker); they are summed in order.
-                    let (mut u, mut v) = (vec![0f32; km], vec![0f32; kn]);
-                    synth.factors(global, it, l as u32, &mut u, &mut v);
-                    cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, buf.grad_mut());
-                    g.sum_into(l, it, buf.grad_mut())?;
-                } else {
-                    synth.grad(global, it, l as u32, buf.grad_mut());
-                    g.sum_into(l, it, buf.grad_mut())?;
-                }
-                if wait_free {
-                    first_hand_in.get_or_insert_with(Instant::now);
-                    if l == 0 {
-                        backward_done_unix = unix_now();
-                    }
-                    hand_in(&session, buf, !as_factors)?;
-                } else {
-                    deferred.push((buf, !as_factors));
-                }
-                continue;
-            }
-            if spec.kind == LayerKind::Fc && opts.fc_as_gradients {
-                let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
-                synth.factors(wi, it, l as u32, &mut u, &mut v);
-                cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, buf.grad_mut());
-            } else if spec.kind == LayerKind::Fc {
-                let (u, v) = buf.uv_mut();
-                synth.factors(wi, it, l as u32, u, v);
-            } else {
-                synth.grad(wi, it, l as u32, buf.grad_mut());
-            }
-            if wait_free {
-                first_hand_in.get_or_insert_with(Instant::now);
-                if l == 0 {
-                    backward_done_unix = unix_now();
-                }
-                hand_in(&session, buf, opts.fc_as_gradients)?;
-            } else {
-                deferred.push((buf, opts.fc_as_gradients));
-            }
-        }
-        let last = deferred.len().saturating_sub(1);
-        for (i, (buf, as_grad)) in deferred.into_iter().enumerate() {
-            first_hand_in.get_or_insert_with(Instant::now);
-            if i == last {
-                backward_done_unix = unix_now();
-            }
-            hand_in(&session, buf, as_grad)?;
-        }
+        let (first, backward_done_unix) = w.backward(&session, &mut layers, it)?;
+        first_hand_in = first;
         stats.push(IterStat {
             iter: it,
             seconds: 0.0,
@@ -461,34 +333,262 @@ pub(super) fn worker_loop(
             backward_done_unix,
         });
     }
-    let t = Instant::now();
+    w.finish(session, stats, &starts, first_hand_in, &setup)
+}
+
+/// Removed as a straggler: leave at this iteration boundary, once every push
+/// is in (a worker lost with half a contribution in would fail the round),
+/// without a goodbye: the process ends, its connections close, and the
+/// servers stop counting it.
+fn leave_as_straggler(session: Session, stats: Vec<IterStat>, setup: &SessionStats, it: u64) -> Result<NodeResult> {
     let all = session.wait_all()?;
-    save_state(&session, args.iters)?;
-    let end = Instant::now();
-    let Some(last) = stats.last_mut() else {
-        return Err(Error::Usage(format!(
-            "the checkpoint resumed is of iteration {start}: nothing is left of --iters {}",
-            args.iters
-        )));
-    };
-    last.exposed_s = (end - t).as_secs_f64();
-    last.sync_span_s = span(first_hand_in, all.iter().filter_map(|b| b.synced_at()).max());
-    last.seconds = (end - starts[starts.len() - 1]).as_secs_f64();
-    if opts.progress {
-        let _ = writeln!(out, "progress {}", args.iters);
-        let _ = out.flush();
-    }
-    if let Some(g) = opts.group {
-        for (l, b) in all.iter().enumerate() {
-            g.publish(l, args.iters, b.params())?;
+    let mut r = worker_result(&session, &all, stats, setup)?;
+    r.removed_at = Some(it);
+    drop(all);
+    std::mem::forget(session);
+    Ok(r)
+}
+
+/// What a worker's iterations share: the run's flags, its place and its
+/// layers' compute times.
+struct Trainer<'a> {
+    args: &'a TrainArgs,
+    model: &'a Model,
+    synth: &'a Synth,
+    opts: LoopOpts<'a>,
+    book: Arc<Book>,
+    /// Worker index.
+    wi: usize,
+    /// Batch per learner.
+    k: usize,
+    /// Each layer's (forward, backward) compute.
+    times: Vec<(Duration, Duration)>,
+    wait_free: bool,
+    /// The first iteration: a resumed run goes on from its checkpoint, and a
+    /// replacement joins a running job for the last iterations only.
+    start: u64,
+}
+
+impl<'a> Trainer<'a> {
+    fn new(args: &'a TrainArgs, model: &'a Model, synth: &'a Synth, session: &Session, opts: LoopOpts<'a>) -> Self {
+        let rank = session.rank();
+        let book = session.book().clone();
+        let wi = book.cluster().worker_index(rank).expect("worker");
+        let k = args.batch(model);
+        // A replacement of a straggler runs at full speed.
+        let slow = if args.slow_rank == Some(rank) && replacement_iters().is_none() {
+            args.slow_factor
+        } else {
+            1.0
+        };
+        let start = match replacement_iters() {
+            Some(n) => args.iters.saturating_sub(n.max(1)),
+            None => session.start_iteration(),
+        };
+        Trainer {
+            args,
+            model,
+            synth,
+            opts,
+            book,
+            wi,
+            k,
+            times: model.layer_times(k, args.time_scale * slow),
+            wait_free: args.sync_mode().wait_free(),
+            start,
         }
     }
-    let mut r = worker_result(&session, &all, stats, &setup)?;
-    drop(all);
-    session.shutdown()?;
-    // After shutdown: the last checkpoint's writes are in.
-    r.checkpoint = session.checkpoint_stats();
-    Ok(r)
+
+    fn trainer_state(&self, iteration: u64) -> TrainerState {
+        TrainerState {
+            iteration,
+            model: self.model.name.to_string(),
+            seed: self.args.seed,
+            batch: self.k,
+            workers: self.args.workers,
+        }
+    }
+
+    /// The checkpoint resumed must be of this run.
+    fn check_resumed_state(&self, session: &Session) -> Result<()> {
+        if let Some(blob) = session.framework_state() {
+            let saved: TrainerState = serde_json::from_slice(blob)
+                .map_err(|e| Error::Usage(format!("the checkpoint's trainer state is damaged: {e}")))?;
+            saved.check(&self.trainer_state(self.start))?;
+        }
+        Ok(())
+    }
+
+    /// Worker 0 saves the trainer's state with every checkpoint.
+    fn save_state(&self, session: &Session, it: u64) -> Result<()> {
+        let args = self.args;
+        if self.wi == 0 && args.ckpt.active() && it > self.start && it % args.ckpt.checkpoint_every == 0 {
+            let blob = serde_json::to_vec(&self.trainer_state(it)).expect("serializable");
+            session.save_framework_state(it, blob)?;
+        }
+        Ok(())
+    }
+
+    /// A `progress <n>` line for the launcher.
+    fn progress(&self, n: u64) {
+        if self.opts.progress {
+            let mut out = std::io::stdout();
+            let _ = writeln!(out, "progress {n}");
+            let _ = out.flush();
+        }
+    }
+
+    /// The forward pass: each layer waits for its synced parameters (after
+    /// the first iteration), fans them out to the node's learners, and
+    /// computes. Returns the time blocked and when the last of them was synced.
+    fn forward(
+        &self,
+        session: &Session,
+        layers: &mut [Option<LayerBuffers>],
+        it: u64,
+    ) -> Result<(Duration, Option<Instant>)> {
+        let mut last_sync: Option<Instant> = None;
+        let mut blocked = Duration::ZERO;
+        for l in 0..self.book.layers().len() {
+            if it > self.start {
+                let t = Instant::now();
+                let b = session.wait_layer(l as u32)?;
+                blocked += t.elapsed();
+                last_sync = last_sync.max(b.synced_at());
+                layers[l] = Some(b);
+            }
+            if let Some(g) = self.opts.group {
+                // The fan-out: once per node, into the learners' cache.
+                g.publish(l, it, layers[l].as_ref().expect("held by the trainer").params())?;
+            }
+            sleep(self.times[l].0);
+        }
+        Ok((blocked, last_sync))
+    }
+
+    /// The backward pass: each layer's gradient (or factors), handed in as
+    /// soon as it is ready when wait-free, else all at the end. Returns when
+    /// the first hand-in began and the Unix time before the last.
+    fn backward(
+        &self,
+        session: &Session,
+        layers: &mut [Option<LayerBuffers>],
+        it: u64,
+    ) -> Result<(Option<Instant>, f64)> {
+        let mut first_hand_in = None;
+        let mut deferred = Vec::new();
+        let mut backward_done_unix = 0.0;
+        for l in (0..self.book.layers().len()).rev() {
+            sleep(self.times[l].1);
+            let mut buf = layers[l].take().expect("held by the trainer");
+            let as_grad = match self.opts.group {
+                Some(g) => self.stack_group(g, &mut buf, l, it)?,
+                None => {
+                    self.own_gradient(&mut buf, l, it);
+                    self.opts.fc_as_gradients
+                }
+            };
+            if self.wait_free {
+                first_hand_in.get_or_insert_with(Instant::now);
+                if l == 0 {
+                    backward_done_unix = unix_now();
+                }
+                hand_in(session, buf, as_grad)?;
+            } else {
+                deferred.push((buf, as_grad));
+            }
+        }
+        let last = deferred.len().saturating_sub(1);
+        for (i, (buf, as_grad)) in deferred.into_iter().enumerate() {
+            first_hand_in.get_or_insert_with(Instant::now);
+            if i == last {
+                backward_done_unix = unix_now();
+            }
+            hand_in(session, buf, as_grad)?;
+        }
+        Ok((first_hand_in, backward_done_unix))
+    }
+
+    /// Learner 0 of node `wi`: its own gradient of layer `l` first, then the
+    /// node's other learners' in local-rank order, into `buf` for one
+    /// hand-in. Returns whether it holds a gradient (not factors).
+    fn stack_group(&self, g: &tidewire::local::LocalGroup, buf: &mut LayerBuffers, l: usize, it: u64) -> Result<bool> {
+        let (k, spec) = (self.k, &self.book.layers()[l]);
+        let global = self.wi * self.args.local_learners;
+        let (km, kn) = (k * spec.m, k * spec.n);
+        let as_factors = spec.kind == LayerKind::Fc && self.book.scheme(l as u32, it).takes_factors();
+        if as_factors {
+            let (u, v) = buf.uv_mut();
+            self.synth.factors(global, it, l as u32, &mut u[..km], &mut v[..kn]);
+            g.stack_into(l, it, &mut [u, v])?;
+        } else if spec.kind == LayerKind::Fc {
+            // Through the PS: every learner forms its own Uᵀ·V (as a
+            // flat run's Nodes do, one per worker); they are summed in order.
+            let (mut u, mut v) = (vec![0f32; km], vec![0f32; kn]);
+            self.synth.factors(global, it, l as u32, &mut u, &mut v);
+            cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, buf.grad_mut());
+            g.sum_into(l, it, buf.grad_mut())?;
+        } else {
+            self.synth.grad(global, it, l as u32, buf.grad_mut());
+            g.sum_into(l, it, buf.grad_mut())?;
+        }
+        Ok(!as_factors)
+    }
+
+    /// This worker's own gradient of layer `l` into `buf`: an FC layer's
+    /// factors U and V, or with `fc_as_gradients` the gradient Uᵀ·V.
+    fn own_gradient(&self, buf: &mut LayerBuffers, l: usize, it: u64) {
+        let (k, wi, spec) = (self.k, self.wi, &self.book.layers()[l]);
+        if spec.kind == LayerKind::Fc && self.opts.fc_as_gradients {
+            let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
+            self.synth.factors(wi, it, l as u32, &mut u, &mut v);
+            cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, buf.grad_mut());
+        } else if spec.kind == LayerKind::Fc {
+            let (u, v) = buf.uv_mut();
+            self.synth.factors(wi, it, l as u32, u, v);
+        } else {
+            self.synth.grad(wi, it, l as u32, buf.grad_mut());
+        }
+    }
+
+    /// After the last iteration: waits for every layer, saves the trainer's
+    /// state, closes the last iteration's figures, publishes the final
+    /// parameters to the node's learners, and shuts down.
+    fn finish(
+        &self,
+        mut session: Session,
+        mut stats: Vec<IterStat>,
+        starts: &[Instant],
+        first_hand_in: Option<Instant>,
+        setup: &SessionStats,
+    ) -> Result<NodeResult> {
+        let args = self.args;
+        let t = Instant::now();
+        let all = session.wait_all()?;
+        self.save_state(&session, args.iters)?;
+        let end = Instant::now();
+        let Some(last) = stats.last_mut() else {
+            return Err(Error::Usage(format!(
+                "the checkpoint resumed is of iteration {}: nothing is left of --iters {}",
+                self.start, args.iters
+            )));
+        };
+        last.exposed_s = (end - t).as_secs_f64();
+        last.sync_span_s = span(first_hand_in, all.iter().filter_map(|b| b.synced_at()).max());
+        last.seconds = (end - starts[starts.len() - 1]).as_secs_f64();
+        self.progress(args.iters);
+        if let Some(g) = self.opts.group {
+            for (l, b) in all.iter().enumerate() {
+                g.publish(l, args.iters, b.params())?;
+            }
+        }
+        let mut r = worker_result(&session, &all, stats, setup)?;
+        drop(all);
+        session.shutdown()?;
+        // After shutdown: the last checkpoint's writes are in.
+        r.checkpoint = session.checkpoint_stats();
+        Ok(r)
+    }
 }
 
 /// A worker's result: its iterations, its final parameters' digests, its
