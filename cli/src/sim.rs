@@ -472,6 +472,57 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
         ))
     })?;
     let model = model.on(args.gpu);
+    check_flags(args)?;
+    let t0 = Instant::now();
+    let mode = SyncMode::parse(&args.sync).expect("validated by clap");
+    check_baseline(args, mode)?;
+    let batch = args.batch.unwrap_or(model.batch);
+    let single = one_run(
+        &model,
+        Cluster::colocated(1)?,
+        args,
+        mode,
+        batch,
+        &Layout {
+            learners: 1,
+            fold_group: 1,
+            hosts: None,
+        },
+        false,
+    )?;
+    let (workers, servers, colocated) = nodes_of(args);
+    let job = Job {
+        model: &model,
+        args,
+        mode,
+        batch,
+        workers,
+        servers,
+        colocated,
+        single_iteration_s: single.iteration_s,
+    };
+    let mut r = job.run(args.flat)?;
+    if args.local_learners > 1 && !args.flat {
+        let f = job.run(true)?;
+        r.speedup_over_flat = Some(f.iteration_s / r.iteration_s);
+        r.flat_run = Some(Box::new(f));
+    }
+    r.wall_s = t0.elapsed().as_secs_f64();
+    Ok(r)
+}
+
+/// (workers, servers, colocated): `--nodes` colocated, `--workers` and
+/// `--servers` apart, or one colocated node.
+fn nodes_of(args: &SimArgs) -> (usize, usize, bool) {
+    match (args.nodes, args.workers, args.servers) {
+        (Some(n), _, _) => (n, n, true),
+        (None, Some(w), Some(s)) => (w, s, false),
+        _ => (1, 1, true),
+    }
+}
+
+/// Checks the flags' values (clap checked their forms).
+fn check_flags(args: &SimArgs) -> Result<()> {
     if args.iters == 0 {
         return Err(Error::Usage("--iters must be at least 1".into()));
     }
@@ -481,11 +532,7 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
     if !(args.time_scale > 0.0 && args.time_scale.is_finite()) {
         return Err(Error::Usage("--time-scale must be a finite number > 0".into()));
     }
-    let (workers, servers, colocated) = match (args.nodes, args.workers, args.servers) {
-        (Some(n), _, _) => (n, n, true),
-        (None, Some(w), Some(s)) => (w, s, false),
-        _ => (1, 1, true),
-    };
+    let (workers, servers, _) = nodes_of(args);
     if workers == 0 || servers == 0 || workers > 4096 || servers > 4096 {
         return Err(Error::Usage(format!(
             "{workers} workers and {servers} servers: give 1 to 4096 of each"
@@ -511,15 +558,17 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             return Err(Error::Usage("--trace-bin-us: give at least 0.001 (1 ns)".into()));
         }
     }
-    let t0 = Instant::now();
-    let mode = SyncMode::parse(&args.sync).expect("validated by clap");
+    Ok(())
+}
+
+/// The papers' baselines keep one version per iteration: the servers of
+/// kvstore are pulled every version, Adam's rebuild each layer from every
+/// worker's factors of one iteration. BSP and `--trigger all` only.
+fn check_baseline(args: &SimArgs, mode: SyncMode) -> Result<()> {
     if matches!(mode, SyncMode::KvStore | SyncMode::Adam)
         && (consistency_of(&args.consistency)? != Consistency::Bsp
             || Trigger::parse(&args.trigger) != Some(Trigger::All))
     {
-        // The papers' baselines keep one version per iteration: the servers
-        // of kvstore are pulled every version, Adam's rebuild each layer
-        // from every worker's factors of one iteration.
         return Err(Error::Usage(format!(
             "--sync {} is a BSP baseline: it needs --consistency bsp and --trigger all, not --consistency {} --trigger {}",
             mode.name(),
@@ -527,32 +576,40 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             args.trigger
         )));
     }
-    let batch = args.batch.unwrap_or(model.batch);
-    let single = one_run(
-        &model,
-        Cluster::colocated(1)?,
-        args,
-        mode,
-        batch,
-        &Layout {
-            learners: 1,
-            fold_group: 1,
-            hosts: None,
-        },
-        false,
-    )?;
-    let l = args.local_learners;
-    let one = |flat: bool| -> Result<SimResult> {
+    Ok(())
+}
+
+/// The job a `tidewire sim` measures, with its local learners behind each
+/// worker rank or flat.
+struct Job<'a> {
+    model: &'a Model,
+    args: &'a SimArgs,
+    mode: SyncMode,
+    batch: usize,
+    /// Worker nodes.
+    workers: usize,
+    /// Separate servers (or the nodes, colocated).
+    servers: usize,
+    colocated: bool,
+    /// The one-node reference's iteration, s.
+    single_iteration_s: f64,
+}
+
+impl Job<'_> {
+    /// The cluster and the learners' layout: L learners behind each worker
+    /// rank, or with `flat` every learner a rank.
+    fn layout(&self, flat: bool) -> Result<(Cluster, Layout)> {
+        let (workers, servers, l) = (self.workers, self.servers, self.args.local_learners);
         let p1 = if flat { workers * l } else { workers };
-        let (cluster, p2) = if colocated {
-            (Cluster::colocated(p1)?, p1)
+        let cluster = if self.colocated {
+            Cluster::colocated(p1)?
         } else {
-            (Cluster::split(p1, servers)?, servers)
+            Cluster::split(p1, servers)?
         };
         let lay = if flat && l > 1 {
             // Worker rank r on node r / L; separate servers on hosts of their own.
             let mut hosts: Vec<u32> = (0..p1).map(|r| (r / l) as u32).collect();
-            if !colocated {
+            if !self.colocated {
                 hosts.extend((0..servers).map(|s| (workers + s) as u32));
             }
             Layout {
@@ -567,11 +624,19 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
                 hosts: None,
             }
         };
-        let rep = one_run(&model, cluster.clone(), args, mode, batch, &lay, true)?;
-        // The same job with no iterations: the set-up (seeding the servers and
-        // the first broadcast), whose bytes are not the iterations'.
+        Ok((cluster, lay))
+    }
+
+    /// Simulates the job, and the same job with no iterations: the set-up
+    /// (seeding the servers and the first broadcast), whose bytes are not
+    /// the iterations'.
+    fn run(&self, flat: bool) -> Result<SimResult> {
+        let (model, args, mode, batch) = (self.model, self.args, self.mode, self.batch);
+        let (cluster, lay) = self.layout(flat)?;
+        let (p1, p2) = (cluster.workers().len(), cluster.servers().len());
+        let rep = one_run(model, cluster.clone(), args, mode, batch, &lay, true)?;
         let setup = one_run(
-            &model,
+            model,
             cluster,
             &SimArgs {
                 iters: 0,
@@ -582,35 +647,24 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             &lay,
             false,
         )?;
-        let compute_s = model.iteration_compute(batch, args.time_scale).as_secs_f64();
-        let throughput = (workers * l) as f64 * batch as f64 / rep.iteration_s;
-        let single_tp = batch as f64 / single.iteration_s;
-        // Worker nodes are hosts 0..workers either way.
-        let nic: Vec<[u64; 2]> = rep.nic_bytes.iter().take(workers).copied().collect();
-        let base: Vec<[u64; 2]> = setup.nic_bytes.iter().take(workers).copied().collect();
-        let per_iter = |i: usize| {
-            nic.iter()
-                .zip(&base)
-                .map(|(b, s)| b[i].saturating_sub(s[i]) as f64)
-                .sum::<f64>()
-                / nic.len().max(1) as f64
-                / args.iters as f64
-        };
-        Ok(SimResult {
-            cpu: match &args.profile {
-                Some(p) => format!(
-                    "charged from the profile {} (every rank on its cores, as train runs them)",
-                    p.display()
-                ),
-                None => "ideal machine (no --profile): 10 GB/s sums and copies, the model's GPU GEMM, no per-message cost; HybComm in bytes".into(),
-            },
+        Ok(self.result(flat, p1, p2, rep, &setup))
+    }
+
+    /// The report of the run `rep`, less its set-up's bytes.
+    fn result(&self, flat: bool, p1: usize, p2: usize, rep: SimReport, setup: &SimReport) -> SimResult {
+        let (args, batch, l) = (self.args, self.batch, self.args.local_learners);
+        let compute_s = self.model.iteration_compute(batch, args.time_scale).as_secs_f64();
+        let throughput = (self.workers * l) as f64 * batch as f64 / rep.iteration_s;
+        let single_tp = batch as f64 / self.single_iteration_s;
+        SimResult {
+            cpu: cpu_of(args),
             model: args.model.clone(),
-            sync: mode.name().into(),
+            sync: self.mode.name().into(),
             consistency: args.consistency.clone(),
             fast: args.fast,
             workers: p1,
             servers: p2,
-            colocated,
+            colocated: self.colocated,
             bandwidth_gbps: args.bandwidth / 1e9,
             latency_us: args.latency_us,
             batch,
@@ -618,21 +672,13 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             iteration_s: rep.iteration_s,
             throughput_samples_s: throughput,
             speedup: throughput / single_tp,
-            single_node_iteration_s: single.iteration_s,
+            single_node_iteration_s: self.single_iteration_s,
             compute_s,
             blocked_s: rep.wait_s,
             local_learners: l,
             flat: flat && l > 1,
-            node_nic_bytes_per_iter: [per_iter(0), per_iter(1)],
-            host_nic_bytes_per_iter: rep
-                .nic_bytes
-                .iter()
-                .zip(setup.nic_bytes.iter().chain(std::iter::repeat(&[0, 0])))
-                .map(|(b, s)| {
-                    let d = |i: usize| b[i].saturating_sub(s[i]) as f64 / args.iters.max(1) as f64;
-                    [d(0), d(1)]
-                })
-                .collect(),
+            node_nic_bytes_per_iter: node_nic_per_iter(&rep, setup, self.workers, args.iters),
+            host_nic_bytes_per_iter: host_nic_per_iter(&rep, setup, args.iters),
             local_agg_s: rep.local_agg_s,
             fanout_s: rep.fanout_s,
             flat_run: None,
@@ -653,16 +699,47 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
             trace_bin_us: args.trace_bin_us,
             start_s: rep.start_ns as f64 / 1e9,
             nic_trace: rep.nic_trace,
-        })
-    };
-    let mut r = one(args.flat)?;
-    if l > 1 && !args.flat {
-        let f = one(true)?;
-        r.speedup_over_flat = Some(f.iteration_s / r.iteration_s);
-        r.flat_run = Some(Box::new(f));
+        }
     }
-    r.wall_s = t0.elapsed().as_secs_f64();
-    Ok(r)
+}
+
+/// How the CPU is charged: from `--profile`, or the ideal machine.
+fn cpu_of(args: &SimArgs) -> String {
+    match &args.profile {
+        Some(p) => format!(
+            "charged from the profile {} (every rank on its cores, as train runs them)",
+            p.display()
+        ),
+        None => "ideal machine (no --profile): 10 GB/s sums and copies, the model's GPU GEMM, no per-message cost; HybComm in bytes".into(),
+    }
+}
+
+/// Bytes a worker node's NIC sent and received per iteration, on average
+/// over the worker nodes (hosts 0..workers either way), the set-up's left out.
+fn node_nic_per_iter(rep: &SimReport, setup: &SimReport, workers: usize, iters: u64) -> [f64; 2] {
+    let nic: Vec<[u64; 2]> = rep.nic_bytes.iter().take(workers).copied().collect();
+    let base: Vec<[u64; 2]> = setup.nic_bytes.iter().take(workers).copied().collect();
+    let per_iter = |i: usize| {
+        nic.iter()
+            .zip(&base)
+            .map(|(b, s)| b[i].saturating_sub(s[i]) as f64)
+            .sum::<f64>()
+            / nic.len().max(1) as f64
+            / iters as f64
+    };
+    [per_iter(0), per_iter(1)]
+}
+
+/// Bytes each host's NIC sent and received per iteration, the set-up's left out.
+fn host_nic_per_iter(rep: &SimReport, setup: &SimReport, iters: u64) -> Vec<[f64; 2]> {
+    rep.nic_bytes
+        .iter()
+        .zip(setup.nic_bytes.iter().chain(std::iter::repeat(&[0, 0])))
+        .map(|(b, s)| {
+            let d = |i: usize| b[i].saturating_sub(s[i]) as f64 / iters.max(1) as f64;
+            [d(0), d(1)]
+        })
+        .collect()
 }
 
 /// The text report.
