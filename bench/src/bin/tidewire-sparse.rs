@@ -177,16 +177,7 @@ fn run() -> Result<(), String> {
     let cli = Cli::parse();
     let machine = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = cli.threads.unwrap_or(machine.min(8));
-    let slice_lens: Vec<usize> = {
-        let mut v = Vec::new();
-        let mut at = 0;
-        while at < cli.elems {
-            let n = cli.slice.min(cli.elems - at);
-            v.push(n);
-            at += n;
-        }
-        v
-    };
+    let slice_lens = slice_lens(cli.elems, cli.slice);
 
     // The runtime's start-up measurement, which sets the threshold.
     let cal = cpu::calibrate_sparse(cli.slice, threads, 1.25e9);
@@ -194,8 +185,58 @@ fn run() -> Result<(), String> {
         "calibration: encode {:.3} ns/elem + {:.3} ns/pair, densify {:.3} ns/elem + {:.3} ns/pair, copy {:.3} ns/elem ({threads} threads)",
         cal.encode_ns_per_elem, cal.encode_ns_per_pair, cal.densify_ns_per_elem, cal.densify_ns_per_pair, cal.copy_ns_per_elem
     );
+    let scaling = thread_scaling(&cli, machine)?;
 
-    // Where threads start to pay: one buffer at 1%, encoded and densified on 1..8 threads.
+    let mut points = Vec::new();
+    for (di, &density) in DENSITIES.iter().enumerate() {
+        let mut layer = Layer::measure(&cli, density, 1000 + di as u64, threads, &slice_lens);
+        for &gbe in &GBE {
+            points.push(layer.point(gbe, &cal));
+        }
+    }
+    let ok = points.iter().all(|p| p.auto_over_best <= 1.05);
+    let report = Report {
+        machine_threads: machine,
+        threads,
+        elems: cli.elems,
+        row: cli.row,
+        slice: cli.slice,
+        reps: cli.reps,
+        iters: cli.iters,
+        calibration: Calibration {
+            encode_ns_per_elem: cal.encode_ns_per_elem,
+            encode_ns_per_pair: cal.encode_ns_per_pair,
+            densify_ns_per_elem: cal.densify_ns_per_elem,
+            densify_ns_per_pair: cal.densify_ns_per_pair,
+            copy_ns_per_elem: cal.copy_ns_per_elem,
+        },
+        par_min: cpu::SPARSE_PAR_MIN,
+        scaling,
+        points,
+        auto_within_5_percent: ok,
+    };
+    write_outputs(&cli, &report)?;
+    if cli.check && !ok {
+        eprintln!("auto is more than 5% slower than the better form at some point");
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// The lengths of the slices of `elems` elements, `slice` each but the last.
+fn slice_lens(elems: usize, slice: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut at = 0;
+    while at < elems {
+        let n = slice.min(elems - at);
+        v.push(n);
+        at += n;
+    }
+    v
+}
+
+/// Where threads start to pay: one buffer at 1%, encoded and densified on 1..8 threads.
+fn thread_scaling(cli: &Cli, machine: usize) -> Result<Vec<Scaling>, String> {
     let mut scaling = Vec::new();
     for &n in &[50_000usize, 262_144, 1 << 20, 4 << 20] {
         let g = gradient(n, cli.row, 0.01, 7);
@@ -226,17 +267,43 @@ fn run() -> Result<(), String> {
             });
         }
     }
+    Ok(scaling)
+}
 
-    let mut points = Vec::new();
-    for (di, &density) in DENSITIES.iter().enumerate() {
-        let g = gradient(cli.elems, cli.row, density, 1000 + di as u64);
+/// Nanoseconds `bytes` take on the wire at line rate (`bps`, bytes per second).
+fn wire_ns(bytes: usize, bps: f64) -> f64 {
+    bytes as f64 * 1e9 / bps
+}
+
+/// A slice pushed dense: the wire, and the server's copy of the landing slot.
+fn dense_ns(s: &SliceCosts, bps: f64) -> f64 {
+    wire_ns(s.len * 4, bps) + s.copy_ns
+}
+
+/// The sparse layer at one density: its gradient and each slice's measured costs.
+struct Layer<'a> {
+    cli: &'a Cli,
+    density: f64,
+    g: Vec<f32>,
+    nnz: usize,
+    threads: usize,
+    slices: Vec<SliceCosts>,
+    /// Encodes stopped at a cap, measured once: (slice, cap) → (ns, pairs).
+    capped: HashMap<(usize, usize), (f64, Option<usize>)>,
+    /// The encoder's output.
+    enc: Vec<u8>,
+}
+
+impl<'a> Layer<'a> {
+    /// Per slice: the full encode, the densify, the dense copy (medians).
+    fn measure(cli: &'a Cli, density: f64, seed: u64, threads: usize, slice_lens: &[usize]) -> Self {
+        let g = gradient(cli.elems, cli.row, density, seed);
         let nnz = g.iter().filter(|v| v.to_bits() != 0).count();
-        // Per slice: the full encode, the densify, the dense copy (medians).
         let mut slices = Vec::new();
         let mut at = 0;
         let mut enc = vec![0u8; cli.slice * 4];
         let mut out = vec![0f32; cli.slice];
-        for &len in &slice_lens {
+        for &len in slice_lens {
             let src = &g[at..at + len];
             at += len;
             let enc = &mut enc[..len * 4];
@@ -267,133 +334,131 @@ fn run() -> Result<(), String> {
                 copy_ns,
             });
         }
-        let mut capped: HashMap<(usize, usize), (f64, Option<usize>)> = HashMap::new();
-        for &gbe in &GBE {
-            let bps = gbe * 1e9 / 8.0;
-            let wire = |bytes: usize| bytes as f64 * 1e9 / bps;
-            let dense_slice = |s: &SliceCosts| wire(s.len * 4) + s.copy_ns;
-            let dense: f64 = slices.iter().map(dense_slice).sum();
-            let mut over = 0;
-            let sparse: f64 = slices
-                .iter()
-                .map(|s| {
-                    if s.pairs <= pair_limit(s.len) {
-                        s.encode_ns + wire(encoded_bytes(s.pairs)) + s.densify_ns
-                    } else {
-                        over += 1;
-                        s.encode_ns + dense_slice(s)
-                    }
-                })
-                .sum();
-            // Auto: the engine's policy with the calibrated costs at this bandwidth.
-            let costs = SparseCosts {
-                link_bytes_per_s: bps,
-                ..cal
-            };
-            let mut policy = SparsePolicy::from_slices(slices.len());
-            let (mut auto_total, mut auto_sparse, mut auto_pushes) = (0.0, 0u64, 0u64);
-            for _ in 0..cli.iters {
-                let mut at = 0;
-                for (i, s) in slices.iter().enumerate() {
-                    let src = &g[at..at + s.len];
-                    at += s.len;
-                    auto_pushes += 1;
-                    match policy.choose(&costs, i as u32, s.len) {
-                        Choice::Dense => auto_total += dense_slice(s),
-                        Choice::Try { cap } => {
-                            // A try that stays under its cap does the whole encode's
-                            // work: its time is the forced sparse path's measurement.
-                            // One that stops early is measured as it runs.
-                            let (t, got) = if s.pairs <= cap.min(pair_limit(s.len)) {
-                                (s.encode_ns, Some(s.pairs))
-                            } else {
-                                *capped.entry((i, cap)).or_insert_with(|| {
-                                    let e = &mut enc[..s.len * 4];
-                                    let got = cpu::sparse_encode(src, cap, e, threads);
-                                    let t = median_ns(cli.reps, || {
-                                        std::hint::black_box(cpu::sparse_encode(src, cap, e, threads));
-                                    });
-                                    (t, got)
-                                })
-                            };
-                            policy.report(i as u32, got.map(|n| n as u32));
-                            auto_total += t + match got {
-                                Some(n) => {
-                                    auto_sparse += 1;
-                                    wire(encoded_bytes(n)) + s.densify_ns
-                                }
-                                None => dense_slice(s),
-                            };
-                        }
+        Layer {
+            cli,
+            density,
+            g,
+            nnz,
+            threads,
+            slices,
+            capped: HashMap::new(),
+            enc,
+        }
+    }
+
+    /// A push at `gbe`: dense, forced sparse (dense over the pair limit), and auto.
+    fn point(&mut self, gbe: f64, cal: &SparseCosts) -> Point {
+        let cli = self.cli;
+        let bps = gbe * 1e9 / 8.0;
+        let dense: f64 = self.slices.iter().map(|s| dense_ns(s, bps)).sum();
+        let mut over = 0;
+        let sparse: f64 = self
+            .slices
+            .iter()
+            .map(|s| {
+                if s.pairs <= pair_limit(s.len) {
+                    s.encode_ns + wire_ns(encoded_bytes(s.pairs), bps) + s.densify_ns
+                } else {
+                    over += 1;
+                    s.encode_ns + dense_ns(s, bps)
+                }
+            })
+            .sum();
+        // Auto: the engine's policy with the calibrated costs at this bandwidth.
+        let costs = SparseCosts {
+            link_bytes_per_s: bps,
+            ..*cal
+        };
+        let (auto_total, auto_sparse, auto_pushes) = self.auto(&costs);
+        let auto = auto_total / cli.iters.max(1) as f64;
+        let best = dense.min(sparse);
+        let p = Point {
+            density: self.density,
+            gbe,
+            measured_density: self.nnz as f64 / cli.elems as f64,
+            dense_ms: dense / 1e6,
+            sparse_ms: sparse / 1e6,
+            auto_ms: auto / 1e6,
+            auto_over_best: auto / best,
+            auto_sparse_fraction: auto_sparse as f64 / auto_pushes.max(1) as f64,
+            threshold: costs.threshold(cli.slice),
+            over_limit_slices: over,
+        };
+        eprintln!(
+            "density {:>5.1}% {:>2} GbE: dense {:8.3} ms, sparse {:8.3} ms, auto {:8.3} ms ({:.3} of the better; {:.0}% sparse; threshold {:.2}%)",
+            self.density * 100.0,
+            gbe,
+            p.dense_ms,
+            p.sparse_ms,
+            p.auto_ms,
+            p.auto_over_best,
+            p.auto_sparse_fraction * 100.0,
+            p.threshold * 100.0
+        );
+        p
+    }
+
+    /// The engine's policy over `--iters` pushes at `costs`: the total time,
+    /// the slices it sent sparse, and the slices pushed.
+    fn auto(&mut self, costs: &SparseCosts) -> (f64, u64, u64) {
+        let (cli, threads, bps) = (self.cli, self.threads, costs.link_bytes_per_s);
+        let mut policy = SparsePolicy::from_slices(self.slices.len());
+        let (mut auto_total, mut auto_sparse, mut auto_pushes) = (0.0, 0u64, 0u64);
+        for _ in 0..cli.iters {
+            let mut at = 0;
+            for (i, s) in self.slices.iter().enumerate() {
+                let src = &self.g[at..at + s.len];
+                at += s.len;
+                auto_pushes += 1;
+                match policy.choose(costs, i as u32, s.len) {
+                    Choice::Dense => auto_total += dense_ns(s, bps),
+                    Choice::Try { cap } => {
+                        // A try that stays under its cap does the whole encode's
+                        // work: its time is the forced sparse path's measurement.
+                        // One that stops early is measured as it runs.
+                        let (t, got) = if s.pairs <= cap.min(pair_limit(s.len)) {
+                            (s.encode_ns, Some(s.pairs))
+                        } else {
+                            *self.capped.entry((i, cap)).or_insert_with(|| {
+                                let e = &mut self.enc[..s.len * 4];
+                                let got = cpu::sparse_encode(src, cap, e, threads);
+                                let t = median_ns(cli.reps, || {
+                                    std::hint::black_box(cpu::sparse_encode(src, cap, e, threads));
+                                });
+                                (t, got)
+                            })
+                        };
+                        policy.report(i as u32, got.map(|n| n as u32));
+                        auto_total += t + match got {
+                            Some(n) => {
+                                auto_sparse += 1;
+                                wire_ns(encoded_bytes(n), bps) + s.densify_ns
+                            }
+                            None => dense_ns(s, bps),
+                        };
                     }
                 }
             }
-            let auto = auto_total / cli.iters.max(1) as f64;
-            let best = dense.min(sparse);
-            let p = Point {
-                density,
-                gbe,
-                measured_density: nnz as f64 / cli.elems as f64,
-                dense_ms: dense / 1e6,
-                sparse_ms: sparse / 1e6,
-                auto_ms: auto / 1e6,
-                auto_over_best: auto / best,
-                auto_sparse_fraction: auto_sparse as f64 / auto_pushes.max(1) as f64,
-                threshold: costs.threshold(cli.slice),
-                over_limit_slices: over,
-            };
-            eprintln!(
-                "density {:>5.1}% {:>2} GbE: dense {:8.3} ms, sparse {:8.3} ms, auto {:8.3} ms ({:.3} of the better; {:.0}% sparse; threshold {:.2}%)",
-                density * 100.0,
-                gbe,
-                p.dense_ms,
-                p.sparse_ms,
-                p.auto_ms,
-                p.auto_over_best,
-                p.auto_sparse_fraction * 100.0,
-                p.threshold * 100.0
-            );
-            points.push(p);
         }
+        (auto_total, auto_sparse, auto_pushes)
     }
-    let ok = points.iter().all(|p| p.auto_over_best <= 1.05);
-    let report = Report {
-        machine_threads: machine,
-        threads,
-        elems: cli.elems,
-        row: cli.row,
-        slice: cli.slice,
-        reps: cli.reps,
-        iters: cli.iters,
-        calibration: Calibration {
-            encode_ns_per_elem: cal.encode_ns_per_elem,
-            encode_ns_per_pair: cal.encode_ns_per_pair,
-            densify_ns_per_elem: cal.densify_ns_per_elem,
-            densify_ns_per_pair: cal.densify_ns_per_pair,
-            copy_ns_per_elem: cal.copy_ns_per_elem,
-        },
-        par_min: cpu::SPARSE_PAR_MIN,
-        scaling,
-        points,
-        auto_within_5_percent: ok,
-    };
+}
+
+/// Writes `sparse-push.json`, `.md` and `.png` under `--out`.
+fn write_outputs(cli: &Cli, report: &Report) -> Result<(), String> {
     std::fs::create_dir_all(&cli.out).map_err(|e| format!("{}: {e}", cli.out.display()))?;
     let json = cli.out.join("sparse-push.json");
     std::fs::write(
         &json,
-        serde_json::to_string_pretty(&report).map_err(|e| e.to_string())? + "\n",
+        serde_json::to_string_pretty(report).map_err(|e| e.to_string())? + "\n",
     )
     .map_err(|e| format!("{}: {e}", json.display()))?;
     let md = cli.out.join("sparse-push.md");
-    std::fs::write(&md, markdown(&report)).map_err(|e| format!("{}: {e}", md.display()))?;
+    std::fs::write(&md, markdown(report)).map_err(|e| format!("{}: {e}", md.display()))?;
     tidewire_bench::register_font(&cli.font).map_err(|e| e.to_string())?;
     let png = cli.out.join("sparse-push.png");
-    plot(&report, &png)?;
+    plot(report, &png)?;
     eprintln!("wrote {}, {}, {}", json.display(), md.display(), png.display());
-    if cli.check && !ok {
-        eprintln!("auto is more than 5% slower than the better form at some point");
-        std::process::exit(1);
-    }
     Ok(())
 }
 
