@@ -46,34 +46,9 @@ pub fn run(o: &Opts) -> Result<(Vec<BwRow>, Vec<LatRow>), PerfError> {
     if o.qps != 1 {
         return Err(PerfError::new("--transport tcp runs one connection: use -q 1"));
     }
-    let server = o.is_server();
-    let mut oob = if server {
-        println!("\n************************************\n* Waiting for client to connect... *\n************************************");
-        Oob::accept(o.port, None, o.timeout)?
-    } else {
-        Oob::connect(o.host.as_deref().expect("client"), o.port, o.timeout)?
-    };
-    let (_v, sig) = oob.versions(o.signature())?;
-    o.check_peer(sig)?;
-    let peer_sig = sig;
-    oob.sys_data()?;
-    oob.mtu(3)?;
+    let (mut oob, peer_sig) = handshake(o)?;
     let max = o.max_size() as usize;
-    let mut cfg = TcpConfig::new(JOB, u32::from(!server), JobSecret::new(b"tidewire-perf".to_vec()));
-    cfg.max_outstanding = (o.tx_depth as usize).max(cfg.max_outstanding);
-    cfg.max_message_bytes = cfg.max_message_bytes.max(max.min(16 << 20));
-    cfg.handshake_timeout = o.timeout;
-    if o.test.verb() == super::Verb::Send && max > cfg.max_message_bytes {
-        return Err(PerfError::new(format!(
-            "send tests over TCP carry messages of at most {} bytes (asked for {max})",
-            cfg.max_message_bytes
-        )));
-    }
-    let mut t: Box<dyn Transport> = if o.tcp_portable {
-        Box::new(PortableTransport::new(cfg).map_err(|e| tcp_err("opening the portable TCP transport", e))?)
-    } else {
-        Box::new(TcpTransport::new(cfg).map_err(|e| tcp_err("opening the TCP transport", e))?)
-    };
+    let mut t = open(o, max)?;
     let half = max.max(super::oob::CYCLE_BUFFER as usize);
     let pinned = |n| PinnedBuffer::new(n).map_err(|e| tcp_err("allocating buffers", e));
     let src = t
@@ -83,81 +58,12 @@ pub fn run(o: &Opts) -> Result<(Vec<BwRow>, Vec<LatRow>), PerfError> {
         .register(pinned(half)?, Access::REMOTE_WRITE)
         .map_err(|e| tcp_err("registering the target buffer", e))?;
     let mut ev = Vec::new();
-    let conn;
-    let local;
-    if server {
-        let l = t
-            .listen("0.0.0.0:0".parse().expect("address"))
-            .map_err(|e| tcp_err("listening", e))?;
-        let port = t.listener_addr(l).map_err(|e| tcp_err("listening", e))?.port();
-        oob.xchg_u32(port as u32, "telling the client the transport's port")?;
-        local = format!("io_uring TCP listener on port {port}");
-        let deadline = Instant::now() + o.timeout;
-        conn = loop {
-            t.wait(&mut ev, 64, Duration::from_millis(10))
-                .map_err(|e| tcp_err("accepting", e))?;
-            if let Some((c, _)) = t.accept(l).map_err(|e| tcp_err("accepting", e))? {
-                break c;
-            }
-            for e in ev.drain(..) {
-                if let Event::PeerRejected { error, addr, .. } = e {
-                    return Err(PerfError::new(format!("the transport refused {addr}: {error}")));
-                }
-            }
-            if Instant::now() > deadline {
-                return Err(PerfError::new(format!(
-                    "the client did not connect to the transport within {:.0} s",
-                    o.timeout.as_secs_f64()
-                )));
-            }
-        };
+    let (conn, local) = if o.is_server() {
+        accept(o, &mut *t, &mut oob, &mut ev)?
     } else {
-        let port = oob.xchg_u32(0, "learning the server transport's port")?;
-        let host = o.host.as_deref().expect("client");
-        let addr: SocketAddr = (host, port as u16)
-            .to_socket_addrs()
-            .map_err(|e| PerfError::new(format!("cannot resolve {host}: {e}")))?
-            .next()
-            .ok_or_else(|| PerfError::new(format!("{host} has no address")))?;
-        let c = t.connect(addr).map_err(|e| tcp_err("connecting", e))?;
-        let deadline = Instant::now() + o.timeout;
-        'wait: loop {
-            t.wait(&mut ev, 64, Duration::from_millis(10))
-                .map_err(|e| tcp_err("connecting", e))?;
-            for e in ev.drain(..) {
-                match e {
-                    Event::Connected { .. } => break 'wait,
-                    Event::Closed { error, .. } => {
-                        return Err(PerfError::new(format!(
-                            "the transport connection to {addr} failed: {}",
-                            error.map(|e| e.to_string()).unwrap_or_else(|| "closed".into())
-                        )))
-                    }
-                    _ => {}
-                }
-            }
-            if Instant::now() > deadline {
-                return Err(PerfError::new(format!(
-                    "no transport connection to {addr} within {:.0} s",
-                    o.timeout.as_secs_f64()
-                )));
-            }
-        }
-        conn = c;
-        local = format!("io_uring TCP connection to {addr}");
-    }
-    let setup = Setup {
-        device: "io_uring TCP".into(),
-        transport_type: "TCP".into(),
-        mtu: 65536,
-        link_type: "TCP".into(),
-        gid_index: None,
-        out_reads: 0,
-        inline: 0,
-        tx_depth: o.tx_depth,
-        rx_depth: o.rx_depth,
-        cq_mod: 1,
+        connect(o, &mut *t, &mut oob, &mut ev)?
     };
+    let setup = tcp_setup(o);
     print!("{}", header(o, &setup));
     println!(" local address: {local}\n remote address: {} (out-of-band)", oob.peer());
     println!("{DASHES}");
@@ -173,17 +79,7 @@ pub fn run(o: &Opts) -> Result<(Vec<BwRow>, Vec<LatRow>), PerfError> {
         setup,
         peer_sig,
     };
-    // Both sides need the peer's region descriptor before the test.
-    let deadline = Instant::now() + o.timeout;
-    while r.peer.is_none() {
-        r.pump(Duration::from_millis(10), "waiting for the peer's regions")?;
-        if let Ok(v) = r.t.remote_regions(r.conn) {
-            r.peer = v.into_iter().find(|x| x.len as usize >= half);
-        }
-        if Instant::now() > deadline {
-            return Err(PerfError::new("the peer announced no region within the timeout"));
-        }
-    }
+    r.wait_peer_region(half)?;
     r.sync("synchronizing before the test")?;
     let (bw, lat) = if o.test.is_bw() { r.bw_test()? } else { r.lat_test()? };
     let setup = r.setup.clone();
@@ -192,7 +88,146 @@ pub fn run(o: &Opts) -> Result<(Vec<BwRow>, Vec<LatRow>), PerfError> {
     Ok((bw, lat))
 }
 
+/// perftest's out-of-band exchange (the server waits for the client), with
+/// the versions and options checked. Returns it and the peer's signature.
+fn handshake(o: &Opts) -> Result<(Oob, Option<super::Signature>), PerfError> {
+    let mut oob = if o.is_server() {
+        println!("\n************************************\n* Waiting for client to connect... *\n************************************");
+        Oob::accept(o.port, None, o.timeout)?
+    } else {
+        Oob::connect(o.host.as_deref().expect("client"), o.port, o.timeout)?
+    };
+    let (_v, sig) = oob.versions(o.signature())?;
+    o.check_peer(sig)?;
+    oob.sys_data()?;
+    oob.mtu(3)?;
+    Ok((oob, sig))
+}
+
+/// The TCP transport (io_uring, or the portable one), its bounds fitted to
+/// `--tx-depth` and to messages of `max` bytes.
+fn open(o: &Opts, max: usize) -> Result<Box<dyn Transport>, PerfError> {
+    let mut cfg = TcpConfig::new(
+        JOB,
+        u32::from(!o.is_server()),
+        JobSecret::new(b"tidewire-perf".to_vec()),
+    );
+    cfg.max_outstanding = (o.tx_depth as usize).max(cfg.max_outstanding);
+    cfg.max_message_bytes = cfg.max_message_bytes.max(max.min(16 << 20));
+    cfg.handshake_timeout = o.timeout;
+    if o.test.verb() == super::Verb::Send && max > cfg.max_message_bytes {
+        return Err(PerfError::new(format!(
+            "send tests over TCP carry messages of at most {} bytes (asked for {max})",
+            cfg.max_message_bytes
+        )));
+    }
+    Ok(if o.tcp_portable {
+        Box::new(PortableTransport::new(cfg).map_err(|e| tcp_err("opening the portable TCP transport", e))?)
+    } else {
+        Box::new(TcpTransport::new(cfg).map_err(|e| tcp_err("opening the TCP transport", e))?)
+    })
+}
+
+/// The server's side of the connection: listens, tells the client the port
+/// over the out-of-band socket, and accepts. Returns it and the local address line.
+fn accept(o: &Opts, t: &mut dyn Transport, oob: &mut Oob, ev: &mut Vec<Event>) -> Result<(ConnId, String), PerfError> {
+    let l = t
+        .listen("0.0.0.0:0".parse().expect("address"))
+        .map_err(|e| tcp_err("listening", e))?;
+    let port = t.listener_addr(l).map_err(|e| tcp_err("listening", e))?.port();
+    oob.xchg_u32(port as u32, "telling the client the transport's port")?;
+    let local = format!("io_uring TCP listener on port {port}");
+    let deadline = Instant::now() + o.timeout;
+    loop {
+        t.wait(ev, 64, Duration::from_millis(10))
+            .map_err(|e| tcp_err("accepting", e))?;
+        if let Some((c, _)) = t.accept(l).map_err(|e| tcp_err("accepting", e))? {
+            return Ok((c, local));
+        }
+        for e in ev.drain(..) {
+            if let Event::PeerRejected { error, addr, .. } = e {
+                return Err(PerfError::new(format!("the transport refused {addr}: {error}")));
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(PerfError::new(format!(
+                "the client did not connect to the transport within {:.0} s",
+                o.timeout.as_secs_f64()
+            )));
+        }
+    }
+}
+
+/// The client's side of the connection: learns the server transport's port
+/// over the out-of-band socket, and connects. Returns it and the local address line.
+fn connect(o: &Opts, t: &mut dyn Transport, oob: &mut Oob, ev: &mut Vec<Event>) -> Result<(ConnId, String), PerfError> {
+    let port = oob.xchg_u32(0, "learning the server transport's port")?;
+    let host = o.host.as_deref().expect("client");
+    let addr: SocketAddr = (host, port as u16)
+        .to_socket_addrs()
+        .map_err(|e| PerfError::new(format!("cannot resolve {host}: {e}")))?
+        .next()
+        .ok_or_else(|| PerfError::new(format!("{host} has no address")))?;
+    let c = t.connect(addr).map_err(|e| tcp_err("connecting", e))?;
+    let deadline = Instant::now() + o.timeout;
+    'wait: loop {
+        t.wait(ev, 64, Duration::from_millis(10))
+            .map_err(|e| tcp_err("connecting", e))?;
+        for e in ev.drain(..) {
+            match e {
+                Event::Connected { .. } => break 'wait,
+                Event::Closed { error, .. } => {
+                    return Err(PerfError::new(format!(
+                        "the transport connection to {addr} failed: {}",
+                        error.map(|e| e.to_string()).unwrap_or_else(|| "closed".into())
+                    )))
+                }
+                _ => {}
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(PerfError::new(format!(
+                "no transport connection to {addr} within {:.0} s",
+                o.timeout.as_secs_f64()
+            )));
+        }
+    }
+    Ok((c, format!("io_uring TCP connection to {addr}")))
+}
+
+/// perftest's configuration block's figures for TCP.
+fn tcp_setup(o: &Opts) -> Setup {
+    Setup {
+        device: "io_uring TCP".into(),
+        transport_type: "TCP".into(),
+        mtu: 65536,
+        link_type: "TCP".into(),
+        gid_index: None,
+        out_reads: 0,
+        inline: 0,
+        tx_depth: o.tx_depth,
+        rx_depth: o.rx_depth,
+        cq_mod: 1,
+    }
+}
+
 impl Run<'_> {
+    /// Both sides need the peer's region descriptor (of at least `half`
+    /// bytes) before the test.
+    fn wait_peer_region(&mut self, half: usize) -> Result<(), PerfError> {
+        let deadline = Instant::now() + self.o.timeout;
+        while self.peer.is_none() {
+            self.pump(Duration::from_millis(10), "waiting for the peer's regions")?;
+            if let Ok(v) = self.t.remote_regions(self.conn) {
+                self.peer = v.into_iter().find(|x| x.len as usize >= half);
+            }
+            if Instant::now() > deadline {
+                return Err(PerfError::new("the peer announced no region within the timeout"));
+            }
+        }
+        Ok(())
+    }
+
     fn me(&self) -> Dest {
         Dest::default()
     }
