@@ -24,10 +24,10 @@
 //! The reference replays the same controller on the same figures.
 
 use std::io::Write;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tidewire::freq::Guide;
-use tidewire::session::Session;
+use tidewire::session::{LayerBuffers, Session};
 use tidewire_engine::book::LayerKind;
 use tidewire_engine::freq::{CommMode, Decision, Event};
 use tidewire_engine::models::Model;
@@ -146,102 +146,42 @@ pub(crate) fn worker_loop(
     let book = session.book().clone();
     let p1 = book.p1();
     let wi = book.cluster().worker_index(rank).expect("worker");
-    let k = args.batch.unwrap_or(model.batch);
     let c = &args.comm;
-    let mode = CommMode::parse(&c.comm_mode).unwrap_or(CommMode::Accumulate);
     let op = args.apply_op()?;
     let mut guide = Guide::new(c.config(args.iters)?, c.server_op(op), wi, p1)?;
-    let slow = if args.slow_rank == Some(rank) {
-        args.slow_factor
-    } else {
-        1.0
-    };
-    let times = model.layer_times(k, args.time_scale * slow);
-    let nm = model.layers.len();
-    let nl = book.layers().len();
+    let mut steps = LocalSteps::new(args, model, synth, rank, wi, op);
+    let (nm, nl) = (model.layers.len(), book.layers().len());
     let mut layers = session.take_layers()?;
-    let mut mom: Vec<Vec<f32>> = model
-        .layers
-        .iter()
-        .map(|s| {
-            if mode == CommMode::Average && op.needs_momentum() {
-                vec![0f32; s.params()]
-            } else {
-                Vec::new()
-            }
-        })
-        .collect();
-    let mut scratch = vec![0f32; model.layers.iter().map(|l| l.params()).max().unwrap_or(0)];
     let mut sum = CommSummary::default();
     let mut stats = Vec::new();
     let mut pending: Option<bool> = None; // an exchange in flight: whether the controller scheduled it
-    let mut since = 0u64;
     let mut out = std::io::stdout();
     for it in 0..args.iters {
         let start = Instant::now();
-        let mut blocked = std::time::Duration::ZERO;
-        if let Some(scheduled) = pending.take() {
-            for (l, slot) in layers.iter_mut().enumerate() {
-                let t = Instant::now();
-                *slot = Some(session.wait_layer(l as u32)?);
-                blocked += t.elapsed();
-            }
-            if scheduled && guide.adjusts() {
-                let q = layers[nl - 1].as_ref().expect("held");
-                guide.exchanged(q.params())?;
-            } else if scheduled {
-                guide.exchanged_fixed()?;
-            }
-        }
-        for t in &times {
+        let blocked = match pending.take() {
+            Some(scheduled) => wait_exchange(&session, &mut layers, &mut guide, scheduled)?,
+            None => Duration::ZERO,
+        };
+        for t in &steps.times {
             super::sleep(t.0);
         }
         let t = guide.t();
         sum.t_per_step.push(t);
         let scheduled = guide.due();
         let due = scheduled || it + 1 == args.iters;
-        for l in (0..nm).rev() {
-            super::sleep(times[l].1);
-            let buf = layers[l].as_mut().expect("held by the trainer");
-            let n = buf.grad().len();
-            match mode {
-                CommMode::Accumulate if since == 0 => gradient(synth, model, k, wi, it, l, buf.grad_mut()),
-                CommMode::Accumulate => {
-                    gradient(synth, model, k, wi, it, l, &mut scratch[..n]);
-                    cpu::add_assign(buf.grad_mut(), &scratch[..n]);
-                }
-                CommMode::Average => {
-                    gradient(synth, model, k, wi, it, l, &mut scratch[..n]);
-                    cpu::apply(op, 1, &scratch[..n], buf.params_mut(), &mut mom[l]);
-                    if due {
-                        let w = buf.params().to_vec();
-                        buf.grad_mut().copy_from_slice(&w);
-                    }
-                }
-            }
-            if due {
-                sum.handed_in_bytes += 4 * n as u64;
-                session.grad_ready(layers[l].take().expect("held"))?;
-            }
-        }
+        sum.handed_in_bytes += steps.backward(&session, &mut layers, it, due)?;
         guide.report(synthetic_loss(args.seed, c.synthetic_ok_t, wi, it, t));
         if nl > nm && due {
-            let mut q = layers[nl - 1].take().expect("held");
-            if scheduled {
-                guide.write_figures(q.grad_mut())?;
-            } else {
-                q.grad_mut().fill(0.0); // the final, unscheduled exchange carries no figures
-            }
             sum.handed_in_bytes += 4 * p1 as u64;
-            session.grad_ready(q)?;
+            hand_in_figures(&session, &mut layers, &guide, scheduled)?;
         }
         if due {
             pending = Some(scheduled);
             sum.exchanges += 1;
-            since = 0;
+            steps.since = 0;
         } else {
             guide.local_step()?;
-            since += 1;
+            steps.since += 1;
         }
         stats.push(IterStat {
             iter: it,
@@ -257,16 +197,160 @@ pub(crate) fn worker_loop(
             let _ = out.flush();
         }
     }
-    let all = session.wait_all()?;
     sum.steps = args.iters;
     sum.decisions = guide.controller().history().iter().map(describe).collect();
+    finish(session, nm, stats, sum)
+}
+
+/// A worker's own steps between exchanges: its gradients summed over the
+/// steps (accumulate), or its parameters stepped by `--op` with its own
+/// momentum (average).
+struct LocalSteps<'a> {
+    model: &'a Model,
+    synth: &'a Synth,
+    mode: CommMode,
+    op: ApplyOp,
+    /// Batch per worker.
+    k: usize,
+    /// Worker index.
+    wi: usize,
+    /// Each layer's (forward, backward) compute.
+    times: Vec<(Duration, Duration)>,
+    /// Per model layer, the momentum of an average's local steps.
+    mom: Vec<Vec<f32>>,
+    /// A step's gradient, before it is added or applied.
+    scratch: Vec<f32>,
+    /// Steps since the last exchange.
+    since: u64,
+}
+
+impl<'a> LocalSteps<'a> {
+    fn new(args: &TrainArgs, model: &'a Model, synth: &'a Synth, rank: u32, wi: usize, op: ApplyOp) -> Self {
+        let k = args.batch.unwrap_or(model.batch);
+        let slow = if args.slow_rank == Some(rank) {
+            args.slow_factor
+        } else {
+            1.0
+        };
+        let mode = CommMode::parse(&args.comm.comm_mode).unwrap_or(CommMode::Accumulate);
+        let mom = model
+            .layers
+            .iter()
+            .map(|s| {
+                if mode == CommMode::Average && op.needs_momentum() {
+                    vec![0f32; s.params()]
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        LocalSteps {
+            model,
+            synth,
+            mode,
+            op,
+            k,
+            wi,
+            times: model.layer_times(k, args.time_scale * slow),
+            mom,
+            scratch: vec![0f32; model.layers.iter().map(|l| l.params()).max().unwrap_or(0)],
+            since: 0,
+        }
+    }
+
+    /// The backward pass of step `it` over the model's layers, each handed
+    /// in when the exchange is `due`. Returns the bytes handed in.
+    fn backward(&mut self, session: &Session, layers: &mut [Option<LayerBuffers>], it: u64, due: bool) -> Result<u64> {
+        let mut bytes = 0;
+        for l in (0..self.model.layers.len()).rev() {
+            super::sleep(self.times[l].1);
+            let buf = layers[l].as_mut().expect("held by the trainer");
+            self.step(buf, l, it, due);
+            if due {
+                bytes += 4 * buf.grad().len() as u64;
+                session.grad_ready(layers[l].take().expect("held"))?;
+            }
+        }
+        Ok(bytes)
+    }
+
+    /// Step `it` of layer `l` into `buf`: the gradient written or added
+    /// (accumulate), or applied to the parameters, which are then what is
+    /// handed in when the exchange is `due` (average).
+    fn step(&mut self, buf: &mut LayerBuffers, l: usize, it: u64, due: bool) {
+        let (synth, model, k, wi) = (self.synth, self.model, self.k, self.wi);
+        let n = buf.grad().len();
+        match self.mode {
+            CommMode::Accumulate if self.since == 0 => gradient(synth, model, k, wi, it, l, buf.grad_mut()),
+            CommMode::Accumulate => {
+                gradient(synth, model, k, wi, it, l, &mut self.scratch[..n]);
+                cpu::add_assign(buf.grad_mut(), &self.scratch[..n]);
+            }
+            CommMode::Average => {
+                gradient(synth, model, k, wi, it, l, &mut self.scratch[..n]);
+                cpu::apply(self.op, 1, &self.scratch[..n], buf.params_mut(), &mut self.mom[l]);
+                if due {
+                    let w = buf.params().to_vec();
+                    buf.grad_mut().copy_from_slice(&w);
+                }
+            }
+        }
+    }
+}
+
+/// Waits for every layer of the exchange in flight and tells the controller
+/// (with the quality figures, the last layer, when it adjusts T). Returns
+/// the time blocked.
+fn wait_exchange(
+    session: &Session,
+    layers: &mut [Option<LayerBuffers>],
+    guide: &mut Guide,
+    scheduled: bool,
+) -> Result<Duration> {
+    let mut blocked = Duration::ZERO;
+    for (l, slot) in layers.iter_mut().enumerate() {
+        let t = Instant::now();
+        *slot = Some(session.wait_layer(l as u32)?);
+        blocked += t.elapsed();
+    }
+    if scheduled && guide.adjusts() {
+        let q = layers[layers.len() - 1].as_ref().expect("held");
+        guide.exchanged(q.params())?;
+    } else if scheduled {
+        guide.exchanged_fixed()?;
+    }
+    Ok(blocked)
+}
+
+/// Hands in the quality figures (the last layer, past the model's) with an
+/// exchange: the controller's, or zeros for the final, unscheduled one.
+fn hand_in_figures(
+    session: &Session,
+    layers: &mut [Option<LayerBuffers>],
+    guide: &Guide,
+    scheduled: bool,
+) -> Result<()> {
+    let mut q = layers[layers.len() - 1].take().expect("held");
+    if scheduled {
+        guide.write_figures(q.grad_mut())?;
+    } else {
+        q.grad_mut().fill(0.0); // the final, unscheduled exchange carries no figures
+    }
+    session.grad_ready(q)?;
+    Ok(())
+}
+
+/// After the last iteration: waits for the last exchange and shuts down.
+/// Reports the digests of the model's `nm` layers.
+fn finish(mut session: Session, nm: usize, stats: Vec<IterStat>, sum: CommSummary) -> Result<NodeResult> {
+    let all = session.wait_all()?;
     let digests = all[..nm].iter().map(|b| digest(b.params())).collect();
     let st = session.stats()?;
     let (kind, why) = session.transport();
     drop(all);
     session.shutdown()?;
     Ok(NodeResult {
-        rank,
+        rank: session.rank(),
         worker: true,
         iters: stats,
         digests,
