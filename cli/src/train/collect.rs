@@ -18,67 +18,21 @@ use crate::resilience;
 
 /// The report of the attempt `ended`, begun at `began`.
 pub(super) fn report(args: &TrainArgs, model: &Model, began: Instant, ended: &Ended) -> Result<TrainReport> {
-    let (p1, p2, _) = args.world();
+    let (_, p2, _) = args.world();
     let results = &ended.results;
-    // A removed worker's result is apart; its replacement, if any, reports as its rank.
-    let workers: Vec<&NodeResult> = results
-        .iter()
-        .filter(|r| r.worker && r.local.is_none() && r.removed_at.is_none())
-        .collect();
-    let p1 = p1 - ended.removed.len() + ended.replaced.len();
-    if workers.len() != p1 {
-        return Err(Error::Launch(format!(
-            "{} of {p1} workers reported a result",
-            workers.len()
-        )));
-    }
-    let learners: Vec<&NodeResult> = results.iter().filter(|r| r.local.is_some()).collect();
-    let want_learners = if args.flat { 0 } else { p1 * (args.local_learners - 1) };
-    if learners.len() != want_learners {
-        return Err(Error::Launch(format!(
-            "{} of {want_learners} local learners reported a result",
-            learners.len()
-        )));
-    }
+    let (workers, learners) = reporters(args, ended)?;
+    let p1 = workers.len();
     let book = args.book(model, args.cluster()?)?;
-    // The slowest worker's iterations.
-    let slowest = workers
-        .iter()
-        .max_by(|a, b| {
-            let s = |r: &NodeResult| r.iters.iter().map(|i| i.seconds).sum::<f64>();
-            s(a).total_cmp(&s(b))
-        })
-        .expect("p1 >= 1");
-    let per: Vec<IterStat> = slowest.iters.clone();
-    let steady: Vec<&IterStat> = if per.len() > 1 {
-        per[1..].iter().collect()
-    } else {
-        per.iter().collect()
-    };
-    // From the start of iteration 0 to the end of the last sync, per
-    // iteration: the same measure as `tidewire sim`. (The iterations after the
-    // first would count one sync more than their computes: iteration 0's sync
-    // is charged to iteration 1, and the last one ends with its own.)
-    let iteration_s = per.iter().map(|i| i.seconds).sum::<f64>() / per.len() as f64;
-    let hidden_fraction = hidden_fraction(&steady);
+    let (per, iteration_s, hidden_fraction) = iteration_figures(&workers);
     let (verified, mismatched_layers) = verify(args, model, &book, p1, workers.iter().chain(&learners).copied())?;
     let k = args.batch(model);
-    let checkpoint = args.ckpt.active().then(|| {
-        let ranks: Vec<(u32, &tidewire::checkpoint::CheckpointStats)> = results
-            .iter()
-            .filter_map(|r| Some((r.rank, r.checkpoint.as_ref()?)))
-            .collect();
-        resilience::CheckpointSummary::of(&ranks, &args.ckpt, iteration_s, per.len())
-    });
+    let checkpoint = checkpoint_summary(args, results, iteration_s, per.len());
     let mut by_rank: Vec<&NodeResult> = workers.clone();
     by_rank.sort_by_key(|r| r.rank);
     Ok(TrainReport {
         removed: ended.removed.clone(),
         trigger: args.trigger.clone(),
-        worker_iteration_s: by_rank
-            .iter()
-            .map(|r| r.iters.iter().map(|i| i.seconds).sum::<f64>() / r.iters.len().max(1) as f64)
-            .collect(),
+        worker_iteration_s: by_rank.iter().map(|r| mean_iteration_s(r)).collect(),
         dropped: results.iter().map(|r| r.stats.dropped).sum(),
         late_folded: results.iter().map(|r| r.stats.late_folded).sum(),
         partial_applies: results.iter().map(|r| r.stats.partial_applies).sum(),
@@ -87,25 +41,13 @@ pub(super) fn report(args: &TrainArgs, model: &Model, began: Instant, ended: &En
         resumed_from: None,
         log_warnings: ended.stderr_tails.iter().flat_map(|(_, _, w)| w.clone()).collect(),
         slice_params: book.config().slice_params,
-        aggregation: AggregationShare {
-            cpu_bytes: results.iter().map(|r| r.stats.cpu_aggregated_bytes).sum(),
-            gpu_bytes: results.iter().map(|r| r.stats.gpu_aggregated_bytes).sum(),
-            cpu_chunks: results.iter().map(|r| r.stats.cpu_aggregation_chunks).sum(),
-            gpu_chunks: results.iter().map(|r| r.stats.gpu_aggregation_chunks).sum(),
-        },
+        aggregation: aggregation_share(results),
         max_outstanding: results.iter().map(|r| r.stats.max_outstanding).max().unwrap_or(0),
         max_message_bytes: results.iter().map(|r| r.stats.max_message_bytes).max().unwrap_or(0),
         would_block: results.iter().map(|r| r.stats.would_block).sum(),
         factor_bytes_in_place: results.iter().map(|r| r.stats.factor_bytes_in_place).sum(),
         factor_bytes_decoded: results.iter().map(|r| r.stats.factor_bytes_decoded).sum(),
-        sparse: SparseSummary {
-            pushes: results.iter().map(|r| r.stats.sparse_pushes).sum(),
-            dense_pushes: results.iter().map(|r| r.stats.sparse_dense_pushes).sum(),
-            nonzeros: results.iter().map(|r| r.stats.sparse_nonzeros).sum(),
-            elements: results.iter().map(|r| r.stats.sparse_elements).sum(),
-            bytes: results.iter().map(|r| r.stats.sparse_bytes).sum(),
-            dense_bytes: results.iter().map(|r| r.stats.sparse_dense_bytes).sum(),
-        },
+        sparse: sparse_summary(results),
         model: model.name.into(),
         local_learners: args.local_learners,
         flat: args.flat,
@@ -126,23 +68,8 @@ pub(super) fn report(args: &TrainArgs, model: &Model, began: Instant, ended: &En
         throughput_samples_s: (p1 * args.learners() * k) as f64 / iteration_s,
         hidden_fraction,
         per_iteration: per,
-        workers_detail: {
-            let mut w: Vec<&NodeResult> = workers.clone();
-            w.sort_by_key(|r| r.rank);
-            w.iter().map(|r| r.iters.clone()).collect()
-        },
-        layers: book
-            .layers()
-            .iter()
-            .enumerate()
-            .map(|(i, l)| LayerRow {
-                name: l.name.clone(),
-                kind: l.kind,
-                shape: (l.m, l.n),
-                scheme: book.scheme(i as u32, 0),
-                cost_s: book.seconds(i as u32).map(|(ps, sfb)| (ps.total(), sfb.total())),
-            })
-            .collect(),
+        workers_detail: by_rank.iter().map(|r| r.iters.clone()).collect(),
+        layers: layer_rows(&book),
         rates: book.rates().copied(),
         verified,
         mismatched_layers,
@@ -155,6 +82,116 @@ pub(super) fn report(args: &TrainArgs, model: &Model, began: Instant, ended: &En
         wall_s: began.elapsed().as_secs_f64(),
         transport: transport_lines(results),
     })
+}
+
+/// The workers' results and the local learners', checked: every worker
+/// reported (P1 less the removed, plus their replacements), and every learner.
+fn reporters<'e>(args: &TrainArgs, ended: &'e Ended) -> Result<(Vec<&'e NodeResult>, Vec<&'e NodeResult>)> {
+    let results = &ended.results;
+    // A removed worker's result is apart; its replacement, if any, reports as its rank.
+    let workers: Vec<&NodeResult> = results
+        .iter()
+        .filter(|r| r.worker && r.local.is_none() && r.removed_at.is_none())
+        .collect();
+    let p1 = args.world().0 - ended.removed.len() + ended.replaced.len();
+    if workers.len() != p1 {
+        return Err(Error::Launch(format!(
+            "{} of {p1} workers reported a result",
+            workers.len()
+        )));
+    }
+    let learners: Vec<&NodeResult> = results.iter().filter(|r| r.local.is_some()).collect();
+    let want_learners = if args.flat { 0 } else { p1 * (args.local_learners - 1) };
+    if learners.len() != want_learners {
+        return Err(Error::Launch(format!(
+            "{} of {want_learners} local learners reported a result",
+            learners.len()
+        )));
+    }
+    Ok((workers, learners))
+}
+
+/// The slowest worker's iterations, their mean and the share of the sync
+/// hidden behind compute.
+fn iteration_figures(workers: &[&NodeResult]) -> (Vec<IterStat>, f64, f64) {
+    let slowest = workers
+        .iter()
+        .max_by(|a, b| {
+            let s = |r: &NodeResult| r.iters.iter().map(|i| i.seconds).sum::<f64>();
+            s(a).total_cmp(&s(b))
+        })
+        .expect("p1 >= 1");
+    let per: Vec<IterStat> = slowest.iters.clone();
+    let steady: Vec<&IterStat> = if per.len() > 1 {
+        per[1..].iter().collect()
+    } else {
+        per.iter().collect()
+    };
+    // From the start of iteration 0 to the end of the last sync, per
+    // iteration: the same measure as `tidewire sim`. (The iterations after the
+    // first would count one sync more than their computes: iteration 0's sync
+    // is charged to iteration 1, and the last one ends with its own.)
+    let iteration_s = per.iter().map(|i| i.seconds).sum::<f64>() / per.len() as f64;
+    let hidden = hidden_fraction(&steady);
+    (per, iteration_s, hidden)
+}
+
+/// A worker's mean iteration, s.
+fn mean_iteration_s(r: &NodeResult) -> f64 {
+    r.iters.iter().map(|i| i.seconds).sum::<f64>() / r.iters.len().max(1) as f64
+}
+
+/// What the checkpoints cost, over the ranks (--checkpoint-dir).
+fn checkpoint_summary(
+    args: &TrainArgs,
+    results: &[NodeResult],
+    iteration_s: f64,
+    iterations: usize,
+) -> Option<resilience::CheckpointSummary> {
+    args.ckpt.active().then(|| {
+        let ranks: Vec<(u32, &tidewire::checkpoint::CheckpointStats)> = results
+            .iter()
+            .filter_map(|r| Some((r.rank, r.checkpoint.as_ref()?)))
+            .collect();
+        resilience::CheckpointSummary::of(&ranks, &args.ckpt, iteration_s, iterations)
+    })
+}
+
+/// Where the servers' sums ran, over all ranks.
+fn aggregation_share(results: &[NodeResult]) -> AggregationShare {
+    AggregationShare {
+        cpu_bytes: results.iter().map(|r| r.stats.cpu_aggregated_bytes).sum(),
+        gpu_bytes: results.iter().map(|r| r.stats.gpu_aggregated_bytes).sum(),
+        cpu_chunks: results.iter().map(|r| r.stats.cpu_aggregation_chunks).sum(),
+        gpu_chunks: results.iter().map(|r| r.stats.gpu_aggregation_chunks).sum(),
+    }
+}
+
+/// The sparse pushes' counters, over all ranks.
+fn sparse_summary(results: &[NodeResult]) -> SparseSummary {
+    SparseSummary {
+        pushes: results.iter().map(|r| r.stats.sparse_pushes).sum(),
+        dense_pushes: results.iter().map(|r| r.stats.sparse_dense_pushes).sum(),
+        nonzeros: results.iter().map(|r| r.stats.sparse_nonzeros).sum(),
+        elements: results.iter().map(|r| r.stats.sparse_elements).sum(),
+        bytes: results.iter().map(|r| r.stats.sparse_bytes).sum(),
+        dense_bytes: results.iter().map(|r| r.stats.sparse_dense_bytes).sum(),
+    }
+}
+
+/// Every layer's row of the scheme table.
+fn layer_rows(book: &Book) -> Vec<LayerRow> {
+    book.layers()
+        .iter()
+        .enumerate()
+        .map(|(i, l)| LayerRow {
+            name: l.name.clone(),
+            kind: l.kind,
+            shape: (l.m, l.n),
+            scheme: book.scheme(i as u32, 0),
+            cost_s: book.seconds(i as u32).map(|(ps, sfb)| (ps.total(), sfb.total())),
+        })
+        .collect()
 }
 
 /// The share of each steady iteration's sync hidden behind compute, averaged.
