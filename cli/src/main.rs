@@ -68,21 +68,12 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TIDEWIRE_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        // Colour only on a terminal: a rank's stderr is a pipe that train reads and quotes.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    init_log();
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Doctor { json } => {
             let checks = doctor::run();
-            if json {
-                println!("{}", serde_json::to_string_pretty(&checks).expect("serializable"));
-            } else {
-                print!("{}", doctor::render(&checks));
-            }
+            print_either(json, &checks, |c| doctor::render(c));
             ExitCode::SUCCESS
         }
         Cmd::Plan {
@@ -102,45 +93,19 @@ fn main() -> ExitCode {
                 None
             };
             match plan::plan(&model, workers, servers, batch, coloc) {
-                Ok(p) if json => {
-                    println!("{}", serde_json::to_string_pretty(&p).expect("serializable"));
-                    ExitCode::SUCCESS
-                }
                 Ok(p) => {
-                    print!("{}", plan::render(&p));
+                    print_either(json, &p, plan::render);
                     ExitCode::SUCCESS
                 }
                 Err(e) => fail(e),
             }
         }
-        Cmd::Train(args) => {
-            // The ranks get the same flags (the launcher's own are harmless to them).
-            let node_args: Vec<String> = std::env::args().skip(2).collect();
-            match train::launch(&args, node_args) {
-                Ok(r) => {
-                    if args.json {
-                        println!("{}", serde_json::to_string_pretty(&r).expect("serializable"));
-                    } else {
-                        print!("{}", train::render(&r));
-                    }
-                    if r.verified == Some(false) {
-                        ExitCode::from(3)
-                    } else {
-                        ExitCode::SUCCESS
-                    }
-                }
-                Err(e) => fail(e),
-            }
-        }
+        Cmd::Train(args) => train_cmd(&args),
         Cmd::Bench {
             what: BenchCmd::Aggregate(a),
         } => match tidewire_cli::bench::aggregate(&a) {
-            Ok(r) if a.json => {
-                println!("{}", serde_json::to_string_pretty(&r).expect("serializable"));
-                ExitCode::SUCCESS
-            }
             Ok(r) => {
-                print!("{}", tidewire_gpu::bench::render(&r));
+                print_either(a.json, &r, tidewire_gpu::bench::render);
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -150,31 +115,12 @@ fn main() -> ExitCode {
         },
         Cmd::Sim(args) => match sim::run(&args) {
             Ok(r) => {
-                if args.json {
-                    println!("{}", serde_json::to_string_pretty(&r).expect("serializable"));
-                } else {
-                    print!("{}", sim::render(&r));
-                }
+                print_either(args.json, &r, sim::render);
                 ExitCode::SUCCESS
             }
             Err(e) => fail(e),
         },
-        Cmd::Calibrate(a) => match tidewire_cli::calibrate::run(&a) {
-            Ok(tidewire_cli::calibrate::Outcome::Profile(p)) => {
-                if a.json {
-                    println!("{}", serde_json::to_string_pretty(&p).expect("serializable"));
-                } else {
-                    print!("{}", tidewire_cli::calibrate::render(&p));
-                }
-                ExitCode::SUCCESS
-            }
-            Ok(tidewire_cli::calibrate::Outcome::Probe(r)) => {
-                println!("{r}");
-                ExitCode::SUCCESS
-            }
-            Ok(tidewire_cli::calibrate::Outcome::Served) => ExitCode::SUCCESS,
-            Err(e) => fail(e),
-        },
+        Cmd::Calibrate(a) => calibrate_cmd(&a),
         Cmd::TrainNode(args) => match train::run_node(&args) {
             Ok(r) => {
                 println!("result {}", serde_json::to_string(&r).expect("serializable"));
@@ -183,6 +129,58 @@ fn main() -> ExitCode {
             }
             Err(e) => fail(e),
         },
+    }
+}
+
+/// The log (`TIDEWIRE_LOG`, default warn) goes to stderr.
+fn init_log() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TIDEWIRE_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        // Colour only on a terminal: a rank's stderr is a pipe that train reads and quotes.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}
+
+/// Prints `v` as pretty JSON with `json`, else as `render` writes it.
+fn print_either<T: serde::Serialize>(json: bool, v: &T, render: impl Fn(&T) -> String) {
+    if json {
+        println!("{}", serde_json::to_string_pretty(v).expect("serializable"));
+    } else {
+        print!("{}", render(v));
+    }
+}
+
+/// `tidewire train`: exit 3 when `--verify` found a difference.
+fn train_cmd(args: &TrainArgs) -> ExitCode {
+    // The ranks get the same flags (the launcher's own are harmless to them).
+    let node_args: Vec<String> = std::env::args().skip(2).collect();
+    match train::launch(args, node_args) {
+        Ok(r) => {
+            print_either(args.json, &r, train::render);
+            if r.verified == Some(false) {
+                ExitCode::from(3)
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        Err(e) => fail(e),
+    }
+}
+
+/// `tidewire calibrate`: a profile, a probe's line, or nothing when it served a peer.
+fn calibrate_cmd(a: &tidewire_cli::calibrate::CalibrateArgs) -> ExitCode {
+    match tidewire_cli::calibrate::run(a) {
+        Ok(tidewire_cli::calibrate::Outcome::Profile(p)) => {
+            print_either(a.json, &p, tidewire_cli::calibrate::render);
+            ExitCode::SUCCESS
+        }
+        Ok(tidewire_cli::calibrate::Outcome::Probe(r)) => {
+            println!("{r}");
+            ExitCode::SUCCESS
+        }
+        Ok(tidewire_cli::calibrate::Outcome::Served) => ExitCode::SUCCESS,
+        Err(e) => fail(e),
     }
 }
 
