@@ -48,9 +48,20 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
     }
     let spec = ClusterSpec::from_env()?;
     let synth = Arc::new(args.synth(&model));
+    let session = build_session(args, &model, &synth, spec)?;
+    if session.role().is_worker() && args.comm.active() {
+        comm::worker_loop(args, &model, &synth, session, true)
+    } else if session.role().is_worker() {
+        run_worker(args, &model, &synth, session)
+    } else {
+        serve_only(session)
+    }
+}
+
+/// The rank's session, as the flags configure it.
+fn build_session(args: &TrainArgs, model: &Model, synth: &Arc<Synth>, spec: ClusterSpec) -> Result<Session> {
     let s2 = synth.clone();
-    let comm = args.comm.active();
-    let mut builder = Builder::new(args.comm.layers(&model, args.world().0));
+    let mut builder = Builder::new(args.comm.layers(model, args.world().0));
     if let Some(c) = args.ckpt.config() {
         builder = builder.checkpoint(c);
     }
@@ -63,12 +74,12 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
     if let Some(r) = args.agreed_rates()? {
         builder = builder.rates(r);
     }
-    let session = builder
-        .batch(args.batch(&model) * args.learners())
-        .chunk_bytes(args.book_config(&model).chunk_bytes)
-        .slice_params(args.book_config(&model).slice_params)
-        .placement(args.book_config(&model).placement)
-        .policy(if comm {
+    Ok(builder
+        .batch(args.batch(model) * args.learners())
+        .chunk_bytes(args.book_config(model).chunk_bytes)
+        .slice_params(args.book_config(model).slice_params)
+        .placement(args.book_config(model).placement)
+        .policy(if args.comm.active() {
             tidewire_engine::SchemePolicy::Ps
         } else {
             args.sync_mode().policy()
@@ -82,61 +93,63 @@ pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
         .timeout(Duration::from_secs(args.timeout_s))
         .connect_timeout(Duration::from_secs(args.timeout_s))
         .init_params(move |l, p| s2.init(l, p))
-        .build(spec)?;
-    if session.role().is_worker() && comm {
-        comm::worker_loop(args, &model, &synth, session, true)
-    } else if session.role().is_worker() {
-        let group = match LocalEnv::from_env()? {
-            Some(local) => Some(
-                tidewire::local::LocalGroup::create(
-                    &local.path,
-                    local.nonce,
-                    &local_layout(args, &model),
-                    Duration::from_secs(args.timeout_s),
-                )
-                .map_err(|e| Error::Launch(e.to_string()))?,
-            ),
-            None => None,
-        };
-        let r = worker_loop(
-            args,
-            &model,
-            &synth,
-            session,
-            LoopOpts {
-                progress: true,
-                fc_as_gradients: false,
-                group: group.as_ref(),
-            },
-        );
-        if r.is_err() {
-            if let Some(g) = &group {
-                g.abort();
-            }
+        .build(spec)?)
+}
+
+/// A worker rank: the training loop, leading its node's local learners
+/// (`--local-learners`) when there are any; they are told when it fails.
+fn run_worker(args: &TrainArgs, model: &Model, synth: &Synth, session: Session) -> Result<NodeResult> {
+    let group = match LocalEnv::from_env()? {
+        Some(local) => Some(
+            tidewire::local::LocalGroup::create(
+                &local.path,
+                local.nonce,
+                &local_layout(args, model),
+                Duration::from_secs(args.timeout_s),
+            )
+            .map_err(|e| Error::Launch(e.to_string()))?,
+        ),
+        None => None,
+    };
+    let r = worker_loop(
+        args,
+        model,
+        synth,
+        session,
+        LoopOpts {
+            progress: true,
+            fc_as_gradients: false,
+            group: group.as_ref(),
+        },
+    );
+    if r.is_err() {
+        if let Some(g) = &group {
+            g.abort();
         }
-        r
-    } else {
-        let rank = session.rank();
-        let (kind, why) = session.transport();
-        let mut session = session;
-        session.shutdown()?;
-        // A server-only rank serves the whole job inside shutdown: its counters are there after.
-        let stats = session.stats()?;
-        Ok(NodeResult {
-            rank,
-            worker: false,
-            iters: vec![],
-            digests: vec![],
-            stats,
-            transport: format!("{kind}: {why}"),
-            local: None,
-            setup_tx_bytes: 0,
-            setup_rx_bytes: 0,
-            comm: None,
-            checkpoint: session.checkpoint_stats(),
-            removed_at: None,
-        })
     }
+    r
+}
+
+/// A server-only rank serves the whole job inside shutdown: its counters are there after.
+fn serve_only(mut session: Session) -> Result<NodeResult> {
+    let rank = session.rank();
+    let (kind, why) = session.transport();
+    session.shutdown()?;
+    let stats = session.stats()?;
+    Ok(NodeResult {
+        rank,
+        worker: false,
+        iters: vec![],
+        digests: vec![],
+        stats,
+        transport: format!("{kind}: {why}"),
+        local: None,
+        setup_tx_bytes: 0,
+        setup_rx_bytes: 0,
+        comm: None,
+        checkpoint: session.checkpoint_stats(),
+        removed_at: None,
+    })
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -203,18 +216,22 @@ fn local_layout(args: &TrainArgs, model: &Model) -> tidewire::local::LocalLayout
 /// worker, with gradients handed to the node's leader through shared memory
 /// and parameters read from its cache. Reports its final digests.
 fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<NodeResult> {
-    let synth = args.synth(model);
     let layout = local_layout(args, model);
     let timeout = Duration::from_secs(args.timeout_s);
     let me = tidewire::local::LocalLearner::attach(&local.path, local.nonce, &layout, local.index, timeout)
         .map_err(|e| Error::Launch(e.to_string()))?;
     let k = args.batch(model);
-    let global = local.node * args.local_learners + local.index;
-    let times = model.layer_times(k, args.time_scale);
-    let nl = model.layers.len();
-    // The leader's book, for the scheme of each FC layer: factors go to the
-    // leader for SFB; for the PS this learner forms its own gradient Uᵀ·V.
-    let book = args.book(model, args.cluster()?)?;
+    let learner = Learner {
+        me,
+        model,
+        synth: args.synth(model),
+        k,
+        global: local.node * args.local_learners + local.index,
+        times: model.layer_times(k, args.time_scale),
+        // The leader's book, for the scheme of each FC layer: factors go to the
+        // leader for SFB; for the PS this learner forms its own gradient Uᵀ·V.
+        book: args.book(model, args.cluster()?)?,
+    };
     let mut params: Vec<Vec<f32>> = model.layers.iter().map(|l| vec![0f32; l.params()]).collect();
     let mut grad: Vec<Vec<f32>> = model.layers.iter().map(|l| vec![0f32; l.params()]).collect();
     let mut stats = Vec::new();
@@ -222,36 +239,14 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
     let mut prev: Option<Instant> = None;
     for it in 0..args.iters {
         let start = Instant::now();
-        let mut blocked = Duration::ZERO;
-        for l in 0..nl {
-            let t = Instant::now();
-            me.params(l, it.saturating_sub(args.cache_staleness), &mut params[l])?;
-            blocked += t.elapsed();
-            sleep(times[l].0);
-        }
+        let blocked = learner.forward(&mut params, it.saturating_sub(args.cache_staleness))?;
         if let (Some(p), Some(last)) = (prev, stats.last_mut()) {
             let last: &mut IterStat = last;
             last.seconds = (start - p).as_secs_f64();
         }
         prev = Some(start);
         let forward_done_unix = unix_now();
-        for l in (0..nl).rev() {
-            sleep(times[l].1);
-            let spec = &model.layers[l];
-            if spec.kind == LayerKind::Fc {
-                let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
-                synth.factors(global, it, l as u32, &mut u, &mut v);
-                if book.scheme(l as u32, it).takes_factors() {
-                    me.hand_in(l, it, &[&u, &v])?;
-                } else {
-                    cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, &mut grad[l]);
-                    me.hand_in(l, it, &[&grad[l]])?;
-                }
-            } else {
-                synth.grad(global, it, l as u32, &mut grad[l]);
-                me.hand_in(l, it, &[&grad[l]])?;
-            }
-        }
+        learner.backward(&mut grad, it)?;
         stats.push(IterStat {
             iter: it,
             seconds: 0.0,
@@ -265,7 +260,7 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
         let _ = out.flush();
     }
     for (l, p) in params.iter_mut().enumerate() {
-        me.params(l, args.iters, p)?;
+        learner.me.params(l, args.iters, p)?;
     }
     if let (Some(p), Some(last)) = (prev, stats.last_mut()) {
         last.seconds = p.elapsed().as_secs_f64();
@@ -284,6 +279,59 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
         checkpoint: None,
         removed_at: None,
     })
+}
+
+/// A local learner's place and compute.
+struct Learner<'a> {
+    me: tidewire::local::LocalLearner,
+    model: &'a Model,
+    synth: Synth,
+    /// Batch per learner.
+    k: usize,
+    /// The learner's index over the job (node × L + local rank).
+    global: usize,
+    /// Each layer's (forward, backward) compute.
+    times: Vec<(Duration, Duration)>,
+    book: Book,
+}
+
+impl Learner<'_> {
+    /// The forward pass: each layer's parameters of iteration `need` or later
+    /// from the leader's cache, then its compute. Returns the time blocked.
+    fn forward(&self, params: &mut [Vec<f32>], need: u64) -> Result<Duration> {
+        let mut blocked = Duration::ZERO;
+        for (l, p) in params.iter_mut().enumerate() {
+            let t = Instant::now();
+            self.me.params(l, need, p)?;
+            blocked += t.elapsed();
+            sleep(self.times[l].0);
+        }
+        Ok(blocked)
+    }
+
+    /// The backward pass: each layer's gradient, or an SFB layer's factors,
+    /// handed to the leader.
+    fn backward(&self, grad: &mut [Vec<f32>], it: u64) -> Result<()> {
+        let (k, me) = (self.k, &self.me);
+        for l in (0..self.model.layers.len()).rev() {
+            sleep(self.times[l].1);
+            let spec = &self.model.layers[l];
+            if spec.kind == LayerKind::Fc {
+                let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
+                self.synth.factors(self.global, it, l as u32, &mut u, &mut v);
+                if self.book.scheme(l as u32, it).takes_factors() {
+                    me.hand_in(l, it, &[&u, &v])?;
+                } else {
+                    cpu::sf_rows(&u, &v, k, spec.m, spec.n, 0, &mut grad[l]);
+                    me.hand_in(l, it, &[&grad[l]])?;
+                }
+            } else {
+                self.synth.grad(self.global, it, l as u32, &mut grad[l]);
+                me.hand_in(l, it, &[&grad[l]])?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A worker's training loop: each iteration's forward pass waits for the
