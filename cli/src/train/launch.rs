@@ -3,6 +3,7 @@
 //! processes ([`super::spawn`]), supervises them ([`super::supervise`]) and
 //! builds the report ([`super::collect`]).
 
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -21,31 +22,10 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     args.validate()?;
     args.ckpt.check_dirs(args.iters)?;
     let mut base_args = resilience::without_resume(&node_args);
-    let mut args = args.clone();
-    if let Some(r) = measured_rates(&args)? {
-        let json = serde_json::to_string(&r).map_err(|e| Error::Launch(format!("rates: {e}")))?;
-        base_args.push("--rates".into());
-        base_args.push(json.clone());
-        args.rates = Some(json);
-        if args.slice_params.is_none() && args.sync_mode().sliced() {
-            let p = tidewire_engine::cost::slice_params_for(&r);
-            base_args.push("--slice-params".into());
-            base_args.push(p.to_string());
-            args.slice_params = Some(p);
-        }
-    }
-    let args = &args;
+    let args = &with_measured_rates(args, &mut base_args)?;
     let mut kills: std::collections::VecDeque<resilience::Kill> = args.ckpt.fault_kill.iter().copied().collect();
     let mut restarts: Vec<Restart> = Vec::new();
-    let mut resume: Option<std::path::PathBuf> = match &args.ckpt.resume {
-        // Every rank resumes the same step: resolve a checkpoint directory to its newest one here.
-        Some(r) if !r.join("manifest.json").is_file() => Some(
-            tidewire::checkpoint::Loaded::newest_complete(r)
-                .map_err(|e| Error::Launch(e.to_string()))?
-                .ok_or_else(|| Error::Launch(format!("--resume {}: no complete checkpoint there", r.display())))?,
-        ),
-        r => r.clone(),
-    };
+    let mut resume = first_resume(args)?;
     loop {
         let mut attempt_args = base_args.clone();
         if let Some(r) = &resume {
@@ -65,50 +45,97 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
                 progressed,
                 failed_at,
             } => {
-                let tried = if restarts.is_empty() {
-                    String::new()
-                } else {
-                    format!(" (after {} rollback(s))", restarts.len())
-                };
-                let Some(dir) = &args.ckpt.checkpoint_dir else {
-                    return Err(Error::Launch(format!("the local cluster failed: {cause}")));
-                };
-                if !progressed {
-                    return Err(Error::Launch(format!(
-                        "the local cluster failed before its first iteration{tried}, so it is not rolled back: {cause}"
-                    )));
-                }
-                if restarts.len() as u32 >= args.ckpt.max_restarts {
-                    return Err(Error::Launch(format!(
-                        "the local cluster failed{tried}, and --max-restarts {} is spent: {cause}",
-                        args.ckpt.max_restarts
-                    )));
-                }
-                resume = resilience::rollback_point(dir, resume.as_deref())?;
-                let from = resume.as_deref().map_or(0, resilience::step_iteration);
-                if from >= args.iters {
-                    return Err(Error::Launch(format!(
-                        "the local cluster failed after its last checkpoint (iteration {from} of {}): the \
-                         parameters are in {}; nothing is left to run: {cause}",
-                        args.iters,
-                        dir.display()
-                    )));
-                }
-                if !args.json {
-                    eprintln!(
-                        "tidewire: a rank was lost ({}); rolling back to iteration {from} and restarting every rank",
-                        cause.lines().next().unwrap_or("")
-                    );
-                }
-                restarts.push(Restart {
-                    cause,
-                    resumed_from: from,
-                    checkpoint: resume.as_ref().map(|p| p.display().to_string()),
-                    recovery_s: failed_at.elapsed().as_secs_f64(),
-                });
+                resume = roll_back(args, &mut restarts, resume.as_deref(), cause, progressed, failed_at)?;
             }
         }
     }
+}
+
+/// The flags with the rates every rank decides with (and the slice size
+/// they give, unless set), passed to the ranks in `base_args` too.
+fn with_measured_rates(args: &TrainArgs, base_args: &mut Vec<String>) -> Result<TrainArgs> {
+    let mut args = args.clone();
+    if let Some(r) = measured_rates(&args)? {
+        let json = serde_json::to_string(&r).map_err(|e| Error::Launch(format!("rates: {e}")))?;
+        base_args.push("--rates".into());
+        base_args.push(json.clone());
+        args.rates = Some(json);
+        if args.slice_params.is_none() && args.sync_mode().sliced() {
+            let p = tidewire_engine::cost::slice_params_for(&r);
+            base_args.push("--slice-params".into());
+            base_args.push(p.to_string());
+            args.slice_params = Some(p);
+        }
+    }
+    Ok(args)
+}
+
+/// The checkpoint the first attempt resumes (`--resume`): every rank resumes
+/// the same step, so a checkpoint directory resolves to its newest one here.
+fn first_resume(args: &TrainArgs) -> Result<Option<PathBuf>> {
+    Ok(match &args.ckpt.resume {
+        Some(r) if !r.join("manifest.json").is_file() => Some(
+            tidewire::checkpoint::Loaded::newest_complete(r)
+                .map_err(|e| Error::Launch(e.to_string()))?
+                .ok_or_else(|| Error::Launch(format!("--resume {}: no complete checkpoint there", r.display())))?,
+        ),
+        r => r.clone(),
+    })
+}
+
+/// After a failed attempt: the checkpoint the next one resumes, with the
+/// restart recorded, or the error that ends the run (no --checkpoint-dir, no
+/// iteration done, --max-restarts spent, or nothing left to run).
+fn roll_back(
+    args: &TrainArgs,
+    restarts: &mut Vec<Restart>,
+    resume: Option<&Path>,
+    cause: String,
+    progressed: bool,
+    failed_at: Instant,
+) -> Result<Option<PathBuf>> {
+    let tried = if restarts.is_empty() {
+        String::new()
+    } else {
+        format!(" (after {} rollback(s))", restarts.len())
+    };
+    let Some(dir) = &args.ckpt.checkpoint_dir else {
+        return Err(Error::Launch(format!("the local cluster failed: {cause}")));
+    };
+    if !progressed {
+        return Err(Error::Launch(format!(
+            "the local cluster failed before its first iteration{tried}, so it is not rolled back: {cause}"
+        )));
+    }
+    if restarts.len() as u32 >= args.ckpt.max_restarts {
+        return Err(Error::Launch(format!(
+            "the local cluster failed{tried}, and --max-restarts {} is spent: {cause}",
+            args.ckpt.max_restarts
+        )));
+    }
+    let resume = resilience::rollback_point(dir, resume)?;
+    let from = resume.as_deref().map_or(0, resilience::step_iteration);
+    if from >= args.iters {
+        return Err(Error::Launch(format!(
+            "the local cluster failed after its last checkpoint (iteration {from} of {}): the \
+             parameters are in {}; nothing is left to run: {cause}",
+            args.iters,
+            dir.display()
+        )));
+    }
+    if !args.json {
+        eprintln!(
+            "tidewire: a rank was lost ({}); rolling back to iteration {from} and restarting every rank",
+            cause.lines().next().unwrap_or("")
+        );
+    }
+    restarts.push(Restart {
+        cause,
+        resumed_from: from,
+        checkpoint: resume.as_ref().map(|p| p.display().to_string()),
+        recovery_s: failed_at.elapsed().as_secs_f64(),
+    });
+    Ok(resume)
 }
 
 /// The rates every rank of this launch decides HybComm (and the default
