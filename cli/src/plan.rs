@@ -2,7 +2,7 @@
 //! cluster, with the scheme BestScheme picks.
 
 use serde::Serialize;
-use tidewire_engine::book::{LayerKind, Scheme};
+use tidewire_engine::book::{LayerKind, LayerSpec, Scheme};
 use tidewire_engine::cost::{ps_params, sfb_params, NodeRole};
 use tidewire_engine::{models, Book, BookConfig, Cluster, SchemePolicy};
 
@@ -92,44 +92,10 @@ pub fn plan(model: &str, workers: usize, servers: usize, batch: usize, colocated
     let mut rows = Vec::new();
     let (mut total_ps, mut total_chosen) = (0u64, 0u64);
     for (i, l) in m.layers.iter().enumerate() {
-        let (mm, nn) = (l.m as u64, l.n as u64);
-        let (ps, sfb) = book.costs(i as u32);
-        let sfb = (l.kind == LayerKind::Fc).then_some(sfb);
-        let scheme = book.scheme(i as u32, 0);
-        total_ps += ps * 4;
-        total_chosen += match scheme {
-            Scheme::Ps => ps * 4,
-            Scheme::Sfb => sfb.unwrap_or(0) * 4,
-            // Not chosen by HybComm (the plan's policy); the layer's server is the busiest node.
-            Scheme::Adam => {
-                tidewire_engine::cost::adam_params(
-                    if colocated {
-                        NodeRole::Both
-                    } else {
-                        NodeRole::ServerOnly
-                    },
-                    k,
-                    mm,
-                    nn,
-                    p1,
-                ) * 4
-            }
-        };
-        rows.push(PlanRow {
-            index: i,
-            name: l.name.clone(),
-            kind: l.kind,
-            m: l.m,
-            n: l.n,
-            params: l.params(),
-            ps_params_both: ps_params(NodeRole::Both, mm, nn, p1, p2),
-            ps_params_worker: ps_params(NodeRole::WorkerOnly, mm, nn, p1, p2),
-            ps_params_server: ps_params(NodeRole::ServerOnly, mm, nn, p1, p2),
-            sfb_params: sfb.map(|_| sfb_params(k, p1, mm, nn)),
-            ps_bytes: ps * 4,
-            sfb_bytes: sfb.map(|s| s * 4),
-            scheme,
-        });
+        let row = plan_row(&book, i, l, p1, p2, k);
+        total_ps += row.ps_bytes;
+        total_chosen += chosen_bytes(&row, colocated, k, p1);
+        rows.push(row);
     }
     Ok(Plan {
         model: m.name.into(),
@@ -141,6 +107,50 @@ pub fn plan(model: &str, workers: usize, servers: usize, batch: usize, colocated
         total_ps_bytes: total_ps,
         total_chosen_bytes: total_chosen,
     })
+}
+
+/// Layer `i`'s costs under each scheme, and the scheme the book chose.
+fn plan_row(book: &Book, i: usize, l: &LayerSpec, p1: u64, p2: u64, k: u64) -> PlanRow {
+    let (mm, nn) = (l.m as u64, l.n as u64);
+    let (ps, sfb) = book.costs(i as u32);
+    let sfb = (l.kind == LayerKind::Fc).then_some(sfb);
+    PlanRow {
+        index: i,
+        name: l.name.clone(),
+        kind: l.kind,
+        m: l.m,
+        n: l.n,
+        params: l.params(),
+        ps_params_both: ps_params(NodeRole::Both, mm, nn, p1, p2),
+        ps_params_worker: ps_params(NodeRole::WorkerOnly, mm, nn, p1, p2),
+        ps_params_server: ps_params(NodeRole::ServerOnly, mm, nn, p1, p2),
+        sfb_params: sfb.map(|_| sfb_params(k, p1, mm, nn)),
+        ps_bytes: ps * 4,
+        sfb_bytes: sfb.map(|s| s * 4),
+        scheme: book.scheme(i as u32, 0),
+    }
+}
+
+/// The bytes on the busiest node of a layer under its chosen scheme.
+fn chosen_bytes(row: &PlanRow, colocated: bool, k: u64, p1: u64) -> u64 {
+    match row.scheme {
+        Scheme::Ps => row.ps_bytes,
+        Scheme::Sfb => row.sfb_bytes.unwrap_or(0),
+        // Not chosen by HybComm (the plan's policy); the layer's server is the busiest node.
+        Scheme::Adam => {
+            tidewire_engine::cost::adam_params(
+                if colocated {
+                    NodeRole::Both
+                } else {
+                    NodeRole::ServerOnly
+                },
+                k,
+                row.m as u64,
+                row.n as u64,
+                p1,
+            ) * 4
+        }
+    }
 }
 
 /// The plan as a table.
