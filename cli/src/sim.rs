@@ -31,6 +31,7 @@ use clap::Args;
 use serde::Serialize;
 use tidewire_engine::book::{Book, BookConfig, Cluster};
 use tidewire_engine::config::{Consistency, SyncMode, Trigger};
+use tidewire_engine::cost::Rates;
 use tidewire_engine::models::{self, Model};
 use tidewire_sim::{Faults, Sim, SimConfig, SimReport};
 
@@ -419,6 +420,23 @@ fn one_run(
         .map(|(f, b)| (f.as_nanos() as u64, b.as_nanos() as u64))
         .collect();
     let mut cfg = SimConfig::new(Arc::new(book), mode, times, args.iters);
+    set_machine(&mut cfg, model, args, rates.as_ref());
+    set_schedule(&mut cfg, args, lay)?;
+    // The run measured (not the one-node reference or the set-up alone).
+    if main {
+        cfg.trace_bin_ns = args.trace_bin_us.map(|us| ((us * 1000.0).round() as u64).max(1));
+        cfg.sched.trigger = Trigger::parse(&args.trigger).expect("validated by clap");
+        let f = faults_of(args)?;
+        cfg.faults.slow = f.slow;
+        cfg.faults.crash = f.crash;
+        cfg.faults.rejoin_after_ns = f.rejoin_after_ns;
+    }
+    Ok(Sim::run(cfg)?)
+}
+
+/// The links and the CPU: `--bandwidth`, `--latency-us` and the model's GEMM,
+/// or the profile's `rates`.
+fn set_machine(cfg: &mut SimConfig, model: &Model, args: &SimArgs, rates: Option<&Rates>) {
     cfg.bandwidth_bps = args.bandwidth;
     cfg.latency_ns = (args.latency_us * 1000.0).round() as u64;
     cfg.gemm_flops = model.calibrated_flop_rate() / args.time_scale.max(1e-9);
@@ -429,6 +447,10 @@ fn one_run(
         cfg.msg_ns = (r.msg_s * 1e9).round() as u64;
         cfg.bandwidth_bps = r.link_bytes_per_s * 8.0;
     }
+}
+
+/// The scheduler's flags, and the learners' layout `lay`.
+fn set_schedule(cfg: &mut SimConfig, args: &SimArgs, lay: &Layout) -> Result<()> {
     cfg.sched.consistency = consistency_of(&args.consistency)?;
     cfg.sched.deterministic = !args.fast;
     cfg.sched.learners = lay.learners as u32;
@@ -445,16 +467,7 @@ fn one_run(
     if let Some(n) = args.spare_slots {
         cfg.sched.spare_slots = n;
     }
-    // The run measured (not the one-node reference or the set-up alone).
-    if main {
-        cfg.trace_bin_ns = args.trace_bin_us.map(|us| ((us * 1000.0).round() as u64).max(1));
-        cfg.sched.trigger = Trigger::parse(&args.trigger).expect("validated by clap");
-        let f = faults_of(args)?;
-        cfg.faults.slow = f.slow;
-        cfg.faults.crash = f.crash;
-        cfg.faults.rejoin_after_ns = f.rejoin_after_ns;
-    }
-    Ok(Sim::run(cfg)?)
+    Ok(())
 }
 
 /// Whether `tidewire sim --model NAME` has a profile for `name`.
