@@ -132,7 +132,16 @@ fn plot(rows: &[Row], cli: &Cli, path: &Path) -> Result<(), String> {
     let root = BitMapBackend::new(path, (1300, 480)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
     let (left, right) = root.split_horizontally(700);
-    // Left: VGG19 at 10 GbE, iteration time = compute + exposed wait, flat and local, per L.
+    plot_dissection(&left, rows, cli)?;
+    plot_speedups(&right, rows)?;
+    root.present().map_err(|e| format!("{}: {e}", path.display()))
+}
+
+type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
+
+/// The left panel: VGG19 at 10 GbE, iteration time = compute + exposed wait,
+/// flat and local, per L.
+fn plot_dissection(area: &Area<'_>, rows: &[Row], cli: &Cli) -> Result<(), String> {
     let vgg: Vec<&Row> = rows
         .iter()
         .filter(|r| r.model == "vgg19" && r.bandwidth_gbps == 10.0)
@@ -142,7 +151,7 @@ fn plot(rows: &[Row], cli: &Cli, path: &Path) -> Result<(), String> {
         .map(|r| r.flat.iteration_s.max(r.local.iteration_s))
         .fold(0.0, f64::max)
         * 1.15;
-    let mut chart = ChartBuilder::on(&left)
+    let mut chart = ChartBuilder::on(area)
         .caption(
             format!("VGG19, {} nodes, 10 GbE: the iteration, dissected", cli.nodes),
             ("sans-serif", 20),
@@ -197,9 +206,13 @@ fn plot(rows: &[Row], cli: &Cli, path: &Path) -> Result<(), String> {
         .position(SeriesLabelPosition::UpperLeft)
         .draw()
         .map_err(|e| e.to_string())?;
-    // Right: speedup of local aggregation over the flat run against L.
+    Ok(())
+}
+
+/// The right panel: speedup of local aggregation over the flat run against L.
+fn plot_speedups(area: &Area<'_>, rows: &[Row]) -> Result<(), String> {
     let smax = rows.iter().map(|r| r.speedup_over_flat).fold(1.0, f64::max) * 1.1;
-    let mut chart = ChartBuilder::on(&right)
+    let mut chart = ChartBuilder::on(area)
         .caption("local aggregation over the flat run", ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(40)
@@ -247,7 +260,7 @@ fn plot(rows: &[Row], cli: &Cli, path: &Path) -> Result<(), String> {
         .position(SeriesLabelPosition::UpperLeft)
         .draw()
         .map_err(|e| e.to_string())?;
-    root.present().map_err(|e| format!("{}: {e}", path.display()))
+    Ok(())
 }
 
 fn markdown(rows: &[Row], cli: &Cli) -> String {
