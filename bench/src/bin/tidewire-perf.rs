@@ -149,24 +149,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
 
 fn opts(test: Test, f: Flags) -> Result<Opts, PerfError> {
     let bad = |s: String| Err(PerfError::new(s));
-    if f.rdma_cm {
-        return bad(
-            "-R (connecting with rdma_cm) is not supported by tidewire-perf; run both sides without -R \
-                    (perftest's default exchange on TCP port 18515 interoperates)"
-                .into(),
-        );
-    }
-    if let Some(d) = f.duration {
-        if !(d > 0.0 && d <= 86400.0) {
-            return bad(format!("-D {d}: give a duration in seconds, above 0"));
-        }
-    }
-    if f.duration.is_some() && !test.is_bw() {
-        return bad(format!(
-            "-D with {}: latency tests run a number of round trips; use -n",
-            test.name()
-        ));
-    }
+    check_mode(test, &f)?;
     let iters = f.iters.unwrap_or(if test.is_bw() { 5000 } else { 1000 });
     if iters < 5 {
         return bad(format!("-n {iters}: at least 5 iterations"));
@@ -186,24 +169,7 @@ fn opts(test: Test, f: Flags) -> Result<Opts, PerfError> {
     if f.post_list == 0 || f.post_list > tx_depth as usize {
         return bad(format!("-l {}: give 1 to the TX depth ({tx_depth})", f.post_list));
     }
-    let cq_mod = if test.is_bw() {
-        let want = f.cq_mod.unwrap_or(100);
-        if want == 0 {
-            return bad("-Q 0: give at least 1".into());
-        }
-        if f.cq_mod.is_some() && want > tx_depth as usize {
-            return bad(format!(
-                "-Q {want} is larger than the TX depth {tx_depth}: completions could never be asked for"
-            ));
-        }
-        let mut c = want.min(tx_depth as usize);
-        if f.duration.is_none() {
-            c = c.min(iters as usize);
-        }
-        c
-    } else {
-        1
-    };
+    let cq_mod = cq_mod_of(test, &f, tx_depth, iters)?;
     let sizes = if f.all {
         perf::all_sizes()
     } else {
@@ -250,6 +216,53 @@ fn opts(test: Test, f: Flags) -> Result<Opts, PerfError> {
         out_json,
         timeout: Duration::from_secs_f64(f.timeout),
     })
+}
+
+/// The exchange (-R is refused) and the run's length: -D for bandwidth tests only.
+fn check_mode(test: Test, f: &Flags) -> Result<(), PerfError> {
+    let bad = |s: String| Err(PerfError::new(s));
+    if f.rdma_cm {
+        return bad(
+            "-R (connecting with rdma_cm) is not supported by tidewire-perf; run both sides without -R \
+                    (perftest's default exchange on TCP port 18515 interoperates)"
+                .into(),
+        );
+    }
+    if let Some(d) = f.duration {
+        if !(d > 0.0 && d <= 86400.0) {
+            return bad(format!("-D {d}: give a duration in seconds, above 0"));
+        }
+    }
+    if f.duration.is_some() && !test.is_bw() {
+        return bad(format!(
+            "-D with {}: latency tests run a number of round trips; use -n",
+            test.name()
+        ));
+    }
+    Ok(())
+}
+
+/// -Q: a completion asked for every this many work requests (bandwidth
+/// tests; at most the TX depth and, with -n, the iterations).
+fn cq_mod_of(test: Test, f: &Flags, tx_depth: u32, iters: u64) -> Result<usize, PerfError> {
+    let bad = |s: String| Err(PerfError::new(s));
+    if !test.is_bw() {
+        return Ok(1);
+    }
+    let want = f.cq_mod.unwrap_or(100);
+    if want == 0 {
+        return bad("-Q 0: give at least 1".into());
+    }
+    if f.cq_mod.is_some() && want > tx_depth as usize {
+        return bad(format!(
+            "-Q {want} is larger than the TX depth {tx_depth}: completions could never be asked for"
+        ));
+    }
+    let mut c = want.min(tx_depth as usize);
+    if f.duration.is_none() {
+        c = c.min(iters as usize);
+    }
+    Ok(c)
 }
 
 fn run(o: &Opts) -> Result<(), PerfError> {
