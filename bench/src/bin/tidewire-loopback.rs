@@ -434,67 +434,74 @@ fn main() {
                 std::process::exit(2)
             }
         },
-        Cmd::ZcSweep { secs, runs } => {
-            println!(
-                "{:>10} {:>14} {:>14} {:>8}",
-                "bytes", "send Gbit/s", "SEND_ZC Gbit/s", "zc/send"
-            );
-            for size in [4096usize, 16384, 65536, 262144, 1 << 20, 4 << 20] {
-                let mut a = Vec::new();
-                let mut b = Vec::new();
-                for _ in 0..runs {
-                    a.push(write_bw(size, secs, 16 << 20, None));
-                    b.push(write_bw(size, secs, 16 << 20, Some(0)));
-                }
-                let (ma, mb) = (median(&a), median(&b));
-                println!("{size:>10} {ma:>14.2} {mb:>14.2} {:>8.2}", mb / ma);
-            }
-        }
+        Cmd::ZcSweep { secs, runs } => zc_sweep(secs, runs),
         Cmd::Compare {
             runs,
             secs,
             iters,
             json,
-        } => {
-            let (mut ours_bw, mut peer_bw, mut ours_rtt, mut peer_rtt) = (vec![], vec![], vec![], vec![]);
-            for r in 0..runs {
-                eprintln!("[{}/{runs}] write_bw 1 MiB vs iperf3, 64 B rtt vs std::net ...", r + 1);
-                ours_bw.push(write_bw(1 << 20, secs, 16 << 20, None));
-                match iperf(secs) {
-                    Ok(g) => peer_bw.push(g),
-                    Err(e) => {
-                        eprintln!("error: {e}");
-                        std::process::exit(2)
-                    }
-                }
-                ours_rtt.push(median(&rtt(64, iters)));
-                peer_rtt.push(median(&std_rtt(64, iters)));
-            }
-            let rows = vec![
-                row("write_bw 1 MiB", "Gbit/s", "iperf3 (1 stream)", ours_bw, peer_bw),
-                row("rtt 64 B", "us", "std::net blocking ping-pong", ours_rtt, peer_rtt),
-            ];
-            println!(
-                "medians of {runs} alternating runs; our busy_poll = {} us",
-                cli.busy_poll_us
-            );
-            println!(
-                "{:<16} {:>8} {:>14} {:>14} {:>8}  peer",
-                "test", "unit", "ours(median)", "peer(median)", "ratio"
-            );
-            for r in &rows {
-                println!(
-                    "{:<16} {:>8} {:>14.2} {:>14.2} {:>8.3}  {}",
-                    r.test, r.unit, r.ours_median, r.peer_median, r.ratio, r.peer_name
-                );
-            }
-            if let Some(p) = json {
-                let doc = serde_json::json!({ "runs": runs, "busy_poll_us": cli.busy_poll_us, "rows": rows });
-                std::fs::write(&p, serde_json::to_string_pretty(&doc).unwrap()).unwrap_or_else(|e| {
-                    eprintln!("error: writing {}: {e}", p.display());
-                    std::process::exit(2)
-                });
+        } => compare(runs, secs, iters, json, cli.busy_poll_us),
+    }
+}
+
+/// Plain sends against SEND_ZC, per message size (medians of `runs`).
+fn zc_sweep(secs: f64, runs: usize) {
+    println!(
+        "{:>10} {:>14} {:>14} {:>8}",
+        "bytes", "send Gbit/s", "SEND_ZC Gbit/s", "zc/send"
+    );
+    for size in [4096usize, 16384, 65536, 262144, 1 << 20, 4 << 20] {
+        let mut a = Vec::new();
+        let mut b = Vec::new();
+        for _ in 0..runs {
+            a.push(write_bw(size, secs, 16 << 20, None));
+            b.push(write_bw(size, secs, 16 << 20, Some(0)));
+        }
+        let (ma, mb) = (median(&a), median(&b));
+        println!("{size:>10} {ma:>14.2} {mb:>14.2} {:>8.2}", mb / ma);
+    }
+}
+
+/// Our write_bw and 64 B round trip against iperf3 and std::net, alternating
+/// over `runs`; the table, and with `json` the rows as JSON there.
+fn compare(runs: usize, secs: f64, iters: usize, json: Option<std::path::PathBuf>, busy_poll_us: u64) {
+    let (mut ours_bw, mut peer_bw, mut ours_rtt, mut peer_rtt) = (vec![], vec![], vec![], vec![]);
+    for r in 0..runs {
+        eprintln!("[{}/{runs}] write_bw 1 MiB vs iperf3, 64 B rtt vs std::net ...", r + 1);
+        ours_bw.push(write_bw(1 << 20, secs, 16 << 20, None));
+        match iperf(secs) {
+            Ok(g) => peer_bw.push(g),
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::exit(2)
             }
         }
+        ours_rtt.push(median(&rtt(64, iters)));
+        peer_rtt.push(median(&std_rtt(64, iters)));
+    }
+    let rows = vec![
+        row("write_bw 1 MiB", "Gbit/s", "iperf3 (1 stream)", ours_bw, peer_bw),
+        row("rtt 64 B", "us", "std::net blocking ping-pong", ours_rtt, peer_rtt),
+    ];
+    println!(
+        "medians of {runs} alternating runs; our busy_poll = {} us",
+        busy_poll_us
+    );
+    println!(
+        "{:<16} {:>8} {:>14} {:>14} {:>8}  peer",
+        "test", "unit", "ours(median)", "peer(median)", "ratio"
+    );
+    for r in &rows {
+        println!(
+            "{:<16} {:>8} {:>14.2} {:>14.2} {:>8.3}  {}",
+            r.test, r.unit, r.ours_median, r.peer_median, r.ratio, r.peer_name
+        );
+    }
+    if let Some(p) = json {
+        let doc = serde_json::json!({ "runs": runs, "busy_poll_us": busy_poll_us, "rows": rows });
+        std::fs::write(&p, serde_json::to_string_pretty(&doc).unwrap()).unwrap_or_else(|e| {
+            eprintln!("error: writing {}: {e}", p.display());
+            std::process::exit(2)
+        });
     }
 }
