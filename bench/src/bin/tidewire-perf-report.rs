@@ -149,11 +149,26 @@ fn run(cli: &Cli) -> Result<bool, String> {
             cli.input.display()
         ));
     }
+    print_table(&rows);
+    let (all_ok, checks) = run_checks(cli, &rows)?;
+    if let Some(p) = &cli.json {
+        write_json(p, &rows, checks)?;
+        println!("json: {}", p.display());
+    }
+    if let Some(p) = &cli.png {
+        plot(&rows, p, &cli.font)?;
+        println!("png: {}", p.display());
+    }
+    Ok(all_ok || !cli.enforce)
+}
+
+/// The rows, as perftest's columns.
+fn print_table(rows: &[Row]) {
     println!(
         "{:<10} {:>8}  {:>12}  {:>12}  {:>7}  {:>7}  {:>4}  unit",
         "test", "bytes", "ours", "peer", "ratio", "paired", "runs"
     );
-    for r in &rows {
+    for r in rows {
         println!(
             "{:<10} {:>8}  {:>12.3}  {:>12.3}  {:>7.3}  {:>7}  {:>4}  {} (peer: {})",
             r.test,
@@ -168,6 +183,11 @@ fn run(cli: &Cli) -> Result<bool, String> {
         );
     }
     println!("ratio: median(ours) / median(peer); paired: the median of ours/peer within each repetition");
+}
+
+/// `--check TEST:BYTES:ge|le:LIMIT`, each printed: whether all pass, and
+/// each as JSON.
+fn run_checks(cli: &Cli, rows: &[Row]) -> Result<(bool, Vec<serde_json::Value>), String> {
     let mut all_ok = true;
     let mut checks = Vec::new();
     for c in &cli.checks {
@@ -199,27 +219,25 @@ fn run(cli: &Cli) -> Result<bool, String> {
         );
         checks.push(serde_json::json!({"test": r.test, "bytes": bytes, "ratio": r.ratio, "op": f[2], "limit": limit, "pass": ok}));
     }
-    if let Some(p) = &cli.json {
-        let j = serde_json::json!({
-            "rows": rows.iter().map(|r| {
-                let mut m = serde_json::json!({
-                    "test": r.test, "bytes": r.bytes, "ours": r.ours, "ratio": r.ratio, "paired_ratio": r.paired_ratio,
-                    "peer": r.peer, "unit": r.unit, "runs_ours": r.runs_ours, "runs_peer": r.runs_peer,
-                });
-                m[r.peer.as_str()] = serde_json::json!(r.peer_value);
-                m
-            }).collect::<Vec<_>>(),
-            "checks": checks,
-        });
-        std::fs::write(p, serde_json::to_string_pretty(&j).expect("json") + "\n")
-            .map_err(|e| format!("{}: {e}", p.display()))?;
-        println!("json: {}", p.display());
-    }
-    if let Some(p) = &cli.png {
-        plot(&rows, p, &cli.font)?;
-        println!("png: {}", p.display());
-    }
-    Ok(all_ok || !cli.enforce)
+    Ok((all_ok, checks))
+}
+
+/// The rows and the checks as JSON in `p`.
+fn write_json(p: &std::path::Path, rows: &[Row], checks: Vec<serde_json::Value>) -> Result<(), String> {
+    let j = serde_json::json!({
+        "rows": rows.iter().map(|r| {
+            let mut m = serde_json::json!({
+                "test": r.test, "bytes": r.bytes, "ours": r.ours, "ratio": r.ratio, "paired_ratio": r.paired_ratio,
+                "peer": r.peer, "unit": r.unit, "runs_ours": r.runs_ours, "runs_peer": r.runs_peer,
+            });
+            m[r.peer.as_str()] = serde_json::json!(r.peer_value);
+            m
+        }).collect::<Vec<_>>(),
+        "checks": checks,
+    });
+    std::fs::write(p, serde_json::to_string_pretty(&j).expect("json") + "\n")
+        .map_err(|e| format!("{}: {e}", p.display()))?;
+    Ok(())
 }
 
 fn plot(rows: &[Row], path: &std::path::Path, font: &std::path::Path) -> Result<(), String> {
@@ -234,73 +252,86 @@ fn plot(rows: &[Row], path: &std::path::Path, font: &std::path::Path) -> Result<
     root.fill(&WHITE).map_err(|e| e.to_string())?;
     let panels = root.split_evenly((1, tests.len().max(1)));
     for (area, test) in panels.iter().zip(&tests) {
-        let rs: Vec<&Row> = rows.iter().filter(|r| &r.test == test).collect();
-        let peer = rs.first().map(|r| r.peer.clone()).unwrap_or_default();
-        let xs: Vec<f64> = rs.iter().map(|r| (r.bytes as f64).log2()).collect();
-        let (x0, x1) = (
-            xs.iter().cloned().fold(f64::INFINITY, f64::min),
-            xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
-        );
-        // Log scale: bandwidth and latency both span orders of magnitude across sizes.
-        let ymax = rs.iter().map(|r| r.ours.max(r.peer_value)).fold(0.0, f64::max) * 1.5;
-        let ymin = rs
-            .iter()
-            .map(|r| r.ours.min(r.peer_value))
-            .fold(f64::INFINITY, f64::min)
-            / 1.5;
-        let (x0, x1) = if x1 > x0 { (x0, x1) } else { (x0 - 1.0, x1 + 1.0) };
-        let mut chart = ChartBuilder::on(area)
-            .caption(format!("{test}: tidewire-perf vs {peer}"), ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(x0..x1, (ymin.max(1e-9)..ymax.max(2e-9)).log_scale())
-            .map_err(|e| e.to_string())?;
-        chart
-            .configure_mesh()
-            .x_desc("message size (log2 bytes)")
-            .y_desc(format!("{} (log scale)", unit(test)))
-            .x_label_formatter(&|v| {
-                let b = 2f64.powf(*v).round() as u64;
-                if b >= 1 << 20 {
-                    format!("{}M", b >> 20)
-                } else if b >= 1 << 10 {
-                    format!("{}K", b >> 10)
-                } else {
-                    format!("{b}")
-                }
-            })
-            .draw()
-            .map_err(|e| e.to_string())?;
-        let ours: Vec<(f64, f64)> = rs.iter().map(|r| ((r.bytes as f64).log2(), r.ours)).collect();
-        let theirs: Vec<(f64, f64)> = rs.iter().map(|r| ((r.bytes as f64).log2(), r.peer_value)).collect();
-        chart
-            .draw_series(LineSeries::new(ours.clone(), BLUE.stroke_width(2)))
-            .map_err(|e| e.to_string())?
-            .label("tidewire-perf")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE.stroke_width(2)));
-        chart
-            .draw_series(ours.iter().map(|&p| Circle::new(p, 3, BLUE.filled())))
-            .map_err(|e| e.to_string())?;
-        chart
-            .draw_series(LineSeries::new(theirs.clone(), RED.stroke_width(2)))
-            .map_err(|e| e.to_string())?
-            .label(peer.clone())
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED.stroke_width(2)));
-        chart
-            .draw_series(theirs.iter().map(|&p| TriangleMarker::new(p, 4, RED.filled())))
-            .map_err(|e| e.to_string())?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 14))
-            .draw()
-            .map_err(|e| e.to_string())?;
+        plot_test(area, rows, test)?;
     }
     root.present().map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(())
+}
+
+/// One test's panel: ours against the peer over the message sizes, both axes log.
+fn plot_test(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    rows: &[Row],
+    test: &str,
+) -> Result<(), String> {
+    let rs: Vec<&Row> = rows.iter().filter(|r| r.test == test).collect();
+    let peer = rs.first().map(|r| r.peer.clone()).unwrap_or_default();
+    let xs: Vec<f64> = rs.iter().map(|r| (r.bytes as f64).log2()).collect();
+    let (x0, x1) = (
+        xs.iter().cloned().fold(f64::INFINITY, f64::min),
+        xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+    );
+    // Log scale: bandwidth and latency both span orders of magnitude across sizes.
+    let ymax = rs.iter().map(|r| r.ours.max(r.peer_value)).fold(0.0, f64::max) * 1.5;
+    let ymin = rs
+        .iter()
+        .map(|r| r.ours.min(r.peer_value))
+        .fold(f64::INFINITY, f64::min)
+        / 1.5;
+    let (x0, x1) = if x1 > x0 { (x0, x1) } else { (x0 - 1.0, x1 + 1.0) };
+    let mut chart = ChartBuilder::on(area)
+        .caption(format!("{test}: tidewire-perf vs {peer}"), ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(x0..x1, (ymin.max(1e-9)..ymax.max(2e-9)).log_scale())
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("message size (log2 bytes)")
+        .y_desc(format!("{} (log scale)", unit(test)))
+        .x_label_formatter(&size_label)
+        .draw()
+        .map_err(|e| e.to_string())?;
+    let ours: Vec<(f64, f64)> = rs.iter().map(|r| ((r.bytes as f64).log2(), r.ours)).collect();
+    let theirs: Vec<(f64, f64)> = rs.iter().map(|r| ((r.bytes as f64).log2(), r.peer_value)).collect();
+    chart
+        .draw_series(LineSeries::new(ours.clone(), BLUE.stroke_width(2)))
+        .map_err(|e| e.to_string())?
+        .label("tidewire-perf")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE.stroke_width(2)));
+    chart
+        .draw_series(ours.iter().map(|&p| Circle::new(p, 3, BLUE.filled())))
+        .map_err(|e| e.to_string())?;
+    chart
+        .draw_series(LineSeries::new(theirs.clone(), RED.stroke_width(2)))
+        .map_err(|e| e.to_string())?
+        .label(peer.clone())
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED.stroke_width(2)));
+    chart
+        .draw_series(theirs.iter().map(|&p| TriangleMarker::new(p, 4, RED.filled())))
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// A message size's label on the log2 axis: 512, 4K, 1M.
+fn size_label(v: &f64) -> String {
+    let b = 2f64.powf(*v).round() as u64;
+    if b >= 1 << 20 {
+        format!("{}M", b >> 20)
+    } else if b >= 1 << 10 {
+        format!("{}K", b >> 10)
+    } else {
+        format!("{b}")
+    }
 }
 
 #[cfg(test)]
