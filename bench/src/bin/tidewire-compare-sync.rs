@@ -416,14 +416,7 @@ fn plot(rows: &[Row], path: &Path, font: &Path) -> Result<(), String> {
     let root = BitMapBackend::new(path, (260 * n as u32 + 120, 480)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
     // Each row's modes as bars, relative to the row's best fixed mode.
-    let ymax = rows
-        .iter()
-        .flat_map(|r| {
-            let b = best_fixed(r).map(|x| x.1).unwrap_or(1.0).max(1e-12);
-            r.median.values().map(move |v| v / b).collect::<Vec<_>>()
-        })
-        .fold(1.2, f64::max)
-        * 1.15;
+    let ymax = relative_max(rows) * 1.15;
     let mut chart = ChartBuilder::on(&root)
         .caption(
             "samples/s relative to the best mode other than full",
@@ -454,18 +447,8 @@ fn plot(rows: &[Row], path: &Path, font: &Path) -> Result<(), String> {
     let w = 0.8 / modes.len().max(1) as f64;
     for (mi, m) in modes.iter().enumerate() {
         let color = Palette99::pick(mi).to_rgba();
-        let bars: Vec<Rectangle<(f64, f64)>> = rows
-            .iter()
-            .enumerate()
-            .filter_map(|(ri, r)| {
-                let b = best_fixed(r)?.1.max(1e-12);
-                let v = r.median.get(m)? / b;
-                let x0 = ri as f64 + 0.1 + mi as f64 * w;
-                Some(Rectangle::new([(x0, 0.0), (x0 + w * 0.9, v)], color.filled()))
-            })
-            .collect();
         chart
-            .draw_series(bars)
+            .draw_series(mode_bars(rows, m, mi as f64 * w, w, color))
             .map_err(|e| e.to_string())?
             .label(m.clone())
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
@@ -485,6 +468,30 @@ fn plot(rows: &[Row], path: &Path, font: &Path) -> Result<(), String> {
         .draw()
         .map_err(|e| e.to_string())?;
     root.present().map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The largest ratio of a mode to its row's best fixed mode (at least 1.2).
+fn relative_max(rows: &[Row]) -> f64 {
+    rows.iter()
+        .flat_map(|r| {
+            let b = best_fixed(r).map(|x| x.1).unwrap_or(1.0).max(1e-12);
+            r.median.values().map(move |v| v / b).collect::<Vec<_>>()
+        })
+        .fold(1.2, f64::max)
+}
+
+/// Mode `m`'s bar in each row that has it (relative to the row's best
+/// fixed mode), `offset` into the row's group, `w` wide.
+fn mode_bars(rows: &[Row], m: &str, offset: f64, w: f64, color: RGBAColor) -> Vec<Rectangle<(f64, f64)>> {
+    rows.iter()
+        .enumerate()
+        .filter_map(|(ri, r)| {
+            let b = best_fixed(r)?.1.max(1e-12);
+            let v = r.median.get(m)? / b;
+            let x0 = ri as f64 + 0.1 + offset;
+            Some(Rectangle::new([(x0, 0.0), (x0 + w * 0.9, v)], color.filled()))
+        })
+        .collect()
 }
 
 fn report(a: &ReportArgs) -> Result<bool, String> {
