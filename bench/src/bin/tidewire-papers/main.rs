@@ -11,7 +11,8 @@
 //! ```
 //!
 //! The modules: [`poseidon`] and [`p3`] hold each paper's figures (their
-//! jobs, effects, `EVAL.md` sections, claims rows and plots); [`runner`]
+//! jobs, effects, `EVAL.md` sections, claims rows and plots; P3's effects are
+//! in [`p3_effects`]); [`runner`]
 //! runs the simulations and the harness; [`render`] writes `EVAL.md`
 //! around the papers' sections; [`plot`] draws the panels.
 //!
@@ -23,6 +24,7 @@
 //! [`panel`].
 
 mod p3;
+mod p3_effects;
 mod plot;
 mod poseidon;
 mod render;
@@ -38,6 +40,7 @@ use serde::{Deserialize, Serialize};
 use tidewire_cli::sim::{self, SimResult};
 
 use p3::*;
+use p3_effects::*;
 use plot::*;
 use poseidon::*;
 use render::*;

@@ -107,83 +107,12 @@ pub(crate) fn least(f: impl Fn(&str, f64) -> f64) -> (f64, String) {
     w
 }
 
-/// The effects of P3's bandwidth figure beyond [`p3_best_effects`]: deterministic
-/// summation costs P3 nothing, P3 never loses to WFBP, and P3's ablation
-/// against MXNet's KVStore.
-pub(crate) fn p3_bw_effects(pts: &[Point]) -> Vec<Effect> {
-    let mut out = Vec::new();
-    let n = P3_MODELS.len() * P3_BW.len();
-    let (r, at) = least(|m, bw| det_over_fast(pts, m, bw));
-    out.push(Effect {
-        claim: format!(
-            "Deterministic (rank-order) P3 is ≥ 0.98 × `--fast` (arrival-order) P3 at every point ({n} points)"
-        ),
-        evidence: format!("least deterministic / fast: {r:.3} ({at})"),
-        holds: r >= 0.98,
-    });
-    let (r, at) = least(|m, bw| p3_tp(pts, m, bw, "p3") / p3_tp(pts, m, bw, "wfbp"));
-    out.push(Effect {
-        claim: format!("P3 never loses: P3 ≥ 0.99 × WFBP at every point ({n} points)"),
-        evidence: format!("least P3 / WFBP: {r:.3} ({at})"),
-        holds: r >= 0.99,
-    });
-    // P3 over KVStore: VGG-19 gains most, at a mid bandwidth.
-    let best: Vec<(&str, (f64, f64))> = P3_MODELS
-        .iter()
-        .map(|&m| (m, best_over(pts, m, "p3", "kvstore")))
-        .collect();
-    let (gv, bv) = best.iter().find(|b| b.0 == "vgg19").expect("vgg19 is a P3 model").1;
-    let most = best.iter().all(|&(m, (g, _))| m == "vgg19" || g < gv);
-    let mid = bv > P3_BW[0] && bv < P3_BW[P3_BW.len() - 1];
-    out.push(Effect {
-        claim: "P3 over KVStore: VGG-19 gains most, peaking at a mid bandwidth (not 1 or 30 Gbit/s)".into(),
-        evidence: format!(
-            "peak gain of P3 over KVStore: {}",
-            best.iter()
-                .map(|(m, (g, bw))| format!("{m} {:+.1}% at {bw} Gbit/s", g * 100.0))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-        holds: most && mid && gv > 0.0,
-    });
-    let (gs, bs) = best_over(pts, "vgg19", "sliced", "kvstore");
-    out.push(Effect {
-        claim: "Slicing alone helps VGG-19 (sliced ≥ 1% above KVStore at some bandwidth)".into(),
-        evidence: format!(
-            "best gain of slicing alone over KVStore: {:+.1}% at {bs} Gbit/s",
-            gs * 100.0
-        ),
-        holds: gs >= 0.01,
-    });
-    let mut far = Vec::new();
-    let mut rows = Vec::new();
-    for m in ["resnet-50", "inception-v3"] {
-        let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
-        for bw in P3_BW {
-            let g = gain_over(pts, m, bw, "sliced", "kvstore");
-            lo = lo.min(g);
-            hi = hi.max(g);
-            if g.abs() > 0.03 {
-                far.push(format!("{m} at {bw} Gbit/s"));
-            }
-        }
-        rows.push(format!("{m} {:+.1}% to {:+.1}%", lo * 100.0, hi * 100.0));
-    }
-    out.push(Effect {
-        claim: "ResNet-50 and Inception-V3 gain little from slicing (sliced within 3% of KVStore at every bandwidth)"
-            .into(),
-        evidence: format!(
-            "slicing alone over KVStore: {}{}",
-            rows.join(", "),
-            if far.is_empty() {
-                String::new()
-            } else {
-                format!("; beyond 3% at {}", far.join(", "))
-            }
-        ),
-        holds: far.is_empty(),
-    });
-    out
+/// P3's throughput over the baseline's (`wfbp`), less 1, for `m` on `n`
+/// machines of the scalability figure.
+pub(crate) fn p3_scale_gain(pts: &[Point], m: &str, n: usize) -> f64 {
+    find(pts, "p3-scaling", m, n, P3_FIG_BW, "p3").throughput_samples_s
+        / find(pts, "p3-scaling", m, n, P3_FIG_BW, "wfbp").throughput_samples_s
+        - 1.0
 }
 
 /// The models of P3's Fig. 10 that `tidewire sim` has a profile for, and those it skips.
@@ -281,141 +210,6 @@ pub(crate) fn util_of<'a>(u: &'a [Util], model: &str, bw: f64, sync: &str) -> &'
     u.iter()
         .find(|x| x.model == model && (x.bandwidth_gbps - bw).abs() < 1e-9 && x.sync == sync)
         .expect("every utilization point was traced")
-}
-
-/// The effects of P3's Figs. 8-12 (and Poseidon's 32-node VGG19-22K).
-pub(crate) fn more_effects(pts: &[Point], util: &[Util]) -> Vec<Effect> {
-    let mut out = Vec::new();
-    // Poseidon: VGG19-22K at 32 nodes, 40 GbE.
-    let pos = find(pts, "poseidon-scaling", "vgg19-22k", 32, 40.0, "hybrid").speedup;
-    let ps = find(pts, "poseidon-scaling", "vgg19-22k", 32, 40.0, "fifo-ps").speedup;
-    out.push(Effect {
-        claim: "Poseidon scales VGG19-22K near-linearly to 32 nodes on 40 GbE (≥ 28.8×), beyond PS".into(),
-        evidence: format!("32 nodes: Poseidon {pos:.1}×, PS {ps:.1}×"),
-        holds: pos >= 0.9 * 32.0 && pos > ps,
-    });
-    // Figs. 8 and 9: where P3 is faster, it keeps the link busier and idle less.
-    let mut rows = Vec::new();
-    let mut holds = true;
-    for m in UTIL_MODELS {
-        for bw in p3_fig_bws(pts, m) {
-            let (b, p) = (util_of(util, m, bw, "wfbp"), util_of(util, m, bw, "p3"));
-            let gain = b.iteration_s / p.iteration_s - 1.0;
-            if gain < 0.01 {
-                continue;
-            }
-            let avg = |x: [f64; 2]| (x[0] + x[1]) / 2.0;
-            holds &= avg(p.mean) > avg(b.mean) + 0.01 && avg(p.idle) < avg(b.idle);
-            rows.push(format!(
-                "{m} at {bw} Gbit/s (P3 {:+.0}%): busy {:.0}% → {:.0}%, idle {:.0}% → {:.0}%",
-                gain * 100.0,
-                avg(b.mean) * 100.0,
-                avg(p.mean) * 100.0,
-                avg(b.idle) * 100.0,
-                avg(p.idle) * 100.0
-            ));
-        }
-    }
-    out.push(Effect {
-        claim:
-            "P3 keeps the worker's link busier and idle less than the baseline (Figs. 8, 9; wherever P3 is ≥ 1% faster)"
-                .into(),
-        evidence: if rows.is_empty() {
-            "P3 is not ≥ 1% faster at any traced point".into()
-        } else {
-            format!("mean of out and in, baseline → P3: {}", rows.join("; "))
-        },
-        holds: holds && !rows.is_empty(),
-    });
-    // Fig. 10: P3 at least as fast as the baseline at every scale.
-    let (models, _) = p3_scale_models();
-    let mut worst = (f64::INFINITY, String::new());
-    let mut best = (f64::NEG_INFINITY, String::new());
-    for &m in &models {
-        for n in P3_SCALE_NODES {
-            let g = find(pts, "p3-scaling", m, n, P3_FIG_BW, "p3").throughput_samples_s
-                / find(pts, "p3-scaling", m, n, P3_FIG_BW, "wfbp").throughput_samples_s
-                - 1.0;
-            let at = format!("{m}, {n} machines");
-            if g < worst.0 {
-                worst = (g, at.clone());
-            }
-            if g > best.0 {
-                best = (g, at);
-            }
-        }
-    }
-    out.push(Effect {
-        claim: format!(
-            "P3 is at least as fast as the baseline at every scale (Fig. 10: 2-16 machines, {P3_FIG_BW} Gbit/s; within 1%)"
-        ),
-        evidence: format!(
-            "P3 over the baseline: least {:+.1}% ({}), most {:+.1}% ({})",
-            worst.0 * 100.0,
-            worst.1,
-            best.0 * 100.0,
-            best.1
-        ),
-        holds: worst.0 >= -0.01 && best.0 > 0.0,
-    });
-    // Fig. 12: slices too large cost throughput, and P3's 50,000 is near the
-    // best. (Whether small ones cost too, an interior optimum, is reported:
-    // with a chunk per slice the simulator charges a message its latency and
-    // bytes but no per-message CPU time, so small slices may cost nothing.)
-    let mut interior = Vec::new();
-    let mut large = Vec::new();
-    let mut far = Vec::new();
-    let mut curves = Vec::new();
-    for m in SLICE_MODELS {
-        for bw in p3_fig_bws(pts, m) {
-            let tp = |sp: usize| {
-                find_by(pts, "p3-slices", |p| {
-                    p.model == m && (p.bandwidth_gbps - bw).abs() < 1e-9 && p.sync == "p3" && p.slice_params == sp
-                })
-                .throughput_samples_s
-            };
-            let (bsp, btp) = SLICE_SIZES
-                .iter()
-                .map(|&sp| (sp, tp(sp)))
-                .fold((0, f64::NEG_INFINITY), |a, b| if b.1 > a.1 { b } else { a });
-            let (lo, hi) = (tp(SLICE_SIZES[0]), tp(SLICE_SIZES[SLICE_SIZES.len() - 1]));
-            let at50 = tp(P3_SLICE) / btp - 1.0;
-            if btp >= 1.01 * hi {
-                large.push(format!("{m} at {bw} Gbit/s"));
-                if btp >= 1.01 * lo {
-                    interior.push(format!("{m} at {bw} Gbit/s"));
-                }
-            }
-            if at50 < -0.02 {
-                far.push(format!("{m} at {bw} Gbit/s"));
-            }
-            let worst = SLICE_SIZES.iter().map(|&sp| tp(sp)).fold(f64::INFINITY, f64::min);
-            if btp / worst - 1.0 < 0.001 {
-                curves.push(format!("{m} at {bw} Gbit/s: flat (within 0.1%)"));
-                continue;
-            }
-            curves.push(format!(
-                "{m} at {bw} Gbit/s: best {bsp} ({:+.1}% over {}, {:+.1}% over {}; 50,000 {:+.1}%)",
-                (btp / lo - 1.0) * 100.0,
-                SLICE_SIZES[0],
-                (btp / hi - 1.0) * 100.0,
-                SLICE_SIZES[SLICE_SIZES.len() - 1],
-                at50 * 100.0
-            ));
-        }
-    }
-    let list = |v: &[String]| if v.is_empty() { "none".to_string() } else { v.join(", ") };
-    out.push(Effect {
-        claim: "Slices too large cost throughput, and P3's 50,000 is within 2% of the best size (Fig. 12)".into(),
-        evidence: format!(
-            "the best ≥ 1% above the largest size for {}; an interior optimum (small slices costing ≥ 1% too) for {}; {}",
-            list(&large),
-            list(&interior),
-            curves.join("; ")
-        ),
-        holds: !large.is_empty() && far.is_empty(),
-    });
-    out
 }
 
 pub(crate) fn plot_p3(pts: &[Point], train: &[TrainPoint], path: &Path) -> Result<(), String> {
@@ -615,6 +409,14 @@ pub(crate) fn kvstore_md(s: &mut String, pts: &[Point]) {
          `kvstore` (P3's baseline), `sliced` (slicing alone: P3's ablation without priority) and `p3`. \
          Samples per second over the 4 workers.\n"
     );
+    kvstore_table(s, pts);
+    kvstore_peaks_md(s, pts);
+    slicing_at_top_md(s, pts);
+}
+
+/// Each model's samples per second under each KVStore mode, and the gains
+/// of slicing alone and of P3 over KVStore, per bandwidth.
+fn kvstore_table(s: &mut String, pts: &[Point]) {
     let mut head = vec!["model".to_string(), "mode".to_string()];
     head.extend(P3_BW.iter().map(|bw| bw.to_string()));
     let mut rows = Vec::new();
@@ -635,6 +437,10 @@ pub(crate) fn kvstore_md(s: &mut String, pts: &[Point]) {
         }
     }
     table(s, &head, 2, &rows);
+}
+
+/// The peak gains over KVStore (and P3's over WFBP) beside the paper's.
+fn kvstore_peaks_md(s: &mut String, pts: &[Point]) {
     let _ = writeln!(
         s,
         "\nPeak gains over 1-30 Gbit/s, beside the paper's. The paper's numbers are its best cases \
@@ -664,6 +470,10 @@ pub(crate) fn kvstore_md(s: &mut String, pts: &[Point]) {
         })
         .collect();
     table(s, &head, 1, &rows);
+}
+
+/// Slicing alone on VGG-19 at the top bandwidth, and whether it is compute-bound there.
+fn slicing_at_top_md(s: &mut String, pts: &[Point]) {
     let top = P3_BW[P3_BW.len() - 1];
     let sp = |sync: &str| find(pts, "p3-bandwidth", "vgg19", 4, top, sync).speedup;
     let _ = writeln!(
@@ -870,30 +680,6 @@ fn p3_slices_md(s: &mut String, cli: &Cli, pts: &[Point]) {
     table(s, &head, 2, &rows);
 }
 
-/// The effect of P3's bandwidth figure that [`p3_bw_effects`] does not
-/// check: P3 beats WFBP most on VGG-19, at mid bandwidths.
-pub(crate) fn p3_best_effects(pts: &[Point]) -> Vec<Effect> {
-    let mut out = Vec::new();
-    // 3. P3 beats WFBP most on VGG-19, at mid bandwidths.
-    let best: Vec<(&str, (f64, f64))> = P3_MODELS.iter().map(|&m| (m, p3_best(pts, m))).collect();
-    let (gv, bv) = best.iter().find(|b| b.0 == "vgg19").expect("vgg19 is a P3 model").1;
-    let mid = bv > P3_BW[0] && bv < P3_BW[P3_BW.len() - 1];
-    out.push(Effect {
-        claim: "P3 beats WFBP most on VGG-19, at mid bandwidths".into(),
-        evidence: format!(
-            "best gain of P3 over WFBP: {} (range {}-{} Gbit/s)",
-            best.iter()
-                .map(|(m, (g, bw))| format!("{m} {:+.1}% at {bw} Gbit/s", g * 100.0))
-                .collect::<Vec<_>>()
-                .join(", "),
-            P3_BW[0],
-            P3_BW[P3_BW.len() - 1]
-        ),
-        holds: best.iter().all(|&(m, (g, _))| m == "vgg19" || g < gv) && gv > 0.0 && mid,
-    });
-    out
-}
-
 /// Phase 1's jobs of P3's bandwidth figure (and P3 `--fast` beside it).
 pub(crate) fn p3_bandwidth_jobs(iters: u64) -> Vec<Job> {
     let mut jobs = Vec::new();
@@ -1050,50 +836,7 @@ pub(crate) fn p3_claims(pts: &[Point]) -> Vec<[String; 4]> {
         let (g, bw) = best_over(pts, m, "p3", "kvstore");
         format!("{:+.0}% ({bw} Gbit/s)", g * 100.0)
     };
-    let slice_best: Vec<String> = SLICE_MODELS
-        .iter()
-        .flat_map(|&m| {
-            p3_fig_bws(pts, m).into_iter().map(move |bw| {
-                let (sp_, _) = SLICE_SIZES
-                    .iter()
-                    .map(|&sp| {
-                        let p = find_by(pts, "p3-slices", |p| {
-                            p.model == m
-                                && (p.bandwidth_gbps - bw).abs() < 1e-9
-                                && p.sync == "p3"
-                                && p.slice_params == sp
-                        });
-                        (sp, p.throughput_samples_s)
-                    })
-                    .fold((0, f64::NEG_INFINITY), |a, b| if b.1 > a.1 { b } else { a });
-                let tps: Vec<f64> = SLICE_SIZES
-                    .iter()
-                    .map(|&sp| {
-                        find_by(pts, "p3-slices", |p| {
-                            p.model == m
-                                && (p.bandwidth_gbps - bw).abs() < 1e-9
-                                && p.sync == "p3"
-                                && p.slice_params == sp
-                        })
-                        .throughput_samples_s
-                    })
-                    .collect();
-                let (lo, hi) = tps
-                    .iter()
-                    .fold((f64::INFINITY, 0f64), |(l, h), &t| (l.min(t), h.max(t)));
-                if hi / lo - 1.0 < 0.001 {
-                    format!("{m} at {bw} Gbit/s: flat (within 0.1%)")
-                } else {
-                    format!("{m} at {bw} Gbit/s: {sp_}")
-                }
-            })
-        })
-        .collect();
-    let p3_scale = |m: &str, n: usize| {
-        find(pts, "p3-scaling", m, n, P3_FIG_BW, "p3").throughput_samples_s
-            / find(pts, "p3-scaling", m, n, P3_FIG_BW, "wfbp").throughput_samples_s
-            - 1.0
-    };
+    let slice_best = best_slice_sizes(pts);
     vec![
         [
             "P3 over the baseline, best case at realistic bandwidth: ResNet-50 / Sockeye / VGG-19".into(),
@@ -1141,7 +884,7 @@ pub(crate) fn p3_claims(pts: &[Point]) -> Vec<[String; 4]> {
                     / find(pts, "p3-scaling", "vgg19", 8, P3_FIG_BW, "kvstore").throughput_samples_s
                     - 1.0)
                     * 100.0,
-                p3_scale("vgg19", 8) * 100.0
+                p3_scale_gain(pts, "vgg19", 8) * 100.0
             ),
         ],
         [
@@ -1154,4 +897,48 @@ pub(crate) fn p3_claims(pts: &[Point]) -> Vec<[String; 4]> {
             ),
         ],
     ]
+}
+
+/// Per model and bandwidth of the slice-size sweep, the best slice size
+/// (or "flat" where the sizes are within 0.1%).
+fn best_slice_sizes(pts: &[Point]) -> Vec<String> {
+    SLICE_MODELS
+        .iter()
+        .flat_map(|&m| {
+            p3_fig_bws(pts, m).into_iter().map(move |bw| {
+                let (sp_, _) = SLICE_SIZES
+                    .iter()
+                    .map(|&sp| {
+                        let p = find_by(pts, "p3-slices", |p| {
+                            p.model == m
+                                && (p.bandwidth_gbps - bw).abs() < 1e-9
+                                && p.sync == "p3"
+                                && p.slice_params == sp
+                        });
+                        (sp, p.throughput_samples_s)
+                    })
+                    .fold((0, f64::NEG_INFINITY), |a, b| if b.1 > a.1 { b } else { a });
+                let tps: Vec<f64> = SLICE_SIZES
+                    .iter()
+                    .map(|&sp| {
+                        find_by(pts, "p3-slices", |p| {
+                            p.model == m
+                                && (p.bandwidth_gbps - bw).abs() < 1e-9
+                                && p.sync == "p3"
+                                && p.slice_params == sp
+                        })
+                        .throughput_samples_s
+                    })
+                    .collect();
+                let (lo, hi) = tps
+                    .iter()
+                    .fold((f64::INFINITY, 0f64), |(l, h), &t| (l.min(t), h.max(t)));
+                if hi / lo - 1.0 < 0.001 {
+                    format!("{m} at {bw} Gbit/s: flat (within 0.1%)")
+                } else {
+                    format!("{m} at {bw} Gbit/s: {sp_}")
+                }
+            })
+        })
+        .collect()
 }
