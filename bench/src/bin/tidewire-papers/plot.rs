@@ -36,21 +36,7 @@ pub(crate) fn panel_in(
     ideal: Option<Vec<(f64, f64)>>,
     from_zero: bool,
 ) -> Result<(), String> {
-    let all = lines.iter().chain(dots).flat_map(|s| s.1.iter());
-    let (mut x0, mut y0) = (f64::INFINITY, f64::INFINITY);
-    let (mut x1, mut y1) = (0f64, 0f64);
-    for &(x, y) in all.chain(ideal.iter().flatten()) {
-        x0 = x0.min(x);
-        y0 = y0.min(y);
-        x1 = x1.max(x);
-        y1 = y1.max(y);
-    }
-    let (xr, yr) = if from_zero || !x0.is_finite() {
-        (0f64..x1 * 1.05, 0f64..(y1 * 1.15).max(1e-9))
-    } else {
-        let (dx, dy) = ((x1 - x0).max(1e-9) * 0.05, (y1 - y0).max(y1.abs() * 0.01).max(1e-9));
-        (x0 - dx..x1 + dx, y0 - dy * 0.5..y1 + dy * 0.8)
-    };
+    let (xr, yr) = axis_ranges(lines, dots, ideal.as_deref(), from_zero);
     let mut chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 20))
         .margin(12)
@@ -104,4 +90,29 @@ pub(crate) fn panel_in(
         .draw()
         .map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// The axes' spans over every point: from 0 with `from_zero` (or without
+/// points), else the data's with a margin.
+fn axis_ranges(
+    lines: &[Series],
+    dots: &[Series],
+    ideal: Option<&[(f64, f64)]>,
+    from_zero: bool,
+) -> (std::ops::Range<f64>, std::ops::Range<f64>) {
+    let all = lines.iter().chain(dots).flat_map(|s| s.1.iter());
+    let (mut x0, mut y0) = (f64::INFINITY, f64::INFINITY);
+    let (mut x1, mut y1) = (0f64, 0f64);
+    for &(x, y) in all.chain(ideal.iter().copied().flatten()) {
+        x0 = x0.min(x);
+        y0 = y0.min(y);
+        x1 = x1.max(x);
+        y1 = y1.max(y);
+    }
+    if from_zero || !x0.is_finite() {
+        (0f64..x1 * 1.05, 0f64..(y1 * 1.15).max(1e-9))
+    } else {
+        let (dx, dy) = ((x1 - x0).max(1e-9) * 0.05, (y1 - y0).max(y1.abs() * 0.01).max(1e-9));
+        (x0 - dx..x1 + dx, y0 - dy * 0.5..y1 + dy * 0.8)
+    }
 }
