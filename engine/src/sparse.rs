@@ -300,6 +300,11 @@ impl SparseCosts {
     /// The most pairs with which the sparse form of a `len`-element slice is
     /// no slower than the dense one (`None`: never, even empty).
     pub fn max_pairs(&self, len: usize) -> Option<usize> {
+        if encoded_bytes(0) >= len * 4 {
+            // Even an empty encoding (its header) is no smaller than the dense
+            // slice of 1 or 2 elements, and would not fit the slice's staging.
+            return None;
+        }
         let ns_per_byte = 1e9 / self.link_bytes_per_s;
         let spare_ns = self.dense_ns(len)
             - len as f64 * (self.encode_ns_per_elem + self.densify_ns_per_elem)
@@ -460,6 +465,19 @@ impl SparseLayerStats {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_slice_no_larger_than_the_header_never_goes_sparse() {
+        // Copies so dear that any encoding would win by time: the header alone
+        // (8 bytes) is still no smaller than 1 or 2 elements, nor fits their staging.
+        let c = SparseCosts {
+            copy_ns_per_elem: 1e12,
+            ..SparseCosts::default()
+        };
+        assert_eq!((c.max_pairs(1), c.max_pairs(2)), (None, None));
+        assert_eq!(c.threshold(1), 0.0);
+        assert!(c.max_pairs(3).is_some(), "from 3 elements an empty encoding is smaller");
+    }
     use super::*;
     use crate::testkit::Rng;
 
