@@ -13,7 +13,7 @@
 
 use crate::book::Book;
 use crate::config::{ApplyOp, Consistency, QueueOrder, SchedConfig};
-use crate::error::{EngineError, ProtocolViolation};
+use crate::error::EngineError;
 use crate::freq::{CommConfig, CommMode};
 
 /// One agreed field. The id is its wire value.
@@ -361,13 +361,7 @@ impl JobConfig {
             }
         }
         if theirs.len() != self.fields.len() {
-            return Err(EngineError::protocol(
-                rank,
-                ProtocolViolation::FieldCount {
-                    got: theirs.len(),
-                    want: self.fields.len(),
-                },
-            ));
+            return Err(EngineError::field_count(rank, theirs.len(), self.fields.len()));
         }
         Ok(())
     }

@@ -172,119 +172,14 @@ impl PartialEq for JobCause {
 
 impl Eq for JobCause {}
 
-/// Shorthand.
-pub type Result<T> = std::result::Result<T, EngineError>;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::book::Scheme;
-    use crate::wire::WireError;
-    use std::error::Error as _;
-
-    #[test]
-    fn violations_say_what_the_checks_always_said() {
-        let cases = [
-            (
-                EngineError::protocol(2, ProtocolViolation::SlotWrittenTwice { slot: 3 }),
-                "protocol violation by rank 2: landing slot 3 written twice",
-            ),
-            (
-                EngineError::protocol(
-                    0,
-                    ProtocolViolation::NotifyOutOfStep {
-                        chunk: 4,
-                        layer: 1,
-                        version: 7,
-                        waits_for: Some(5),
-                        owner: 3,
-                    },
-                ),
-                "protocol violation by rank 0: a notification of chunk 4 (layer 1) at version 7, while the layer waits for version 5 (chunk owned by rank 3)",
-            ),
-            (
-                EngineError::protocol(
-                    0,
-                    ProtocolViolation::NotifyOutOfStep {
-                        chunk: 4,
-                        layer: 1,
-                        version: 7,
-                        waits_for: None,
-                        owner: 3,
-                    },
-                ),
-                "protocol violation by rank 0: a notification of chunk 4 (layer 1) at version 7, while the layer is not handed in (chunk owned by rank 3)",
-            ),
-            (
-                EngineError::protocol(
-                    1,
-                    ProtocolViolation::HelloLimits {
-                        max_message: 100,
-                        max_write: 2,
-                    },
-                ),
-                "protocol violation by rank 1: its transport takes messages of 100 bytes and writes of 2 (the protocol needs at least 256 and 4)",
-            ),
-            (
-                EngineError::protocol(
-                    1,
-                    ProtocolViolation::FactorBlockMismatch {
-                        total: 8,
-                        layer: 2,
-                        name: "fc7".into(),
-                        scheme: Scheme::Ps,
-                        want: 16,
-                    },
-                ),
-                "protocol violation by rank 1: a factor block of 8 bytes for layer 2 (fc7), which syncs by Ps (16 bytes expected)",
-            ),
-            (
-                EngineError::Job(JobFailure::CaptureSize {
-                    layer: 3,
-                    got: 10,
-                    want: 12,
-                }),
-                "compute job failed: captured 10 bytes of factors of layer 3, expected 12",
-            ),
-        ];
-        for (e, text) in cases {
-            assert_eq!(e.to_string(), text);
-        }
-    }
-
-    #[test]
-    fn a_violation_is_the_source_and_keeps_the_wire_error() {
-        let e = EngineError::protocol(1, ProtocolViolation::Wire(WireError::UnknownKind(99)));
-        assert_eq!(e.to_string(), "protocol violation by rank 1: unknown message kind 99");
-        let v = e.source().expect("the violation");
-        assert_eq!(
-            v.downcast_ref::<ProtocolViolation>(),
-            Some(&ProtocolViolation::Wire(WireError::UnknownKind(99)))
-        );
-        assert_eq!(
-            v.source().and_then(|w| w.downcast_ref::<WireError>()),
-            Some(&WireError::UnknownKind(99))
-        );
-    }
-
-    #[test]
-    fn a_failed_job_keeps_the_drivers_error_as_its_source() {
-        let cause = JobCause::new(std::io::Error::other("the executor is gone"));
-        let e = EngineError::Job(JobFailure::Failed { id: 7, cause });
-        assert_eq!(e.to_string(), "compute job failed: job 7: the executor is gone");
-        let failure = e.source().expect("the failure");
-        assert!(failure.is::<JobFailure>());
-        let driver = failure.source().expect("the driver's error");
-        assert!(driver.is::<std::io::Error>(), "{driver:?}");
-        // Causes compare by what they say, as the text the engine used to keep did.
-        assert_eq!(e.clone(), e);
-        assert_eq!(
-            JobCause::new(std::io::Error::other("a")),
-            JobCause::new(std::io::Error::other("a"))
-        );
-        assert_ne!(
-            JobCause::new(std::io::Error::other("a")),
-            JobCause::new(std::io::Error::other("b"))
-        );
+impl EngineError {
+    /// A peer's hello carries `got` configuration fields where this rank has
+    /// `want` (for `agree`, which thus names no violation type of its own:
+    /// the violations name the wire's kinds, and the wire encodes agreements).
+    pub(crate) fn field_count(rank: u32, got: usize, want: usize) -> EngineError {
+        EngineError::protocol(rank, ProtocolViolation::FieldCount { got, want })
     }
 }
+
+/// Shorthand.
+pub type Result<T> = std::result::Result<T, EngineError>;

@@ -7,10 +7,9 @@ use tidewire_engine::book::LayerKind;
 use tidewire_engine::config::{ApplyOp, Consistency, Trigger};
 use tidewire_engine::node::{Job, JobKind, Loc, LocalRegion};
 
-use tidewire_engine::fxhash::FxHashMap as HashMap;
-
 use crate::config::SimError;
 use crate::exec::{f32s, ridx};
+use crate::oracle::close;
 use crate::values::{factor_value, grad_value, init_value, sparse_grad_value};
 use crate::world::Sim;
 
@@ -370,23 +369,4 @@ impl Sim {
         }
         Ok(())
     }
-}
-
-/// The values a run must produce under an apply op other than the sum: per
-/// layer, its parameters and momentum after each iteration, in f64
-/// ([`Sim::oracle_through`]).
-#[derive(Debug, Default)]
-pub(crate) struct Oracle {
-    states: HashMap<u32, Vec<State>>,
-}
-
-/// A layer's (parameters, momentum) after one iteration, in f64.
-type State = (Vec<f64>, Vec<f64>);
-
-/// Whether `got` (f32, the run's) matches `want` (f64, the oracle's) within
-/// what f32 rounding can account for over a few iterations: 1e-4 relative,
-/// or absolute below 1. A wrong learning rate, a lost momentum or weight
-/// decay, or a missing division is far outside it.
-fn close(got: f32, want: f64) -> bool {
-    (f64::from(got) - want).abs() <= 1e-4 * want.abs().max(1.0)
 }

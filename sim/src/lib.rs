@@ -41,6 +41,7 @@
 //! | `worker` | the training loop of a worker rank: forward, backward, hand-ins |
 //! | `exec` | a rank's memory and the jobs run on it, by the shipped kernels, and their modelled time |
 //! | `check` | the invariants: exact values, applies once per iteration, the trigger's rules, credits at the end |
+//! | `oracle` | what the values must be under the mean and SGD, in f64 |
 //! | [`net`] | the network: full-duplex NICs, fair sharing, latency, traces |
 //! | [`report`] | what a run measured ([`SimReport`]) |
 //! | [`values`] | the synthetic gradients, factors and initial parameters whose sums are exact |
@@ -53,6 +54,7 @@ pub mod config;
 mod driver;
 mod exec;
 pub mod net;
+mod oracle;
 mod rank;
 pub mod report;
 pub mod values;

@@ -9,10 +9,10 @@ use tidewire_engine::node::{Input, Job, JobKind, Loc, LocalRegion, Output, Paylo
 use tidewire_engine::sparse::SparseLayerStats;
 use tidewire_engine::wire::Kind;
 
-use crate::check::Oracle;
 use crate::config::{SimConfig, SimError};
 use crate::exec::{f32s, ridx};
 use crate::net::Net;
+use crate::oracle::Oracle;
 use crate::rank::{make_rank, Phase, Rank, WLoop};
 use crate::report::SimReport;
 
