@@ -18,17 +18,13 @@ import os
 import re
 import sys
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'engine', 'src')
-FN = re.compile(r'\s*(pub(\([^)]*\))?\s+)?(const\s+)?(async\s+)?(unsafe\s+)?(extern\s+"C"\s+)?fn\s+(\w+)')
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, '..', 'engine', 'src')
+sys.path.insert(0, HERE)
+from sizes import FN, strip  # noqa: E402  (one function scanner for both figures)
 CFG_TEST = re.compile(r'\s*#\[cfg\(test\)\]')
 ASSERT = re.compile(r'\b(debug_)?assert(_eq|_ne)?!')
 MIN = 1.0
-
-
-def strip(line):
-    s = re.sub(r'"(\\.|[^"\\])*"', '""', line)
-    s = re.sub(r"'(\\.|[^'\\])'", "''", s)
-    return s.split('//')[0]
 
 
 def item_end(lines, i):
