@@ -373,144 +373,205 @@ pub struct Book {
     hash: u64,
 }
 
+/// Refuses what [`Book::new`] cannot lay out: no layers, an empty batch,
+/// chunk or slice sizes out of range, Adam without the chunked placement, a
+/// layer with no parameters or not f32.
+fn check_inputs(layers: &[LayerSpec], cfg: &BookConfig) -> Result<()> {
+    if layers.is_empty() {
+        return Err(EngineError::InvalidConfig("the layer table is empty".into()));
+    }
+    if cfg.batch == 0 {
+        return Err(EngineError::InvalidConfig("batch must be at least 1".into()));
+    }
+    if cfg.chunk_bytes < 4 || cfg.chunk_bytes % 4 != 0 {
+        return Err(EngineError::InvalidConfig(format!(
+            "chunk_bytes {} must be a positive multiple of 4",
+            cfg.chunk_bytes
+        )));
+    }
+    if cfg.slice_params == 0 {
+        return Err(EngineError::InvalidConfig("slice_params must be at least 1".into()));
+    }
+    if cfg.policy == SchemePolicy::Adam && cfg.placement != Placement::Chunked {
+        return Err(EngineError::InvalidConfig(
+            "the adam scheme policy places each FC layer whole on one server: it needs the chunked placement, not kvstore".into(),
+        ));
+    }
+    for (i, l) in layers.iter().enumerate() {
+        if l.dtype != DType::F32 {
+            return Err(EngineError::UnsupportedDType {
+                layer: i as u32,
+                name: l.name.clone(),
+                dtype: l.dtype.name(),
+            });
+        }
+        if l.params() == 0 {
+            return Err(EngineError::InvalidConfig(format!(
+                "layer {i} ({}) has no parameters",
+                l.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The layout [`Book::new`] builds, layer by layer: each layer cut into
+/// chunks, each chunk placed on a server (the least loaded by bytes, lowest
+/// index on ties) and cut into slices.
+struct Placing {
+    /// Parameters placed on each server (index into the cluster's servers).
+    load: Vec<usize>,
+    shard_len: Vec<usize>,
+    server_chunks: Vec<Vec<u32>>,
+    chunks: Vec<Chunk>,
+    slices: Vec<SliceInfo>,
+    layer_chunks: Vec<Range<u32>>,
+    layer_slices: Vec<Range<u32>>,
+    chunk_slices: Vec<Range<u32>>,
+    layer_offsets: Vec<usize>,
+    /// Parameters of the layers placed so far.
+    flat: usize,
+}
+
+impl Placing {
+    fn new(servers: usize, world: usize) -> Placing {
+        debug_assert!(
+            servers >= 1 && servers <= world,
+            "{servers} servers in a world of {world}"
+        );
+        Placing {
+            load: vec![0; servers],
+            shard_len: vec![0; world],
+            server_chunks: vec![Vec::new(); world],
+            chunks: Vec::new(),
+            slices: Vec::new(),
+            layer_chunks: Vec::new(),
+            layer_slices: Vec::new(),
+            chunk_slices: Vec::new(),
+            layer_offsets: Vec::new(),
+            flat: 0,
+        }
+    }
+
+    /// The least-loaded server, lowest index on ties: even by bytes.
+    fn least_loaded(&self) -> usize {
+        debug_assert!(!self.load.is_empty(), "a cluster has a server");
+        (0..self.load.len())
+            .min_by_key(|&s| (self.load[s], s))
+            .expect("at least one server")
+    }
+
+    /// Cuts layer `li` into chunks and places them, with their slices.
+    fn place_layer(&mut self, li: u32, l: &LayerSpec, cfg: &BookConfig, cluster: &Cluster) {
+        self.layer_offsets.push(self.flat);
+        self.flat += l.params();
+        let (c0, s0) = (self.chunks.len() as u32, self.slices.len() as u32);
+        let mut off = 0;
+        for (len, at) in self.cuts(l, cfg) {
+            let si = at.unwrap_or_else(|| self.least_loaded());
+            self.place_chunk(li, off, len, cluster.servers()[si], cfg);
+            self.load[si] += len;
+            off += len;
+        }
+        // The chunks tile the layer (and their slices, each chunk).
+        debug_assert_eq!(off, l.params(), "{}: chunks cover {off} parameters", l.name);
+        self.layer_chunks.push(c0..self.chunks.len() as u32);
+        self.layer_slices.push(s0..self.slices.len() as u32);
+    }
+
+    /// (length, server index) of each chunk of a layer; `None`: the
+    /// least-loaded server when its turn comes.
+    fn cuts(&self, l: &LayerSpec, cfg: &BookConfig) -> Vec<(usize, Option<usize>)> {
+        let chunk_params = cfg.chunk_bytes / 4;
+        let nservers = self.load.len();
+        debug_assert!(
+            chunk_params >= 1 && l.params() >= 1,
+            "check_inputs refused empty chunks and layers"
+        );
+        // Adam: the whole layer on one server (the least loaded now).
+        let whole =
+            (cfg.policy == SchemePolicy::Adam && l.kind == LayerKind::Fc && !l.sparse).then(|| self.least_loaded());
+        match cfg.placement {
+            Placement::Chunked => {
+                let n = l.params().div_ceil(chunk_params);
+                (0..n)
+                    .map(|i| (chunk_params.min(l.params() - i * chunk_params), whole))
+                    .collect()
+            }
+            Placement::KvStore if l.params() < KVSTORE_BIG_ARRAY => vec![(l.params(), None)],
+            Placement::KvStore => {
+                let (base, extra) = (l.params() / nservers, l.params() % nservers);
+                (0..nservers)
+                    .map(|i| (base + usize::from(i < extra), Some(i)))
+                    .filter(|&(len, _)| len > 0)
+                    .collect()
+            }
+        }
+    }
+
+    /// One chunk of layer `li` (`len` parameters from `off`) on `server`,
+    /// cut into slices as even as can be: P3's size under the chunked
+    /// placement, one under kvstore's.
+    fn place_chunk(&mut self, li: u32, off: usize, len: usize, server: u32, cfg: &BookConfig) {
+        let cid = self.chunks.len() as u32;
+        self.chunks.push(Chunk {
+            layer: li,
+            offset: off,
+            len,
+            server,
+            shard_offset: self.shard_len[server as usize],
+        });
+        self.shard_len[server as usize] += len;
+        self.server_chunks[server as usize].push(cid);
+        let first = self.slices.len() as u32;
+        let q = match cfg.placement {
+            Placement::Chunked => len.div_ceil(cfg.slice_params.min(cfg.chunk_bytes / 4)),
+            Placement::KvStore => 1,
+        };
+        let (base, extra) = (len / q, len % q);
+        let mut so = off;
+        for i in 0..q {
+            let sl = base + usize::from(i < extra);
+            self.slices.push(SliceInfo {
+                layer: li,
+                chunk: cid,
+                offset: so,
+                len: sl,
+            });
+            so += sl;
+        }
+        debug_assert_eq!(so, off + len, "the slices tile the chunk");
+        self.chunk_slices.push(first..self.slices.len() as u32);
+    }
+}
+
 impl Book {
     /// Builds the book: chunks (spread evenly over the servers by bytes),
     /// slices, and the scheme of every layer.
     pub fn new(cluster: Cluster, layers: Vec<LayerSpec>, cfg: BookConfig) -> Result<Self> {
-        if layers.is_empty() {
-            return Err(EngineError::InvalidConfig("the layer table is empty".into()));
-        }
-        if cfg.batch == 0 {
-            return Err(EngineError::InvalidConfig("batch must be at least 1".into()));
-        }
-        if cfg.chunk_bytes < 4 || cfg.chunk_bytes % 4 != 0 {
-            return Err(EngineError::InvalidConfig(format!(
-                "chunk_bytes {} must be a positive multiple of 4",
-                cfg.chunk_bytes
-            )));
-        }
-        if cfg.slice_params == 0 {
-            return Err(EngineError::InvalidConfig("slice_params must be at least 1".into()));
-        }
-        if cfg.policy == SchemePolicy::Adam && cfg.placement != Placement::Chunked {
-            return Err(EngineError::InvalidConfig(
-                "the adam scheme policy places each FC layer whole on one server: it needs the chunked placement, not kvstore".into(),
-            ));
-        }
-        for (i, l) in layers.iter().enumerate() {
-            if l.dtype != DType::F32 {
-                return Err(EngineError::UnsupportedDType {
-                    layer: i as u32,
-                    name: l.name.clone(),
-                    dtype: l.dtype.name(),
-                });
-            }
-            if l.params() == 0 {
-                return Err(EngineError::InvalidConfig(format!(
-                    "layer {i} ({}) has no parameters",
-                    l.name
-                )));
-            }
-        }
-        let chunk_params = cfg.chunk_bytes / 4;
-        let slice_params = cfg.slice_params.min(chunk_params);
-        let nservers = cluster.servers().len();
-        let mut load = vec![0usize; nservers];
-        let mut shard_len = vec![0usize; cluster.world()];
-        let mut server_chunks = vec![Vec::new(); cluster.world()];
-        let (mut chunks, mut slices) = (Vec::new(), Vec::new());
-        let (mut layer_chunks, mut layer_slices, mut chunk_slices) = (Vec::new(), Vec::new(), Vec::new());
-        let mut layer_offsets = Vec::with_capacity(layers.len());
-        let mut flat = 0usize;
+        check_inputs(&layers, &cfg)?;
+        let mut p = Placing::new(cluster.servers().len(), cluster.world());
         for (li, l) in layers.iter().enumerate() {
-            layer_offsets.push(flat);
-            flat += l.params();
-            let (c0, s0) = (chunks.len() as u32, slices.len() as u32);
-            // (length, server index) of each chunk of the layer; `None`: the
-            // least-loaded server when its turn comes.
-            // Adam: the whole layer on one server (the least loaded now).
-            let whole = (cfg.policy == SchemePolicy::Adam && l.kind == LayerKind::Fc && !l.sparse).then(|| {
-                (0..nservers)
-                    .min_by_key(|&s| (load[s], s))
-                    .expect("at least one server")
-            });
-            let cuts: Vec<(usize, Option<usize>)> = match cfg.placement {
-                Placement::Chunked => {
-                    let n = l.params().div_ceil(chunk_params);
-                    (0..n)
-                        .map(|i| (chunk_params.min(l.params() - i * chunk_params), whole))
-                        .collect()
-                }
-                Placement::KvStore if l.params() < KVSTORE_BIG_ARRAY => vec![(l.params(), None)],
-                Placement::KvStore => {
-                    let (base, extra) = (l.params() / nservers, l.params() % nservers);
-                    (0..nservers)
-                        .map(|i| (base + usize::from(i < extra), Some(i)))
-                        .filter(|&(len, _)| len > 0)
-                        .collect()
-                }
-            };
-            let mut off = 0;
-            for (len, at) in cuts {
-                // Least-loaded server, lowest index on ties: even by bytes.
-                let si = at.unwrap_or_else(|| {
-                    (0..nservers)
-                        .min_by_key(|&s| (load[s], s))
-                        .expect("at least one server")
-                });
-                load[si] += len;
-                let server = cluster.servers()[si];
-                let cid = chunks.len() as u32;
-                chunks.push(Chunk {
-                    layer: li as u32,
-                    offset: off,
-                    len,
-                    server,
-                    shard_offset: shard_len[server as usize],
-                });
-                shard_len[server as usize] += len;
-                server_chunks[server as usize].push(cid);
-                let first = slices.len() as u32;
-                let q = match cfg.placement {
-                    Placement::Chunked => len.div_ceil(slice_params),
-                    Placement::KvStore => 1,
-                };
-                let (base, extra) = (len / q, len % q);
-                let mut so = off;
-                for i in 0..q {
-                    let sl = base + usize::from(i < extra);
-                    slices.push(SliceInfo {
-                        layer: li as u32,
-                        chunk: cid,
-                        offset: so,
-                        len: sl,
-                    });
-                    so += sl;
-                }
-                chunk_slices.push(first..slices.len() as u32);
-                off += len;
-            }
-            layer_chunks.push(c0..chunks.len() as u32);
-            layer_slices.push(s0..slices.len() as u32);
+            p.place_layer(li as u32, l, &cfg, &cluster);
         }
-        if slices.len() as u64 >= u64::from(MAX_SLICES) {
+        if p.slices.len() as u64 >= u64::from(MAX_SLICES) {
             return Err(EngineError::InvalidConfig(format!(
                 "{} slices: a push's immediate names at most 2^31 (raise slice_params)",
-                slices.len()
+                p.slices.len()
             )));
         }
         let mut book = Book {
             cluster,
             layers,
             cfg,
-            chunks,
-            slices,
-            layer_chunks,
-            layer_slices,
-            chunk_slices,
-            layer_offsets,
-            shard_len,
-            server_chunks,
+            chunks: p.chunks,
+            slices: p.slices,
+            layer_chunks: p.layer_chunks,
+            layer_slices: p.layer_slices,
+            chunk_slices: p.chunk_slices,
+            layer_offsets: p.layer_offsets,
+            shard_len: p.shard_len,
+            server_chunks: p.server_chunks,
             schemes: Vec::new(),
             rates: None,
             hash: 0,
