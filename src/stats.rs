@@ -54,6 +54,28 @@ pub struct SessionStats {
     /// misaligned buffer. 0 when every U and V fits a message.
     #[serde(default)]
     pub factor_bytes_decoded: u64,
+    /// FLOPs of the gradients this rank rebuilt from sufficient factors
+    /// (2·K·M·N each: SFB's reconstructions, and a worker's own dense
+    /// gradient formed from its factors), and the executor's time on them.
+    #[serde(default)]
+    pub gemm_flops: u64,
+    /// See `gemm_flops`, ns.
+    #[serde(default)]
+    pub gemm_ns: u64,
+    /// Input bytes this rank's server executor folded into accumulators, and
+    /// its time on them (on the CPU or the GPU, wherever they were placed).
+    #[serde(default)]
+    pub sum_bytes: u64,
+    /// See `sum_bytes`, ns.
+    #[serde(default)]
+    pub sum_ns: u64,
+    /// Parameters this rank updated (its server's chunks, its SFB layers),
+    /// and the executors' time on them.
+    #[serde(default)]
+    pub apply_params: u64,
+    /// See `apply_params`, ns.
+    #[serde(default)]
+    pub apply_ns: u64,
     /// Slices of layers with the sparse hint that this worker pushed as
     /// index/value pairs (Nexus's sparse push), over all such layers.
     #[serde(default)]

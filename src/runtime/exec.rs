@@ -89,8 +89,43 @@ pub(crate) struct Executors {
     handles: Vec<JoinHandle<()>>,
     /// The aggregator's counters, refreshed after each server job.
     pub(crate) agg_stats: Arc<Mutex<AggStats>>,
-    /// How the reconstructions read the factors.
-    pub(crate) factor_reads: Arc<FactorReads>,
+    /// What the executors measured: how the reconstructions read the
+    /// factors, and each kind of compute job's work and time.
+    pub(crate) meters: Arc<Meters>,
+}
+
+/// What the executors measured while they ran (read into `SessionStats`).
+#[derive(Debug, Default)]
+pub(crate) struct Meters {
+    pub(crate) reads: FactorReads,
+    /// Gradients rebuilt from factors (SFB's reconstructions, and the
+    /// dense gradient a worker forms from its own factors): FLOPs
+    /// (2·K·M·N a gradient) and time.
+    pub(crate) gemm: Meter,
+    /// Contributions folded into an accumulator on the server executor:
+    /// input bytes and time (wherever the aggregator placed them).
+    pub(crate) sum: Meter,
+    /// Updates applied (the server's chunks, SFB's layers): parameters and
+    /// time, SFB's sum of the rebuilt gradients not included.
+    pub(crate) apply: Meter,
+}
+
+/// Work done and the wall time it took, over every job of one kind.
+#[derive(Debug, Default)]
+pub(crate) struct Meter {
+    pub(crate) work: AtomicU64,
+    pub(crate) ns: AtomicU64,
+}
+
+impl Meter {
+    /// Runs `f`, counting `work` and its wall time.
+    fn time<T>(&self, work: u64, f: impl FnOnce() -> T) -> T {
+        let t = std::time::Instant::now();
+        let r = f();
+        self.ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.work.fetch_add(work, Ordering::Relaxed);
+        r
+    }
 }
 
 /// Bytes of factors (U and V, every worker's) the reconstructions read in
@@ -143,14 +178,14 @@ impl Executors {
             worker: None,
             handles: Vec::new(),
             agg_stats: agg_stats.clone(),
-            factor_reads: Arc::default(),
+            meters: Arc::default(),
         };
         let mut describe = None;
         if let Some(s) = server {
             let (tx, rx) = crossbeam_channel::unbounded::<Job>();
             let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
             let (book, mem, reply) = (book.clone(), mem.clone(), reply.clone());
-            let reads = ex.factor_reads.clone();
+            let meters = ex.meters.clone();
             let snap = ckpt.writer.clone().map(|w| ServerSnap::new(w, book.clone(), rank));
             let mut momentum = if op.needs_momentum() {
                 vec![0.0; s.shard_len]
@@ -198,7 +233,7 @@ impl Executors {
                         stats: agg_stats,
                         scratch: Vec::new(),
                         factor_scratch: Vec::new(),
-                        reads,
+                        meters,
                         threads: sparse_threads(),
                     };
                     run_queue(rx, &reply, |job| st.run(job));
@@ -236,7 +271,7 @@ impl Executors {
                 momentum,
                 scratch: Vec::new(),
                 factor_scratch: Vec::new(),
-                reads: ex.factor_reads.clone(),
+                meters: ex.meters.clone(),
                 threads: sparse_threads(),
                 book,
                 mem,
@@ -359,7 +394,7 @@ struct ServerExec {
     /// Adam: per worker, U and V of a factor block that had to be decoded.
     factor_scratch: Vec<[Vec<f32>; 2]>,
     /// Adam: factor bytes read in place and decoded (with the workers').
-    reads: Arc<FactorReads>,
+    meters: Arc<Meters>,
     /// Threads for densifying large sparse slices.
     threads: usize,
 }
@@ -418,7 +453,10 @@ impl ServerExec {
                     first: *first,
                     contributions: *contributions,
                 };
-                self.accumulate(at, *src, *pairs, *partial)?;
+                let meters = self.meters.clone();
+                meters
+                    .sum
+                    .time(*len as u64 * 4, || self.accumulate(at, *src, *pairs, *partial))?;
                 None
             }
             JobKind::FoldPartial {
@@ -589,7 +627,10 @@ impl ServerExec {
         } else {
             self.gradients
         };
-        cpu::apply(self.op, n, acc, dst.as_f32_mut()?, mom);
+        let (op, dst) = (self.op, dst.as_f32_mut()?);
+        self.meters
+            .apply
+            .time(dst.len() as u64, || cpu::apply(op, n, acc, dst, mom));
         if let Some(snap) = &mut self.snap {
             snap.applied(chunk, iter, mom)?;
         }
@@ -608,8 +649,8 @@ impl ServerExec {
             .ok_or(JobError::outside("unknown layer"))?;
         let (m, n, params) = (l.m, l.n, l.params());
         let (uv, [in_place, decoded]) = factor_views(factors, (k, m, n), &mut self.factor_scratch)?;
-        self.reads.in_place.fetch_add(in_place, Ordering::Relaxed);
-        self.reads.decoded.fetch_add(decoded, Ordering::Relaxed);
+        self.meters.reads.in_place.fetch_add(in_place, Ordering::Relaxed);
+        self.meters.reads.decoded.fetch_add(decoded, Ordering::Relaxed);
         let acc = self
             .acc
             .get_mut(window as usize)
@@ -638,7 +679,7 @@ struct WorkerExec {
     scratch: Vec<f32>,
     /// Per worker: U and V of a factor block that had to be decoded (see [`factor_views`]).
     factor_scratch: Vec<[Vec<f32>; 2]>,
-    reads: Arc<FactorReads>,
+    meters: Arc<Meters>,
     /// Threads for encoding large sparse slices.
     threads: usize,
 }
@@ -658,7 +699,9 @@ impl WorkerExec {
                 let mut g = self.mem.lease(*grad, (l.params() * 4) as u64)?;
                 let uv = f.as_f32()?;
                 let (u, v) = uv.split_at(k * l.m);
-                cpu::sf_rows(u, v, k, l.m, l.n, 0, g.as_f32_mut()?);
+                let g = g.as_f32_mut()?;
+                let flops = 2 * (k * l.m * l.n) as u64;
+                self.meters.gemm.time(flops, || cpu::sf_rows(u, v, k, l.m, l.n, 0, g));
                 Ok(None)
             }
             JobKind::CaptureFactors { factors, len, .. } => {
@@ -673,10 +716,12 @@ impl WorkerExec {
                     .get(*layer as usize)
                     .ok_or(JobError::outside("unknown layer"))?;
                 let (uv, [in_place, decoded]) = factor_views(factors, (k, l.m, l.n), &mut self.factor_scratch)?;
-                self.reads.in_place.fetch_add(in_place, Ordering::Relaxed);
-                self.reads.decoded.fetch_add(decoded, Ordering::Relaxed);
+                self.meters.reads.in_place.fetch_add(in_place, Ordering::Relaxed);
+                self.meters.reads.decoded.fetch_add(decoded, Ordering::Relaxed);
                 self.scratch.resize(l.params(), 0.0);
-                cpu::sf_sum(&uv, k, l.m, l.n, &mut self.scratch[..l.params()]);
+                let flops = 2 * (uv.len() * k * l.m * l.n) as u64;
+                let scratch = &mut self.scratch[..l.params()];
+                self.meters.gemm.time(flops, || cpu::sf_sum(&uv, k, l.m, l.n, scratch));
                 let mut p = self.mem.lease(*params, (l.params() * 4) as u64)?;
                 let op = self.op;
                 let mut momentum = self.momentum.lock().unwrap_or_else(|p| p.into_inner());
@@ -687,7 +732,11 @@ impl WorkerExec {
                         Vec::new()
                     }
                 });
-                cpu::apply(op, self.gradients, &self.scratch[..l.params()], p.as_f32_mut()?, mom);
+                let (grad, p) = (&self.scratch[..l.params()], p.as_f32_mut()?);
+                let n = self.gradients;
+                self.meters
+                    .apply
+                    .time(p.len() as u64, || cpu::apply(op, n, grad, p, mom));
                 Ok(None)
             }
             JobKind::EncodeSparse { src, len, dst, cap, .. } => {

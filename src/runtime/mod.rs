@@ -713,6 +713,7 @@ impl Runtime {
         for l in self.node.sparse_stats() {
             sp.add(l);
         }
+        let m = &self.ex.meters;
         SessionStats {
             dropped: n.dropped,
             late_folded: n.late_folded,
@@ -741,8 +742,14 @@ impl Runtime {
             hand_in_posts: self.hand_in_posts,
             hand_in_to_post_p50_ns: pct(0.5),
             hand_in_to_post_p99_ns: pct(0.99),
-            factor_bytes_in_place: self.ex.factor_reads.in_place.load(Ordering::Relaxed),
-            factor_bytes_decoded: self.ex.factor_reads.decoded.load(Ordering::Relaxed),
+            factor_bytes_in_place: self.ex.meters.reads.in_place.load(Ordering::Relaxed),
+            factor_bytes_decoded: self.ex.meters.reads.decoded.load(Ordering::Relaxed),
+            gemm_flops: m.gemm.work.load(Ordering::Relaxed),
+            gemm_ns: m.gemm.ns.load(Ordering::Relaxed),
+            sum_bytes: m.sum.work.load(Ordering::Relaxed),
+            sum_ns: m.sum.ns.load(Ordering::Relaxed),
+            apply_params: m.apply.work.load(Ordering::Relaxed),
+            apply_ns: m.apply.ns.load(Ordering::Relaxed),
         }
     }
 

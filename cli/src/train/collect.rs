@@ -11,7 +11,7 @@ use tidewire_engine::Book;
 use super::args::TrainArgs;
 use super::comm;
 use super::reference::reference;
-use super::report::{AggregationShare, IterStat, LayerRow, NodeResult, SparseSummary, TrainReport};
+use super::report::{AggregationShare, IterStat, LayerRow, MeasuredRates, NodeResult, SparseSummary, TrainReport};
 use super::supervise::Ended;
 use crate::error::{Error, Result};
 use crate::resilience;
@@ -48,6 +48,7 @@ pub(super) fn report(args: &TrainArgs, model: &Model, began: Instant, ended: &En
         factor_bytes_in_place: results.iter().map(|r| r.stats.factor_bytes_in_place).sum(),
         factor_bytes_decoded: results.iter().map(|r| r.stats.factor_bytes_decoded).sum(),
         sparse: sparse_summary(results),
+        measured: measured_rates(results),
         model: model.name.into(),
         local_learners: args.local_learners,
         flat: args.flat,
@@ -276,4 +277,15 @@ fn per_node(results: &[NodeResult], args: &TrainArgs, f: impl Fn(&NodeResult) ->
         }
     }
     out
+}
+
+/// The rates every rank's executors reached, over all ranks' jobs.
+fn measured_rates(results: &[NodeResult]) -> MeasuredRates {
+    let total =
+        |f: fn(&NodeResult) -> (u64, u64)| results.iter().map(f).fold((0, 0), |(w, t), (dw, dt)| (w + dw, t + dt));
+    MeasuredRates::from_totals(
+        total(|r| (r.stats.gemm_flops, r.stats.gemm_ns)),
+        total(|r| (r.stats.sum_bytes, r.stats.sum_ns)),
+        total(|r| (r.stats.apply_params, r.stats.apply_ns)),
+    )
 }

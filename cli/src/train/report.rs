@@ -187,6 +187,10 @@ pub struct TrainReport {
     /// The rates HybComm decided with (`--cost-model seconds`), per rank.
     #[serde(default)]
     pub rates: Option<tidewire_engine::cost::Rates>,
+    /// The rates the executors reached in this run, per executor-second,
+    /// beside the `rates` HybComm decided with.
+    #[serde(default)]
+    pub measured: MeasuredRates,
     /// `Some(true)` when every worker's parameters equal the reference bit for bit.
     pub verified: Option<bool>,
     /// Layers that differ (name), when verification failed.
@@ -218,6 +222,33 @@ pub struct AggregationShare {
     pub cpu_chunks: u64,
     /// Chunks the scheduler placed on the GPU.
     pub gpu_chunks: u64,
+}
+
+/// What the executors of every rank reached in this run: each kind of
+/// job's work over the time they spent on it, summed over the ranks
+/// (`None` where no such job ran). Set beside [`TrainReport::rates`], it
+/// shows how far the calibrated rates HybComm decided with were from what
+/// the jobs got while the ranks shared the cores.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct MeasuredRates {
+    /// Rebuilding gradients from sufficient factors (`cpu::sf_rows`, `sf_sum`).
+    pub gemm_flop_per_s: Option<f64>,
+    /// Folding contributions into the servers' accumulators.
+    pub sum_bytes_per_s: Option<f64>,
+    /// Applying updates (servers' chunks, SFB layers).
+    pub apply_params_per_s: Option<f64>,
+}
+
+impl MeasuredRates {
+    /// Work over time, summed over the ranks' `(work, ns)`.
+    pub fn from_totals(gemm: (u64, u64), sum: (u64, u64), apply: (u64, u64)) -> MeasuredRates {
+        let rate = |(work, ns): (u64, u64)| (ns > 0).then(|| work as f64 * 1e9 / ns as f64);
+        MeasuredRates {
+            gemm_flop_per_s: rate(gemm),
+            sum_bytes_per_s: rate(sum),
+            apply_params_per_s: rate(apply),
+        }
+    }
 }
 
 /// One row of the scheme table.
@@ -379,6 +410,19 @@ fn render_setup(s: &mut String, r: &TrainReport) {
             rt.gemm_flop_per_s / 1e9,
             r.slice_params
         );
+    }
+    let m = &r.measured;
+    let parts: Vec<String> = [
+        m.gemm_flop_per_s.map(|x| format!("GEMM {:.1} GFLOP/s", x / 1e9)),
+        m.sum_bytes_per_s.map(|x| format!("sum {:.2} GB/s", x / 1e9)),
+        m.apply_params_per_s
+            .map(|x| format!("apply {:.0} M parameters/s", x / 1e6)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if !parts.is_empty() {
+        let _ = writeln!(s, "reached by the jobs, per executor-second: {}", parts.join(", "));
     }
 }
 
