@@ -123,7 +123,12 @@ fn main() -> ExitCode {
         Cmd::Calibrate(a) => calibrate_cmd(&a),
         Cmd::TrainNode(args) => match train::run_node(&args) {
             Ok(r) => {
-                println!("result {}", serde_json::to_string(&r).expect("serializable"));
+                let msg = tidewire_cli::train::pipe::ToLauncher::Result(Box::new(r));
+                if let Err(e) = msg.send(&mut std::io::stdout().lock()) {
+                    return fail(tidewire_cli::error::Error::Launch(format!(
+                        "cannot send the result to the launcher: {e}"
+                    )));
+                }
                 tidewire_cli::resilience::hold_until_released();
                 ExitCode::SUCCESS
             }

@@ -474,7 +474,7 @@ pub fn held() -> bool {
     std::env::var_os(HOLD_ENV).is_some_and(|v| v == "1")
 }
 
-/// What the launcher says to a rank on its stdin: `leave` (a straggler
+/// What the launcher says to a rank on its stdin: [`ToRank::Leave`](crate::train::pipe::ToRank) (a straggler
 /// removed), and its end (EOF: the launcher let it go, or is gone).
 #[derive(Debug)]
 pub struct LauncherLine {
@@ -495,7 +495,7 @@ pub fn launcher_line() -> &'static LauncherLine {
         std::thread::spawn(move || {
             use std::io::BufRead;
             for l in std::io::stdin().lock().lines().map_while(std::result::Result::ok) {
-                if l.trim() == "leave" {
+                if crate::train::pipe::ToRank::parse(&l) == Some(crate::train::pipe::ToRank::Leave) {
                     line.leave.store(true, std::sync::atomic::Ordering::Relaxed);
                 }
             }

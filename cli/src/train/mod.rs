@@ -16,6 +16,7 @@ mod args;
 mod collect;
 pub mod comm;
 mod launch;
+pub mod pipe;
 mod reference;
 mod report;
 mod spawn;

@@ -121,7 +121,7 @@ impl<'a> Spawner<'a> {
         let mut children = Vec::new();
         for rank in 0..world as u32 {
             let mut c = self.rank_command(rank);
-            // With --remove-stragglers a worker reads `leave` from its stdin; a
+            // With --remove-stragglers a worker reads `ToRank::Leave` from its stdin; a
             // --fault-kill's target waits, done, until its stdin closes, so that
             // the kill finds it running however fast the run ends.
             if held.contains(&rank) {

@@ -4,7 +4,7 @@
 //! `--replace-stragglers`, the rollback's stop, and the watchdog.
 
 use std::collections::{BTreeSet, VecDeque};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::process::{Child, ChildStdin, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -12,6 +12,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::args::TrainArgs;
+use super::pipe::{ToLauncher, ToRank};
 use super::report::NodeResult;
 use super::spawn::Spawner;
 use crate::error::{Error, Result};
@@ -159,19 +160,21 @@ impl<'a> Supervisor<'a> {
         self.readers.push(std::thread::spawn(move || {
             let mut result = None;
             for line in BufReader::new(stdout).lines().map_while(std::result::Result::ok) {
-                if line.starts_with("progress ") || line.starts_with("result ") {
-                    last.store(began.elapsed().as_millis() as u64, Ordering::Relaxed);
-                }
-                if let Some(p) = line.strip_prefix("progress ") {
-                    furthest.fetch_max(p.trim().parse().unwrap_or(0), Ordering::Relaxed);
-                    if let Some(m) = mine.get(rank as usize) {
-                        m.fetch_max(p.trim().parse().unwrap_or(0), Ordering::Relaxed);
+                let Some(msg) = ToLauncher::parse(&line) else {
+                    continue;
+                };
+                last.store(began.elapsed().as_millis() as u64, Ordering::Relaxed);
+                match msg {
+                    ToLauncher::Progress(n) => {
+                        furthest.fetch_max(n, Ordering::Relaxed);
+                        if let Some(m) = mine.get(rank as usize) {
+                            m.fetch_max(n, Ordering::Relaxed);
+                        }
+                        if rank == 0 {
+                            bar.set_position(n);
+                        }
                     }
-                    if rank == 0 {
-                        bar.set_position(p.trim().parse().unwrap_or(0));
-                    }
-                } else if let Some(j) = line.strip_prefix("result ") {
-                    result = serde_json::from_str::<NodeResult>(j).ok();
+                    ToLauncher::Result(r) => result = Some(*r),
                 }
             }
             result
@@ -254,8 +257,7 @@ impl<'a> Supervisor<'a> {
         let now: Vec<u64> = self.progress.iter().map(|p| p.load(Ordering::Relaxed)).collect();
         for r in self.removal.judge(&now) {
             if let Some((_, pipe)) = self.stdins.iter_mut().find(|(x, _)| *x == r) {
-                let _ = writeln!(pipe, "leave");
-                let _ = pipe.flush();
+                let _ = ToRank::Leave.send(pipe);
             }
         }
     }

@@ -1,7 +1,6 @@
 //! One rank of `tidewire train` ([`run_node`]): the worker's training loop,
 //! the local learners, and a server-only rank.
 
-use std::io::Write;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,6 +14,7 @@ use tidewire::session::{Builder, LayerBuffers, Session, SessionStats};
 
 use super::args::TrainArgs;
 use super::comm;
+use super::pipe::ToLauncher;
 use super::report::{IterStat, NodeResult};
 use super::synth::{digest, sleep, Synth};
 use crate::error::{Error, Result};
@@ -26,7 +26,7 @@ fn replacement_iters() -> Option<u64> {
     std::env::var("TIDEWIRE_REPLACEMENT_ITERS").ok()?.trim().parse().ok()
 }
 
-/// Set when the launcher removes this worker (`leave` on its stdin, with
+/// Set when the launcher removes this worker (`ToRank::Leave` on its stdin, with
 /// --remove-stragglers); the training loop leaves at the next iteration boundary.
 fn leave_signal(args: &TrainArgs) -> Arc<std::sync::atomic::AtomicBool> {
     if args.remove_stragglers.is_some() || resilience::held() {
@@ -37,7 +37,7 @@ fn leave_signal(args: &TrainArgs) -> Arc<std::sync::atomic::AtomicBool> {
 }
 
 /// Runs one rank of `tidewire train` with the cluster from the environment.
-/// Progress goes to stdout as `progress <iter>` lines, the result as one JSON line.
+/// Progress and the result go to the launcher on stdout ([`super::pipe::ToLauncher`]).
 pub fn run_node(args: &TrainArgs) -> Result<NodeResult> {
     args.validate()?;
     let model = args.model()?;
@@ -154,7 +154,7 @@ fn serve_only(mut session: Session) -> Result<NodeResult> {
 
 #[derive(Debug, Clone, Copy)]
 pub(super) struct LoopOpts<'a> {
-    /// Print `progress <iter>` lines for the launcher.
+    /// Tell the launcher each iteration done ([`super::pipe::ToLauncher::Progress`]).
     pub(super) progress: bool,
     /// Form FC gradients Uᵀ·V in the trainer and hand them in with
     /// `grad_ready` (a framework that does not use sufficient factors).
@@ -256,8 +256,7 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
             forward_done_unix,
             backward_done_unix: unix_now(),
         });
-        let _ = writeln!(out, "progress {}", it + 1);
-        let _ = out.flush();
+        let _ = ToLauncher::Progress(it + 1).send(&mut out);
     }
     for (l, p) in params.iter_mut().enumerate() {
         learner.me.params(l, args.iters, p)?;
@@ -477,12 +476,10 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
-    /// A `progress <n>` line for the launcher.
+    /// Tells the launcher `n` iterations are done.
     fn progress(&self, n: u64) {
         if self.opts.progress {
-            let mut out = std::io::stdout();
-            let _ = writeln!(out, "progress {n}");
-            let _ = out.flush();
+            super::pipe::progress(n);
         }
     }
 

@@ -23,7 +23,6 @@
 //! (T_ok) and degrades beyond it, so the controller should settle there.
 //! The reference replays the same controller on the same figures.
 
-use std::io::Write;
 use std::time::{Duration, Instant};
 
 use tidewire::freq::Guide;
@@ -193,8 +192,7 @@ pub(crate) fn worker_loop(
             backward_done_unix: 0.0,
         });
         if progress {
-            let _ = writeln!(out, "progress {}", it + 1);
-            let _ = out.flush();
+            let _ = crate::train::pipe::ToLauncher::Progress(it + 1).send(&mut out);
         }
     }
     sum.steps = args.iters;
