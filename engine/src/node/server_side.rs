@@ -7,7 +7,6 @@ use super::*;
 impl Node {
     pub(super) fn server_cmd(&mut self, cmd: ServerCommand) -> Result<()> {
         let book = self.book.clone();
-        let me = self.rank;
         match cmd {
             ServerCommand::Accumulate {
                 worker,
@@ -24,23 +23,7 @@ impl Node {
                 // Parked slots and fold groups are the deterministic order's.
                 debug_assert!(credit || self.server.as_ref().is_some_and(|s| s.core.deterministic()));
                 debug_assert!(!partial || self.sched.fold_group > 1);
-                let pairs = if worker == me {
-                    None
-                } else {
-                    self.landing_sparse.remove(&(worker, slot))
-                };
-                let src = if worker == me {
-                    Loc {
-                        region: LocalRegion::Grads,
-                        offset: self.grad_off[si.layer as usize] + si.offset as u64 * 4,
-                    }
-                } else {
-                    let wi = book.cluster().worker_index(worker).expect("checked by the core") as u64;
-                    Loc {
-                        region: LocalRegion::Landing,
-                        offset: (wi * u64::from(self.sched.landing_slots()) + u64::from(slot)) * self.slot_bytes,
-                    }
-                };
+                let (src, pairs) = self.accumulate_source(worker, slot, slice);
                 self.new_job_at(
                     Queue::Server,
                     (iter, si.layer),
@@ -58,49 +41,13 @@ impl Node {
                     JobTrack::Accumulate { worker, slot, credit },
                 );
             }
-            ServerCommand::FoldPartial { slice, window, iter } => {
-                let si = book.slices()[slice as usize];
-                debug_assert_eq!(window, 0, "fold groups are deterministic BSP: one window");
-                debug_assert!(self.sched.fold_group > 1);
-                self.new_job_at(
-                    Queue::Server,
-                    (iter, si.layer),
-                    JobKind::FoldPartial {
-                        window,
-                        chunk: si.chunk,
-                        acc_at: self.acc_at(slice),
-                        len: si.len,
-                        contributions: self.server.as_ref().expect("server").core.acc_contributions(),
-                    },
-                    JobTrack::FoldPartial,
-                );
-            }
+            ServerCommand::FoldPartial { slice, window, iter } => self.fold_partial_job(slice, window, iter),
             ServerCommand::Apply {
                 chunk,
                 iter,
                 window,
                 gradients,
-            } => {
-                let ch = book.chunks()[chunk as usize];
-                // The mean and SGD divide by the gradients in the sum.
-                debug_assert!(gradients > 0 && (window as usize) < self.windows(), "chunk {chunk}");
-                let id = self.next_job;
-                self.new_job_at(
-                    Queue::Server,
-                    (iter, ch.layer),
-                    JobKind::Apply {
-                        window,
-                        chunk,
-                        iter,
-                        shard_at: ch.shard_offset,
-                        len: ch.len,
-                        gradients,
-                    },
-                    JobTrack::Apply { chunk },
-                );
-                let running = self.server.as_mut().expect("server").apply_running.insert(chunk, id);
-                debug_assert!(running.is_none(), "two applies of chunk {chunk} at once");
-            }
+            } => self.apply_job(chunk, iter, window, gradients),
             ServerCommand::Drop { worker, slot } | ServerCommand::Credit { worker, slot } => {
                 debug_assert!(
                     book.cluster().worker_index(worker).is_some(),
@@ -108,49 +55,137 @@ impl Node {
                 );
                 self.return_slot(worker, slot)?
             }
-            ServerCommand::Broadcast { chunk, worker } => {
-                debug_assert!(
-                    book.cluster().worker_index(worker).is_some(),
-                    "broadcasts go to workers"
-                );
-                let s = self.server.as_mut().expect("server");
-                if s.apply_running.contains_key(&chunk) {
-                    s.deferred.entry(chunk).or_default().push(worker);
-                } else {
-                    self.broadcast(chunk, worker);
-                }
-            }
-            ServerCommand::SumFactors { layer, iter, window } => {
-                let factors = self
-                    .inbox
-                    .take(layer, iter)
-                    .ok_or_else(|| EngineError::protocol(me, ProtocolViolation::SumWithoutFactors { layer, iter }))?;
-                let acc_at = book.chunks()[book.layer_chunks(layer).start as usize].shard_offset;
-                debug_assert_eq!(factors.len(), book.p1(), "every worker's factors");
-                debug_assert!((window as usize) < self.windows(), "window {window}");
-                self.new_job_at(
-                    Queue::Server,
-                    (iter, layer),
-                    JobKind::SumFactors {
-                        layer,
-                        iter,
-                        window,
-                        acc_at,
-                        factors,
-                    },
-                    JobTrack::SumFactors,
-                );
-            }
-            ServerCommand::Notify { chunk, worker, version } => {
-                let s = self.server.as_mut().expect("server");
-                if s.apply_running.contains_key(&chunk) {
-                    s.deferred_notify.entry(chunk).or_default().push((worker, version));
-                } else {
-                    self.notify(chunk, worker, version)?;
-                }
-            }
+            ServerCommand::Broadcast { chunk, worker } => self.broadcast_after_apply(chunk, worker),
+            ServerCommand::SumFactors { layer, iter, window } => self.sum_factors_job(layer, iter, window)?,
+            ServerCommand::Notify { chunk, worker, version } => self.notify_after_apply(chunk, worker, version)?,
         }
         Ok(())
+    }
+
+    /// Where an accumulate of `slice` reads `worker`'s slot `slot`: this
+    /// rank's own gradient for its own worker, else the landing slot, with
+    /// the sparse pair count its write announced (taken: read once).
+    fn accumulate_source(&mut self, worker: u32, slot: u32, slice: u32) -> (Loc, Option<u32>) {
+        let si = self.book.slices()[slice as usize];
+        debug_assert!(slot < self.sched.landing_slots(), "slot {slot}");
+        let pairs = if worker == self.rank {
+            None
+        } else {
+            self.landing_sparse.remove(&(worker, slot))
+        };
+        let src = if worker == self.rank {
+            Loc {
+                region: LocalRegion::Grads,
+                offset: self.grad_off[si.layer as usize] + si.offset as u64 * 4,
+            }
+        } else {
+            let wi = self.book.cluster().worker_index(worker).expect("checked by the core") as u64;
+            Loc {
+                region: LocalRegion::Landing,
+                offset: (wi * u64::from(self.sched.landing_slots()) + u64::from(slot)) * self.slot_bytes,
+            }
+        };
+        // Its landing checked the pair count against the slice's limit.
+        debug_assert!(!pairs.is_some_and(|n| n as usize > crate::sparse::pair_limit(si.len)));
+        (src, pairs)
+    }
+
+    /// Queues the job that adds a fold group's partial sum of `slice` into
+    /// accumulator `window`.
+    fn fold_partial_job(&mut self, slice: u32, window: u32, iter: u64) {
+        let si = self.book.slices()[slice as usize];
+        debug_assert_eq!(window, 0, "fold groups are deterministic BSP: one window");
+        debug_assert!(self.sched.fold_group > 1);
+        self.new_job_at(
+            Queue::Server,
+            (iter, si.layer),
+            JobKind::FoldPartial {
+                window,
+                chunk: si.chunk,
+                acc_at: self.acc_at(slice),
+                len: si.len,
+                contributions: self.server.as_ref().expect("server").core.acc_contributions(),
+            },
+            JobTrack::FoldPartial,
+        );
+    }
+
+    /// Queues the apply of `chunk`'s sum in accumulator `window`, and marks
+    /// it running (broadcasts and notifications of the chunk wait for it).
+    fn apply_job(&mut self, chunk: u32, iter: u64, window: u32, gradients: u32) {
+        let ch = self.book.chunks()[chunk as usize];
+        // The mean and SGD divide by the gradients in the sum.
+        debug_assert!(gradients > 0 && (window as usize) < self.windows(), "chunk {chunk}");
+        let id = self.next_job;
+        self.new_job_at(
+            Queue::Server,
+            (iter, ch.layer),
+            JobKind::Apply {
+                window,
+                chunk,
+                iter,
+                shard_at: ch.shard_offset,
+                len: ch.len,
+                gradients,
+            },
+            JobTrack::Apply { chunk },
+        );
+        let running = self.server.as_mut().expect("server").apply_running.insert(chunk, id);
+        debug_assert!(running.is_none(), "two applies of chunk {chunk} at once");
+    }
+
+    /// Broadcasts `chunk` to `worker`, or defers it while an apply of the
+    /// chunk runs (its values are not yet the new ones).
+    fn broadcast_after_apply(&mut self, chunk: u32, worker: u32) {
+        debug_assert!(
+            self.book.cluster().worker_index(worker).is_some(),
+            "broadcasts go to workers"
+        );
+        let s = self.server.as_mut().expect("server");
+        if s.apply_running.contains_key(&chunk) {
+            s.deferred.entry(chunk).or_default().push(worker);
+        } else {
+            self.broadcast(chunk, worker);
+        }
+    }
+
+    /// Queues the job that sums every worker's factors of `layer` for
+    /// `iter` (Adam) into accumulator `window`; the factors must be in.
+    fn sum_factors_job(&mut self, layer: u32, iter: u64, window: u32) -> Result<()> {
+        let me = self.rank;
+        let factors = self
+            .inbox
+            .take(layer, iter)
+            .ok_or_else(|| EngineError::protocol(me, ProtocolViolation::SumWithoutFactors { layer, iter }))?;
+        let acc_at = self.book.chunks()[self.book.layer_chunks(layer).start as usize].shard_offset;
+        debug_assert_eq!(factors.len(), self.book.p1(), "every worker's factors");
+        debug_assert!((window as usize) < self.windows(), "window {window}");
+        self.new_job_at(
+            Queue::Server,
+            (iter, layer),
+            JobKind::SumFactors {
+                layer,
+                iter,
+                window,
+                acc_at,
+                factors,
+            },
+            JobTrack::SumFactors,
+        );
+        Ok(())
+    }
+
+    /// Notifies `worker` of `chunk` at `version`, or defers it while an
+    /// apply of the chunk runs.
+    fn notify_after_apply(&mut self, chunk: u32, worker: u32, version: u64) -> Result<()> {
+        debug_assert!(version > 0, "a notification names an applied version");
+        let s = self.server.as_mut().expect("server");
+        if s.apply_running.contains_key(&chunk) {
+            s.deferred_notify.entry(chunk).or_default().push((worker, version));
+            Ok(())
+        } else {
+            self.notify(chunk, worker, version)
+        }
     }
 
     /// Where `slice` lies in this rank's shard (and its accumulators): its

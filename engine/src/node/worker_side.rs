@@ -11,7 +11,6 @@ impl Node {
         }
         let spec = self.book.layer(layer)?.clone();
         let rank = self.rank;
-        let k = self.book.config().batch as u64;
         let Some(w) = self.worker.as_mut() else {
             return Err(EngineError::InvalidConfig(format!("rank {rank} is not a worker")));
         };
@@ -33,25 +32,12 @@ impl Node {
                 name: spec.name.clone(),
             });
         }
-        let f = Loc {
-            region: LocalRegion::Factors,
-            offset: self.factor_off[layer as usize].expect("FC layers have factors"),
-        };
         match w.core.next_scheme(layer)? {
             Scheme::Sfb => {
                 let iter = w.core.completed(layer);
-                let len = k * (spec.m + spec.n) as u64 * 4;
                 w.core.sf_ready(layer)?;
                 debug_assert!(w.core.is_in_flight(layer), "layer {layer} went by SFB");
-                self.new_job(
-                    Queue::Worker,
-                    JobKind::CaptureFactors { layer, factors: f, len },
-                    JobTrack::Capture {
-                        layer,
-                        iter,
-                        len: len as usize,
-                    },
-                );
+                self.capture_factors(layer, iter);
             }
             Scheme::Adam => {
                 // To the layer's server (a `SendFactors`, or this rank's own
@@ -59,122 +45,67 @@ impl Node {
                 w.core.sf_ready(layer)?;
                 debug_assert!(w.core.is_in_flight(layer), "layer {layer} went by Adam");
             }
-            Scheme::Ps => {
-                w.forming[layer as usize] = true;
-                let grad = Loc {
-                    region: LocalRegion::Grads,
-                    offset: self.grad_off[layer as usize],
-                };
-                self.new_job(
-                    Queue::Worker,
-                    JobKind::FactorsToGrad {
-                        layer,
-                        factors: f,
-                        grad,
-                    },
-                    JobTrack::FormGrad { layer },
-                );
-            }
+            Scheme::Ps => self.form_gradient(layer),
         }
         Ok(())
+    }
+
+    /// Queues the capture of `layer`'s factors (U then V, from the caller's
+    /// factor buffer) for `iter`: SFB's own copy, or Adam's to this rank's
+    /// own server (`factors_in` takes it when the job is done).
+    fn capture_factors(&mut self, layer: u32, iter: u64) {
+        let spec = &self.book.layers()[layer as usize];
+        debug_assert_eq!(spec.kind, LayerKind::Fc, "layer {layer} has factors");
+        let len = self.book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
+        let factors = Loc {
+            region: LocalRegion::Factors,
+            offset: self.factor_off[layer as usize].expect("FC layers have factors"),
+        };
+        self.new_job(
+            Queue::Worker,
+            JobKind::CaptureFactors { layer, factors, len },
+            JobTrack::Capture {
+                layer,
+                iter,
+                len: len as usize,
+            },
+        );
+    }
+
+    /// The PS scheme for an FC layer handed in as factors: marks `layer`
+    /// forming and queues the job that forms its gradient from them.
+    fn form_gradient(&mut self, layer: u32) {
+        let w = self.worker.as_mut().expect("worker");
+        debug_assert!(!w.forming[layer as usize], "layer {layer} forms one gradient at a time");
+        w.forming[layer as usize] = true;
+        let factors = Loc {
+            region: LocalRegion::Factors,
+            offset: self.factor_off[layer as usize].expect("FC layers have factors"),
+        };
+        let grad = Loc {
+            region: LocalRegion::Grads,
+            offset: self.grad_off[layer as usize],
+        };
+        self.new_job(
+            Queue::Worker,
+            JobKind::FactorsToGrad { layer, factors, grad },
+            JobTrack::FormGrad { layer },
+        );
     }
 
     pub(super) fn worker_cmd(&mut self, cmd: WorkerCommand) -> Result<()> {
         let book = self.book.clone();
         let me = self.rank;
         match cmd {
-            WorkerCommand::InitPush { server, chunk } => {
-                let ch = book.chunks()[chunk as usize];
-                debug_assert_eq!(ch.server, server, "chunk {chunk} is seeded at its owner");
-                debug_assert_eq!(self.worker.as_ref().map(|w| w.core.index()), Some(0), "worker 0 seeds");
-                let src = Loc {
-                    region: LocalRegion::Params,
-                    offset: self.param_off[ch.layer as usize] + ch.offset as u64 * 4,
-                };
-                let len = ch.len as u64 * 4;
-                let shard_at = ch.shard_offset as u64 * 4;
-                if server == me {
-                    let dst = Loc {
-                        region: LocalRegion::Shard,
-                        offset: shard_at,
-                    };
-                    self.new_job(
-                        Queue::Server,
-                        JobKind::Copy { src, dst, len },
-                        JobTrack::InitCopy { chunk },
-                    );
-                } else {
-                    let dst = RemoteLoc {
-                        region: LocalRegion::Shard,
-                        offset: shard_at,
-                    };
-                    self.write(server, src, dst, len, chunk, Track::Init);
-                }
-            }
+            WorkerCommand::InitPush { server, chunk } => self.init_push(server, chunk),
             WorkerCommand::Push {
                 server, slot, slice, ..
-            } => {
-                let si = book.slices()[slice as usize];
-                debug_assert_eq!(
-                    book.chunks()[si.chunk as usize].server,
-                    server,
-                    "slice {slice} goes to its owner"
-                );
-                if server == me {
-                    let s = self.server.as_mut().expect("colocated");
-                    // A slot is free before it is taken.
-                    let taken = s.local_slots.insert(slot, slice);
-                    debug_assert!(taken.is_none(), "local slot {slot} taken twice");
-                    s.core.handle_landed(me, slot, slice)?;
-                    self.stranded_dirty = true;
-                } else if let Some(base) = self.sparse_off[si.layer as usize] {
-                    match self.sparse_policy.choose(&self.sparse_costs, slice, si.len) {
-                        Choice::Try { cap } => {
-                            let src = Loc {
-                                region: LocalRegion::Grads,
-                                offset: self.grad_off[si.layer as usize] + si.offset as u64 * 4,
-                            };
-                            let dst = Loc {
-                                region: LocalRegion::Sparse,
-                                offset: base + si.offset as u64 * 4,
-                            };
-                            self.new_job(
-                                Queue::Worker,
-                                JobKind::EncodeSparse {
-                                    slice,
-                                    src,
-                                    len: si.len,
-                                    dst,
-                                    cap,
-                                },
-                                JobTrack::Encode { server, slot, slice },
-                            );
-                        }
-                        Choice::Dense => self.push_write(server, slot, slice, None),
-                    }
-                } else {
-                    self.push_write(server, slot, slice, None);
-                }
-            }
+            } => self.push_slice(server, slot, slice)?,
             WorkerCommand::SendFactors { peer, layer, iter } if peer == me => {
                 // Adam, and this rank holds the layer: its own server takes
                 // the factors from a capture (`factors_in`).
                 debug_assert_eq!(book.scheme(layer, iter), Scheme::Adam);
-                let spec = &book.layers()[layer as usize];
-                let len = book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
-                let factors = Loc {
-                    region: LocalRegion::Factors,
-                    offset: self.factor_off[layer as usize].expect("FC layers have factors"),
-                };
-                self.new_job(
-                    Queue::Worker,
-                    JobKind::CaptureFactors { layer, factors, len },
-                    JobTrack::Capture {
-                        layer,
-                        iter,
-                        len: len as usize,
-                    },
-                );
+                self.capture_factors(layer, iter);
             }
             WorkerCommand::SendFactors { peer, layer, iter } => {
                 debug_assert!(book.scheme(layer, iter).takes_factors(), "layer {layer} sends factors");
@@ -205,19 +136,113 @@ impl Node {
                     self.send_ctrl(server, &Msg::Pull { chunk, version });
                 }
             }
-            WorkerCommand::LayerReady { layer, iter } => {
-                // The core finished the iteration: the layer's next one is the one after.
-                let w = &self.worker.as_ref().expect("worker").core;
-                debug_assert!(!w.is_in_flight(layer), "layer {layer} is ready");
-                debug_assert_eq!(w.completed(layer), iter + 1, "layer {layer}");
-                if self.staged {
-                    self.publish(layer, Some(iter));
-                } else {
-                    self.out.push_back(Output::LayerReady { layer, iter });
-                }
-            }
+            WorkerCommand::LayerReady { layer, iter } => self.layer_ready(layer, iter),
         }
         Ok(())
+    }
+
+    /// Seeds `chunk` at its server `server` from this worker's parameters
+    /// (worker 0's job): a local copy into the shard, or a write.
+    fn init_push(&mut self, server: u32, chunk: u32) {
+        let ch = self.book.chunks()[chunk as usize];
+        debug_assert_eq!(ch.server, server, "chunk {chunk} is seeded at its owner");
+        debug_assert_eq!(self.worker.as_ref().map(|w| w.core.index()), Some(0), "worker 0 seeds");
+        let src = Loc {
+            region: LocalRegion::Params,
+            offset: self.param_off[ch.layer as usize] + ch.offset as u64 * 4,
+        };
+        let len = ch.len as u64 * 4;
+        let shard_at = ch.shard_offset as u64 * 4;
+        if server == self.rank {
+            let dst = Loc {
+                region: LocalRegion::Shard,
+                offset: shard_at,
+            };
+            self.new_job(
+                Queue::Server,
+                JobKind::Copy { src, dst, len },
+                JobTrack::InitCopy { chunk },
+            );
+        } else {
+            let dst = RemoteLoc {
+                region: LocalRegion::Shard,
+                offset: shard_at,
+            };
+            self.write(server, src, dst, len, chunk, Track::Init);
+        }
+    }
+
+    /// Pushes `slice` into slot `slot` of `server`: this rank's own server
+    /// takes it as landed (read from the gradient); a peer gets a write,
+    /// sparse-encoded first where the layer and the policy say so.
+    fn push_slice(&mut self, server: u32, slot: u32, slice: u32) -> Result<()> {
+        let me = self.rank;
+        let si = self.book.slices()[slice as usize];
+        debug_assert_eq!(
+            self.book.chunks()[si.chunk as usize].server,
+            server,
+            "slice {slice} goes to its owner"
+        );
+        if server == me {
+            let s = self.server.as_mut().expect("colocated");
+            // A slot is free before it is taken.
+            let taken = s.local_slots.insert(slot, slice);
+            debug_assert!(taken.is_none(), "local slot {slot} taken twice");
+            s.core.handle_landed(me, slot, slice)?;
+            self.stranded_dirty = true;
+        } else if let Some(base) = self.sparse_off[si.layer as usize] {
+            match self.sparse_policy.choose(&self.sparse_costs, slice, si.len) {
+                Choice::Try { cap } => self.encode_sparse(server, slot, slice, base, cap),
+                Choice::Dense => self.push_write(server, slot, slice, None),
+            }
+        } else {
+            self.push_write(server, slot, slice, None);
+        }
+        Ok(())
+    }
+
+    /// Queues the sparse encoding of `slice` (at most `cap` pairs) into its
+    /// place in the `Sparse` staging at `base`; its write follows the job.
+    fn encode_sparse(&mut self, server: u32, slot: u32, slice: u32, base: u64, cap: usize) {
+        let si = self.book.slices()[slice as usize];
+        debug_assert_eq!(
+            self.sparse_off[si.layer as usize],
+            Some(base),
+            "slice {slice} is sparse"
+        );
+        let src = Loc {
+            region: LocalRegion::Grads,
+            offset: self.grad_off[si.layer as usize] + si.offset as u64 * 4,
+        };
+        let dst = Loc {
+            region: LocalRegion::Sparse,
+            offset: base + si.offset as u64 * 4,
+        };
+        self.new_job(
+            Queue::Worker,
+            JobKind::EncodeSparse {
+                slice,
+                src,
+                len: si.len,
+                dst,
+                cap,
+            },
+            JobTrack::Encode { server, slot, slice },
+        );
+    }
+
+    /// The core finished `layer`'s iteration `iter`: tells the caller, once
+    /// its view is published where the caller reads a staged view.
+    fn layer_ready(&mut self, layer: u32, iter: u64) {
+        // The core finished the iteration: the layer's next one is the one after.
+        let w = &self.worker.as_ref().expect("worker").core;
+        debug_assert!(!w.is_in_flight(layer), "layer {layer} is ready");
+        debug_assert_eq!(w.completed(layer), iter + 1, "layer {layer}");
+        if self.staged {
+            self.publish(layer, Some(iter));
+        } else {
+            self.out.push_back(Output::LayerReady { layer, iter });
+        }
     }
 
     /// Writes `slice` into landing slot `slot` of `server`: dense from the
