@@ -62,37 +62,8 @@ impl Node {
                 }
             }
             JobTrack::FoldPartial | JobTrack::SumFactors => {}
-            JobTrack::Encode { server, slot, slice } => {
-                debug_assert!(self.sparse_off[self.book.slices()[slice as usize].layer as usize].is_some());
-                let report = data
-                    .as_deref()
-                    .and_then(crate::sparse::EncodeReport::from_bytes)
-                    .ok_or(EngineError::Job(JobFailure::NoEncodeCount { slice }))?;
-                let si = self.book.slices()[slice as usize];
-                let pairs = report
-                    .pairs
-                    .filter(|&n| n as usize <= crate::sparse::pair_limit(si.len));
-                if let Some(n) = pairs {
-                    let st = &mut self.sparse_stats[si.layer as usize];
-                    st.nonzeros += u64::from(n);
-                    st.scanned += si.len as u64;
-                }
-                self.sparse_policy.report(slice, pairs);
-                self.push_write(server, slot, slice, pairs);
-            }
-            JobTrack::Apply { chunk } => {
-                let s = self.server.as_mut().expect("server");
-                // One apply of a chunk runs at a time: this one.
-                let running = s.apply_running.remove(&chunk);
-                debug_assert_eq!(running, Some(id), "chunk {chunk}");
-                let notify = s.deferred_notify.remove(&chunk).unwrap_or_default();
-                for w in s.deferred.remove(&chunk).unwrap_or_default() {
-                    self.broadcast(chunk, w);
-                }
-                for (w, version) in notify {
-                    self.notify(chunk, w, version)?;
-                }
-            }
+            JobTrack::Encode { server, slot, slice } => self.encoded(server, slot, slice, data.as_deref())?,
+            JobTrack::Apply { chunk } => self.apply_done(id, chunk)?,
             JobTrack::InitCopy { chunk } => {
                 debug_assert_eq!(
                     self.book.chunks()[chunk as usize].server,
@@ -120,175 +91,217 @@ impl Node {
                 w.forming[layer as usize] = false;
                 w.core.grad_ready(layer)?;
             }
-            JobTrack::Capture { layer, iter, len } => {
-                let spec = &self.book.layers()[layer as usize];
-                debug_assert_eq!(
-                    len,
-                    self.book.config().batch * (spec.m + spec.n) * 4,
-                    "U and V of layer {layer}"
-                );
-                let blob = match data {
-                    Some(b) if b.len() == len => Blob::Bytes(b),
-                    Some(b) => {
-                        return Err(EngineError::Job(JobFailure::CaptureSize {
-                            layer,
-                            got: b.len(),
-                            want: len,
-                        }))
-                    }
-                    None => Blob::Opaque(len),
-                };
-                let wi = self.worker.as_ref().expect("worker").core.index();
-                self.factors_in(layer, iter, wi, blob)?;
-            }
+            JobTrack::Capture { layer, iter, len } => self.captured(layer, iter, len, data)?,
             JobTrack::Reconstruct { layer, iter } => self
                 .worker
                 .as_mut()
                 .expect("worker")
                 .core
                 .handle_factors_applied(layer, iter)?,
-            JobTrack::Publish { layer, iter } => match iter {
-                Some(iter) => {
-                    debug_assert!(self.staged, "only a staged worker publishes");
-                    self.out.push_back(Output::LayerReady { layer, iter })
-                }
-                None => {
-                    let w = self.worker.as_mut().expect("worker");
-                    debug_assert!(
-                        w.publish_started && w.publish_left > 0,
-                        "an initial publish was counted"
-                    );
-                    w.publish_left -= 1;
-                }
-            },
+            JobTrack::Publish { layer, iter } => self.published(layer, iter),
         }
         Ok(())
+    }
+
+    /// A sparse encoding of `slice` ran: its report (the pairs, or none when
+    /// dense is smaller) feeds the statistics and the policy, and the slice
+    /// goes to slot `slot` of `server` as the encoding said.
+    fn encoded(&mut self, server: u32, slot: u32, slice: u32, data: Option<&[u8]>) -> Result<()> {
+        debug_assert!(self.sparse_off[self.book.slices()[slice as usize].layer as usize].is_some());
+        let report = data
+            .and_then(crate::sparse::EncodeReport::from_bytes)
+            .ok_or(EngineError::Job(JobFailure::NoEncodeCount { slice }))?;
+        let si = self.book.slices()[slice as usize];
+        let pairs = report
+            .pairs
+            .filter(|&n| n as usize <= crate::sparse::pair_limit(si.len));
+        if let Some(n) = pairs {
+            let st = &mut self.sparse_stats[si.layer as usize];
+            st.nonzeros += u64::from(n);
+            st.scanned += si.len as u64;
+        }
+        self.sparse_policy.report(slice, pairs);
+        self.push_write(server, slot, slice, pairs);
+        Ok(())
+    }
+
+    /// Job `id`, the apply of `chunk`, ran: the broadcasts and
+    /// notifications of the chunk deferred while it ran go out now.
+    fn apply_done(&mut self, id: u64, chunk: u32) -> Result<()> {
+        let s = self.server.as_mut().expect("server");
+        // One apply of a chunk runs at a time: this one.
+        let running = s.apply_running.remove(&chunk);
+        debug_assert_eq!(running, Some(id), "chunk {chunk}");
+        let notify = s.deferred_notify.remove(&chunk).unwrap_or_default();
+        for w in s.deferred.remove(&chunk).unwrap_or_default() {
+            self.broadcast(chunk, w);
+        }
+        for (w, version) in notify {
+            self.notify(chunk, w, version)?;
+        }
+        Ok(())
+    }
+
+    /// The capture of `layer`'s factors for `iter` ran: its bytes (`len`
+    /// of them, or opaque where the runtime keeps them) are this worker's
+    /// factors.
+    fn captured(&mut self, layer: u32, iter: u64, len: usize, data: Option<Vec<u8>>) -> Result<()> {
+        let spec = &self.book.layers()[layer as usize];
+        debug_assert_eq!(
+            len,
+            self.book.config().batch * (spec.m + spec.n) * 4,
+            "U and V of layer {layer}"
+        );
+        let blob = match data {
+            Some(b) if b.len() == len => Blob::Bytes(b),
+            Some(b) => {
+                return Err(EngineError::Job(JobFailure::CaptureSize {
+                    layer,
+                    got: b.len(),
+                    want: len,
+                }))
+            }
+            None => Blob::Opaque(len),
+        };
+        let wi = self.worker.as_ref().expect("worker").core.index();
+        self.factors_in(layer, iter, wi, blob)
+    }
+
+    /// A publish of `layer`'s view ran: for `iter`, the layer is ready for
+    /// the caller; for the initial one (`None`), one fewer is left.
+    fn published(&mut self, layer: u32, iter: Option<u64>) {
+        match iter {
+            Some(iter) => {
+                debug_assert!(self.staged, "only a staged worker publishes");
+                self.out.push_back(Output::LayerReady { layer, iter })
+            }
+            None => {
+                let w = self.worker.as_mut().expect("worker");
+                debug_assert!(
+                    w.publish_started && w.publish_left > 0,
+                    "an initial publish was counted"
+                );
+                w.publish_left -= 1;
+            }
+        }
     }
 
     pub(super) fn landed(&mut self, peer: u32, region: LocalRegion, offset: u64, len: u64, imm: u32) -> Result<()> {
         self.peer_mut(peer)?;
         self.landed_from[peer as usize] += 1;
         self.stranded_dirty = true;
+        match region {
+            LocalRegion::Landing => self.landed_push(peer, offset, len, imm),
+            LocalRegion::Shard => self.landed_seed(peer, offset, len, imm),
+            LocalRegion::Params => self.landed_params(peer, offset, len, imm),
+            other => Err(EngineError::protocol(
+                peer,
+                ProtocolViolation::WriteIntoRegion { region: other },
+            )),
+        }
+    }
+
+    /// A push of slice `imm` (flagged sparse or not) from `peer` landed at
+    /// `offset..offset + len` of the landing region: it must lie in one of
+    /// the sender's slots and hold the slice (dense) or an encoding of it
+    /// (sparse, written once), before the server core takes it.
+    fn landed_push(&mut self, peer: u32, offset: u64, len: u64, imm: u32) -> Result<()> {
         let bad = |violation| EngineError::protocol(peer, violation);
         let book = self.book.clone();
         let slots = u64::from(self.sched.landing_slots());
         let slot_bytes = self.slot_bytes;
-        match region {
-            LocalRegion::Landing => {
-                if self.server.is_none() {
-                    return Err(bad(ProtocolViolation::PushToNonServer));
-                }
-                let wi = book
-                    .cluster()
-                    .worker_index(peer)
-                    .ok_or_else(|| bad(ProtocolViolation::PushFromNonWorker))? as u64;
-                let sparse = imm & crate::sparse::SPARSE_IMM != 0;
-                let slice = imm & !crate::sparse::SPARSE_IMM;
-                let si = book
-                    .slices()
-                    .get(slice as usize)
-                    .ok_or_else(|| bad(ProtocolViolation::PushUnknownSlice { slice }))?;
-                let g = offset / slot_bytes;
-                let start = g * slot_bytes;
-                let slot = (g % slots) as u32;
-                if !sparse {
-                    if g / slots != wi || len == 0 || offset + len != start + si.len as u64 * 4 {
-                        return Err(bad(ProtocolViolation::PushOutsideSlots {
-                            slice,
-                            bytes: si.len * 4,
-                            offset,
-                            len,
-                        }));
-                    }
-                } else {
-                    // "Sparse, (len - 8) / 8 pairs", written from the slot's start (a
-                    // write over the transport's cap lands in pieces; the last one
-                    // carries the immediate, so the length counts from the slot's start).
-                    let h = crate::sparse::HEADER_BYTES as u64;
-                    let p = crate::sparse::PAIR_BYTES as u64;
-                    let total = offset
-                        .checked_add(len)
-                        .and_then(|e| e.checked_sub(start))
-                        .filter(|_| len > 0);
-                    let pairs = total
-                        .and_then(|t| t.checked_sub(h))
-                        .filter(|b| b % p == 0)
-                        .map(|b| b / p);
-                    let ok = g / slots == wi
-                        && pairs.is_some_and(|n| n as usize <= crate::sparse::pair_limit(si.len))
-                        && book.layers()[si.layer as usize].sparse;
-                    let Some(n) = pairs.filter(|_| ok) else {
-                        return Err(bad(ProtocolViolation::SparsePushMalformed {
-                            slice,
-                            offset,
-                            len,
-                            pairs_max: crate::sparse::pair_limit(si.len),
-                        }));
-                    };
-                    debug_assert!(crate::sparse::encoded_bytes(n as usize) as u64 <= slot_bytes);
-                    if self.landing_sparse.insert((peer, slot), n as u32).is_some() {
-                        return Err(bad(ProtocolViolation::SlotWrittenTwice { slot }));
-                    }
-                }
-                // The sender's slots lie inside the landing region.
-                debug_assert!(start + slot_bytes <= self.bytes[region_index(LocalRegion::Landing)]);
-                let s = self.server.as_mut().expect("checked above");
-                s.core.handle_landed(peer, slot, slice)
-            }
-            LocalRegion::Shard => {
-                let s = self
-                    .server
-                    .as_mut()
-                    .ok_or_else(|| bad(ProtocolViolation::SeedToNonServer))?;
-                let ch = book
-                    .chunks()
-                    .get(imm as usize)
-                    .ok_or_else(|| bad(ProtocolViolation::SeedUnknownChunk { chunk: imm }))?;
-                let (a, b) = (ch.shard_offset as u64 * 4, (ch.shard_offset + ch.len) as u64 * 4);
-                if ch.server != self.rank || len == 0 || offset < a || offset + len != b {
-                    return Err(bad(ProtocolViolation::SeedOutsideChunk {
-                        chunk: imm,
-                        offset,
-                        len,
-                    }));
-                }
-                debug_assert!(
-                    b <= self.bytes[region_index(LocalRegion::Shard)],
-                    "chunk {imm} in the shard"
-                );
-                s.core.handle_init(peer, imm)
-            }
-            LocalRegion::Params => {
-                let base = self.param_off.first().copied().unwrap_or(0);
-                let w = self
-                    .worker
-                    .as_mut()
-                    .ok_or_else(|| bad(ProtocolViolation::ParamsToNonWorker))?;
-                let ch = book
-                    .chunks()
-                    .get(imm as usize)
-                    .ok_or_else(|| bad(ProtocolViolation::ParamsUnknownChunk { chunk: imm }))?;
-                let a = base + (book.layer_offset(ch.layer) + ch.offset) as u64 * 4;
-                let b = a + ch.len as u64 * 4;
-                if ch.server != peer || len == 0 || offset < a || offset + len != b {
-                    return Err(bad(ProtocolViolation::ParamsOutsideChunk {
-                        chunk: imm,
-                        offset,
-                        len,
-                    }));
-                }
-                debug_assert!(
-                    b <= self.bytes[region_index(LocalRegion::Params)],
-                    "chunk {imm} in the parameters"
-                );
-                // The core cannot know who wrote: a violation is the writer's.
-                w.core.handle_params(imm).map_err(|e| match e {
-                    EngineError::Protocol { violation, .. } => EngineError::protocol(peer, violation),
-                    other => other,
-                })
-            }
-            other => Err(bad(ProtocolViolation::WriteIntoRegion { region: other })),
+        if self.server.is_none() {
+            return Err(bad(ProtocolViolation::PushToNonServer));
         }
+        let wi = book
+            .cluster()
+            .worker_index(peer)
+            .ok_or_else(|| bad(ProtocolViolation::PushFromNonWorker))? as u64;
+        let sparse = imm & crate::sparse::SPARSE_IMM != 0;
+        let slice = imm & !crate::sparse::SPARSE_IMM;
+        let si = book
+            .slices()
+            .get(slice as usize)
+            .ok_or_else(|| bad(ProtocolViolation::PushUnknownSlice { slice }))?;
+        let g = offset / slot_bytes;
+        let start = g * slot_bytes;
+        let slot = (g % slots) as u32;
+        if !sparse {
+            if g / slots != wi || len == 0 || offset + len != start + si.len as u64 * 4 {
+                return Err(bad(ProtocolViolation::PushOutsideSlots {
+                    slice,
+                    bytes: si.len * 4,
+                    offset,
+                    len,
+                }));
+            }
+        } else {
+            let n = sparse_pairs(&book, slice, g / slots == wi, start, offset, len).map_err(bad)?;
+            debug_assert!(crate::sparse::encoded_bytes(n as usize) as u64 <= slot_bytes);
+            if self.landing_sparse.insert((peer, slot), n as u32).is_some() {
+                return Err(bad(ProtocolViolation::SlotWrittenTwice { slot }));
+            }
+        }
+        // The sender's slots lie inside the landing region.
+        debug_assert!(start + slot_bytes <= self.bytes[region_index(LocalRegion::Landing)]);
+        let s = self.server.as_mut().expect("checked above");
+        s.core.handle_landed(peer, slot, slice)
+    }
+
+    /// A write of chunk `chunk`'s initial values from `peer` landed at
+    /// `offset..offset + len` of the shard: it must be exactly the chunk's
+    /// place there, the chunk held here, before the server core takes it.
+    fn landed_seed(&mut self, peer: u32, offset: u64, len: u64, chunk: u32) -> Result<()> {
+        let bad = |violation| EngineError::protocol(peer, violation);
+        let book = self.book.clone();
+        let s = self
+            .server
+            .as_mut()
+            .ok_or_else(|| bad(ProtocolViolation::SeedToNonServer))?;
+        let ch = book
+            .chunks()
+            .get(chunk as usize)
+            .ok_or_else(|| bad(ProtocolViolation::SeedUnknownChunk { chunk }))?;
+        let (a, b) = (ch.shard_offset as u64 * 4, (ch.shard_offset + ch.len) as u64 * 4);
+        if ch.server != self.rank || len == 0 || offset < a || offset + len != b {
+            return Err(bad(ProtocolViolation::SeedOutsideChunk { chunk, offset, len }));
+        }
+        debug_assert!(
+            b <= self.bytes[region_index(LocalRegion::Shard)],
+            "chunk {chunk} in the shard"
+        );
+        s.core.handle_init(peer, chunk)
+    }
+
+    /// A broadcast of chunk `chunk` from its server `peer` landed at
+    /// `offset..offset + len` of the parameters: it must be exactly the
+    /// chunk's place there before the worker core takes it.
+    fn landed_params(&mut self, peer: u32, offset: u64, len: u64, chunk: u32) -> Result<()> {
+        let bad = |violation| EngineError::protocol(peer, violation);
+        let book = self.book.clone();
+        let base = self.param_off.first().copied().unwrap_or(0);
+        let w = self
+            .worker
+            .as_mut()
+            .ok_or_else(|| bad(ProtocolViolation::ParamsToNonWorker))?;
+        let ch = book
+            .chunks()
+            .get(chunk as usize)
+            .ok_or_else(|| bad(ProtocolViolation::ParamsUnknownChunk { chunk }))?;
+        let a = base + (book.layer_offset(ch.layer) + ch.offset) as u64 * 4;
+        let b = a + ch.len as u64 * 4;
+        if ch.server != peer || len == 0 || offset < a || offset + len != b {
+            return Err(bad(ProtocolViolation::ParamsOutsideChunk { chunk, offset, len }));
+        }
+        debug_assert!(
+            b <= self.bytes[region_index(LocalRegion::Params)],
+            "chunk {chunk} in the parameters"
+        );
+        // The core cannot know who wrote: a violation is the writer's.
+        w.core.handle_params(chunk).map_err(|e| match e {
+            EngineError::Protocol { violation, .. } => EngineError::protocol(peer, violation),
+            other => other,
+        })
     }
 
     pub(super) fn message(&mut self, peer: u32, tag: u32, data: Payload) -> Result<()> {
@@ -326,53 +339,9 @@ impl Node {
                 }
                 Ok(())
             }
-            Msg::FactorsBegin { layer, iter, total } => {
-                let book = self.book.clone();
-                if book.cluster().worker_index(peer).is_none() {
-                    return Err(bad(ProtocolViolation::FactorsFromNonWorker));
-                }
-                let spec = book.layer(layer).map_err(|_| {
-                    bad(ProtocolViolation::FactorsUnknownLayer {
-                        layer,
-                        layers: book.layers().len() as u32,
-                    })
-                })?;
-                let want = book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
-                let scheme = book.scheme(layer, iter);
-                if spec.kind != LayerKind::Fc || !scheme.takes_factors() || total != want {
-                    return Err(bad(ProtocolViolation::FactorBlockMismatch {
-                        total,
-                        layer,
-                        name: spec.name.clone(),
-                        scheme,
-                        want,
-                    }));
-                }
-                let holder = book.chunks()[book.layer_chunks(layer).start as usize].server;
-                match scheme {
-                    Scheme::Sfb if self.worker.is_none() => return Err(bad(ProtocolViolation::FactorsToNonWorker)),
-                    Scheme::Adam if holder != self.rank || self.server.is_none() => {
-                        return Err(bad(ProtocolViolation::AdamFactorsMisrouted {
-                            layer,
-                            to: self.rank,
-                            holder,
-                        }))
-                    }
-                    _ => {}
-                }
-                self.inbox.begin(peer, layer, iter, total as usize).map_err(bad)
-            }
+            Msg::FactorsBegin { layer, iter, total } => self.factors_begin(peer, layer, iter, total),
             Msg::FactorData => unreachable!("handled above"),
-            Msg::Finished { writes } => {
-                let p = self.peer_mut(peer)?;
-                if p.finished.is_some() {
-                    return Err(bad(ProtocolViolation::FinishedTwice));
-                }
-                p.finished = Some(writes);
-                self.any_finished = true;
-                self.stranded_dirty = true;
-                Ok(())
-            }
+            Msg::Finished { writes } => self.peer_finished(peer, writes),
             Msg::Bye { writes } => {
                 let p = self.peer_mut(peer)?;
                 if p.bye.is_some() {
@@ -398,4 +367,102 @@ impl Node {
             Msg::Abort(reason) => Err(EngineError::PeerAborted { rank: peer, reason }),
         }
     }
+
+    /// `peer` begins a factor block of `total` bytes for `layer`, iteration
+    /// `iter`: a worker's, of an FC layer whose scheme takes factors, the
+    /// block's size, and sent where the scheme rebuilds the layer (a worker
+    /// under SFB, the layer's server under Adam).
+    fn factors_begin(&mut self, peer: u32, layer: u32, iter: u64, total: u64) -> Result<()> {
+        let bad = |violation| EngineError::protocol(peer, violation);
+        let book = self.book.clone();
+        if book.cluster().worker_index(peer).is_none() {
+            return Err(bad(ProtocolViolation::FactorsFromNonWorker));
+        }
+        let spec = book.layer(layer).map_err(|_| {
+            bad(ProtocolViolation::FactorsUnknownLayer {
+                layer,
+                layers: book.layers().len() as u32,
+            })
+        })?;
+        let want = book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
+        let scheme = book.scheme(layer, iter);
+        if spec.kind != LayerKind::Fc || !scheme.takes_factors() || total != want {
+            return Err(bad(ProtocolViolation::FactorBlockMismatch {
+                total,
+                layer,
+                name: spec.name.clone(),
+                scheme,
+                want,
+            }));
+        }
+        let holder = book.chunks()[book.layer_chunks(layer).start as usize].server;
+        match scheme {
+            Scheme::Sfb if self.worker.is_none() => return Err(bad(ProtocolViolation::FactorsToNonWorker)),
+            Scheme::Adam if holder != self.rank || self.server.is_none() => {
+                return Err(bad(ProtocolViolation::AdamFactorsMisrouted {
+                    layer,
+                    to: self.rank,
+                    holder,
+                }))
+            }
+            _ => {}
+        }
+        debug_assert_eq!(total % 4, 0, "a block of f32s");
+        self.inbox.begin(peer, layer, iter, total as usize).map_err(bad)
+    }
+
+    /// `peer`'s worker is done, after `writes` writes to this rank (once):
+    /// the stranded check is on.
+    fn peer_finished(&mut self, peer: u32, writes: u64) -> Result<()> {
+        let p = self.peer_mut(peer)?;
+        if p.finished.is_some() {
+            return Err(EngineError::protocol(peer, ProtocolViolation::FinishedTwice));
+        }
+        p.finished = Some(writes);
+        self.any_finished = true;
+        self.stranded_dirty = true;
+        debug_assert_ne!(peer, self.rank, "a peer's worker finished");
+        Ok(())
+    }
+}
+
+/// The pairs of a sparse push of `slice` written from its slot's `start`
+/// to `offset + len` ("sparse, (len - 8) / 8 pairs": a write over the
+/// transport's cap lands in pieces, and the last one carries the immediate,
+/// so the length counts from the slot's start). Malformed unless it lies in
+/// the sender's slots (`in_slots`), holds a whole number of pairs within the
+/// slice's limit, and the slice's layer goes sparse.
+fn sparse_pairs(
+    book: &Book,
+    slice: u32,
+    in_slots: bool,
+    start: u64,
+    offset: u64,
+    len: u64,
+) -> std::result::Result<u64, ProtocolViolation> {
+    let si = book.slices()[slice as usize];
+    let h = crate::sparse::HEADER_BYTES as u64;
+    let p = crate::sparse::PAIR_BYTES as u64;
+    let total = offset
+        .checked_add(len)
+        .and_then(|e| e.checked_sub(start))
+        .filter(|_| len > 0);
+    let pairs = total
+        .and_then(|t| t.checked_sub(h))
+        .filter(|b| b % p == 0)
+        .map(|b| b / p);
+    let ok = in_slots
+        && pairs.is_some_and(|n| n as usize <= crate::sparse::pair_limit(si.len))
+        && book.layers()[si.layer as usize].sparse;
+    let n = pairs.filter(|_| ok).ok_or(ProtocolViolation::SparsePushMalformed {
+        slice,
+        offset,
+        len,
+        pairs_max: crate::sparse::pair_limit(si.len),
+    })?;
+    debug_assert!(
+        n as usize <= crate::sparse::pair_limit(si.len),
+        "slice {slice}: {n} pairs"
+    );
+    Ok(n)
 }
