@@ -35,6 +35,32 @@ impl Node {
         }
     }
 
+    /// The transmit `token` failed with `reason`: moot to a peer that said
+    /// goodbye, the loss of a worker the trigger goes on without, and
+    /// otherwise the loss of the peer.
+    pub(super) fn tx_failed(&mut self, token: u64, reason: String) -> Result<()> {
+        if self.flow.was_dropped(token) {
+            return Ok(());
+        }
+        match self.flow.done(token) {
+            // It said goodbye: it needs nothing more, so the transmit is moot.
+            Some((peer, track)) if self.peers[peer as usize].bye.is_some() => self.tx_done(track),
+            // A worker this job's trigger can go on without.
+            Some((peer, track)) if self.may_lose(peer) => {
+                self.tx_done(track)?;
+                self.lose_worker(peer)
+            }
+            Some((peer, _)) => Err(EngineError::PeerLost {
+                rank: peer,
+                reason: format!("an operation failed: {reason}"),
+            }),
+            None => Err(EngineError::protocol(
+                self.rank,
+                ProtocolViolation::UnknownTransmitFailed { token, reason },
+            )),
+        }
+    }
+
     pub(super) fn job_done(&mut self, id: u64, data: Option<Vec<u8>>) -> Result<()> {
         let me = self.rank;
         let track = self

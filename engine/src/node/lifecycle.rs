@@ -156,4 +156,33 @@ impl Node {
             self.out.push_back(Output::Finished);
         }
     }
+
+    /// The connection to `peer` ended (`error`: why, `None` when closed
+    /// gracefully): fine after its goodbye or its loss (what was on its way
+    /// to it counts as delivered), the loss of a worker the trigger goes on
+    /// without, and otherwise the loss of the peer.
+    pub(super) fn peer_closed(&mut self, peer: u32, error: Option<String>) -> Result<()> {
+        self.stranded_dirty = true;
+        let p = self.peer_mut(peer)?;
+        p.closed = true;
+        if p.bye.is_some() || p.lost {
+            // It needs nothing more: what was still on its way to it
+            // (a peer that died after its goodbye) counts as delivered.
+            for track in self.flow.drop_peer(peer) {
+                self.tx_done(track)?;
+            }
+            debug_assert_eq!(self.flow.pending_to(peer), 0, "nothing goes to rank {peer} any more");
+            return Ok(());
+        }
+        if self.may_lose(peer) {
+            return self.lose_worker(peer);
+        }
+        Err(EngineError::PeerLost {
+            rank: peer,
+            reason: match error {
+                Some(e) => e,
+                None => "it closed the connection without saying goodbye (did the process exit?)".into(),
+            },
+        })
+    }
 }

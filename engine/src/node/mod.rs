@@ -767,41 +767,7 @@ impl Node {
         match input {
             Input::HandIn { .. } | Input::Shutdown => unreachable!("handled by the caller"),
             Input::Connected { peer } => self.connected(peer),
-            Input::PeerRegionsKnown { peer } => {
-                let p = self.peer_mut(peer)?;
-                if !p.hello {
-                    return Err(EngineError::protocol(peer, ProtocolViolation::RegionsBeforeHello));
-                }
-                let rejoined = std::mem::take(&mut p.rejoined);
-                let first = !p.open && !rejoined;
-                p.open = true;
-                if first {
-                    self.open_peers += 1;
-                    debug_assert!(self.open_peers < self.peers.len(), "every peer opens once");
-                }
-                self.flow.open(peer);
-                if rejoined {
-                    if let Some(s) = self.server.as_mut() {
-                        let wi = self.book.cluster().worker_index(peer).expect("a worker");
-                        s.core.handle_worker_rejoined(wi)?;
-                    }
-                }
-                for e in std::mem::take(&mut self.early[peer as usize]) {
-                    match e {
-                        Early::Write {
-                            src,
-                            dst,
-                            len,
-                            imm,
-                            track,
-                        } => self.write(peer, src, dst, len, imm, track),
-                        Early::Factors { layer, iter } => self.send_factors(peer, layer, iter),
-                    }
-                }
-                // Open now: nothing more waits for it.
-                debug_assert!(self.early[peer as usize].is_empty());
-                Ok(())
-            }
+            Input::PeerRegionsKnown { peer } => self.regions_known(peer),
             Input::Done { token } => match self.flow.done(token) {
                 Some((_, track)) => self.tx_done(track),
                 None if self.flow.was_dropped(token) => Ok(()),
@@ -810,28 +776,7 @@ impl Node {
                     ProtocolViolation::UnknownTransmit { token },
                 )),
             },
-            Input::Failed { token, reason } => {
-                if self.flow.was_dropped(token) {
-                    return Ok(());
-                }
-                match self.flow.done(token) {
-                    // It said goodbye: it needs nothing more, so the transmit is moot.
-                    Some((peer, track)) if self.peers[peer as usize].bye.is_some() => self.tx_done(track),
-                    // A worker this job's trigger can go on without.
-                    Some((peer, track)) if self.may_lose(peer) => {
-                        self.tx_done(track)?;
-                        self.lose_worker(peer)
-                    }
-                    Some((peer, _)) => Err(EngineError::PeerLost {
-                        rank: peer,
-                        reason: format!("an operation failed: {reason}"),
-                    }),
-                    None => Err(EngineError::protocol(
-                        self.rank,
-                        ProtocolViolation::UnknownTransmitFailed { token, reason },
-                    )),
-                }
-            }
+            Input::Failed { token, reason } => self.tx_failed(token, reason),
             Input::Blocked { token } => {
                 if self.flow.blocked(token, self.now) || self.flow.was_dropped(token) {
                     Ok(())
@@ -850,30 +795,7 @@ impl Node {
                 imm,
             } => self.landed(peer, region, offset, len, imm),
             Input::Message { peer, tag, data } => self.message(peer, tag, data),
-            Input::Closed { peer, error } => {
-                self.stranded_dirty = true;
-                let p = self.peer_mut(peer)?;
-                p.closed = true;
-                if p.bye.is_some() || p.lost {
-                    // It needs nothing more: what was still on its way to it
-                    // (a peer that died after its goodbye) counts as delivered.
-                    for track in self.flow.drop_peer(peer) {
-                        self.tx_done(track)?;
-                    }
-                    debug_assert_eq!(self.flow.pending_to(peer), 0, "nothing goes to rank {peer} any more");
-                    return Ok(());
-                }
-                if self.may_lose(peer) {
-                    return self.lose_worker(peer);
-                }
-                Err(EngineError::PeerLost {
-                    rank: peer,
-                    reason: match error {
-                        Some(e) => e,
-                        None => "it closed the connection without saying goodbye (did the process exit?)".into(),
-                    },
-                })
-            }
+            Input::Closed { peer, error } => self.peer_closed(peer, error),
             Input::JobDone { id, data } => self.job_done(id, data),
             Input::JobFailed { id, error } => Err(EngineError::Job(JobFailure::Failed { id, cause: error })),
             Input::Abort { reason } => Err(EngineError::Aborted(reason)),

@@ -116,6 +116,45 @@ impl Node {
         Ok(())
     }
 
+    /// `peer`'s regions are known (after its hello): it opens (or opens
+    /// again after a rejoin, which its server core hears of), and what
+    /// waited for it in `early` goes out.
+    pub(super) fn regions_known(&mut self, peer: u32) -> Result<()> {
+        let p = self.peer_mut(peer)?;
+        if !p.hello {
+            return Err(EngineError::protocol(peer, ProtocolViolation::RegionsBeforeHello));
+        }
+        let rejoined = std::mem::take(&mut p.rejoined);
+        let first = !p.open && !rejoined;
+        p.open = true;
+        if first {
+            self.open_peers += 1;
+            debug_assert!(self.open_peers < self.peers.len(), "every peer opens once");
+        }
+        self.flow.open(peer);
+        if rejoined {
+            if let Some(s) = self.server.as_mut() {
+                let wi = self.book.cluster().worker_index(peer).expect("a worker");
+                s.core.handle_worker_rejoined(wi)?;
+            }
+        }
+        for e in std::mem::take(&mut self.early[peer as usize]) {
+            match e {
+                Early::Write {
+                    src,
+                    dst,
+                    len,
+                    imm,
+                    track,
+                } => self.write(peer, src, dst, len, imm, track),
+                Early::Factors { layer, iter } => self.send_factors(peer, layer, iter),
+            }
+        }
+        // Open now: nothing more waits for it.
+        debug_assert!(self.early[peer as usize].is_empty());
+        Ok(())
+    }
+
     /// Whether this rank writes into `peer`'s region `i` (0 params, 1 shard, 2 landing).
     pub(super) fn needs_region(&self, peer: u32, i: usize) -> bool {
         debug_assert!(i < 3, "params, shard or landing");
