@@ -116,7 +116,7 @@ pub use types::{
 };
 
 use crate::agree::JobConfig;
-use crate::book::{Book, LayerKind, Scheme};
+use crate::book::{Book, LayerKind, Role, Scheme};
 use crate::config::{ApplyOp, QueueOrder, SchedConfig, Trigger};
 use crate::error::{EngineError, JobFailure, ProtocolViolation, Result};
 use crate::fxhash::{FxHashMap as HashMap, FxHashSet as HashSet};
@@ -342,6 +342,57 @@ struct ServerSide {
     local_slots: HashMap<u32, u32>,
 }
 
+/// The checks of a configuration before anything is built, in order: the
+/// rank inside the cluster (its role, returned), the transport's limits, the
+/// modes (see [`layout::check_limits`] and [`layout::check_modes`]).
+fn check_config(cfg: &NodeConfig) -> Result<Role> {
+    let (book, rank) = (&cfg.book, cfg.rank);
+    let world = book.cluster().world();
+    let role = book
+        .cluster()
+        .role(rank)
+        .ok_or_else(|| EngineError::InvalidConfig(format!("rank {rank} is outside the cluster of {world}")))?;
+    debug_assert!((rank as usize) < world, "rank {rank} in a world of {world}");
+    layout::check_limits(&cfg.limits)?;
+    layout::check_modes(book, &cfg.sched)?;
+    Ok(role)
+}
+
+/// This rank's worker side and server side, each where its role has one
+/// (the worker's core first).
+fn sides(
+    book: &Arc<Book>,
+    rank: u32,
+    role: Role,
+    sched: SchedConfig,
+) -> Result<(Option<WorkerSide>, Option<ServerSide>)> {
+    let worker = if role.is_worker() {
+        Some(WorkerSide {
+            core: Worker::new(book.clone(), rank, sched)?,
+            forming: vec![false; book.layers().len()],
+            want: HashSet::default(),
+            publish_started: false,
+            publish_left: 0,
+        })
+    } else {
+        None
+    };
+    let server = if role.is_server() {
+        Some(ServerSide {
+            core: Server::new(book.clone(), rank, sched)?,
+            apply_running: HashMap::default(),
+            deferred: HashMap::default(),
+            deferred_notify: HashMap::default(),
+            credit_out: BTreeMap::new(),
+            local_slots: HashMap::default(),
+        })
+    } else {
+        None
+    };
+    debug_assert!(worker.is_some() || server.is_some(), "rank {rank} has a role");
+    Ok((worker, server))
+}
+
 /// One rank of a job. See the module docs.
 #[derive(Debug)]
 pub struct Node {
@@ -409,16 +460,8 @@ impl Node {
         cfg.sched = cfg.sched.resolve(&cfg.book);
         let book = cfg.book.clone();
         let rank = cfg.rank;
-        let role = book.cluster().role(rank).ok_or_else(|| {
-            EngineError::InvalidConfig(format!(
-                "rank {rank} is outside the cluster of {}",
-                book.cluster().world()
-            ))
-        })?;
+        let role = check_config(&cfg)?;
         let l = cfg.limits;
-        layout::check_limits(&l)?;
-        layout::check_modes(&book, &cfg.sched)?;
-        let nl = book.layers().len();
         let lay = layout::Layout::new(&book, rank, role, &cfg.sched, cfg.params.take(), cfg.grads.take())?;
         // A landing slot holds the largest slice: `landed` divides offsets by it.
         debug_assert!(
@@ -426,29 +469,7 @@ impl Node {
             "slot of {} bytes",
             lay.slot_bytes
         );
-        let worker = if role.is_worker() {
-            Some(WorkerSide {
-                core: Worker::new(book.clone(), rank, cfg.sched)?,
-                forming: vec![false; nl],
-                want: HashSet::default(),
-                publish_started: false,
-                publish_left: 0,
-            })
-        } else {
-            None
-        };
-        let server = if role.is_server() {
-            Some(ServerSide {
-                core: Server::new(book.clone(), rank, cfg.sched)?,
-                apply_running: HashMap::default(),
-                deferred: HashMap::default(),
-                deferred_notify: HashMap::default(),
-                credit_out: BTreeMap::new(),
-                local_slots: HashMap::default(),
-            })
-        } else {
-            None
-        };
+        let (worker, server) = sides(&book, rank, role, cfg.sched)?;
         let world = book.cluster().world();
         let mut peers = vec![Peer::default(); world];
         peers[rank as usize].open = true;
@@ -470,7 +491,7 @@ impl Node {
             sparse_off: lay.sparse_off,
             sparse_costs: cfg.sparse,
             sparse_policy: SparsePolicy::new(&book),
-            sparse_stats: vec![SparseLayerStats::default(); nl],
+            sparse_stats: vec![SparseLayerStats::default(); book.layers().len()],
             landing_sparse: HashMap::default(),
             bytes: lay.bytes,
             slot_bytes: lay.slot_bytes,
