@@ -96,20 +96,8 @@ impl Layout {
     ) -> Result<Layout> {
         let nl = book.layers().len();
         let contiguous: Vec<u64> = (0..nl as u32).map(|i| book.layer_offset(i) as u64 * 4).collect();
-        let user_params = match params {
-            Some(p) => {
-                check_offsets(book, &p, "parameter", true)?;
-                p
-            }
-            None => contiguous.clone(),
-        };
-        let grad_off = match grads {
-            Some(g) => {
-                check_offsets(book, &g, "gradient", false)?;
-                g
-            }
-            None => contiguous.clone(),
-        };
+        let user_params = caller_offsets(book, params, &contiguous, "parameter", true)?;
+        let grad_off = caller_offsets(book, grads, &contiguous, "gradient", false)?;
         // Under SSP a server may write a layer the caller holds: the caller
         // reads a view published from the landing zone instead.
         // So does any trigger but `All`: a slow worker gets newer versions
@@ -162,6 +150,26 @@ impl Layout {
             slot_bytes,
         })
     }
+}
+
+/// The caller's offsets of its `what` buffer (checked, and back to back
+/// where `back_to_back`), or the `default` ones where it gives none.
+fn caller_offsets(
+    book: &Book,
+    given: Option<Vec<u64>>,
+    default: &[u64],
+    what: &str,
+    back_to_back: bool,
+) -> Result<Vec<u64>> {
+    let offs = match given {
+        Some(o) => {
+            check_offsets(book, &o, what, back_to_back)?;
+            o
+        }
+        None => default.to_vec(),
+    };
+    debug_assert_eq!(offs.len(), book.layers().len(), "{what} offsets");
+    Ok(offs)
 }
 
 /// Back-to-back offsets of the layers that `size` gives a size, and the
