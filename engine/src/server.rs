@@ -186,6 +186,36 @@ pub struct Server {
     factors_next: crate::fxhash::FxHashMap<u32, u64>,
 }
 
+/// The local index of each of the book's slices and chunks on `rank`'s
+/// server (`u32::MAX` for those of other servers), in shard order, and the
+/// number of its slices.
+fn local_indices(book: &Book, rank: u32) -> (Vec<u32>, Vec<u32>, usize) {
+    let mut slice_local = vec![u32::MAX; book.slices().len()];
+    let mut chunk_local = vec![u32::MAX; book.chunks().len()];
+    let mut nls = 0u32;
+    for (lc, &c) in book.server_chunks(rank).iter().enumerate() {
+        chunk_local[c as usize] = lc as u32;
+        for s in book.chunk_slices(c) {
+            slice_local[s as usize] = nls;
+            nls += 1;
+        }
+    }
+    // Every chunk of the shard has its own local index.
+    debug_assert_eq!(
+        chunk_local.iter().filter(|&&c| c != u32::MAX).count(),
+        book.server_chunks(rank).len()
+    );
+    // The book's shard length is its chunks' (placement and shard agree).
+    debug_assert_eq!(
+        book.server_chunks(rank)
+            .iter()
+            .map(|&c| book.chunks()[c as usize].len)
+            .sum::<usize>(),
+        book.shard_len(rank)
+    );
+    (slice_local, chunk_local, nls as usize)
+}
+
 impl Server {
     /// The server core for `rank`, which must be a server in the book's cluster.
     pub fn new(book: Arc<Book>, rank: u32, cfg: SchedConfig) -> Result<Self> {
@@ -206,26 +236,8 @@ impl Server {
             }
         }
         let window = cfg.consistency.staleness() as usize + 1;
-        let mut slice_local = vec![u32::MAX; book.slices().len()];
-        let mut chunk_local = vec![u32::MAX; book.chunks().len()];
-        let mut nls = 0u32;
-        for (lc, &c) in book.server_chunks(rank).iter().enumerate() {
-            chunk_local[c as usize] = lc as u32;
-            for s in book.chunk_slices(c) {
-                slice_local[s as usize] = nls;
-                nls += 1;
-            }
-        }
-        let nls = nls as usize;
+        let (slice_local, chunk_local, nls) = local_indices(&book, rank);
         let nlc = book.server_chunks(rank).len();
-        // The book's shard length is its chunks' (placement and shard agree).
-        debug_assert_eq!(
-            book.server_chunks(rank)
-                .iter()
-                .map(|&c| book.chunks()[c as usize].len)
-                .sum::<usize>(),
-            book.shard_len(rank)
-        );
         debug_assert!((1..=65).contains(&window), "SSP staleness is at most 64");
         Ok(Server {
             p1,
@@ -406,35 +418,7 @@ impl Server {
 
     /// A worker's write of `slice` landed in its slot `slot`.
     pub fn handle_landed(&mut self, worker: u32, slot: u32, slice: u32) -> Result<()> {
-        let wi = self
-            .book
-            .cluster()
-            .worker_index(worker)
-            .ok_or_else(|| self.err(worker, ProtocolViolation::PushFromNonWorker))?;
-        if self.init_left != 0 {
-            return Err(self.err(worker, ProtocolViolation::PushBeforeInit));
-        }
-        if slot >= self.cfg.landing_slots() {
-            return Err(self.err(
-                worker,
-                ProtocolViolation::SlotOutOfRange {
-                    slot,
-                    slots: self.cfg.landing_slots(),
-                },
-            ));
-        }
-        let ls = match self.slice_local.get(slice as usize) {
-            Some(&ls) if ls != u32::MAX => ls as usize,
-            _ => {
-                return Err(self.err(
-                    worker,
-                    ProtocolViolation::SliceNotInShard {
-                        slice,
-                        server: self.rank,
-                    },
-                ))
-            }
-        };
+        let (wi, ls) = self.check_landed(worker, slot, slice)?;
         if self.cfg.trigger != Trigger::All {
             return self.landed_triggered(wi, worker, slot, slice, ls);
         }
@@ -466,32 +450,7 @@ impl Server {
             return Err(self.err(worker, ProtocolViolation::CreditsExceeded));
         }
         if self.deterministic() {
-            debug_assert!(self.folded[sw] as usize <= wi, "worker {wi} folded out of rank order");
-            debug_assert!(
-                self.held[sw * self.p1 + wi].is_none(),
-                "worker {wi} holds two slots of slice {slice}"
-            );
-            // Not its turn: park it, so that rank order holds no credit.
-            let parked = if self.folded[sw] as usize != wi {
-                self.park(wi, worker)
-            } else {
-                None
-            };
-            if let Some(spare) = parked {
-                self.out.push_back(ServerCommand::Credit {
-                    worker,
-                    slot: spare.unwrap_or(slot),
-                });
-            }
-            self.held[sw * self.p1 + wi] = Some((slot, parked.is_some()));
-            // Fold every held contribution whose turn has come, in worker order.
-            while (self.folded[sw] as usize) < self.p1 {
-                let next = self.folded[sw] as usize;
-                let Some((s, parked)) = self.held[sw * self.p1 + next].take() else {
-                    break;
-                };
-                self.fold(next, s, slice, sw, w, !parked);
-            }
+            self.fold_in_rank_order(wi, worker, slot, slice, sw, w);
         } else {
             self.fold(wi, slot, slice, sw, w, true);
         }
@@ -500,6 +459,78 @@ impl Server {
         debug_assert!(self.received[wi * nls + ls] <= self.applied[lc] + self.window as u64);
         self.debug_invariants();
         Ok(())
+    }
+
+    /// The worker index of `worker` and the local index of `slice`, for its
+    /// write that landed in slot `slot`: checked that it comes from a
+    /// worker, after every chunk's seeding, into a landing slot, and holds
+    /// a slice of this shard.
+    fn check_landed(&self, worker: u32, slot: u32, slice: u32) -> Result<(usize, usize)> {
+        let wi = self
+            .book
+            .cluster()
+            .worker_index(worker)
+            .ok_or_else(|| self.err(worker, ProtocolViolation::PushFromNonWorker))?;
+        if self.init_left != 0 {
+            return Err(self.err(worker, ProtocolViolation::PushBeforeInit));
+        }
+        if slot >= self.cfg.landing_slots() {
+            return Err(self.err(
+                worker,
+                ProtocolViolation::SlotOutOfRange {
+                    slot,
+                    slots: self.cfg.landing_slots(),
+                },
+            ));
+        }
+        let ls = match self.slice_local.get(slice as usize) {
+            Some(&ls) if ls != u32::MAX => ls as usize,
+            _ => {
+                return Err(self.err(
+                    worker,
+                    ProtocolViolation::SliceNotInShard {
+                        slice,
+                        server: self.rank,
+                    },
+                ))
+            }
+        };
+        debug_assert!(ls * self.window < self.folded.len(), "slice {slice} is local");
+        Ok((wi, ls))
+    }
+
+    /// The deterministic order: the contribution of `worker` (index `wi`) in `slot`
+    /// to `slice` (window slot `sw`, window `w`) waits for the lower ranks'
+    /// (parked where it is not its turn, and its credit exchanged for a
+    /// spare's), and every held contribution whose turn has come folds, in
+    /// worker order.
+    fn fold_in_rank_order(&mut self, wi: usize, worker: u32, slot: u32, slice: u32, sw: usize, w: usize) {
+        debug_assert!(self.folded[sw] as usize <= wi, "worker {wi} folded out of rank order");
+        debug_assert!(
+            self.held[sw * self.p1 + wi].is_none(),
+            "worker {wi} holds two slots of slice {slice}"
+        );
+        // Not its turn: park it, so that rank order holds no credit.
+        let parked = if self.folded[sw] as usize != wi {
+            self.park(wi, worker)
+        } else {
+            None
+        };
+        if let Some(spare) = parked {
+            self.out.push_back(ServerCommand::Credit {
+                worker,
+                slot: spare.unwrap_or(slot),
+            });
+        }
+        self.held[sw * self.p1 + wi] = Some((slot, parked.is_some()));
+        // Fold every held contribution whose turn has come, in worker order.
+        while (self.folded[sw] as usize) < self.p1 {
+            let next = self.folded[sw] as usize;
+            let Some((s, parked)) = self.held[sw * self.p1 + next].take() else {
+                break;
+            };
+            self.fold(next, s, slice, sw, w, !parked);
+        }
     }
 
     /// Parks a landed contribution of worker index `wi` that must wait for a
