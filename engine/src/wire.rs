@@ -211,6 +211,68 @@ impl Reader<'_> {
     fn u64(&mut self, what: &'static str) -> Result<u64, WireError> {
         Ok(u64::from_le_bytes(self.take(what)?))
     }
+    /// A hello's fields (`whole`: the payload's length, for the error).
+    fn hello(&mut self, whole: usize) -> Result<Hello, WireError> {
+        let kind = self.kind;
+        let version = self.u16("version")?;
+        let n = self.u16("field count")? as usize;
+        let rank = self.u32("rank")?;
+        let world = self.u32("world")?;
+        let keys = [self.u32("key")?, self.u32("key")?, self.u32("key")?];
+        let params_base = self.u64("params base")?;
+        let max_message = self.u64("largest message")?;
+        let max_write = self.u64("largest write")?;
+        if self.b.len() != n * 9 {
+            return Err(WireError::Length {
+                kind,
+                len: whole,
+                what: "field count disagrees with the length",
+            });
+        }
+        let mut fields = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = self.u8("field id")?;
+            let v = self.u64("field value")?;
+            let f = Field::from_id(id).ok_or_else(|| WireError::Invalid {
+                kind,
+                what: format!("unknown configuration field {id}"),
+            })?;
+            fields.push((f, v));
+        }
+        // The count agreed with the length: every byte is read.
+        debug_assert!(self.b.is_empty(), "{} bytes left", self.b.len());
+        Ok(Hello {
+            version,
+            rank,
+            world,
+            keys,
+            params_base,
+            max_message,
+            max_write,
+            fields,
+        })
+    }
+
+    /// A credit message's slots (`whole`: the payload's length, for the error).
+    fn credits(&mut self, whole: usize) -> Result<Vec<u32>, WireError> {
+        let n = self.u16("count")? as usize;
+        if n == 0 || n > MAX_CREDITS || self.b.len() != n * 4 {
+            return Err(WireError::Length {
+                kind: self.kind,
+                len: whole,
+                what: "count disagrees with the length, or is 0 or over 60",
+            });
+        }
+        let mut slots = Vec::with_capacity(n);
+        for _ in 0..n {
+            slots.push(self.u32("slot")?);
+        }
+        // The count agreed with the length: every byte is read.
+        debug_assert!(self.b.is_empty(), "{} bytes left", self.b.len());
+        debug_assert!(!slots.is_empty() && slots.len() <= MAX_CREDITS);
+        Ok(slots)
+    }
+
     fn end(&self) -> Result<(), WireError> {
         if self.b.is_empty() {
             Ok(())
@@ -240,63 +302,31 @@ pub fn kind_of(tag: u32) -> Result<Kind, WireError> {
     Kind::from_u8(k).ok_or(WireError::UnknownKind(k))
 }
 
+/// An abort's reason: the whole payload, UTF-8, at most [`MAX_REASON`] bytes.
+fn abort_reason(data: &[u8]) -> Result<String, WireError> {
+    let kind = Kind::Abort;
+    if data.len() > MAX_REASON {
+        return Err(WireError::Length {
+            kind,
+            len: data.len(),
+            what: "reason over 240 bytes",
+        });
+    }
+    let s = std::str::from_utf8(data).map_err(|_| WireError::Invalid {
+        kind,
+        what: "reason is not UTF-8".into(),
+    })?;
+    debug_assert!(s.len() <= MAX_REASON);
+    Ok(s.to_string())
+}
+
 /// Decodes one message. `FactorData` carries no decoded fields: its bytes are the payload.
 pub fn decode(tag: u32, data: &[u8]) -> Result<Msg, WireError> {
     let kind = kind_of(tag)?;
     let mut r = Reader { b: data, kind };
     let msg = match kind {
-        Kind::Hello => {
-            let version = r.u16("version")?;
-            let n = r.u16("field count")? as usize;
-            let rank = r.u32("rank")?;
-            let world = r.u32("world")?;
-            let keys = [r.u32("key")?, r.u32("key")?, r.u32("key")?];
-            let params_base = r.u64("params base")?;
-            let max_message = r.u64("largest message")?;
-            let max_write = r.u64("largest write")?;
-            if r.b.len() != n * 9 {
-                return Err(WireError::Length {
-                    kind,
-                    len: data.len(),
-                    what: "field count disagrees with the length",
-                });
-            }
-            let mut fields = Vec::with_capacity(n);
-            for _ in 0..n {
-                let id = r.u8("field id")?;
-                let v = r.u64("field value")?;
-                let f = Field::from_id(id).ok_or_else(|| WireError::Invalid {
-                    kind,
-                    what: format!("unknown configuration field {id}"),
-                })?;
-                fields.push((f, v));
-            }
-            Msg::Hello(Hello {
-                version,
-                rank,
-                world,
-                keys,
-                params_base,
-                max_message,
-                max_write,
-                fields,
-            })
-        }
-        Kind::Credit => {
-            let n = r.u16("count")? as usize;
-            if n == 0 || n > MAX_CREDITS || r.b.len() != n * 4 {
-                return Err(WireError::Length {
-                    kind,
-                    len: data.len(),
-                    what: "count disagrees with the length, or is 0 or over 60",
-                });
-            }
-            let mut slots = Vec::with_capacity(n);
-            for _ in 0..n {
-                slots.push(r.u32("slot")?);
-            }
-            Msg::Credit(slots)
-        }
+        Kind::Hello => Msg::Hello(r.hello(data.len())?),
+        Kind::Credit => Msg::Credit(r.credits(data.len())?),
         Kind::FactorsBegin => Msg::FactorsBegin {
             layer: r.u32("layer")?,
             iter: r.u64("iteration")?,
@@ -317,25 +347,32 @@ pub fn decode(tag: u32, data: &[u8]) -> Result<Msg, WireError> {
             chunk: r.u32("chunk")?,
             version: r.u64("version")?,
         },
-        Kind::Abort => {
-            if data.len() > MAX_REASON {
-                return Err(WireError::Length {
-                    kind,
-                    len: data.len(),
-                    what: "reason over 240 bytes",
-                });
-            }
-            let s = std::str::from_utf8(data).map_err(|_| WireError::Invalid {
-                kind,
-                what: "reason is not UTF-8".into(),
-            })?;
-            return Ok(Msg::Abort(s.to_string()));
-        }
+        Kind::Abort => return Ok(Msg::Abort(abort_reason(data)?)),
     };
     r.end()?;
     // Only canonical bytes decode: they are what `encode` makes of the message.
     debug_assert_eq!(encode(&msg), (tag, data.to_vec()), "{msg:?}");
     Ok(msg)
+}
+
+/// Appends a hello's fixed part, then its fields (id, value), to the empty `b`.
+fn put_hello(b: &mut Vec<u8>, h: &Hello) {
+    debug_assert!(b.is_empty(), "a hello starts its payload");
+    b.extend_from_slice(&h.version.to_le_bytes());
+    b.extend_from_slice(&(h.fields.len() as u16).to_le_bytes());
+    b.extend_from_slice(&h.rank.to_le_bytes());
+    b.extend_from_slice(&h.world.to_le_bytes());
+    for k in h.keys {
+        b.extend_from_slice(&k.to_le_bytes());
+    }
+    b.extend_from_slice(&h.params_base.to_le_bytes());
+    b.extend_from_slice(&h.max_message.to_le_bytes());
+    b.extend_from_slice(&h.max_write.to_le_bytes());
+    debug_assert_eq!(b.len(), HELLO_BYTES);
+    for (f, v) in &h.fields {
+        b.push(*f as u8);
+        b.extend_from_slice(&v.to_le_bytes());
+    }
 }
 
 /// Encodes a control message (every kind but `FactorData`, whose bytes are
@@ -344,21 +381,7 @@ pub fn encode(msg: &Msg) -> (u32, Vec<u8>) {
     let mut b = Vec::with_capacity(64);
     let kind = match msg {
         Msg::Hello(h) => {
-            b.extend_from_slice(&h.version.to_le_bytes());
-            b.extend_from_slice(&(h.fields.len() as u16).to_le_bytes());
-            b.extend_from_slice(&h.rank.to_le_bytes());
-            b.extend_from_slice(&h.world.to_le_bytes());
-            for k in h.keys {
-                b.extend_from_slice(&k.to_le_bytes());
-            }
-            b.extend_from_slice(&h.params_base.to_le_bytes());
-            b.extend_from_slice(&h.max_message.to_le_bytes());
-            b.extend_from_slice(&h.max_write.to_le_bytes());
-            debug_assert_eq!(b.len(), HELLO_BYTES);
-            for (f, v) in &h.fields {
-                b.push(*f as u8);
-                b.extend_from_slice(&v.to_le_bytes());
-            }
+            put_hello(&mut b, h);
             Kind::Hello
         }
         Msg::Credit(slots) => {
