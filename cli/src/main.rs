@@ -129,7 +129,7 @@ fn main() -> ExitCode {
                         "cannot send the result to the launcher: {e}"
                     )));
                 }
-                tidewire_cli::resilience::hold_until_released();
+                tidewire_cli::train::pipe::hold_until_released();
                 ExitCode::SUCCESS
             }
             Err(e) => fail(e),

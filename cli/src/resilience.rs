@@ -466,57 +466,11 @@ mod tests {
 }
 
 /// Set by the launcher on a rank that a `--fault-kill` targets: once done,
-/// the rank waits until its stdin closes (see [`hold_until_released`]).
+/// the rank waits until its stdin closes (see
+/// [`hold_until_released`](crate::train::pipe::hold_until_released)).
 pub const HOLD_ENV: &str = "TIDEWIRE_HOLD_EXIT";
 
 /// Whether this rank is a `--fault-kill`'s target ([`HOLD_ENV`]).
 pub fn held() -> bool {
     std::env::var_os(HOLD_ENV).is_some_and(|v| v == "1")
-}
-
-/// What the launcher says to a rank on its stdin: [`ToRank::Leave`](crate::train::pipe::ToRank) (a straggler
-/// removed), and its end (EOF: the launcher let it go, or is gone).
-#[derive(Debug)]
-pub struct LauncherLine {
-    pub leave: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    closed: std::sync::Mutex<bool>,
-    cv: std::sync::Condvar,
-}
-
-/// The one reader of this process's stdin, started on first use.
-pub fn launcher_line() -> &'static LauncherLine {
-    static LINE: std::sync::OnceLock<&'static LauncherLine> = std::sync::OnceLock::new();
-    LINE.get_or_init(|| {
-        let line: &'static LauncherLine = Box::leak(Box::new(LauncherLine {
-            leave: Default::default(),
-            closed: std::sync::Mutex::new(false),
-            cv: std::sync::Condvar::new(),
-        }));
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            for l in std::io::stdin().lock().lines().map_while(std::result::Result::ok) {
-                if crate::train::pipe::ToRank::parse(&l) == Some(crate::train::pipe::ToRank::Leave) {
-                    line.leave.store(true, std::sync::atomic::Ordering::Relaxed);
-                }
-            }
-            *line.closed.lock().unwrap_or_else(|p| p.into_inner()) = true;
-            line.cv.notify_all();
-        });
-        line
-    })
-}
-
-/// A `--fault-kill`'s target, its result printed and its checkpoints
-/// written, waits here until the launcher closes its stdin: the kill then
-/// finds it running however quickly the run ended, and the rollback is
-/// the same on a fast machine and a slow one. No-op for other ranks.
-pub fn hold_until_released() {
-    if !held() {
-        return;
-    }
-    let line = launcher_line();
-    let mut closed = line.closed.lock().unwrap_or_else(|p| p.into_inner());
-    while !*closed {
-        closed = line.cv.wait(closed).unwrap_or_else(|p| p.into_inner());
-    }
 }

@@ -1,7 +1,8 @@
 //! The ranks' pipe: what a rank process tells its launcher on stdout, and
 //! what the launcher tells a rank on stdin, one JSON message a line. Typed
 //! both ways ([`ToLauncher`], [`ToRank`]); a line that is not a message
-//! (something a library printed) is ignored.
+//! (something a library printed) is ignored. A rank reads its stdin on one
+//! thread ([`launcher_line`]).
 
 use std::io::Write;
 
@@ -63,6 +64,53 @@ impl ToRank {
 /// stdout is not this rank's failure).
 pub(crate) fn progress(iters: u64) {
     let _ = ToLauncher::Progress(iters).send(&mut std::io::stdout().lock());
+}
+
+/// What the launcher says to a rank on its stdin: [`ToRank::Leave`] (a straggler
+/// removed), and its end (EOF: the launcher let it go, or is gone).
+#[derive(Debug)]
+pub struct LauncherLine {
+    pub leave: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    closed: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+/// The one reader of this process's stdin, started on first use.
+pub fn launcher_line() -> &'static LauncherLine {
+    static LINE: std::sync::OnceLock<&'static LauncherLine> = std::sync::OnceLock::new();
+    LINE.get_or_init(|| {
+        let line: &'static LauncherLine = Box::leak(Box::new(LauncherLine {
+            leave: Default::default(),
+            closed: std::sync::Mutex::new(false),
+            cv: std::sync::Condvar::new(),
+        }));
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for l in std::io::stdin().lock().lines().map_while(std::result::Result::ok) {
+                if ToRank::parse(&l) == Some(ToRank::Leave) {
+                    line.leave.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            *line.closed.lock().unwrap_or_else(|p| p.into_inner()) = true;
+            line.cv.notify_all();
+        });
+        line
+    })
+}
+
+/// A `--fault-kill`'s target, its result printed and its checkpoints
+/// written, waits here until the launcher closes its stdin: the kill then
+/// finds it running however quickly the run ended, and the rollback is
+/// the same on a fast machine and a slow one. No-op for other ranks.
+pub fn hold_until_released() {
+    if !crate::resilience::held() {
+        return;
+    }
+    let line = launcher_line();
+    let mut closed = line.closed.lock().unwrap_or_else(|p| p.into_inner());
+    while !*closed {
+        closed = line.cv.wait(closed).unwrap_or_else(|p| p.into_inner());
+    }
 }
 
 #[cfg(test)]

@@ -30,7 +30,7 @@ fn replacement_iters() -> Option<u64> {
 /// --remove-stragglers); the training loop leaves at the next iteration boundary.
 fn leave_signal(args: &TrainArgs) -> Arc<std::sync::atomic::AtomicBool> {
     if args.remove_stragglers.is_some() || resilience::held() {
-        resilience::launcher_line().leave.clone()
+        super::pipe::launcher_line().leave.clone()
     } else {
         Arc::new(std::sync::atomic::AtomicBool::new(false))
     }
