@@ -428,6 +428,16 @@ pub fn step_iteration(step: &Path) -> u64 {
     })
 }
 
+/// Set by the launcher on a rank that a `--fault-kill` targets: once done,
+/// the rank waits until its stdin closes (see
+/// [`hold_until_released`](crate::train::pipe::hold_until_released)).
+pub const HOLD_ENV: &str = "TIDEWIRE_HOLD_EXIT";
+
+/// Whether this rank is a `--fault-kill`'s target ([`HOLD_ENV`]).
+pub fn held() -> bool {
+    std::env::var_os(HOLD_ENV).is_some_and(|v| v == "1")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -463,14 +473,4 @@ mod tests {
             .collect();
         assert_eq!(without_resume(&a), vec!["--iters", "9", "--verify"]);
     }
-}
-
-/// Set by the launcher on a rank that a `--fault-kill` targets: once done,
-/// the rank waits until its stdin closes (see
-/// [`hold_until_released`](crate::train::pipe::hold_until_released)).
-pub const HOLD_ENV: &str = "TIDEWIRE_HOLD_EXIT";
-
-/// Whether this rank is a `--fault-kill`'s target ([`HOLD_ENV`]).
-pub fn held() -> bool {
-    std::env::var_os(HOLD_ENV).is_some_and(|v| v == "1")
 }
