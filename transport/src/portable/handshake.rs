@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::time::Instant;
 
+use mio::net::TcpStream;
 use mio::Interest;
 use tracing::{debug, info, warn};
 
@@ -14,7 +15,7 @@ use crate::api::{ConnId, Event, ListenerId, PeerInfo};
 use crate::auth;
 use crate::conn_core::Backend;
 use crate::error::{Error, Result};
-use crate::frame::{Header, HEADER_LEN};
+use crate::frame::{Header, HEADER_LEN, NONCE_LEN};
 use crate::handshake::{self as hs, FirstFrame, Frame, Handshake, Outcome, Refusal, MAX_PENDING_HANDSHAKES};
 use crate::tcp::sys;
 
@@ -214,116 +215,142 @@ impl PortableTransport {
         let first = hs::first_frame(&self.params, &peer, hdr, payload, token, now, p.deadline);
         match first {
             Err(r) => self.refuse_pending(id, r),
-            Ok(FirstFrame::Hello { hs, send }) => {
-                let mut p = self.pending.remove(&id).expect("present");
-                let (addr, listener) = (p.addr, p.listener);
-                let conn = self.id();
-                if let Err(e) = self
-                    .poll
-                    .registry()
-                    .reregister(&mut p.sock, Sock::Ctrl(conn).token(), RW)
-                {
-                    warn!(%addr, error = %e, "epoll_ctl on a control socket");
-                    return;
-                }
-                // new_conn takes the next id; keep ours by inserting under it.
-                self.next_id -= 1;
-                let conn2 = self.new_conn(Side::Server, addr, p.sock, Some(listener));
-                debug_assert_eq!(conn, conn2);
-                self.tokens.insert(token, conn);
-                let c = self.conns.get_mut(&conn).expect("just made");
-                c.deadline = Some(hs.deadline());
-                c.peer_rank = hs.peer_rank();
-                c.hs = Some(hs);
-                // Bytes after the Hello (the Auth, say) may already be queued.
-                c.ctrl_ready = super::state::Ready { rd: true, wr: true };
-                debug!(conn, rank = c.peer_rank, "hello received; challenge sent");
-                self.queue_frame(conn, send);
-                self.dirty.push(conn);
-            }
-            Ok(FirstFrame::DataAttach { token, mac }) => {
-                let conn = self.tokens.get(&token).copied();
-                // The client sends Auth on the control socket before it connects the data
-                // socket, but the two sockets race: read the control socket first, and if
-                // the Auth is still not in, park this socket until it is (or its deadline).
-                if let Some(c) = conn {
-                    let awaiting_auth = |t: &Self| {
-                        t.conns
-                            .get(&c)
-                            .and_then(|x| x.hs.as_ref())
-                            .is_some_and(|h| h.state() == hs::HsState::AwaitAuth)
-                    };
-                    if awaiting_auth(self) {
-                        if let Some(x) = self.conns.get_mut(&c) {
-                            x.ctrl_ready.rd = true;
-                        }
-                        self.read_ctrl(c);
-                        if awaiting_auth(self) {
-                            debug!(conn = c, pending = id, "data socket before the Auth: parked");
-                            if !self.parked.contains(&id) {
-                                self.parked.push(id);
-                            }
-                            return;
-                        }
-                    }
-                }
-                let conn = self.tokens.get(&token).copied();
-                let attached = match conn.and_then(|c| self.conns.get_mut(&c)) {
-                    Some(c) if c.data.is_none() => match c.hs.as_mut() {
-                        Some(h) => h.attach(&self.params, &mac),
-                        None => Err(hs::unknown_token(&peer)),
-                    },
-                    _ => Err(hs::unknown_token(&peer)),
-                };
-                let ready = match attached {
-                    Ok(f) => f,
-                    Err(r) => return self.refuse_pending(id, r),
-                };
-                let conn = conn.expect("attached");
-                let mut p = self.pending.remove(&id).expect("present");
-                if let Err(e) = self
-                    .poll
-                    .registry()
-                    .reregister(&mut p.sock, Sock::Data(conn).token(), RW)
-                {
-                    let e = Error::Io {
-                        op: "epoll_ctl (data socket)",
-                        peer: Some(p.addr),
-                        source: e,
-                    };
-                    return self.fail(conn, e);
-                }
-                self.tokens.remove(&token);
-                let list = self.regions.announce_list();
-                let c = self.conns.get_mut(&conn).expect("checked");
-                c.data = Some(p.sock);
-                c.data_ready = super::state::Ready { rd: true, wr: true };
-                c.state = State::Ready;
-                c.deadline = None;
-                c.hs = None;
-                let info = PeerInfo {
-                    rank: c.peer_rank,
-                    addr: c.peer_addr,
-                };
-                let listener = c.listener.unwrap_or(0);
-                info!(
-                    conn,
-                    rank = info.rank,
-                    "peer authenticated; connection ready (portable)"
-                );
-                self.reserve_for_ready(conn);
-                self.queue_frame(conn, ready);
-                self.send_regions(conn, &list, false);
-                if let Some(l) = self.listeners.get_mut(&listener) {
-                    l.accepted.push_back((ConnId(conn), info));
-                }
-                self.events.push_back(Event::Incoming {
-                    listener: ListenerId(listener),
-                    conn: ConnId(conn),
-                });
-                self.again.push(Sock::Data(conn));
-            }
+            Ok(FirstFrame::Hello { hs, send }) => self.on_hello(id, token, hs, send),
+            Ok(FirstFrame::DataAttach { token, mac }) => self.on_data_attach(id, &peer, token, mac),
         }
+    }
+
+    /// Pending socket `id` sent a `Hello`: it becomes a server connection that
+    /// holds `token`, runs `hs` and sends the challenge `send`.
+    fn on_hello(&mut self, id: u64, token: u64, hs: Box<Handshake>, send: Frame) {
+        let mut p = self.pending.remove(&id).expect("present");
+        let (addr, listener) = (p.addr, p.listener);
+        let conn = self.id();
+        if let Err(e) = self
+            .poll
+            .registry()
+            .reregister(&mut p.sock, Sock::Ctrl(conn).token(), RW)
+        {
+            warn!(%addr, error = %e, "epoll_ctl on a control socket");
+            return;
+        }
+        // new_conn takes the next id; keep ours by inserting under it.
+        self.next_id -= 1;
+        let conn2 = self.new_conn(Side::Server, addr, p.sock, Some(listener));
+        debug_assert_eq!(conn, conn2);
+        self.tokens.insert(token, conn);
+        let c = self.conns.get_mut(&conn).expect("just made");
+        c.deadline = Some(hs.deadline());
+        c.peer_rank = hs.peer_rank();
+        c.hs = Some(hs);
+        // Bytes after the Hello (the Auth, say) may already be queued.
+        c.ctrl_ready = super::state::Ready { rd: true, wr: true };
+        debug!(conn, rank = c.peer_rank, "hello received; challenge sent");
+        self.queue_frame(conn, send);
+        self.dirty.push(conn);
+    }
+
+    /// Pending socket `id` claims to be the data socket of the connection given
+    /// `token`: attach it there if `mac` proves it, else refuse it (or park it
+    /// while that connection still awaits its Auth).
+    fn on_data_attach(&mut self, id: u64, peer: &str, token: u64, mac: [u8; NONCE_LEN]) {
+        if self.park_before_auth(id, token) {
+            return;
+        }
+        let conn = self.tokens.get(&token).copied();
+        let attached = match conn.and_then(|c| self.conns.get_mut(&c)) {
+            Some(c) if c.data.is_none() => match c.hs.as_mut() {
+                Some(h) => h.attach(&self.params, &mac),
+                None => Err(hs::unknown_token(peer)),
+            },
+            _ => Err(hs::unknown_token(peer)),
+        };
+        let ready = match attached {
+            Ok(f) => f,
+            Err(r) => return self.refuse_pending(id, r),
+        };
+        let conn = conn.expect("attached");
+        let mut p = self.pending.remove(&id).expect("present");
+        if let Err(e) = self
+            .poll
+            .registry()
+            .reregister(&mut p.sock, Sock::Data(conn).token(), RW)
+        {
+            let e = Error::Io {
+                op: "epoll_ctl (data socket)",
+                peer: Some(p.addr),
+                source: e,
+            };
+            return self.fail(conn, e);
+        }
+        self.tokens.remove(&token);
+        self.ready_on_data(conn, p.sock, ready);
+    }
+
+    /// True when pending data socket `id` was parked because the connection given
+    /// `token` still awaits its Auth, even after reading its control socket.
+    fn park_before_auth(&mut self, id: u64, token: u64) -> bool {
+        // The client sends Auth on the control socket before it connects the data
+        // socket, but the two sockets race: read the control socket first, and if
+        // the Auth is still not in, park this socket until it is (or its deadline).
+        let Some(c) = self.tokens.get(&token).copied() else {
+            return false;
+        };
+        let awaiting_auth = |t: &Self| {
+            t.conns
+                .get(&c)
+                .and_then(|x| x.hs.as_ref())
+                .is_some_and(|h| h.state() == hs::HsState::AwaitAuth)
+        };
+        if !awaiting_auth(self) {
+            return false;
+        }
+        if let Some(x) = self.conns.get_mut(&c) {
+            x.ctrl_ready.rd = true;
+        }
+        self.read_ctrl(c);
+        if !awaiting_auth(self) {
+            return false;
+        }
+        debug!(conn = c, pending = id, "data socket before the Auth: parked");
+        if !self.parked.contains(&id) {
+            self.parked.push(id);
+        }
+        true
+    }
+
+    /// Server connection `conn`, now authenticated, takes `sock` as its data
+    /// socket and is ready: it sends `ready` and the region list, and its
+    /// listener reports it.
+    fn ready_on_data(&mut self, conn: u64, sock: TcpStream, ready: Frame) {
+        let list = self.regions.announce_list();
+        let c = self.conns.get_mut(&conn).expect("checked");
+        c.data = Some(sock);
+        c.data_ready = super::state::Ready { rd: true, wr: true };
+        c.state = State::Ready;
+        c.deadline = None;
+        c.hs = None;
+        let info = PeerInfo {
+            rank: c.peer_rank,
+            addr: c.peer_addr,
+        };
+        let listener = c.listener.unwrap_or(0);
+        info!(
+            conn,
+            rank = info.rank,
+            "peer authenticated; connection ready (portable)"
+        );
+        self.reserve_for_ready(conn);
+        self.queue_frame(conn, ready);
+        self.send_regions(conn, &list, false);
+        if let Some(l) = self.listeners.get_mut(&listener) {
+            l.accepted.push_back((ConnId(conn), info));
+        }
+        self.events.push_back(Event::Incoming {
+            listener: ListenerId(listener),
+            conn: ConnId(conn),
+        });
+        self.again.push(Sock::Data(conn));
     }
 
     // ---------------------------------------------------------------- connect side
