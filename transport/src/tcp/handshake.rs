@@ -374,64 +374,77 @@ impl TcpTransport {
                 let fd = p.fd.take().expect("not done");
                 self.reap_pending(pending);
                 let conn = self.new_conn(Side::Server, addr, fd, Some(listener));
-                let mut token = auth::random_u64();
-                while token == 0 || self.tokens.contains_key(&token) {
-                    token = auth::random_u64();
-                }
-                self.tokens.insert(token, conn);
-                let c = self.conns.get_mut(&conn).expect("just made");
-                // The handshake's deadline runs from the accept, not from the Hello.
-                c.deadline = Some(deadline);
-                c.peer_rank = hello.rank;
-                c.transcript.client_rank = hello.rank;
-                c.transcript.client_nonce = hello.nonce;
-                c.transcript.server_rank = self.cfg.rank;
-                c.transcript.server_nonce = auth::random_nonce();
-                c.transcript.token = token;
-                let ch = frame::Challenge {
-                    rank: self.cfg.rank,
-                    nonce: c.transcript.server_nonce,
-                    token,
-                    mac: auth::prove(&self.cfg.secret, MacRole::Server, &c.transcript),
-                };
-                debug!(parent: &c.span, rank = hello.rank, "hello received; challenge sent");
-                let body = ch.encode();
-                self.queue_ctrl(
-                    conn,
-                    Header::new(Kind::Challenge, body.len() as u32),
-                    Payload::Owned(body),
-                    None,
-                );
-                self.arm_ctrl_recv(conn);
+                self.send_challenge(conn, &hello, deadline);
             }
             Kind::DataAttach => {
                 let att = match frame::DataAttach::decode(&body) {
                     Ok(a) => a,
                     Err(reason) => return self.reject_pending(pending, Error::BadFrame { peer, reason }, None),
                 };
-                let conn = self.tokens.get(&att.token).copied();
-                let state = conn.and_then(|c| self.conns.get(&c)).and_then(|c| {
-                    auth::verify(&self.cfg.secret, MacRole::Data, &c.transcript, &att.mac).then_some(c.state)
-                });
-                match (conn, state) {
-                    (Some(conn), Some(State::AwaitData)) => self.attach_data(pending, conn),
-                    (Some(conn), Some(State::AwaitAuth)) if self.conns[&conn].parked_data.is_none() => {
-                        // The data socket overtook the Auth frame (its control receive
-                        // is queued behind others): park it until the Auth is in. It
-                        // stays pending, under its deadline and the pending bound.
-                        debug!(pending, conn, "data socket arrived before the Auth frame; parked");
-                        self.conns.get_mut(&conn).expect("checked").parked_data = Some(pending);
-                    }
-                    _ => {
-                        let e = Error::AuthFailed {
-                            peer,
-                            reason: "data socket presented an unknown token or a bad proof",
-                        };
-                        self.reject_pending(pending, e, Some("authentication failed".into()));
-                    }
-                }
+                self.on_data_attach(pending, peer, &att);
             }
             _ => unreachable!("checked in on_first_header"),
+        }
+    }
+
+    /// Server connection `conn`, just made from `hello`: hands it a token and
+    /// sends the `Challenge`. The handshake's deadline runs from the accept, not
+    /// from the Hello.
+    fn send_challenge(&mut self, conn: u64, hello: &frame::Hello, deadline: Instant) {
+        let mut token = auth::random_u64();
+        while token == 0 || self.tokens.contains_key(&token) {
+            token = auth::random_u64();
+        }
+        self.tokens.insert(token, conn);
+        let c = self.conns.get_mut(&conn).expect("just made");
+        c.deadline = Some(deadline);
+        c.peer_rank = hello.rank;
+        c.transcript.client_rank = hello.rank;
+        c.transcript.client_nonce = hello.nonce;
+        c.transcript.server_rank = self.cfg.rank;
+        c.transcript.server_nonce = auth::random_nonce();
+        c.transcript.token = token;
+        let ch = frame::Challenge {
+            rank: self.cfg.rank,
+            nonce: c.transcript.server_nonce,
+            token,
+            mac: auth::prove(&self.cfg.secret, MacRole::Server, &c.transcript),
+        };
+        debug!(parent: &c.span, rank = hello.rank, "hello received; challenge sent");
+        let body = ch.encode();
+        self.queue_ctrl(
+            conn,
+            Header::new(Kind::Challenge, body.len() as u32),
+            Payload::Owned(body),
+            None,
+        );
+        self.arm_ctrl_recv(conn);
+    }
+
+    /// A pending socket's `DataAttach` (`att`): attaches it to the connection its
+    /// token names if its proof holds, parks it there if it overtook the Auth, or
+    /// refuses it.
+    fn on_data_attach(&mut self, pending: u64, peer: String, att: &frame::DataAttach) {
+        let conn = self.tokens.get(&att.token).copied();
+        let state = conn
+            .and_then(|c| self.conns.get(&c))
+            .and_then(|c| auth::verify(&self.cfg.secret, MacRole::Data, &c.transcript, &att.mac).then_some(c.state));
+        match (conn, state) {
+            (Some(conn), Some(State::AwaitData)) => self.attach_data(pending, conn),
+            (Some(conn), Some(State::AwaitAuth)) if self.conns[&conn].parked_data.is_none() => {
+                // The data socket overtook the Auth frame (its control receive
+                // is queued behind others): park it until the Auth is in. It
+                // stays pending, under its deadline and the pending bound.
+                debug!(pending, conn, "data socket arrived before the Auth frame; parked");
+                self.conns.get_mut(&conn).expect("checked").parked_data = Some(pending);
+            }
+            _ => {
+                let e = Error::AuthFailed {
+                    peer,
+                    reason: "data socket presented an unknown token or a bad proof",
+                };
+                self.reject_pending(pending, e, Some("authentication failed".into()));
+            }
         }
     }
 
@@ -535,10 +548,6 @@ impl TcpTransport {
                 state: state.name(),
             },
         };
-        let bad = |reason| Error::BadFrame {
-            peer: peer.clone(),
-            reason,
-        };
         match (c.state, hdr.kind) {
             (State::AwaitChallenge | State::AwaitReady | State::AwaitAuth | State::AwaitData, Kind::Reject) => {
                 Err(Error::Rejected {
@@ -546,50 +555,8 @@ impl TcpTransport {
                     reason: frame::decode_reason(payload),
                 })
             }
-            (State::AwaitChallenge, Kind::Challenge) => {
-                let ch = frame::Challenge::decode(payload).map_err(bad)?;
-                c.transcript.server_rank = ch.rank;
-                c.transcript.server_nonce = ch.nonce;
-                c.transcript.token = ch.token;
-                c.peer_rank = ch.rank;
-                if !auth::verify(&self.cfg.secret, MacRole::Server, &c.transcript, &ch.mac) {
-                    return Err(Error::AuthFailed {
-                        peer: c.peer(),
-                        reason: "the server could not prove the job secret",
-                    });
-                }
-                let mac = auth::prove(&self.cfg.secret, MacRole::Client, &c.transcript);
-                c.state = State::AwaitReady;
-                let addr = c.peer_addr;
-                self.queue_ctrl(
-                    conn,
-                    Header::new(Kind::Auth, NONCE_LEN as u32),
-                    Payload::Owned(mac.to_vec()),
-                    None,
-                );
-                let fd = sys::socket_for(&addr)?;
-                sys::tune(fd.as_raw_fd(), &self.sockopts)?;
-                self.conns.get_mut(&conn).expect("live").data = Some(fd);
-                self.start_connect(conn, true)
-            }
-            (State::AwaitAuth, Kind::Auth) => {
-                let mac = frame::decode_mac(payload, "Auth").map_err(bad)?;
-                if !auth::verify(&self.cfg.secret, MacRole::Client, &c.transcript, &mac) {
-                    // Tell the peer why, then drop it; it learned no region descriptor.
-                    if let Some(fd) = c.ctrl.take() {
-                        self.send_reject_and_close(fd, "authentication failed");
-                    }
-                    return Err(Error::AuthFailed {
-                        peer,
-                        reason: "the client's proof of the job secret is wrong",
-                    });
-                }
-                c.state = State::AwaitData;
-                if let Some(p) = c.parked_data.take() {
-                    self.attach_data(p, conn);
-                }
-                Ok(())
-            }
+            (State::AwaitChallenge, Kind::Challenge) => self.on_challenge(conn, payload),
+            (State::AwaitAuth, Kind::Auth) => self.on_auth(conn, payload),
             (State::AwaitReady, Kind::Ready) => {
                 c.state = State::Ready;
                 c.deadline = None;
@@ -604,5 +571,63 @@ impl TcpTransport {
             }
             (s, _) => Err(unexpected(s)),
         }
+    }
+
+    /// Client, awaiting the challenge: checks the server's proof, answers with
+    /// the `Auth`, and connects the data socket.
+    fn on_challenge(&mut self, conn: u64, payload: &[u8]) -> Result<()> {
+        let c = self.conns.get_mut(&conn).expect("live");
+        let peer = c.peer();
+        let ch = frame::Challenge::decode(payload).map_err(|reason| Error::BadFrame { peer, reason })?;
+        c.transcript.server_rank = ch.rank;
+        c.transcript.server_nonce = ch.nonce;
+        c.transcript.token = ch.token;
+        c.peer_rank = ch.rank;
+        if !auth::verify(&self.cfg.secret, MacRole::Server, &c.transcript, &ch.mac) {
+            return Err(Error::AuthFailed {
+                peer: c.peer(),
+                reason: "the server could not prove the job secret",
+            });
+        }
+        let mac = auth::prove(&self.cfg.secret, MacRole::Client, &c.transcript);
+        c.state = State::AwaitReady;
+        let addr = c.peer_addr;
+        self.queue_ctrl(
+            conn,
+            Header::new(Kind::Auth, NONCE_LEN as u32),
+            Payload::Owned(mac.to_vec()),
+            None,
+        );
+        let fd = sys::socket_for(&addr)?;
+        sys::tune(fd.as_raw_fd(), &self.sockopts)?;
+        self.conns.get_mut(&conn).expect("live").data = Some(fd);
+        self.start_connect(conn, true)
+    }
+
+    /// Server, awaiting the client's proof: checks the `Auth` (a wrong one is
+    /// refused), then attaches a data socket parked before it.
+    fn on_auth(&mut self, conn: u64, payload: &[u8]) -> Result<()> {
+        let c = self.conns.get_mut(&conn).expect("live");
+        let peer = c.peer();
+        let bad = |reason| Error::BadFrame {
+            peer: peer.clone(),
+            reason,
+        };
+        let mac = frame::decode_mac(payload, "Auth").map_err(bad)?;
+        if !auth::verify(&self.cfg.secret, MacRole::Client, &c.transcript, &mac) {
+            // Tell the peer why, then drop it; it learned no region descriptor.
+            if let Some(fd) = c.ctrl.take() {
+                self.send_reject_and_close(fd, "authentication failed");
+            }
+            return Err(Error::AuthFailed {
+                peer,
+                reason: "the client's proof of the job secret is wrong",
+            });
+        }
+        c.state = State::AwaitData;
+        if let Some(p) = c.parked_data.take() {
+            self.attach_data(p, conn);
+        }
+        Ok(())
     }
 }
