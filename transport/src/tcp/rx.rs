@@ -12,7 +12,7 @@ use crate::api::{ConnId, Event};
 use crate::conn_core::{self, Backend};
 use crate::error::{Error, FrameError, Result};
 use crate::frame::{self, Header, Kind, HEADER_LEN};
-use crate::memory::InFlight;
+use crate::memory::{InFlight, Region};
 
 use super::op::{Op, Stage};
 use super::state::{peer_name, State};
@@ -153,15 +153,8 @@ impl TcpTransport {
             let Some(c) = self.conns.get_mut(&conn).filter(|c| c.is_live()) else {
                 return Ok(());
             };
-            if let Some((hdr, buf)) = c.msg_rx.as_mut() {
-                let n = (hdr.length as usize - buf.len()).min(data.len());
-                buf.extend_from_slice(&data[..n]);
-                self.stats.rx_user_copy_bytes += n as u64;
-                data = &data[n..];
-                if buf.len() == hdr.length as usize {
-                    let (hdr, buf) = c.msg_rx.take().expect("present");
-                    self.deliver_message(conn, hdr, buf);
-                }
+            if c.msg_rx.is_some() {
+                data = self.feed_message(conn, data);
                 continue;
             }
             let hdr = if c.ctrl_rx.is_empty() && data.len() >= HEADER_LEN {
@@ -201,28 +194,49 @@ impl TcpTransport {
                 // A judged header is in `ctrl_rx`, with part of its payload.
                 Header::decode(&c.ctrl_rx[..HEADER_LEN]).map_err(|reason| Error::BadFrame { peer: c.peer(), reason })?
             };
-            // Assemble the rest of a frame (not a message) in `ctrl_rx`.
-            let c = self.conns.get_mut(&conn).expect("live");
-            if c.ctrl_rx.is_empty() {
-                c.ctrl_rx.extend_from_slice(&data[..HEADER_LEN]);
-                data = &data[HEADER_LEN..];
-            }
-            let total = HEADER_LEN + hdr.length as usize;
-            let n = (total - c.ctrl_rx.len()).min(data.len());
-            c.ctrl_rx.extend_from_slice(&data[..n]);
-            self.stats.rx_user_copy_bytes += n as u64;
-            data = &data[n..];
-            if c.ctrl_rx.len() == total {
-                let mut buf = std::mem::take(&mut c.ctrl_rx);
-                let r = self.on_ctrl_frame(conn, hdr, &buf[HEADER_LEN..]);
-                buf.clear();
-                if let Some(c) = self.conns.get_mut(&conn) {
-                    c.ctrl_rx = buf;
-                }
-                r?;
-            }
+            data = self.assemble_frame(conn, hdr, data)?;
         }
         Ok(())
+    }
+
+    /// Feeds `data` to the message being received, delivering it once whole;
+    /// returns the bytes after it.
+    fn feed_message<'a>(&mut self, conn: u64, data: &'a [u8]) -> &'a [u8] {
+        let c = self.conns.get_mut(&conn).expect("live");
+        let (hdr, buf) = c.msg_rx.as_mut().expect("a message is being received");
+        let n = (hdr.length as usize - buf.len()).min(data.len());
+        buf.extend_from_slice(&data[..n]);
+        self.stats.rx_user_copy_bytes += n as u64;
+        if buf.len() == hdr.length as usize {
+            let (hdr, buf) = c.msg_rx.take().expect("present");
+            self.deliver_message(conn, hdr, buf);
+        }
+        &data[n..]
+    }
+
+    /// Assembles the rest of a frame (not a message) with judged header `hdr` in
+    /// `ctrl_rx`, handling it once whole; returns the bytes after it.
+    fn assemble_frame<'a>(&mut self, conn: u64, hdr: Header, mut data: &'a [u8]) -> Result<&'a [u8]> {
+        let c = self.conns.get_mut(&conn).expect("live");
+        if c.ctrl_rx.is_empty() {
+            c.ctrl_rx.extend_from_slice(&data[..HEADER_LEN]);
+            data = &data[HEADER_LEN..];
+        }
+        let total = HEADER_LEN + hdr.length as usize;
+        let n = (total - c.ctrl_rx.len()).min(data.len());
+        c.ctrl_rx.extend_from_slice(&data[..n]);
+        self.stats.rx_user_copy_bytes += n as u64;
+        data = &data[n..];
+        if c.ctrl_rx.len() == total {
+            let mut buf = std::mem::take(&mut c.ctrl_rx);
+            let r = self.on_ctrl_frame(conn, hdr, &buf[HEADER_LEN..]);
+            buf.clear();
+            if let Some(c) = self.conns.get_mut(&conn) {
+                c.ctrl_rx = buf;
+            }
+            r?;
+        }
+        Ok(data)
     }
 
     /// Decodes a control frame's header and judges it against the connection's
@@ -339,19 +353,14 @@ impl TcpTransport {
     /// goes on past the stage's end continues with a direct receive into the region
     /// (or the discard path), after which `arm_data_rx` resumes here. Otherwise the
     /// partial header left over moves to the front and the stage reads ahead again.
-    fn parse_stage(&mut self, conn: u64, mut stage: Stage) {
+    fn parse_stage(&mut self, conn: u64, stage: Stage) {
         let mut pos = 0;
         loop {
             let Some(c) = self.conns.get(&conn).filter(|c| c.is_live()) else {
                 return;
             };
             if stage.len - pos < HEADER_LEN {
-                if stage.len > pos {
-                    self.stats.rx_headers_split += 1;
-                }
-                stage.buf.copy_within(pos..stage.len, 0);
-                stage.len -= pos;
-                return self.recv_stage(conn, stage);
+                return self.read_ahead(conn, stage, pos);
             }
             let fd = c.data.as_ref().expect("data socket").as_raw_fd();
             let raw: &[u8; HEADER_LEN] = stage.buf[pos..pos + HEADER_LEN].try_into().expect("header length");
@@ -381,28 +390,8 @@ impl TcpTransport {
                     self.stats.rx_write_staged_bytes += avail as u64;
                     // The payload runs past the stage's end, so the stage is drained.
                     debug_assert_eq!(pos, stage.len);
-                    stage.len = 0;
-                    self.conns.get_mut(&conn).expect("live").data_stage = Some(stage);
-                    let len = hdr.length - avail as u32;
-                    // SAFETY: check_incoming proved offset + length <= region length, and
-                    // avail < length, so offset + avail lies inside the region.
-                    let dst = unsafe { region.as_ptr().add(hdr.offset as usize + avail) };
-                    let guard = InFlight::new(&region);
-                    let ud = self.add_op(Op::DataRecvPayload {
-                        conn,
-                        hdr,
-                        len,
-                        _guard: guard,
-                    });
-                    let e = opcode::Recv::new(types::Fd(fd), dst, len)
-                        .flags(libc::MSG_WAITALL)
-                        .build()
-                        .user_data(ud);
-                    // SAFETY: the destination [offset + avail, offset + length) lies inside a
-                    // registered region that the op's guard keeps alive and marks in flight
-                    // (so it cannot be deregistered).
-                    unsafe { self.push(e) };
-                    return;
+                    self.park_drained_stage(conn, stage);
+                    return self.recv_payload_rest(conn, fd, hdr, avail, &region);
                 }
                 Err(error) => {
                     debug!(conn, error = %error, "rejecting an incoming write; discarding its payload");
@@ -416,8 +405,7 @@ impl TcpTransport {
                         });
                     } else {
                         debug_assert_eq!(pos, stage.len);
-                        stage.len = 0;
-                        self.conns.get_mut(&conn).expect("live").data_stage = Some(stage);
+                        self.park_drained_stage(conn, stage);
                         self.discard(conn, fd, hdr, rest, error.to_string(), None);
                         self.events.push_back(Event::WriteRejected {
                             conn: ConnId(conn),
@@ -428,6 +416,52 @@ impl TcpTransport {
                 }
             }
         }
+    }
+
+    /// Fewer than a header's bytes are left in the stage from `pos`: they move to
+    /// the front and the stage reads ahead again.
+    fn read_ahead(&mut self, conn: u64, mut stage: Stage, pos: usize) {
+        if stage.len > pos {
+            self.stats.rx_headers_split += 1;
+        }
+        stage.buf.copy_within(pos..stage.len, 0);
+        stage.len -= pos;
+        self.recv_stage(conn, stage)
+    }
+
+    /// Keeps a drained stage on the connection while a payload that ran past its
+    /// end is received directly (or discarded); `arm_data_rx` takes it back.
+    fn park_drained_stage(&mut self, conn: u64, mut stage: Stage) {
+        stage.len = 0;
+        self.conns.get_mut(&conn).expect("live").data_stage = Some(stage);
+    }
+
+    /// Receives the rest of a write whose first `avail` bytes were in the stage
+    /// straight into `region` (which `check_incoming` returned for `hdr`), with the
+    /// region marked in flight until the receive completes.
+    fn recv_payload_rest(&mut self, conn: u64, fd: i32, hdr: Header, avail: usize, region: &Region) {
+        // The bounds check_incoming proved, checked again where the pointer is made.
+        let end = hdr.offset.checked_add(hdr.length as u64);
+        assert!(avail < hdr.length as usize && end.is_some_and(|e| e <= region.len() as u64));
+        let len = hdr.length - avail as u32;
+        // SAFETY: offset + length <= region length (asserted above), and avail < length,
+        // so offset + avail lies inside the region.
+        let dst = unsafe { region.as_ptr().add(hdr.offset as usize + avail) };
+        let guard = InFlight::new(region);
+        let ud = self.add_op(Op::DataRecvPayload {
+            conn,
+            hdr,
+            len,
+            _guard: guard,
+        });
+        let e = opcode::Recv::new(types::Fd(fd), dst, len)
+            .flags(libc::MSG_WAITALL)
+            .build()
+            .user_data(ud);
+        // SAFETY: the destination [offset + avail, offset + length) lies inside a
+        // registered region that the op's guard keeps alive and marks in flight
+        // (so it cannot be deregistered).
+        unsafe { self.push(e) };
     }
 
     /// Queues the Nack of a rejected write, after the Ack of every write placed before it.
