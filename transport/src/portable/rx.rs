@@ -70,72 +70,97 @@ impl PortableTransport {
                 self.again.push(Sock::Ctrl(conn));
                 return;
             }
-            if let Some((_, v, filled)) = c.rx.msg.as_mut() {
-                // A message's payload: read into the buffer the application gets.
-                // Within the read budget, like every other read (fairness between sockets).
-                let want = (v.len() - *filled).min(budget);
-                match c.ctrl.read(&mut v[*filled..*filled + want]) {
-                    Ok(0) => return self.on_ctrl_eof(conn),
-                    Ok(n) => {
-                        *filled += n;
-                        budget = budget.saturating_sub(n);
-                        if n < want {
-                            c.ctrl_ready.rd = false;
-                        }
-                        if *filled == v.len() {
-                            let (hdr, data, _) = c.rx.msg.take().expect("present");
-                            self.deliver_message(conn, &hdr, data);
-                        }
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => c.ctrl_ready.rd = false,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => {
-                        let e = self.lost(conn, "control receive", Some(e));
-                        return self.fail(conn, e);
-                    }
-                }
-                continue;
-            }
-            let rx = &mut c.rx;
-            let have = rx.end - rx.start;
-            // During the handshake read one frame at a time (header, then payload);
-            // afterwards, as much as fits.
-            let frame_end = match rx.hdr {
-                Some(h) => HEADER_LEN + h.length as usize,
-                None => HEADER_LEN,
-            };
-            let want = if c.hs.is_some() {
-                frame_end - have
+            let step = if c.rx.msg.is_some() {
+                self.read_ctrl_message(conn, &mut budget)
             } else {
-                frame_end.max(rx.buf.len().min(budget)) - have
+                self.read_ctrl_frames(conn, &mut budget)
             };
-            if rx.start + have + want > rx.buf.len() {
-                rx.buf.copy_within(rx.start..rx.end, 0);
-                rx.start = 0;
-                rx.end = have;
-                if have + want > rx.buf.len() {
-                    rx.buf.resize(have + want, 0);
-                }
+            match step {
+                // Blocked has cleared the read readiness: the next turn handles
+                // what is buffered and stops.
+                Step::More | Step::Blocked => {}
+                Step::Eof => return self.on_ctrl_eof(conn),
+                Step::Failed(e) => return self.fail(conn, e),
             }
-            let want = want.min(rx.buf.len() - rx.end);
-            match c.ctrl.read(&mut rx.buf[rx.end..rx.end + want]) {
-                Ok(0) => return self.on_ctrl_eof(conn),
-                Ok(n) => {
-                    rx.end += n;
-                    budget = budget.saturating_sub(n);
-                    // A short read of a stream socket drained it (epoll(7)): the next
-                    // byte brings a new edge, so skip the read that would say EAGAIN.
-                    if n < want {
-                        c.ctrl_ready.rd = false;
-                    }
+        }
+    }
+
+    /// Reads a message's payload into the buffer the application gets, within
+    /// the read budget like every other read (fairness between sockets), and
+    /// delivers the message once whole.
+    fn read_ctrl_message(&mut self, conn: u64, budget: &mut usize) -> Step {
+        let c = self.conns.get_mut(&conn).expect("live");
+        let (_, v, filled) = c.rx.msg.as_mut().expect("a message is being received");
+        let want = (v.len() - *filled).min(*budget);
+        match c.ctrl.read(&mut v[*filled..*filled + want]) {
+            Ok(0) => Step::Eof,
+            Ok(n) => {
+                *filled += n;
+                *budget = budget.saturating_sub(n);
+                if n < want {
+                    c.ctrl_ready.rd = false;
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => c.ctrl_ready.rd = false,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    let e = self.lost(conn, "control receive", Some(e));
-                    return self.fail(conn, e);
+                if *filled == v.len() {
+                    let (hdr, data, _) = c.rx.msg.take().expect("present");
+                    self.deliver_message(conn, &hdr, data);
                 }
+                Step::More
             }
+            Err(e) => self.ctrl_read_error(conn, e),
+        }
+    }
+
+    /// Reads control bytes into the frame buffer, within the read budget.
+    fn read_ctrl_frames(&mut self, conn: u64, budget: &mut usize) -> Step {
+        let c = self.conns.get_mut(&conn).expect("live");
+        let rx = &mut c.rx;
+        let have = rx.end - rx.start;
+        // During the handshake read one frame at a time (header, then payload);
+        // afterwards, as much as fits.
+        let frame_end = match rx.hdr {
+            Some(h) => HEADER_LEN + h.length as usize,
+            None => HEADER_LEN,
+        };
+        let want = if c.hs.is_some() {
+            frame_end - have
+        } else {
+            frame_end.max(rx.buf.len().min(*budget)) - have
+        };
+        if rx.start + have + want > rx.buf.len() {
+            rx.buf.copy_within(rx.start..rx.end, 0);
+            rx.start = 0;
+            rx.end = have;
+            if have + want > rx.buf.len() {
+                rx.buf.resize(have + want, 0);
+            }
+        }
+        let want = want.min(rx.buf.len() - rx.end);
+        match c.ctrl.read(&mut rx.buf[rx.end..rx.end + want]) {
+            Ok(0) => Step::Eof,
+            Ok(n) => {
+                rx.end += n;
+                *budget = budget.saturating_sub(n);
+                // A short read of a stream socket drained it (epoll(7)): the next
+                // byte brings a new edge, so skip the read that would say EAGAIN.
+                if n < want {
+                    c.ctrl_ready.rd = false;
+                }
+                Step::More
+            }
+            Err(e) => self.ctrl_read_error(conn, e),
+        }
+    }
+
+    /// A control read that failed: would-block clears the read readiness,
+    /// an interrupt is retried, anything else loses the connection.
+    fn ctrl_read_error(&mut self, conn: u64, e: io::Error) -> Step {
+        match e.kind() {
+            io::ErrorKind::WouldBlock => {
+                self.conns.get_mut(&conn).expect("live").ctrl_ready.rd = false;
+                Step::Blocked
+            }
+            io::ErrorKind::Interrupted => Step::More,
+            _ => Step::Failed(self.lost(conn, "control receive", Some(e))),
         }
     }
 
@@ -316,93 +341,116 @@ impl PortableTransport {
 
     fn data_step(&mut self, conn: u64, budget: &mut usize) -> Step {
         let c = self.conns.get_mut(&conn).expect("live");
-        let Some(sock) = c.data.as_mut() else {
+        if c.data.is_none() {
             return Step::Blocked;
+        }
+        let got = match c.drx {
+            DataRx::Header { .. } => self.read_data_header(conn),
+            DataRx::Payload { .. } => self.read_data_payload(conn, budget),
+            DataRx::Discard { .. } => self.read_data_discard(conn, budget),
         };
-        let fd = sock.as_raw_fd();
-        let res = match &mut c.drx {
-            DataRx::Header { buf, have } => match sock.read(&mut buf[*have..]) {
-                Ok(0) => return Step::Eof,
-                Ok(n) => {
-                    if n < HEADER_LEN - *have {
-                        c.data_ready.rd = false; // a short read drained the socket
-                    }
-                    *have += n;
-                    if *have < HEADER_LEN {
-                        return Step::More;
-                    }
-                    let b = *buf;
-                    return self.on_data_header(conn, &b);
-                }
-                Err(e) => e,
-            },
-            DataRx::Payload { region, hdr, done, .. } => {
-                let left = hdr.length as u64 - *done;
-                let n = left.min(*budget as u64) as usize;
-                let at = hdr.offset as usize + *done as usize;
-                // The write's last chunk: the next header may come in the same recvmsg.
-                let last = n as u64 == left;
-                let mut next = [0u8; HEADER_LEN];
-                let got = if last {
-                    region.recv_into_with_tail(at, n, fd, &mut next)
-                } else {
-                    region.recv_into(at, n, fd)
-                };
-                match got {
-                    Ok(0) => return Step::Eof,
-                    Ok(k) => {
-                        let asked = if last { n + HEADER_LEN } else { n };
-                        if k < asked {
-                            c.data_ready.rd = false; // a short read drained the socket
-                        }
-                        let placed = k.min(n);
-                        *done += placed as u64;
-                        *budget = budget.saturating_sub(k);
-                        self.stats.rx_write_direct_bytes += placed as u64;
-                        if *done == hdr.length as u64 {
-                            let h = *hdr;
-                            let extra = k - placed;
-                            c.drx = DataRx::Header { buf: next, have: extra };
-                            self.placed(conn, h);
-                            if extra == HEADER_LEN {
-                                return self.on_data_header(conn, &next);
-                            }
-                        }
-                        return Step::More;
-                    }
-                    Err(e) => e,
-                }
-            }
-            DataRx::Discard { remaining, .. } => {
-                let n = (*remaining).min(self.scratch.len() as u64) as usize;
-                match sock.read(&mut self.scratch[..n]) {
-                    Ok(0) => return Step::Eof,
-                    Ok(k) => {
-                        if k < n {
-                            c.data_ready.rd = false; // a short read drained the socket
-                        }
-                        let n = k;
-                        *remaining -= n as u64;
-                        *budget = budget.saturating_sub(n);
-                        self.stats.rx_write_discarded_bytes += n as u64;
-                        if *remaining == 0 {
-                            let DataRx::Discard { hdr, reason, .. } = std::mem::replace(&mut c.drx, DataRx::header())
-                            else {
-                                unreachable!("matched above")
-                            };
-                            self.nack(conn, hdr, reason);
-                        }
-                        return Step::More;
-                    }
-                    Err(e) => e,
-                }
-            }
+        let res = match got {
+            Ok(step) => return step,
+            Err(e) => e,
         };
         match res.kind() {
             io::ErrorKind::WouldBlock => Step::Blocked,
             io::ErrorKind::Interrupted => Step::More,
             _ => Step::Failed(self.lost(conn, "data receive", Some(res))),
         }
+    }
+
+    /// Reads the rest of a write's header, and handles it once whole.
+    fn read_data_header(&mut self, conn: u64) -> io::Result<Step> {
+        let c = self.conns.get_mut(&conn).expect("live");
+        let sock = c.data.as_mut().expect("checked in data_step");
+        let DataRx::Header { buf, have } = &mut c.drx else {
+            unreachable!("matched in data_step")
+        };
+        let n = sock.read(&mut buf[*have..])?;
+        if n == 0 {
+            return Ok(Step::Eof);
+        }
+        if n < HEADER_LEN - *have {
+            c.data_ready.rd = false; // a short read drained the socket
+        }
+        *have += n;
+        if *have < HEADER_LEN {
+            return Ok(Step::More);
+        }
+        let b = *buf;
+        Ok(self.on_data_header(conn, &b))
+    }
+
+    /// Receives a write's payload straight into its region, within the budget;
+    /// the write's last chunk reads the next header too, if it is there.
+    fn read_data_payload(&mut self, conn: u64, budget: &mut usize) -> io::Result<Step> {
+        let c = self.conns.get_mut(&conn).expect("live");
+        let fd = c.data.as_ref().expect("checked in data_step").as_raw_fd();
+        let DataRx::Payload { region, hdr, done, .. } = &mut c.drx else {
+            unreachable!("matched in data_step")
+        };
+        let left = hdr.length as u64 - *done;
+        let n = left.min(*budget as u64) as usize;
+        let at = hdr.offset as usize + *done as usize;
+        // The write's last chunk: the next header may come in the same recvmsg.
+        let last = n as u64 == left;
+        let mut next = [0u8; HEADER_LEN];
+        let k = if last {
+            region.recv_into_with_tail(at, n, fd, &mut next)?
+        } else {
+            region.recv_into(at, n, fd)?
+        };
+        if k == 0 {
+            return Ok(Step::Eof);
+        }
+        let asked = if last { n + HEADER_LEN } else { n };
+        if k < asked {
+            c.data_ready.rd = false; // a short read drained the socket
+        }
+        let placed = k.min(n);
+        *done += placed as u64;
+        *budget = budget.saturating_sub(k);
+        self.stats.rx_write_direct_bytes += placed as u64;
+        if *done == hdr.length as u64 {
+            let h = *hdr;
+            let extra = k - placed;
+            c.drx = DataRx::Header { buf: next, have: extra };
+            self.placed(conn, h);
+            if extra == HEADER_LEN {
+                return Ok(self.on_data_header(conn, &next));
+            }
+        }
+        Ok(Step::More)
+    }
+
+    /// Reads a rejected write's payload into the scratch buffer, within the
+    /// budget, and Nacks the write once all of it is gone.
+    fn read_data_discard(&mut self, conn: u64, budget: &mut usize) -> io::Result<Step> {
+        let c = self.conns.get_mut(&conn).expect("live");
+        let sock = c.data.as_mut().expect("checked in data_step");
+        let DataRx::Discard { remaining, .. } = &mut c.drx else {
+            unreachable!("matched in data_step")
+        };
+        let n = (*remaining).min(self.scratch.len() as u64) as usize;
+        let k = sock.read(&mut self.scratch[..n])?;
+        if k == 0 {
+            return Ok(Step::Eof);
+        }
+        if k < n {
+            c.data_ready.rd = false; // a short read drained the socket
+        }
+        let n = k;
+        *remaining -= n as u64;
+        *budget = budget.saturating_sub(n);
+        self.stats.rx_write_discarded_bytes += n as u64;
+        if *remaining == 0 {
+            let DataRx::Discard { hdr, reason, .. } = std::mem::replace(&mut c.drx, DataRx::header()) else {
+                unreachable!("matched above")
+            };
+            self.nack(conn, hdr, reason);
+        }
+        Ok(Step::More)
     }
 
     fn on_data_header(&mut self, conn: u64, b: &[u8; HEADER_LEN]) -> Step {
