@@ -45,27 +45,42 @@ pub fn io_uring() -> Vec<Capability> {
         .map(|s| s.trim().to_string());
     let ring = match IoUring::new(8) {
         Ok(r) => r,
-        Err(e) => {
-            let why = match disabled.as_deref() {
-                Some("2") => "kernel.io_uring_disabled=2 forbids io_uring; set it to 0".to_string(),
-                Some("1") => {
-                    "kernel.io_uring_disabled=1 restricts io_uring to the io_uring_group; add this user or set it to 0"
-                        .into()
-                }
-                _ => format!("io_uring_setup failed: {e} (seccomp in a container, or a kernel older than 5.19?)"),
-            };
-            return vec![cap("io_uring", false, why)];
-        }
+        Err(e) => return vec![io_uring_refused(disabled.as_deref(), &e)],
     };
     let mut out = vec![cap("io_uring", true, "io_uring_setup works")];
+    match io_uring_opcodes(&ring) {
+        Ok(caps) => out.extend(caps),
+        Err(refused) => {
+            out.push(refused);
+            return out;
+        }
+    }
+    out.push(io_uring_buf_ring(&ring));
+    out
+}
+
+/// Why `io_uring_setup` failed with `e`, given `kernel.io_uring_disabled`.
+fn io_uring_refused(disabled: Option<&str>, e: &std::io::Error) -> Capability {
+    let why = match disabled {
+        Some("2") => "kernel.io_uring_disabled=2 forbids io_uring; set it to 0".to_string(),
+        Some("1") => {
+            "kernel.io_uring_disabled=1 restricts io_uring to the io_uring_group; add this user or set it to 0".into()
+        }
+        _ => format!("io_uring_setup failed: {e} (seccomp in a container, or a kernel older than 5.19?)"),
+    };
+    cap("io_uring", false, why)
+}
+
+/// The opcodes the TCP backend uses, one capability each; the probe's failure
+/// as the error.
+fn io_uring_opcodes(ring: &IoUring) -> Result<Vec<Capability>, Capability> {
     let mut probe = Probe::new();
     if let Err(e) = ring.submitter().register_probe(&mut probe) {
-        out.push(cap(
+        return Err(cap(
             "io_uring opcodes",
             false,
             format!("IORING_REGISTER_PROBE failed: {e}"),
         ));
-        return out;
     }
     let ops: [(&str, u8, &str); 8] = [
         ("ACCEPT (multishot)", opcode::AcceptMulti::CODE, "listening"),
@@ -81,6 +96,7 @@ pub fn io_uring() -> Vec<Capability> {
         ("ASYNC_CANCEL", opcode::AsyncCancel2::CODE, "teardown"),
         ("READ_FIXED", opcode::ReadFixed::CODE, "fixed buffers"),
     ];
+    let mut out = Vec::with_capacity(ops.len());
     for (name, code, used_for) in ops {
         let ok = probe.is_supported(code);
         let detail = if ok {
@@ -90,7 +106,11 @@ pub fn io_uring() -> Vec<Capability> {
         };
         out.push(cap(&format!("io_uring {name}"), ok, detail));
     }
-    // A provided-buffer ring needs 5.19+: try one.
+    Ok(out)
+}
+
+/// Whether `ring` takes a provided-buffer ring (5.19+): it tries one.
+fn io_uring_buf_ring(ring: &IoUring) -> Capability {
     let br = crate::memory::PinnedBuffer::with_options(
         4096,
         crate::memory::PinOptions {
@@ -109,7 +129,7 @@ pub fn io_uring() -> Vec<Capability> {
         .is_ok(),
         Err(_) => false,
     };
-    out.push(cap(
+    cap(
         "io_uring provided-buffer ring",
         ok,
         if ok {
@@ -117,8 +137,7 @@ pub fn io_uring() -> Vec<Capability> {
         } else {
             "IORING_REGISTER_PBUF_RING refused: Linux 5.19+ is needed"
         },
-    ));
-    out
+    )
 }
 
 /// RLIMIT_MEMLOCK, and what it means for pinned buffers.
@@ -208,62 +227,10 @@ pub fn rdma() -> Vec<Capability> {
         let mut out = Vec::new();
         for d in &list {
             for p in &d.ports {
-                let gids: Vec<String> = p
-                    .gids
-                    .iter()
-                    .map(|g| match g.ipv4 {
-                        Some(ip) => format!("[{}] {} {}", g.index, g.kind, ip),
-                        None => format!("[{}] {} {}", g.index, g.kind, g.gid),
-                    })
-                    .collect();
-                out.push(cap(
-                    &format!("rdma {} port {}", d.name, p.port),
-                    p.active,
-                    format!(
-                        "{} {}, MTU {}, lid {}; GIDs: {}",
-                        p.state,
-                        p.link_layer,
-                        p.active_mtu,
-                        p.lid,
-                        if gids.is_empty() {
-                            "none".into()
-                        } else {
-                            gids.join(", ")
-                        }
-                    ),
-                ));
+                out.push(rdma_port(d, p));
             }
-            out.push(match &d.dmabuf {
-                device::Dmabuf::Supported => cap(
-                    &format!("rdma {} dmabuf", d.name),
-                    true,
-                    "ibv_reg_dmabuf_mr supported (GPUDirect RDMA through dmabuf)",
-                ),
-                device::Dmabuf::Unsupported(why) => cap(
-                    &format!("rdma {} dmabuf", d.name),
-                    false,
-                    format!("{why}; GPU buffers are staged through pinned host memory"),
-                ),
-            });
-            out.push(match &d.rate_limit {
-                device::RateLimit::Supported {
-                    min_kbps,
-                    max_kbps,
-                    qp_types,
-                } => cap(
-                    &format!("rdma {} rate limit", d.name),
-                    true,
-                    format!(
-                        "ibv_modify_qp_rate_limit: {min_kbps}..{max_kbps} kbit/s per QP on {}",
-                        qp_types.join(", ")
-                    ),
-                ),
-                device::RateLimit::Unsupported(why) => cap(
-                    &format!("rdma {} rate limit", d.name),
-                    false,
-                    format!("{why}; shape RDMA with tc on its netdev instead (ci/netem, or the soft-RoCE VM's veth)"),
-                ),
-            });
+            out.push(rdma_dmabuf(d));
+            out.push(rdma_rate_limit(d));
         }
         let usable = list.iter().find(|d| d.usable);
         out.push(cap(
@@ -282,4 +249,76 @@ pub fn rdma() -> Vec<Capability> {
         false,
         "built without the `rdma` feature: rebuild with `--features rdma` to use verbs devices; TCP carries all traffic",
     )]
+}
+
+/// Port `p` of device `d`: usable when active; its state, link layer, MTU, lid and GIDs.
+#[cfg(feature = "rdma")]
+fn rdma_port(d: &crate::rdma::device::DeviceInfoSummary, p: &crate::rdma::device::PortInfo) -> Capability {
+    let gids: Vec<String> = p
+        .gids
+        .iter()
+        .map(|g| match g.ipv4 {
+            Some(ip) => format!("[{}] {} {}", g.index, g.kind, ip),
+            None => format!("[{}] {} {}", g.index, g.kind, g.gid),
+        })
+        .collect();
+    cap(
+        &format!("rdma {} port {}", d.name, p.port),
+        p.active,
+        format!(
+            "{} {}, MTU {}, lid {}; GIDs: {}",
+            p.state,
+            p.link_layer,
+            p.active_mtu,
+            p.lid,
+            if gids.is_empty() {
+                "none".into()
+            } else {
+                gids.join(", ")
+            }
+        ),
+    )
+}
+
+/// Whether device `d` registers dmabuf memory (GPUDirect RDMA), and if not why.
+#[cfg(feature = "rdma")]
+fn rdma_dmabuf(d: &crate::rdma::device::DeviceInfoSummary) -> Capability {
+    use crate::rdma::device;
+    match &d.dmabuf {
+        device::Dmabuf::Supported => cap(
+            &format!("rdma {} dmabuf", d.name),
+            true,
+            "ibv_reg_dmabuf_mr supported (GPUDirect RDMA through dmabuf)",
+        ),
+        device::Dmabuf::Unsupported(why) => cap(
+            &format!("rdma {} dmabuf", d.name),
+            false,
+            format!("{why}; GPU buffers are staged through pinned host memory"),
+        ),
+    }
+}
+
+/// Whether device `d` rate-limits queue pairs, and if not why.
+#[cfg(feature = "rdma")]
+fn rdma_rate_limit(d: &crate::rdma::device::DeviceInfoSummary) -> Capability {
+    use crate::rdma::device;
+    match &d.rate_limit {
+        device::RateLimit::Supported {
+            min_kbps,
+            max_kbps,
+            qp_types,
+        } => cap(
+            &format!("rdma {} rate limit", d.name),
+            true,
+            format!(
+                "ibv_modify_qp_rate_limit: {min_kbps}..{max_kbps} kbit/s per QP on {}",
+                qp_types.join(", ")
+            ),
+        ),
+        device::RateLimit::Unsupported(why) => cap(
+            &format!("rdma {} rate limit", d.name),
+            false,
+            format!("{why}; shape RDMA with tc on its netdev instead (ci/netem, or the soft-RoCE VM's veth)"),
+        ),
+    }
 }
