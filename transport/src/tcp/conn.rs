@@ -98,34 +98,12 @@ impl TcpTransport {
             sys::shutdown(fd, libc::SHUT_RDWR);
         }
         let rx_op = c.ctrl_rx_op;
-        let mut failed = Vec::new();
-        for f in c.ctrl_tx.drain(..) {
-            if let Some(req) = f.req {
-                failed.push(req);
-            }
-        }
-        for w in c.data_tx.drain(..) {
-            failed.push(w.req);
-        }
-        for a in c.awaiting_ack.drain(..) {
-            failed.push(a.req);
-        }
+        let failed = drain_requests(c);
         c.outstanding = c.outstanding.saturating_sub(failed.len());
         self.tokens.remove(&c.transcript.token);
         let parked = c.parked_data.take();
         let peer = c.peer();
-        for req in failed {
-            self.events.push_back(Event::OpFailed {
-                conn: ConnId(conn),
-                req,
-                error: Error::ConnectionLost {
-                    conn,
-                    peer: peer.clone(),
-                    during: "an operation queued when the connection failed",
-                    source: None,
-                },
-            });
-        }
+        fail_requests(&mut self.events, conn, &peer, failed);
         // A server-side connection that never finished its handshake is reported
         // as a rejected peer: the application never saw it.
         if handshaking && c.side == Side::Server {
@@ -246,5 +224,40 @@ impl TcpTransport {
             State::Closing => Err(Error::UnknownConnection { op, conn: conn.0 }),
             _ => Err(Error::NotConnected { op, conn: conn.0 }),
         }
+    }
+}
+
+/// Drains the requests queued on a failing connection: control frames that
+/// carry one, then writes, then writes awaiting their Ack.
+fn drain_requests(c: &mut Conn) -> Vec<ReqId> {
+    let mut failed = Vec::new();
+    for f in c.ctrl_tx.drain(..) {
+        if let Some(req) = f.req {
+            failed.push(req);
+        }
+    }
+    for w in c.data_tx.drain(..) {
+        failed.push(w.req);
+    }
+    for a in c.awaiting_ack.drain(..) {
+        failed.push(a.req);
+    }
+    failed
+}
+
+/// Reports each of `failed`, the requests queued on failed connection `conn`,
+/// as an `OpFailed`.
+fn fail_requests(events: &mut VecDeque<Event>, conn: u64, peer: &str, failed: Vec<ReqId>) {
+    for req in failed {
+        events.push_back(Event::OpFailed {
+            conn: ConnId(conn),
+            req,
+            error: Error::ConnectionLost {
+                conn,
+                peer: peer.to_string(),
+                during: "an operation queued when the connection failed",
+                source: None,
+            },
+        });
     }
 }
