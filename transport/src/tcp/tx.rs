@@ -119,35 +119,7 @@ impl TcpTransport {
         if zc_min.is_some_and(|m| first_len >= m) {
             let w = c.data_tx.pop_front().expect("non-empty");
             c.data_tx_busy = true;
-            let hdr = self.pool.hdr(w.hdr);
-            let hp = hdr.as_ptr();
-            let (pp, pl) = (w.src.ptr() as *const u8, w.src.len() as u32);
-            let fixed = w.src.region().0.fixed_index;
-            self.stats.tx_zc_writes += 1;
-            let ud_h = self.add_op(Op::ZcHeader { conn, hdr });
-            let ud_p = self.add_op(Op::ZcPayload {
-                conn,
-                write: Some(w),
-                got_result: false,
-            });
-            let eh = opcode::Send::new(types::Fd(fd), hp, HEADER_LEN as u32)
-                .flags(libc::MSG_WAITALL | libc::MSG_NOSIGNAL | libc::MSG_MORE)
-                .build()
-                .flags(squeue::Flags::IO_LINK)
-                .user_data(ud_h);
-            let mut zc = opcode::SendZc::new(types::Fd(fd), pp, pl).flags(libc::MSG_WAITALL | libc::MSG_NOSIGNAL);
-            if let Some(i) = fixed {
-                zc = zc.buf_index(Some(i));
-            }
-            let ep = zc.build().user_data(ud_p);
-            // SAFETY: the header is boxed in its op; the payload lies in a registered
-            // region kept alive and counted in flight by the write's guard, which the
-            // ZcPayload op holds until the kernel's notification says it let go.
-            unsafe {
-                self.push(eh);
-                self.push(ep);
-            }
-            return;
+            return self.send_zc(conn, fd, w);
         }
         let mut writes = self.pool.writes();
         let mut bytes = 0;
@@ -176,6 +148,39 @@ impl TcpTransport {
             .user_data(ud);
         // SAFETY: as in flush_ctrl; region payloads are guarded by each write's InFlight.
         unsafe { self.push(e) };
+    }
+
+    /// Sends write `w` alone on data socket `fd`: its header by SEND, linked to
+    /// its payload by SEND_ZC (from the fixed buffer where the region has one).
+    fn send_zc(&mut self, conn: u64, fd: i32, w: WriteReq) {
+        let hdr = self.pool.hdr(w.hdr);
+        let hp = hdr.as_ptr();
+        let (pp, pl) = (w.src.ptr() as *const u8, w.src.len() as u32);
+        let fixed = w.src.region().0.fixed_index;
+        self.stats.tx_zc_writes += 1;
+        let ud_h = self.add_op(Op::ZcHeader { conn, hdr });
+        let ud_p = self.add_op(Op::ZcPayload {
+            conn,
+            write: Some(w),
+            got_result: false,
+        });
+        let eh = opcode::Send::new(types::Fd(fd), hp, HEADER_LEN as u32)
+            .flags(libc::MSG_WAITALL | libc::MSG_NOSIGNAL | libc::MSG_MORE)
+            .build()
+            .flags(squeue::Flags::IO_LINK)
+            .user_data(ud_h);
+        let mut zc = opcode::SendZc::new(types::Fd(fd), pp, pl).flags(libc::MSG_WAITALL | libc::MSG_NOSIGNAL);
+        if let Some(i) = fixed {
+            zc = zc.buf_index(Some(i));
+        }
+        let ep = zc.build().user_data(ud_p);
+        // SAFETY: the header is boxed in its op; the payload lies in a registered
+        // region kept alive and counted in flight by the write's guard, which the
+        // ZcPayload op holds until the kernel's notification says it let go.
+        unsafe {
+            self.push(eh);
+            self.push(ep);
+        }
     }
     // ---------------------------------------------------------------- send completions
 
