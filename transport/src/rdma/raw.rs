@@ -190,30 +190,74 @@ impl std::fmt::Debug for RawEndpoint {
     }
 }
 
+/// Checks `cfg`'s queue-pair count, depths and MTU, and sizes the buffer: one
+/// half rounded up to whole pages, and the whole buffer (two halves per queue
+/// pair), in bytes.
+fn check_sizes(cfg: &RawConfig) -> Result<(usize, usize)> {
+    let bad = |reason: String| Error::InvalidArgument {
+        op: "RawEndpoint::open",
+        reason,
+    };
+    if cfg.qps == 0 || cfg.qps > 1024 {
+        return Err(bad(format!("{} queue pairs: give 1 to 1024", cfg.qps)));
+    }
+    if cfg.tx_depth == 0 || cfg.rx_depth == 0 {
+        return Err(bad("tx_depth and rx_depth must be at least 1".into()));
+    }
+    if let Some(m) = cfg.mtu {
+        if mtu_from_bytes(m).is_none() {
+            return Err(bad(format!("MTU {m}: give 256, 512, 1024, 2048 or 4096")));
+        }
+    }
+    let page = page_size();
+    let half = cfg.half_bytes.max(1).div_ceil(page) * page;
+    let total = half
+        .checked_mul(2 * cfg.qps)
+        .filter(|&t| t <= 1 << 40)
+        .ok_or_else(|| bad(format!("{} queue pairs x 2 x {half} bytes overflows", cfg.qps)))?;
+    Ok((half, total))
+}
+
+/// Creates `cfg.qps` RC queue pairs on `pd`, sending and receiving on `cq`,
+/// each moved to INIT on the device's port, and a random 24-bit starting PSN
+/// for each.
+fn init_qps(
+    cfg: &RawConfig,
+    dev: &device::Selected,
+    pd: &Arc<ProtectionDomain>,
+    cq: &Arc<BasicCompletionQueue>,
+) -> Result<(Vec<ExtendedQueuePair>, Vec<u32>)> {
+    let name = &dev.name;
+    let mut qps = Vec::with_capacity(cfg.qps);
+    let mut psns = Vec::with_capacity(cfg.qps);
+    for _ in 0..cfg.qps {
+        let mut qb = pd.create_qp_builder();
+        let gcq = GenericCompletionQueue::from(Arc::clone(cq));
+        qb.setup_send_cq(gcq.clone())
+            .setup_recv_cq(gcq)
+            .setup_max_send_wr(cfg.tx_depth)
+            .setup_max_recv_wr(cfg.rx_depth)
+            .setup_max_send_sge(1)
+            .setup_max_recv_sge(1)
+            .setup_max_inline_data(cfg.max_inline);
+        let mut qp = qb.build_ex().map_err(|e| verbs("ibv_create_qp_ex", name, io_of(e)))?;
+        let mut a = QueuePairAttribute::new();
+        a.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(dev.port)
+            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead);
+        qp.modify(&a)
+            .map_err(|e| verbs("ibv_modify_qp(INIT)", name, io_of(e)))?;
+        qps.push(qp);
+        psns.push(crate::auth::random_u32() & 0xff_ffff);
+    }
+    Ok((qps, psns))
+}
+
 impl RawEndpoint {
     /// Opens the device, registers the buffer and creates the queue pairs (state INIT).
     pub fn open(cfg: RawConfig) -> Result<Self> {
-        let bad = |reason: String| Error::InvalidArgument {
-            op: "RawEndpoint::open",
-            reason,
-        };
-        if cfg.qps == 0 || cfg.qps > 1024 {
-            return Err(bad(format!("{} queue pairs: give 1 to 1024", cfg.qps)));
-        }
-        if cfg.tx_depth == 0 || cfg.rx_depth == 0 {
-            return Err(bad("tx_depth and rx_depth must be at least 1".into()));
-        }
-        if let Some(m) = cfg.mtu {
-            if mtu_from_bytes(m).is_none() {
-                return Err(bad(format!("MTU {m}: give 256, 512, 1024, 2048 or 4096")));
-            }
-        }
-        let page = page_size();
-        let half = cfg.half_bytes.max(1).div_ceil(page) * page;
-        let total = half
-            .checked_mul(2 * cfg.qps)
-            .filter(|&t| t <= 1 << 40)
-            .ok_or_else(|| bad(format!("{} queue pairs x 2 x {half} bytes overflows", cfg.qps)))?;
+        let (half, total) = check_sizes(&cfg)?;
         let dev = device::select(&cfg.device)?;
         let name = dev.name.clone();
         let out_reads = dev
@@ -247,32 +291,10 @@ impl RawEndpoint {
         }
         .map_err(|e| verbs("ibv_reg_mr", &name, io_of(e)))?;
         let mtu = match cfg.mtu {
-            Some(m) => mtu_from_bytes(m).expect("checked above"),
+            Some(m) => mtu_from_bytes(m).expect("checked in check_sizes"),
             None => dev.active_mtu,
         };
-        let mut qps = Vec::with_capacity(cfg.qps);
-        let mut psns = Vec::with_capacity(cfg.qps);
-        for _ in 0..cfg.qps {
-            let mut qb = pd.create_qp_builder();
-            let gcq = GenericCompletionQueue::from(Arc::clone(&cq));
-            qb.setup_send_cq(gcq.clone())
-                .setup_recv_cq(gcq)
-                .setup_max_send_wr(cfg.tx_depth)
-                .setup_max_recv_wr(cfg.rx_depth)
-                .setup_max_send_sge(1)
-                .setup_max_recv_sge(1)
-                .setup_max_inline_data(cfg.max_inline);
-            let mut qp = qb.build_ex().map_err(|e| verbs("ibv_create_qp_ex", &name, io_of(e)))?;
-            let mut a = QueuePairAttribute::new();
-            a.setup_state(QueuePairState::Init)
-                .setup_pkey_index(0)
-                .setup_port(dev.port)
-                .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead);
-            qp.modify(&a)
-                .map_err(|e| verbs("ibv_modify_qp(INIT)", &name, io_of(e)))?;
-            qps.push(qp);
-            psns.push(crate::auth::random_u32() & 0xff_ffff);
-        }
+        let (qps, psns) = init_qps(&cfg, &dev, &pd, &cq)?;
         Ok(RawEndpoint {
             connected: vec![false; qps.len()],
             qps,
