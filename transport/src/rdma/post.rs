@@ -4,15 +4,17 @@
 //! return receive credits to the peer. Nothing here allocates in steady state:
 //! the lists it works through are the transport's, reused.
 
-use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, SetInlineData, SetScatterGatherEntry, WorkRequestFlags};
+use sideway::ibverbs::queue_pair::{
+    PostSendError, PostSendGuard, QueuePair, SetInlineData, SetScatterGatherEntry, WorkRequestFlags,
+};
 
 use crate::api::{check_write, ConnId, ReqId};
 use crate::error::{Error, Result};
 use crate::memory::{InFlight, RemoteRegion, Slice};
 
 use super::error::{io_of, verbs};
-use super::state::{wr_id, Op, OpKind, State, Wr, KIND_CREDIT, KIND_META, KIND_SEND};
-use super::wire::{self, NOTICE_LEN};
+use super::state::{wr_id, Conn, Op, OpKind, State, Wr, KIND_CREDIT, KIND_META, KIND_SEND};
+use super::wire::{self, Notice, NOTICE_LEN};
 use super::RdmaTransport;
 
 impl RdmaTransport {
@@ -158,70 +160,24 @@ impl RdmaTransport {
                 violation,
             });
         }
-        // Take what fits: send-queue room and receive credits.
-        let mut room = tx_depth - c.wrs_in_flight;
-        let mut stalled = false;
-        while let Some((_, wr)) = c.pending.front() {
-            let need = wr.work_requests();
-            if need > room {
-                break;
-            }
-            if wr.consumes_receive() {
-                if c.credits == 0 {
-                    stalled = true;
-                    break;
-                }
-                c.credits -= 1;
-            }
-            room -= need;
-            batch.push(c.pending.pop_front().expect("front exists"));
-        }
-        if stalled {
+        if take_fitting(c, tx_depth, batch) {
             self.stats.credit_stalls += 1;
             self.credit_stalled = true;
         }
         if batch.is_empty() {
             return Ok(());
         }
-        let qp = c.qp.as_mut().expect("ready connections have a queue pair");
-        let mut g = qp.start_post_send();
-        let n = batch.len();
-        let mut wrs = 0u64;
-        let mut signalled = 0u64;
-        let mut inline_bytes = 0u64;
-        let mut payload = 0u64;
-        for (i, (op, wr)) in batch.iter().enumerate() {
-            c.since_signal += op.wrs;
-            let signal = i + 1 == n || c.since_signal >= signal_every;
-            let flags = if signal {
-                c.since_signal = 0;
-                signalled += 1;
-                WorkRequestFlags::Signaled
-            } else {
-                WorkRequestFlags::none()
-            };
-            inline_bytes += build_wr(
-                &mut g,
-                id,
-                (op, wr),
-                flags,
-                max_inline,
-                (info.ring_rkey, info.ring_addr, rx_depth_peer),
-                &mut c.notices_sent,
-            );
-            wrs += op.wrs as u64;
-            payload += op.bytes as u64;
-        }
-        let posted = g.post();
+        let ring = (info.ring_rkey, info.ring_addr, rx_depth_peer);
+        let (posted, sent) = post_batch(c, id, batch, signal_every, max_inline, ring);
         self.stats.doorbells += 1;
         match posted {
             Ok(()) => {
-                self.stats.work_requests += wrs;
-                self.stats.signalled += signalled;
-                self.stats.tx_inline_payload_bytes += inline_bytes;
-                self.stats.tx_payload_bytes += payload - inline_bytes;
+                self.stats.work_requests += sent.wrs;
+                self.stats.signalled += sent.signalled;
+                self.stats.tx_inline_payload_bytes += sent.inline_bytes;
+                self.stats.tx_payload_bytes += sent.payload - sent.inline_bytes;
                 let c = self.conns.get_mut(&id).expect("listed");
-                c.wrs_in_flight += wrs as u32;
+                c.wrs_in_flight += sent.wrs as u32;
                 c.inflight.extend(batch.drain(..).map(|(o, _)| o));
                 Ok(())
             }
@@ -307,12 +263,7 @@ fn build_wr<G: PostSendGuard>(
     match wr {
         Wr::Send { lkey, addr, len, tag } => {
             let inline = *len <= max_inline;
-            let flags = if inline {
-                flags | WorkRequestFlags::Inline
-            } else {
-                flags
-            };
-            let h = g.construct_wr(id_send, flags).setup_send_imm(*tag);
+            let h = g.construct_wr(id_send, with_inline(flags, inline)).setup_send_imm(*tag);
             if inline {
                 // SAFETY: addr..addr+len lies in a registered region kept alive by the op's guard.
                 let bytes = unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) };
@@ -333,26 +284,15 @@ fn build_wr<G: PostSendGuard>(
             imm,
         } => {
             if let Some((imm, notice)) = imm {
-                let slot = *notices_sent % ring.2;
-                *notices_sent += 1;
-                let bytes = notice.encode();
-                // IBV_SEND_INLINE as well as ibv_wr_set_inline_data: rxe's kernel side
-                // reads the flag to know the data is inline (LOC_QP_OP_ERR without it).
-                let h = g
-                    .construct_wr(wr_id(id, KIND_META, op.seq), WorkRequestFlags::Inline)
-                    .setup_write(ring.0, ring.1 + slot * NOTICE_LEN as u64);
-                h.setup_inline_data(&bytes);
+                build_notice(g, id, op.seq, notice, ring, notices_sent);
                 let h = g.construct_wr(id_send, flags).setup_write_imm(*rkey, *raddr, *imm);
                 // SAFETY: as for sends.
                 unsafe { h.setup_sge(*lkey, *addr, *len) };
             } else {
                 let inline = *len <= max_inline;
-                let flags = if inline {
-                    flags | WorkRequestFlags::Inline
-                } else {
-                    flags
-                };
-                let h = g.construct_wr(id_send, flags).setup_write(*rkey, *raddr);
+                let h = g
+                    .construct_wr(id_send, with_inline(flags, inline))
+                    .setup_write(*rkey, *raddr);
                 if inline {
                     // SAFETY: as for inline sends.
                     let b = unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) };
@@ -377,4 +317,99 @@ fn build_wr<G: PostSendGuard>(
         }
     }
     inline_bytes
+}
+
+/// `flags`, with `Inline` added when the payload goes inline.
+fn with_inline(flags: WorkRequestFlags, inline: bool) -> WorkRequestFlags {
+    if inline {
+        flags | WorkRequestFlags::Inline
+    } else {
+        flags
+    }
+}
+
+/// Builds the notice of op `seq` (a write with an immediate) of connection
+/// `id` into the post's list `g`: written inline into slot `notices_sent`
+/// (counted) of the peer's ring `(rkey, address, slots)`.
+fn build_notice<G: PostSendGuard>(
+    g: &mut G,
+    id: u64,
+    seq: u64,
+    notice: &Notice,
+    ring: (u32, u64, u64),
+    notices_sent: &mut u64,
+) {
+    let slot = *notices_sent % ring.2;
+    *notices_sent += 1;
+    let bytes = notice.encode();
+    // IBV_SEND_INLINE as well as ibv_wr_set_inline_data: rxe's kernel side
+    // reads the flag to know the data is inline (LOC_QP_OP_ERR without it).
+    let h = g
+        .construct_wr(wr_id(id, KIND_META, seq), WorkRequestFlags::Inline)
+        .setup_write(ring.0, ring.1 + slot * NOTICE_LEN as u64);
+    h.setup_inline_data(&bytes);
+}
+
+/// Totals of one posted batch, for the stats.
+#[derive(Default)]
+struct Posted {
+    wrs: u64,
+    signalled: u64,
+    inline_bytes: u64,
+    payload: u64,
+}
+
+/// Moves to `batch` what of connection `c`'s pending ops fits, in order: room
+/// in the send queue (`tx_depth` deep) and a receive credit for each op that
+/// consumes a receive. True when it stopped for want of a credit.
+fn take_fitting(c: &mut Conn, tx_depth: u32, batch: &mut Vec<(Op, Wr)>) -> bool {
+    let mut room = tx_depth - c.wrs_in_flight;
+    while let Some((_, wr)) = c.pending.front() {
+        let need = wr.work_requests();
+        if need > room {
+            break;
+        }
+        if wr.consumes_receive() {
+            if c.credits == 0 {
+                return true;
+            }
+            c.credits -= 1;
+        }
+        room -= need;
+        batch.push(c.pending.pop_front().expect("front exists"));
+    }
+    false
+}
+
+/// Builds `batch` (non-empty), ops of connection `c` (`id`), into one post on
+/// its queue pair and rings the doorbell: every `signal_every` work requests,
+/// and the batch's last, are signalled; see [`build_wr`] for `max_inline` and
+/// `ring`. Returns the post's answer and the batch's totals.
+fn post_batch(
+    c: &mut Conn,
+    id: u64,
+    batch: &[(Op, Wr)],
+    signal_every: u32,
+    max_inline: u32,
+    ring: (u32, u64, u64),
+) -> (std::result::Result<(), PostSendError>, Posted) {
+    let qp = c.qp.as_mut().expect("ready connections have a queue pair");
+    let mut g = qp.start_post_send();
+    let n = batch.len();
+    let mut sent = Posted::default();
+    for (i, (op, wr)) in batch.iter().enumerate() {
+        c.since_signal += op.wrs;
+        let signal = i + 1 == n || c.since_signal >= signal_every;
+        let flags = if signal {
+            c.since_signal = 0;
+            sent.signalled += 1;
+            WorkRequestFlags::Signaled
+        } else {
+            WorkRequestFlags::none()
+        };
+        sent.inline_bytes += build_wr(&mut g, id, (op, wr), flags, max_inline, ring, &mut c.notices_sent);
+        sent.wrs += op.wrs as u64;
+        sent.payload += op.bytes as u64;
+    }
+    (g.post(), sent)
 }
