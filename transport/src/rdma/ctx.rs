@@ -85,28 +85,7 @@ impl RdmaTransport {
         let dev = device::select(&cfg.device)?;
         let name = dev.name.clone();
         let pd = dev.ctx.alloc_pd().map_err(|e| verbs("ibv_alloc_pd", &name, io_of(e)))?;
-        let channel = match cfg.cq_mode {
-            CqMode::Event => {
-                let ch = dev
-                    .ctx
-                    .create_comp_channel()
-                    .map_err(|e| verbs("ibv_create_comp_channel", &name, io_of(e)))?;
-                ch.set_nonblocking(true)
-                    .map_err(|e| verbs("fcntl(O_NONBLOCK) on the completion channel", &name, e))?;
-                Some(ch)
-            }
-            CqMode::BusyPoll => None,
-        };
-        let mut b = dev.ctx.create_cq_builder();
-        b.setup_cqe(cfg.cq_entries);
-        if let Some(ch) = &channel {
-            b.setup_comp_channel(ch, 0);
-        }
-        // A basic CQ (ibv_poll_cq): the ibv_start_poll/ibv_next_poll/ibv_end_poll
-        // batch of Debian 12's rxe provider advances its consumer index twice when a
-        // batch ends on an empty queue, which loses completions and re-reads stale
-        // ones (seen here as a duplicated message); ibv_poll_cq has no such state.
-        let cq = b.build().map_err(|e| verbs("ibv_create_cq", &name, io_of(e)))?;
+        let (channel, cq) = create_cq(&dev, &cfg)?;
         let mtu = match cfg.mtu {
             Some(m) => mtu_from_bytes(m).expect("validated"),
             None => dev.active_mtu,
@@ -128,16 +107,7 @@ impl RdmaTransport {
             Access::LOCAL,
         )?;
         let wake = WakeFd::new()?;
-        let max_write = dev.max_msg_sz.min(1 << 30) as usize;
-        let props = Properties {
-            name: format!("rdma-verbs ({} port {} gid {})", dev.name, dev.port, dev.gid_index),
-            speed_mbps: None,
-            memory_kinds: vec![MemoryKind::Host, MemoryKind::DmaBuf],
-            max_message_bytes: cfg.max_message_bytes,
-            max_write_bytes: max_write,
-            one_sided: true,
-            max_outstanding: cfg.control.max_outstanding,
-        };
+        let props = properties(&dev, &cfg);
         info!(
             device = %dev.name, port = dev.port, gid_index = dev.gid_index, gid = %dev.gid,
             mtu = device::mtu_bytes(mtu), "RDMA transport ready"
@@ -224,5 +194,51 @@ impl RdmaTransport {
         let n = self.events.len().min(max);
         events.extend(self.events.drain(..n));
         n
+    }
+}
+
+/// The completion queue of `cfg.cq_entries` on device `dev`, and in event mode
+/// the (non-blocking) completion channel it signals.
+fn create_cq(
+    dev: &device::Selected,
+    cfg: &RdmaConfig,
+) -> Result<(Option<Arc<CompletionChannel>>, Arc<BasicCompletionQueue>)> {
+    let name = &dev.name;
+    let channel = match cfg.cq_mode {
+        CqMode::Event => {
+            let ch = dev
+                .ctx
+                .create_comp_channel()
+                .map_err(|e| verbs("ibv_create_comp_channel", name, io_of(e)))?;
+            ch.set_nonblocking(true)
+                .map_err(|e| verbs("fcntl(O_NONBLOCK) on the completion channel", name, e))?;
+            Some(ch)
+        }
+        CqMode::BusyPoll => None,
+    };
+    let mut b = dev.ctx.create_cq_builder();
+    b.setup_cqe(cfg.cq_entries);
+    if let Some(ch) = &channel {
+        b.setup_comp_channel(ch, 0);
+    }
+    // A basic CQ (ibv_poll_cq): the ibv_start_poll/ibv_next_poll/ibv_end_poll
+    // batch of Debian 12's rxe provider advances its consumer index twice when a
+    // batch ends on an empty queue, which loses completions and re-reads stale
+    // ones (seen here as a duplicated message); ibv_poll_cq has no such state.
+    let cq = b.build().map_err(|e| verbs("ibv_create_cq", name, io_of(e)))?;
+    Ok((channel, cq))
+}
+
+/// What the transport tells its users about itself on device `dev`.
+fn properties(dev: &device::Selected, cfg: &RdmaConfig) -> Properties {
+    let max_write = dev.max_msg_sz.min(1 << 30) as usize;
+    Properties {
+        name: format!("rdma-verbs ({} port {} gid {})", dev.name, dev.port, dev.gid_index),
+        speed_mbps: None,
+        memory_kinds: vec![MemoryKind::Host, MemoryKind::DmaBuf],
+        max_message_bytes: cfg.max_message_bytes,
+        max_write_bytes: max_write,
+        one_sided: true,
+        max_outstanding: cfg.control.max_outstanding,
     }
 }
