@@ -403,44 +403,10 @@ pub(crate) fn select(choice: &DeviceChoice) -> Result<Selected> {
             if choice.port.is_some_and(|want| want != p) {
                 continue;
             }
-            let attr = match ctx.query_port(p) {
-                Ok(a) => a,
-                Err(e) => {
-                    why.push(format!("{name} port {p}: query failed: {e}"));
-                    continue;
-                }
-            };
-            if attr.port_state() != PortState::Active {
-                why.push(format!("{name} port {p}: {}", port_state_name(attr.port_state())));
-                continue;
+            match select_port(&ctx, &name, p, choice.gid_index) {
+                Ok(s) => return Ok(s),
+                Err(w) => why.push(w),
             }
-            let gids = gids_of(&ctx, p);
-            let gid_index = match pick_gid(&gids, choice.gid_index, attr.link_layer()) {
-                Ok(i) => i,
-                Err(e) => {
-                    why.push(format!("{name} port {p}: {e}"));
-                    continue;
-                }
-            };
-            let gid = match ctx.query_gid(p, gid_index) {
-                Ok(g) => g,
-                Err(e) => {
-                    why.push(format!("{name} port {p}: GID {gid_index}: {e}"));
-                    continue;
-                }
-            };
-            return Ok(Selected {
-                ctx: ctx.clone(),
-                name,
-                port: p,
-                gid_index,
-                gid,
-                lid: attr.lid(),
-                link: attr.link_layer(),
-                active_mtu: attr.active_mtu(),
-                // RC messages may be up to 2^31 bytes; one write is capped at 1 GiB.
-                max_msg_sz: 1 << 30,
-            });
         }
     }
     if !seen {
@@ -455,6 +421,39 @@ pub(crate) fn select(choice: &DeviceChoice) -> Result<Selected> {
     }
     Err(Error::RdmaUnavailable {
         reason: format!("no usable port: {}", why.join("; ")),
+    })
+}
+
+/// Port `p` of device `name` (opened as `ctx`) if it is ACTIVE and has a
+/// usable GID (`gid_index`, or the best one); else why not.
+fn select_port(
+    ctx: &Arc<DeviceContext>,
+    name: &str,
+    p: u8,
+    gid_index: Option<u32>,
+) -> std::result::Result<Selected, String> {
+    let attr = ctx
+        .query_port(p)
+        .map_err(|e| format!("{name} port {p}: query failed: {e}"))?;
+    if attr.port_state() != PortState::Active {
+        return Err(format!("{name} port {p}: {}", port_state_name(attr.port_state())));
+    }
+    let gids = gids_of(ctx, p);
+    let gid_index = pick_gid(&gids, gid_index, attr.link_layer()).map_err(|e| format!("{name} port {p}: {e}"))?;
+    let gid = ctx
+        .query_gid(p, gid_index)
+        .map_err(|e| format!("{name} port {p}: GID {gid_index}: {e}"))?;
+    Ok(Selected {
+        ctx: ctx.clone(),
+        name: name.to_string(),
+        port: p,
+        gid_index,
+        gid,
+        lid: attr.lid(),
+        link: attr.link_layer(),
+        active_mtu: attr.active_mtu(),
+        // RC messages may be up to 2^31 bytes; one write is capped at 1 GiB.
+        max_msg_sz: 1 << 30,
     })
 }
 
