@@ -24,7 +24,9 @@ use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::GenericCompletionQueue;
 use sideway::ibverbs::device::DeviceInfo;
 use sideway::ibverbs::device_context::LinkLayer;
-use sideway::ibverbs::queue_pair::{QueuePair, QueuePairAttribute, QueuePairState, SetScatterGatherEntry};
+use sideway::ibverbs::queue_pair::{
+    ExtendedQueuePair, QueuePair, QueuePairAttribute, QueuePairState, SetScatterGatherEntry,
+};
 use sideway::ibverbs::AccessFlags;
 use sideway::rdmacm::communication_manager::{ConnectionParameter, EventType, Identifier};
 use tracing::debug;
@@ -46,23 +48,7 @@ impl RdmaTransport {
     pub(super) fn start_qp(&mut self, id: u64) -> Result<()> {
         let cfg = &self.cfg;
         let name = self.dev.name.clone();
-        let mut b = self.pd.create_qp_builder();
-        let cq = GenericCompletionQueue::from(Arc::clone(&self.cq));
-        b.setup_send_cq(cq.clone())
-            .setup_recv_cq(cq)
-            .setup_max_send_wr(cfg.tx_depth)
-            .setup_max_recv_wr(cfg.rx_depth)
-            .setup_max_send_sge(1)
-            .setup_max_recv_sge(1)
-            .setup_max_inline_data(cfg.max_inline_bytes.max(NOTICE_LEN as u32));
-        let mut qp = b.build_ex().map_err(|e| verbs("ibv_create_qp_ex", &name, io_of(e)))?;
-        let mut a = QueuePairAttribute::new();
-        a.setup_state(QueuePairState::Init)
-            .setup_pkey_index(0)
-            .setup_port(self.dev.port)
-            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead);
-        qp.modify(&a)
-            .map_err(|e| verbs("ibv_modify_qp(INIT)", &name, io_of(e)))?;
+        let mut qp = self.create_qp()?;
 
         let rx_depth = cfg.rx_depth as usize;
         let msg = cfg.max_message_bytes;
@@ -117,6 +103,32 @@ impl RdmaTransport {
         c.deadline = Some(Instant::now() + self.cfg.control.handshake_timeout);
         self.ctrl_send(id, wire::TAG_QP_INFO, info.encode());
         Ok(())
+    }
+
+    /// A new RC queue pair on the transport's completion queue, sized by the
+    /// config (inline data room for a notice at least), moved RESET -> INIT on
+    /// our port.
+    fn create_qp(&self) -> Result<ExtendedQueuePair> {
+        let cfg = &self.cfg;
+        let name = &self.dev.name;
+        let mut b = self.pd.create_qp_builder();
+        let cq = GenericCompletionQueue::from(Arc::clone(&self.cq));
+        b.setup_send_cq(cq.clone())
+            .setup_recv_cq(cq)
+            .setup_max_send_wr(cfg.tx_depth)
+            .setup_max_recv_wr(cfg.rx_depth)
+            .setup_max_send_sge(1)
+            .setup_max_recv_sge(1)
+            .setup_max_inline_data(cfg.max_inline_bytes.max(NOTICE_LEN as u32));
+        let mut qp = b.build_ex().map_err(|e| verbs("ibv_create_qp_ex", name, io_of(e)))?;
+        let mut a = QueuePairAttribute::new();
+        a.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(self.dev.port)
+            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead);
+        qp.modify(&a)
+            .map_err(|e| verbs("ibv_modify_qp(INIT)", name, io_of(e)))?;
+        Ok(qp)
     }
 
     /// The peer's QP info arrived: INIT -> RTR -> RTS, then READY and our regions.
