@@ -8,7 +8,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Weak;
 use std::time::{Duration, Instant};
 
-use sideway::ibverbs::completion::CompletionQueue;
+use sideway::ibverbs::completion::{CompletionChannel, CompletionQueue};
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::queue_pair::QueuePair;
 use tracing::warn;
@@ -297,16 +297,7 @@ impl RdmaTransport {
             return Ok(());
         };
         if !self.armed {
-            // SAFETY: `cq` is a live completion queue; arming only sets a flag in the driver.
-            let rc = unsafe { rdma_mummy_sys::ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
-            if rc != 0 {
-                return Err(verbs(
-                    "ibv_req_notify_cq",
-                    &self.dev.name,
-                    std::io::Error::from_raw_os_error(rc),
-                ));
-            }
-            self.armed = true;
+            self.arm_cq()?;
             // A completion may have landed before arming.
             self.poll_cq()?;
             if !self.events.is_empty() {
@@ -352,17 +343,38 @@ impl RdmaTransport {
             self.wake.drain();
         }
         if fds[0].revents & libc::POLLIN != 0 {
-            let mut cq = std::ptr::null_mut();
-            let mut ctx = std::ptr::null_mut();
-            // SAFETY: the channel is non-blocking and live; the out-pointers are valid locals.
-            let rc = unsafe { rdma_mummy_sys::ibv_get_cq_event(ch.comp_channel().as_ptr(), &mut cq, &mut ctx) };
-            if rc == 0 {
-                // SAFETY: `cq` is the queue the event was for (ours); one event is acknowledged.
-                unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
-                self.armed = false;
-            }
+            self.take_cq_event(&ch);
         }
         Ok(())
+    }
+
+    /// Asks the completion queue to signal its channel on the next completion.
+    fn arm_cq(&mut self) -> Result<()> {
+        // SAFETY: `cq` is a live completion queue; arming only sets a flag in the driver.
+        let rc = unsafe { rdma_mummy_sys::ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
+        if rc != 0 {
+            return Err(verbs(
+                "ibv_req_notify_cq",
+                &self.dev.name,
+                std::io::Error::from_raw_os_error(rc),
+            ));
+        }
+        self.armed = true;
+        Ok(())
+    }
+
+    /// Takes and acknowledges the event the readable channel `ch` holds, if
+    /// any: the completion queue is then disarmed.
+    fn take_cq_event(&mut self, ch: &CompletionChannel) {
+        let mut cq = std::ptr::null_mut();
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: the channel is non-blocking and live; the out-pointers are valid locals.
+        let rc = unsafe { rdma_mummy_sys::ibv_get_cq_event(ch.comp_channel().as_ptr(), &mut cq, &mut ctx) };
+        if rc == 0 {
+            // SAFETY: `cq` is the queue the event was for (ours); one event is acknowledged.
+            unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
+            self.armed = false;
+        }
     }
 }
 
