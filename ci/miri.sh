@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the registered-memory tests of tidewire-transport (Region, Lease, PinnedBuffer:
-# transport/src/memory.rs) under Miri, which checks their unsafe code for undefined
+# transport/src/memory/) under Miri, which checks their unsafe code for undefined
 # behaviour: aliasing (Stacked Borrows), data races between threads, out-of-bounds and
 # use-after-free accesses. Under Miri a PinnedBuffer is a page-aligned heap allocation
 # (Miri cannot mmap, mlock or madvise); tests that need those syscalls are ignored and
