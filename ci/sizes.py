@@ -2,7 +2,9 @@
 """Function and file sizes outside tests (issue #30's "smaller rooms" figures).
 
 Counts every Rust `fn` with a body in tracked files, except files under a `tests/`
-directory and `#[cfg(test)] mod tests` blocks (the rest of a file after one). A
+directory, files named `tests.rs` (a module's tests in a file of their own) and
+`#[cfg(test)] mod tests { ... }` blocks (the rest of a file after one; a
+`mod tests;` declaration only names the file and ends nothing). A
 function's length is its lines from `fn` to its closing brace, found by matching
 braces outside strings, chars and `//` comments (good enough for this code base:
 it does not use raw strings with braces in function bodies).
@@ -32,7 +34,7 @@ def scan(path):
     lines = open(path, errors='replace').read().split('\n')
     end = len(lines)
     for i, l in enumerate(lines):
-        if TEST_MOD.match(l) and i + 1 < len(lines) and re.match(r'\s*mod tests', lines[i + 1]):
+        if TEST_MOD.match(l) and i + 1 < len(lines) and re.match(r'\s*mod tests\s*\{', lines[i + 1]):
             end = i
             break
     fns = []
@@ -67,7 +69,7 @@ def main():
     files = subprocess.check_output(['git', 'ls-files', '*.rs'], text=True).split()
     fns, big_files = [], []
     for f in files:
-        if '/tests/' in f or f.startswith('tests/'):
+        if '/tests/' in f or f.startswith('tests/') or f == 'tests.rs' or f.endswith('/tests.rs'):
             continue
         n, found = scan(f)
         if n > MAX_FILE:
