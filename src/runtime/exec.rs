@@ -711,32 +711,7 @@ impl WorkerExec {
             JobKind::Reconstruct {
                 layer, params, factors, ..
             } => {
-                let l = book
-                    .layers()
-                    .get(*layer as usize)
-                    .ok_or(JobError::outside("unknown layer"))?;
-                let (uv, [in_place, decoded]) = factor_views(factors, (k, l.m, l.n), &mut self.factor_scratch)?;
-                self.meters.reads.in_place.fetch_add(in_place, Ordering::Relaxed);
-                self.meters.reads.decoded.fetch_add(decoded, Ordering::Relaxed);
-                self.scratch.resize(l.params(), 0.0);
-                let flops = 2 * (uv.len() * k * l.m * l.n) as u64;
-                let scratch = &mut self.scratch[..l.params()];
-                self.meters.gemm.time(flops, || cpu::sf_sum(&uv, k, l.m, l.n, scratch));
-                let mut p = self.mem.lease(*params, (l.params() * 4) as u64)?;
-                let op = self.op;
-                let mut momentum = self.momentum.lock().unwrap_or_else(|p| p.into_inner());
-                let mom = momentum.entry(*layer).or_insert_with(|| {
-                    if op.needs_momentum() {
-                        vec![0.0; l.params()]
-                    } else {
-                        Vec::new()
-                    }
-                });
-                let (grad, p) = (&self.scratch[..l.params()], p.as_f32_mut()?);
-                let n = self.gradients;
-                self.meters
-                    .apply
-                    .time(p.len() as u64, || cpu::apply(op, n, grad, p, mom));
+                self.reconstruct(*layer, *params, factors)?;
                 Ok(None)
             }
             JobKind::EncodeSparse { src, len, dst, cap, .. } => {
@@ -763,6 +738,41 @@ impl WorkerExec {
                 job: format!("{other:?}"),
             }),
         }
+    }
+
+    /// SFB: layer `layer`'s gradient rebuilt from every worker's factors, in
+    /// worker order, and applied to its parameters with this worker's own
+    /// momentum for the layer.
+    fn reconstruct(&mut self, layer: u32, params: Loc, factors: &[Blob]) -> Jr<()> {
+        let k = self.book.config().batch;
+        let book = self.book.clone();
+        let l = book
+            .layers()
+            .get(layer as usize)
+            .ok_or(JobError::outside("unknown layer"))?;
+        let (uv, [in_place, decoded]) = factor_views(factors, (k, l.m, l.n), &mut self.factor_scratch)?;
+        self.meters.reads.in_place.fetch_add(in_place, Ordering::Relaxed);
+        self.meters.reads.decoded.fetch_add(decoded, Ordering::Relaxed);
+        self.scratch.resize(l.params(), 0.0);
+        let flops = 2 * (uv.len() * k * l.m * l.n) as u64;
+        let scratch = &mut self.scratch[..l.params()];
+        self.meters.gemm.time(flops, || cpu::sf_sum(&uv, k, l.m, l.n, scratch));
+        let mut p = self.mem.lease(params, (l.params() * 4) as u64)?;
+        let op = self.op;
+        let mut momentum = self.momentum.lock().unwrap_or_else(|p| p.into_inner());
+        let mom = momentum.entry(layer).or_insert_with(|| {
+            if op.needs_momentum() {
+                vec![0.0; l.params()]
+            } else {
+                Vec::new()
+            }
+        });
+        let (grad, p) = (&self.scratch[..l.params()], p.as_f32_mut()?);
+        let n = self.gradients;
+        self.meters
+            .apply
+            .time(p.len() as u64, || cpu::apply(op, n, grad, p, mom));
+        Ok(())
     }
 }
 
