@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use support::{serial, tidewire, TrainReport};
+use tidewire_cli::train::pipe::ToLauncher;
 use tidewire_engine::book::Scheme;
 
 fn succeeded(out: &Output) {
@@ -343,7 +344,7 @@ fn lose_a_worker(signal: &str) {
     let mut lines = BufReader::new(out).lines();
     loop {
         let l = lines.next().expect("rank 1 ended before training").unwrap();
-        if l == "progress 3" {
+        if matches!(ToLauncher::parse(&l), Some(ToLauncher::Progress(3))) {
             break;
         }
     }
