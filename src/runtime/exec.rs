@@ -122,9 +122,14 @@ impl Meter {
     fn time<T>(&self, work: u64, f: impl FnOnce() -> T) -> T {
         let t = std::time::Instant::now();
         let r = f();
-        self.ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        self.work.fetch_add(work, Ordering::Relaxed);
+        self.record(work, t);
         r
+    }
+
+    /// Counts `work` done since `start`.
+    fn record(&self, work: u64, start: std::time::Instant) {
+        self.ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.work.fetch_add(work, Ordering::Relaxed);
     }
 }
 
@@ -453,10 +458,9 @@ impl ServerExec {
                     first: *first,
                     contributions: *contributions,
                 };
-                let meters = self.meters.clone();
-                meters
-                    .sum
-                    .time(*len as u64 * 4, || self.accumulate(at, *src, *pairs, *partial))?;
+                let t = std::time::Instant::now();
+                self.accumulate(at, *src, *pairs, *partial)?;
+                self.meters.sum.record(*len as u64 * 4, t);
                 None
             }
             JobKind::FoldPartial {
