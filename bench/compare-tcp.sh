@@ -45,7 +45,10 @@ done
 [[ "$SECS" =~ ^[1-9][0-9]*$ ]] || { echo "--secs $SECS: give whole seconds"; exit 2; }
 command -v iperf3 >/dev/null || { echo "iperf3 is missing (Debian: apt-get install iperf3)"; exit 1; }
 mkdir -p "$OUT"
-cargo build --release --locked -q -p tidewire-bench --bin tidewire-perf --bin tidewire-perf-report \
+# TIDEWIRE_CARGO_SELECT: the packages and features to build with (ci/test.sh builds the
+# workspace once with every feature and passes --workspace --all-features).
+read -ra select <<<"${TIDEWIRE_CARGO_SELECT:--p tidewire-bench}"
+cargo build --release --locked -q "${select[@]}" --bin tidewire-perf --bin tidewire-perf-report \
   --bin tidewire-loopback </dev/null \
   || { echo "build failed"; exit 1; }
 P=$TARGET_DIR/release/tidewire-perf

@@ -15,12 +15,16 @@ OUT=$TARGET_DIR/capi
 mkdir -p "$OUT"
 LIBDIR=$TARGET_DIR/release
 
-echo "== build: cargo build --release -p tidewire-capi"
-cargo build --release --locked -q -p tidewire-capi
+# TIDEWIRE_CARGO_SELECT: the packages and features to build with (ci/test.sh builds the
+# workspace once with every feature and passes --workspace --all-features: the library then
+# has the rdma and cuda backends, which it probes at run time).
+read -ra select <<<"${TIDEWIRE_CARGO_SELECT:--p tidewire-capi}"
+echo "== build: cargo build --release ${select[*]}"
+cargo build --release --locked -q "${select[@]}"
 ls -l "$LIBDIR/libtidewire_c.so" "$LIBDIR/libtidewire_c.a"
 
 echo "== header: capi/include/tidewire.h is current (cbindgen)"
-cargo test --locked -q -p tidewire-capi --test header
+cargo test --release --locked -q "${select[@]}" --test header
 
 echo "== header alone: cc ${CFLAGS[*]}"
 cat > "$OUT/header_only.c" <<'EOF'

@@ -63,6 +63,9 @@ else
 fi
 "$VENV/bin/python" -c 'import torch, numpy, maturin; print("torch", torch.__version__, "| numpy", numpy.__version__)' \
   2>/dev/null || "$VENV/bin/python" -c 'import torch, numpy; print("torch", torch.__version__, "| numpy", numpy.__version__)'
+# `ci/python.sh --venv-only`: only the cached venv (ci/test.sh fetches it in the background
+# while it compiles, since it is mostly a download).
+if [ "${1:-}" = "--venv-only" ]; then phase ""; exit 0; fi
 
 phase "build (maturin, release)"
 . ci/target-dir.sh
@@ -79,7 +82,10 @@ phase "install"
 
 phase "pytest"
 # test_checkpoint.py reads the checkpoints `tidewire train` writes.
-cargo build --release --locked -q -p tidewire-cli --bin tidewire
+# TIDEWIRE_CARGO_SELECT: which packages and features to build it with (ci/test.sh builds
+# the workspace once with every feature, and passes --workspace --all-features).
+read -ra select <<<"${TIDEWIRE_CARGO_SELECT:--p tidewire-cli}"
+cargo build --release --locked -q "${select[@]}" --bin tidewire
 export TIDEWIRE_CLI=$TARGET_DIR/release/tidewire
 "$VENV/bin/python" -m pytest -v -rs -p no:cacheprovider --durations=10 python/tests
 # Commands after `--` run with this venv's python first on PATH (and as $PYTHON), e.g.

@@ -35,7 +35,11 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 # Every RDMA test executable, by cargo's JSON artifacts.
-mapfile -t BINS < <(cargo test -p tidewire-transport --features rdma --locked --no-run \
+# TIDEWIRE_CARGO_SELECT: the packages and features to build with (ci/test.sh, which builds the
+# workspace once with every feature, passes --workspace --all-features; these are its release
+# test binaries, faster under TCG than a debug build).
+read -ra select <<<"${TIDEWIRE_CARGO_SELECT:--p tidewire-transport -p tidewire-cli -p tidewire-bench --features tidewire-bench/rdma}"
+mapfile -t BINS < <(cargo test --release "${select[@]}" --locked --no-run \
     --message-format=json-render-diagnostics </dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -44,9 +48,8 @@ for line in sys.stdin:
        and m["target"]["name"] in ("rdma_conformance", "tidewire_transport"):
         print(m["executable"])')
 [ ${#BINS[@]} -eq 2 ] || { echo "expected 2 RDMA test binaries, built ${#BINS[@]}: ${BINS[*]}"; exit 1; }
-cargo build --release --locked -q -p tidewire-cli --features rdma --bin tidewire </dev/null || { echo "release build failed"; exit 1; }
-cargo build --release --locked -q -p tidewire-bench --features rdma --bin tidewire-perf </dev/null \
-  || { echo "tidewire-perf build failed"; exit 1; }
+cargo build --release --locked -q "${select[@]}" --bin tidewire --bin tidewire-perf </dev/null \
+  || { echo "release build of tidewire and tidewire-perf failed"; exit 1; }
 TW=$TARGET_DIR/release/tidewire PERF=$TARGET_DIR/release/tidewire-perf
 for b in "$TW" "$PERF"; do [ -x "$b" ] || { echo "$b is missing after the build"; exit 1; }; done
 echo "built in $((SECONDS - t0)) s: ${BINS[*]} $TW $PERF"

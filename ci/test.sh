@@ -12,12 +12,18 @@
 #                $TARGET_DIR/book, and no relative link or #anchor of the README, python/README.md,
 #                the book's sources or the built book is broken (ci/check-links.py; external
 #                links are counted, not fetched)
-#   4. tests     cargo test --workspace --all-features: unit tests, the engine's deterministic
-#                simulation (tier 2) and its randomized jobs (1000 VOPR seeds), conformance
-#                on TCP, the embedding API, and end-to-end `tidewire train` clusters (VGG19
-#                --verify with 1, 2 and 4 workers, the configurations that used to crash,
-#                every sync mode, lowered transport limits, SSP, killed and frozen workers),
-#                doc tests
+#   3a. build    cargo build --release --workspace --all-features --all-targets, once: every
+#                later tier runs what it built (scripts get TIDEWIRE_CARGO_SELECT="--workspace
+#                --all-features", so cargo finds their builds done). Downloads (torch's venv,
+#                nightly with miri, NVRTC wheels) run in the background from the start.
+#   4. tests     cargo test --release --workspace --all-features: unit tests, the engine's
+#                deterministic simulation (tier 2) and its randomized jobs (200 VOPR seeds),
+#                conformance on TCP, the embedding API, and end-to-end `tidewire train`
+#                clusters (VGG19 --verify with 1, 2 and 4 workers, the configurations that used
+#                to crash, every sync mode, lowered transport limits, SSP, killed and frozen
+#                workers), doc tests
+#   4a. assertions  the engine and the simulator in the debug profile, where the engine's
+#                debug_asserts and per-input invariant checks run: their tests, and 1000 VOPR seeds
 #   4b. miri     the unsafe code of registered memory under Miri (ci/miri.sh)
 #   4c. fuzz     every fuzz target (fuzz/, cargo fuzz) 10 s from its seed corpus, no crash (ci/fuzz.sh)
 #   5. doctor    tidewire doctor runs and explains itself
@@ -60,8 +66,14 @@ cd "$(dirname "$0")/.."
 
 passed=0; failed=0; skipped=0
 results=()
+# TIDEWIRE_CI_ONLY=a,b,...: run only those tiers (while working on them; the summary says
+# how many others did not run). CI runs them all.
+not_run=0
 tier() { # name, command...
   local name=$1; shift
+  if [ -n "${TIDEWIRE_CI_ONLY:-}" ] && [[ ",$TIDEWIRE_CI_ONLY," != *",$name,"* ]]; then
+    not_run=$((not_run + 1)); return 0
+  fi
   echo
   echo "==================== tier: $name ===================="
   local t0=$SECONDS rc
@@ -104,7 +116,11 @@ command -v cc >/dev/null 2>&1 || need_pkgs+=(build-essential)
 # and generates bindings with libclang; libibverbs1 + ibverbs-providers are what it loads at
 # run time (the rdma-fallback tier hides them again to prove the TCP fallback).
 # fonts-dejavu-core: the font tidewire-perf-report draws its plots with.
-for p in cmake libclang-dev libibverbs1 ibverbs-providers fonts-dejavu-core iproute2; do
+# The soft-RoCE tier's VM (ci/softroce-vm.sh) needs qemu-system-x86 busybox-static kmod
+# ibverbs-utils perftest rdmacm-utils, and the python tier python3-venv: all in one apt-get
+# call here rather than three later.
+for p in cmake libclang-dev libibverbs1 ibverbs-providers fonts-dejavu-core iproute2 \
+         qemu-system-x86 busybox-static kmod ibverbs-utils perftest rdmacm-utils python3-venv; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need_pkgs+=("$p")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
@@ -126,9 +142,105 @@ export CARGO_TERM_COLOR=never
 TIER_LOGS=$TARGET_DIR/ci-logs
 mkdir -p "$TIER_LOGS"
 
+# --- fetched in the background ------------------------------------------------
+# What is mostly a download starts now and overlaps the compiling: torch and the test venv
+# (~3 GB, once), the nightly toolchain with miri (miri and fuzz tiers) and CUDA's NVRTC
+# wheels (nvrtc tier). The tier that needs one waits for it (await_fetch) and prints its log.
+declare -A FETCH_PID=()
+fetch() { # name, command...
+  local name=$1; shift
+  "$@" >"$TIER_LOGS/fetch-$name.log" 2>&1 </dev/null &
+  FETCH_PID[$name]=$!
+  echo "fetching in the background: $name (log $TIER_LOGS/fetch-$name.log)"
+}
+await_fetch() { # name: waits for it, prints its log, and returns its status
+  local name=$1 rc t0=$SECONDS
+  [ -n "${FETCH_PID[$name]:-}" ] || return 0
+  wait "${FETCH_PID[$name]}"; rc=$?
+  unset "FETCH_PID[$name]"
+  echo "---- background fetch $name: exit $rc (waited $((SECONDS - t0)) s here); its log:"
+  cat "$TIER_LOGS/fetch-$name.log"
+  echo "---- end of $name's log"
+  return $rc
+}
+nightly_with_miri() {
+  grep -q '^miri' <<<"$(rustup +nightly component list --installed 2>/dev/null)" \
+    || rustup toolchain install nightly --profile minimal --component miri
+}
+# NVRTC needs no GPU: compile the aggregation kernels with pip's libnvrtc of CUDA 12 and of
+# CUDA 13 in turn (each cached outside the clone, in a directory named after its pin), in both
+# modes, for the lowest architecture that NVRTC lists and for what a compute 8.0 and a 9.0
+# device get from it, and check the PTX (no FMA in deterministic mode, float4 loads). The test
+# must run, not skip, and must say it loaded the NVRTC of the major version installed.
+if [ "$(id -u)" -eq 0 ]; then NVRTC_DIR=${TIDEWIRE_NVRTC_DIR:-/var/cache/tidewire-nvrtc}
+else NVRTC_DIR=${TIDEWIRE_NVRTC_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tidewire-nvrtc}; fi
+# "pip requirement | the wheel's directory holding libnvrtc.so.MAJOR | MAJOR". CUDA 13's wheel
+# is nvidia-cuda-nvrtc (nvidia-cuda-nvrtc-cu13 on PyPI is a deprecated stub that refuses to build).
+NVRTC_WHEELS=(
+  "nvidia-cuda-nvrtc-cu12==12.8.93|nvidia/cuda_nvrtc/lib|12"
+  "nvidia-cuda-nvrtc==13.0.88|nvidia/cu13/lib|13"
+)
+nvrtc_fetch() { # requirement, lib dir inside the wheel, CUDA major: the wheel, unpacked (once)
+  local req=$1 sub=$2 major=$3
+  local dest=$NVRTC_DIR/${req/==/-}
+  local lib=$dest/$sub
+  if [ ! -e "$lib/libnvrtc.so.$major" ]; then
+    echo "installing $req into $dest"
+    local tmp; tmp=$(mktemp -d)
+    if ! pip3 download --no-deps --quiet -d "$tmp/dl" "$req"; then
+      echo "NVRTC $major: CANNOT INSTALL $req: 'pip3 download' failed (no network or no such version on the index; see pip's message above)"
+      rm -rf "$tmp"; return 1
+    fi
+    local whl=("$tmp"/dl/*.whl)
+    if [ ! -f "${whl[0]}" ] || ! python3 -m zipfile -e "${whl[0]}" "$tmp/x" \
+       || [ ! -e "$tmp/x/$sub/libnvrtc.so.$major" ]; then
+      echo "NVRTC $major: CANNOT INSTALL $req: no wheel, or it does not unpack to $sub/libnvrtc.so.$major (its layout: $(ls "$tmp"/dl 2>&1))"
+      rm -rf "$tmp"; return 1
+    fi
+    # Moved into place whole, so an interrupted install is never taken for a cached one.
+    mkdir -p "$NVRTC_DIR" && rm -rf "$dest" && mv "$tmp/x" "$dest" || { rm -rf "$tmp"; return 1; }
+    rm -rf "$tmp"
+  fi
+  # cudarc (built for CUDA 12.8) looks for libnvrtc.so, .so.12, .so.11, ...: not .so.13, which is
+  # all CUDA 13's wheel has. Give it the unversioned name a toolkit install also has.
+  ln -sfn "libnvrtc.so.$major" "$lib/libnvrtc.so"
+}
+nvrtc_fetch_all() {
+  local w req sub major rc=0
+  for w in "${NVRTC_WHEELS[@]}"; do
+    IFS='|' read -r req sub major <<<"$w"
+    nvrtc_fetch "$req" "$sub" "$major" || rc=1
+  done
+  return $rc
+}
+fetch python bash ci/python.sh --venv-only
+fetch nvrtc nvrtc_fetch_all
+command -v rustup >/dev/null 2>&1 && fetch nightly nightly_with_miri
+
+# --- one build ----------------------------------------------------------------
+# Every tier after `build` runs what `build` compiled: the whole workspace, every feature
+# (rdma and cuda are probed at run time), release, all targets. Scripts that build for
+# themselves take the same selection from TIDEWIRE_CARGO_SELECT, so cargo finds it done
+# instead of compiling another feature set. Only lint (clippy), the engine's
+# debug-assertion tier, miri, fuzz, the python wheel (maturin), the README's `cargo run`
+# and the GPU tier compile anything else.
+export TIDEWIRE_CARGO_SELECT="--workspace --all-features"
+ALL=(--release --locked -q --workspace --all-features)
+TW=$TARGET_DIR/release/tidewire
+test_bins() { # target names...: the paths of those test binaries of the one build
+  cargo test "${ALL[@]}" --no-run --message-format=json 2>/dev/null | python3 -c 'import json, sys
+want = set(sys.argv[1:])
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"] \
+       and m["target"]["name"] in want:
+        print(m["executable"])' "$@"
+}
+
 # --- tiers -----------------------------------------------------------------
 tier format cargo fmt --all --check
 tier lint cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+tier build cargo build --release --locked --workspace --all-features --all-targets
 
 sans_io() {
   local bad
@@ -174,30 +286,37 @@ docs() {
 }
 tier docs docs
 
-# The randomized simulation (sim/tests/vopr.rs) runs 1000 seeds here (200 by default).
-export TIDEWIRE_VOPR_SEEDS=${TIDEWIRE_VOPR_SEEDS:-1000}
-tier tests cargo test --workspace --all-features --locked --no-fail-fast
+# Every test of the workspace, on the release build of the `build` tier (the VOPR at its
+# default 200 seeds: the assertions tier runs 1000 with the engine's assertions on).
+tier tests cargo test --release --workspace --all-features --locked --no-fail-fast
+# The engine and the simulator again in the debug profile, where the engine's debug_asserts
+# and its per-input invariant checks run: unit tests, the deterministic simulation and the
+# randomized jobs (sim/tests/vopr.rs: 1000 seeds here, 200 by default).
+tier assertions env TIDEWIRE_VOPR_SEEDS="${TIDEWIRE_VOPR_SEEDS:-1000}" \
+  cargo test --locked -p tidewire-engine -p tidewire-sim --no-fail-fast
 
 # Miri checks the unsafe code of registered memory (Region, Lease, PinnedBuffer) for undefined
 # behaviour, data races included; ci/miri.sh installs nightly with miri when it is missing.
-tier miri bash ci/miri.sh
+miri() { await_fetch nightly; bash ci/miri.sh; }
+tier miri miri
 
 # libFuzzer on every decoder that reads a peer's bytes (fuzz/: frames and stream reassembly,
 # the handshake both sides, rendezvous lines, RDMA wire and notices, perftest's out-of-band
 # messages, the engine's messages), 10 s each from the committed seed corpus; any crash
 # fails. ci/fuzz.sh installs nightly and cargo-fuzz when they are missing.
 if command -v rustup >/dev/null 2>&1; then
-  tier fuzz env FUZZ_SECONDS="${FUZZ_SECONDS:-10}" bash ci/fuzz.sh
+  fuzz() { await_fetch nightly; FUZZ_SECONDS="${FUZZ_SECONDS:-10}" bash ci/fuzz.sh; }
+  tier fuzz fuzz
 else
   skip fuzz "rustup is not installed: cargo fuzz needs the nightly toolchain, which ci/fuzz.sh installs with rustup"
 fi
 
 doctor() {
-  cargo run --release --locked -q -- doctor && cargo run --release --locked -q -- doctor --json >/dev/null
+  "$TW" doctor && "$TW" doctor --json >/dev/null
 }
 tier doctor doctor
 
-tier example timeout 600 cargo run --release --locked -q --example mlp -- --procs 3 --steps 30
+tier example timeout 600 cargo run "${ALL[@]}" --example mlp -- --procs 3 --steps 30
 
 # The C ABI (capi/): libtidewire_c, tidewire.h current and clean as C11/C++11, examples/train.c
 # linked shared and static, trained on loopback processes with equal checksums (ci/capi.sh).
@@ -207,6 +326,7 @@ tier capi timeout 900 bash ci/capi.sh
 # pytest (real processes: quirks, SFB against autograd, DDP/gloo side by side, error paths;
 # the CUDA cases skip loudly without a GPU), then examples/torch's digits check under torchrun.
 python_tier() {
+  await_fetch python || return 1
   timeout 1200 bash ci/python.sh -- bash examples/torch/check_digits.sh
 }
 tier python python_tier
@@ -218,8 +338,8 @@ train() {
 tier train train
 
 bench() {
-  cargo build --release --locked -q -p tidewire-bench --bin tidewire-loopback --bin tidewire-overhead \
-    --bin tidewire-handin || return 1
+  cargo build "${ALL[@]}" --bin tidewire-loopback --bin tidewire-overhead --bin tidewire-handin --bin tidewire \
+    || return 1
   timeout 300 "$TARGET_DIR/release/tidewire-handin" --iters 2000 --idle-secs 3 --json "$TARGET_DIR/handin.json" \
     || return 1
   timeout 300 "$TARGET_DIR/release/tidewire-loopback" compare --runs 3 --secs 1 --iters 3000 \
@@ -227,7 +347,7 @@ bench() {
     && timeout 300 "$TARGET_DIR/release/tidewire-overhead" --model googlenet --reps 1 --iters 5 \
       --json "$TARGET_DIR/overhead.json" \
     && timeout 300 bash bench/compare-tcp.sh --reps 1 --secs 1 \
-    && timeout 300 cargo run --release --locked -q -p tidewire-cli -- bench aggregate --json > "$TARGET_DIR/aggregate.json" \
+    && timeout 300 "$TW" bench aggregate --json > "$TARGET_DIR/aggregate.json" \
     && grep -E '"(cpu_sum_gbps|triad_gbps|ratio)"' "$TARGET_DIR/aggregate.json"
 }
 tier bench bench
@@ -237,7 +357,7 @@ tier bench bench
 rdma_fallback() {
   local lib out
   lib=$(readlink -f /usr/lib/x86_64-linux-gnu/libibverbs.so.1) || return 1
-  cargo build --release --locked -q -p tidewire-cli --features rdma --bin tidewire || return 1
+  cargo build "${ALL[@]}" --bin tidewire || return 1
   out=$(unshare -m sh -c "mount --bind /dev/null '$lib' && '$TARGET_DIR/release/tidewire' doctor && \
         timeout 300 '$TARGET_DIR/release/tidewire' train --model googlenet --workers 2 --servers 1 --iters 2 \
         --time-scale 0.05" 2>&1)
@@ -290,15 +410,9 @@ no_uring_train_doctor() { # what doctor must name as the reason
 }
 no_uring() {
   cc -O2 -Wall -o "$TARGET_DIR/no-uring" ci/no-uring.c || return 1
-  cargo build --release --locked -q -p tidewire-cli --bin tidewire || return 1
+  cargo build "${ALL[@]}" --bin tidewire || return 1
   local tests
-  tests=$(cargo test --release --locked -q -p tidewire-transport --lib --test portable_conformance --test tcp_hostile \
-          --test steady_alloc --no-run --message-format=json 2>/dev/null \
-          | python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        print(m["executable"])') || return 1
+  tests=$(test_bins tidewire_transport portable_conformance tcp_hostile steady_alloc) || return 1
   [ -n "$tests" ] || { echo "no test binaries built"; return 1; }
   # Proof that the filter bites: io_uring is refused in the denied process.
   # (Captured first: under pipefail, `doctor | grep -q` is false when doctor dies of SIGPIPE.)
@@ -337,7 +451,7 @@ fi
 
 # The bandwidth harness: network namespaces and tc (root only).
 netem() {
-  cargo build --release --locked -q -p tidewire-cli --bin tidewire || return 1
+  cargo build "${ALL[@]}" --bin tidewire || return 1
   timeout 300 bash ci/netem/netem.sh check && timeout 600 bash ci/netem/crosscheck.sh
 }
 if [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1; then
@@ -347,7 +461,7 @@ else
 fi
 
 papers() {
-  cargo build --release --locked -q -p tidewire-cli --bin tidewire -p tidewire-bench --bin tidewire-papers || return 1
+  cargo build "${ALL[@]}" --bin tidewire --bin tidewire-papers || return 1
   timeout 600 "$TARGET_DIR/release/tidewire-papers" --out "$TARGET_DIR/papers" --check || return 1
   timeout 300 "$TARGET_DIR/release/tidewire" sim --model vgg19 --nodes 256 --iters 10 --bandwidth 10gbit
 }
@@ -355,45 +469,14 @@ tier papers papers
 
 # Real soft-RoCE: rdma_rxe in a QEMU VM (this kernel has no RDMA); see ci/test-rdma.sh.
 tier soft-roce bash ci/test-rdma.sh
-# NVRTC needs no GPU: compile the aggregation kernels with pip's libnvrtc of CUDA 12 and of
-# CUDA 13 in turn (each cached outside the clone, in a directory named after its pin), in both
-# modes, for the lowest architecture that NVRTC lists and for what a compute 8.0 and a 9.0
-# device get from it, and check the PTX (no FMA in deterministic mode, float4 loads). The test
-# must run, not skip, and must say it loaded the NVRTC of the major version installed.
-if [ "$(id -u)" -eq 0 ]; then NVRTC_DIR=${TIDEWIRE_NVRTC_DIR:-/var/cache/tidewire-nvrtc}
-else NVRTC_DIR=${TIDEWIRE_NVRTC_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tidewire-nvrtc}; fi
-# "pip requirement | the wheel's directory holding libnvrtc.so.MAJOR | MAJOR". CUDA 13's wheel
-# is nvidia-cuda-nvrtc (nvidia-cuda-nvrtc-cu13 on PyPI is a deprecated stub that refuses to build).
-NVRTC_WHEELS=(
-  "nvidia-cuda-nvrtc-cu12==12.8.93|nvidia/cuda_nvrtc/lib|12"
-  "nvidia-cuda-nvrtc==13.0.88|nvidia/cu13/lib|13"
-)
 nvrtc_one() { # requirement, lib dir inside the wheel, CUDA major
   local req=$1 sub=$2 major=$3
-  local dest=$NVRTC_DIR/${req/==/-}
-  local lib=$dest/$sub
-  if [ ! -e "$lib/libnvrtc.so.$major" ]; then
-    echo "installing $req into $dest"
-    local tmp; tmp=$(mktemp -d)
-    if ! pip3 download --no-deps --quiet -d "$tmp/dl" "$req"; then
-      echo "NVRTC $major: CANNOT INSTALL $req: 'pip3 download' failed (no network or no such version on the index; see pip's message above)"
-      rm -rf "$tmp"; return 1
-    fi
-    local whl=("$tmp"/dl/*.whl)
-    if [ ! -f "${whl[0]}" ] || ! python3 -m zipfile -e "${whl[0]}" "$tmp/x" \
-       || [ ! -e "$tmp/x/$sub/libnvrtc.so.$major" ]; then
-      echo "NVRTC $major: CANNOT INSTALL $req: no wheel, or it does not unpack to $sub/libnvrtc.so.$major (its layout: $(ls "$tmp"/dl 2>&1))"
-      rm -rf "$tmp"; return 1
-    fi
-    # Moved into place whole, so an interrupted install is never taken for a cached one.
-    mkdir -p "$NVRTC_DIR" && rm -rf "$dest" && mv "$tmp/x" "$dest" || { rm -rf "$tmp"; return 1; }
-    rm -rf "$tmp"
-  fi
-  # cudarc (built for CUDA 12.8) looks for libnvrtc.so, .so.12, .so.11, ...: not .so.13, which is
-  # all CUDA 13's wheel has. Give it the unversioned name a toolkit install also has.
-  ln -sfn "libnvrtc.so.$major" "$lib/libnvrtc.so" || return 1
-  local out
-  out=$(LD_LIBRARY_PATH=$lib cargo test --locked -p tidewire-gpu --features cuda --lib kernels_compile_with_nvrtc -- --nocapture 2>&1)
+  local lib=$NVRTC_DIR/${req/==/-}/$sub
+  nvrtc_fetch "$req" "$sub" "$major" || return 1
+  local out bin
+  # The gpu crate's unit tests, from the one build (the cuda feature is in it).
+  bin=$(test_bins tidewire_gpu) && [ -n "$bin" ] || { echo "no tidewire_gpu test binary in the build"; return 1; }
+  out=$(LD_LIBRARY_PATH=$lib "$bin" kernels_compile_with_nvrtc --nocapture 2>&1)
   local rc=$?
   echo "$out" | grep -E 'kernels_compile|SKIPPED|test result|panicked'
   [ $rc -eq 0 ] && ! grep -q SKIPPED <<<"$out" \
@@ -403,6 +486,7 @@ nvrtc_one() { # requirement, lib dir inside the wheel, CUDA major
 }
 nvrtc() {
   local w req sub major rc=0
+  await_fetch nvrtc || echo "(the background fetch failed: each wheel is tried again below)"
   for w in "${NVRTC_WHEELS[@]}"; do
     IFS='|' read -r req sub major <<<"$w"
     echo "--- CUDA $major's NVRTC ($req)"
@@ -415,11 +499,14 @@ tier nvrtc nvrtc
 # On a machine with a GPU: the CUDA tests must run (a skip fails), and the GPU bench.
 gpu() {
   local out
-  out=$(cargo test --locked -p tidewire-gpu --features cuda -- --nocapture 2>&1)
-  local rc=$?
+  # The gpu crate's tests from the one build (the cuda feature is in it): its unit tests
+  # and tests/cuda.rs.
+  local bins b rc=0
+  bins=$(test_bins tidewire_gpu cuda) && [ -n "$bins" ] || { echo "no tidewire-gpu test binaries in the build"; return 1; }
+  for b in $bins; do out+=$("$b" --nocapture 2>&1)$'\n' || rc=1; done
   echo "$out" | grep -E '^test |SKIPPED|test result|panicked'
   [ $rc -eq 0 ] && ! grep -q 'SKIPPED: .*no CUDA driver' <<<"$out" || return 1
-  cargo run --release --locked -q -p tidewire-cli --features cuda -- bench aggregate
+  "$TW" bench aggregate
 }
 if command -v nvidia-smi >/dev/null 2>&1; then
   tier gpu gpu
@@ -428,6 +515,8 @@ else
 fi
 
 # --- summary ---------------------------------------------------------------
+# A background fetch no tier waited for (TIDEWIRE_CI_ONLY) ends before the script does.
+for f in "${!FETCH_PID[@]}"; do await_fetch "$f" >/dev/null || echo "background fetch $f failed"; done
 echo
 for f in "${failed_logs[@]}"; do
   echo
@@ -437,5 +526,6 @@ done
 echo
 echo "==================== summary ===================="
 printf '%s\n' "${results[@]}"
+[ "$not_run" -eq 0 ] || echo "NOT A FULL RUN: TIDEWIRE_CI_ONLY=$TIDEWIRE_CI_ONLY left $not_run tiers out"
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]
