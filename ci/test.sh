@@ -293,7 +293,7 @@ tier tests cargo test --release --workspace --all-features --locked --no-fail-fa
 # and its per-input invariant checks run: unit tests, the deterministic simulation and the
 # randomized jobs (sim/tests/vopr.rs: 1000 seeds here, 200 by default).
 tier assertions env TIDEWIRE_VOPR_SEEDS="${TIDEWIRE_VOPR_SEEDS:-1000}" \
-  cargo test --locked -p tidewire-engine -p tidewire-sim --no-fail-fast
+  cargo test --locked -p tidewire-engine -p tidewire-sim --lib --tests --no-fail-fast
 
 # Miri checks the unsafe code of registered memory (Region, Lease, PinnedBuffer) for undefined
 # behaviour, data races included; ci/miri.sh installs nightly with miri when it is missing.
@@ -316,7 +316,8 @@ doctor() {
 }
 tier doctor doctor
 
-tier example timeout 600 cargo run "${ALL[@]}" --example mlp -- --procs 3 --steps 30
+# (The binary the build tier made: `cargo run` takes no --workspace.)
+tier example timeout 600 "$TARGET_DIR/release/examples/mlp" --procs 3 --steps 30
 
 # The C ABI (capi/): libtidewire_c, tidewire.h current and clean as C11/C++11, examples/train.c
 # linked shared and static, trained on loopback processes with equal checksums (ci/capi.sh).
