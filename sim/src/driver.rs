@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use tidewire_engine::config::{Consistency, Trigger};
-use tidewire_engine::fxhash::FxHashSet as HashSet;
 use tidewire_engine::node::{
-    Input, Job, Limits, Loc, LocalRegion, Output, Payload, Queue, RemoteLoc, SendSrc, Transmit, TxOp, CELL_BYTES,
+    HeldTransmits, Input, Job, Limits, Loc, LocalRegion, Output, Payload, Queue, RemoteLoc, SendSrc, Transmit, TxOp,
+    CELL_BYTES,
 };
 
 use crate::config::{SimError, CONTROL_BYTES};
@@ -26,11 +26,15 @@ impl Sim {
         if self.trace {
             eprintln!("{:>12} r{r} <- {}", self.now, brief_input(&input));
         }
-        if let Input::Done { token } | Input::Blocked { token } = &input {
+        if let Input::Done { token } = &input {
             if let Some(p) = rank.tokens.remove(token) {
                 rank.posted[p as usize] -= 1;
             }
         }
+        let closed = match &input {
+            Input::Closed { peer, .. } => Some(*peer),
+            _ => None,
+        };
         let now = Duration::from_nanos(self.now);
         // Kept for the report of a refusal; a message's bytes go to the Node
         // as they are (moved: the receive path copies nothing, see `delivered`).
@@ -45,15 +49,22 @@ impl Sim {
         if let Err(e) = rank.node.handle(now, input) {
             return Err(self.violation(format!("rank {r} refused {shown:?}: {e}")));
         }
+        // What the driver held for a closed peer never reached the transport:
+        // it failed (the Node dropped those tokens with the connection).
+        if let Some(peer) = closed {
+            for t in self.ranks[r as usize].held.forget_peer(peer) {
+                let reason = "the connection closed before the transport took it".to_string();
+                self.feed(r, Input::Failed { token: t.token, reason })?;
+            }
+        }
         self.drain(r)
     }
 
-    /// Takes every output of rank `r`'s Node and acts on it, then feeds back
-    /// what the transport refused (first, in order, as the runtime does) and
-    /// the sends that completed at once, and schedules the Node's timer.
+    /// Takes every output of rank `r`'s Node and acts on it (a transmit the
+    /// transport refuses is held, as the runtime holds it: [`HeldTransmits`]),
+    /// then feeds back the sends that completed at once, and schedules the
+    /// Node's timer.
     pub(crate) fn drain(&mut self, r: u32) -> Result<(), SimError> {
-        let mut blocked: HashSet<u32> = HashSet::default();
-        let mut refused: Vec<u64> = Vec::new();
         while let Some(out) = self.ranks[r as usize].node.poll_output() {
             self.last_progress = self.now;
             if self.trace {
@@ -61,14 +72,12 @@ impl Sim {
             }
             match out {
                 Output::Transmit(t) => {
-                    let peer = t.peer;
-                    if blocked.contains(&peer) || self.chance(self.cfg.faults.block_prob) {
-                        blocked.insert(peer);
-                        self.refuse(r, &t);
-                        refused.push(t.token);
+                    let Some(t) = self.ranks[r as usize].held.admit(t) else {
                         continue;
+                    };
+                    if let Err(t) = self.offer(r, t)? {
+                        self.hold(r, t);
                     }
-                    self.transmit(r, t)?;
                 }
                 Output::Job(job) => self.on_job(r, job)?,
                 Output::PeerKeys { peer, .. } => {
@@ -85,27 +94,78 @@ impl Sim {
                 }
             }
         }
-        // This drain's sends that completed at once (only this rank's: a drain
-        // posts for its own rank), taken before feeding anything back.
-        let done_now = std::mem::take(&mut self.sent_now);
-        // Refusals go back before any other input, as the runtime reports them.
-        for token in refused {
-            self.feed(r, Input::Blocked { token })?;
-        }
-        for (_, token) in done_now {
-            self.feed(r, Input::Done { token })?;
-        }
+        self.feed_sent_now(r)?;
         self.schedule_tick(r);
         Ok(())
     }
 
-    /// The transport refuses transmit `t` of rank `r` for now (`WouldBlock`):
-    /// it counts as posted until the Node hears of the refusal.
-    fn refuse(&mut self, r: u32, t: &Transmit) {
-        self.report.blocked += 1;
+    /// Feeds rank `r` the completions of its sends that completed at once
+    /// (only its own: a drain or a retry posts for its own rank).
+    fn feed_sent_now(&mut self, r: u32) -> Result<(), SimError> {
+        let done_now = std::mem::take(&mut self.sent_now);
+        for (_, token) in done_now {
+            self.feed(r, Input::Done { token })?;
+        }
+        Ok(())
+    }
+
+    /// Offers `t` to the modelled transport: `Ok(Err(t))` when it refuses it
+    /// for now (`WouldBlock`, a fault drawn with `block_prob`).
+    fn offer(&mut self, r: u32, t: Transmit) -> Result<Result<(), Transmit>, SimError> {
+        if self.chance(self.cfg.faults.block_prob) {
+            self.report.blocked += 1;
+            return Ok(Err(t));
+        }
+        self.transmit(r, t)?;
+        Ok(Ok(()))
+    }
+
+    /// Rank `r`'s driver holds `t`, which the transport refused, and tries
+    /// again after [`HeldTransmits::RETRY_AFTER`].
+    fn hold(&mut self, r: u32, t: Transmit) {
         let rank = &mut self.ranks[r as usize];
-        rank.posted[t.peer as usize] += 1;
-        rank.tokens.insert(t.token, t.peer);
+        rank.held.refused(t);
+        if rank.retry_at.is_none() {
+            let at = self.now + HeldTransmits::RETRY_AFTER.as_nanos() as u64;
+            self.ranks[r as usize].retry_at = Some(at);
+            self.at(at, Ev::Retry(r));
+        }
+    }
+
+    /// Rank `r`'s driver offers its held transmits to the transport again.
+    pub(crate) fn retry_held(&mut self, r: u32) -> Result<(), SimError> {
+        let rank = &mut self.ranks[r as usize];
+        rank.retry_at = None;
+        if rank.dead || rank.fatal.is_some() || rank.held.is_empty() {
+            return Ok(());
+        }
+        let mut held = std::mem::take(&mut rank.held);
+        let mut error = None;
+        held.retry(|t| {
+            if error.is_some() {
+                return Err(t);
+            }
+            match self.offer(r, t) {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(t)) => Err(t),
+                Err(e) => {
+                    error = Some(e);
+                    Ok(())
+                }
+            }
+        });
+        self.ranks[r as usize].held = held;
+        if let Some(e) = error {
+            return Err(e);
+        }
+        if !self.ranks[r as usize].held.is_empty() {
+            let at = self.now + HeldTransmits::RETRY_AFTER.as_nanos() as u64;
+            self.ranks[r as usize].retry_at = Some(at);
+            self.at(at, Ev::Retry(r));
+        }
+        self.feed_sent_now(r)?;
+        self.schedule_tick(r);
+        Ok(())
     }
 
     /// The Node's timer (retries after back-pressure, the setup deadline), as

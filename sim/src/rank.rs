@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use tidewire_engine::fxhash::FxHashMap as HashMap;
-use tidewire_engine::node::{LocalRegion, Node, NodeConfig};
+use tidewire_engine::node::{HeldTransmits, LocalRegion, Node, NodeConfig};
 use tidewire_engine::EngineError;
 
 use crate::config::{SimConfig, SimError};
@@ -46,6 +46,10 @@ pub(crate) struct Rank {
     /// Transmits posted and not complete, per peer.
     pub(crate) posted: Vec<usize>,
     pub(crate) tokens: HashMap<u64, u32>,
+    /// Transmits the modelled transport refused for now, as the runtime holds them.
+    pub(crate) held: HeldTransmits,
+    /// A retry of `held` is scheduled.
+    pub(crate) retry_at: Option<u64>,
     pub(crate) worker: Option<WLoop>,
     pub(crate) dead: bool,
     pub(crate) fatal: Option<(u64, EngineError)>,
@@ -120,6 +124,8 @@ pub(crate) fn make_rank(cfg: &SimConfig, r: u32) -> Result<Rank, SimError> {
         post_busy: 0,
         posted: vec![0; world],
         tokens: HashMap::default(),
+        held: HeldTransmits::new(world),
+        retry_at: None,
         worker,
         dead: false,
         fatal: None,

@@ -22,6 +22,8 @@ pub(crate) enum Ev {
     Step(u32),
     /// Something the worker may be blocked on changed.
     Wake(u32),
+    /// The rank's driver offers its held transmits to the transport again.
+    Retry(u32),
     /// An input for a rank's Node.
     Input(u32, Input),
     /// A write's bytes arrive at `to`.
@@ -448,6 +450,7 @@ impl Sim {
                 }
             }
             Ev::Input(r, input) => self.feed(r, input)?,
+            Ev::Retry(r) => self.retry_held(r)?,
             Ev::WriteArrive {
                 from,
                 to,

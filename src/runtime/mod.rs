@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use tidewire_engine::book::LayerKind;
-use tidewire_engine::node::{Input, Limits, LocalRegion, Node, Output, Payload, SendSrc, Transmit, TxOp, CELL_BYTES};
+use tidewire_engine::node::{
+    HeldTransmits, Input, Limits, LocalRegion, Node, Output, Payload, SendSrc, Transmit, TxOp, CELL_BYTES,
+};
 use tidewire_engine::{Book, EngineError, JobCause, ProtocolViolation};
 use tidewire_transport::select::{self, Preference};
 use tidewire_transport::{Access, ConnId, Event, PinOptions, PinnedBuffer, Region, RemoteRegion, ReqId, Transport};
@@ -154,6 +156,8 @@ struct Runtime {
     latencies: VecDeque<u64>,
     hand_in_posts: u64,
     would_block: u64,
+    /// Transmits the transport refused for now, posted again when it takes more.
+    refused: HeldTransmits,
     evs: Vec<Event>,
     /// Worker 0 of a checkpointing job: the model's snapshots.
     snap: Option<snapshot::ModelSnap>,
@@ -176,6 +180,12 @@ impl Runtime {
                 break;
             }
             let timeout = if busy { Duration::ZERO } else { self.wait_time() };
+            // A held transmit is tried again after the transport's next events, and soon.
+            let timeout = if self.refused.is_empty() {
+                timeout
+            } else {
+                timeout.min(HeldTransmits::RETRY_AFTER)
+            };
             let mut evs = std::mem::take(&mut self.evs);
             evs.clear();
             if let Err(e) = self.t.wait(&mut evs, 512, timeout) {
@@ -187,6 +197,7 @@ impl Runtime {
                 self.event(ev);
             }
             self.evs = evs;
+            self.retry_refused();
             if self.node.poll_timeout().is_some_and(|d| self.now() >= d) {
                 self.input(Input::Tick);
             }
@@ -259,8 +270,9 @@ impl Runtime {
     }
 
     /// Executes the Node's outputs until it has none. Inputs that outputs
-    /// cause are fed only after the whole drain, refusals (`WouldBlock`)
-    /// first, as the Node requires.
+    /// cause are fed only after the whole drain. A transmit the transport
+    /// refuses for now is held here ([`HeldTransmits`]), with every later one
+    /// to its peer behind it; the Node never hears of it.
     fn outputs(&mut self) {
         while self.node.has_output() {
             self.drain_outputs();
@@ -268,34 +280,14 @@ impl Runtime {
     }
 
     fn drain_outputs(&mut self) {
-        let mut blocked: HashSet<u32> = HashSet::new();
-        let mut refused = Vec::new();
         let mut failure: Option<String> = None;
         let mut known = Vec::new();
         while let Some(out) = self.node.poll_output() {
             match out {
                 Output::Transmit(t) => {
-                    if blocked.contains(&t.peer) {
-                        refused.push(t.token);
-                        continue;
-                    }
-                    match self.post(&t) {
-                        Ok(req) => {
-                            self.reqs.insert(req, t.token);
-                            if let Some(at) = self.hand_in_at.take() {
-                                self.latency(at);
-                            }
-                        }
-                        Err(Error::Transport(e)) if matches!(*e, tidewire_transport::Error::WouldBlock { .. }) => {
-                            self.would_block += 1;
-                            blocked.insert(t.peer);
-                            refused.push(t.token);
-                        }
-                        Err(e) => {
-                            if self.fatal.is_none() && failure.is_none() {
-                                failure = Some(format!("posting to rank {} failed: {e}", t.peer));
-                            }
-                        }
+                    let Some(t) = self.refused.admit(t) else { continue };
+                    if let Err(t) = self.post_or_fail(t, &mut failure) {
+                        self.refused.refused(t);
                     }
                 }
                 Output::Job(job) => {
@@ -336,11 +328,7 @@ impl Runtime {
                 }
             }
         }
-        // Refusals go back first, in order, so the Node requeues them in order.
         let now = self.now();
-        for token in refused {
-            let _ = self.node.handle(now, Input::Blocked { token });
-        }
         if let Some(reason) = failure {
             let _ = self.node.handle(now, Input::Abort { reason });
         }
@@ -355,6 +343,44 @@ impl Runtime {
         }
         self.latencies.push_back(at.elapsed().as_nanos() as u64);
         self.hand_in_posts += 1;
+    }
+
+    /// Posts `t`: `Err(t)` when the transport refuses it for now; a failure is
+    /// kept in `failure` (the first one), to abort the job with.
+    fn post_or_fail(&mut self, t: Transmit, failure: &mut Option<String>) -> std::result::Result<(), Transmit> {
+        match self.post(&t) {
+            Ok(req) => {
+                self.reqs.insert(req, t.token);
+                if let Some(at) = self.hand_in_at.take() {
+                    self.latency(at);
+                }
+                Ok(())
+            }
+            Err(Error::Transport(e)) if matches!(*e, tidewire_transport::Error::WouldBlock { .. }) => {
+                self.would_block += 1;
+                Err(t)
+            }
+            Err(e) => {
+                if self.fatal.is_none() && failure.is_none() {
+                    *failure = Some(format!("posting to rank {} failed: {e}", t.peer));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Offers the held transmits to the transport again, in order per peer.
+    fn retry_refused(&mut self) {
+        if self.refused.is_empty() {
+            return;
+        }
+        let mut failure = None;
+        let mut held = std::mem::take(&mut self.refused);
+        held.retry(|t| self.post_or_fail(t, &mut failure));
+        self.refused = held;
+        if let Some(reason) = failure {
+            self.input(Input::Abort { reason });
+        }
     }
 
     fn post(&mut self, t: &Transmit) -> Result<ReqId> {
@@ -537,6 +563,14 @@ impl Runtime {
                         peer,
                         error: error.map(|e| e.to_string()),
                     });
+                    // What was held for it never reached the transport: it failed
+                    // (the Node dropped those tokens with the connection).
+                    for t in self.refused.forget_peer(peer) {
+                        self.input(Input::Failed {
+                            token: t.token,
+                            reason: "the connection closed before the transport took it".into(),
+                        });
+                    }
                     // The rank's slot is free again: a replacement may connect.
                     if self.conn_of.get(peer as usize) == Some(&Some(conn)) {
                         self.conn_of[peer as usize] = None;

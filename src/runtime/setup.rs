@@ -4,7 +4,7 @@
 //! executors, the rendezvous that gives every peer's address, and the dials.
 
 use super::*;
-use tidewire_engine::node::NodeConfig;
+use tidewire_engine::node::{HeldTransmits, NodeConfig};
 use tidewire_transport::{JobSecret, TcpConfig};
 
 impl Runtime {
@@ -120,6 +120,7 @@ impl Runtime {
             latencies: VecDeque::new(),
             hand_in_posts: 0,
             would_block: 0,
+            refused: HeldTransmits::new(world),
             evs: Vec::with_capacity(512),
             _rejoins: rejoins,
             snap,

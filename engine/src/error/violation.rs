@@ -302,9 +302,6 @@ pub enum ProtocolViolation {
     /// A failure of a transmit the Node never posted.
     #[error("failure of unknown transmit {token}: {reason}")]
     UnknownTransmitFailed { token: u64, reason: String },
-    /// Back-pressure on a transmit the Node never posted.
-    #[error("back-pressure on unknown transmit {token}")]
-    UnknownTransmitBlocked { token: u64 },
 }
 
 fn waiting(waits_for: &Option<u64>) -> String {

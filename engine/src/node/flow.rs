@@ -1,6 +1,7 @@
 //! Flow control toward the transport: per-peer windows of outstanding
-//! requests, FIFO queues behind them, control cells for inline messages, and
-//! back-pressure (`WouldBlock`) turned into a wait.
+//! requests, FIFO queues behind them, and control cells for inline messages.
+//! Back-pressure (`WouldBlock`) is the driver's ([`super::held`]): a transmit
+//! it holds is in flight here until its completion.
 //!
 //! Bounds: at most `max_outstanding` transmits per peer are posted and not
 //! completed; at most [`CELLS`] inline messages are in flight in all. What
@@ -8,7 +9,6 @@
 //! leave in the order they were queued.
 
 use std::collections::VecDeque;
-use std::time::Duration;
 
 use super::types::{Loc, Output, RemoteLoc, SendSrc, Transmit, TxOp};
 use crate::fxhash::FxHashMap;
@@ -20,9 +20,6 @@ pub const CELLS: usize = 1024;
 
 // Every control message fits one cell.
 const _: () = assert!(crate::wire::MAX_CONTROL <= CELL_BYTES);
-
-/// After a `WouldBlock` with nothing else in flight to that peer, retry after this long.
-const RETRY_AFTER: Duration = Duration::from_millis(1);
 
 /// A transmit that waits for its turn.
 #[derive(Debug, Clone)]
@@ -48,8 +45,6 @@ pub(crate) enum Op {
 struct Queued<T> {
     op: Op,
     track: T,
-    /// The token it had when it was posted and came back blocked.
-    token: Option<u64>,
     /// Waits until the peer is open (its hello arrived and its regions are known).
     gated: bool,
 }
@@ -61,18 +56,13 @@ struct PeerFlow<T> {
     open: bool,
     /// The connection ended after the peer's goodbye: nothing more goes to it.
     gone: bool,
-    /// A `WouldBlock` came back: wait for a completion (or `retry_at`).
-    blocked: bool,
-    retry_at: Option<Duration>,
 }
 
 #[derive(Debug)]
 struct InFlight<T> {
     peer: u32,
     cell: Option<u32>,
-    op: Op,
     track: T,
-    gated: bool,
 }
 
 /// See the module docs. `T` is what the Node remembers about each transmit.
@@ -93,8 +83,6 @@ pub(crate) struct Flow<T> {
     /// if any come, mean nothing, but free the control cell they may hold (the
     /// transport may still be reading it until then).
     dropped: FxHashMap<u64, Option<u32>>,
-    /// Peers with a retry timer set (so that `poll_timeout` is O(1) when none is).
-    retrying: usize,
 }
 
 impl<T> Flow<T> {
@@ -108,8 +96,6 @@ impl<T> Flow<T> {
                     queue: VecDeque::new(),
                     open: false,
                     gone: false,
-                    blocked: false,
-                    retry_at: None,
                 })
                 .collect(),
             free_cells: (0..CELLS as u32).rev().collect(),
@@ -120,7 +106,6 @@ impl<T> Flow<T> {
             cell_waiters: Vec::new(),
             max_out_seen: 0,
             dropped: FxHashMap::default(),
-            retrying: 0,
         }
     }
 
@@ -142,12 +127,7 @@ impl<T> Flow<T> {
             gated || matches!(op, Op::SendInline { .. }),
             "only control messages go before the peer opens"
         );
-        self.peers[peer as usize].queue.push_back(Queued {
-            op,
-            track,
-            token: None,
-            gated,
-        });
+        self.peers[peer as usize].queue.push_back(Queued { op, track, gated });
         self.mark(peer);
     }
 
@@ -162,10 +142,10 @@ impl<T> Flow<T> {
     }
 
     /// Posts what the windows allow.
-    pub(crate) fn pump(&mut self, now: Duration, out: &mut VecDeque<Output>) {
+    pub(crate) fn pump(&mut self, out: &mut VecDeque<Output>) {
         while let Some(p) = self.dirty.pop() {
             self.is_dirty[p as usize] = false;
-            self.pump_peer(p, now, out);
+            self.pump_peer(p, out);
         }
         self.debug_invariants();
     }
@@ -182,27 +162,12 @@ impl<T> Flow<T> {
                 + self.dropped.values().filter(|c| c.is_some()).count(),
             CELLS
         );
-        debug_assert_eq!(
-            self.retrying,
-            self.peers.iter().filter(|p| p.retry_at.is_some()).count()
-        );
         // Nothing waits for, or flies to, a peer that is gone.
         debug_assert!(self.peers.iter().all(|p| !p.gone || (p.queue.is_empty() && p.out == 0)));
     }
 
-    fn pump_peer(&mut self, peer: u32, now: Duration, out: &mut VecDeque<Output>) {
+    fn pump_peer(&mut self, peer: u32, out: &mut VecDeque<Output>) {
         let pf = &mut self.peers[peer as usize];
-        if pf.blocked {
-            match pf.retry_at {
-                Some(t) if now >= t => {
-                    pf.blocked = false;
-                    pf.retry_at = None;
-                    debug_assert!(self.retrying > 0);
-                    self.retrying -= 1;
-                }
-                _ => return,
-            }
-        }
         while pf.out < self.cap {
             let Some(head) = pf.queue.front() else { return };
             if head.gated && !pf.open {
@@ -238,9 +203,7 @@ impl<T> Flow<T> {
                 InFlight {
                     peer,
                     cell,
-                    op: q.op,
                     track: q.track,
-                    gated: q.gated,
                 },
             );
         }
@@ -265,57 +228,9 @@ impl<T> Flow<T> {
     pub(crate) fn done(&mut self, token: u64) -> Option<(u32, T)> {
         let f = self.inflight.remove(&token)?;
         self.release(&f);
-        let pf = &mut self.peers[f.peer as usize];
-        pf.blocked = false;
-        if pf.retry_at.take().is_some() {
-            debug_assert!(self.retrying > 0);
-            self.retrying -= 1;
-        }
+        // A completion leaves room in its peer's window.
+        debug_assert!(self.peers[f.peer as usize].out < self.cap, "rank {}", f.peer);
         Some((f.peer, f.track))
-    }
-
-    /// The transport refused a transmit for now: it goes back to the head of
-    /// its queue, and the peer waits for a completion (or a short timer when
-    /// nothing else is in flight to it). Returns false for an unknown token.
-    pub(crate) fn blocked(&mut self, token: u64, now: Duration) -> bool {
-        let Some(f) = self.inflight.remove(&token) else {
-            return false;
-        };
-        self.release(&f);
-        let pf = &mut self.peers[f.peer as usize];
-        // Back in posting order: before everything never posted, after what
-        // came back blocked with an earlier token.
-        let at = pf
-            .queue
-            .iter()
-            .position(|q| !matches!(q.token, Some(t) if t < token))
-            .unwrap_or(pf.queue.len());
-        pf.queue.insert(
-            at,
-            Queued {
-                op: f.op,
-                track: f.track,
-                token: Some(token),
-                gated: f.gated,
-            },
-        );
-        // Back in posting order: the tokens of what came back blocked ascend.
-        debug_assert!({
-            let tokens: Vec<u64> = pf.queue.iter().filter_map(|q| q.token).collect();
-            tokens.windows(2).all(|w| w[0] < w[1])
-        });
-        pf.blocked = true;
-        // Other transmits to this peer will complete and unblock it; with none
-        // in flight, only time will.
-        let was = pf.retry_at.is_some();
-        pf.retry_at = if pf.out == 0 { Some(now + RETRY_AFTER) } else { None };
-        match (was, pf.retry_at.is_some()) {
-            (false, true) => self.retrying += 1,
-            (true, false) => self.retrying -= 1,
-            _ => {}
-        }
-        debug_assert!(self.retrying <= self.peers.len(), "{} retry timers", self.retrying);
-        true
     }
 
     /// The connection to `peer` ended: forgets what was queued for it or in
@@ -341,10 +256,6 @@ impl<T> Flow<T> {
         // Every transmit in flight to the peer was listed.
         debug_assert_eq!(pf.out, 0, "rank {peer}");
         tracks.extend(pf.queue.drain(..).map(|q| q.track));
-        pf.blocked = false;
-        if pf.retry_at.take().is_some() {
-            self.retrying -= 1;
-        }
         pf.open = false;
         pf.gone = true;
         tracks
@@ -356,10 +267,6 @@ impl<T> Flow<T> {
         let pf = &mut self.peers[peer as usize];
         debug_assert!(pf.out == 0 && pf.queue.is_empty());
         debug_assert!(pf.gone && !pf.open, "only a peer that left comes back");
-        if pf.retry_at.take().is_some() {
-            self.retrying -= 1;
-        }
-        pf.blocked = false;
         pf.open = false;
         pf.gone = false;
     }
@@ -384,28 +291,6 @@ impl<T> Flow<T> {
                 true
             }
             None => false,
-        }
-    }
-
-    /// The next retry timer.
-    pub(crate) fn poll_timeout(&self) -> Option<Duration> {
-        if self.retrying == 0 {
-            return None;
-        }
-        let t = self.peers.iter().filter_map(|p| p.retry_at).min();
-        debug_assert!(t.is_some(), "{} retry timers, none set", self.retrying);
-        t
-    }
-
-    /// Marks peers whose retry timer expired.
-    pub(crate) fn tick(&mut self, now: Duration) {
-        if self.retrying == 0 {
-            return;
-        }
-        for p in 0..self.peers.len() {
-            if matches!(self.peers[p].retry_at, Some(t) if now >= t) {
-                self.mark(p as u32);
-            }
         }
     }
 
@@ -452,9 +337,7 @@ impl<T> Flow<T> {
             InFlight {
                 peer,
                 cell: Some(cell),
-                op,
                 track,
-                gated: false,
             },
         );
         true
@@ -522,67 +405,19 @@ mod tests {
         for i in 0..5 {
             f.push(1, write(8), i, true);
         }
-        f.pump(Duration::ZERO, &mut out);
+        f.pump(&mut out);
         assert!(out.is_empty(), "gated until the peer opens");
         f.open(1);
-        f.pump(Duration::ZERO, &mut out);
+        f.pump(&mut out);
         let t = tokens(&mut out);
         assert_eq!(t.len(), 2);
         assert_eq!(f.done(t[0]), Some((1, 0)));
-        f.pump(Duration::ZERO, &mut out);
+        f.pump(&mut out);
         let t2 = tokens(&mut out);
         assert_eq!(t2.len(), 1);
         assert_eq!(f.done(t2[0]), Some((1, 2)), "FIFO: the third queued went third");
         assert_eq!(f.outstanding(1), 1);
         assert!(f.max_out_seen <= 2);
-    }
-
-    #[test]
-    fn would_block_requeues_at_the_head_and_waits() {
-        let mut f: Flow<u32> = Flow::new(2, 4);
-        let mut out = VecDeque::new();
-        f.open(1);
-        f.push(1, write(8), 7, true);
-        f.push(1, write(8), 8, true);
-        f.pump(Duration::ZERO, &mut out);
-        let t = tokens(&mut out);
-        assert!(f.blocked(t[1], Duration::ZERO));
-        f.pump(Duration::ZERO, &mut out);
-        assert!(out.is_empty(), "blocked until a completion");
-        assert_eq!(f.done(t[0]), Some((1, 7)));
-        f.pump(Duration::ZERO, &mut out);
-        let t = tokens(&mut out);
-        assert_eq!(f.done(t[0]), Some((1, 8)));
-        // Blocked with nothing in flight: a timer retries.
-        f.push(1, write(8), 9, true);
-        f.pump(Duration::ZERO, &mut out);
-        let t = tokens(&mut out);
-        assert!(f.blocked(t[0], Duration::ZERO));
-        let at = f.poll_timeout().expect("a retry timer");
-        f.tick(at);
-        f.pump(at, &mut out);
-        assert_eq!(tokens(&mut out).len(), 1);
-    }
-
-    #[test]
-    fn several_blocked_transmits_keep_their_order() {
-        let mut f: Flow<u32> = Flow::new(2, 8);
-        let mut out = VecDeque::new();
-        f.open(1);
-        for i in 0..4 {
-            f.push(1, write(8), i, true);
-        }
-        f.pump(Duration::ZERO, &mut out);
-        let t = tokens(&mut out);
-        // The first went out; the runtime reports the rest blocked, in order.
-        for &tok in &t[1..] {
-            assert!(f.blocked(tok, Duration::ZERO));
-        }
-        assert_eq!(f.done(t[0]), Some((1, 0)));
-        f.pump(Duration::ZERO, &mut out);
-        let again = tokens(&mut out);
-        let order: Vec<u32> = again.iter().map(|&tok| f.done(tok).unwrap().1).collect();
-        assert_eq!(order, vec![1, 2, 3]);
     }
 
     #[test]
@@ -593,11 +428,11 @@ mod tests {
         for i in 0..CELLS as u32 + 3 {
             f.push(1, Op::SendInline { tag: 1, bytes: vec![1] }, i, false);
         }
-        f.pump(Duration::ZERO, &mut out);
+        f.pump(&mut out);
         let t = tokens(&mut out);
         assert_eq!(t.len(), CELLS);
         f.done(t[0]);
-        f.pump(Duration::ZERO, &mut out);
+        f.pump(&mut out);
         assert_eq!(tokens(&mut out).len(), 1);
         assert!(!f.idle());
     }

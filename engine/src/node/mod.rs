@@ -35,11 +35,11 @@
 //!    caller about `LayerReady`.
 //! 3. Call `handle(now, Input::Tick)` when [`Node::poll_timeout`] passes.
 //!
-//! When a transmit to a peer comes back `Blocked`, the runtime reports every
-//! later transmit to that peer from the same drain as `Blocked` too, without
-//! posting it, and feeds these `Blocked` inputs before any other input: the
-//! Node requeues them in order, so writes and messages to a peer still go
-//! out in the order they were queued.
+//! Back-pressure stays in the driver: a transmit the transport refuses for now
+//! (`WouldBlock`) is held there, with every later one to that peer behind it,
+//! and posted again when the transport takes more ([`held::HeldTransmits`], which both
+//! the runtime and the simulator use). The Node never hears of it: a held
+//! transmit is in flight until its completion.
 //!
 //! # Bounds
 //! - Per peer, at most [`Limits::max_outstanding`] transmits are posted and
@@ -97,6 +97,7 @@ mod arrivals;
 mod checks;
 pub mod factors;
 pub mod flow;
+pub mod held;
 mod layout;
 mod life;
 mod lifecycle;
@@ -110,6 +111,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use flow::{CELLS, CELL_BYTES};
+pub use held::HeldTransmits;
 pub use types::{
     Blob, Input, Job, JobKind, Limits, Loc, LocalRegion, Output, Payload, Queue, RemoteLoc, SendSrc, Transmit, TxOp,
     DEFAULT_STARTUP,
@@ -743,7 +745,7 @@ impl Node {
         }
         let d = if self.life.ready() { None } else { self.deadline };
         let rounds = self.server.as_ref().and_then(|s| s.core.next_deadline());
-        [d, self.flow.poll_timeout(), rounds].into_iter().flatten().min()
+        [d, rounds].into_iter().flatten().min()
     }
 
     /// Feeds one input at time `now` (any monotonic clock; the simulator's
@@ -798,16 +800,6 @@ impl Node {
                 )),
             },
             Input::Failed { token, reason } => self.tx_failed(token, reason),
-            Input::Blocked { token } => {
-                if self.flow.blocked(token, self.now) || self.flow.was_dropped(token) {
-                    Ok(())
-                } else {
-                    Err(EngineError::protocol(
-                        self.rank,
-                        ProtocolViolation::UnknownTransmitBlocked { token },
-                    ))
-                }
-            }
             Input::Landed {
                 peer,
                 region,
@@ -821,7 +813,6 @@ impl Node {
             Input::JobFailed { id, error } => Err(EngineError::Job(JobFailure::Failed { id, cause: error })),
             Input::Abort { reason } => Err(EngineError::Aborted(reason)),
             Input::Tick => {
-                self.flow.tick(self.now);
                 if let Some(s) = self.server.as_mut() {
                     s.core.handle_tick();
                 }
@@ -1070,7 +1061,7 @@ impl Node {
         self.check_shutdown();
         // Writes into a peer's parameters are addressed from the base its hello announced.
         let start = self.out.len();
-        self.flow.pump(self.now, &mut self.out);
+        self.flow.pump(&mut self.out);
         for o in self.out.range_mut(start..) {
             if let Output::Transmit(Transmit {
                 peer,

@@ -130,8 +130,10 @@ impl SendSrc {
     }
 }
 
-/// One transport operation. Its completion comes back as
-/// [`Input::Done`], [`Input::Failed`] or [`Input::Blocked`] with `token`.
+/// One transport operation. Its completion comes back as [`Input::Done`] or
+/// [`Input::Failed`] with `token`; a transport that refuses it for now
+/// (`WouldBlock`) leaves it to the driver to hold and post again
+/// ([`super::held::HeldTransmits`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Transmit {
     /// Names the operation in its completion.
@@ -426,8 +428,6 @@ pub enum Input {
     Done { token: u64 },
     /// A transmit failed; the connection is lost.
     Failed { token: u64, reason: String },
-    /// The transport refused a transmit for now (`WouldBlock`): it was not posted.
-    Blocked { token: u64 },
     /// A peer's write with an immediate landed in `region` at `offset`.
     Landed {
         peer: u32,
