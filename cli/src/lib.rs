@@ -20,6 +20,7 @@ pub mod bench;
 pub mod calibrate;
 pub mod doctor;
 pub mod error;
+pub mod job;
 pub mod plan;
 pub mod resilience;
 pub mod sim;

@@ -115,7 +115,7 @@ fn main() -> ExitCode {
         },
         Cmd::Sim(args) => match sim::run(&args) {
             Ok(r) => {
-                print_either(args.json, &r, sim::render);
+                print_either(args.job.json, &r, sim::render);
                 ExitCode::SUCCESS
             }
             Err(e) => fail(e),
@@ -162,7 +162,7 @@ fn train_cmd(args: &TrainArgs) -> ExitCode {
     let node_args: Vec<String> = std::env::args().skip(2).collect();
     match train::launch(args, node_args) {
         Ok(r) => {
-            print_either(args.json, &r, train::render);
+            print_either(args.job.json, &r, train::render);
             if r.verified == Some(false) {
                 ExitCode::from(3)
             } else {

@@ -36,14 +36,14 @@ use tidewire_engine::models::{self, Model};
 use tidewire_sim::{Faults, Sim, SimConfig, SimReport};
 
 use crate::error::{Error, Result};
+use crate::job::JobArgs;
 
 /// Flags of `tidewire sim`.
 #[derive(Args, Debug, Clone)]
 pub struct SimArgs {
-    /// Model profile: vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet, vgg19-mini,
-    /// sockeye (P3's LSTM translation model; batch 32 sentences).
-    #[arg(long, default_value = "vgg19")]
-    pub model: String,
+    /// The job: model, iterations, sync mode, consistency, trigger, sizes (shared with `train`).
+    #[command(flatten)]
+    pub job: JobArgs,
     /// GPU the compute stands for: titan-x (the Poseidon paper's single-GPU throughputs) or p4000
     /// (P3's Quadro P4000: the Titan X rates × its FP32 peak over the Titan X's, 5.30 / 6.60 TFLOPS).
     #[arg(long, default_value = "titan-x", value_parser = parse_gpu)]
@@ -63,25 +63,6 @@ pub struct SimArgs {
     /// One-way latency per transfer in microseconds.
     #[arg(long, default_value_t = 5.0)]
     pub latency_us: f64,
-    /// fifo-ps, wfbp, hybrid, sliced, p3, full, kvstore or adam (the
-    /// papers' baselines: MXNet's KVStore for P3, Project Adam for Poseidon).
-    #[arg(long, default_value = "full", value_parser = parse_sync)]
-    pub sync: String,
-    /// bsp, or ssp:S.
-    #[arg(long, default_value = "bsp")]
-    pub consistency: String,
-    /// Iterations.
-    #[arg(long, default_value_t = 10)]
-    pub iters: u64,
-    /// Batch size K per worker (default: the profile's).
-    #[arg(long)]
-    pub batch: Option<usize>,
-    /// Multiplies every layer's compute time (time dilation uses the same factor on bandwidth).
-    #[arg(long, default_value_t = 1.0)]
-    pub time_scale: f64,
-    /// Credit window in bytes (default: the engine's).
-    #[arg(long)]
-    pub credit_bytes: Option<usize>,
     /// Landing slots each server keeps per worker (default: the engine's).
     #[arg(long)]
     pub slots: Option<u32>,
@@ -90,31 +71,11 @@ pub struct SimArgs {
     /// parked in place and the worker gets a spare's credit at once.
     #[arg(long)]
     pub spare_slots: Option<u32>,
-    /// Sum in arrival order instead of fixed rank order (as `train --fast`).
-    /// Rank order holds a landing slot until the lower ranks' contributions
-    /// are in, which costs throughput when workers send in different orders.
-    #[arg(long)]
-    pub fast: bool,
-    /// Learners per worker node (Nexus's local aggregation: one rank per node
-    /// pushes for all of them); --batch is per learner.
-    #[arg(long, default_value_t = 1)]
-    pub local_learners: usize,
-    /// With --local-learners L: only the flat run, every learner a rank of its
-    /// own, L of them sharing each node's NIC.
-    #[arg(long)]
-    pub flat: bool,
     /// Memory bandwidth between a node's learners (gradients to the leader,
     /// parameters back; also traffic between ranks of one node), e.g. 10gbyte
     /// is given as 80gbit; default 10 GB/s.
     #[arg(long, default_value = "80gbit", value_parser = parse_bandwidth)]
     pub local_bandwidth: f64,
-    /// Aggregation trigger: all (BSP), quorum:K (apply once K workers'
-    /// contributions are in), async (Downpour: apply as soon as one is in),
-    /// or timeout:MS (apply what is in MS milliseconds after a round's first
-    /// contribution). Triggers other than all need --sync fifo-ps, wfbp,
-    /// sliced or p3 (no SFB) and bsp.
-    #[arg(long, default_value = "all", value_parser = parse_trigger)]
-    pub trigger: String,
     /// A fault, repeatable: slow:RANK:FACTOR[:FROM-TO] (worker RANK computes
     /// FACTOR× slower, in iterations FROM..TO, default all), or
     /// crash:RANK:ITER or crash:RANK:ITER:REJOIN_MS (worker RANK crashes at
@@ -131,21 +92,11 @@ pub struct SimArgs {
     /// Its compute slowdown factor.
     #[arg(long, requires = "slow_rank")]
     pub slow_factor: Option<f64>,
-    /// Print one JSON object.
-    #[arg(long)]
-    pub json: bool,
     /// Slice size in parameters (P3's scheduling unit; modes with slices:
     /// sliced, p3, full). Slices never cross a 2 MiB chunk, so sizes above
     /// 524,288 act as 524,288.
     #[arg(long, default_value_t = 50_000)]
     pub slice_params: usize,
-    /// KV chunk size in bytes: the unit a server applies and broadcasts, and
-    /// that the unsliced modes push. Default: one slice in sliced, p3 and full
-    /// (P3's server applies and broadcasts per slice; slices under 64 KiB are
-    /// grouped to at least 64 KiB, and a chunk stays within 2 MiB), Poseidon's
-    /// 2 MiB in the other modes.
-    #[arg(long)]
-    pub chunk_bytes: Option<usize>,
     /// Trace every NIC's bytes sent and received per bin of this many µs of
     /// virtual time, set-up included (`nic_trace` in the JSON).
     #[arg(long)]
@@ -172,12 +123,6 @@ impl Default for SimArgs {
         }
         <Sim as clap::Parser>::parse_from(["sim"]).args
     }
-}
-
-fn parse_trigger(s: &str) -> std::result::Result<String, String> {
-    Trigger::parse(s)
-        .map(|_| s.to_string())
-        .ok_or_else(|| format!("{s:?}: use all, quorum:K, async or timeout:MS"))
 }
 
 /// Parses `--fault` values (and `--slow-rank`/`--slow-factor`) into the simulator's faults.
@@ -233,12 +178,6 @@ pub fn faults_of(args: &SimArgs) -> Result<Faults> {
 
 fn parse_gpu(s: &str) -> std::result::Result<models::Calibration, String> {
     models::Calibration::parse(s).ok_or_else(|| format!("use {}", models::Calibration::NAMES.join(" or ")))
-}
-
-fn parse_sync(s: &str) -> std::result::Result<String, String> {
-    SyncMode::parse(s)
-        .map(|m| m.name().to_string())
-        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, sliced, p3, full, kvstore or adam".into())
 }
 
 /// Parses a bandwidth: `10gbit`, `10gbe`, `10g`, `500mbit`, `2.5gbit/s`, or plain bits per second.
@@ -363,16 +302,6 @@ pub struct SimResult {
     pub nic_trace: Vec<[Vec<u64>; 2]>,
 }
 
-fn consistency_of(s: &str) -> Result<Consistency> {
-    if s == "bsp" {
-        return Ok(Consistency::Bsp);
-    }
-    s.strip_prefix("ssp:")
-        .and_then(|n| n.parse().ok())
-        .map(Consistency::Ssp)
-        .ok_or_else(|| Error::Usage(format!("--consistency {s:?}: use bsp or ssp:S (e.g. ssp:2)")))
-}
-
 /// How the learners map onto ranks: L behind each worker rank, or flat
 /// (each learner a rank; `hosts` puts L of them on each node).
 struct Layout {
@@ -391,7 +320,7 @@ fn one_run(
     main: bool,
 ) -> Result<SimReport> {
     // Processes on the profiled machine: every rank, and a node's other learners.
-    let ranks = cluster.world() + cluster.workers().len() * if args.flat { 0 } else { lay.learners - 1 };
+    let ranks = cluster.world() + cluster.workers().len() * if args.job.flat { 0 } else { lay.learners - 1 };
     let mut book = Book::new(
         cluster,
         model.layers.clone(),
@@ -399,6 +328,7 @@ fn one_run(
             batch: batch * lay.learners,
             slice_params: args.slice_params,
             chunk_bytes: args
+                .job
                 .chunk_bytes
                 .unwrap_or_else(|| mode.default_chunk_bytes(args.slice_params)),
             ..Default::default()
@@ -415,17 +345,17 @@ fn one_run(
         book = book.with_rates(r)?;
     }
     let times: Vec<(u64, u64)> = model
-        .layer_times(batch, args.time_scale)
+        .layer_times(batch, args.job.time_scale)
         .iter()
         .map(|(f, b)| (f.as_nanos() as u64, b.as_nanos() as u64))
         .collect();
-    let mut cfg = SimConfig::new(Arc::new(book), mode, times, args.iters);
+    let mut cfg = SimConfig::new(Arc::new(book), mode, times, args.job.iters);
     set_machine(&mut cfg, model, args, rates.as_ref());
     set_schedule(&mut cfg, args, lay)?;
     // The run measured (not the one-node reference or the set-up alone).
     if main {
         cfg.trace_bin_ns = args.trace_bin_us.map(|us| ((us * 1000.0).round() as u64).max(1));
-        cfg.sched.trigger = Trigger::parse(&args.trigger).expect("validated by clap");
+        cfg.sched.trigger = args.job.trigger;
         let f = faults_of(args)?;
         cfg.faults.slow = f.slow;
         cfg.faults.crash = f.crash;
@@ -439,7 +369,7 @@ fn one_run(
 fn set_machine(cfg: &mut SimConfig, model: &Model, args: &SimArgs, rates: Option<&Rates>) {
     cfg.bandwidth_bps = args.bandwidth;
     cfg.latency_ns = (args.latency_us * 1000.0).round() as u64;
-    cfg.gemm_flops = model.calibrated_flop_rate() / args.time_scale.max(1e-9);
+    cfg.gemm_flops = model.calibrated_flop_rate() / args.job.time_scale.max(1e-9);
     if let Some(r) = rates {
         cfg.gemm_flops = r.gemm_flop_per_s;
         cfg.agg_bytes_per_s = r.sum_bytes_per_s;
@@ -451,14 +381,14 @@ fn set_machine(cfg: &mut SimConfig, model: &Model, args: &SimArgs, rates: Option
 
 /// The scheduler's flags, and the learners' layout `lay`.
 fn set_schedule(cfg: &mut SimConfig, args: &SimArgs, lay: &Layout) -> Result<()> {
-    cfg.sched.consistency = consistency_of(&args.consistency)?;
-    cfg.sched.deterministic = !args.fast;
+    cfg.sched.consistency = args.job.consistency;
+    cfg.sched.deterministic = !args.job.fast;
     cfg.sched.learners = lay.learners as u32;
     cfg.sched.fold_group = lay.fold_group as u32;
     cfg.local_learners = lay.learners as u32;
     cfg.local_bytes_per_s = args.local_bandwidth / 8.0;
     cfg.hosts = lay.hosts.clone();
-    if let Some(c) = args.credit_bytes {
+    if let Some(c) = args.job.credit_bytes {
         cfg.sched.credit_bytes = c;
     }
     if let Some(n) = args.slots {
@@ -477,19 +407,19 @@ pub fn known_model(name: &str) -> bool {
 
 /// Runs the simulation (and the one-node reference for the speedup).
 pub fn run(args: &SimArgs) -> Result<SimResult> {
-    let model = models::profile(&args.model).ok_or_else(|| {
+    let model = models::profile(&args.job.model).ok_or_else(|| {
         Error::Usage(format!(
             "unknown model {:?}; known: {}",
-            args.model,
+            args.job.model,
             models::NAMES.join(", ")
         ))
     })?;
     let model = model.on(args.gpu);
     check_flags(args)?;
     let t0 = Instant::now();
-    let mode = SyncMode::parse(&args.sync).expect("validated by clap");
+    let mode = args.job.sync;
     check_baseline(args, mode)?;
-    let batch = args.batch.unwrap_or(model.batch);
+    let batch = args.job.batch.unwrap_or(model.batch);
     let single = one_run(
         &model,
         Cluster::colocated(1)?,
@@ -514,8 +444,8 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
         colocated,
         single_iteration_s: single.iteration_s,
     };
-    let mut r = job.run(args.flat)?;
-    if args.local_learners > 1 && !args.flat {
+    let mut r = job.run(args.job.flat)?;
+    if args.job.local_learners > 1 && !args.job.flat {
         let f = job.run(true)?;
         r.speedup_over_flat = Some(f.iteration_s / r.iteration_s);
         r.flat_run = Some(Box::new(f));
@@ -536,13 +466,13 @@ fn nodes_of(args: &SimArgs) -> (usize, usize, bool) {
 
 /// Checks the flags' values (clap checked their forms).
 fn check_flags(args: &SimArgs) -> Result<()> {
-    if args.iters == 0 {
+    if args.job.iters == 0 {
         return Err(Error::Usage("--iters must be at least 1".into()));
     }
     if !(args.latency_us >= 0.0 && args.latency_us.is_finite()) {
         return Err(Error::Usage("--latency-us must be a finite number ≥ 0".into()));
     }
-    if !(args.time_scale > 0.0 && args.time_scale.is_finite()) {
+    if !(args.job.time_scale > 0.0 && args.job.time_scale.is_finite()) {
         return Err(Error::Usage("--time-scale must be a finite number > 0".into()));
     }
     let (workers, servers, _) = nodes_of(args);
@@ -551,16 +481,16 @@ fn check_flags(args: &SimArgs) -> Result<()> {
             "{workers} workers and {servers} servers: give 1 to 4096 of each"
         )));
     }
-    if args.local_learners == 0 || args.local_learners > 64 {
+    if args.job.local_learners == 0 || args.job.local_learners > 64 {
         return Err(Error::Usage("--local-learners: give 1 to 64".into()));
     }
-    if args.flat && args.local_learners < 2 {
+    if args.job.flat && args.job.local_learners < 2 {
         return Err(Error::Usage("--flat needs --local-learners L with L ≥ 2".into()));
     }
     if args.local_bandwidth.is_nan() || args.local_bandwidth < 1e6 {
         return Err(Error::Usage("--local-bandwidth: give at least 1mbit".into()));
     }
-    if args.chunk_bytes.is_some_and(|b| b < 4 || b % 4 != 0) {
+    if args.job.chunk_bytes.is_some_and(|b| b < 4 || b % 4 != 0) {
         return Err(Error::Usage("--chunk-bytes: give a positive multiple of 4".into()));
     }
     if args.slice_params == 0 {
@@ -579,14 +509,13 @@ fn check_flags(args: &SimArgs) -> Result<()> {
 /// worker's factors of one iteration. BSP and `--trigger all` only.
 fn check_baseline(args: &SimArgs, mode: SyncMode) -> Result<()> {
     if matches!(mode, SyncMode::KvStore | SyncMode::Adam)
-        && (consistency_of(&args.consistency)? != Consistency::Bsp
-            || Trigger::parse(&args.trigger) != Some(Trigger::All))
+        && (args.job.consistency != Consistency::Bsp || args.job.trigger != Trigger::All)
     {
         return Err(Error::Usage(format!(
             "--sync {} is a BSP baseline: it needs --consistency bsp and --trigger all, not --consistency {} --trigger {}",
             mode.name(),
-            args.consistency,
-            args.trigger
+            args.job.consistency.name(),
+            args.job.trigger.name()
         )));
     }
     Ok(())
@@ -612,7 +541,7 @@ impl Job<'_> {
     /// The cluster and the learners' layout: L learners behind each worker
     /// rank, or with `flat` every learner a rank.
     fn layout(&self, flat: bool) -> Result<(Cluster, Layout)> {
-        let (workers, servers, l) = (self.workers, self.servers, self.args.local_learners);
+        let (workers, servers, l) = (self.workers, self.servers, self.args.job.local_learners);
         let p1 = if flat { workers * l } else { workers };
         let cluster = if self.colocated {
             Cluster::colocated(p1)?
@@ -652,7 +581,10 @@ impl Job<'_> {
             model,
             cluster,
             &SimArgs {
-                iters: 0,
+                job: JobArgs {
+                    iters: 0,
+                    ..args.job.clone()
+                },
                 ..args.clone()
             },
             mode,
@@ -665,23 +597,23 @@ impl Job<'_> {
 
     /// The report of the run `rep`, less its set-up's bytes.
     fn result(&self, flat: bool, p1: usize, p2: usize, rep: SimReport, setup: &SimReport) -> SimResult {
-        let (args, batch, l) = (self.args, self.batch, self.args.local_learners);
-        let compute_s = self.model.iteration_compute(batch, args.time_scale).as_secs_f64();
+        let (args, batch, l) = (self.args, self.batch, self.args.job.local_learners);
+        let compute_s = self.model.iteration_compute(batch, args.job.time_scale).as_secs_f64();
         let throughput = (self.workers * l) as f64 * batch as f64 / rep.iteration_s;
         let single_tp = batch as f64 / self.single_iteration_s;
         SimResult {
             cpu: cpu_of(args),
-            model: args.model.clone(),
+            model: args.job.model.clone(),
             sync: self.mode.name().into(),
-            consistency: args.consistency.clone(),
-            fast: args.fast,
+            consistency: args.job.consistency.name(),
+            fast: args.job.fast,
             workers: p1,
             servers: p2,
             colocated: self.colocated,
             bandwidth_gbps: args.bandwidth / 1e9,
             latency_us: args.latency_us,
             batch,
-            iters: args.iters,
+            iters: args.job.iters,
             iteration_s: rep.iteration_s,
             throughput_samples_s: throughput,
             speedup: throughput / single_tp,
@@ -690,15 +622,15 @@ impl Job<'_> {
             blocked_s: rep.wait_s,
             local_learners: l,
             flat: flat && l > 1,
-            node_nic_bytes_per_iter: node_nic_per_iter(&rep, setup, self.workers, args.iters),
-            host_nic_bytes_per_iter: host_nic_per_iter(&rep, setup, args.iters),
+            node_nic_bytes_per_iter: node_nic_per_iter(&rep, setup, self.workers, args.job.iters),
+            host_nic_bytes_per_iter: host_nic_per_iter(&rep, setup, args.job.iters),
             local_agg_s: rep.local_agg_s,
             fanout_s: rep.fanout_s,
             flat_run: None,
             speedup_over_flat: None,
             events: rep.events,
-            trigger: args.trigger.clone(),
-            updates_iteration_s: rep.updates_ns as f64 / 1e9 / args.iters as f64,
+            trigger: args.job.trigger.name(),
+            updates_iteration_s: rep.updates_ns as f64 / 1e9 / args.job.iters as f64,
             dropped: rep.dropped,
             late_folded: rep.late_folded,
             partial_applies: rep.partial_applies,
@@ -873,13 +805,17 @@ mod tests {
 
     #[test]
     fn slices_and_the_trace_reach_the_run() {
+        let d = SimArgs::default();
         let a = SimArgs {
-            model: "vgg19-mini".into(),
+            job: JobArgs {
+                model: "vgg19-mini".into(),
+                sync: SyncMode::P3,
+                iters: 2,
+                ..d.job.clone()
+            },
             nodes: Some(2),
-            sync: "p3".into(),
-            iters: 2,
             trace_bin_us: Some(100.0),
-            ..SimArgs::default()
+            ..d
         };
         assert_eq!(SimArgs::default().slice_params, 50_000);
         let r = run(&a).unwrap();

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{EngineError, Result};
 
 /// Consistency model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Consistency {
     /// Bulk synchronous: iteration t+1 starts on parameters that include every
@@ -16,7 +16,34 @@ pub enum Consistency {
     Ssp(u32),
 }
 
+impl std::fmt::Display for Consistency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.name();
+        // What it prints, `--consistency` reads back.
+        debug_assert_eq!(Consistency::parse(&n), Some(*self), "{n}");
+        f.write_str(&n)
+    }
+}
+
 impl Consistency {
+    /// Parses `bsp` or `ssp:S`.
+    pub fn parse(s: &str) -> Option<Consistency> {
+        if s == "bsp" {
+            return Some(Consistency::Bsp);
+        }
+        let c = s.strip_prefix("ssp:")?.parse().ok().map(Consistency::Ssp);
+        debug_assert!(c.map_or(true, |c| matches!(c, Consistency::Ssp(_))));
+        c
+    }
+    /// Its name, as [`Consistency::parse`] reads it.
+    pub fn name(self) -> String {
+        let n = match self {
+            Consistency::Bsp => "bsp".to_string(),
+            Consistency::Ssp(s) => format!("ssp:{s}"),
+        };
+        debug_assert!(n.starts_with("bsp") || n.starts_with("ssp:"));
+        n
+    }
     /// The staleness bound (0 for BSP).
     pub fn staleness(self) -> u64 {
         match self {
@@ -70,7 +97,7 @@ pub enum QueueOrder {
 ///   takes the current parameters from the servers and is counted again;
 ///   its contributions count from each chunk's iteration when it came back
 ///   (so they are on time when it keeps up, and late otherwise).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Trigger {
     /// BSP: apply once every worker's contribution is in (the default).
@@ -87,6 +114,15 @@ pub enum Trigger {
     /// long (or until every live worker's is in), then apply what is in,
     /// scaled by the mean over the contributors. Late contributions are dropped.
     Timeout(std::time::Duration),
+}
+
+impl std::fmt::Display for Trigger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.name();
+        // One word on a command line, as `--trigger` takes it.
+        debug_assert!(!n.is_empty() && !n.contains(char::is_whitespace), "{n:?}");
+        f.write_str(&n)
+    }
 }
 
 impl Trigger {
@@ -312,7 +348,7 @@ impl SchedConfig {
 }
 
 /// The sync modes the papers ablate, as one switch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum SyncMode {
     /// Compute the whole backward pass, then communicate (PS only, no slicing).
@@ -373,6 +409,14 @@ pub enum SyncMode {
     /// rest: the server rebuilds a layer from every worker's factors of one
     /// iteration).
     Adam,
+}
+
+impl std::fmt::Display for SyncMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // What it prints, `--sync` reads back.
+        debug_assert_eq!(SyncMode::parse(self.name()), Some(*self));
+        f.write_str(self.name())
+    }
 }
 
 impl SyncMode {

@@ -44,7 +44,10 @@ pub enum NodeRole {
 /// Parameters moved per node per iteration by sufficient-factor broadcast:
 /// 2K(P1−1)(M+N). A server-only node moves none.
 pub fn sfb_params(k: u64, p1: u64, m: u64, n: u64) -> u64 {
-    2 * k * p1.saturating_sub(1) * (m + n)
+    let p = 2 * k * p1.saturating_sub(1) * (m + n);
+    // A single worker sends its factors to no one.
+    debug_assert!(p1 > 1 || p == 0);
+    p
 }
 
 /// Parameters moved per node per iteration through the sharded PS.
@@ -180,7 +183,10 @@ pub fn slice_params_for(r: &Rates) -> usize {
     } else {
         usize::MAX
     };
-    params.clamp(P3_SLICE_PARAMS, (2 << 20) / 4)
+    let slice = params.clamp(P3_SLICE_PARAMS, (2 << 20) / 4);
+    // Dearer messages never make slices smaller.
+    debug_assert!(slice >= P3_SLICE_PARAMS && slice * 4 <= 2 << 20, "{slice}");
+    slice
 }
 
 /// What applying an update to one parameter costs, in parameters folded by

@@ -15,6 +15,7 @@ use std::time::Instant;
 use clap::Parser;
 use plotters::prelude::*;
 use serde::Serialize;
+use tidewire_cli::job::JobArgs;
 use tidewire_cli::sim::{self, SimArgs, SimResult};
 
 #[derive(Parser, Debug)]
@@ -83,35 +84,21 @@ fn dissect(r: &SimResult) -> Dissection {
 }
 
 fn run(cli: &Cli, model: &str, gbps: f64, learners: usize) -> Result<Row, String> {
+    let d = SimArgs::default();
     let a = SimArgs {
-        model: model.into(),
-        gpu: Default::default(),
+        job: JobArgs {
+            model: model.into(),
+            iters: cli.iters,
+            local_learners: learners,
+            chunk_bytes: Some(2 << 20),
+            ..d.job.clone()
+        },
         nodes: Some(cli.nodes),
-        workers: None,
-        servers: None,
         bandwidth: gbps * 1e9,
         latency_us: 5.0,
-        sync: "full".into(),
-        consistency: "bsp".into(),
-        iters: cli.iters,
-        batch: None,
-        time_scale: 1.0,
-        credit_bytes: None,
-        slots: None,
-        spare_slots: None,
-        fast: false,
-        local_learners: learners,
-        flat: false,
         local_bandwidth: cli.local_gbytes * 8e9,
-        json: false,
-        trigger: "all".into(),
-        faults: Vec::new(),
-        slow_rank: None,
-        slow_factor: None,
         slice_params: 50_000,
-        chunk_bytes: Some(2 << 20),
-        trace_bin_us: None,
-        profile: None,
+        ..d
     };
     let r = sim::run(&a).map_err(|e| format!("sim {model} {gbps} GbE L={learners}: {e}"))?;
     let f = r.flat_run.as_deref().ok_or("no flat run")?;

@@ -55,9 +55,9 @@ fn main() {
         train: TrainArgs,
     }
     let mut args = Defaults::parse_from(["train", "--workers", "1", "--colocate"]).train;
-    args.model = cli.model.clone();
-    args.iters = cli.iters;
-    args.time_scale = cli.time_scale;
+    args.job.model = cli.model.clone();
+    args.job.iters = cli.iters;
+    args.job.time_scale = cli.time_scale;
     let (mut with, mut without) = (Vec::new(), Vec::new());
     for rep in 0..cli.reps {
         for engine in [false, true] {

@@ -3,21 +3,22 @@
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use tidewire_engine::book::LayerKind;
-use tidewire_engine::models::{self, Model};
+use tidewire_engine::models::Model;
 use tidewire_engine::{Book, BookConfig, Cluster, Consistency, SchedConfig, SyncMode};
 use tidewire_gpu::cpu::ApplyOp;
 
 use super::comm::CommArgs;
 use super::synth::Synth;
 use crate::error::{Error, Result};
+use crate::job::JobArgs;
 use crate::resilience::CheckpointArgs;
 
 /// Flags of `tidewire train`.
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
 pub struct TrainArgs {
-    /// Model profile: vgg19, vgg19-22k, googlenet, inception-v3, resnet-50, resnet-152, alexnet, vgg19-mini.
-    #[arg(long, default_value = "vgg19")]
-    pub model: String,
+    /// The job: model, iterations, sync mode, consistency, trigger, sizes (shared with `sim`).
+    #[command(flatten)]
+    pub job: JobArgs,
     /// Worker processes (P1).
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
@@ -27,27 +28,6 @@ pub struct TrainArgs {
     /// Every node is a worker and a server (P1 = P2 = --workers).
     #[arg(long)]
     pub colocate: bool,
-    /// Iterations.
-    #[arg(long, default_value_t = 10)]
-    pub iters: u64,
-    /// fifo-ps, wfbp, hybrid, sliced, p3, full, kvstore (MXNet's KVStore,
-    /// P3's baseline: whole layers per server, notify then pull; BSP only)
-    /// or adam (Project Adam, Poseidon's baseline: FC layers' factors to the
-    /// one server holding the layer, full matrices back; BSP only).
-    #[arg(long, default_value = "full", value_parser = parse_sync)]
-    pub sync: String,
-    /// Batch size K per worker (default: the profile's).
-    #[arg(long)]
-    pub batch: Option<usize>,
-    /// Multiplies every layer's compute time (1.0 = the calibrated single-GPU time).
-    #[arg(long, default_value_t = 1.0)]
-    pub time_scale: f64,
-    /// bsp, or ssp:S for stale synchronous with bound S.
-    #[arg(long, default_value = "bsp", value_parser = parse_consistency)]
-    pub consistency: String,
-    /// Sum in arrival order instead of fixed rank order.
-    #[arg(long)]
-    pub fast: bool,
     /// Where servers sum contributions: auto (Nexus's per-chunk CPU/GPU choice;
     /// the CPU without a GPU), cpu, or gpu (fails without a usable GPU).
     #[arg(long, default_value = "auto")]
@@ -64,16 +44,6 @@ pub struct TrainArgs {
     /// SGD weight decay.
     #[arg(long, default_value_t = 0.0005)]
     pub weight_decay: f32,
-    /// Credit window in bytes (default: the engine's).
-    #[arg(long)]
-    pub credit_bytes: Option<usize>,
-    /// KV chunk size in bytes: the unit a server applies and broadcasts.
-    /// Default: one slice in sliced, p3 and full (P3's server applies and
-    /// broadcasts per slice; slices under 64 KiB are grouped to at least
-    /// 64 KiB, and a chunk stays within 2 MiB), Poseidon's 2 MiB in the other
-    /// modes.
-    #[arg(long)]
-    pub chunk_bytes: Option<usize>,
     /// Slice size in parameters (sliced, p3 and full). Default: with
     /// --cost-model seconds, the smallest slice whose per-message cost is at
     /// most 4% of its time on the measured link, from P3's 50,000 up to a
@@ -83,9 +53,6 @@ pub struct TrainArgs {
     /// Check the final parameters against a single-process reference (BSP, deterministic).
     #[arg(long)]
     pub verify: bool,
-    /// Print one JSON object instead of the table.
-    #[arg(long)]
-    pub json: bool,
     /// Seconds a wait or a silent peer may take before the run fails. The
     /// launcher also kills the run when no worker finishes an iteration for
     /// this long plus 30 s and 20 iterations' compute.
@@ -115,15 +82,6 @@ pub struct TrainArgs {
     /// Compute slowdown of --slow-rank.
     #[arg(long, default_value_t = 3.0)]
     pub slow_factor: f64,
-    /// When servers apply a chunk's round (Nexus's aggregation triggers):
-    /// all (BSP: every worker's gradient, the default), quorum:K (the first K
-    /// workers' whole contributions; later ones are dropped), async (every
-    /// contribution on arrival, Downpour; late ones join the next round) or
-    /// timeout:MS (what is in MS after the round's first contribution, the
-    /// mean over the contributors). Not all: BSP, PS layers only (--sync p3,
-    /// sliced, wfbp or fifo-ps), no --verify.
-    #[arg(long, default_value = "all")]
-    pub trigger: String,
     /// Straggler removal (with --trigger other than all, and separate
     /// --servers): the launcher, coordinating, removes a worker whose
     /// progress stays under 1/FACTOR of the median worker's once the median
@@ -141,19 +99,6 @@ pub struct TrainArgs {
     /// servers and is counted from the round in progress until the end.
     #[arg(long, requires = "remove_stragglers")]
     pub replace_stragglers: bool,
-    /// Learners per worker node (Nexus's local aggregation): each worker rank
-    /// leads L learner processes (itself and L-1 more) that hand their
-    /// gradients to it through shared memory; it sums them in local-rank order,
-    /// pushes once per node and fans the parameters out through a cache.
-    /// `--workers` counts nodes; every node computes L × `--batch` samples.
-    #[arg(long, default_value_t = 1)]
-    pub local_learners: usize,
-    /// With --local-learners L: the flat baseline. Every learner is a rank of
-    /// its own and pushes for itself (L copies per node), and servers sum each
-    /// node's L gradients first, as the local aggregator does, so both runs
-    /// give bitwise the same parameters (every PS-synced layer).
-    #[arg(long)]
-    pub flat: bool,
     /// Local learners read parameters from the node's cache up to this many
     /// versions old instead of waiting for the newest (Nexus's parameter cache).
     #[arg(long, default_value_t = 0)]
@@ -208,36 +153,10 @@ pub(super) fn split_list(s: &str) -> Vec<String> {
         .collect()
 }
 
-fn parse_sync(s: &str) -> std::result::Result<String, String> {
-    SyncMode::parse(s)
-        .map(|m| m.name().to_string())
-        .ok_or_else(|| "use fifo-ps, wfbp, hybrid, sliced, p3, full, kvstore or adam".into())
-}
-
-fn parse_consistency(s: &str) -> std::result::Result<String, String> {
-    consistency_of(s).map(|_| s.to_string())
-}
-
-fn consistency_of(s: &str) -> std::result::Result<Consistency, String> {
-    if s == "bsp" {
-        return Ok(Consistency::Bsp);
-    }
-    s.strip_prefix("ssp:")
-        .and_then(|n| n.parse::<u32>().ok())
-        .map(Consistency::Ssp)
-        .ok_or_else(|| "use bsp or ssp:S (e.g. ssp:2)".into())
-}
-
 impl TrainArgs {
     /// The model profile, with the sparse hint on the --sparse-layers.
     pub fn model(&self) -> Result<Model> {
-        let mut m = models::profile(&self.model).ok_or_else(|| {
-            Error::Usage(format!(
-                "unknown model {:?}; known: {}",
-                self.model,
-                models::NAMES.join(", ")
-            ))
-        })?;
+        let mut m = self.job.profile()?;
         for name in self.sparse_layers.iter().flat_map(|s| s.split(',')).map(str::trim) {
             if name.is_empty() {
                 continue;
@@ -272,7 +191,7 @@ impl TrainArgs {
     }
     /// The sync mode.
     pub fn sync_mode(&self) -> SyncMode {
-        SyncMode::parse(&self.sync).expect("validated by clap")
+        self.job.sync
     }
     /// The apply op.
     pub fn apply_op(&self) -> Result<ApplyOp> {
@@ -288,12 +207,12 @@ impl TrainArgs {
         })
     }
     pub(super) fn batch(&self, m: &Model) -> usize {
-        self.batch.unwrap_or(m.batch)
+        self.job.batch.unwrap_or(m.batch)
     }
     /// (P1, P2, ranks): with --flat every learner is a worker rank.
     pub(super) fn world(&self) -> (usize, usize, usize) {
-        let p1 = if self.flat {
-            self.workers * self.local_learners
+        let p1 = if self.job.flat {
+            self.workers * self.job.local_learners
         } else {
             self.workers
         };
@@ -305,10 +224,10 @@ impl TrainArgs {
     }
     /// Learners behind each worker rank (1 with --flat).
     pub(super) fn learners(&self) -> usize {
-        if self.flat {
+        if self.job.flat {
             1
         } else {
-            self.local_learners.max(1)
+            self.job.local_learners.max(1)
         }
     }
     /// Checks the flags before anything starts.
@@ -321,28 +240,28 @@ impl TrainArgs {
         self.check_local_learners()?;
         self.check_netns()?;
         self.check_cost_model()?;
-        if !(self.time_scale >= 0.0 && self.time_scale.is_finite()) {
+        if !(self.job.time_scale >= 0.0 && self.job.time_scale.is_finite()) {
             return Err(Error::Usage("--time-scale must be a finite number ≥ 0".into()));
         }
-        let c = consistency_of(&self.consistency).map_err(Error::Usage)?;
+        let c = self.job.consistency;
         if self.comm.active() {
-            self.comm.validate(self.apply_op()?, self.iters)?;
+            self.comm.validate(self.apply_op()?, self.job.iters)?;
             if c != Consistency::Bsp {
                 return Err(Error::Usage("--comm-every/--comm-mode/--freq-max need BSP".into()));
             }
         }
-        let trigger = self.trigger()?;
+        let trigger = self.trigger();
         self.check_baselines(c, trigger)?;
         self.ckpt.validate(
             self.world().2,
-            self.iters,
-            self.local_learners,
+            self.job.iters,
+            self.job.local_learners,
             self.comm.active(),
             c == Consistency::Bsp && trigger == tidewire_engine::Trigger::All,
         )?;
         self.check_trigger(c, trigger)?;
         self.check_remove_stragglers(trigger)?;
-        if self.verify && (c != Consistency::Bsp || self.fast) {
+        if self.verify && (c != Consistency::Bsp || self.job.fast) {
             return Err(Error::Usage(
                 "--verify needs BSP with deterministic aggregation: SSP and --fast results depend on timing".into(),
             ));
@@ -368,7 +287,7 @@ impl TrainArgs {
         if !self.colocate && self.servers == 0 {
             return Err(Error::Usage("--servers must be at least 1 (or use --colocate)".into()));
         }
-        if self.iters == 0 {
+        if self.job.iters == 0 {
             return Err(Error::Usage("--iters must be at least 1".into()));
         }
         self.book(&self.model()?, self.cluster()?)?;
@@ -376,16 +295,16 @@ impl TrainArgs {
     }
     /// `--local-learners`, `--flat` and `--cache-staleness`.
     fn check_local_learners(&self) -> Result<()> {
-        if self.local_learners == 0 {
+        if self.job.local_learners == 0 {
             return Err(Error::Usage("--local-learners must be at least 1".into()));
         }
-        if self.local_learners > 1 && self.comm.active() {
+        if self.job.local_learners > 1 && self.comm.active() {
             return Err(Error::Usage(
                 "--local-learners with --comm-every or quality-guided frequency is not supported yet: use one of them"
                     .into(),
             ));
         }
-        if self.flat && self.local_learners < 2 {
+        if self.job.flat && self.job.local_learners < 2 {
             return Err(Error::Usage(
                 "--flat compares against --local-learners L with L ≥ 2: give L".into(),
             ));
@@ -442,7 +361,7 @@ impl TrainArgs {
             if trigger != tidewire_engine::Trigger::All {
                 return Err(Error::Usage(format!(
                     "--sync kvstore pulls every version of every chunk: --trigger {} needs another --sync mode",
-                    self.trigger
+                    self.job.trigger
                 )));
             }
         }
@@ -450,7 +369,7 @@ impl TrainArgs {
             return Err(Error::Usage(format!(
                 "--sync adam rebuilds each FC layer on its server from every worker's factors of one iteration: \
                  it needs BSP and --trigger all, not --consistency {} --trigger {}",
-                self.consistency, self.trigger
+                self.job.consistency, self.job.trigger
             )));
         }
         Ok(())
@@ -463,18 +382,18 @@ impl TrainArgs {
         if self.verify {
             return Err(Error::Usage(format!(
                 "--verify needs --trigger all: under {} the sums depend on arrival",
-                self.trigger
+                self.job.trigger
             )));
         }
         if self.sync_mode().policy() != tidewire_engine::SchemePolicy::Ps {
             return Err(Error::Usage(format!(
                 "--trigger {} needs every layer through the PS (sufficient factors need every worker's): \
                  use --sync p3, sliced, wfbp or fifo-ps",
-                self.trigger
+                self.job.trigger
             )));
         }
         if c != Consistency::Bsp {
-            return Err(Error::Usage(format!("--trigger {} needs BSP", self.trigger)));
+            return Err(Error::Usage(format!("--trigger {} needs BSP", self.job.trigger)));
         }
         Ok(())
     }
@@ -504,7 +423,7 @@ impl TrainArgs {
                 "--remove-stragglers with --checkpoint-dir is not supported yet".into(),
             ));
         }
-        if self.local_learners > 1 {
+        if self.job.local_learners > 1 {
             return Err(Error::Usage(
                 "--remove-stragglers with --local-learners is not supported yet".into(),
             ));
@@ -546,6 +465,7 @@ impl TrainArgs {
         self.sync_mode().book_config(BookConfig {
             batch: self.batch(m) * self.learners(),
             chunk_bytes: self
+                .job
                 .chunk_bytes
                 .unwrap_or_else(|| self.sync_mode().default_chunk_bytes(self.slice())),
             slice_params: self.slice(),
@@ -585,26 +505,25 @@ impl TrainArgs {
         }
     }
     /// --trigger, parsed.
-    pub fn trigger(&self) -> Result<tidewire_engine::Trigger> {
-        tidewire_engine::Trigger::parse(&self.trigger).ok_or_else(|| {
-            Error::Usage(format!(
-                "--trigger {:?}: use all, quorum:K, async or timeout:MS",
-                self.trigger
-            ))
-        })
+    pub fn trigger(&self) -> tidewire_engine::Trigger {
+        self.job.trigger
     }
 
     pub(super) fn sched(&self) -> SchedConfig {
         let mut s = SchedConfig {
-            trigger: self.trigger().expect("validated"),
+            trigger: self.trigger(),
             order: self.sync_mode().order(),
-            consistency: consistency_of(&self.consistency).expect("validated"),
-            deterministic: !self.fast,
-            fold_group: if self.flat { self.local_learners as u32 } else { 1 },
+            consistency: self.job.consistency,
+            deterministic: !self.job.fast,
+            fold_group: if self.job.flat {
+                self.job.local_learners as u32
+            } else {
+                1
+            },
             learners: self.learners() as u32,
             ..SchedConfig::default()
         };
-        if let Some(c) = self.credit_bytes {
+        if let Some(c) = self.job.credit_bytes {
             s.credit_bytes = c;
         }
         s

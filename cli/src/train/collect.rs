@@ -31,7 +31,7 @@ pub(super) fn report(args: &TrainArgs, model: &Model, began: Instant, ended: &En
     by_rank.sort_by_key(|r| r.rank);
     Ok(TrainReport {
         removed: ended.removed.clone(),
-        trigger: args.trigger.clone(),
+        trigger: args.job.trigger.name(),
         worker_iteration_s: by_rank.iter().map(|r| mean_iteration_s(r)).collect(),
         dropped: results.iter().map(|r| r.stats.dropped).sum(),
         late_folded: results.iter().map(|r| r.stats.late_folded).sum(),
@@ -50,21 +50,21 @@ pub(super) fn report(args: &TrainArgs, model: &Model, began: Instant, ended: &En
         sparse: sparse_summary(results),
         measured: measured_rates(results),
         model: model.name.into(),
-        local_learners: args.local_learners,
-        flat: args.flat,
+        local_learners: args.job.local_learners,
+        flat: args.job.flat,
         node_tx_bytes: per_node(results, args, |r| r.stats.tx_payload_bytes - r.setup_tx_bytes),
         node_rx_bytes: per_node(results, args, |r| {
             r.stats.rx_direct_bytes + r.stats.rx_copied_bytes - r.setup_rx_bytes
         }),
-        sync: args.sync.clone(),
-        consistency: args.consistency.clone(),
+        sync: args.job.sync.name().to_string(),
+        consistency: args.job.consistency.name(),
         workers: p1,
         servers: p2,
         colocate: args.colocate,
         batch: k,
-        iters: args.iters,
-        time_scale: args.time_scale,
-        compute_s: model.iteration_compute(k, args.time_scale).as_secs_f64(),
+        iters: args.job.iters,
+        time_scale: args.job.time_scale,
+        compute_s: model.iteration_compute(k, args.job.time_scale).as_secs_f64(),
         iteration_s,
         throughput_samples_s: (p1 * args.learners() * k) as f64 / iteration_s,
         hidden_fraction,
@@ -102,7 +102,11 @@ fn reporters<'e>(args: &TrainArgs, ended: &'e Ended) -> Result<(Vec<&'e NodeResu
         )));
     }
     let learners: Vec<&NodeResult> = results.iter().filter(|r| r.local.is_some()).collect();
-    let want_learners = if args.flat { 0 } else { p1 * (args.local_learners - 1) };
+    let want_learners = if args.job.flat {
+        0
+    } else {
+        p1 * (args.job.local_learners - 1)
+    };
     if learners.len() != want_learners {
         return Err(Error::Launch(format!(
             "{} of {want_learners} local learners reported a result",
@@ -269,7 +273,7 @@ fn transport_lines(results: &[NodeResult]) -> Vec<String> {
 /// Sums a counter over each worker node's ranks (worker ranks `0..P1`; with
 /// --flat, node `i` is ranks `i·L..(i+1)·L`).
 fn per_node(results: &[NodeResult], args: &TrainArgs, f: impl Fn(&NodeResult) -> u64) -> Vec<u64> {
-    let per = if args.flat { args.local_learners } else { 1 };
+    let per = if args.job.flat { args.job.local_learners } else { 1 };
     let mut out = vec![0u64; args.workers];
     for r in results.iter().filter(|r| r.local.is_none() && r.worker) {
         if let Some(n) = out.get_mut(r.rank as usize / per) {

@@ -20,7 +20,7 @@ use crate::resilience::{self, Restart};
 /// rank starts again from the newest complete checkpoint ([`resilience`]).
 pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     args.validate()?;
-    args.ckpt.check_dirs(args.iters)?;
+    args.ckpt.check_dirs(args.job.iters)?;
     let mut base_args = resilience::without_resume(&node_args);
     let args = &with_measured_rates(args, &mut base_args)?;
     let mut kills: std::collections::VecDeque<resilience::Kill> = args.ckpt.fault_kill.iter().copied().collect();
@@ -115,15 +115,15 @@ fn roll_back(
     }
     let resume = resilience::rollback_point(dir, resume)?;
     let from = resume.as_deref().map_or(0, resilience::step_iteration);
-    if from >= args.iters {
+    if from >= args.job.iters {
         return Err(Error::Launch(format!(
             "the local cluster failed after its last checkpoint (iteration {from} of {}): the \
              parameters are in {}; nothing is left to run: {cause}",
-            args.iters,
+            args.job.iters,
             dir.display()
         )));
     }
-    if !args.json {
+    if !args.job.json {
         eprintln!(
             "tidewire: a rank was lost ({}); rolling back to iteration {from} and restarting every rank",
             cause.lines().next().unwrap_or("")
@@ -159,7 +159,7 @@ fn measured_rates(args: &TrainArgs) -> Result<Option<tidewire_engine::cost::Rate
             .map_err(|e| Error::Launch(format!("measuring this machine's rates: {e}")))?,
     };
     let (_, _, world) = args.world();
-    let procs = world + args.workers * args.local_learners.saturating_sub(1) * usize::from(!args.flat);
+    let procs = world + args.workers * args.job.local_learners.saturating_sub(1) * usize::from(!args.job.flat);
     let link = match (&args.netns, &args.netns_addrs) {
         (Some(ns), Some(addrs)) => Some(netns_link_rate(&split_list(ns), &split_list(addrs))?),
         _ => None,
@@ -236,9 +236,9 @@ fn launch_attempt(
     // lost peer first; a run that is slow but moving is left alone).
     let stall_limit = Duration::from_secs(args.timeout_s + 30)
         + model
-            .iteration_compute(args.batch(&model), args.time_scale)
+            .iteration_compute(args.batch(&model), args.job.time_scale)
             .mul_f64(20.0);
-    let prefix = format!("{} {}w/{}s {}", model.name, p1, p2, args.sync);
+    let prefix = format!("{} {}w/{}s {}", model.name, p1, p2, args.job.sync);
     let mut sup = Supervisor::new(args, began, children, held, prefix, stall_limit)?;
     sup.run(kills, &spawner)?;
     let mut ended = sup.finish();

@@ -66,7 +66,7 @@ fn single_through_engine(args: &TrainArgs, model: &Model, synth: &Synth) -> Resu
 fn single_without_engine(args: &TrainArgs, model: &Model, synth: &Synth) -> Result<Vec<IterStat>> {
     let k = args.batch(model);
     let op = args.apply_op()?;
-    let times = model.layer_times(k, args.time_scale);
+    let times = model.layer_times(k, args.job.time_scale);
     let mut params = initial_params(model, synth);
     let mut grads: Vec<Vec<f32>> = model.layers.iter().map(|s| vec![0f32; s.params()]).collect();
     let mut mom: Vec<Vec<f32>> = model
@@ -82,7 +82,7 @@ fn single_without_engine(args: &TrainArgs, model: &Model, synth: &Synth) -> Resu
         .collect();
     let mut stats = Vec::new();
     let mut prev: Option<Instant> = None;
-    for it in 0..args.iters {
+    for it in 0..args.job.iters {
         let start = Instant::now();
         if let (Some(p), Some(last)) = (prev, stats.last_mut()) {
             let last: &mut IterStat = last;
@@ -148,7 +148,7 @@ pub fn reference(args: &TrainArgs, book: &Book) -> Result<Vec<String>> {
     let synth = args.synth(&model);
     let op = args.apply_op()?;
     let k = args.batch(&model);
-    let lrn = args.local_learners.max(1);
+    let lrn = args.job.local_learners.max(1);
     let nodes = args.workers;
     let mut out = Vec::new();
     let max = model.layers.iter().map(|l| l.params()).max().unwrap_or(0);
@@ -168,12 +168,12 @@ pub fn reference(args: &TrainArgs, book: &Book) -> Result<Vec<String>> {
             u: vec![0f32; lrn * k * spec.m],
             v: vec![0f32; lrn * k * spec.n],
         };
-        for it in 0..args.iters {
+        for it in 0..args.job.iters {
             let sfb = spec.kind == LayerKind::Fc && book.scheme(li as u32, it) == Scheme::Sfb;
             // Adam's server sums every worker rank's factors in rank order,
             // with no fold groups (a flat run's learners are worker ranks).
             let adam = spec.kind == LayerKind::Fc && book.scheme(li as u32, it) == Scheme::Adam;
-            if (sfb || adam) && (args.flat || lrn == 1) {
+            if (sfb || adam) && (args.job.flat || lrn == 1) {
                 sum.in_rank_order(it, &mut acc[..n], &mut g[..n]);
             } else if sfb || adam {
                 sum.stacked_per_node(it, &mut acc[..n], &mut g[..n]);

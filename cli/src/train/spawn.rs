@@ -117,7 +117,7 @@ impl<'a> Spawner<'a> {
     pub(super) fn spawn_all(&self, held: &std::collections::BTreeSet<u32>) -> Result<Vec<(u32, Child)>> {
         let args = self.args;
         let (p1, _, world) = args.world();
-        let hier = args.local_learners > 1 && !args.flat;
+        let hier = args.job.local_learners > 1 && !args.job.flat;
         let mut children = Vec::new();
         for rank in 0..world as u32 {
             let mut c = self.rank_command(rank);
@@ -145,11 +145,11 @@ impl<'a> Spawner<'a> {
         }
         if hier {
             for node in 0..p1 {
-                for j in 1..args.local_learners {
+                for j in 1..args.job.local_learners {
                     let mut c = self.base(node);
                     c.env("TIDEWIRE_LOCAL_RANK", j.to_string()).stdin(Stdio::null());
                     local_env(&mut c, node, &self.secret);
-                    let id = (world + node * (args.local_learners - 1) + j - 1) as u32;
+                    let id = (world + node * (args.job.local_learners - 1) + j - 1) as u32;
                     let child = c
                         .spawn()
                         .map_err(|e| Error::Launch(format!("cannot start local learner {j} of node {node}: {e}")))?;

@@ -98,8 +98,8 @@ impl<'a> Supervisor<'a> {
     ) -> Result<Self> {
         let (p1, _, ranks) = args.world();
         let world = children.len();
-        let bar = indicatif::ProgressBar::new(args.iters);
-        if args.json {
+        let bar = indicatif::ProgressBar::new(args.job.iters);
+        if args.job.json {
             bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
         }
         bar.set_style(
@@ -126,7 +126,7 @@ impl<'a> Supervisor<'a> {
             progress: Arc::new((0..world).map(|_| AtomicU64::new(0)).collect()),
             readers: Vec::new(),
             err_readers: Vec::new(),
-            removal: StragglerWatch::new(args.remove_stragglers, args.straggler_window, p1, args.trigger()?),
+            removal: StragglerWatch::new(args.remove_stragglers, args.straggler_window, p1, args.trigger()),
             replaced: Vec::new(),
             failed: Vec::new(),
             first_failure: None,
@@ -143,7 +143,7 @@ impl<'a> Supervisor<'a> {
     }
 
     fn who(&self, id: u32) -> String {
-        who(self.ranks, self.args.local_learners, id)
+        who(self.ranks, self.args.job.local_learners, id)
     }
 
     /// Follows a process's output on two threads: progress and the result
@@ -294,7 +294,11 @@ impl<'a> Supervisor<'a> {
             live.sort_unstable();
             // The rounds left, less a margin for the time it takes to join:
             // it must not outlast the others (a round only it fed would strand).
-            let n = self.args.iters.saturating_sub(live.last().copied().unwrap_or(0) + 3);
+            let n = self
+                .args
+                .job
+                .iters
+                .saturating_sub(live.last().copied().unwrap_or(0) + 3);
             if n == 0 {
                 continue;
             }
@@ -364,7 +368,7 @@ impl<'a> Supervisor<'a> {
         if !failed.is_empty() {
             let mut msg = failed.join("; ");
             for (rank, tail, _) in stderr_tails.iter().filter(|(_, t, _)| !t.is_empty()) {
-                let who = who(self.ranks, self.args.local_learners, *rank);
+                let who = who(self.ranks, self.args.job.local_learners, *rank);
                 msg.push_str(&format!("\n--- {who} stderr ---\n{}", tail.trim_end()));
             }
             failed = vec![msg];

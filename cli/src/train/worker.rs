@@ -86,7 +86,7 @@ fn build_session(args: &TrainArgs, model: &Model, synth: &Arc<Synth>, spec: Clus
         })
         .sched(args.sched())
         .apply(args.comm.server_op(args.apply_op()?))
-        .comm(args.comm.config(args.iters)?)
+        .comm(args.comm.config(args.job.iters)?)
         .aggregation(args.aggregate)
         .transport_limits(args.limits())
         .transport(args.transport_kind(spec.rank)?)
@@ -209,7 +209,7 @@ fn local_layout(args: &TrainArgs, model: &Model) -> tidewire::local::LocalLayout
             }
         })
         .collect();
-    tidewire::local::LocalLayout::new(args.local_learners, params, slots)
+    tidewire::local::LocalLayout::new(args.job.local_learners, params, slots)
 }
 
 /// A local learner (local rank ≥ 1): the same compute and synthetic data as a
@@ -226,8 +226,8 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
         model,
         synth: args.synth(model),
         k,
-        global: local.node * args.local_learners + local.index,
-        times: model.layer_times(k, args.time_scale),
+        global: local.node * args.job.local_learners + local.index,
+        times: model.layer_times(k, args.job.time_scale),
         // The leader's book, for the scheme of each FC layer: factors go to the
         // leader for SFB; for the PS this learner forms its own gradient Uᵀ·V.
         book: args.book(model, args.cluster()?)?,
@@ -237,7 +237,7 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
     let mut stats = Vec::new();
     let mut out = std::io::stdout();
     let mut prev: Option<Instant> = None;
-    for it in 0..args.iters {
+    for it in 0..args.job.iters {
         let start = Instant::now();
         let blocked = learner.forward(&mut params, it.saturating_sub(args.cache_staleness))?;
         if let (Some(p), Some(last)) = (prev, stats.last_mut()) {
@@ -259,7 +259,7 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
         let _ = ToLauncher::Progress(it + 1).send(&mut out);
     }
     for (l, p) in params.iter_mut().enumerate() {
-        learner.me.params(l, args.iters, p)?;
+        learner.me.params(l, args.job.iters, p)?;
     }
     if let (Some(p), Some(last)) = (prev, stats.last_mut()) {
         last.seconds = p.elapsed().as_secs_f64();
@@ -352,7 +352,7 @@ pub(super) fn worker_loop(
     let mut starts: Vec<Instant> = Vec::new();
     let mut first_hand_in = None;
     let leave = leave_signal(args);
-    for it in w.start..args.iters {
+    for it in w.start..args.job.iters {
         if it > w.start && leave.load(Ordering::Relaxed) {
             return leave_as_straggler(session, stats, &setup, it);
         }
@@ -429,7 +429,7 @@ impl<'a> Trainer<'a> {
             1.0
         };
         let start = match replacement_iters() {
-            Some(n) => args.iters.saturating_sub(n.max(1)),
+            Some(n) => args.job.iters.saturating_sub(n.max(1)),
             None => session.start_iteration(),
         };
         Trainer {
@@ -440,7 +440,7 @@ impl<'a> Trainer<'a> {
             book,
             wi,
             k,
-            times: model.layer_times(k, args.time_scale * slow),
+            times: model.layer_times(k, args.job.time_scale * slow),
             wait_free: args.sync_mode().wait_free(),
             start,
         }
@@ -559,7 +559,7 @@ impl<'a> Trainer<'a> {
     /// hand-in. Returns whether it holds a gradient (not factors).
     fn stack_group(&self, g: &tidewire::local::LocalGroup, buf: &mut LayerBuffers, l: usize, it: u64) -> Result<bool> {
         let (k, spec) = (self.k, &self.book.layers()[l]);
-        let global = self.wi * self.args.local_learners;
+        let global = self.wi * self.args.job.local_learners;
         let (km, kn) = (k * spec.m, k * spec.n);
         let as_factors = spec.kind == LayerKind::Fc && self.book.scheme(l as u32, it).takes_factors();
         if as_factors {
@@ -610,21 +610,21 @@ impl<'a> Trainer<'a> {
         let args = self.args;
         let t = Instant::now();
         let all = session.wait_all()?;
-        self.save_state(&session, args.iters)?;
+        self.save_state(&session, args.job.iters)?;
         let end = Instant::now();
         let Some(last) = stats.last_mut() else {
             return Err(Error::Usage(format!(
                 "the checkpoint resumed is of iteration {}: nothing is left of --iters {}",
-                self.start, args.iters
+                self.start, args.job.iters
             )));
         };
         last.exposed_s = (end - t).as_secs_f64();
         last.sync_span_s = span(first_hand_in, all.iter().filter_map(|b| b.synced_at()).max());
         last.seconds = (end - starts[starts.len() - 1]).as_secs_f64();
-        self.progress(args.iters);
+        self.progress(args.job.iters);
         if let Some(g) = self.opts.group {
             for (l, b) in all.iter().enumerate() {
-                g.publish(l, args.iters, b.params())?;
+                g.publish(l, args.job.iters, b.params())?;
             }
         }
         let mut r = worker_result(&session, &all, stats, setup)?;

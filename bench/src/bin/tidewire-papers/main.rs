@@ -219,7 +219,7 @@ fn train_runs(cli: &Cli, train_points: &[(String, String)]) -> Result<Vec<TrainP
             );
             let (tp, rate, dil) = train_under_harness(cli, model, profile, sync)?;
             let mut a = sim_args(model, 4, rate, sync, cli.train_iters);
-            a.time_scale = f64::from(dil);
+            a.job.time_scale = f64::from(dil);
             let s = sim::run(&a).map_err(|e| e.to_string())?;
             eprintln!(
                 "      {tp:.1} samples/s (sim at {rate} Gbit/s × {dil}: {:.1})",
@@ -244,7 +244,7 @@ fn resimulate_carried(cli: &Cli, carried: &[TrainPoint]) -> Result<Vec<TrainPoin
     let mut train = Vec::new();
     for c in carried {
         let mut a = sim_args(&c.model, 4, c.shaped_gbps, &c.sync, cli.train_iters);
-        a.time_scale = f64::from(c.dilation);
+        a.job.time_scale = f64::from(c.dilation);
         let s = sim::run(&a).map_err(|e| e.to_string())?;
         train.push(TrainPoint {
             sim_throughput_samples_s: s.throughput_samples_s,

@@ -53,11 +53,10 @@ pub(crate) const IDLE: f64 = 0.1;
 /// A point of P3's figures: P3's GPU (`--gpu p4000`) and Tidewire's default
 /// rank-order summation (`fast` off), which no longer costs P3 throughput.
 pub(crate) fn p3_args(model: &str, nodes: usize, gbps: f64, sync: &str, iters: u64) -> SimArgs {
-    SimArgs {
-        gpu: tidewire::engine::models::Calibration::parse(P3_GPU).expect("a known GPU"),
-        fast: false,
-        ..sim_args(model, nodes, gbps, sync, iters)
-    }
+    let mut a = sim_args(model, nodes, gbps, sync, iters);
+    a.gpu = tidewire::engine::models::Calibration::parse(P3_GPU).expect("a known GPU");
+    a.job.fast = false;
+    a
 }
 
 /// P3's bandwidth figure: `sync`'s throughput on 4 nodes at `bw` Gbit/s.
@@ -689,7 +688,7 @@ pub(crate) fn p3_bandwidth_jobs(iters: u64) -> Vec<Job> {
                 jobs.push(Job::new("p3-bandwidth", p3_args(m, 4, bw, s, iters)));
             }
             let mut a = p3_args(m, 4, bw, "p3", iters);
-            a.fast = true;
+            a.job.fast = true;
             jobs.push(Job::new("p3-bandwidth-fast", a));
         }
     }

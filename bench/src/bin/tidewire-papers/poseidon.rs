@@ -27,13 +27,14 @@ pub(crate) const ADAM_BW: f64 = 40.0;
 /// [`ADAM_P`] servers on separate nodes, batch [`ADAM_K`], [`ADAM_BW`] Gbit/s,
 /// arrival-order summation as Poseidon's other figures.
 pub(crate) fn adam_args(model: &str, sync: &str, iters: u64) -> SimArgs {
-    SimArgs {
+    let mut a = SimArgs {
         nodes: None,
         workers: Some(ADAM_P as usize),
         servers: Some(ADAM_P as usize),
-        batch: Some(ADAM_K as usize),
         ..sim_args(model, ADAM_P as usize, ADAM_BW, sync, iters)
-    }
+    };
+    a.job.batch = Some(ADAM_K as usize);
+    a
 }
 
 /// The effects of Poseidon's bandwidth figure.

@@ -3,22 +3,28 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
+use tidewire::engine::SyncMode;
+use tidewire_cli::job::JobArgs;
 use tidewire_cli::sim::{self, SimArgs, SimResult};
 
 use crate::*;
 
 pub(crate) fn sim_args(model: &str, nodes: usize, gbps: f64, sync: &str, iters: u64) -> SimArgs {
+    let d = SimArgs::default();
     SimArgs {
-        model: model.into(),
+        job: JobArgs {
+            model: model.into(),
+            sync: SyncMode::parse(sync).unwrap_or_else(|| panic!("{sync}: not a sync mode")),
+            iters,
+            // Poseidon's PS sums in arrival order (P3's figures: see p3_args).
+            fast: true,
+            ..d.job.clone()
+        },
         gpu: Default::default(),
         nodes: Some(nodes),
         bandwidth: gbps * 1e9,
         latency_us: 5.0,
-        sync: sync.into(),
-        iters,
-        // Poseidon's PS sums in arrival order (P3's figures: see p3_args).
-        fast: true,
-        ..SimArgs::default()
+        ..d
     }
 }
 
@@ -43,10 +49,10 @@ impl Job {
 pub(crate) fn simulate(job: &Job) -> Result<(Point, SimResult), String> {
     let a = &job.args;
     let r: SimResult =
-        sim::run(a).map_err(|e| format!("sim {} {} nodes {}: {e}", a.model, a.nodes.unwrap_or(0), a.sync))?;
+        sim::run(a).map_err(|e| format!("sim {} {} nodes {}: {e}", a.job.model, a.nodes.unwrap_or(0), a.job.sync))?;
     let p = Point {
         figure: job.figure,
-        model: a.model.clone(),
+        model: a.job.model.clone(),
         nodes: r.workers,
         bandwidth_gbps: r.bandwidth_gbps,
         sync: r.sync.clone(),
@@ -69,13 +75,13 @@ pub(crate) type Outcome = Result<(Point, SimResult), String>;
 /// Roughly how long a job takes to simulate: the nodes, times the slices
 /// per chunk in modes with slices (their events).
 pub(crate) fn cost(a: &SimArgs) -> f64 {
-    let sliced = matches!(a.sync.as_str(), "sliced" | "p3" | "full");
+    let sliced = matches!(a.job.sync.name(), "sliced" | "p3" | "full");
     let per = if sliced {
         5.0 * P3_SLICE as f64 / a.slice_params as f64
     } else {
         1.0
     };
-    a.nodes.unwrap_or(1) as f64 * per.max(1.0) * a.iters as f64
+    a.nodes.unwrap_or(1) as f64 * per.max(1.0) * a.job.iters as f64
 }
 
 /// Runs `jobs`, `threads` at a time (the longest first, so that no long one
@@ -104,9 +110,9 @@ pub(crate) fn run_sims(jobs: &[Job], threads: usize) -> Result<Vec<(Point, SimRe
                         "[{d:>3}/{}] sim {}: {} {nodes} nodes {} Gbit/s {}{}",
                         jobs.len(),
                         job.figure,
-                        a.model,
+                        a.job.model,
                         a.bandwidth / 1e9,
-                        a.sync,
+                        a.job.sync,
                         if a.slice_params == P3_SLICE {
                             String::new()
                         } else {

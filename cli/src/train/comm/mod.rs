@@ -67,18 +67,18 @@ fn describe(e: &Event) -> String {
 /// Returns, per iteration, whether it exchanges, and the summary.
 pub fn schedule(args: &TrainArgs, p1: usize) -> Result<(Vec<bool>, CommSummary)> {
     let c = &args.comm;
-    let cc = c.config(args.iters)?;
+    let cc = c.config(args.job.iters)?;
     let op = c.server_op(args.apply_op()?);
     let mut guides: Vec<Guide> = (0..p1)
         .map(|w| Guide::new(cc, op, w, p1))
         .collect::<tidewire::Result<_>>()?;
     let mut due = Vec::new();
     let mut sum = CommSummary::default();
-    for it in 0..args.iters {
+    for it in 0..args.job.iters {
         let t = guides[0].t();
         sum.t_per_step.push(t);
         let d = guides[0].due();
-        due.push(d || it + 1 == args.iters);
+        due.push(d || it + 1 == args.job.iters);
         if d && guides[0].adjusts() {
             let rows: Vec<Vec<f32>> = guides
                 .iter_mut()
@@ -104,7 +104,7 @@ pub fn schedule(args: &TrainArgs, p1: usize) -> Result<(Vec<bool>, CommSummary)>
             }
         }
     }
-    sum.steps = args.iters;
+    sum.steps = args.job.iters;
     sum.exchanges = due.iter().filter(|d| **d).count() as u64;
     sum.decisions = guides[0].controller().history().iter().map(describe).collect();
     Ok((due, sum))
@@ -147,7 +147,7 @@ pub(crate) fn worker_loop(
     let wi = book.cluster().worker_index(rank).expect("worker");
     let c = &args.comm;
     let op = args.apply_op()?;
-    let mut guide = Guide::new(c.config(args.iters)?, c.server_op(op), wi, p1)?;
+    let mut guide = Guide::new(c.config(args.job.iters)?, c.server_op(op), wi, p1)?;
     let mut steps = LocalSteps::new(args, model, synth, rank, wi, op);
     let (nm, nl) = (model.layers.len(), book.layers().len());
     let mut layers = session.take_layers()?;
@@ -155,7 +155,7 @@ pub(crate) fn worker_loop(
     let mut stats = Vec::new();
     let mut pending: Option<bool> = None; // an exchange in flight: whether the controller scheduled it
     let mut out = std::io::stdout();
-    for it in 0..args.iters {
+    for it in 0..args.job.iters {
         let start = Instant::now();
         let blocked = match pending.take() {
             Some(scheduled) => wait_exchange(&session, &mut layers, &mut guide, scheduled)?,
@@ -167,7 +167,7 @@ pub(crate) fn worker_loop(
         let t = guide.t();
         sum.t_per_step.push(t);
         let scheduled = guide.due();
-        let due = scheduled || it + 1 == args.iters;
+        let due = scheduled || it + 1 == args.job.iters;
         sum.handed_in_bytes += steps.backward(&session, &mut layers, it, due)?;
         guide.report(synthetic_loss(args.seed, c.synthetic_ok_t, wi, it, t));
         if nl > nm && due {
@@ -195,7 +195,7 @@ pub(crate) fn worker_loop(
             let _ = crate::train::pipe::ToLauncher::Progress(it + 1).send(&mut out);
         }
     }
-    sum.steps = args.iters;
+    sum.steps = args.job.iters;
     sum.decisions = guide.controller().history().iter().map(describe).collect();
     finish(session, nm, stats, sum)
 }
@@ -224,7 +224,7 @@ struct LocalSteps<'a> {
 
 impl<'a> LocalSteps<'a> {
     fn new(args: &TrainArgs, model: &'a Model, synth: &'a Synth, rank: u32, wi: usize, op: ApplyOp) -> Self {
-        let k = args.batch.unwrap_or(model.batch);
+        let k = args.job.batch.unwrap_or(model.batch);
         let slow = if args.slow_rank == Some(rank) {
             args.slow_factor
         } else {
@@ -249,7 +249,7 @@ impl<'a> LocalSteps<'a> {
             op,
             k,
             wi,
-            times: model.layer_times(k, args.time_scale * slow),
+            times: model.layer_times(k, args.job.time_scale * slow),
             mom,
             scratch: vec![0f32; model.layers.iter().map(|l| l.params()).max().unwrap_or(0)],
             since: 0,
@@ -371,7 +371,7 @@ pub fn reference(args: &TrainArgs, model: &Model, p1: usize) -> Result<Vec<Strin
     let synth = Synth::new(args.seed);
     let op = args.apply_op()?;
     let mode = CommMode::parse(&args.comm.comm_mode).unwrap_or(CommMode::Accumulate);
-    let k = args.batch.unwrap_or(model.batch);
+    let k = args.job.batch.unwrap_or(model.batch);
     let mut out = Vec::new();
     for (l, spec) in model.layers.iter().enumerate() {
         let n = spec.params();
