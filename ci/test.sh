@@ -80,13 +80,15 @@ tier() { # name, command...
   # The tier's output goes to the terminal and to its log; the summary repeats the end
   # of a failed tier's log, so that a CI page showing only the end still says why.
   local log=${TIER_LOGS:-/tmp}/$name.log
+  # $! before: a background fetch's pid is not tee's.
+  local bg_before=${!:-}
   "$@" > >(tee "$log") 2>&1
   rc=$?
   # tee ends when the last writer closes; a background process the tier left holding the
   # pipe must not hold the run, so wait for it at most 5 s. (bash sets $! for a process
   # substitution only in some cases, e.g. not when the command is an external program.)
   local tee_pid=${!:-} i
-  if [ -n "$tee_pid" ]; then
+  if [ -n "$tee_pid" ] && [ "$tee_pid" != "$bg_before" ]; then
     for ((i = 0; i < 50; i++)); do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.1; done
   else
     sleep 0.2

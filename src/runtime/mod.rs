@@ -281,12 +281,13 @@ impl Runtime {
 
     fn drain_outputs(&mut self) {
         let mut failure: Option<String> = None;
+        let mut failed = Vec::new();
         let mut known = Vec::new();
         while let Some(out) = self.node.poll_output() {
             match out {
                 Output::Transmit(t) => {
                     let Some(t) = self.refused.admit(t) else { continue };
-                    if let Err(t) = self.post_or_fail(t, &mut failure) {
+                    if let Err(t) = self.post_or_fail(t, &mut failed, &mut failure) {
                         self.refused.refused(t);
                     }
                 }
@@ -329,6 +330,9 @@ impl Runtime {
             }
         }
         let now = self.now();
+        for (token, reason) in failed {
+            let _ = self.node.handle(now, Input::Failed { token, reason });
+        }
         if let Some(reason) = failure {
             let _ = self.node.handle(now, Input::Abort { reason });
         }
@@ -345,9 +349,17 @@ impl Runtime {
         self.hand_in_posts += 1;
     }
 
-    /// Posts `t`: `Err(t)` when the transport refuses it for now; a failure is
-    /// kept in `failure` (the first one), to abort the job with.
-    fn post_or_fail(&mut self, t: Transmit, failure: &mut Option<String>) -> std::result::Result<(), Transmit> {
+    /// Posts `t`: `Err(t)` when the transport refuses it for now. When the
+    /// transport fails it (its connection is going: the peer may be one the
+    /// job can lose), its token goes to `failed`, for the Node to hear as
+    /// `Failed`; any other failure is kept in `failure` (the first one), to
+    /// abort the job with.
+    fn post_or_fail(
+        &mut self,
+        t: Transmit,
+        failed: &mut Vec<(u64, String)>,
+        failure: &mut Option<String>,
+    ) -> std::result::Result<(), Transmit> {
         match self.post(&t) {
             Ok(req) => {
                 self.reqs.insert(req, t.token);
@@ -359,6 +371,10 @@ impl Runtime {
             Err(Error::Transport(e)) if matches!(*e, tidewire_transport::Error::WouldBlock { .. }) => {
                 self.would_block += 1;
                 Err(t)
+            }
+            Err(e @ (Error::Transport(_) | Error::Engine(EngineError::PeerLost { .. }))) => {
+                failed.push((t.token, format!("posting to rank {} failed: {e}", t.peer)));
+                Ok(())
             }
             Err(e) => {
                 if self.fatal.is_none() && failure.is_none() {
@@ -374,10 +390,13 @@ impl Runtime {
         if self.refused.is_empty() {
             return;
         }
-        let mut failure = None;
+        let (mut failed, mut failure) = (Vec::new(), None);
         let mut held = std::mem::take(&mut self.refused);
-        held.retry(|t| self.post_or_fail(t, &mut failure));
+        held.retry(|t| self.post_or_fail(t, &mut failed, &mut failure));
         self.refused = held;
+        for (token, reason) in failed {
+            self.input(Input::Failed { token, reason });
+        }
         if let Some(reason) = failure {
             self.input(Input::Abort { reason });
         }
@@ -791,7 +810,10 @@ impl Runtime {
     fn flush(&mut self, limit: Duration) {
         let deadline = Instant::now() + limit;
         let mut evs = Vec::new();
-        while !self.reqs.is_empty() && Instant::now() < deadline {
+        // What is held goes too (a fatal error's Abort notice may wait behind it).
+        self.post_held_best_effort();
+        while !(self.reqs.is_empty() && self.refused.is_empty()) && Instant::now() < deadline {
+            self.post_held_best_effort();
             evs.clear();
             if self.t.wait(&mut evs, 256, Duration::from_millis(10)).is_err() {
                 break;
@@ -802,6 +824,21 @@ impl Runtime {
                 }
             }
         }
+    }
+
+    /// Posts what is held where the transport takes it, without telling the
+    /// Node anything (the job is failing: a post that fails is dropped).
+    fn post_held_best_effort(&mut self) {
+        let mut held = std::mem::take(&mut self.refused);
+        held.retry(|t| match self.post(&t) {
+            Ok(req) => {
+                self.reqs.insert(req, t.token);
+                Ok(())
+            }
+            Err(Error::Transport(e)) if matches!(*e, tidewire_transport::Error::WouldBlock { .. }) => Err(t),
+            Err(_) => Ok(()),
+        });
+        self.refused = held;
     }
 
     fn fail_waiters(&mut self, e: Error) {
