@@ -10,7 +10,7 @@
 # (idempotent: an installed nightly is left as it is), prepares Miri's sysroot, runs the
 # tests, prints which ran, and exits non-zero if one failed or none ran.
 #
-# Usage: ci/miri.sh [test filter, default `memory::`]
+# Usage: ci/miri.sh [test filter, default `memory::` | --install-only]
 # MIRIFLAGS passes flags to Miri (e.g. MIRIFLAGS=-Zmiri-many-seeds=0..16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +21,8 @@ if ! grep -q '^miri' <<<"$(rustup +nightly component list --installed 2>/dev/nul
     echo "== miri: installing nightly with miri"
     rustup toolchain install nightly --profile minimal --component miri
 fi
+# `ci/miri.sh --install-only`: only that (ci/test.sh fetches it in the background).
+[ "$filter" = "--install-only" ] && exit 0
 cargo +nightly miri setup
 
 log=$(mktemp)

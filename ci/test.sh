@@ -165,10 +165,6 @@ await_fetch() { # name: waits for it, prints its log, and returns its status
   echo "---- end of $name's log"
   return $rc
 }
-nightly_with_miri() {
-  grep -q '^miri' <<<"$(rustup +nightly component list --installed 2>/dev/null)" \
-    || rustup toolchain install nightly --profile minimal --component miri
-}
 # NVRTC needs no GPU: compile the aggregation kernels with pip's libnvrtc of CUDA 12 and of
 # CUDA 13 in turn (each cached outside the clone, in a directory named after its pin), in both
 # modes, for the lowest architecture that NVRTC lists and for what a compute 8.0 and a 9.0
@@ -217,7 +213,7 @@ nvrtc_fetch_all() {
 }
 fetch python bash ci/python.sh --venv-only
 fetch nvrtc nvrtc_fetch_all
-command -v rustup >/dev/null 2>&1 && fetch nightly nightly_with_miri
+command -v rustup >/dev/null 2>&1 && fetch nightly bash ci/miri.sh --install-only
 
 # --- one build ----------------------------------------------------------------
 # Every tier after `build` runs what `build` compiled: the whole workspace, every feature

@@ -407,14 +407,7 @@ pub fn known_model(name: &str) -> bool {
 
 /// Runs the simulation (and the one-node reference for the speedup).
 pub fn run(args: &SimArgs) -> Result<SimResult> {
-    let model = models::profile(&args.job.model).ok_or_else(|| {
-        Error::Usage(format!(
-            "unknown model {:?}; known: {}",
-            args.job.model,
-            models::NAMES.join(", ")
-        ))
-    })?;
-    let model = model.on(args.gpu);
+    let model = args.job.profile()?.on(args.gpu);
     check_flags(args)?;
     let t0 = Instant::now();
     let mode = args.job.sync;

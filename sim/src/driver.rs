@@ -123,9 +123,14 @@ impl Sim {
     /// Rank `r`'s driver holds `t`, which the transport refused, and tries
     /// again after [`HeldTransmits::RETRY_AFTER`].
     fn hold(&mut self, r: u32, t: Transmit) {
-        let rank = &mut self.ranks[r as usize];
-        rank.held.refused(t);
-        if rank.retry_at.is_none() {
+        self.ranks[r as usize].held.refused(t);
+        self.schedule_retry(r);
+    }
+
+    /// Rank `r`'s driver retries its held transmits after
+    /// [`HeldTransmits::RETRY_AFTER`], unless a retry is due already.
+    fn schedule_retry(&mut self, r: u32) {
+        if self.ranks[r as usize].retry_at.is_none() {
             let at = self.now + HeldTransmits::RETRY_AFTER.as_nanos() as u64;
             self.ranks[r as usize].retry_at = Some(at);
             self.at(at, Ev::Retry(r));
@@ -159,9 +164,7 @@ impl Sim {
             return Err(e);
         }
         if !self.ranks[r as usize].held.is_empty() {
-            let at = self.now + HeldTransmits::RETRY_AFTER.as_nanos() as u64;
-            self.ranks[r as usize].retry_at = Some(at);
-            self.at(at, Ev::Retry(r));
+            self.schedule_retry(r);
         }
         self.feed_sent_now(r)?;
         self.schedule_tick(r);
