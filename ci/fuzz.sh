@@ -10,7 +10,8 @@
 # Usage: ci/fuzz.sh [target...]           (default: every target in fuzz/Cargo.toml)
 #   FUZZ_SECONDS=N  seconds per target (default 10)
 #   FUZZ_RUNS=N     a fixed number of executions per target instead of a time
-# Each target runs as one process (one libFuzzer job). New inputs go to a scratch corpus
+#   FUZZ_JOBS=N     targets run at once (default: the number of cores)
+# Each target runs as one process (one libFuzzer job), FUZZ_JOBS of them at a time. New inputs go to a scratch corpus
 # under the target directory, never into fuzz/corpus; a crash's reproducer is written to
 # fuzz/artifacts/<target>/ and printed, with the command that replays it.
 set -euo pipefail
@@ -65,19 +66,31 @@ if [ -n "${FUZZ_RUNS:-}" ]; then
 else
     limit=(-max_total_time="${FUZZ_SECONDS:-10}")
 fi
-failed=()
-for t in "${targets[@]}"; do
-    scratch=$fuzz_dir/corpus/$t
+# The targets run side by side, one per core (FUZZ_JOBS to change): each still gets its
+# FUZZ_SECONDS, and the tier takes half the time on two cores.
+run_one() { # target: runs it, leaves its exit status in $fuzz_dir/$t.rc
+    local t=$1 scratch=$fuzz_dir/corpus/$1 rc
     mkdir -p "$scratch"
-    log=$fuzz_dir/$t.log
     set +e
     cargo +nightly fuzz run "${opts[@]}" "$t" "$scratch" "fuzz/corpus/$t" -- \
-        "${limit[@]}" -print_final_stats=1 >"$log" 2>&1
+        "${limit[@]}" -print_final_stats=1 >"$fuzz_dir/$t.log" 2>&1
     rc=$?
-    set -e
+    echo "$rc" >"$fuzz_dir/$t.rc"
+}
+jobs_max=${FUZZ_JOBS:-$(nproc)}
+for t in "${targets[@]}"; do
+    rm -f "$fuzz_dir/$t.rc"
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
+    run_one "$t" &
+done
+wait
+failed=()
+for t in "${targets[@]}"; do
+    log=$fuzz_dir/$t.log
+    rc=$(cat "$fuzz_dir/$t.rc" 2>/dev/null || echo "no status")
     # A crashed run has no DONE line: the grep finds nothing, and that is not the script's failure.
     stats=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -n 1 | sed -E 's/^#([0-9]+)[[:space:]]+DONE[[:space:]]+/\1 runs, /' || true)
-    if [ $rc -eq 0 ]; then
+    if [ "$rc" = 0 ]; then
         say "$t: ok (${stats:-no stats})"
     else
         say "$t: FAILED (exit $rc); the end of $log:"
