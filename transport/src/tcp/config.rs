@@ -37,6 +37,8 @@ pub struct TcpConfig {
     /// Writes at least this large go by SEND_ZC; `None` never uses it.
     /// Default: `None`, because on loopback and veth SEND_ZC measured slower at
     /// every size (see the book, `docs/src/benchmarks.md`, "SEND_ZC threshold").
+    /// Only while it is set does `register` give a region a fixed-buffer slot
+    /// (which pins, and so faults in, all of its pages at once).
     pub send_zc_min_bytes: Option<usize>,
     /// `wait` first spins this long watching the completion ring (no syscalls)
     /// before it sleeps in the kernel; it trades CPU for wake-up latency, as

@@ -150,7 +150,8 @@ impl TcpTransport {
         self.stats
     }
 
-    /// Sets the SEND_ZC threshold (`None`: never).
+    /// Sets the SEND_ZC threshold (`None`: never). Regions registered while it
+    /// was `None` have no fixed-buffer slot: their SEND_ZCs use plain buffers.
     pub fn set_send_zc_min_bytes(&mut self, v: Option<usize>) {
         self.cfg.send_zc_min_bytes = v;
     }
