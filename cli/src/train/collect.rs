@@ -45,6 +45,8 @@ pub(super) fn report(args: &TrainArgs, model: &Model, began: Instant, ended: &En
         max_outstanding: results.iter().map(|r| r.stats.max_outstanding).max().unwrap_or(0),
         max_message_bytes: results.iter().map(|r| r.stats.max_message_bytes).max().unwrap_or(0),
         would_block: results.iter().map(|r| r.stats.would_block).sum(),
+        slices_pushed: results.iter().map(|r| r.stats.pushes).sum(),
+        broadcasts: results.iter().map(|r| r.stats.broadcasts).sum(),
         factor_bytes_in_place: results.iter().map(|r| r.stats.factor_bytes_in_place).sum(),
         factor_bytes_decoded: results.iter().map(|r| r.stats.factor_bytes_decoded).sum(),
         sparse: sparse_summary(results),

@@ -131,6 +131,14 @@ pub struct TrainReport {
     pub max_message_bytes: u64,
     /// Transmits the transports refused for now and the engine retried, over all ranks.
     pub would_block: u64,
+    /// Slices the workers pushed to servers, over all ranks and iterations
+    /// (each one message; `bench/slice-cost.sh` divides CPU time by it).
+    #[serde(default)]
+    pub slices_pushed: u64,
+    /// Chunk broadcasts, one per chunk and worker, over all ranks and
+    /// iterations (a message, or a copy to a colocated server's own worker).
+    #[serde(default)]
+    pub broadcasts: u64,
     /// Peers' factor bytes the SF reconstructions read in place, in the buffers
     /// the transports received them in, over all ranks.
     pub factor_bytes_in_place: u64,
