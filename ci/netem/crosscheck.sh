@@ -17,7 +17,7 @@
 # For each profile it sets up N namespaces shaped to the profile (ci/netem/netem.sh run),
 # runs `tidewire train --colocate` with one rank per namespace, then `tidewire sim` at the
 # rate the links were shaped to, and compares their `iteration_s`. A dilated profile runs
-# both with `--time-scale D`. `train` runs R times (default 3) and its fastest run counts:
+# both with `--time-scale D`. `train` runs R times (default 2) and its fastest run counts:
 # four ranks share this machine's two cores, so interference only ever slows `train`
 # (a 5-iteration run at 2 GbE read 0.857 s once and 0.982 s another time; at 1 GbE on a
 # quiet machine, 1.576 s then 1.272 s then 1.174 s against the sim's 1.151 s). While the
@@ -33,7 +33,7 @@ cd "$(dirname "$0")/../.."
 MODEL=resnet-50
 NODES=4
 ITERS=10
-RUNS=3
+RUNS=2
 MAX_RUNS=8
 PROFILES="1gbe 2gbe"
 JSON=$TARGET_DIR/netem-crosscheck.json
