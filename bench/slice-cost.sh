@@ -22,11 +22,13 @@
 # parameters, 3 repetitions. Needs a release build of tidewire in cargo's target directory
 # (ci/target-dir.sh), or --bin, and GNU time (/usr/bin/time; Debian's package `time`).
 set -euo pipefail
+CALLER=$PWD   # --bin and --json are taken from where it was called
 cd "$(dirname "$0")/.."
 . ci/target-dir.sh
 MODEL=resnet-50; WORKERS=2; SERVERS=1; ITERS=4; SMALL=2000; LARGE=200000; REPS=3
 JSON=$TARGET_DIR/slice-cost.json
 T=$TARGET_DIR/release/tidewire
+abs() { case "$1" in /*) echo "$1" ;; *) echo "$CALLER/$1" ;; esac; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) MODEL=$2; shift 2 ;;
@@ -36,8 +38,8 @@ while [ $# -gt 0 ]; do
     --small) SMALL=$2; shift 2 ;;
     --large) LARGE=$2; shift 2 ;;
     --reps) REPS=$2; shift 2 ;;
-    --json) JSON=$2; shift 2 ;;
-    --bin) T=$2; shift 2 ;;
+    --json) JSON=$(abs "$2"); shift 2 ;;
+    --bin) T=$(abs "$2"); shift 2 ;;
     -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -45,6 +47,7 @@ done
 [ -x "$T" ] || { echo "$T is missing: cargo build --release -p tidewire-cli --bin tidewire" >&2; exit 2; }
 [ -x /usr/bin/time ] || { echo "/usr/bin/time is missing (Debian: apt-get install time)" >&2; exit 2; }
 [ "$SMALL" -lt "$LARGE" ] || { echo "--small ($SMALL) must be below --large ($LARGE)" >&2; exit 2; }
+[ "$REPS" -ge 1 ] || { echo "--reps must be at least 1, not $REPS" >&2; exit 2; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 

@@ -78,6 +78,7 @@ run_one() { # target: runs it, leaves its exit status in $fuzz_dir/$t.rc
     echo "$rc" >"$fuzz_dir/$t.rc"
 }
 jobs_max=${FUZZ_JOBS:-$(nproc)}
+[ "$jobs_max" -ge 1 ] 2>/dev/null || { say "FUZZ_JOBS must be a number of at least 1, not '$jobs_max'"; exit 2; }
 for t in "${targets[@]}"; do
     rm -f "$fuzz_dir/$t.rc"
     while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done

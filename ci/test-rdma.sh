@@ -16,8 +16,21 @@
 # Binaries and the log go to cargo's target directory (ci/target-dir.sh). The VM
 # sees this directory at the same path (it is shared when it lies outside the
 # clone), and the guest scripts get the binaries' paths in TIDEWIRE_BIN and
-# TIDEWIRE_PERF.
+# TIDEWIRE_PERF. The VM runs copies of them, in $TARGET_DIR/softroce-bin/.
+#
+# Usage: ci/test-rdma.sh [--build-only | --prebuilt]
+#   --build-only  build and copy the binaries, then stop (ci/test.sh, in the foreground)
+#   --prebuilt    run the VM on the copies --build-only made, without cargo (ci/test.sh
+#                 runs this beside other tiers: a cargo call here would re-link
+#                 release/tidewire under the tests that run it)
 set -uo pipefail
+MODE=all
+case "${1:-}" in
+  --build-only) MODE=build ;;
+  --prebuilt) MODE=prebuilt ;;
+  "") ;;
+  *) echo "unknown option $1 (--build-only or --prebuilt)"; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 . ci/target-dir.sh
 t0=$SECONDS
@@ -34,6 +47,8 @@ if [ ${#need[@]} -gt 0 ]; then
     || { echo "apt-get install ${need[*]} failed"; exit 1; }
 fi
 
+BIN_DIR=$TARGET_DIR/softroce-bin
+if [ "$MODE" != prebuilt ]; then
 # Every RDMA test executable, by cargo's JSON artifacts.
 # TIDEWIRE_CARGO_SELECT: the packages and features to build with (ci/test.sh, which builds the
 # workspace once with every feature, passes --workspace --all-features; these are its release
@@ -50,9 +65,22 @@ for line in sys.stdin:
 [ ${#BINS[@]} -eq 2 ] || { echo "expected 2 RDMA test binaries, built ${#BINS[@]}: ${BINS[*]}"; exit 1; }
 cargo build --release --locked -q "${select[@]}" --bin tidewire --bin tidewire-perf </dev/null \
   || { echo "release build of tidewire and tidewire-perf failed"; exit 1; }
-TW=$TARGET_DIR/release/tidewire PERF=$TARGET_DIR/release/tidewire-perf
-for b in "$TW" "$PERF"; do [ -x "$b" ] || { echo "$b is missing after the build"; exit 1; }; done
-echo "built in $((SECONDS - t0)) s: ${BINS[*]} $TW $PERF"
+for b in tidewire tidewire-perf; do
+  [ -x "$TARGET_DIR/release/$b" ] || { echo "$TARGET_DIR/release/$b is missing after the build"; exit 1; }
+done
+# The VM runs copies: ci/test.sh runs the VM beside other tiers, and one of them (the
+# README's `cargo run`, default features) links another tidewire in release/ meanwhile.
+rm -rf "$BIN_DIR" && mkdir -p "$BIN_DIR" \
+  && cp -f "$TARGET_DIR/release/tidewire" "$TARGET_DIR/release/tidewire-perf" "${BINS[@]}" "$BIN_DIR/" \
+  || { echo "copying the binaries for the VM failed"; exit 1; }
+echo "built in $((SECONDS - t0)) s, copied to $BIN_DIR: ${BINS[*]##*/} tidewire tidewire-perf"
+
+fi
+[ "$MODE" = build ] && exit 0
+TW=$BIN_DIR/tidewire PERF=$BIN_DIR/tidewire-perf
+mapfile -t BINS < <(ls "$BIN_DIR"/rdma_conformance-* "$BIN_DIR"/tidewire_transport-* 2>/dev/null)
+[ ${#BINS[@]} -eq 2 ] && [ -x "$TW" ] && [ -x "$PERF" ] \
+  || { echo "$BIN_DIR lacks the binaries (${BINS[*]:-none}): run ci/test-rdma.sh --build-only first"; exit 1; }
 
 LOG=$TARGET_DIR/softroce-tests.log
 # The guest sees the clone (the current directory) at the same path; a target

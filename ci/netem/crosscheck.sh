@@ -63,7 +63,7 @@ printf '%-8s %-10s %5s %12s %12s %8s  %s\n' profile model nodes "train s/it" "si
 for p in $PROFILES; do
   tr=""; runs=""; fastest=""
   sim=""
-  for ((k = 0; k < MAX_RUNS; k++)); do
+  for ((k = 0; k < (RUNS > MAX_RUNS ? RUNS : MAX_RUNS); k++)); do
     # After RUNS runs, go on only while the fastest is over the band (see the top).
     if [ "$k" -ge "$RUNS" ] && [ -n "$sim" ] && ! over_band "$tr" "$sim"; then break; fi
     out=$(bash ci/netem/netem.sh run "$p" "$NODES" -- sh -c '
@@ -76,11 +76,13 @@ for p in $PROFILES; do
     fi
     # The run's mean, and its fastest steady iteration (not the first, which has no
     # synchronization before it, nor the last, which waits for the job's end).
+    one=""; steady=""
     read -r one steady < <(python3 -c '
 import json, sys
 d = json.load(sys.stdin)
 it = [x["seconds"] for x in d["per_iteration"][1:-1]] or [d["iteration_s"]]
 print(d["iteration_s"], min(it))' <<<"$out")
+    [ -n "${one:-}" ] || { echo "train under $p printed no report (its JSON):"; tail -5 /tmp/crosscheck.err; fail=1; tr=""; break; }
     runs+="${runs:+ }$(printf '%.4f' "$one")"
     if [ -z "$tr" ] || awk -v a="$one" -v b="$tr" 'BEGIN { exit !(a + 0 < b + 0) }'; then tr=$one; fastest=$steady; fi
     if [ -z "$sim" ]; then
