@@ -24,7 +24,16 @@ launch() {
   echo "--- client: $ccmd -p $PORT $SRV_IP"
   $scmd -p $PORT >"$out/s" 2>&1 &
   local sp=$!
-  sleep 0.5
+  # perftest's client tries to connect once: wait until the server listens (up to 30 s; the
+  # emulated VM is slow when the host is busy, and 0.5 s was once too little), not a fixed time.
+  local i hex
+  hex=$(printf '%04X' "$PORT")
+  for ((i = 0; i < 300; i++)); do
+    # A LISTEN socket (state 0A) on the port, IPv4 or IPv6.
+    grep -qE ":$hex [0-9A-F]+:0000 0A " /proc/net/tcp /proc/net/tcp6 2>/dev/null && break
+    kill -0 $sp 2>/dev/null || break
+    sleep 0.1
+  done
   local t0=$SECONDS
   timeout "$tmo" $ccmd -p $PORT "$SRV_IP" >"$out/c" 2>&1
   crc=$?; el=$((SECONDS - t0))
