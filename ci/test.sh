@@ -76,12 +76,12 @@ not_run=0
 only_skips() { # name: true when TIDEWIRE_CI_ONLY leaves this tier out
   [ -n "${TIDEWIRE_CI_ONLY:-}" ] && [[ ",$TIDEWIRE_CI_ONLY," != *",$1,"* ]]
 }
-record() { # name, exit status, start (SECONDS), log[, how]: the tier's summary line
-  local name=$1 rc=$2 t0=$3 log=$4 how=${5:-}
+record() { # name, exit status, seconds it ran, log[, how]: the tier's summary line
+  local name=$1 rc=$2 secs=$3 log=$4 how=${5:-}
   if [ "$rc" -eq 0 ]; then
-    passed=$((passed + 1)); results+=("PASS  $name ($((SECONDS - t0)) s$how)")
+    passed=$((passed + 1)); results+=("PASS  $name ($secs s$how)")
   else
-    failed=$((failed + 1)); results+=("FAIL  $name ($((SECONDS - t0)) s$how)")
+    failed=$((failed + 1)); results+=("FAIL  $name ($secs s$how)")
     # The summary says why too, in the last lines the tier printed (a CI page may show
     # only the summary).
     local why
@@ -112,7 +112,7 @@ tier() { # name, command...
   else
     sleep 0.2
   fi
-  record "$name" "$rc" "$t0" "$log"
+  record "$name" "$rc" "$((SECONDS - t0))" "$log"
 }
 # A tier that runs beside the ones after it, for a tier that keeps about one core busy
 # while the others leave one idle for much of their time (soft-roce: one QEMU process,
@@ -127,12 +127,12 @@ tier_bg() { # name, command...
   echo "==================== tier: $name (starts in the background; its log follows when it ends) ===================="
   # Its own wall time, taken where it runs (the join may come long after it ended).
   ( s=$SECONDS; "$@"; rc=$?; echo $((SECONDS - s)) >"$log.secs"; exit $rc ) >"$log" 2>&1 </dev/null &
-  BG_TIER[$name]="$! $SECONDS"
+  BG_TIER[$name]=$!
 }
 tier_join() { # name: waits for tier_bg's tier and records it
-  local name=$1 pid t0 rc t_wait=$SECONDS
+  local name=$1 pid rc t_wait=$SECONDS
   [ -n "${BG_TIER[$name]:-}" ] || return 0
-  read -r pid t0 <<<"${BG_TIER[$name]}"
+  pid=${BG_TIER[$name]}
   unset "BG_TIER[$name]"
   local log=${TIER_LOGS:-/tmp}/$name.log
   echo
@@ -142,9 +142,7 @@ tier_join() { # name: waits for tier_bg's tier and records it
   local took
   took=$(cat "$log.secs" 2>/dev/null) || took="?"
   echo "---- $name ran $took s in the background; waited $((SECONDS - t_wait)) s for it here"
-  # record's figure is SECONDS - start: start it $took s before now.
-  [ "$took" = "?" ] || t0=$((SECONDS - took))
-  record "$name" "$rc" "$t0" "$log" ", in the background"
+  record "$name" "$rc" "$took" "$log" ", in the background"
 }
 failed_logs=()
 skip() { # name, reason
