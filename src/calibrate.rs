@@ -53,6 +53,13 @@ pub struct Profile {
     pub rates: Rates,
     /// Where `rates.link_bytes_per_s` came from: "loopback" or what set it.
     pub link: String,
+    /// Input bytes per second the sum reaches with every core at once, each
+    /// on its own part of arrays out of the caches: the host's memory, which
+    /// its ranks share (one core comes near it: folds do not scale with
+    /// cores as a GEMM does). `None` in a profile written before it was
+    /// measured: then the sum is shared like the cores.
+    #[serde(default)]
+    pub mem_bytes_per_s: Option<f64>,
 }
 
 impl Profile {
@@ -60,13 +67,25 @@ impl Profile {
     /// of `link_bytes_per_s` where it has one of its own (a NIC, a shaped
     /// namespace), or over loopback (`None`, the measured stream, shared by
     /// the ranks like the cores: it is CPU).
+    ///
+    /// The CPU's rates are divided like the cores (`cores / ranks` each, at
+    /// most the whole of one), the sum also like the host's memory
+    /// ([`Profile::mem_bytes_per_s`] / ranks), and `host_ranks` says how
+    /// many share it, so that HybComm weighs the host's whole work (its
+    /// loopback too, where no link of their own is given).
     pub fn node_rates(&self, ranks: usize, link_bytes_per_s: Option<f64>) -> Rates {
-        let share = (self.cores as f64 / ranks.max(1) as f64).min(1.0);
+        let ranks = ranks.max(1);
+        let share = (self.cores as f64 / ranks as f64).min(1.0);
         let mut r = self.rates.shared(share, share);
         if let Some(l) = link_bytes_per_s {
             // A link of its own, but never faster than this CPU moves bytes.
             r.link_bytes_per_s = l.min(r.link_bytes_per_s);
         }
+        if let Some(mem) = self.mem_bytes_per_s.filter(|m| m.is_finite() && *m > 0.0) {
+            r.sum_bytes_per_s = r.sum_bytes_per_s.min(mem / ranks as f64);
+        }
+        r.host_ranks = u32::try_from(ranks).unwrap_or(u32::MAX);
+        r.link_on_host = link_bytes_per_s.is_none();
         r
     }
 
@@ -118,12 +137,15 @@ pub fn measure(budget: Duration) -> Result<Profile> {
         sum_bytes_per_s: sum_rate(budget),
         link_bytes_per_s: stream_rate(budget)?,
         msg_s: message_cost(budget)?,
+        host_ranks: 1,
+        link_on_host: true,
     };
     rates.validate().map_err(|e| Error::Calibration(e.to_string()))?;
     Ok(Profile {
         cores,
         rates,
         link: "loopback".into(),
+        mem_bytes_per_s: Some(sum_rate_on(budget, cores)),
     })
 }
 
@@ -154,14 +176,60 @@ pub fn gemm_rate(budget: Duration) -> f64 {
     2.0 * (k * m * n) as f64 / s
 }
 
-/// Input bytes per second of [`cpu::add_assign`] over 16 MiB arrays.
+/// Input bytes per second of [`cpu::add_assign`] on one thread, over arrays
+/// out of the caches ([`sum_len`]): the folds a server and SFB run are over
+/// whole layers and shards, never cache-resident. (Over 16 MiB arrays, which
+/// fit a 32 MiB L3, the 2-core VM read 14.5 GB/s where 256 MiB ones gave 8,
+/// and `train`'s folds reached 1.6 to 3.9 GB/s per rank beside 4 ranks.)
 pub fn sum_rate(budget: Duration) -> f64 {
-    let len = 4 << 20;
+    sum_rate_on(budget, 1)
+}
+
+/// Input bytes per second of [`cpu::add_assign`] on `threads` threads at
+/// once, each folding its own part of one pair of [`sum_len`] arrays: the
+/// total.
+pub fn sum_rate_on(budget: Duration, threads: usize) -> f64 {
+    let len = sum_len();
+    let threads = threads.clamp(1, 256);
     let src = vec![1f32; len];
     let mut acc = vec![0f32; len];
-    let s = best_of(budget, || cpu::add_assign(&mut acc, &src));
+    let part = len.div_ceil(threads);
+    let s = best_of(budget, || {
+        std::thread::scope(|sc| {
+            for (a, b) in acc.chunks_mut(part).zip(src.chunks(part)) {
+                sc.spawn(move || cpu::add_assign(a, b));
+            }
+        })
+    });
     std::hint::black_box(&acc);
     (len * 4) as f64 / s
+}
+
+/// Elements of each array [`sum_rate_on`] folds: twice the largest cache
+/// this machine lists (`/sys/devices/system/cpu/cpu0/cache`), within 64 to
+/// 256 MiB (64 MiB where it lists none).
+fn sum_len() -> usize {
+    let cache = largest_cache_bytes().unwrap_or(0);
+    (2 * cache).clamp(64 << 20, 256 << 20) / 4
+}
+
+/// The largest cache of CPU 0 in bytes, from sysfs (`32768K`, `1M`, ...).
+fn largest_cache_bytes() -> Option<usize> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    dir.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("size")).ok())
+        .filter_map(|t| parse_cache_size(t.trim()))
+        .max()
+}
+
+/// `32768K` → 33554432; `2M`, `512` (bytes) likewise; `None` otherwise.
+fn parse_cache_size(t: &str) -> Option<usize> {
+    let (num, mul) = match t.as_bytes().last()? {
+        b'K' => (&t[..t.len() - 1], 1 << 10),
+        b'M' => (&t[..t.len() - 1], 1 << 20),
+        b'G' => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.parse::<usize>().ok()?.checked_mul(mul)
 }
 
 fn io(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
@@ -353,6 +421,42 @@ mod tests {
         assert_eq!(slow.link_bytes_per_s, 1.0);
         let fast = p.node_rates(1, Some(f64::MAX));
         assert_eq!(fast.link_bytes_per_s, p.rates.link_bytes_per_s);
+    }
+
+    #[test]
+    fn the_sum_is_shared_like_the_memory_and_caches_are_read_from_sysfs() {
+        let p = Profile {
+            cores: 2,
+            rates: Rates {
+                link_bytes_per_s: 4e9,
+                msg_s: 6.5e-6,
+                sum_bytes_per_s: 11.75e9,
+                gemm_flop_per_s: 75.6e9,
+                host_ranks: 1,
+                link_on_host: true,
+            },
+            link: "loopback".into(),
+            mem_bytes_per_s: Some(16.5e9),
+        };
+        // 4 ranks: half a core each, but a quarter of the memory.
+        let r = p.node_rates(4, None);
+        assert_eq!((r.sum_bytes_per_s, r.gemm_flop_per_s), (16.5e9 / 4.0, 75.6e9 / 2.0));
+        assert_eq!((r.host_ranks, r.link_on_host), (4, true));
+        // One rank: its core's rate, the memory being no limit.
+        assert_eq!(p.node_rates(1, None).sum_bytes_per_s, 11.75e9);
+        // A link of its own is not the host's.
+        assert!(!p.node_rates(4, Some(1.25e8)).link_on_host);
+        // A profile from before the memory was measured shares the sum like the cores.
+        let old: Profile = serde_json::from_str(
+            r#"{"cores":2,"rates":{"link_bytes_per_s":4e9,"msg_s":1e-5,"sum_bytes_per_s":1e10,"gemm_flop_per_s":3e10},"link":"loopback"}"#,
+        )
+        .unwrap();
+        assert_eq!(old.node_rates(4, None).sum_bytes_per_s, 5e9);
+        assert_eq!(parse_cache_size("32768K"), Some(32 << 20));
+        assert_eq!(parse_cache_size("2M"), Some(2 << 20));
+        assert_eq!(parse_cache_size("512"), Some(512));
+        assert_eq!(parse_cache_size("lots"), None);
+        assert!((64 << 20..=256 << 20).contains(&(sum_len() * 4)));
     }
 
     #[test]

@@ -71,9 +71,13 @@ pub fn run(a: &CalibrateArgs) -> Result<Outcome> {
 /// The profile as text.
 pub fn render(p: &Profile) -> String {
     let r = &p.rates;
+    let mem = match p.mem_bytes_per_s {
+        Some(m) => format!("{:>8.2} GB/s", m / 1e9),
+        None => "not measured (shared like the cores)".into(),
+    };
     format!(
-        "this machine, one thread each ({} cores):\n  GEMM (factors to gradient, K×M×N = {:?})  {:>8.1} GFLOP/s\n  sum into an accumulator                   {:>8.2} GB/s\n  one TCP stream ({})                 {:>8.2} GB/s\n  one small message, one way               {:>8.1} µs\n\
-         `train --profile FILE` and `sim --profile FILE` divide these among the ranks that share the cores.\n",
+        "this machine, one thread each ({} cores):\n  GEMM (factors to gradient, K×M×N = {:?})  {:>8.1} GFLOP/s\n  sum into an accumulator (out of cache)    {:>8.2} GB/s\n  the same sum on every core at once        {mem}\n  one TCP stream ({})                 {:>8.2} GB/s\n  one small message, one way               {:>8.1} µs\n\
+         `train --profile FILE` and `sim --profile FILE` divide these among the ranks that share the host.\n",
         p.cores,
         calibrate::GEMM_SHAPE,
         r.gemm_flop_per_s / 1e9,

@@ -405,6 +405,8 @@ mod tests {
                 msg_s: 1e-5,
                 sum_bytes_per_s: 5e9,
                 gemm_flop_per_s: gemm,
+                host_ranks: 1,
+                link_on_host: false,
             };
             Arc::new(b.with_rates(r).unwrap())
         };

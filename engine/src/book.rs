@@ -928,6 +928,8 @@ mod tests {
             msg_s: 10e-6,
             sum_bytes_per_s: 5e9,
             gemm_flop_per_s,
+            host_ranks: 1,
+            link_on_host: false,
         }
     }
 

@@ -109,6 +109,19 @@ pub struct Rates {
     /// FLOP/s of the GEMM that rebuilds a gradient from its factors, on the
     /// executor where it runs (the CPU's, or the GPU's where one is used).
     pub gemm_flop_per_s: f64,
+    /// Ranks sharing one host's cores, memory and loopback, the rates above
+    /// being each one's share of it; 0 or 1: a host of its own. Where ranks
+    /// share a host, what one rank leaves idle the others use, so
+    /// [`seconds`] weighs the busiest host's whole work, not only its
+    /// busiest rank's (see [`on_host`]).
+    #[serde(default)]
+    pub host_ranks: u32,
+    /// Whether the link is the host's too (loopback: its bytes are the
+    /// shared cores' work), so that [`on_host`] shares the transfer as it
+    /// does the compute; false for a link of the node's own (a NIC, a
+    /// shaped namespace), whose time stays the busiest node's.
+    #[serde(default)]
+    pub link_on_host: bool,
 }
 
 /// A rate out of range ([`Rates::validate`]).
@@ -152,6 +165,8 @@ impl Rates {
             msg_s: self.msg_s / cpu,
             sum_bytes_per_s: self.sum_bytes_per_s * cpu,
             gemm_flop_per_s: self.gemm_flop_per_s * cpu,
+            host_ranks: self.host_ranks,
+            link_on_host: self.link_on_host,
         };
         // A share of valid rates is valid (and never faster).
         debug_assert!(
@@ -235,22 +250,82 @@ impl SchemeSeconds {
     }
 }
 
-/// (PS, SFB) seconds at the busiest node for one FC layer, at `rates`.
+/// The time one scheme costs a layer, from each node's: on a host of its own
+/// a node's time is its own, and the busiest node's decides. Where
+/// `host_ranks` ranks share a host (their rates each one's share), the busiest
+/// host holds the busiest node and `host_ranks − 1` others, taken at the
+/// others' mean, and its cores and memory serve whichever of them works:
+/// `(busiest + (R − 1)·mean of the others) / R`, part by part. With every
+/// rank on one host that is the mean over the nodes: the host's whole work
+/// at its whole rates. (Taken as the busiest node alone, a loopback run's
+/// PS was charged its server at a quarter of the machine while the workers
+/// idled, and HybComm took SFB, whose every worker rebuilds every
+/// gradient at once, where the PS was as fast or faster.)
+///
+/// The transfer is shared so only where the link is the host's
+/// ([`Rates::link_on_host`]); a link of each node's own keeps the busiest
+/// node's transfer. `others` are (count, time) of the nodes besides the
+/// busiest.
+pub fn on_host(rates: &Rates, busiest: SchemeSeconds, others: &[(u64, SchemeSeconds)]) -> SchemeSeconds {
+    let n: u64 = others.iter().map(|(c, _)| c).sum();
+    let r = (rates.host_ranks.max(1) as u64).min(n + 1) as f64;
+    if r <= 1.0 || n == 0 {
+        return busiest;
+    }
+    let mean = |f: fn(&SchemeSeconds) -> f64| others.iter().map(|(c, s)| *c as f64 * f(s)).sum::<f64>() / n as f64;
+    let part = |f: fn(&SchemeSeconds) -> f64| (f(&busiest) + (r - 1.0) * mean(f)) / r;
+    let s = SchemeSeconds {
+        transfer_s: if rates.link_on_host {
+            part(|s| s.transfer_s)
+        } else {
+            busiest.transfer_s
+        },
+        messages_s: part(|s| s.messages_s),
+        compute_s: part(|s| s.compute_s),
+    };
+    // A mean of parts is no more than the largest of them.
+    debug_assert!(
+        [
+            (
+                s.transfer_s,
+                busiest.transfer_s,
+                others.iter().map(|o| o.1.transfer_s).fold(0.0, f64::max)
+            ),
+            (
+                s.messages_s,
+                busiest.messages_s,
+                others.iter().map(|o| o.1.messages_s).fold(0.0, f64::max)
+            ),
+            (
+                s.compute_s,
+                busiest.compute_s,
+                others.iter().map(|o| o.1.compute_s).fold(0.0, f64::max)
+            ),
+        ]
+        .iter()
+        .all(|&(x, b, o)| !x.is_finite() || x <= b.max(o) * (1.0 + 1e-9)),
+        "{s:?} {busiest:?}"
+    );
+    s
+}
+
+/// (PS, SFB) seconds for one FC layer at `rates`: its busiest node's, or
+/// where ranks share hosts its busiest host's ([`on_host`]).
 ///
 /// - **PS**, per node kind present: its Table 1 bytes over the link, its
 ///   pushes and broadcasts times the message cost, and on a server the fold
 ///   of P1 gradients of its share (MN·P1/P2 elements summed) and the update
-///   of its share (MN/P2, at [`APPLY_SUMS`] folds a parameter). The busiest
-///   node kind counts.
+///   of its share (MN/P2, at [`APPLY_SUMS`] folds a parameter).
 /// - **SFB**, on every worker: 2K(P1−1)(M+N) parameters over the link,
 ///   2(P1−1) factor blocks, the rebuild of all P1 workers' gradients,
 ///   2KMN FLOPs each, summed into the layer ((P1−1)·MN), and the update of
-///   the whole layer (MN, every worker applies it). The worker's own
-///   counts too: the runtime rebuilds every worker's in worker order
-///   (`cpu::sf_sum`), so that the sum is the same bits on every worker, while
-///   the framework's backward has computed the dense gradient anyway. (Left
-///   out, it tipped a 4096×4096 layer to SFB on a 2-core machine where SFB
-///   made `tidewire.torch` 0.81x DDP against 0.97x with the PS.)
+///   the whole layer (MN, every worker applies it); a server-only node has
+///   nothing to do for the layer. The worker's own counts too: the runtime
+///   rebuilds every worker's in worker order (`cpu::sf_sum`), so that the
+///   sum is the same bits on every worker, while the framework's backward
+///   has computed the dense gradient anyway. (Left out, it tipped a
+///   4096×4096 layer to SFB on a 2-core machine where SFB made
+///   `tidewire.torch` 0.81x DDP against 0.97x with the PS.)
 pub fn seconds(l: &LayerLoad, r: &Rates) -> (SchemeSeconds, SchemeSeconds) {
     debug_assert!(l.p1 >= 1 && l.p2 >= 1, "a cluster has a worker and a server");
     let mn = (l.m * l.n) as f64;
@@ -270,21 +345,34 @@ pub fn seconds(l: &LayerLoad, r: &Rates) -> (SchemeSeconds, SchemeSeconds) {
         messages_s: 2.0 * msgs * p1 / p2 * r.msg_s,
         compute_s: server_compute_s,
     };
-    let ps = if l.colocated {
-        SchemeSeconds {
-            transfer_s: bytes(ps_params(NodeRole::Both, l.m, l.n, l.p1, l.p2)),
-            messages_s: 2.0 * msgs * (1.0 + (p1 - 1.0) / p2) * r.msg_s,
-            compute_s: server_compute_s,
-        }
-    } else if server.total() >= worker.total() {
-        server
-    } else {
-        worker
+    let both = SchemeSeconds {
+        transfer_s: bytes(ps_params(NodeRole::Both, l.m, l.n, l.p1, l.p2)),
+        messages_s: 2.0 * msgs * (1.0 + (p1 - 1.0) / p2) * r.msg_s,
+        compute_s: server_compute_s,
     };
-    let sfb = SchemeSeconds {
+    let sfb_worker = SchemeSeconds {
         transfer_s: bytes(sfb_params(l.k, l.p1, l.m, l.n)),
         messages_s: 2.0 * peers * r.msg_s,
         compute_s: p1 * 2.0 * l.k as f64 * mn / r.gemm_flop_per_s + peers * mn * 4.0 / r.sum_bytes_per_s + apply_s(mn),
+    };
+    let idle = SchemeSeconds {
+        transfer_s: 0.0,
+        messages_s: 0.0,
+        compute_s: 0.0,
+    };
+    let (ps, sfb) = if l.colocated {
+        // Every node alike: the host's mean is any node's time.
+        (both, sfb_worker)
+    } else {
+        let ps = if server.total() >= worker.total() {
+            on_host(r, server, &[(l.p2.saturating_sub(1), server), (l.p1, worker)])
+        } else {
+            on_host(r, worker, &[(l.p1.saturating_sub(1), worker), (l.p2, server)])
+        };
+        (
+            ps,
+            on_host(r, sfb_worker, &[(l.p1.saturating_sub(1), sfb_worker), (l.p2, idle)]),
+        )
     };
     // Valid rates give times HybComm can compare: finite, and none negative.
     debug_assert!(
@@ -307,6 +395,8 @@ mod tests {
             msg_s: 10e-6,
             sum_bytes_per_s: 10e9,
             gemm_flop_per_s: gemm,
+            host_ranks: 1,
+            link_on_host: false,
         }
     }
 
@@ -352,6 +442,8 @@ mod tests {
             msg_s: 0.0,
             sum_bytes_per_s: f64::MAX,
             gemm_flop_per_s: f64::MAX,
+            host_ranks: 1,
+            link_on_host: false,
         };
         for &(colocated, k, m, n, p1, p2) in &[
             (true, 32, 4096, 4096, 8, 8),
@@ -473,6 +565,8 @@ mod tests {
             msg_s: 9.9e-6,
             sum_bytes_per_s: 6.5e9,
             gemm_flop_per_s: 49.4e9,
+            host_ranks: 1,
+            link_on_host: false,
         };
         let (ps, sfb) = seconds(&l, &at(2.05e9));
         let own = 2.0 * 32.0 * 4096.0 * 4096.0 / 49.4e9;
@@ -483,6 +577,75 @@ mod tests {
         assert!(ps.total() < sfb.total(), "loopback: {ps:?} vs {sfb:?}");
         let (ps, sfb) = seconds(&l, &at(0.12e9));
         assert!(sfb.total() < ps.total() / 5.0, "1 Gbit/s: {ps:?} vs {sfb:?}");
+    }
+
+    #[test]
+    fn a_shared_host_weighs_its_whole_work() {
+        let part = |t: f64, c: f64| SchemeSeconds {
+            transfer_s: t,
+            messages_s: 0.0,
+            compute_s: c,
+        };
+        let r = |host_ranks: u32, link_on_host: bool| Rates {
+            host_ranks,
+            link_on_host,
+            ..rates(1e9, 1e10)
+        };
+        let (busy, rest) = (part(3.0, 1.0), [(3, part(1.0, 0.0))]);
+        // A host of its own: the busiest node decides.
+        assert_eq!(on_host(&r(1, true), busy, &rest), busy);
+        assert_eq!(on_host(&r(0, true), busy, &rest), busy);
+        // 4 ranks on one host (loopback): the mean of the four.
+        let all = on_host(&r(4, true), busy, &rest);
+        assert!(
+            (all.transfer_s - 1.5).abs() < 1e-12 && (all.compute_s - 0.25).abs() < 1e-12,
+            "{all:?}"
+        );
+        // More ranks than nodes: no more than the nodes there are.
+        assert_eq!(on_host(&r(64, true), busy, &rest), all);
+        // 2 a host: the busiest and one other, each at half the host.
+        let two = on_host(&r(2, true), busy, &rest);
+        assert!((two.transfer_s - 2.0).abs() < 1e-12, "{two:?}");
+        // Links of their own: the transfer stays the busiest node's.
+        let own = on_host(&r(4, false), busy, &rest);
+        assert!(own.transfer_s == 3.0 && (own.compute_s - 0.25).abs() < 1e-12, "{own:?}");
+    }
+
+    #[test]
+    fn on_one_host_sfb_pays_for_every_workers_rebuild() {
+        // VGG19's fc6, 3 workers and 1 server on one 2-core host, each rank
+        // at its share of what `tidewire calibrate` measured on the VM
+        // (2026-11-28: GEMM 39 to 76 GFLOP/s, sum 11.8 GB/s out of cache and
+        // 16.5 GB/s on both cores, loopback 1.9 to 4.0 GB/s, 6.5 µs a message).
+        // Taken as the busiest rank alone, the server's PS looked 2.3 times
+        // SFB's time and HybComm took SFB, which ran no faster in `train`.
+        let l = LayerLoad {
+            ps_messages: 2056,
+            ..fc6(3, 1, 32)
+        };
+        let shared = Rates {
+            link_bytes_per_s: 0.95e9,
+            msg_s: 13e-6,
+            sum_bytes_per_s: 16.5e9 / 4.0,
+            gemm_flop_per_s: 19.6e9,
+            host_ranks: 1,
+            link_on_host: false,
+        };
+        let (ps1, sfb1) = seconds(&l, &shared);
+        let host = Rates {
+            host_ranks: 4,
+            link_on_host: true,
+            ..shared
+        };
+        let (ps4, sfb4) = seconds(&l, &host);
+        // The host's time is below its busiest rank's, the PS's most (its
+        // workers idle while the server works); SFB keeps 3 of 4 ranks busy.
+        assert!(ps4.total() < ps1.total() && sfb4.total() < sfb1.total());
+        assert!(
+            ps4.total() / ps1.total() < sfb4.total() / sfb1.total(),
+            "{ps4:?} {sfb4:?}"
+        );
+        assert!((sfb4.compute_s - 0.75 * sfb1.compute_s).abs() < 1e-9 * sfb1.compute_s);
     }
 
     #[test]

@@ -142,6 +142,8 @@ fn read_rates(obj: &Bound<'_, PyAny>, owner: &str) -> PyResult<Rates> {
         msg_s: attr(obj, owner, "msg_s")?,
         sum_bytes_per_s: attr(obj, owner, "sum_bytes_per_s")?,
         gemm_flop_per_s: attr(obj, owner, "gemm_flop_per_s")?,
+        host_ranks: attr(obj, owner, "host_ranks")?,
+        link_on_host: attr(obj, owner, "link_on_host")?,
     })
 }
 

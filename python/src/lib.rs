@@ -697,10 +697,11 @@ impl FreqGuide {
 /// None: where a restarted job resumes from.
 /// This machine's rates, one thread each, measured for about `ms`
 /// milliseconds apiece: `(cores, link_bytes_per_s, msg_s, sum_bytes_per_s,
-/// gemm_flop_per_s)` (see `tidewire calibrate`). The GIL is released.
+/// gemm_flop_per_s, mem_bytes_per_s)`, the last the sum on every core at
+/// once (see `tidewire calibrate`). The GIL is released.
 #[pyfunction]
 #[pyo3(signature = (ms = 100))]
-fn calibrate(py: Python<'_>, ms: u64) -> PyResult<(usize, f64, f64, f64, f64)> {
+fn calibrate(py: Python<'_>, ms: u64) -> PyResult<(usize, f64, f64, f64, f64, f64)> {
     if ms == 0 || ms > 60_000 {
         return Err(PyValueError::new_err(format!("ms={ms}: want 1 to 60000")));
     }
@@ -714,6 +715,7 @@ fn calibrate(py: Python<'_>, ms: u64) -> PyResult<(usize, f64, f64, f64, f64)> {
         r.msg_s,
         r.sum_bytes_per_s,
         r.gemm_flop_per_s,
+        p.mem_bytes_per_s.unwrap_or(r.sum_bytes_per_s * p.cores as f64),
     ))
 }
 

@@ -98,6 +98,13 @@ class Rates:
     sum_bytes_per_s: float
     #: FLOP/s of the GEMM that rebuilds a gradient from its factors.
     gemm_flop_per_s: float
+    #: Ranks sharing this rank's host (its cores, memory and loopback), the
+    #: rates above being each one's share; 1: a host of its own. HybComm then
+    #: weighs the host's whole work, not only its busiest rank's.
+    host_ranks: int = 1
+    #: Whether the link is the host's loopback (its bytes are the shared
+    #: cores' work) rather than a network link of each rank's own.
+    link_on_host: bool = False
 
 
 @dataclass(frozen=True)

@@ -120,10 +120,11 @@ class Session:
 def newest_checkpoint(dir: str) -> Optional[str]:
     """The newest complete checkpoint (step directory) under ``dir``, or None."""
 
-def calibrate(ms: int = 100) -> Tuple[int, float, float, float, float]:
+def calibrate(ms: int = 100) -> Tuple[int, float, float, float, float, float]:
     """This machine's rates, one thread each, measured for about ``ms``
     milliseconds apiece: ``(cores, link_bytes_per_s, msg_s, sum_bytes_per_s,
-    gemm_flop_per_s)``; what ``policy='hybrid'`` weighs in seconds when
+    gemm_flop_per_s, mem_bytes_per_s)``, the last the sum on every core at
+    once (the host's memory, which its ranks share); what ``policy='hybrid'`` weighs in seconds when
     given ``SessionConfig(rates=Rates(link_bytes_per_s, msg_s,
     sum_bytes_per_s, gemm_flop_per_s))`` (see ``tidewire calibrate``)."""
 

@@ -76,6 +76,8 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
             msg_s: rr.pick(&[0.0, 1e-6, 2e-5, 1e-3]),
             sum_bytes_per_s: rr.pick(&[1e8, 1e9, 1e10]),
             gemm_flop_per_s: rr.pick(&[1e6, 1e8, 1e10, 5e13]),
+            host_ranks: rr.pick(&[1, 2, 16]),
+            link_on_host: rr.chance(0.5),
         };
         book = book.with_rates(rates)?;
         (rates.msg_s * 1e9) as u64

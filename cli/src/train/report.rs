@@ -409,9 +409,14 @@ fn render_setup(s: &mut String, r: &TrainReport) {
         );
     }
     if let Some(rt) = &r.rates {
+        let host = match (rt.host_ranks, rt.link_on_host) {
+            (0 | 1, _) => String::new(),
+            (n, true) => format!(" ({n} ranks share a host, its loopback too: HybComm weighs the host's whole work)"),
+            (n, false) => format!(" ({n} ranks share a host: HybComm weighs the host's whole work)"),
+        };
         let _ = writeln!(
             s,
-            "rates per rank (HybComm in seconds): link {:.2} GB/s, {:.1} µs a message, sum {:.1} GB/s, GEMM {:.1} GFLOP/s; slices of {} parameters",
+            "rates per rank (HybComm in seconds): link {:.2} GB/s, {:.1} µs a message, sum {:.1} GB/s, GEMM {:.1} GFLOP/s; slices of {} parameters{host}",
             rt.link_bytes_per_s / 1e9,
             rt.msg_s * 1e6,
             rt.sum_bytes_per_s / 1e9,

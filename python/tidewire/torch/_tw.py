@@ -334,7 +334,7 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
         about 0.4 s), and one rank probes the link to rank 0 (a TCP stream of
         about 0.3 s: from the first rank of the next host, or rank 1 where
         every rank shares one host); the ranks share the figures and every
-        rank takes rank 0's, its CPU divided among the ranks on its host
+        rank takes rank 0's, its CPU and memory divided among the ranks on its host
         (``LOCAL_WORLD_SIZE``), and the probed link. Only rank 0 measures
         (the others wait), so that its figures are the machine's, not a
         share of it taken twice. Rebuilding a CUDA
@@ -346,22 +346,24 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
             try:
                 d = json.loads(given)
                 mine = [float(d[k]) for k in ("link_bytes_per_s", "msg_s", "sum_bytes_per_s", "gemm_flop_per_s")]
-            except (ValueError, KeyError, TypeError) as e:
+                host = int(d.get("host_ranks", 1))
+                on_host = bool(d.get("link_on_host", False))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise TidewireError(
                     f"TIDEWIRE_RATES={given!r}: {e} (want JSON with link_bytes_per_s, msg_s, sum_bytes_per_s, "
                     "gemm_flop_per_s)"
                 ) from None
-            every = _allgather_floats(mine, "DistributedOptimizer/rates")
+            every = _allgather_floats(mine + [float(host), float(on_host)], "DistributedOptimizer/rates")
             if any(r != every[0] for r in every):
                 raise TidewireError("TIDEWIRE_RATES differs between ranks: give every rank the same")
-            link, msg, summ, gemm = every[0]
-            return Rates(link, msg, summ, gemm)
+            link, msg, summ, gemm, host_f, on_host_f = every[0]
+            return Rates(link, msg, summ, gemm, int(host_f), on_host_f != 0.0)
         # Only rank 0 measures: every rank takes its figures, and ranks that
         # measured at once on shared cores would each see a fraction of the
         # machine (4 ranks on 2 cores read half the loopback stream and half
         # the GEMM, which then counted twice with the share below). The
         # others wait in the gather, idle.
-        c, loop, msg, summ, gemm = _native.calibrate(100) if env.rank == 0 else (0, 0.0, 0.0, 0.0, 0.0)
+        c, loop, msg, summ, gemm, mem = _native.calibrate(100) if env.rank == 0 else (0, 0.0, 0.0, 0.0, 0.0, 0.0)
         probed = 0.0
         probe = None
         if env.size > 1:
@@ -381,20 +383,25 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
                         f"tidewire: the link probe to rank 0 failed ({e}); HybComm weighs the loopback rate",
                         stacklevel=3,
                     )
-        every = _allgather_floats([float(c), loop, msg, summ, gemm, probed], "DistributedOptimizer/rates")
-        probed = max(r[5] for r in every)
+        every = _allgather_floats([float(c), loop, msg, summ, gemm, mem, probed], "DistributedOptimizer/rates")
+        probed = max(r[6] for r in every)
         if probe is not None and probed > 0:
             try:
                 probe.join()  # done already: the prober read its count before the gather
             except TidewireError as e:
                 warnings.warn(f"tidewire: the link probe's server: {e}", stacklevel=3)
         # Without a probe, rank 0's server thread gives up by itself within 30 s.
-        cores0, loop0, msg0, summ0, gemm0, _ = every[0]
-        share = min(1.0, cores0 / max(1, env.local_size))
+        cores0, loop0, msg0, summ0, gemm0, mem0, _ = every[0]
+        # As tidewire::calibrate::Profile::node_rates: the CPU shared like the
+        # cores, the sum also like the host's memory.
+        ranks = max(1, env.local_size)
+        share = min(1.0, cores0 / ranks)
         link = loop0 * share
         if probed > 0:
             link = min(link, probed)
-        return Rates(link, msg0 / share, summ0 * share, gemm0 * share)
+        # One host: the probe ran over its loopback, whose bytes are its cores' work.
+        on_host = env.size <= env.local_size
+        return Rates(link, msg0 / share, min(summ0 * share, mem0 / ranks), gemm0 * share, ranks, on_host)
 
     def _build_session(self) -> None:
         env = self.env
