@@ -104,6 +104,66 @@ fn a_killed_worker_and_then_server_roll_back_to_the_uninterrupted_result() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The launcher restarts its ranks from the file it was started from, even
+/// once that path is gone: its binary is removed (as a rebuild's re-link
+/// does) after the first checkpoint, and a rank killed later is restarted.
+/// (With the path, the restart failed: "cannot start rank 1: No such file or
+/// directory".)
+#[test]
+fn a_restart_after_the_binary_was_replaced_starts_the_same_build() {
+    let _g = serial();
+    let dir = tmp("replaced");
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("tidewire-copy");
+    std::fs::copy(env!("CARGO_BIN_EXE_tidewire"), &exe).unwrap();
+    let ckpt = dir.join("ckpt");
+    let mut child = std::process::Command::new(&exe)
+        .args([
+            "train",
+            "--json",
+            "--model",
+            "vgg19-mini",
+            "--workers",
+            "2",
+            "--servers",
+            "1",
+            "--iters",
+            "12",
+        ])
+        .args([
+            "--verify",
+            "--checkpoint-every",
+            "4",
+            "--fault-kill",
+            "1@8",
+            "--checkpoint-dir",
+        ])
+        .arg(&ckpt)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !ckpt.join("step-00000004").exists() && t.elapsed().as_secs() < 120 {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(
+        ckpt.join("step-00000004").exists(),
+        "no checkpoint at iteration 4 in 120 s"
+    );
+    std::fs::remove_file(&exe).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "train failed after its binary was removed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r = report(&out.stdout);
+    assert_eq!(r.restarts.len(), 1, "{:#?}", r.restarts);
+    assert_eq!(r.verified, Some(true));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A run stopped at iteration 12 and resumed to 20 (another command, as a
 /// user would) gives the 20-iteration run's parameters; checkpoints of
 /// another run, a damaged file and a full directory are refused with the reason.

@@ -174,7 +174,7 @@ fn netns_link_rate(ns: &[String], addrs: &[String]) -> Result<f64> {
     if ns.len() < 2 || addrs.len() < 2 {
         return Ok(f64::MAX);
     }
-    let exe = std::env::current_exe().map_err(|e| Error::Launch(format!("cannot find my own binary: {e}")))?;
+    let exe = super::spawn::own_binary()?;
     let target = format!("{}:29499", addrs[1]);
     let mut server = Command::new("ip")
         .args(["netns", "exec", &ns[1]])

@@ -54,9 +54,25 @@ pub(super) struct Spawner<'a> {
     netns: Option<(Vec<String>, Vec<String>)>,
 }
 
+/// The file this process runs, for starting ranks of the same build:
+/// `/proc/<pid>/exe` where there is one, which names the very file this
+/// process was started from even after a rebuild replaced the path (a
+/// restart after a killed rank once failed with ENOENT when `cargo` re-linked
+/// `target/release/tidewire` mid-run; with the path, a rebuilt binary of
+/// another version could also have joined). It is this launcher's pid, not
+/// `self`, so that `ip netns exec` (another process) reaches it too.
+/// Elsewhere, [`std::env::current_exe`].
+pub(super) fn own_binary() -> Result<std::path::PathBuf> {
+    let proc = std::path::PathBuf::from(format!("/proc/{}/exe", std::process::id()));
+    if std::fs::metadata(&proc).is_ok() {
+        return Ok(proc);
+    }
+    std::env::current_exe().map_err(|e| Error::Launch(format!("cannot find my own binary: {e}")))
+}
+
 impl<'a> Spawner<'a> {
     pub(super) fn new(args: &'a TrainArgs, node_args: Vec<String>) -> Result<Self> {
-        let exe = std::env::current_exe().map_err(|e| Error::Launch(format!("cannot find my own binary: {e}")))?;
+        let exe = own_binary()?;
         // Under the bandwidth harness each rank runs in a namespace of its own (round robin),
         // and rank 0's namespace address is the rendezvous; a fresh namespace has every port free.
         let netns = match (&args.netns, &args.netns_addrs) {
@@ -85,7 +101,14 @@ impl<'a> Spawner<'a> {
                 c.args(["netns", "exec", &ns[node % ns.len()]]).arg(&self.exe);
                 c
             }
-            None => Command::new(&self.exe),
+            None => {
+                let mut c = Command::new(&self.exe);
+                // Named as it was started (ps shows it), not /proc/<pid>/exe.
+                if let Some(name) = std::env::args_os().next() {
+                    std::os::unix::process::CommandExt::arg0(&mut c, name);
+                }
+                c
+            }
         };
         c.arg("train-node")
             .args(&self.node_args)
