@@ -323,6 +323,28 @@ mod hostile {
     }
 
     #[test]
+    fn a_push_whose_end_overflows_is_a_violation_not_a_panic() {
+        // offset + len past u64::MAX: the check is of the end, so it must not
+        // wrap (in release, a wrapped end could equal the slot's end).
+        let (mut p, book) = Pair::new();
+        let conv = book.layer_slices(1).start;
+        let slot_bytes = book.max_slice_len() as u64 * 4;
+        for (offset, len) in [(16, u64::MAX), (slot_bytes - 4, u64::MAX - slot_bytes + 8)] {
+            let (mut q, _) = Pair::new();
+            match q.land(offset, len, conv) {
+                Some(EngineError::Protocol {
+                    rank: 0,
+                    violation: tidewire_engine::ProtocolViolation::PushOutsideSlots { .. },
+                }) => {}
+                other => panic!("offset {offset}, len {len}: want PushOutsideSlots, got {other:?}"),
+            }
+        }
+        // The well-formed push of the same slice is taken.
+        let len = book.slices()[conv as usize].len as u64 * 4;
+        assert_eq!(p.land(0, len, conv), None);
+    }
+
+    #[test]
     fn malformed_sparse_pushes_are_violations() {
         type Case = fn(&Book) -> (u64, u64, u32);
         let cases: [(&str, Case); 6] = [

@@ -253,7 +253,11 @@ impl Node {
         let start = g * slot_bytes;
         let slot = (g % slots) as u32;
         if !sparse {
-            if g / slots != wi || len == 0 || offset + len != start + si.len as u64 * 4 {
+            let ends = matches!(
+                (offset.checked_add(len), start.checked_add(si.len as u64 * 4)),
+                (Some(end), Some(want)) if end == want
+            );
+            if g / slots != wi || len == 0 || !ends {
                 return Err(bad(ProtocolViolation::PushOutsideSlots {
                     slice,
                     bytes: si.len * 4,
@@ -289,7 +293,7 @@ impl Node {
             .get(chunk as usize)
             .ok_or_else(|| bad(ProtocolViolation::SeedUnknownChunk { chunk }))?;
         let (a, b) = (ch.shard_offset as u64 * 4, (ch.shard_offset + ch.len) as u64 * 4);
-        if ch.server != self.rank || len == 0 || offset < a || offset + len != b {
+        if ch.server != self.rank || len == 0 || offset < a || offset.checked_add(len) != Some(b) {
             return Err(bad(ProtocolViolation::SeedOutsideChunk { chunk, offset, len }));
         }
         debug_assert!(
@@ -316,7 +320,7 @@ impl Node {
             .ok_or_else(|| bad(ProtocolViolation::ParamsUnknownChunk { chunk }))?;
         let a = base + (book.layer_offset(ch.layer) + ch.offset) as u64 * 4;
         let b = a + ch.len as u64 * 4;
-        if ch.server != peer || len == 0 || offset < a || offset + len != b {
+        if ch.server != peer || len == 0 || offset < a || offset.checked_add(len) != Some(b) {
             return Err(bad(ProtocolViolation::ParamsOutsideChunk { chunk, offset, len }));
         }
         debug_assert!(
