@@ -496,6 +496,11 @@ impl Worker {
 
     /// `server` returned the landing slot `slot`.
     pub fn handle_credit(&mut self, server: u32, slot: u32) -> Result<()> {
+        // Only a server lends slots: a credit from any other rank is not one
+        // (it would land in a free list no push reads).
+        if self.book.cluster().server_index(server).is_none() {
+            return Err(EngineError::protocol(server, ProtocolViolation::CreditFromOutside));
+        }
         let free = self
             .free_slots
             .get_mut(server as usize)
@@ -684,5 +689,43 @@ impl Worker {
             st.done += 1;
             self.out.push_back(WorkerCommand::LayerReady { layer, iter: t });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::book::{BookConfig, Cluster, LayerKind, LayerSpec};
+
+    #[test]
+    fn only_a_server_lends_credit() {
+        // Ranks 0 and 1 work, rank 2 serves.
+        let book = Book::new(
+            Cluster::split(2, 1).unwrap(),
+            vec![LayerSpec::new("l", LayerKind::Conv, 1, 8)],
+            BookConfig::default(),
+        )
+        .unwrap();
+        let mut w = Worker::new(Arc::new(book), 0, SchedConfig::default()).unwrap();
+        let free = w.free_credits();
+        for (from, what) in [(1, "a worker"), (7, "a rank outside the cluster")] {
+            match w.handle_credit(from, 0) {
+                Err(EngineError::Protocol {
+                    rank,
+                    violation: ProtocolViolation::CreditFromOutside,
+                }) => assert_eq!(rank, from),
+                other => panic!("credit from {what}: {other:?}"),
+            }
+        }
+        // The server's own slots are all free at the start: a credit for
+        // one of them was not lent.
+        assert!(matches!(
+            w.handle_credit(2, 0),
+            Err(EngineError::Protocol {
+                violation: ProtocolViolation::CreditNotLent { slot: 0 },
+                ..
+            })
+        ));
+        assert_eq!(w.free_credits(), free, "nothing was taken in");
     }
 }

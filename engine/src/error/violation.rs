@@ -256,8 +256,8 @@ pub enum ProtocolViolation {
     /// A factor send completion for a layer not in flight.
     #[error("factor send completion for layer {layer} that is not in flight")]
     FactorsSentNotInFlight { layer: u32 },
-    /// Credit from a rank outside the cluster.
-    #[error("credit from a rank outside the cluster")]
+    /// Credit from a rank that is not one of the cluster's servers.
+    #[error("credit from a rank that is not a server")]
     CreditFromOutside,
     /// Credit for a slot that was not lent (or past the slots).
     #[error("credit for slot {slot} that was not lent")]
