@@ -157,7 +157,11 @@ pub struct Server {
     bcast_pending: Vec<u32>,
     /// Per worker index: slots currently held.
     slots_held: Vec<u32>,
+    /// Chunks still to be seeded with their initial values.
     init_left: usize,
+    /// Per local chunk: whether its initial values came (a second seeding
+    /// of one chunk is refused, not counted for another's).
+    seeded: Vec<bool>,
     bcast_queue: BinaryHeap<Reverse<(u64, u32, u32)>>,
     bcast_bytes: usize,
     out: VecDeque<ServerCommand>,
@@ -254,6 +258,7 @@ impl Server {
             slots_held: vec![0; p1],
             spare_free: vec![(cfg.slots..cfg.landing_slots()).rev().collect(); p1],
             init_left: nlc,
+            seeded: vec![false; nlc],
             bcast_queue: BinaryHeap::new(),
             bcast_bytes: 0,
             out: VecDeque::new(),
@@ -385,10 +390,12 @@ impl Server {
     /// Worker index 0 wrote the initial values of `chunk` into the shard.
     pub fn handle_init(&mut self, from: u32, chunk: u32) -> Result<()> {
         let lc = self.local_chunk(from, chunk)?;
-        if self.applied[lc] != 0 || self.init_left == 0 {
+        if self.applied[lc] != 0 || self.init_left == 0 || self.seeded[lc] {
             return Err(self.err(from, ProtocolViolation::InitTwice { chunk }));
         }
+        self.seeded[lc] = true;
         self.init_left -= 1;
+        debug_assert!(self.init_left < self.seeded.len());
         if self.init_left == 0 {
             // Nothing is applied before every chunk has its initial values.
             debug_assert!(self.applied.iter().all(|&a| a == 0));
@@ -1204,6 +1211,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_chunk_seeded_twice_is_refused_and_not_counted_for_another() {
+        // One server (rank 2) holding two chunks of 4 parameters.
+        let book = Book::new(
+            Cluster::split(2, 1).unwrap(),
+            vec![LayerSpec::new("l", LayerKind::Conv, 1, 8)],
+            BookConfig {
+                chunk_bytes: 16,
+                slice_params: 4,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(book.server_chunks(2).len(), 2);
+        let mut s = Server::new(Arc::new(book), 2, SchedConfig::default()).unwrap();
+        s.handle_init(0, 0).unwrap();
+        match s.handle_init(1, 0) {
+            Err(EngineError::Protocol {
+                rank: 1,
+                violation: ProtocolViolation::InitTwice { chunk: 0 },
+            }) => {}
+            other => panic!("a second seeding of chunk 0: {other:?}"),
+        }
+        // Chunk 1 is still unseeded: nothing is broadcast until it comes.
+        assert!(!s.drain().iter().any(|c| matches!(c, ServerCommand::Broadcast { .. })));
     }
 
     #[test]
