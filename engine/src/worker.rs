@@ -597,7 +597,21 @@ impl Worker {
             // write landed in memory the caller may hold.
             return Err(self.protocol(self.rank, ProtocolViolation::ParamsWhileHeld { chunk, layer }));
         }
-        self.chunk_updates[chunk as usize] += 1;
+        let st = &self.layers[layer as usize];
+        let (updates, bound) = (
+            self.chunk_updates[chunk as usize] + 1,
+            st.done + 1 + u64::from(st.in_flight),
+        );
+        if self.cfg.consistency == crate::config::Consistency::Bsp
+            && self.cfg.trigger == crate::config::Trigger::All
+            && updates > bound
+        {
+            // One broadcast per hand-in, and the initial values: a second
+            // one in an iteration is the server's (here the core cannot tell
+            // which rank wrote; the node names it).
+            return Err(self.protocol(self.rank, ProtocolViolation::ParamsTwice { chunk, updates }));
+        }
+        self.chunk_updates[chunk as usize] = updates;
         if self.chunk_updates[chunk as usize] == 1 {
             debug_assert!(
                 self.uninitialized > 0,
@@ -727,5 +741,32 @@ mod tests {
             })
         ));
         assert_eq!(w.free_credits(), free, "nothing was taken in");
+    }
+
+    #[test]
+    fn under_bsp_a_chunk_broadcast_twice_in_an_iteration_is_a_violation() {
+        // Two chunks, so that the worker is still being seeded after the first.
+        let book = Book::new(
+            Cluster::split(2, 1).unwrap(),
+            vec![LayerSpec::new("l", LayerKind::Conv, 1, 8)],
+            BookConfig {
+                chunk_bytes: 16,
+                slice_params: 4,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(book.chunks().len(), 2);
+        let mut w = Worker::new(Arc::new(book), 0, SchedConfig::default()).unwrap();
+        w.handle_params(0).unwrap();
+        match w.handle_params(0) {
+            Err(EngineError::Protocol {
+                violation: ProtocolViolation::ParamsTwice { chunk: 0, updates: 2 },
+                ..
+            }) => {}
+            other => panic!("chunk 0's initial values twice: {other:?}"),
+        }
+        // The other chunk's first values are still taken.
+        w.handle_params(1).unwrap();
     }
 }

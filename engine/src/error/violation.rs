@@ -291,6 +291,10 @@ pub enum ProtocolViolation {
     /// Parameters written while the caller holds the layer (BSP).
     #[error("parameters of chunk {chunk} arrived while its layer {layer} is not handed in")]
     ParamsWhileHeld { chunk: u32, layer: u32 },
+    /// Under BSP, a chunk's values broadcast more often than the iterations
+    /// its layer was handed in for (its initial values count once).
+    #[error("chunk {chunk} broadcast {updates} times, more than its layer was handed in for under BSP")]
+    ParamsTwice { chunk: u32, updates: u64 },
 
     // The driver's completions (this rank's own fault).
     /// A completion of a job the Node never started.
