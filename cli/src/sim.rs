@@ -238,6 +238,10 @@ pub struct SimResult {
     pub held_for_order: u64,
     /// Most spare slots of one worker parked at one server at once.
     pub max_spares_used: u32,
+    /// Bytes of one server's landing region (the largest; what `train`
+    /// allocates and registers for incoming gradients): P1 × slots × the
+    /// largest slice, bounded by credits, never P1 × the model.
+    pub landing_bytes_per_server: u64,
     pub model: String,
     pub sync: String,
     pub consistency: String,
@@ -632,6 +636,7 @@ impl Job<'_> {
             parked: rep.parked,
             held_for_order: rep.held_for_order,
             max_spares_used: rep.max_spares_used,
+            landing_bytes_per_server: rep.landing_bytes,
             wall_s: 0.0,
             slice_params: args.slice_params,
             trace_bin_us: args.trace_bin_us,
@@ -746,6 +751,11 @@ fn body(r: &SimResult) -> String {
             1.0 / r.updates_iteration_s
         ));
     }
+    s.push_str(&format!(
+        "landing memory   {:.1} MB per server ({:.2} MB per worker), for incoming gradients\n",
+        r.landing_bytes_per_server as f64 / 1e6,
+        r.landing_bytes_per_server as f64 / 1e6 / r.workers as f64,
+    ));
     let load: Vec<f64> = r.host_nic_bytes_per_iter.iter().map(|[a, b]| a + b).collect();
     if let (Some((hi, max)), Some((lo, min))) = (
         load.iter().copied().enumerate().max_by(|a, b| a.1.total_cmp(&b.1)),

@@ -267,8 +267,55 @@ pub enum SchemePolicy {
 }
 
 /// Parameters from which [`Placement::KvStore`] splits a layer across all
-/// servers (MXNet's `MXNET_KVSTORE_BIGARRAY_BOUND` default, 10^6).
+/// servers (MXNet's `MXNET_KVSTORE_BIGARRAY_BOUND` default, 10^6; P3 §4.1:
+/// "The threshold is a configurable parameter and is set to 10^6 parameters
+/// by default").
 pub const KVSTORE_BIG_ARRAY: usize = 1_000_000;
+
+/// MXNet's multiplier for picking the server of a small array: `key × 9973
+/// mod P2` ([`kvstore_server`]).
+pub const KVSTORE_KEY_HASH: u64 = 9973;
+
+/// The server index (among the cluster's servers) that MXNet's KVStore gives
+/// a key under [`KVSTORE_BIG_ARRAY`] parameters: `key × 9973 mod P2`.
+///
+/// P3 §4.1 says such a layer goes to "a randomly chosen KVServer"; the
+/// choice is MXNet's `EncodeDefaultKey` (`src/kvstore/kvstore_dist.h`):
+/// `int server = (key * 9973) % num_servers`, then the key is moved into
+/// that server's range of ps-lite's key space (`krs[server].begin() +
+/// key`), and ps-lite routes a key by the range partition it falls in. So
+/// the range partition carries the choice, the hash makes it: this is the
+/// hash. Our key is the layer's forward index; MXNet's is the array's index
+/// in the model's parameter list (weights and biases apart), so a given
+/// layer may land elsewhere than under MXNet, by the same rule. It is a
+/// function of the key and P2 alone, so every rank places alike. In u64, so
+/// it cannot overflow where MXNet's `int` would (keys over 215,000).
+///
+/// ```
+/// use tidewire_engine::book::kvstore_server;
+/// assert_eq!((0..4).map(|k| kvstore_server(k, 2)).collect::<Vec<_>>(), [0, 1, 0, 1]);
+/// assert_eq!(kvstore_server(7, 4), 7 * 9973 % 4);
+/// ```
+pub fn kvstore_server(key: u32, servers: usize) -> usize {
+    debug_assert!(servers >= 1, "a cluster has a server");
+    let s = (u64::from(key) * KVSTORE_KEY_HASH % servers as u64) as usize;
+    debug_assert!(s < servers);
+    s
+}
+
+/// Part `i` of `size` parameters split over `n` servers as MXNet's KVStore
+/// splits a big array: `round(size / n × (i + 1)) − round(size / n × i)`
+/// (`EncodeDefaultKey`; it rounds in doubles, this rounds the exact
+/// quotient, half up, which agrees wherever the doubles are exact).
+fn kvstore_part(size: usize, n: usize, i: usize) -> usize {
+    debug_assert!(i < n, "part {i} of {n}");
+    let (size, n) = (size as u128, n as u128);
+    let round = |j: u128| (2 * size * j + n) / (2 * n);
+    let part = (round(i as u128 + 1) - round(i as u128)) as usize;
+    // Parts differ from the mean by less than one.
+    debug_assert!(part as u128 * n + n > size && part as u128 * n < size + n);
+    part
+}
 
 /// How a layer's parameters become KV chunks and land on servers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
@@ -281,14 +328,19 @@ pub enum Placement {
     Chunked,
     /// MXNet's KVStore as P3 §4.1 describes it (the baseline P3 measures
     /// against): a layer is one key. A layer under [`KVSTORE_BIG_ARRAY`]
-    /// parameters goes whole to one server (the least loaded by bytes,
-    /// lowest index on ties; stock MXNet hashes the key instead,
-    /// `key × 9973 mod P2`, which balances bytes less well); a larger one is
-    /// split into P2 nearly equal chunks, chunk i on server i. `chunk_bytes`
-    /// and `slice_params` play no part: a slice is a whole chunk.
+    /// parameters goes whole to one server, the one MXNet's key hash picks
+    /// ([`kvstore_server`]: `key × 9973 mod P2`, the key being the layer's
+    /// index); a larger one is split into P2 nearly equal chunks as MXNet
+    /// rounds them, chunk i on server i. `chunk_bytes` plays no part in the
+    /// chunks.
     ///
-    /// Landing slots are the size of the largest chunk, so a server's
-    /// landing memory (`slots × P1 ×` that) grows with the largest layer / P2.
+    /// On the wire a chunk still travels as slices of at most
+    /// `min(slice_params, chunk_bytes / 4)` parameters (the unsliced modes'
+    /// 2 MiB), as MXNet's KVWorker "fragments in case of large layers" (P3
+    /// §4.1), so a landing slot is one such slice and a server's landing
+    /// memory is `slots × P1 × 2 MiB` whatever the model. The protocol stays
+    /// per chunk: it is applied once all its slices are summed, and
+    /// notified, pulled and written back whole.
     ///
     /// It also selects the KVStore protocol: a server does not broadcast an
     /// applied chunk but notifies every worker, and a worker pulls a layer
@@ -417,7 +469,7 @@ fn check_inputs(layers: &[LayerSpec], cfg: &BookConfig) -> Result<()> {
 
 /// The layout [`Book::new`] builds, layer by layer: each layer cut into
 /// chunks, each chunk placed on a server (the least loaded by bytes, lowest
-/// index on ties) and cut into slices.
+/// index on ties; under kvstore, where MXNet puts it) and cut into slices.
 struct Placing {
     /// Parameters placed on each server (index into the cluster's servers).
     load: Vec<usize>,
@@ -467,7 +519,7 @@ impl Placing {
         self.flat += l.params();
         let (c0, s0) = (self.chunks.len() as u32, self.slices.len() as u32);
         let mut off = 0;
-        for (len, at) in self.cuts(l, cfg) {
+        for (len, at) in self.cuts(li, l, cfg) {
             let si = at.unwrap_or_else(|| self.least_loaded());
             self.place_chunk(li, off, len, cluster.servers()[si], cfg);
             self.load[si] += len;
@@ -479,9 +531,9 @@ impl Placing {
         self.layer_slices.push(s0..self.slices.len() as u32);
     }
 
-    /// (length, server index) of each chunk of a layer; `None`: the
+    /// (length, server index) of each chunk of layer `li`; `None`: the
     /// least-loaded server when its turn comes.
-    fn cuts(&self, l: &LayerSpec, cfg: &BookConfig) -> Vec<(usize, Option<usize>)> {
+    fn cuts(&self, li: u32, l: &LayerSpec, cfg: &BookConfig) -> Vec<(usize, Option<usize>)> {
         let chunk_params = cfg.chunk_bytes / 4;
         let nservers = self.load.len();
         debug_assert!(
@@ -498,20 +550,20 @@ impl Placing {
                     .map(|i| (chunk_params.min(l.params() - i * chunk_params), whole))
                     .collect()
             }
-            Placement::KvStore if l.params() < KVSTORE_BIG_ARRAY => vec![(l.params(), None)],
-            Placement::KvStore => {
-                let (base, extra) = (l.params() / nservers, l.params() % nservers);
-                (0..nservers)
-                    .map(|i| (base + usize::from(i < extra), Some(i)))
-                    .filter(|&(len, _)| len > 0)
-                    .collect()
+            Placement::KvStore if l.params() < KVSTORE_BIG_ARRAY => {
+                vec![(l.params(), Some(kvstore_server(li, nservers)))]
             }
+            Placement::KvStore => (0..nservers)
+                .map(|i| (kvstore_part(l.params(), nservers, i), Some(i)))
+                .filter(|&(len, _)| len > 0)
+                .collect(),
         }
     }
 
     /// One chunk of layer `li` (`len` parameters from `off`) on `server`,
-    /// cut into slices as even as can be: P3's size under the chunked
-    /// placement, one under kvstore's.
+    /// cut into slices of at most `min(slice_params, chunk_bytes / 4)`, as
+    /// even as can be (under either placement: a kvstore chunk may be a
+    /// whole layer, but its landing slot is one slice).
     fn place_chunk(&mut self, li: u32, off: usize, len: usize, server: u32, cfg: &BookConfig) {
         let cid = self.chunks.len() as u32;
         self.chunks.push(Chunk {
@@ -524,10 +576,7 @@ impl Placing {
         self.shard_len[server as usize] += len;
         self.server_chunks[server as usize].push(cid);
         let first = self.slices.len() as u32;
-        let q = match cfg.placement {
-            Placement::Chunked => len.div_ceil(cfg.slice_params.min(cfg.chunk_bytes / 4)),
-            Placement::KvStore => 1,
-        };
+        let q = len.div_ceil(cfg.slice_params.min(cfg.chunk_bytes / 4));
         let (base, extra) = (len / q, len % q);
         let mut so = off;
         for i in 0..q {
@@ -583,7 +632,8 @@ impl Book {
     }
 
     /// What `new` builds (O(chunks + slices), once): chunks tile every layer
-    /// and slices every chunk, none empty nor over its size; Adam's layers lie
+    /// and slices every chunk, none empty nor over its size (a slice under
+    /// either placement, a chunk under the chunked one); Adam's layers lie
     /// whole on one server; every parameter is in one shard, evenly by bytes
     /// where each chunk went to the least-loaded server.
     fn debug_invariants(&self) {
@@ -606,7 +656,7 @@ impl Book {
                 let mut so = off;
                 for s in self.chunk_slices[c as usize].clone() {
                     let sl = &self.slices[s as usize];
-                    let ok = sl.chunk == c && sl.offset == so && sl.len > 0 && (!chunked || sl.len <= slice_params);
+                    let ok = sl.chunk == c && sl.offset == so && sl.len > 0 && sl.len <= slice_params;
                     debug_assert!(ok, "slice {s}: {sl:?}");
                     so += sl.len;
                 }
@@ -876,6 +926,11 @@ impl Book {
         if self.cfg.placement != Placement::Chunked {
             // Only when not the default, so that existing books keep their hash.
             put(&[0xb0, self.cfg.placement as u8]);
+            // Kvstore's layout, second revision: small layers by MXNet's key
+            // hash and chunks cut into wire slices (the first placed by load
+            // and sent a chunk as one slice). Shards differ: ranks (and
+            // checkpoints) of the two must not meet.
+            put(&[2]);
         }
         for l in &self.layers {
             put(l.name.as_bytes());
@@ -989,8 +1044,18 @@ mod tests {
         assert_eq!(loads.iter().sum::<usize>(), book.total_params());
     }
 
+    /// Kvstore's book as `--sync kvstore` builds it (`SyncMode::book_config`):
+    /// unsliced sizes, a wire slice at most a 2 MiB chunk's worth.
+    fn kvstore_cfg() -> BookConfig {
+        BookConfig {
+            placement: Placement::KvStore,
+            slice_params: (2 << 20) / 4,
+            ..Default::default()
+        }
+    }
+
     #[test]
-    fn kvstore_places_small_layers_whole_and_splits_big_ones_over_every_server() {
+    fn kvstore_places_small_layers_by_key_hash_and_splits_big_ones_as_mxnet_rounds() {
         let layers = vec![
             LayerSpec::new("a", LayerKind::Conv, 100, 1000),  // 10^5
             LayerSpec::new("big", LayerKind::Fc, 1000, 1000), // exactly 10^6: split
@@ -998,43 +1063,70 @@ mod tests {
             LayerSpec::new("c", LayerKind::Other, 1, 10),
             LayerSpec::new("huge", LayerKind::Fc, 4096, 1001), // split, not divisible by 3
         ];
-        let cfg = BookConfig {
-            placement: Placement::KvStore,
-            ..Default::default()
-        };
+        let cfg = kvstore_cfg();
         let c = Cluster::split(2, 3).unwrap();
         let book = Book::new(c.clone(), layers.clone(), cfg).unwrap();
         let servers = c.servers().to_vec();
         let ch = |l: u32| -> Vec<Chunk> { book.layer_chunks(l).map(|i| book.chunks()[i as usize]).collect() };
-        // Small layers whole, least loaded by bytes, lowest index on ties.
-        assert_eq!(ch(0).len(), 1);
-        assert_eq!(ch(0)[0].server, servers[0], "all empty: the lowest index");
-        // 10^6 split equally over all three servers, chunk i on server i.
+        // Small layers whole, on server key × 9973 mod 3 (9973 ≡ 1 mod 3: key mod 3),
+        // whatever the load: layer 3 goes to server 0 beside layer 0.
+        for (l, s) in [(0, 0), (2, 2), (3, 0)] {
+            assert_eq!(ch(l).len(), 1, "layer {l}");
+            assert_eq!(ch(l)[0].server, servers[s], "layer {l}");
+            assert_eq!(ch(l)[0].server, servers[kvstore_server(l, 3)]);
+        }
+        assert_eq!(ch(2)[0].len, 999_999);
+        // 10^6 over three servers, MXNet's round(10^6 / 3 × (i + 1)) − round(10^6 / 3 × i), chunk i on server i.
         let big = ch(1);
         assert_eq!(
             big.iter().map(|c| c.len).collect::<Vec<_>>(),
-            vec![333_334, 333_333, 333_333]
+            vec![333_333, 333_334, 333_333]
         );
         assert_eq!(big.iter().map(|c| c.server).collect::<Vec<_>>(), servers);
-        // Loads now: 100,000 + 333,334 / 333,333 / 333,333: the least loaded is server 1.
-        assert_eq!(ch(2).len(), 1);
-        assert_eq!((ch(2)[0].server, ch(2)[0].len), (servers[1], 999_999));
-        assert_eq!(ch(3)[0].server, servers[2]);
-        let huge = ch(4);
-        assert_eq!(huge.len(), 3);
-        assert_eq!(huge.iter().map(|c| c.len).sum::<usize>(), 4096 * 1001);
-        assert!(huge.iter().all(|c| c.len.abs_diff(4096 * 1001 / 3) <= 1));
-        // No slicing: a slice is a chunk.
-        assert_eq!(book.slices().len(), book.chunks().len());
+        // 4,100,096 / 3 = 1,366,698.67: 1,366,699, 2,733,397 and 4,100,096 rounded.
+        assert_eq!(
+            ch(4).iter().map(|c| c.len).collect::<Vec<_>>(),
+            vec![1_366_699, 1_366_698, 1_366_699]
+        );
+        // Chunks cut into wire slices of at most 2 MiB, as even as can be.
+        let slice_max = (2 << 20) / 4;
+        // The largest: layer b's 999,999 in two (huge's 1,366,699 go in three of 455,567).
+        assert_eq!(book.max_slice_len(), 500_000);
         for (i, c) in book.chunks().iter().enumerate() {
-            assert_eq!(book.chunk_slices(i as u32).len(), 1);
-            let s = book.slices()[book.chunk_slices(i as u32).start as usize];
-            assert_eq!((s.offset, s.len), (c.offset, c.len));
+            let ss: Vec<SliceInfo> = book.chunk_slices(i as u32).map(|s| book.slices()[s as usize]).collect();
+            assert_eq!(ss.len(), c.len.div_ceil(slice_max), "chunk {i}");
+            assert_eq!(
+                (ss[0].offset, ss.iter().map(|s| s.len).sum::<usize>()),
+                (c.offset, c.len)
+            );
+            assert!(ss.iter().all(|s| s.len <= slice_max && s.len + 1 >= c.len / ss.len()));
         }
         // Ranks agree on it: the placement is in the hash.
         let chunked = Book::new(c, layers, BookConfig::default()).unwrap();
         assert_ne!(book.hash(), chunked.hash());
         assert!(chunked.layer_chunks(0).len() == 1 && chunked.layer_chunks(1).len() == 2);
+    }
+
+    #[test]
+    fn kvstore_parts_are_mxnets() {
+        // MXNet computes round(size / n × (i + 1)) − round(size / n × i) in doubles.
+        for (size, n) in [
+            (1_000_000, 3),
+            (102_760_448, 4),
+            (1_000_001, 7),
+            (16_777_217, 16),
+            (5, 4),
+        ] {
+            let parts: Vec<usize> = (0..n).map(|i| kvstore_part(size, n, i)).collect();
+            let mx: Vec<usize> = (0..n)
+                .map(|i| {
+                    let x = size as f64 / n as f64;
+                    (x * (i + 1) as f64).round() as usize - (x * i as f64).round() as usize
+                })
+                .collect();
+            assert_eq!(parts, mx, "{size} over {n}");
+            assert_eq!(parts.iter().sum::<usize>(), size);
+        }
     }
 
     #[test]

@@ -270,6 +270,21 @@ impl SchedConfig {
         self.slots.saturating_add(self.spare_slots)
     }
 
+    /// Bytes of a server's landing region, where its workers' pushes land
+    /// (what the runtime allocates and registers as
+    /// [`crate::node::LocalRegion::Landing`]): P1 × [`Self::landing_slots`]
+    /// slots of the largest slice ([`crate::book::Book::max_slice_len`]).
+    /// Slots are bounded (8 to 32 credits, 1 to 256 spares) and so is a
+    /// slice (`chunk_bytes`), so this grows with P1 and never with P1 ×
+    /// the model's size. On a resolved config ([`Self::resolve`]).
+    pub fn landing_bytes(&self, book: &crate::book::Book) -> u64 {
+        let slot_bytes = book.max_slice_len() as u64 * 4;
+        let n = book.p1() as u64 * u64::from(self.landing_slots()) * slot_bytes;
+        // Every worker has a slot at least.
+        debug_assert!(n >= slot_bytes * book.p1() as u64 && slot_bytes > 0);
+        n
+    }
+
     /// The settings with [`SLOTS_AUTO`] and [`SPARE_AUTO`] replaced by the
     /// slots this book needs: `SLOT_CREDIT_WINDOWS × REFERENCE_CREDIT_BYTES` of its
     /// largest slice per server (8 to 32), and spares for
@@ -366,10 +381,13 @@ pub enum SyncMode {
     Full,
     /// MXNet's KVStore, the baseline P3 measures against (P3, SysML'19, §4.1):
     /// WFBP send order (each layer pushed as its backward ends, FIFO, no
-    /// priority), PS only, no slicing, and [`crate::book::Placement::KvStore`]:
+    /// priority), PS only, no P3 slicing, and [`crate::book::Placement::KvStore`]:
     /// a layer under 10^6 parameters (MXNet's `MXNET_KVSTORE_BIGARRAY_BOUND`)
-    /// is one key on one server, a larger one is split equally across all
-    /// servers.
+    /// is one key on the server MXNet's key hash picks, a larger one is split
+    /// equally across all servers. A key's push travels as wire slices of at
+    /// most 2 MiB (P3 §4.1: the KVWorker "serializes (and fragments in case
+    /// of large layers) the gradient matrix"), FIFO, so the layer still goes
+    /// as one unit in order; a server's landing slots are those slices.
     ///
     /// Servers do not broadcast: when a server applies a chunk it sends every
     /// worker a `Notify` ([`crate::wire::Msg::Notify`], MXNet's push
@@ -385,13 +403,12 @@ pub enum SyncMode {
     /// the pushes of other layers, as MXNet's push and pull are per key.
     /// This is the point P3 makes when it motivates slicing (with a whole
     /// layer as the unit, one direction of the link idles while the other
-    /// carries the layer). We could not quote §4.1 itself: no readable copy
-    /// of the paper's text was found (research note 20, §B). What is
-    /// modelled is stock MXNet `dist_sync` as its `kvstore_dist.h` and the
-    /// P3 artifact (anandj91/p3) show it: "once all workers have pushed, [the
-    /// server] updates and acknowledges. The worker then issues a separate
-    /// pull for the new value", so "the pull of layer l cannot start until
-    /// its push round-trip has completed" (research note 20, §B.2).
+    /// carries the layer). P3 §4.1: "Once the parameters are updated
+    /// KVServer notifies all the workers and resets the counter for that
+    /// key-value pair. When KVWorker receives a notification, it immediately
+    /// issues a Pull request to the KVServer(s) for the corresponding
+    /// updated parameter values"; stock MXNet `dist_sync`
+    /// (`kvstore_dist.h`) and the P3 artifact (anandj91/p3) do the same.
     ///
     /// BSP and the `all` trigger only ([`crate::node::Node::new`] refuses SSP
     /// and the other triggers: a notification names one version, and a pull
@@ -476,7 +493,8 @@ impl SyncMode {
             _ => QueueOrder::Fifo,
         }
     }
-    /// Whether layers are cut into P3 slices (otherwise a slice is a whole chunk).
+    /// Whether layers are cut into P3 slices (otherwise a slice is `chunk_bytes`'
+    /// worth: a whole chunk, or a piece of one of kvstore's larger chunks).
     pub fn sliced(self) -> bool {
         matches!(self, SyncMode::Sliced | SyncMode::P3 | SyncMode::Full)
     }
@@ -564,5 +582,36 @@ impl ApplyOp {
     /// Whether the op keeps a momentum buffer.
     pub fn needs_momentum(&self) -> bool {
         matches!(self, ApplyOp::Sgd { momentum, .. } if *momentum != 0.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::book::{Book, BookConfig, Cluster};
+    use crate::models;
+
+    /// Issue #33: a kvstore server's landing memory is `slots × P1 × slot`,
+    /// and a slot is a wire slice, not VGG19's fc6 over P2 (~100 MB): flat
+    /// per worker as P1 grows, far under P1 × the model.
+    #[test]
+    fn kvstore_landing_memory_is_flat_in_p1_on_vgg19() {
+        let vgg = models::profile("vgg19").unwrap();
+        let model_bytes = vgg.params() as u64 * 4;
+        let cfg = SyncMode::KvStore.book_config(BookConfig::default());
+        let mut per_worker = Vec::new();
+        for p1 in [2, 4, 8, 16] {
+            let book = Book::new(Cluster::split(p1, 4).unwrap(), vgg.layers.clone(), cfg).unwrap();
+            let largest = book.chunks().iter().map(|c| c.len).max().unwrap();
+            assert!(largest * 4 > 100_000_000, "fc6 over 4 servers: {largest}");
+            assert_eq!(book.max_slice_len(), (2 << 20) / 4, "P1 = {p1}");
+            let sched = SchedConfig::default().resolve(&book);
+            let landing = sched.landing_bytes(&book);
+            assert_eq!(landing, p1 as u64 * u64::from(sched.landing_slots()) * (2 << 20));
+            assert!(landing < model_bytes, "P1 = {p1}: {landing} B");
+            per_worker.push(landing / p1 as u64);
+        }
+        // 8 credits + 6 spares (1.5 reference windows) of 2 MiB per worker, at every P1.
+        assert_eq!(per_worker, vec![14 * (2 << 20); 4]);
     }
 }

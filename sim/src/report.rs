@@ -19,6 +19,9 @@ pub struct SimReport {
     pub checks: u64,
     /// Landing slots of one worker held at one server at once, at most.
     pub max_slots_held: u32,
+    /// Bytes of the largest landing region of one server (what the runtime
+    /// allocates for incoming gradients: [`tidewire_engine::SchedConfig::landing_bytes`]).
+    pub landing_bytes: u64,
     /// Contributions parked for the rank order, every server together.
     pub parked: u64,
     /// Contributions that held their credit for the rank order (every spare

@@ -407,6 +407,7 @@ impl Sim {
             self.report.dropped += s.dropped;
             self.report.late_folded += s.late_folded;
             self.report.max_slots_held = self.report.max_slots_held.max(s.max_slots_held);
+            self.report.landing_bytes = self.report.landing_bytes.max(r.node.region_bytes(LocalRegion::Landing));
             self.report.parked += s.parked;
             self.report.held_for_order += s.held_for_order;
             self.report.max_spares_used = self.report.max_spares_used.max(s.max_spares_used);

@@ -134,18 +134,27 @@ fn kvstore_notifies_pulls_and_is_exact() {
                     let mut cfg = small_run(book.clone(), mode, seed);
                     cfg.iters = 3;
                     cfg.sched.slots = 2;
+                    let landing = cfg.sched.resolve(&book).landing_bytes(&book);
                     let rep =
                         Sim::run(cfg).unwrap_or_else(|e| panic!("{name} {:?} {}: {e}", cluster.roles(), mode.name()));
-                    (book, rep)
+                    (book, rep, landing)
                 };
-                let (book, kv) = run(SyncMode::KvStore);
+                let (book, kv, landing) = run(SyncMode::KvStore);
                 let (p1, nl) = (book.p1() as u64, layers.len() as u64);
+                // Chunks travel as wire slices of at most chunk_bytes (fc6's 1,003,000
+                // parameters over two servers: 490 slices a chunk): a landing slot is one.
+                assert!(book.slices().len() > book.chunks().len(), "{name}");
+                assert!(book.max_slice_len() <= 1024, "{name}");
+                assert_eq!(kv.landing_bytes, landing, "{name}");
+                // Credits × slot × peers: 2 credits and at most 256 spares of at most
+                // chunk_bytes per worker, whatever the largest chunk (2 MB here).
+                assert!(landing <= p1 * (2 + 256) * 4096, "{name}: {landing} B");
                 assert_eq!(kv.checks, checks(p1, nl, 3), "seed {seed} {name}");
                 // One pull per chunk per worker per iteration, one apply per chunk per iteration.
                 let nc = book.chunks().len() as u64;
                 assert_eq!(kv.pulls, nc * p1 * 3, "seed {seed} {name}");
                 assert_eq!(kv.applies, nc * 3, "seed {seed} {name}");
-                let (_, wfbp) = run(SyncMode::Wfbp);
+                let (_, wfbp, _) = run(SyncMode::Wfbp);
                 assert_eq!(wfbp.pulls, 0);
                 assert_eq!(kv.params_bits, wfbp.params_bits, "seed {seed} {name}: kvstore ≠ wfbp");
             }

@@ -243,6 +243,7 @@ fn run_seed(seed: u64) -> Result<&'static str, String> {
     let what = describe(&cfg);
     let book = cfg.book.clone();
     let (slots, credit, limits) = (cfg.sched.slots, cfg.sched.credit_bytes, cfg.limits);
+    let landing_slots = u64::from(cfg.sched.resolve(&book).landing_slots());
     let rank_limits = cfg.rank_limits.clone();
     let fail = |m: String| Err(format!("{m}\n  configuration: {what}"));
     match Sim::run(cfg) {
@@ -275,6 +276,16 @@ fn run_seed(seed: u64) -> Result<&'static str, String> {
                 || rep.max_write as usize > cap(|l| l.max_write_bytes)
             {
                 return fail(format!("seed {seed}: transport limits exceeded: {rep:?}"));
+            }
+            // A server's landing memory: credits × slot × peers, a slot at most
+            // one wire slice (under kvstore too, whose chunk may be a whole layer).
+            let bc = book.config();
+            let slot_max = bc.slice_params.min(bc.chunk_bytes / 4) as u64 * 4;
+            if rep.landing_bytes > book.p1() as u64 * landing_slots * slot_max {
+                return fail(format!(
+                    "seed {seed}: {} landing bytes at a server, {landing_slots} slots of at most {slot_max} B",
+                    rep.landing_bytes
+                ));
             }
             if rep.checks == 0 {
                 return fail(format!("seed {seed}: a finished run checked no value"));
@@ -317,10 +328,15 @@ fn randomized_jobs_keep_every_invariant() {
     // Jobs that decided in seconds, and how their FC layers went: the rates
     // must lead to both schemes, or the adaptive choice was never drawn.
     let (mut in_seconds, mut fc_sfb, mut fc_ps) = (0u64, 0u64, 0u64);
+    // Kvstore jobs whose chunks travel as several wire slices.
+    let mut kv_sliced = 0u64;
     let mut violations = Vec::new();
     for &seed in &seeds {
         if let Ok((cfg, _)) = draw(seed) {
             let b = &cfg.book;
+            if b.config().placement == Placement::KvStore && b.slices().len() > b.chunks().len() {
+                kv_sliced += 1;
+            }
             if b.rates().is_some() {
                 in_seconds += 1;
                 for l in 0..b.layers().len() as u32 {
@@ -354,11 +370,13 @@ fn randomized_jobs_keep_every_invariant() {
     println!(
         "vopr: {in_seconds} jobs decided HybComm in seconds from drawn rates: {fc_sfb} FC layers by SFB, {fc_ps} by the PS"
     );
+    println!("vopr: {kv_sliced} kvstore jobs sent chunks as several wire slices");
     if seeds.len() >= 200 {
         assert!(
             in_seconds > 0 && fc_sfb > 0 && fc_ps > 0,
             "the drawn rates never led to both schemes ({in_seconds} jobs, {fc_sfb} SFB, {fc_ps} PS)"
         );
+        assert!(kv_sliced > 0, "no kvstore job with chunks of several slices was drawn");
     }
     assert!(
         violations.is_empty(),

@@ -126,8 +126,7 @@ impl Layout {
         }
         if role.is_server() {
             bytes[region_index(LocalRegion::Shard)] = book.shard_len(rank) as u64 * 4;
-            bytes[region_index(LocalRegion::Landing)] =
-                book.p1() as u64 * u64::from(sched.landing_slots()) * slot_bytes;
+            bytes[region_index(LocalRegion::Landing)] = sched.landing_bytes(book);
         }
         bytes[region_index(LocalRegion::Ctrl)] = (CELLS * CELL_BYTES) as u64;
         debug_assert_eq!(param_off.len(), nl);
