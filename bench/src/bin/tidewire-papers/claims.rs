@@ -98,6 +98,7 @@ pub(crate) fn no_harness(why: &str) -> String {
 pub(crate) fn all_claims(pts: &[Point], util: &[Util], train: &[TrainPoint]) -> Vec<Claim> {
     let mut rows = poseidon_claims(pts);
     rows.extend(poseidon15_claims(pts));
+    rows.extend(poseidon15_internal_claims(pts));
     rows.extend(p3_claims(pts, util, train));
     rows.extend(nexus_claims());
     rows

@@ -67,8 +67,10 @@ pub(crate) fn p3_claims(pts: &[Point], util: &[Util], train: &[TrainPoint]) -> V
         holds: Holds::Setting,
     }];
     rows.extend(p3_peak_claims(pts, train));
-    rows.extend(p3_bandwidth_claims(pts, train));
+    rows.extend(p3_resnet_claims(pts, train));
+    rows.extend(p3_vgg_claims(pts, train));
     rows.extend(p3_figure_claims(pts, util));
+    rows.extend(p3_scaling_claims(pts));
     rows
 }
 
@@ -104,8 +106,8 @@ fn p3_peak_claims(pts: &[Point], train: &[TrainPoint]) -> Vec<Claim> {
     .collect()
 }
 
-/// §5.2's prose about Fig. 7.
-fn p3_bandwidth_claims(pts: &[Point], train: &[TrainPoint]) -> Vec<Claim> {
+/// §5.2's prose about Fig. 7: ResNet-50 and InceptionV3.
+fn p3_resnet_claims(pts: &[Point], train: &[TrainPoint]) -> Vec<Claim> {
     let (kv_flat, p3_flat) = (
         flat_from(pts, "resnet-50", "kvstore"),
         flat_from(pts, "resnet-50", "p3"),
@@ -113,22 +115,6 @@ fn p3_bandwidth_claims(pts: &[Point], train: &[TrainPoint]) -> Vec<Claim> {
     let r4 = gain_over(pts, "resnet-50", 4.0, "p3", "kvstore") * 100.0;
     let (inc, inc_bw) = kv_peak(pts, "inception-v3");
     let slicing = slicing_little_effect(pts);
-    let s30 = gain_over(pts, "vgg19", 30.0, "sliced", "kvstore") * 100.0;
-    let v15 = gain_over(pts, "vgg19", 15.0, "p3", "kvstore") * 100.0;
-    let (never, never_at) = least(|m, bw| p3_tp(pts, m, bw, "p3") / p3_tp(pts, m, bw, "kvstore"));
-    // Each model's gain at the lowest bandwidth, against its peak.
-    let low_at = |m: &str| (gain_over(pts, m, P3_BW[0], "p3", "kvstore") * 100.0, kv_peak(pts, m).0);
-    let low: Vec<String> = P3_MODELS
-        .iter()
-        .map(|&m| {
-            let (l, p) = low_at(m);
-            format!("{m} {l:+.0}% (peak {p:+.0}%)")
-        })
-        .collect();
-    let low_ok = P3_MODELS.iter().all(|&m| {
-        let (l, p) = low_at(m);
-        l < p - 1.0
-    });
     vec![
         Claim {
             source: "P3 §5.2, Fig. 7(a)",
@@ -172,6 +158,14 @@ fn p3_bandwidth_claims(pts: &[Point], train: &[TrainPoint]) -> Vec<Claim> {
             harness: no_harness("not among the harness runs"),
             holds: effect(slicing.holds),
         },
+    ]
+}
+
+/// §5.2's prose about Fig. 7: VGG-19, and every model.
+fn p3_vgg_claims(pts: &[Point], train: &[TrainPoint]) -> Vec<Claim> {
+    let s30 = gain_over(pts, "vgg19", 30.0, "sliced", "kvstore") * 100.0;
+    let v15 = gain_over(pts, "vgg19", 15.0, "p3", "kvstore") * 100.0;
+    vec![
         Claim {
             source: "P3 §5.2, Fig. 7(c)",
             says: "VGG-19 at 30 Gbit/s: slicing alone over the baseline".into(),
@@ -191,55 +185,62 @@ fn p3_bandwidth_claims(pts: &[Point], train: &[TrainPoint]) -> Vec<Claim> {
             harness: no_harness("15 Gbit/s is beyond the shaped veths on 2 cores"),
             holds: judge(v15, 66.0, v15 > 0.0),
         },
-        Claim {
-            source: "P3 §5.2, Fig. 7",
-            says: "P3 always performs better than the baseline".into(),
-            value: "no number".into(),
-            sim: format!(
-                "least P3 / `kvstore` over the {} points: {never:.3} ({never_at})",
-                P3_MODELS.len() * P3_BW.len()
-            ),
-            harness: train_gains(train, "vgg19"),
-            holds: effect(never >= 0.99),
-        },
-        Claim {
-            source: "P3 §5.2, Fig. 7",
-            says: "P3's benefits diminish where the bandwidth is lowest (little room to overlap)".into(),
-            value: "no number".into(),
-            sim: format!(
-                "P3 over `kvstore` at {} Gbit/s against its peak: {}",
-                P3_BW[0],
-                low.join(", ")
-            ),
-            harness: no_harness("1 Gbit/s runs of the four models not among the harness runs"),
-            holds: effect(low_ok),
-        },
+        always_better_claim(pts, train),
+        low_bandwidth_claim(pts),
     ]
 }
 
-/// §3's layer share, §5.3-§5.6 (Figs. 8-12).
+/// P3 §5.2: P3 always performs better than the baseline.
+fn always_better_claim(pts: &[Point], train: &[TrainPoint]) -> Claim {
+    let (never, never_at) = least(|m, bw| p3_tp(pts, m, bw, "p3") / p3_tp(pts, m, bw, "kvstore"));
+    Claim {
+        source: "P3 §5.2, Fig. 7",
+        says: "P3 always performs better than the baseline".into(),
+        value: "no number".into(),
+        sim: format!(
+            "least P3 / `kvstore` over the {} points: {never:.3} ({never_at})",
+            P3_MODELS.len() * P3_BW.len()
+        ),
+        harness: train_gains(train, "vgg19"),
+        holds: effect(never >= 0.99),
+    }
+}
+
+/// P3 §5.2: its benefits diminish where the bandwidth is lowest.
+fn low_bandwidth_claim(pts: &[Point]) -> Claim {
+    // Each model's gain at the lowest bandwidth, against its peak.
+    let low_at = |m: &str| (gain_over(pts, m, P3_BW[0], "p3", "kvstore") * 100.0, kv_peak(pts, m).0);
+    let low: Vec<String> = P3_MODELS
+        .iter()
+        .map(|&m| {
+            let (l, p) = low_at(m);
+            format!("{m} {l:+.0}% (peak {p:+.0}%)")
+        })
+        .collect();
+    let low_ok = P3_MODELS.iter().all(|&m| {
+        let (l, p) = low_at(m);
+        l < p - 1.0
+    });
+    Claim {
+        source: "P3 §5.2, Fig. 7",
+        says: "P3's benefits diminish where the bandwidth is lowest (little room to overlap)".into(),
+        value: "no number".into(),
+        sim: format!(
+            "P3 over `kvstore` at {} Gbit/s against its peak: {}",
+            P3_BW[0],
+            low.join(", ")
+        ),
+        harness: no_harness("1 Gbit/s runs of the four models not among the harness runs"),
+        holds: effect(low_ok),
+    }
+}
+
+/// §3's layer share, §5.3, §5.5 and §5.6 (Figs. 8, 9, 11 and 12).
 fn p3_figure_claims(pts: &[Point], util: &[Util]) -> Vec<Claim> {
     let vgg = tidewire::engine::models::profile("vgg19").expect("a built-in model");
     let top = vgg.layers.iter().map(|l| l.params()).max().unwrap_or(0) as f64 / vgg.params() as f64;
     let link = link_use_effect(pts, util);
-    let kv8 = |m: &str| {
-        (find(pts, "p3-scaling", m, 8, P3_FIG_BW, "p3").throughput_samples_s
-            / find(pts, "p3-scaling", m, 8, P3_FIG_BW, "kvstore").throughput_samples_s
-            - 1.0)
-            * 100.0
-    };
-    let r50 = P3_SCALE_NODES
-        .iter()
-        .map(|&n| {
-            (find(pts, "p3-scaling", "resnet-50", n, P3_FIG_BW, "p3").throughput_samples_s
-                / find(pts, "p3-scaling", "resnet-50", n, P3_FIG_BW, "kvstore").throughput_samples_s
-                - 1.0)
-                .abs()
-        })
-        .fold(0.0, f64::max);
-    let (v8, s8) = (kv8("vgg19"), kv8("sockeye"));
     let slices = slice_size_effect(pts);
-    let machines = "2-16 machines do not fit on 2 cores";
     vec![
         Claim {
             source: "P3 §3, Fig. 5(c)",
@@ -258,30 +259,6 @@ fn p3_figure_claims(pts: &[Point], util: &[Util]) -> Vec<Claim> {
             holds: effect(link.holds),
         },
         Claim {
-            source: "P3 §5.4, Fig. 10(a)",
-            says: "ResNet-50, 2-16 machines, 10 Gbit/s: baseline and P3 perform similarly".into(),
-            value: "no number".into(),
-            sim: format!("P3 and `kvstore` at most {:.1}% apart", r50 * 100.0),
-            harness: no_harness(machines),
-            holds: effect(r50 <= 0.03),
-        },
-        Claim {
-            source: "P3 §5.4, Fig. 10(b)",
-            says: "VGG-19, 8 machines, 10 Gbit/s: P3 over the baseline".into(),
-            value: "+61%".into(),
-            sim: format!("{v8:+.0}% over `kvstore`, {:+.0}% over `wfbp`", p3_scale_gain(pts, "vgg19", 8) * 100.0),
-            harness: no_harness(machines),
-            holds: judge(v8, 61.0, v8 > 0.0),
-        },
-        Claim {
-            source: "P3 §5.4, Fig. 10(c)",
-            says: "Sockeye, 8 machines, 10 Gbit/s: P3 over the baseline".into(),
-            value: "+18%".into(),
-            sim: format!("{s8:+.0}% over `kvstore`, {:+.0}% over `wfbp`", p3_scale_gain(pts, "sockeye", 8) * 100.0),
-            harness: no_harness(machines),
-            holds: judge(s8, 18.0, s8 > 0.0),
-        },
-        Claim {
             source: "P3 §5.5, Fig. 11",
             says: "ResNet-110 on CIFAR-10, 4 machines, 160 epochs, 5 settings: average accuracy drop of DGC (P3: none)".into(),
             value: "0.004".into(),
@@ -296,6 +273,59 @@ fn p3_figure_claims(pts: &[Point], util: &[Util]) -> Vec<Claim> {
             sim: slices.evidence,
             harness: no_harness("the sweep is simulated"),
             holds: effect(slices.holds),
+        },
+    ]
+}
+
+/// §5.4's scalability (Fig. 10) at 10 Gbit/s.
+fn p3_scaling_claims(pts: &[Point]) -> Vec<Claim> {
+    let kv8 = |m: &str| {
+        (find(pts, "p3-scaling", m, 8, P3_FIG_BW, "p3").throughput_samples_s
+            / find(pts, "p3-scaling", m, 8, P3_FIG_BW, "kvstore").throughput_samples_s
+            - 1.0)
+            * 100.0
+    };
+    let r50 = P3_SCALE_NODES
+        .iter()
+        .map(|&n| {
+            (find(pts, "p3-scaling", "resnet-50", n, P3_FIG_BW, "p3").throughput_samples_s
+                / find(pts, "p3-scaling", "resnet-50", n, P3_FIG_BW, "kvstore").throughput_samples_s
+                - 1.0)
+                .abs()
+        })
+        .fold(0.0, f64::max);
+    let (v8, s8) = (kv8("vgg19"), kv8("sockeye"));
+    let machines = "2-16 machines do not fit on 2 cores";
+    vec![
+        Claim {
+            source: "P3 §5.4, Fig. 10(a)",
+            says: "ResNet-50, 2-16 machines, 10 Gbit/s: baseline and P3 perform similarly".into(),
+            value: "no number".into(),
+            sim: format!("P3 and `kvstore` at most {:.1}% apart", r50 * 100.0),
+            harness: no_harness(machines),
+            holds: effect(r50 <= 0.03),
+        },
+        Claim {
+            source: "P3 §5.4, Fig. 10(b)",
+            says: "VGG-19, 8 machines, 10 Gbit/s: P3 over the baseline".into(),
+            value: "+61%".into(),
+            sim: format!(
+                "{v8:+.0}% over `kvstore`, {:+.0}% over `wfbp`",
+                p3_scale_gain(pts, "vgg19", 8) * 100.0
+            ),
+            harness: no_harness(machines),
+            holds: judge(v8, 61.0, v8 > 0.0),
+        },
+        Claim {
+            source: "P3 §5.4, Fig. 10(c)",
+            says: "Sockeye, 8 machines, 10 Gbit/s: P3 over the baseline".into(),
+            value: "+18%".into(),
+            sim: format!(
+                "{s8:+.0}% over `kvstore`, {:+.0}% over `wfbp`",
+                p3_scale_gain(pts, "sockeye", 8) * 100.0
+            ),
+            harness: no_harness(machines),
+            holds: judge(s8, 18.0, s8 > 0.0),
         },
     ]
 }

@@ -53,9 +53,12 @@ pub(crate) fn poseidon_claims(pts: &[Point]) -> Vec<Claim> {
         harness: no_harness(BIG),
         holds: Holds::Setting,
     });
+    rows.extend(table3_claims());
     rows.extend(single_node_claims(pts));
     rows.extend(scaling_claims(pts));
-    rows.extend(bandwidth_claims(pts));
+    rows.extend(scaling_other_claims(pts));
+    rows.extend(table1_claims());
+    rows.extend(bandwidth_fig8_claims(pts));
     rows.extend(comparison_claims(pts));
     rows
 }
@@ -128,8 +131,8 @@ fn headline_claims(pts: &[Point]) -> Vec<Claim> {
     ]
 }
 
-/// §5's Table 3 (model sizes, batches) and §5.1's single-node throughputs.
-fn single_node_claims(pts: &[Point]) -> Vec<Claim> {
+/// §5's Table 3: model sizes and batches.
+fn table3_claims() -> Vec<Claim> {
     let mut rows: Vec<Claim> = [
         ("googlenet", "GoogLeNet", "5M", 5.0e6, 128),
         ("inception-v3", "Inception-V3", "27M", 27.0e6, 32),
@@ -168,11 +171,16 @@ fn single_node_claims(pts: &[Point]) -> Vec<Claim> {
         harness: no_harness("no profile"),
         holds: Holds::NotReproduced("Caffe's toy CIFAR-10 network has no profile in `tidewire sim`"),
     });
+    rows
+}
+
+/// §5.1's single-node throughputs.
+fn single_node_claims(pts: &[Point]) -> Vec<Claim> {
     let one = |m: &str| find(pts, "poseidon-scaling", m, 1, 40.0, "hybrid").throughput_samples_s;
     let ps_one = |m: &str| find(pts, "poseidon-scaling", m, 1, 40.0, "fifo-ps").throughput_samples_s;
     let caffe = ["googlenet", "vgg19", "vgg19-22k"];
     let (ps1, pos1) = (caffe.map(ps_one), caffe.map(one));
-    rows.extend([
+    vec![
         Claim {
             source: "Poseidon §5.1, Fig. 5",
             says: "one node, Poseidon-Caffe (original Caffe): images/s, GoogLeNet / VGG19 / VGG19-22K".into(),
@@ -211,11 +219,10 @@ fn single_node_claims(pts: &[Point]) -> Vec<Claim> {
             harness: no_harness("a Titan X's throughput, not this machine's"),
             holds: judge_all(&ps1, &[213.3, 21.3, 18.5], ps1.iter().zip(pos1).all(|(p, q)| p < &q)),
         },
-    ]);
-    rows
+    ]
 }
 
-/// §5.1's scaling on 40 GbE: Figs. 5, 6, 7 and 9, and the multi-GPU prose.
+/// §5.1's scaling on 40 GbE: Figs. 5, 6 and 7.
 fn scaling_claims(pts: &[Point]) -> Vec<Claim> {
     let (wg, wv) = (sp32(pts, "googlenet", "wfbp"), sp32(pts, "vgg19", "wfbp"));
     let (wk, hk) = (sp32(pts, "vgg19-22k", "wfbp"), sp32(pts, "vgg19-22k", "hybrid"));
@@ -229,8 +236,6 @@ fn scaling_claims(pts: &[Point]) -> Vec<Claim> {
         .map(busy)
         .into_iter()
         .fold(100.0, f64::min);
-    let r152 = sp32(pts, "resnet-152", "hybrid");
-    let fc = fc_share("vgg19-22k");
     vec![
         Claim {
             source: "Poseidon §5.1, Fig. 5",
@@ -277,6 +282,14 @@ fn scaling_claims(pts: &[Point]) -> Vec<Claim> {
             harness: no_harness("8 nodes do not fit on 2 cores"),
             holds: effect(busy_min >= NEAR_LINEAR * 100.0),
         },
+    ]
+}
+
+/// §5.1's other numbers: VGG19-22K's FC share, the multi-GPU prose, ResNet-152 (Fig. 9).
+fn scaling_other_claims(pts: &[Point]) -> Vec<Claim> {
+    let r152 = sp32(pts, "resnet-152", "hybrid");
+    let fc = fc_share("vgg19-22k");
+    vec![
         Claim {
             source: "Poseidon §5.1",
             says: "VGG19-22K: share of the parameters in its three FC layers".into(),
@@ -289,7 +302,8 @@ fn scaling_claims(pts: &[Point]) -> Vec<Claim> {
             source: "Poseidon §5.1 (Multi-GPU Settings)",
             says: "one node, 4 Titan X: Poseidon linear; Caffe's multi-GPU: GoogLeNet / VGG19".into(),
             value: "4× (3× / 2×)".into(),
-            sim: "none: a simulated node has one GPU (Nexus's local aggregation below puts learners behind one rank)".into(),
+            sim: "none: a simulated node has one GPU (Nexus's local aggregation below puts learners behind one rank)"
+                .into(),
             harness: no_harness("no GPU here"),
             holds: Holds::NotReproduced("needs a multi-GPU node model with Caffe's own multi-GPU path to compare"),
         },
@@ -332,14 +346,30 @@ fn fc_share(model: &str) -> f64 {
     fc as f64 / p.params() as f64
 }
 
-/// §3.2's Table 1 example and §5.2's bandwidth experiments (Fig. 8).
-fn bandwidth_claims(pts: &[Point]) -> Vec<Claim> {
+/// §3.2's Table 1 example.
+fn table1_claims() -> Vec<Claim> {
     let (m, n, k, p) = (4096u64, 4096u64, 32u64, 8u64);
     let mp = |x: u64| x as f64 / 1e6;
     let ps_w = mp(ps_params(NodeRole::WorkerOnly, m, n, p, p));
     let ps_s = mp(ps_params(NodeRole::ServerOnly, m, n, p, p));
     let ps_b = mp(ps_params(NodeRole::Both, m, n, p, p));
     let sfb = mp(sfb_params(k, p, m, n));
+    vec![Claim {
+        source: "Poseidon §3.2, Table 1",
+        says: "FC 4096×4096, K = 32, P1 = P2 = 8: parameters per iteration, PS worker / PS server / PS both / SFB"
+            .into(),
+        value: "34 M / 34 M / 58.7 M / 3.7 M".into(),
+        sim: format!("{ps_w:.1} M / {ps_s:.1} M / {ps_b:.1} M / {sfb:.1} M (`engine::cost`)"),
+        harness: "the same cost model".into(),
+        holds: match judge_all(&[ps_w, ps_s, ps_b, sfb], &[34.0, 34.0, 58.7, 3.7], true) {
+            Holds::Yes => Holds::Yes,
+            _ => Holds::No,
+        },
+    }]
+}
+
+/// §5.2's bandwidth experiments (Fig. 8).
+fn bandwidth_fig8_claims(pts: &[Point]) -> Vec<Claim> {
     let need = |model: &str, sync: &str| {
         POSEIDON_BW
             .iter()
@@ -367,17 +397,6 @@ fn bandwidth_claims(pts: &[Point]) -> Vec<Claim> {
         })
         .fold(0.0, f64::max);
     vec![
-        Claim {
-            source: "Poseidon §3.2, Table 1",
-            says: "FC 4096×4096, K = 32, P1 = P2 = 8: parameters per iteration, PS worker / PS server / PS both / SFB".into(),
-            value: "34 M / 34 M / 58.7 M / 3.7 M".into(),
-            sim: format!("{ps_w:.1} M / {ps_s:.1} M / {ps_b:.1} M / {sfb:.1} M (`engine::cost`)"),
-            harness: "the same cost model".into(),
-            holds: match judge_all(&[ps_w, ps_s, ps_b, sfb], &[34.0, 34.0, 58.7, 3.7], true) {
-                Holds::Yes => Holds::Yes,
-                _ => Holds::No,
-            },
-        },
         Claim {
             source: "Poseidon §5.2, Fig. 8",
             says: "VGG19, 16 nodes, 10 GbE: PS accelerated only by".into(),
@@ -466,22 +485,7 @@ fn comparison_claims(pts: &[Point]) -> Vec<Claim> {
 /// numbers (they were typeset as math); the rows hold those it kept.
 pub(crate) fn poseidon15_claims(pts: &[Point]) -> Vec<Claim> {
     let g8 = sp(pts, "poseidon-scaling", "googlenet", 8, 40.0, "hybrid");
-    let (g_ps, g_wf, g_hy) = (
-        sp(pts, "poseidon-bandwidth", "googlenet", 16, 2.0, "fifo-ps"),
-        sp(pts, "poseidon-bandwidth", "googlenet", 16, 2.0, "wfbp"),
-        sp(pts, "poseidon-bandwidth", "googlenet", 16, 2.0, "hybrid"),
-    );
     let k20 = "needs K20C GPUs' profiles and the real training; `tidewire sim` has neither";
-    let lost = |says: &str| {
-        Claim {
-        source: "Poseidon'15 §5.2.1, Fig. 7",
-        says: says.into(),
-        value: "lost in the text copy".into(),
-        sim: format!("GoogLeNet, 16 nodes, 2 GbE: `fifo-ps` {g_ps:.1}× → `wfbp` {g_wf:.1}× → `hybrid` {g_hy:.1}× (no AlexNet run here)"),
-        harness: no_harness(BIG),
-        holds: effect(g_wf > g_ps),
-    }
-    };
     vec![
         Claim {
             source: "Poseidon'15 §5.1, Table 4",
@@ -539,6 +543,27 @@ pub(crate) fn poseidon15_claims(pts: &[Point]) -> Vec<Claim> {
             harness: no_harness("no profile"),
             holds: Holds::NotReproduced("its conv shapes were lost in the text copy, so it has no profile"),
         },
+    ]
+}
+
+/// Poseidon'15 §5.2's internal comparisons (Figs. 7, 8), whose numbers the text copy lost.
+pub(crate) fn poseidon15_internal_claims(pts: &[Point]) -> Vec<Claim> {
+    let (g_ps, g_wf, g_hy) = (
+        sp(pts, "poseidon-bandwidth", "googlenet", 16, 2.0, "fifo-ps"),
+        sp(pts, "poseidon-bandwidth", "googlenet", 16, 2.0, "wfbp"),
+        sp(pts, "poseidon-bandwidth", "googlenet", 16, 2.0, "hybrid"),
+    );
+    let lost = |says: &str| {
+        Claim {
+        source: "Poseidon'15 §5.2.1, Fig. 7",
+        says: says.into(),
+        value: "lost in the text copy".into(),
+        sim: format!("GoogLeNet, 16 nodes, 2 GbE: `fifo-ps` {g_ps:.1}× → `wfbp` {g_wf:.1}× → `hybrid` {g_hy:.1}× (no AlexNet run here)"),
+        harness: no_harness(BIG),
+        holds: effect(g_wf > g_ps),
+    }
+    };
+    vec![
         lost("AlexNet and GoogLeNet, 8 nodes: DWBP raises the speedup over traditional BP"),
         Claim {
             holds: effect(g_hy >= g_wf * 0.99),
@@ -550,7 +575,9 @@ pub(crate) fn poseidon15_claims(pts: &[Point]) -> Vec<Claim> {
             value: "lost in the text copy".into(),
             sim: "none: SSP not simulated here".into(),
             harness: no_harness("K20C"),
-            holds: Holds::NotReproduced("the figure's values were lost in the text copy and the SSP runs are not part of this evaluation"),
+            holds: Holds::NotReproduced(
+                "the figure's values were lost in the text copy and the SSP runs are not part of this evaluation",
+            ),
         },
     ]
 }
