@@ -11,8 +11,10 @@
 //! ```
 //!
 //! The modules: [`poseidon`] and [`p3`] hold each paper's figures (their
-//! jobs, effects, `EVAL.md` sections, claims rows and plots; P3's effects are
-//! in [`p3_effects`]); [`runner`]
+//! jobs, effects, `EVAL.md` sections and plots; P3's effects are
+//! in [`p3_effects`]); [`claims`] holds the claims table, every number the
+//! papers' texts state beside ours (its rows in [`claims_poseidon`],
+//! [`claims_p3`] and [`claims_nexus`]); [`runner`]
 //! runs the simulations and the harness; [`render`] writes `EVAL.md`
 //! around the papers' sections; [`plot`] draws the panels.
 //!
@@ -23,6 +25,10 @@
 //! [`table`]) and, if it has a plot, a `plot_*` function built on
 //! [`panel`].
 
+mod claims;
+mod claims_nexus;
+mod claims_p3;
+mod claims_poseidon;
 mod p3;
 mod p3_effects;
 mod plot;
@@ -39,6 +45,10 @@ use clap::Parser;
 use serde::{Deserialize, Serialize};
 use tidewire_cli::sim::{self, SimResult};
 
+use claims::*;
+use claims_nexus::*;
+use claims_p3::*;
+use claims_poseidon::*;
 use p3::*;
 use p3_effects::*;
 use plot::*;
@@ -309,6 +319,7 @@ fn run(cli: &Cli) -> Result<bool, String> {
     jobs.extend(p3_bandwidth_jobs(cli.iters));
     jobs.extend(adam_jobs(cli.iters));
     jobs.extend(p3_scaling_jobs(cli.iters));
+    jobs.extend(claims_jobs(cli.iters));
     let mut pts: Vec<Point> = run_sims(&jobs, threads)?.into_iter().map(|(p, _)| p).collect();
     eprintln!("{} simulations in {:.1} s", jobs.len(), t0.elapsed().as_secs_f64());
 

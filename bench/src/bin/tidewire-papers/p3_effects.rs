@@ -91,7 +91,7 @@ fn slicing_vgg_effect(pts: &[Point]) -> Effect {
 }
 
 /// Slicing alone changes ResNet-50 and Inception-V3 little.
-fn slicing_little_effect(pts: &[Point]) -> Effect {
+pub(crate) fn slicing_little_effect(pts: &[Point]) -> Effect {
     let mut far = Vec::new();
     let mut rows = Vec::new();
     for m in ["resnet-50", "inception-v3"] {
@@ -144,7 +144,7 @@ fn poseidon_22k_effect(pts: &[Point]) -> Effect {
 }
 
 /// Figs. 8 and 9: where P3 is faster, it keeps the link busier and idle less.
-fn link_use_effect(pts: &[Point], util: &[Util]) -> Effect {
+pub(crate) fn link_use_effect(pts: &[Point], util: &[Util]) -> Effect {
     let mut rows = Vec::new();
     let mut holds = true;
     for m in UTIL_MODELS {
@@ -215,7 +215,7 @@ fn p3_scale_effect(pts: &[Point]) -> Effect {
 /// best. (Whether small ones cost too, an interior optimum, is reported:
 /// with a chunk per slice the simulator charges a message its latency and
 /// bytes but no per-message CPU time, so small slices may cost nothing.)
-fn slice_size_effect(pts: &[Point]) -> Effect {
+pub(crate) fn slice_size_effect(pts: &[Point]) -> Effect {
     let mut interior = Vec::new();
     let mut large = Vec::new();
     let mut far = Vec::new();

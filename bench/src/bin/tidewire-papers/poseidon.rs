@@ -503,96 +503,9 @@ pub(crate) fn poseidon_scaling_md(s: &mut String, pts: &[Point]) {
     }
 }
 
-/// The claims-table rows of Poseidon (and of the systems it compares with).
-pub(crate) fn poseidon_claims(pts: &[Point]) -> Vec<[String; 4]> {
-    let mut rows = speedup_claims(pts);
-    rows.extend([
-        [
-            "Adam's traffic imbalance: its busiest (server) node over a worker (Fig. 10)".into(),
-            "5×".into(),
-            "Poseidon §3.2, §5.3, Fig. 10: the sections issue #20 gives for the Adam comparison; the 5× itself not verified against the paper's text (unreachable from this machine)".into(),
-            adam_imbalance_evidence(pts),
-        ],
-        [
-            "CNTK with 1-bit quantization: speedups".into(),
-            "5.8×, 11× and 20×".into(),
-            UNVERIFIED.into(),
-            "not modelled: 1-bit quantization is not a Tidewire mode".into(),
-        ],
-    ]);
-    rows
-}
-
-/// The speedups the paper and its release state, and ours.
-fn speedup_claims(pts: &[Point]) -> Vec<[String; 4]> {
-    let sp = |fig: &str, m: &str, n: usize, bw: f64, sync: &str| find(pts, fig, m, n, bw, sync).speedup;
-    let abs_p = "Poseidon, ATC'17, abstract";
-    vec![
-        [
-            "Poseidon (Caffe or TensorFlow), VGG19-22K, 16 nodes, 10 GbE: speedup".into(),
-            "15.5×".into(),
-            abs_p.into(),
-            format!("{:.1}× (Poseidon = `hybrid`)", sp("poseidon-bandwidth", "vgg19-22k", 16, 10.0, "hybrid")),
-        ],
-        [
-            "Poseidon-TensorFlow, Inception-V3, 32 nodes: speedup (open-source TensorFlow)".into(),
-            "31.5× (20×)".into(),
-            abs_p.into(),
-            format!(
-                "{:.1}× (Poseidon), {:.1}× (PS), 40 GbE",
-                sp("poseidon-scaling", "inception-v3", 32, 40.0, "hybrid"),
-                sp("poseidon-scaling", "inception-v3", 32, 40.0, "fifo-ps")
-            ),
-        ],
-        [
-            "PS baselines' speedups (8×: open-source TensorFlow, VGG19-22K, 16 nodes, 40 GbE; the 4×'s setting is not stated in issue #20)".into(),
-            "4× and 8×".into(),
-            UNVERIFIED.into(),
-            format!(
-                "our PS (`fifo-ps`), 16 nodes: VGG19-22K {:.1}× at 40 GbE, {:.1}× at 2 GbE; VGG19 {:.1}× at 40 GbE, {:.1}× at 2 GbE",
-                sp("poseidon-scaling", "vgg19-22k", 16, 40.0, "fifo-ps"),
-                sp("poseidon-bandwidth", "vgg19-22k", 16, 2.0, "fifo-ps"),
-                sp("poseidon-scaling", "vgg19", 16, 40.0, "fifo-ps"),
-                sp("poseidon-bandwidth", "vgg19", 16, 2.0, "fifo-ps")
-            ),
-        ],
-        [
-            "Poseidon, VGG19-22K, 32 nodes: speedup, baseline → Poseidon".into(),
-            "21.5× → 29.5×".into(),
-            UNVERIFIED.into(),
-            format!(
-                "{:.1}× (PS) → {:.1}× (Poseidon), 40 GbE",
-                sp("poseidon-scaling", "vgg19-22k", 32, 40.0, "fifo-ps"),
-                sp("poseidon-scaling", "vgg19-22k", 32, 40.0, "hybrid")
-            ),
-        ],
-        [
-            "Poseidon, 32 nodes: speedup, baseline → Poseidon (the model is not stated in issue #20)".into(),
-            "22× → 30×".into(),
-            UNVERIFIED.into(),
-            format!(
-                "VGG19 {:.1}× → {:.1}×, VGG19-22K {:.1}× → {:.1}× (PS → Poseidon, 40 GbE)",
-                sp("poseidon-scaling", "vgg19", 32, 40.0, "fifo-ps"),
-                sp("poseidon-scaling", "vgg19", 32, 40.0, "hybrid"),
-                sp("poseidon-scaling", "vgg19-22k", 32, 40.0, "fifo-ps"),
-                sp("poseidon-scaling", "vgg19-22k", 32, 40.0, "hybrid")
-            ),
-        ],
-        [
-            "Poseidon, VGG19-22K, 32 nodes: speedup".into(),
-            "30× (\"near-linear\")".into(),
-            "Petuum's Poseidon release docs (poseidon-release.readthedocs.io, v0.10), not the paper".into(),
-            format!(
-                "{:.1}× (Poseidon), 40 GbE",
-                sp("poseidon-scaling", "vgg19-22k", 32, 40.0, "hybrid")
-            ),
-        ],
-    ]
-}
-
 /// Adam's imbalance by the cost model, and simulated: the busiest node over
 /// a worker, and the busiest server over the least busy.
-fn adam_imbalance_evidence(pts: &[Point]) -> String {
+pub(crate) fn adam_imbalance_evidence(pts: &[Point]) -> String {
     let sim = |m: &str| {
         let t = traffic(adam_point(pts, m, "adam"));
         (t.busiest / t.worker, t.server_max / t.server_min)

@@ -291,3 +291,168 @@ fn tables_are_markdown() {
     table(&mut s, &["a".into(), "b".into()], 1, &[vec!["x".into(), "1".into()]]);
     assert_eq!(s, "| a | b |\n|---|---:|\n| x | 1 |\n");
 }
+
+/// A point for `job` as if it had run: the throughput and speedup from
+/// the nodes (near-linear), every host's bytes where it asked for them.
+fn ran(job: &Job) -> Point {
+    let a = &job.args;
+    let nodes = a.workers.or(a.nodes).unwrap_or(1);
+    let hosts = nodes + a.servers.unwrap_or(0);
+    let speedup = nodes as f64 * if a.job.sync.name() == "p3" { 0.97 } else { 0.9 };
+    Point {
+        figure: job.figure,
+        model: a.job.model.clone(),
+        nodes,
+        bandwidth_gbps: a.bandwidth / 1e9,
+        sync: a.job.sync.name().into(),
+        slice_params: a.slice_params,
+        iteration_s: 1.0 / speedup,
+        throughput_samples_s: 100.0 * speedup,
+        speedup,
+        host_bytes_per_iter: if job.hosts {
+            (0..hosts).map(|h| [1e8 * (h + 1) as f64, 1e8]).collect()
+        } else {
+            Vec::new()
+        },
+    }
+}
+
+/// Every point both phases of a real run simulate (as [`ran`] has them),
+/// and the utilization of the traced ones.
+fn job_world() -> (Vec<Point>, Vec<Util>) {
+    let mut jobs = poseidon_jobs(1);
+    jobs.extend(p3_bandwidth_jobs(1));
+    jobs.extend(adam_jobs(1));
+    jobs.extend(p3_scaling_jobs(1));
+    jobs.extend(claims_jobs(1));
+    let mut pts: Vec<Point> = jobs.iter().map(ran).collect();
+    let phase2: Vec<Point> = p3_phase2_jobs(&pts, 1).iter().map(ran).collect();
+    let util = phase2
+        .iter()
+        .filter(|p| p.figure == "p3-utilization")
+        .map(|p| Util {
+            model: p.model.clone(),
+            bandwidth_gbps: p.bandwidth_gbps,
+            sync: p.sync.clone(),
+            iteration_s: p.iteration_s,
+            stats_s: [1.0, 2.0],
+            mean: [0.8; 2],
+            idle: [0.1; 2],
+            window_s: [1.0, 2.0],
+            series: [Vec::new(), Vec::new()],
+        })
+        .collect();
+    pts.extend(phase2);
+    (pts, util)
+}
+
+/// The sections, tables and figures of each text in the papers folder
+/// (`/work/shared/papers/`), from its headings and captions, by the name
+/// its README gives it.
+const TEXTS: [(&str, &[&str]); 4] = [
+    (
+        "Poseidon'15 ",
+        &[
+            "abstract", "§5.1", "§5.1.1", "§5.1.2", "§5.1.3", "§5.2.1", "§5.2.2", "Table 4", "Table 5", "Table 6",
+            "Fig. 6", "Fig. 7", "Fig. 8",
+        ],
+    ),
+    (
+        "Poseidon ",
+        &[
+            "abstract", "§1", "§3.2", "§5", "§5.1", "§5.2", "§5.3", "Table 1", "Table 3", "Fig. 5", "Fig. 6", "Fig. 7",
+            "Fig. 8", "Fig. 9", "Fig. 10", "Fig. 11",
+        ],
+    ),
+    (
+        "P3 ",
+        &[
+            "abstract", "§1.1", "§3", "§5.1", "§5.2", "§5.3", "§5.4", "§5.5", "§5.6", "§7", "Fig. 5", "Fig. 7",
+            "Fig. 8", "Fig. 9", "Fig. 10", "Fig. 11", "Fig. 12",
+        ],
+    ),
+    (
+        "Nexus ",
+        &[
+            "§IV-C", "§V", "§V-A", "§V-B", "Table II", "Fig. 8", "Fig. 9", "Fig. 10", "Fig. 11", "Fig. 12",
+        ],
+    ),
+];
+
+/// The citations of a row's source: after the paper's name, comma-separated,
+/// each a section, table, figure or the abstract (an aside in parentheses
+/// and a figure's panel, "(a)-(b)", dropped).
+fn citations(source: &str) -> Option<(&'static str, Vec<String>)> {
+    let (paper, known) = TEXTS.iter().find(|(p, _)| source.starts_with(p))?;
+    let rest = &source[paper.len()..];
+    let cites = rest
+        .split(", ")
+        .map(|c| {
+            let c = c.split(" (").next().unwrap_or(c).trim();
+            let c = c.split('(').next().unwrap_or(c);
+            // "Figs. 5, 6" and "Figs. 8, 9": the second is a bare number.
+            let c = c.replace("Figs. ", "Fig. ");
+            if c.chars().all(|ch| ch.is_ascii_digit()) {
+                format!("Fig. {c}")
+            } else {
+                c
+            }
+        })
+        .collect::<Vec<_>>();
+    cites
+        .iter()
+        .all(|c| known.contains(&c.as_str()))
+        .then_some((paper, cites))
+}
+
+#[test]
+fn every_claim_cites_its_text_and_none_is_unverified() {
+    let (pts, util) = job_world();
+    let rows = all_claims(&pts, &util, &[]);
+    assert!(rows.len() >= 60, "{} rows", rows.len());
+    for r in &rows {
+        assert!(
+            citations(r.source).is_some(),
+            "{:?}: cite a paper of the papers folder by its name, then its sections, tables or figures",
+            r.source
+        );
+        for col in [r.source, &r.says, &r.value, &r.sim, &r.harness, &r.holds.text()] {
+            let c = col.to_lowercase();
+            assert!(
+                !c.contains("not verified") && !c.contains("issue #20") && !c.is_empty() && !c.contains('|'),
+                "{:?}: {col:?}",
+                r.source
+            );
+        }
+        if let Holds::NotReproduced(why) = &r.holds {
+            assert!(why.len() > 10, "{:?}: say why it is not reproduced", r.source);
+        }
+    }
+    let mut s = String::new();
+    claims_md(&mut s, &pts, &util, &[]);
+    assert!(!s.to_lowercase().contains("not verified"), "{s}");
+    assert_eq!(
+        s.matches("\n| ").count(),
+        rows.len() + 1,
+        "one table line per row, and the head"
+    );
+}
+
+#[test]
+fn a_citation_outside_the_texts_fails() {
+    assert!(citations("Poseidon §5.1, Fig. 5").is_some());
+    assert!(citations("P3 §5.2, Fig. 7(a)-(b)").is_some());
+    assert!(citations("Poseidon §1, Figs. 5, 6").is_some());
+    assert!(citations("Poseidon §5.1 (Multi-GPU Settings)").is_some());
+    assert!(citations("Poseidon §9").is_none());
+    assert!(citations("P3 Fig. 13").is_none());
+    assert!(citations("section not verified here").is_none());
+    assert!(citations("Petuum's release docs").is_none());
+}
+
+#[test]
+fn judging_a_number() {
+    assert_eq!(judge(16.0, 15.5, true), Holds::Yes);
+    assert_eq!(judge(8.1, 4.0, true), Holds::Effect);
+    assert_eq!(judge(15.5, 15.5, false), Holds::No);
+}
