@@ -383,7 +383,7 @@ pub enum SyncMode {
     /// WFBP send order (each layer pushed as its backward ends, FIFO, no
     /// priority), PS only, no P3 slicing, and [`crate::book::Placement::KvStore`]:
     /// a layer under 10^6 parameters (MXNet's `MXNET_KVSTORE_BIGARRAY_BOUND`)
-    /// is one key on the server MXNet's key hash picks, a larger one is split
+    /// is one key on the least-loaded server, a larger one is split
     /// equally across all servers. A key's push travels as wire slices of at
     /// most 2 MiB (P3 §4.1: the KVWorker "serializes (and fragments in case
     /// of large layers) the gradient matrix"), FIFO, so the layer still goes
