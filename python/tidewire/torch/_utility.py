@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import zlib
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from concurrent.futures import Future
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -22,9 +24,99 @@ _HDR = 8
 _SCRATCH_SMALL = 1 << 14
 _SCRATCH_LARGE = 1 << 20
 
-_OP_SUM, _OP_BROADCAST, _OP_ALLGATHER = 1, 2, 3
-_OP_NAMES = {_OP_SUM: "push_pull", _OP_BROADCAST: "broadcast", _OP_ALLGATHER: "allgather"}
+_OP_SUM, _OP_BROADCAST, _OP_ALLGATHER, _OP_JOIN = 1, 2, 3, 4
+_OP_NAMES = {_OP_SUM: "push_pull", _OP_BROADCAST: "broadcast", _OP_ALLGATHER: "allgather", _OP_JOIN: "join"}
 _PATH_VALUES, _PATH_DIGITS = 0, 1
+
+_T = TypeVar("_T")
+
+#: The dtypes and reductions a collective's header can name (its root field,
+#: for collectives without a root): every rank checks that every other rank
+#: passed the same dtype and reduction, not only the same element count.
+_TAG_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+               torch.int16, torch.int8, torch.uint8, torch.bool]
+_TAG_OPS = ["average", "sum", "adasum", "min", "max", "product", "gather"]
+
+
+def _tag(dtype: torch.dtype, op: int) -> int:
+    """The header tag of a collective over ``dtype`` with reduction ``op`` (an index of ``_TAG_OPS``)."""
+    if dtype not in _TAG_DTYPES:
+        raise TypeError(f"tidewire.torch's collectives do not move {dtype} tensors")
+    return 1 + _TAG_DTYPES.index(dtype) * len(_TAG_OPS) + op
+
+
+def _untag(tag: int) -> str:
+    d, o = divmod(tag - 1, len(_TAG_OPS))
+    dtype = str(_TAG_DTYPES[d]).replace("torch.", "") if 0 <= d < len(_TAG_DTYPES) else f"dtype {d}"
+    op = _TAG_OPS[o] if 0 <= o < len(_TAG_OPS) else f"op {o}"
+    return f"{dtype}, {op}"
+
+
+class _Worker:
+    """Runs the utility collectives in the order they were submitted (FIFO).
+    An async collective is queued and run by a thread that lives while the
+    queue is not empty (none when nothing is queued, so no thread outlives
+    the work); a blocking one runs in its caller's thread once every job
+    submitted before it has run. So the order in which a rank calls
+    collectives is the order in which they run."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.jobs: "collections.deque[Tuple[Callable[[], Any], Future]]" = collections.deque()
+        self.thread: Optional[threading.Thread] = None
+        self.busy = False  # a job is running (in the thread or inline)
+        self.owner: Optional[threading.Thread] = None  # the thread running it
+
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                if not self.jobs:
+                    self.thread = self.owner = None
+                    self.busy = False
+                    self.cv.notify_all()
+                    return
+                fn, fut = self.jobs.popleft()
+                self.owner = threading.current_thread()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                    fut.set_exception(e)
+
+    def here(self) -> bool:
+        """Whether the caller is running a job now (a job that runs sub-collectives)."""
+        return self.owner is threading.current_thread()
+
+    def submit(self, fn: Callable[[], _T]) -> "Future[_T]":
+        fut: "Future[_T]" = Future()
+        with self.cv:
+            self.jobs.append((fn, fut))
+            if self.thread is None and not self.busy:  # else the inline caller starts it when done
+                self.busy = True
+                self.thread = threading.Thread(target=self._loop, name="tidewire-collectives", daemon=True)
+                self.thread.start()
+        return fut
+
+    def call(self, fn: Callable[[], _T]) -> _T:
+        """Runs ``fn`` after every job submitted before, in this thread, and returns its result."""
+        if self.here():
+            return fn()
+        with self.cv:
+            while self.busy or self.jobs:
+                self.cv.wait()
+            self.busy = True
+            self.owner = threading.current_thread()
+        try:
+            return fn()
+        finally:
+            with self.cv:
+                self.busy = False
+                self.owner = None
+                if self.jobs and self.thread is None:
+                    self.busy = True
+                    self.thread = threading.Thread(target=self._loop, name="tidewire-collectives", daemon=True)
+                    self.thread.start()
+                self.cv.notify_all()
 
 
 # --------------------------------------------------------------------------- utility collectives
@@ -121,10 +213,25 @@ class _Util:
             connect_timeout=max(env.timeout, 60.0),
         )
         self.session = _Guard(_native.Session(config, params=self.res, grads=self.grad))
+        self.worker = _Worker()
 
     def close(self) -> None:
-        with self.lock:
-            self.session.close()
+        """Ends the session once the collectives submitted before have run (or failed)."""
+
+        def close_now() -> None:
+            with self.lock:
+                self.session.close()
+
+        self.worker.call(close_now)
+
+    def call(self, fn: Callable[[], _T]) -> _T:
+        """Runs ``fn`` (which may run several collectives back to back) on the
+        collective worker, after every collective submitted before; waits."""
+        return self.worker.call(fn)
+
+    def submit(self, fn: Callable[[], _T]) -> "Future[_T]":
+        """Queues ``fn`` on the collective worker and returns at once."""
+        return self.worker.submit(fn)
 
     def _layer(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
         o, n = self.offsets[i], self.sizes[i]
@@ -146,7 +253,10 @@ class _Util:
     ) -> torch.Tensor:
         """One collective: ``data`` (float32, ``length`` values; None for
         zeros) summed over every rank. ``count`` is what the header compares
-        (the caller's element count)."""
+        (the caller's element count). Runs on the collective worker, after
+        every collective submitted before."""
+        if not self.worker.here():
+            return self.worker.call(lambda: self.run(op, path, root, count, name, data, length))
         env = self.env
         hdr = env.size * _HDR
         code = op * 4 + path
@@ -197,6 +307,8 @@ class _Util:
             what = _OP_NAMES.get(op, f"operation {op}")
             if op == _OP_BROADCAST:
                 what += f" from root {int(r[2])}"
+            elif int(r[2]):
+                what += f" ({_untag(int(r[2]))})"
             kind = "float32 values" if path == _PATH_VALUES else "bytes as 16-bit digits"
             return f"{what} of {_undigits16(r[3:6])} elements ({kind}), name hash {_undigits16(r[6:8]):#010x}"
 
