@@ -4,9 +4,10 @@ async forms, alltoall, reducescatter, join, the async handles (poll,
 synchronize), and BytePS's push_pull family. See ``_reduce`` for the arithmetic.
 
 Every function here is collective: every rank calls the same ones, with the
-same names, dtypes and element counts, in the same order. They run on one
-worker thread per process, in the order a rank called them, so a blocking
-call made after an async one waits for it.
+same names, dtypes and element counts, in the same order. They run in the
+order a rank called them: an async one is queued, and the queue runs (in the
+caller's thread) before the next blocking collective and at ``poll`` or
+``synchronize``.
 """
 
 from __future__ import annotations
@@ -67,8 +68,7 @@ _ids = itertools.count(1)
 
 
 def _launch(job: Callable[[], Any], finish: Callable[[Any], Any]) -> Handle:
-    """Queues ``job`` on the collective worker; ``finish`` turns its result into
-    what :func:`synchronize` returns (in the caller's thread)."""
+    """Queues ``job``; ``finish`` turns its result into what :func:`synchronize` returns."""
     _, util = _require()
     fut = util.submit(job)
     with _lock:
@@ -77,13 +77,22 @@ def _launch(job: Callable[[], Any], finish: Callable[[Any], Any]) -> Handle:
     return h
 
 
+def _run_queued() -> None:
+    _, util = _require()
+    util.run_queued()
+
+
 def poll(handle: Handle) -> bool:
     """Whether the async operation ``handle`` has finished (then
-    :func:`synchronize` returns without waiting). Never blocks."""
+    :func:`synchronize` returns without waiting). In this version the queued
+    collectives run in the caller's thread: ``poll`` first runs every queued
+    one (waiting for the other ranks to reach them) and so returns True."""
     with _lock:
         p = _pending.get(handle)
     if p is None:
         raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+    if not p.future.done():
+        _run_queued()
     return p.future.done()
 
 
@@ -97,6 +106,8 @@ def synchronize(handle: Handle) -> Any:
         p = _pending.pop(handle, None)
     if p is None:
         raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+    if not p.future.done():
+        _run_queued()
     return p.finish(p.future.result())
 
 

@@ -53,70 +53,76 @@ def _untag(tag: int) -> str:
 
 
 class _Worker:
-    """Runs the utility collectives in the order they were submitted (FIFO).
-    An async collective is queued and run by a thread that lives while the
-    queue is not empty (none when nothing is queued, so no thread outlives
-    the work); a blocking one runs in its caller's thread once every job
-    submitted before it has run. So the order in which a rank calls
-    collectives is the order in which they run."""
+    """Runs the utility collectives in the order they were submitted (FIFO),
+    in the threads of their callers. An async collective is queued; the queue
+    runs (in the caller's thread) when a blocking collective starts, or when a
+    handle is polled or synchronized. So the order in which a rank calls
+    collectives is the order in which they run, and no thread of Tidewire's
+    runs torch code (an async collective does not overlap the caller's
+    computation in this version)."""
 
     def __init__(self) -> None:
         self.cv = threading.Condition()
         self.jobs: "collections.deque[Tuple[Callable[[], Any], Future]]" = collections.deque()
-        self.thread: Optional[threading.Thread] = None
-        self.busy = False  # a job is running (in the thread or inline)
-        self.owner: Optional[threading.Thread] = None  # the thread running it
-
-    def _loop(self) -> None:
-        while True:
-            with self.cv:
-                if not self.jobs:
-                    self.thread = self.owner = None
-                    self.busy = False
-                    self.cv.notify_all()
-                    return
-                fn, fut = self.jobs.popleft()
-                self.owner = threading.current_thread()
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                    fut.set_exception(e)
+        self.owner: Optional[threading.Thread] = None  # the thread running jobs now
 
     def here(self) -> bool:
         """Whether the caller is running a job now (a job that runs sub-collectives)."""
         return self.owner is threading.current_thread()
 
     def submit(self, fn: Callable[[], _T]) -> "Future[_T]":
+        """Queues ``fn``; it runs before the next blocking collective, poll or synchronize."""
         fut: "Future[_T]" = Future()
         with self.cv:
             self.jobs.append((fn, fut))
-            if self.thread is None and not self.busy:  # else the inline caller starts it when done
-                self.busy = True
-                self.thread = threading.Thread(target=self._loop, name="tidewire-collectives", daemon=True)
-                self.thread.start()
         return fut
 
-    def call(self, fn: Callable[[], _T]) -> _T:
-        """Runs ``fn`` after every job submitted before, in this thread, and returns its result."""
-        if self.here():
-            return fn()
+    def _claim(self) -> bool:
+        """Makes this thread the one running jobs (waits for another one); False if it already is."""
+        me = threading.current_thread()
         with self.cv:
-            while self.busy or self.jobs:
+            if self.owner is me:
+                return False
+            while self.owner is not None:
                 self.cv.wait()
-            self.busy = True
-            self.owner = threading.current_thread()
+            self.owner = me
+            return True
+
+    def _release(self) -> None:
+        with self.cv:
+            self.owner = None
+            self.cv.notify_all()
+
+    def _drain(self) -> None:
+        while True:
+            with self.cv:
+                if not self.jobs:
+                    return
+                fn, fut = self.jobs.popleft()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to whoever synchronizes it
+                    fut.set_exception(e)
+
+    def run_queued(self) -> None:
+        """Runs every queued job (in this thread, in order)."""
+        claimed = self._claim()
         try:
+            self._drain()
+        finally:
+            if claimed:
+                self._release()
+
+    def call(self, fn: Callable[[], _T]) -> _T:
+        """Runs the queued jobs, then ``fn``, in this thread; returns ``fn``'s result."""
+        claimed = self._claim()
+        try:
+            self._drain()
             return fn()
         finally:
-            with self.cv:
-                self.busy = False
-                self.owner = None
-                if self.jobs and self.thread is None:
-                    self.busy = True
-                    self.thread = threading.Thread(target=self._loop, name="tidewire-collectives", daemon=True)
-                    self.thread.start()
-                self.cv.notify_all()
+            if claimed:
+                self._release()
 
 
 # --------------------------------------------------------------------------- utility collectives
@@ -230,8 +236,13 @@ class _Util:
         return self.worker.call(fn)
 
     def submit(self, fn: Callable[[], _T]) -> "Future[_T]":
-        """Queues ``fn`` on the collective worker and returns at once."""
+        """Queues ``fn`` and returns at once; it runs, in call order, before the
+        next blocking collective or when :meth:`run_queued` is called."""
         return self.worker.submit(fn)
+
+    def run_queued(self) -> None:
+        """Runs every queued collective, in order, in this thread."""
+        self.worker.run_queued()
 
     def _layer(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
         o, n = self.offsets[i], self.sizes[i]
