@@ -147,3 +147,12 @@ def train(cfg) -> dict:
 
 
 SCENARIOS = {"hvd_collectives": collectives, "hvd_train": train}
+
+
+def run_fn(x: float):
+    """What test_horovod's tidewire.run test runs on each rank."""
+    tw.init()
+    s = tw.allreduce(torch.tensor([float(tw.rank())]), op=tw.Sum).item()
+    out = (tw.rank(), tw.size(), s * x)
+    tw.shutdown()
+    return out

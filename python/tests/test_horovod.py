@@ -246,3 +246,18 @@ def test_byteps_module_alias():
                  "Compression", "synchronize", "poll", "init", "rank", "size", "local_rank", "local_size"):
         assert callable(getattr(bps, name)) or name == "Compression", name
     assert isinstance(tidewire.TidewireError("x"), RuntimeError)
+
+
+def test_tidewire_run_starts_local_ranks(clean_env, monkeypatch):
+    from _hvd_scenarios import run_fn
+
+    assert tidewire.run(run_fn, args=(10.0,), np=2, hosts="localhost:2") == [(0, 2, 10.0), (1, 2, 10.0)]
+    with pytest.raises(ValueError, match="this host only"):
+        tidewire.run(run_fn, np=2, hosts="otherhost:2")
+    with pytest.raises(ValueError, match="does not use MPI"):
+        tidewire.run(run_fn, np=2, use_mpi=True)
+    with pytest.raises(ValueError, match="min_np"):
+        tidewire.run(run_fn, np=2, min_np=1)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(tidewire.TidewireError, match="call the function directly"):
+        tidewire.run(run_fn, np=2)
