@@ -292,7 +292,9 @@ def gloo(cfg) -> dict:
     return res
 
 
-SCENARIOS = {"multi": multi, "native": native, "native_servers": native_servers, "collectives": collectives, "mismatch": mismatch,
+from _hvd_scenarios import SCENARIOS as _HVD  # noqa: E402
+
+SCENARIOS = {**_HVD, "multi": multi, "native": native, "native_servers": native_servers, "collectives": collectives, "mismatch": mismatch,
              "nosecret": nosecret, "straggler": straggler, "gloo": gloo}
 
 

@@ -13,12 +13,15 @@ This package exposes:
 - :mod:`tidewire.torch`: a Horovod-like ``DistributedOptimizer`` for PyTorch,
   with ``init()``, ``rank()``, ``size()``, ``broadcast_parameters`` and
   ``push_pull`` (import it explicitly: ``import tidewire.torch as tw``);
+- :func:`tidewire.run`: Horovod's ``horovod.run`` on one host (a function run
+  on ``np`` local processes, each a rank of one job);
 - :class:`tidewire.TidewireError`, the exception every Tidewire failure raises
   (a subclass of ``RuntimeError``; the message is the Rust error's).
 """
 
 from ._config import Checkpointing, CommConfig, LocalAggregation, Rates, SessionConfig
 from ._native import Session, TidewireError, __version__
+from ._run import run
 
 __all__ = [
     "Checkpointing",
@@ -29,4 +32,5 @@ __all__ = [
     "SessionConfig",
     "TidewireError",
     "__version__",
+    "run",
 ]

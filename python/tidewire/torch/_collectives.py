@@ -1,4 +1,5 @@
-"""The collectives on the utility session: push_pull, the broadcasts, barrier, allgathers."""
+"""The collectives on the utility session: the broadcasts, barrier, small allgathers
+(push_pull and Horovod's collectives are in ``_horovod``)."""
 
 from __future__ import annotations
 
@@ -30,26 +31,6 @@ def _from_digits(f: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     nbytes = like.numel() * like.element_size()
     b = f.to(torch.int16).view(torch.uint8)[:nbytes]
     return b.clone().view(like.dtype).reshape(like.shape)
-
-
-def push_pull(tensor: torch.Tensor, average: bool = True, name: Optional[str] = None) -> torch.Tensor:
-    """Sums (``average=True``: averages) ``tensor`` over every rank and returns
-    the result as a new tensor of the same shape, dtype and device.
-
-    Values travel as float32 (exact for integers up to 2**24; float64 is
-    rounded); an integer average is truncated. Collective: every rank calls it
-    with a tensor of the same number of elements (and the same ``name``, if
-    given), in the same order; a mismatch raises :class:`TidewireError` on
-    every rank.
-    """
-    env, util = _require()
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"push_pull wants a torch.Tensor, got {type(tensor).__name__}")
-    n = tensor.numel()
-    out = util.run(_OP_SUM, _PATH_VALUES, 0, n, name, _flat_f32(tensor), n)
-    if average:
-        out.div_(env.size)
-    return out.reshape(tensor.shape).to(dtype=tensor.dtype, device=tensor.device)
 
 
 def _broadcast_flat(tensors: Sequence[torch.Tensor], root_rank: int, name: Optional[str]) -> List[torch.Tensor]:
@@ -103,13 +84,15 @@ def broadcast_(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = N
 def broadcast_parameters(
     params: Union[Dict[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]], Iterable[torch.Tensor]],
     root_rank: int = 0,
+    prefix: Optional[str] = None,
 ) -> None:
     """Overwrites every tensor in ``params`` in place with rank ``root_rank``'s
     values: ``model.state_dict()`` (parameters and buffers, taken in sorted
     key order), ``model.named_parameters()`` (in its order) or a list of
     tensors. Bit for bit, in one or two collectives (float32 tensors as
     values, the rest as bytes). Collective: every rank passes the same names
-    and shapes."""
+    and shapes. ``prefix`` (BytePS's argument) names the collectives; every
+    rank must pass the same one."""
     if isinstance(params, dict):
         items = sorted(params.items(), key=lambda kv: kv[0])
     else:
@@ -126,7 +109,7 @@ def broadcast_parameters(
     for group, tag in ((f32, "f32"), (other, "bytes")):
         if not group:
             continue
-        outs = _broadcast_flat(group, root_rank, f"broadcast_parameters/{tag}")
+        outs = _broadcast_flat(group, root_rank, f"{prefix or ''}broadcast_parameters/{tag}")
         with torch.no_grad():
             for t, o in zip(group, outs):
                 t.copy_(o)
@@ -151,14 +134,18 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = 
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int = 0, model: Any = None, prefix: Optional[str] = None
+) -> None:
     """Gives every rank rank ``root_rank``'s optimizer state (``state_dict()``:
     momentum buffers, step counts, hyperparameters), loaded with
     ``load_state_dict`` on the other ranks. Works when the other ranks have no
-    state yet. Collective."""
+    state yet (unlike Horovod's, it takes no zero-gradient step to create one).
+    Collective. ``model`` (Horovod's, to find sparse parameters) is not needed
+    and is ignored; ``prefix`` (BytePS's) names the collective."""
     env, _ = _require()
     sd = optimizer.state_dict() if env.rank == root_rank else None
-    sd = broadcast_object(sd, root_rank, name="broadcast_optimizer_state")
+    sd = broadcast_object(sd, root_rank, name=f"{prefix or ''}broadcast_optimizer_state")
     if env.rank != root_rank:
         optimizer.load_state_dict(sd)
 

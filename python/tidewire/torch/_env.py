@@ -38,11 +38,14 @@ class _Env:
         local_size: int = 1,
         local_agg: bool = False,
         cache_staleness: int = 0,
+        local_size_given: bool = False,
     ) -> None:
         self.rank = rank
         self.size = size
         self.local_rank = local_rank
         self.local_size = local_size
+        #: Whether the launcher gave the local size (else 1 stands in for it).
+        self.local_size_given = local_size_given
         self.local_agg = local_agg
         self.cache_staleness = cache_staleness
         self.source = source
@@ -151,14 +154,8 @@ def _read_env(
         except ValueError:
             raise TidewireError(f"TIDEWIRE_TIMEOUT={env['TIDEWIRE_TIMEOUT']!r} is not a number") from None
     transport = env.get("TIDEWIRE_TRANSPORT", "auto").strip().lower() or "auto"
-    local_size = next(
-        (
-            _env_int(k, env[k])
-            for k in ("TIDEWIRE_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
-            if k in env
-        ),
-        1,
-    )
+    size_keys = ("TIDEWIRE_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+    local_size = next((_env_int(k, env[k]) for k in size_keys if k in env), 1)
     if local_aggregation is None:
         local_aggregation = env.get("TIDEWIRE_LOCAL_AGGREGATION", "0").strip().lower() in ("1", "true", "yes")
     staleness = _env_int("TIDEWIRE_CACHE_STALENESS", env.get("TIDEWIRE_CACHE_STALENESS", "0"))
@@ -175,7 +172,7 @@ def _read_env(
         local_aggregation = False
     return _Env(
         rank_, size_, local, source, host, base, secret, job, timeout, transport,
-        local_size, bool(local_aggregation), staleness,
+        local_size, bool(local_aggregation), staleness, any(k in env for k in size_keys),
     )
 
 

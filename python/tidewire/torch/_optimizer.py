@@ -10,8 +10,29 @@ import torch
 from torch import nn
 
 from .._native import TidewireError
+from ._compression import Compression
+from ._horovod import Average
 from ._runtime import _state
 from ._tw import _Tw
+
+
+def _check_groups(num_groups: Any, groups: Any) -> None:
+    """Horovod's checks of its fusion-group arguments (the groups do not change any value)."""
+    if not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups={num_groups!r}: want an int >= 0")
+    if groups is None:
+        return
+    if isinstance(groups, list):
+        seen = set()
+        for g in groups:
+            for p in g:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must consist of torch.Tensor")
+                if id(p) in seen:
+                    raise ValueError("a parameter can only appear once in groups")
+                seen.add(id(p))
+    elif not isinstance(groups, int) or groups <= 0:
+        raise ValueError("groups should be a positive integer or a list of lists of torch.Tensor")
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -157,7 +178,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Optional[Iterable[Tuple[str, nn.Parameter]]] = None,
+    compression: Any = Compression.none,
     backward_passes_per_step: int = 1,
+    op: Any = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
     model: Optional[nn.Module] = None,
     apply: str = "local",
     sfb: Union[bool, str] = "auto",
@@ -186,6 +213,30 @@ def DistributedOptimizer(
     The result is an instance of a subclass of ``optimizer``'s class sharing
     its ``param_groups`` and ``state``: ``step``, ``zero_grad``,
     ``state_dict``, ``load_state_dict`` and LR schedulers work as before.
+
+    Horovod's and BytePS's arguments (in Horovod's positional order)
+        ``compression``: :class:`Compression` ``.none`` (default), ``.fp16``,
+        ``.bf16`` or a class with ``compress``/``decompress``: each gradient
+        is replaced by ``decompress(compress(grad))`` just before its push
+        (``fp16``: rounded to float16), and the servers sum the rounded values
+        in float32; the wire still carries float32 in this version.
+        ``op``: :data:`Average` (default: the servers' mean, sum times 1/size
+        in float32) or :data:`Sum` (the servers' sum, no division);
+        :data:`Adasum` raises ValueError with more than one rank (not
+        implemented). ``gradient_predivide_factor`` f (Average only): each
+        gradient is multiplied by 1/f before the push and the servers' sum by
+        f/size after the pull, as Horovod does. ``backward_passes_per_step``:
+        see below. ``num_groups``/``groups`` (Horovod's fusion groups) change
+        how Horovod batches its allreduces, never the values; Tidewire always
+        groups by module (below), so they are checked and otherwise unused.
+        ``sparse_as_dense``: Tidewire always syncs sparse gradients densely
+        (added into the layer's dense buffer), and the wrapped optimizer gets
+        the dense averaged gradient whichever value is passed (Horovod hands a
+        sparse one back with ``sparse_as_dense=True``). Non-default ``op``,
+        factor or compression turn ``sfb`` off (they act on the gradient), and
+        do not combine with ``apply='server'`` (except compression) nor with
+        ``comm_every``/``comm_mode``/``quality_guided``. Horovod's
+        ``process_set`` is not supported.
 
     How it syncs
         The parameters of each module (named parameters grouped by their
@@ -306,6 +357,9 @@ def DistributedOptimizer(
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise TypeError("this optimizer is already a DistributedOptimizer")
+    _check_groups(num_groups, groups)
+    if not isinstance(sparse_as_dense, bool):
+        raise TypeError(f"sparse_as_dense={sparse_as_dense!r}: want a bool")
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__doc__": _DistributedOptimizer.__doc__})
     obj = cls.__new__(cls)
@@ -337,6 +391,7 @@ def DistributedOptimizer(
             checkpoint_keep=checkpoint_keep,
             resume=resume,
         ),
+        dict(op=op, gradient_predivide_factor=gradient_predivide_factor, compression=compression),
     )
     obj._tw = tw
     tw.restore(obj)

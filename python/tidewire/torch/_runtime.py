@@ -23,6 +23,8 @@ class _State:
         self.next_index = 0
         self.optimizers: List[Any] = []
         self.atexit = False
+        #: Every rank's local rank and host (``_probes._Topology``), gathered by init().
+        self.topology: Any = None
 
 
 _state = _State()
@@ -73,6 +75,14 @@ def init(
         env = _read_env(secret, master, timeout, local_aggregation)
         util = _Util(env, _new_index())
         _state.env, _state.util = env, util
+        from ._probes import _gather_topology
+
+        try:
+            _state.topology = _gather_topology()
+        except BaseException:
+            _state.env = _state.util = None
+            util.close()
+            raise
         if not _state.atexit:
             atexit.register(_atexit)
             _state.atexit = True
@@ -111,6 +121,7 @@ def shutdown() -> None:
         _state.optimizers = []
         _state.util = None
         _state.env = None
+        _state.topology = None
     errors: List[BaseException] = []
 
     def run(f: Callable[[], None]) -> None:

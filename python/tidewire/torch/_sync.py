@@ -10,6 +10,7 @@ from torch import nn
 
 from .._native import TidewireError
 from ._collectives import _broadcast_flat
+from ._compression import _round_trip
 from ._layers import _Layer
 
 
@@ -73,17 +74,31 @@ class _TwSync:
                 self._check_factors(L, u, v)
             self.session.push_factors(L.index, u.numpy(), v.numpy())
         else:
+            sl = slice(L.offset, L.offset + L.numel)
             if self.staged:
                 self._cuda_sync()
-                sl = slice(L.offset, L.offset + L.numel)
                 self.g_host[sl].copy_(self.g_dev[sl])
+            if self.reduce_custom and L is not self.quality:
+                self._before_push(self.g_host[sl])
             self.session.push(L.index)
         L.pushed = True
         L.in_flight = True
 
+    def _before_push(self, g: torch.Tensor) -> None:
+        """Horovod's compression (round trip) and predivide factor, on the gradient about to be pushed."""
+        with torch.no_grad():
+            c = _round_trip(self.compression, g)
+            if c is not None:
+                g.copy_(c)
+            if self.prescale is not None:
+                g.mul_(self.prescale)
+
     def _landed(self, L: _Layer) -> None:
         L.in_flight = False
         sl = slice(L.offset, L.offset + L.numel)
+        if self.postscale is not None and L is not self.quality:
+            with torch.no_grad():
+                self.r_host[sl].mul_(self.postscale)
         if self.staged:
             self.r_dev[sl].copy_(self.r_host[sl])
         if L.zero_on_pull:

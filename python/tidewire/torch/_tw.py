@@ -44,6 +44,7 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
         timeout: Optional[float],
         comm: Optional[Dict[str, Any]] = None,
         ckpt: Optional[Dict[str, Any]] = None,
+        reduce: Optional[Dict[str, Any]] = None,
     ) -> None:
         env, _ = _require()
         self.env = env
@@ -105,13 +106,58 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
         self.sgd: Optional[Tuple[float, float, float]] = None
         if apply == "server":
             self.sgd = self._server_sgd(opt)
+        self._setup_reduce(reduce or {}, explicit or sfb == "always")
         self._setup_comm(comm or {})
+        if self.comm_on and self.reduce_custom:
+            raise ValueError(
+                "comm_every/comm_mode/quality_guided need op=Average, gradient_predivide_factor=1 and no compression"
+            )
         self._setup_checkpoint(ckpt or {})
         self._build_layers(opt, named_parameters)
         self._build_session()
         self._install_hooks()
 
     # ----------------------------------------------------------------- setup
+
+    def _setup_reduce(self, r: Dict[str, Any], sfb_asked: bool) -> None:
+        """Horovod's op, gradient_predivide_factor and compression (see DistributedOptimizer)."""
+        from ._compression import NoneCompressor, _check_compression
+        from ._reduce import ReduceOp, _refuse_adasum, _resolve_op
+
+        op = _refuse_adasum(_resolve_op(r.get("op"), None), self.env.size)
+        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"op={op.name.title()}: DistributedOptimizer reduces gradients with Average or Sum")
+        f = float(r.get("gradient_predivide_factor", 1.0))
+        if not (f > 0.0 and f < float("inf")):
+            raise ValueError(f"gradient_predivide_factor={f}: want a finite number > 0")
+        if f != 1.0 and op != ReduceOp.AVERAGE:
+            raise ValueError("gradient_predivide_factor is only supported with op=Average (as in Horovod)")
+        self.compression = _check_compression(r.get("compression", NoneCompressor))
+        self.op = op
+        #: Gradients are multiplied by ``prescale`` before the push and the servers'
+        #: sum by ``postscale`` after the pull (gradient_predivide_factor f: 1/f and f/size).
+        self.prescale = 1.0 / f if f != 1.0 else None
+        self.postscale = f / self.env.size if f != 1.0 else None
+        self.reduce_custom = op != ReduceOp.AVERAGE or f != 1.0 or self.compression is not NoneCompressor
+        if not self.reduce_custom:
+            return
+        if self.apply == "server" and (op != ReduceOp.AVERAGE or f != 1.0):
+            raise ValueError("apply='server' averages the gradients: op=Sum and gradient_predivide_factor need 'local'")
+        if self.sfb:
+            if sfb_asked:
+                raise ValueError(
+                    "sfb: op=Sum, gradient_predivide_factor and compression act on the gradient itself, so every "
+                    "layer syncs through the parameter servers: drop sfb="
+                )
+            self.sfb = False
+
+    def _apply_op(self) -> Any:
+        """The servers' ApplyOp: mean, or sum (op=Sum, or a predivide factor: the workers scale)."""
+        from ._reduce import ReduceOp
+
+        if self.sgd is not None:
+            return ("sgd",) + self.sgd
+        return "mean" if self.op == ReduceOp.AVERAGE and self.prescale is None else "sum"
 
     def _setup_comm(self, c: Dict[str, Any]) -> None:
         """Communication frequency (comm_every, comm_mode, quality_guided): see DistributedOptimizer."""
@@ -409,9 +455,7 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
         policy = "ps" if not self.sfb else ("sfb" if self.sfb == "always" else "hybrid")
         if env.local_agg:
             policy = "ps"  # a node's learners sum gradients: no factors (see __init__)
-        apply_op: Union[str, Tuple[str, float, float, float]] = "mean"
-        if self.sgd is not None:
-            apply_op = ("sgd",) + self.sgd  # type: ignore[assignment]
+        apply_op: Union[str, Tuple[str, float, float, float]] = self._apply_op()
         desc = repr(
             (index, self._table(), [L.sfb_layout for L in self.layers], self.apply, apply_op, policy,
              self.k_rows, self.consistency, self.bpps, self.comm)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import zlib
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from concurrent.futures import Future
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -22,9 +24,105 @@ _HDR = 8
 _SCRATCH_SMALL = 1 << 14
 _SCRATCH_LARGE = 1 << 20
 
-_OP_SUM, _OP_BROADCAST, _OP_ALLGATHER = 1, 2, 3
-_OP_NAMES = {_OP_SUM: "push_pull", _OP_BROADCAST: "broadcast", _OP_ALLGATHER: "allgather"}
+_OP_SUM, _OP_BROADCAST, _OP_ALLGATHER, _OP_JOIN = 1, 2, 3, 4
+_OP_NAMES = {_OP_SUM: "push_pull", _OP_BROADCAST: "broadcast", _OP_ALLGATHER: "allgather", _OP_JOIN: "join"}
 _PATH_VALUES, _PATH_DIGITS = 0, 1
+
+_T = TypeVar("_T")
+
+#: The dtypes and reductions a collective's header can name (its root field,
+#: for collectives without a root): every rank checks that every other rank
+#: passed the same dtype and reduction, not only the same element count.
+_TAG_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+               torch.int16, torch.int8, torch.uint8, torch.bool]
+_TAG_OPS = ["average", "sum", "adasum", "min", "max", "product", "gather"]
+
+
+def _tag(dtype: torch.dtype, op: int) -> int:
+    """The header tag of a collective over ``dtype`` with reduction ``op`` (an index of ``_TAG_OPS``)."""
+    if dtype not in _TAG_DTYPES:
+        raise TypeError(f"tidewire.torch's collectives do not move {dtype} tensors")
+    return 1 + _TAG_DTYPES.index(dtype) * len(_TAG_OPS) + op
+
+
+def _untag(tag: int) -> str:
+    d, o = divmod(tag - 1, len(_TAG_OPS))
+    dtype = str(_TAG_DTYPES[d]).replace("torch.", "") if 0 <= d < len(_TAG_DTYPES) else f"dtype {d}"
+    op = _TAG_OPS[o] if 0 <= o < len(_TAG_OPS) else f"op {o}"
+    return f"{dtype}, {op}"
+
+
+class _Worker:
+    """Runs the utility collectives in the order they were submitted (FIFO),
+    in the threads of their callers. An async collective is queued; the queue
+    runs (in the caller's thread) when a blocking collective starts, or when a
+    handle is polled or synchronized. So the order in which a rank calls
+    collectives is the order in which they run, and no thread of Tidewire's
+    runs torch code (an async collective does not overlap the caller's
+    computation in this version)."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.jobs: "collections.deque[Tuple[Callable[[], Any], Future]]" = collections.deque()
+        self.owner: Optional[threading.Thread] = None  # the thread running jobs now
+
+    def here(self) -> bool:
+        """Whether the caller is running a job now (a job that runs sub-collectives)."""
+        return self.owner is threading.current_thread()
+
+    def submit(self, fn: Callable[[], _T]) -> "Future[_T]":
+        """Queues ``fn``; it runs before the next blocking collective, poll or synchronize."""
+        fut: "Future[_T]" = Future()
+        with self.cv:
+            self.jobs.append((fn, fut))
+        return fut
+
+    def _claim(self) -> bool:
+        """Makes this thread the one running jobs (waits for another one); False if it already is."""
+        me = threading.current_thread()
+        with self.cv:
+            if self.owner is me:
+                return False
+            while self.owner is not None:
+                self.cv.wait()
+            self.owner = me
+            return True
+
+    def _release(self) -> None:
+        with self.cv:
+            self.owner = None
+            self.cv.notify_all()
+
+    def _drain(self) -> None:
+        while True:
+            with self.cv:
+                if not self.jobs:
+                    return
+                fn, fut = self.jobs.popleft()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to whoever synchronizes it
+                    fut.set_exception(e)
+
+    def run_queued(self) -> None:
+        """Runs every queued job (in this thread, in order)."""
+        claimed = self._claim()
+        try:
+            self._drain()
+        finally:
+            if claimed:
+                self._release()
+
+    def call(self, fn: Callable[[], _T]) -> _T:
+        """Runs the queued jobs, then ``fn``, in this thread; returns ``fn``'s result."""
+        claimed = self._claim()
+        try:
+            self._drain()
+            return fn()
+        finally:
+            if claimed:
+                self._release()
 
 
 # --------------------------------------------------------------------------- utility collectives
@@ -121,10 +219,30 @@ class _Util:
             connect_timeout=max(env.timeout, 60.0),
         )
         self.session = _Guard(_native.Session(config, params=self.res, grads=self.grad))
+        self.worker = _Worker()
 
     def close(self) -> None:
-        with self.lock:
-            self.session.close()
+        """Ends the session once the collectives submitted before have run (or failed)."""
+
+        def close_now() -> None:
+            with self.lock:
+                self.session.close()
+
+        self.worker.call(close_now)
+
+    def call(self, fn: Callable[[], _T]) -> _T:
+        """Runs ``fn`` (which may run several collectives back to back) on the
+        collective worker, after every collective submitted before; waits."""
+        return self.worker.call(fn)
+
+    def submit(self, fn: Callable[[], _T]) -> "Future[_T]":
+        """Queues ``fn`` and returns at once; it runs, in call order, before the
+        next blocking collective or when :meth:`run_queued` is called."""
+        return self.worker.submit(fn)
+
+    def run_queued(self) -> None:
+        """Runs every queued collective, in order, in this thread."""
+        self.worker.run_queued()
 
     def _layer(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
         o, n = self.offsets[i], self.sizes[i]
@@ -146,7 +264,10 @@ class _Util:
     ) -> torch.Tensor:
         """One collective: ``data`` (float32, ``length`` values; None for
         zeros) summed over every rank. ``count`` is what the header compares
-        (the caller's element count)."""
+        (the caller's element count). Runs on the collective worker, after
+        every collective submitted before."""
+        if not self.worker.here():
+            return self.worker.call(lambda: self.run(op, path, root, count, name, data, length))
         env = self.env
         hdr = env.size * _HDR
         code = op * 4 + path
@@ -197,6 +318,8 @@ class _Util:
             what = _OP_NAMES.get(op, f"operation {op}")
             if op == _OP_BROADCAST:
                 what += f" from root {int(r[2])}"
+            elif int(r[2]):
+                what += f" ({_untag(int(r[2]))})"
             kind = "float32 values" if path == _PATH_VALUES else "bytes as 16-bit digits"
             return f"{what} of {_undigits16(r[3:6])} elements ({kind}), name hash {_undigits16(r[6:8]):#010x}"
 
