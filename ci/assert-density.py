@@ -4,7 +4,8 @@
 Counts, in engine/src outside tests, the functions with a body and the assertion
 macros: assert!, assert_eq!, assert_ne! and their debug_ forms (`unreachable!`
 is not an assertion). Outside tests means: not in an item under `#[cfg(test)]`
-(a `mod tests` block, a test-only helper), and not in the simulator (sim.rs or a
+(a `mod tests` block, a test-only helper), not in a `tests.rs` file (a module's
+tests in a file of their own), and not in the simulator (sim.rs or a
 sim/ directory, which is a test harness of its own). Comments and strings are
 ignored, so a doc example's `assert!` is not counted. Functions are found as
 ci/sizes.py finds them.
@@ -81,7 +82,8 @@ def main():
     for dirpath, dirs, files in os.walk(ROOT):
         dirs[:] = sorted(d for d in dirs if d != 'sim')
         for f in sorted(files):
-            if not f.endswith('.rs') or (f == 'sim.rs' and dirpath == ROOT):
+            # A module's tests in a file of their own (`tests.rs`) are tests, as in ci/sizes.py.
+            if not f.endswith('.rs') or f == 'tests.rs' or (f == 'sim.rs' and dirpath == ROOT):
                 continue
             path = os.path.join(dirpath, f)
             fns, asserts = scan(path)
