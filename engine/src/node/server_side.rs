@@ -280,12 +280,32 @@ impl Node {
         }
     }
 
+    /// Sends the credits this server owes its workers, at the end of a drive.
+    /// While its jobs run or wait (each one's end frees more slots), a
+    /// worker's credits are held until a quarter of its slots are owed: one
+    /// message then returns several, and the worker keeps at least three
+    /// quarters of its window. Once no server job is left, every owed credit
+    /// goes, so a credit waits at most for the jobs already queued.
     pub(super) fn flush_credits(&mut self) {
+        let busy = self.srv_out > 0 || !self.srv_queue.is_empty();
+        let batch = (self.sched.slots / 4).max(1) as usize;
         let Some(s) = self.server.as_mut() else { return };
         if s.credit_out.is_empty() {
             return;
         }
-        let pending = std::mem::take(&mut s.credit_out);
+        let pending = if busy {
+            let due: Vec<u32> = s
+                .credit_out
+                .iter()
+                .filter(|(_, slots)| slots.len() >= batch)
+                .map(|(&w, _)| w)
+                .collect();
+            due.into_iter()
+                .filter_map(|w| s.credit_out.remove(&w).map(|slots| (w, slots)))
+                .collect()
+        } else {
+            std::mem::take(&mut s.credit_out)
+        };
         for (w, slots) in pending {
             debug_assert!(w != self.rank && !slots.is_empty(), "credits for rank {w}: {slots:?}");
             for part in slots.chunks(wire::MAX_CREDITS) {
