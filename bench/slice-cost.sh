@@ -13,8 +13,10 @@
 #
 # where messages = slices_pushed + broadcasts. The first is what one more slice costs the
 # whole job (its push, its landing, its sum, its credit, and its share of the broadcasts,
-# on both ends, kernel included). It prints each repetition, their median, and the figure
-# from each size's least CPU time.
+# on both ends, kernel included). It also gives the transport sends one more slice costs
+# (the report's tx_sends: a gathered sendmsg of several slices or frames counts once), a
+# count the machine's load does not blur. It prints each repetition, their median, and the
+# figure from each size's least CPU time.
 #
 # Usage: bench/slice-cost.sh [--model M] [--workers W] [--servers S] [--iters I]
 #                            [--small P] [--large P] [--reps R] [--bin PATH] [--json FILE]
@@ -51,7 +53,7 @@ done
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-# run P: prints "cpu_s slices messages iteration_s" for one job with P-parameter slices.
+# run P: prints "cpu_s slices messages iteration_s sends" for one job with P-parameter slices.
 run() {
   /usr/bin/time -f '%U %S' -o "$tmp/time" "$T" train --model "$MODEL" --workers "$WORKERS" \
     --servers "$SERVERS" --iters "$ITERS" --time-scale 0.05 --sync p3 --slice-params "$1" --json \
@@ -60,22 +62,23 @@ run() {
 import json, sys
 u, s = open(sys.argv[1]).read().split()[-2:]
 d = json.load(open(sys.argv[2]))
-print(float(u) + float(s), d["slices_pushed"], d["slices_pushed"] + d["broadcasts"], d["iteration_s"])
+print(float(u) + float(s), d["slices_pushed"], d["slices_pushed"] + d["broadcasts"], d["iteration_s"], d["tx_sends"])
 EOF
 }
 
 echo "slice cost: $MODEL, $WORKERS workers + $SERVERS servers, $ITERS iterations, p3 at $SMALL and $LARGE parameters a slice, $REPS reps"
-printf '%4s %10s %10s %10s %10s %12s %12s\n' rep "cpu small" "cpu large" "slices sm" "slices lg" "us/slice" "us/message"
+printf '%4s %10s %10s %10s %10s %12s %12s %12s\n' rep "cpu small" "cpu large" "slices sm" "slices lg" "us/slice" "us/message" "sends/slice"
 rows=()
 for ((r = 1; r <= REPS; r++)); do
-  if [ $((r % 2)) -eq 1 ]; then read -r cs ns ms is < <(run "$SMALL"); read -r cl nl ml il < <(run "$LARGE")
-  else read -r cl nl ml il < <(run "$LARGE"); read -r cs ns ms is < <(run "$SMALL"); fi
+  if [ $((r % 2)) -eq 1 ]; then read -r cs ns ms is ss < <(run "$SMALL"); read -r cl nl ml il sl < <(run "$LARGE")
+  else read -r cl nl ml il sl < <(run "$LARGE"); read -r cs ns ms is ss < <(run "$SMALL"); fi
   [ "$ns" -gt "$nl" ] && [ "$ms" -gt "$ml" ] \
     || { echo "the small slices gave no more slices ($ns, $ms messages) than the large ($nl, $ml)" >&2; exit 1; }
   per=$(awk -v a="$cs" -v b="$cl" -v n="$ns" -v m="$nl" 'BEGIN { printf "%.2f", (a - b) / (n - m) * 1e6 }')
   msg=$(awk -v a="$cs" -v b="$cl" -v n="$ms" -v m="$ml" 'BEGIN { printf "%.2f", (a - b) / (n - m) * 1e6 }')
-  printf '%4d %10.2f %10.2f %10d %10d %12s %12s\n' "$r" "$cs" "$cl" "$ns" "$nl" "$per" "$msg"
-  rows+=("{\"cpu_small_s\":$cs,\"cpu_large_s\":$cl,\"slices_small\":$ns,\"slices_large\":$nl,\"messages_small\":$ms,\"messages_large\":$ml,\"iteration_small_s\":$is,\"iteration_large_s\":$il,\"us_per_slice\":$per,\"us_per_message\":$msg}")
+  sends=$(awk -v a="$ss" -v b="$sl" -v n="$ns" -v m="$nl" 'BEGIN { printf "%.3f", (a - b) / (n - m) }')
+  printf '%4d %10.2f %10.2f %10d %10d %12s %12s %12s\n' "$r" "$cs" "$cl" "$ns" "$nl" "$per" "$msg" "$sends"
+  rows+=("{\"cpu_small_s\":$cs,\"cpu_large_s\":$cl,\"slices_small\":$ns,\"slices_large\":$nl,\"messages_small\":$ms,\"messages_large\":$ml,\"sends_small\":$ss,\"sends_large\":$sl,\"iteration_small_s\":$is,\"iteration_large_s\":$il,\"us_per_slice\":$per,\"us_per_message\":$msg,\"sends_per_slice\":$sends}")
 done
 # The median of the repetitions' figures, and the figure from each size's least CPU time
 # (interference only ever adds CPU time: a busy machine, a first run's page faults).
@@ -84,12 +87,12 @@ import json, statistics, sys
 r = [json.loads(l) for l in sys.stdin]
 med = lambda k: statistics.median(x[k] for x in r)
 d = min(x["cpu_small_s"] for x in r) - min(x["cpu_large_s"] for x in r)
-print("%.2f %.2f %.2f %.2f" % (med("us_per_slice"), med("us_per_message"),
+print("%.2f %.2f %.2f %.2f %.3f" % (med("us_per_slice"), med("us_per_message"),
       d / (r[0]["slices_small"] - r[0]["slices_large"]) * 1e6,
-      d / (r[0]["messages_small"] - r[0]["messages_large"]) * 1e6))')
-read -r mslice mmsg lslice lmsg <<<"$summary"
-echo "median: $mslice us of CPU per slice, $mmsg us per message"
+      d / (r[0]["messages_small"] - r[0]["messages_large"]) * 1e6, med("sends_per_slice")))')
+read -r mslice mmsg lslice lmsg msends <<<"$summary"
+echo "median: $mslice us of CPU per slice, $mmsg us per message, $msends transport sends per slice"
 echo "least CPU of each size: $lslice us per slice, $lmsg us per message"
 mkdir -p "$(dirname "$JSON")"
-(IFS=,; echo "{\"model\":\"$MODEL\",\"workers\":$WORKERS,\"servers\":$SERVERS,\"iters\":$ITERS,\"small\":$SMALL,\"large\":$LARGE,\"us_per_slice\":$mslice,\"us_per_message\":$mmsg,\"least_us_per_slice\":$lslice,\"least_us_per_message\":$lmsg,\"reps\":[${rows[*]}]}") >"$JSON"
+(IFS=,; echo "{\"model\":\"$MODEL\",\"workers\":$WORKERS,\"servers\":$SERVERS,\"iters\":$ITERS,\"small\":$SMALL,\"large\":$LARGE,\"us_per_slice\":$mslice,\"us_per_message\":$mmsg,\"least_us_per_slice\":$lslice,\"least_us_per_message\":$lmsg,\"sends_per_slice\":$msends,\"reps\":[${rows[*]}]}") >"$JSON"
 echo "json: $JSON"

@@ -21,6 +21,10 @@ pub struct SessionStats {
     /// NIC's transmit side. With local learners, one rank per node sends for all.
     #[serde(default)]
     pub tx_payload_bytes: u64,
+    /// Send operations this rank's transport handed to the kernel or the NIC
+    /// (see `tidewire_transport::Counters::tx_sends`), set-up included.
+    #[serde(default)]
+    pub tx_sends: u64,
     /// Contribution bytes this rank's server summed on the CPU.
     pub cpu_aggregated_bytes: u64,
     /// Contribution bytes this rank's server summed on the GPU (Nexus).

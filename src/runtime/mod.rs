@@ -784,6 +784,7 @@ impl Runtime {
             broadcasts: n.broadcasts,
             rx_direct_bytes: tc.rx_direct_bytes,
             tx_payload_bytes: tc.tx_payload_bytes,
+            tx_sends: tc.tx_sends,
             rx_copied_bytes: tc.rx_copied_bytes,
             cpu_aggregated_bytes: agg.cpu_bytes,
             gpu_aggregated_bytes: agg.gpu_bytes,

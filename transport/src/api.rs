@@ -205,6 +205,11 @@ pub struct Counters {
     /// Payload bytes of this rank's writes and messages that went out (headers
     /// and framing not counted).
     pub tx_payload_bytes: u64,
+    /// Send operations handed to the kernel or the NIC: a gathered `sendmsg`
+    /// of several frames or writes counts once (io_uring TCP: SQEs; portable
+    /// TCP: `sendmsg` calls that sent; RDMA: work requests). The runtime's
+    /// per-message cost follows it more than the message count.
+    pub tx_sends: u64,
 }
 
 /// Checks a write against the remote descriptor and the local source; shared by backends.
@@ -243,7 +248,9 @@ pub struct Waker(pub(crate) Arc<WakeFd>);
 
 impl Waker {
     /// Wakes the transport's `wait` (now, or the next one). Never blocks; costs
-    /// one `write(2)` to an eventfd unless a wake is already pending.
+    /// one `write(2)` to an eventfd unless a wake is already pending or the
+    /// owner's thread is not asleep (a backend that says when it sleeps: the
+    /// io_uring TCP one); otherwise an atomic swap and a load.
     pub fn wake(&self) {
         self.0.wake();
     }
@@ -266,9 +273,21 @@ impl fmt::Debug for Waker {
 /// `poll(2)`) with the eventfd among what ends the sleep. The owner drains the
 /// eventfd whenever it is readable, so a write that lands after its flag was
 /// taken costs at most one spurious wake-up of the sleep, never a return.
+///
+/// A backend may also say when its owner is awake ([`WakeFd::woke`],
+/// [`WakeFd::may_sleep`]); a wake then rings the doorbell only while the owner
+/// may be asleep, since an awake owner looks at the flag before it sleeps. The
+/// two sides form the store-buffering pattern, all sequentially consistent: the
+/// owner clears `awake` and then loads `pending`; a waker sets `pending` and
+/// then loads `awake`. In the single order of those four operations, either
+/// the owner sees the wake (and does not sleep) or the waker sees the owner
+/// asleep (and writes the eventfd), so no wake is lost.
 pub(crate) struct WakeFd {
     fd: OwnedFd,
     pending: AtomicBool,
+    /// The owner is running and will look at `pending` before it sleeps. It
+    /// starts false (a backend that never sets it gets a write on every wake).
+    awake: AtomicBool,
 }
 
 impl fmt::Debug for WakeFd {
@@ -294,6 +313,7 @@ impl WakeFd {
         Ok(Arc::new(WakeFd {
             fd,
             pending: AtomicBool::new(false),
+            awake: AtomicBool::new(false),
         }))
     }
 
@@ -303,13 +323,35 @@ impl WakeFd {
     }
 
     fn wake(&self) {
-        if self.pending.swap(true, Ordering::AcqRel) {
+        if self.pending.swap(true, Ordering::SeqCst) {
             return; // already pending: whoever set it rings (or rang) the doorbell
+        }
+        if self.awake.load(Ordering::SeqCst) {
+            return; // the owner looks at the flag before it sleeps (see the type's docs)
         }
         let one = 1u64.to_ne_bytes();
         // SAFETY: writes 8 bytes from a live local buffer to our eventfd. EAGAIN
         // (the counter is saturated) means the doorbell is already ringing.
         unsafe { libc::write(self.fd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+
+    /// The owner's thread is running again (after a sleep, or from the start
+    /// of a `wait`): wakes set the flag without ringing the doorbell until it
+    /// next calls [`WakeFd::may_sleep`].
+    pub(crate) fn woke(&self) {
+        self.awake.store(true, Ordering::SeqCst);
+    }
+
+    /// Called by the owner right before it sleeps: false if a wake is pending
+    /// (it must not sleep); true if it may, and every wake from now on rings
+    /// the doorbell. After the sleep it calls [`WakeFd::woke`].
+    pub(crate) fn may_sleep(&self) -> bool {
+        self.awake.store(false, Ordering::SeqCst);
+        if self.pending.load(Ordering::SeqCst) {
+            self.awake.store(true, Ordering::SeqCst);
+            return false;
+        }
+        true
     }
 
     /// Whether a wake is pending (not yet taken).

@@ -139,6 +139,11 @@ pub struct TrainReport {
     /// iterations (a message, or a copy to a colocated server's own worker).
     #[serde(default)]
     pub broadcasts: u64,
+    /// Send operations the ranks' transports handed to the kernel or the NIC,
+    /// over all ranks, set-up included: a gathered send of several slices or
+    /// frames counts once (`bench/slice-cost.sh` reads it per slice).
+    #[serde(default)]
+    pub tx_sends: u64,
     /// Peers' factor bytes the SF reconstructions read in place, in the buffers
     /// the transports received them in, over all ranks.
     pub factor_bytes_in_place: u64,

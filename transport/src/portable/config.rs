@@ -13,6 +13,8 @@ pub struct PortableStats {
     pub rx_write_discarded_bytes: u64,
     /// Payload bytes sent from registered memory (messages and writes).
     pub tx_payload_bytes: u64,
+    /// `sendmsg` calls that sent something (a gathered one counts once).
+    pub tx_sends: u64,
     /// `epoll_wait` calls.
     pub polls: u64,
     /// Handshakes closed, oldest first, because [`MAX_PENDING_HANDSHAKES`](crate::handshake::MAX_PENDING_HANDSHAKES) were in progress.

@@ -531,6 +531,7 @@ impl Transport for PortableTransport {
             rx_direct_bytes: self.stats.rx_write_direct_bytes,
             rx_copied_bytes: self.stats.rx_user_copy_bytes,
             tx_payload_bytes: self.stats.tx_payload_bytes,
+            tx_sends: self.stats.tx_sends,
         }
     }
 }

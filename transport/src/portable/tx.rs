@@ -82,7 +82,10 @@ impl PortableTransport {
                 }
             }
             let sent = match sendmsg(c.ctrl.as_raw_fd(), &mut self.iov) {
-                Ok(n) => n,
+                Ok(n) => {
+                    self.stats.tx_sends += 1;
+                    n
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     c.ctrl_ready.wr = false;
                     break;
@@ -152,7 +155,10 @@ impl PortableTransport {
                 }
             }
             let sent = match sendmsg(fd, &mut self.iov) {
-                Ok(n) => n,
+                Ok(n) => {
+                    self.stats.tx_sends += 1;
+                    n
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     c.data_ready.wr = false;
                     return;

@@ -170,6 +170,7 @@ impl Transport for RdmaTransport {
             rx_direct_bytes: self.stats.rx_write_bytes,
             rx_copied_bytes: self.stats.rx_message_copy_bytes,
             tx_payload_bytes: self.stats.tx_payload_bytes,
+            tx_sends: self.stats.work_requests,
         }
     }
 }

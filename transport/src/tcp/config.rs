@@ -99,6 +99,9 @@ pub struct TcpStats {
     pub tx_payload_bytes: u64,
     /// Writes sent by SEND_ZC.
     pub tx_zc_writes: u64,
+    /// Send SQEs pushed (a gathered SENDMSG of frames or writes is one; a
+    /// SEND_ZC write is two: its header and its payload).
+    pub tx_sends: u64,
     /// Submissions to the kernel (io_uring_enter calls that submitted).
     pub submits: u64,
     /// Unauthenticated connections closed because

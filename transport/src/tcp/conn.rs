@@ -67,6 +67,7 @@ impl TcpTransport {
             early_nacks: HashMap::new(),
             next_write_seq: 1,
             ack_to_send: None,
+            acks_held: 0,
             outstanding: 0,
             remote: HashMap::new(),
             ops: 0,

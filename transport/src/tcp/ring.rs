@@ -19,6 +19,7 @@ use super::config::{TcpConfig, TcpStats};
 use super::op::{Op, Pool, USER_DATA_NONE};
 use super::state::{Conn, Listener, Pending};
 use super::sys::{self, errno, BufRing, SockOpts};
+use super::tx::Acks;
 
 /// Slots of the io_uring fixed-buffer table (regions registered for SEND_ZC).
 const FIXED_SLOTS: u32 = 1024;
@@ -426,15 +427,32 @@ impl TcpTransport {
         }
     }
 
+    /// One turn of the ring, sleeping up to `wait` for a completion; held Acks
+    /// are sent lazily ([`Acks::Lazy`]) unless it sleeps.
     pub(super) fn progress(&mut self, wait: Option<Duration>) -> Result<()> {
+        self.progress_with(wait, Acks::Lazy)
+    }
+
+    /// [`TcpTransport::progress`] with the Ack policy for when it does not
+    /// sleep: [`Transport::poll`](crate::Transport::poll) sends them at once,
+    /// since a caller that only polls never lets the ring sleep.
+    pub(super) fn progress_with(&mut self, wait: Option<Duration>, acks: Acks) -> Result<()> {
         self.check_deadlines();
-        self.flush();
-        let block = wait.filter(|_| self.events.is_empty() && !self.wake.is_pending());
+        // Completions already in (a send that finished since the last turn) first:
+        // a connection whose send completed can then send again in this flush,
+        // and its Acks go with what the caller posted since.
+        self.reap_completions();
+        // Held Acks go out before the ring sleeps (see [`Acks`]).
+        let may_block = wait.is_some() && self.events.is_empty();
+        self.flush(if may_block { Acks::Send } else { acks });
+        let block = wait.filter(|_| self.events.is_empty() && self.wake.may_sleep());
         let r = match block {
             Some(d) => {
                 let ts = types::Timespec::from(d);
                 let args = types::SubmitArgs::new().timespec(&ts);
-                self.ring.submitter().submit_with_args(1, &args)
+                let r = self.ring.submitter().submit_with_args(1, &args);
+                self.wake.woke();
+                r
             }
             None => self.ring.submit(),
         };
@@ -455,7 +473,8 @@ impl TcpTransport {
             }
         }
         self.reap_completions();
-        self.flush();
+        // The writes placed just now: by `acks` (see [`Acks`]).
+        self.flush(acks);
         if !self.ring.submission().is_empty() {
             self.ring.submit().map_err(|e| Error::Io {
                 op: "io_uring_enter",

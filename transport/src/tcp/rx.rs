@@ -466,7 +466,9 @@ impl TcpTransport {
 
     /// Queues the Nack of a rejected write, after the Ack of every write placed before it.
     fn nack(&mut self, conn: u64, hdr: Header, reason: String) {
-        let ack = self.conns.get_mut(&conn).expect("live").ack_to_send.take();
+        let c = self.conns.get_mut(&conn).expect("live");
+        c.acks_held = 0;
+        let ack = c.ack_to_send.take();
         self.queue_nack(conn, ack, hdr.seq, reason);
     }
 
@@ -547,6 +549,7 @@ impl TcpTransport {
         self.events.extend(conn_core::write_received(conn, &hdr));
         if let Some(c) = self.conns.get_mut(&conn) {
             c.ack_to_send = Some(hdr.seq);
+            c.acks_held = c.acks_held.saturating_add(1);
         }
         self.mark_dirty(conn);
     }

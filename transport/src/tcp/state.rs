@@ -107,6 +107,8 @@ pub(super) struct Conn {
     pub(super) early_nacks: HashMap<u64, String>,
     pub(super) next_write_seq: u64,
     pub(super) ack_to_send: Option<u64>,
+    /// Writes placed since the last Ack went out (see [`super::tx::Acks::Lazy`]).
+    pub(super) acks_held: u32,
     pub(super) outstanding: usize,
     pub(super) remote: HashMap<u32, RemoteRegion>,
     pub(super) ops: usize,

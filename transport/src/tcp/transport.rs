@@ -106,7 +106,7 @@ impl Transport for TcpTransport {
 
     fn poll(&mut self, events: &mut Vec<Event>, max: usize) -> Result<usize> {
         if self.events.len() < max {
-            self.progress(None)?;
+            self.progress_with(None, super::tx::Acks::Send)?;
         }
         Ok(self.drain_events(events, max))
     }
@@ -156,6 +156,7 @@ impl Transport for TcpTransport {
             // Staged write bytes were copied from the read-ahead buffer into the region.
             rx_copied_bytes: self.stats.rx_user_copy_bytes + self.stats.rx_write_staged_bytes,
             tx_payload_bytes: self.stats.tx_payload_bytes,
+            tx_sends: self.stats.tx_sends,
         }
     }
 }

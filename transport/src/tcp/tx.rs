@@ -25,11 +25,39 @@ const GATHER_BYTES_MAX: usize = 8 << 20;
 
 crate::conn_core::impl_backend!(TcpTransport);
 
+/// Whether a flush sends the pending Acks ([`TcpTransport::flush`]).
+///
+/// An Ack is cumulative: one frame acknowledges every write placed through
+/// its sequence number, so holding it costs the sender nothing but time, and
+/// saves a send per hold. [`TcpTransport::progress`] sends every pending Ack
+/// before the ring sleeps ([`Acks::Send`]) and otherwise holds them
+/// ([`Acks::Lazy`]): an Ack then goes out with the next control frame its
+/// connection sends anyway (a reply, a credit: one gathered send instead of
+/// two), or once [`ACK_EVERY`] writes wait for it. A sender therefore waits
+/// for an Ack at most until the receiving thread has nothing else to do, and
+/// never for more than [`ACK_EVERY`] placements while it is busy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Acks {
+    /// Every connection's pending Ack goes out.
+    Send,
+    /// A connection's pending Ack goes out if a control frame goes out on it
+    /// in this flush, or if [`ACK_EVERY`] writes wait for it; else it stays
+    /// pending, and the connection dirty, for the next flush.
+    Lazy,
+}
+
+/// Placed writes after which a held Ack goes out even while the receiver is busy.
+/// Well under a sender's outstanding bound (256 by default), so a sender at its
+/// bound is not left waiting on a busy receiver.
+pub(super) const ACK_EVERY: u32 = 16;
+
 impl TcpTransport {
     // ---------------------------------------------------------------- transmit
 
     /// Starts sends for every connection with queued frames and no send in flight.
-    pub(super) fn flush(&mut self) {
+    /// With [`Acks::Hold`], a connection's pending Ack stays pending (and the
+    /// connection dirty) for the next flush.
+    pub(super) fn flush(&mut self, acks: Acks) {
         // Two lists swapped, not a fresh one: flushing allocates nothing once both
         // have their steady capacity (a flush may mark connections dirty again).
         std::mem::swap(&mut self.dirty, &mut self.flushing);
@@ -37,16 +65,27 @@ impl TcpTransport {
         self.flushing.dedup();
         for i in 0..self.flushing.len() {
             let conn = self.flushing[i];
-            self.flush_conn(conn);
+            self.flush_conn(conn, acks);
         }
         self.flushing.clear();
     }
 
-    pub(super) fn flush_conn(&mut self, conn: u64) {
+    pub(super) fn flush_conn(&mut self, conn: u64, acks: Acks) {
         // Pending acknowledgement goes ahead of anything queued later.
         if let Some(c) = self.conns.get_mut(&conn) {
-            if let Some(seq) = c.ack_to_send.take() {
-                c.ctrl_tx.push_back(TxFrame::ack(seq));
+            if let Some(seq) = c.ack_to_send {
+                let now = match acks {
+                    Acks::Send => true,
+                    // A closing connection acknowledges everything before its Close.
+                    Acks::Lazy => c.acks_held >= ACK_EVERY || !c.ctrl_tx.is_empty() || c.state == State::Closing,
+                };
+                if now {
+                    c.ack_to_send = None;
+                    c.acks_held = 0;
+                    c.ctrl_tx.push_back(TxFrame::ack(seq));
+                } else {
+                    self.mark_dirty(conn);
+                }
             }
         }
         self.maybe_send_close(conn);
@@ -95,6 +134,7 @@ impl TcpTransport {
                 .flat_map(|f| [(f.hdr.as_ptr(), HEADER_LEN), (f.payload.ptr(), f.payload.len())]),
         );
         let msg = &*g.msg as *const libc::msghdr;
+        self.stats.tx_sends += 1;
         let ud = self.add_op(Op::CtrlSend { conn, frames, g });
         let e = opcode::SendMsg::new(types::Fd(fd), msg)
             .flags((libc::MSG_WAITALL | libc::MSG_NOSIGNAL) as u32)
@@ -141,6 +181,7 @@ impl TcpTransport {
                 .flat_map(|w| [(w.hdr.as_ptr(), HEADER_LEN), (w.src.ptr() as *const u8, w.src.len())]),
         );
         let msg = &*g.msg as *const libc::msghdr;
+        self.stats.tx_sends += 1;
         let ud = self.add_op(Op::DataSend { conn, writes, g });
         let e = opcode::SendMsg::new(types::Fd(fd), msg)
             .flags((libc::MSG_WAITALL | libc::MSG_NOSIGNAL) as u32)
@@ -158,6 +199,7 @@ impl TcpTransport {
         let (pp, pl) = (w.src.ptr() as *const u8, w.src.len() as u32);
         let fixed = w.src.region().0.fixed_index;
         self.stats.tx_zc_writes += 1;
+        self.stats.tx_sends += 2;
         let ud_h = self.add_op(Op::ZcHeader { conn, hdr });
         let ud_p = self.add_op(Op::ZcPayload {
             conn,

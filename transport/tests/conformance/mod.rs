@@ -1082,6 +1082,58 @@ pub fn idle_wait_uses_little_cpu<B: Backend>() {
     assert!(!p.c.remote_regions(p.cc).unwrap().is_empty());
 }
 
+/// Wakes from another thread, each timed at random around the moment the
+/// owner goes to sleep (seeded; the seed is printed): every one ends its
+/// wait promptly. A lost wake would leave a wait to its 20 s timeout.
+pub fn wakes_race_sleeps<B: Backend>() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos() as u64
+        | 1;
+    eprintln!("wakes_race_sleeps: seed {seed}");
+    const ROUNDS: u64 = 2_000;
+    let mut t = B::make(&Opts::rank(0));
+    let w = t.waker().unwrap();
+    let waits = Arc::new(AtomicU64::new(0));
+    let seen = waits.clone();
+    let th = std::thread::spawn(move || {
+        let mut x = seed;
+        for i in 1..=ROUNDS {
+            while seen.load(Ordering::SeqCst) < i {
+                std::hint::spin_loop();
+            }
+            // xorshift: 0 to 63 µs after the owner said it was about to wait.
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let delay = x % 64;
+            if delay > 0 {
+                std::thread::sleep(Duration::from_micros(delay));
+            }
+            w.wake();
+        }
+    });
+    let mut ev = Vec::new();
+    let mut slowest = Duration::ZERO;
+    for i in 1..=ROUNDS {
+        waits.store(i, Ordering::SeqCst);
+        let start = Instant::now();
+        t.wait(&mut ev, 16, Duration::from_secs(20)).unwrap();
+        let took = start.elapsed();
+        assert!(
+            took < Duration::from_secs(10),
+            "round {i} (seed {seed}): a wake was lost ({took:?})"
+        );
+        slowest = slowest.max(took);
+        ev.clear();
+    }
+    th.join().unwrap();
+    eprintln!("wakes_race_sleeps: {ROUNDS} rounds, slowest wait {slowest:?}");
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($b:ty) => {
@@ -1090,7 +1142,7 @@ macro_rules! conformance_suite {
             outstanding_bound lowered_limits_are_enforced message_too_large messages_are_copied_at_most_once graceful_close_flushes peer_closes_mid_transfer
             wrong_secret_is_refused wrong_job_is_refused wrong_version_is_refused garbage_is_refused
             forged_auth_is_refused silent_peer_times_out connect_refused_is_an_error waker_ends_wait
-            idle_wait_uses_little_cpu);
+            wakes_race_sleeps idle_wait_uses_little_cpu);
     };
     (@ $b:ty; $($case:ident)*) => {
         $( #[test] fn $case() {
