@@ -62,7 +62,7 @@ run() {
 import json, sys
 u, s = open(sys.argv[1]).read().split()[-2:]
 d = json.load(open(sys.argv[2]))
-print(float(u) + float(s), d["slices_pushed"], d["slices_pushed"] + d["broadcasts"], d["iteration_s"], d["tx_sends"])
+print(float(u) + float(s), d["slices_pushed"], d["slices_pushed"] + d["broadcasts"], d["iteration_s"], d.get("tx_sends", 0))  # 0: a build before tx_sends
 EOF
 }
 

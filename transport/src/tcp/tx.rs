@@ -54,9 +54,8 @@ pub(super) const ACK_EVERY: u32 = 16;
 impl TcpTransport {
     // ---------------------------------------------------------------- transmit
 
-    /// Starts sends for every connection with queued frames and no send in flight.
-    /// With [`Acks::Hold`], a connection's pending Ack stays pending (and the
-    /// connection dirty) for the next flush.
+    /// Starts sends for every connection with queued frames and no send in flight,
+    /// and sends or holds each pending Ack by `acks`.
     pub(super) fn flush(&mut self, acks: Acks) {
         // Two lists swapped, not a fresh one: flushing allocates nothing once both
         // have their steady capacity (a flush may mark connections dirty again).
