@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use tidewire_engine::EngineError;
 
+use crate::rendezvous::{RefusalKind, RefusedJoiner};
+
 /// Everything a session can fail with.
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
@@ -35,6 +37,20 @@ pub enum Error {
     /// Nothing happened within the configured timeout.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout { what: String, after: Duration },
+    /// Rank 0's rendezvous ran out of time with ranks `missing`; `refused`
+    /// names the joiners it turned away meanwhile (a rank with another
+    /// secret, say), the first [`MAX_REFUSALS_KEPT`](crate::rendezvous::MAX_REFUSALS_KEPT)
+    /// of them, and `refused_more` counts the rest.
+    #[error(
+        "timed out after {after:?} waiting for ranks {missing:?} to join the rendezvous{}",
+        refusals(.refused, *.refused_more)
+    )]
+    RendezvousTimeout {
+        missing: Vec<u32>,
+        refused: Vec<RefusedJoiner>,
+        refused_more: usize,
+        after: Duration,
+    },
     /// A buffer handed to the builder does not fit the layer table.
     #[error("buffer layout: {0}")]
     Layout(String),
@@ -97,9 +113,32 @@ impl Error {
     }
     /// Whether a wait or a setup step ran out of time.
     pub fn is_timeout(&self) -> bool {
-        matches!(self, Error::Timeout { .. } | Error::Engine(EngineError::Timeout { .. }))
-            || matches!(self.transport(), Some(tidewire_transport::Error::Timeout { .. }))
+        matches!(
+            self,
+            Error::Timeout { .. } | Error::RendezvousTimeout { .. } | Error::Engine(EngineError::Timeout { .. })
+        ) || matches!(self.transport(), Some(tidewire_transport::Error::Timeout { .. }))
     }
+}
+
+/// The tail of [`Error::RendezvousTimeout`]'s message: the refused joiners, if any.
+fn refusals(refused: &[RefusedJoiner], more: usize) -> String {
+    if refused.is_empty() {
+        return String::new();
+    }
+    let n = refused.len() + more;
+    let mut s = format!(
+        "; meanwhile rank 0 refused {n} joiner{}: ",
+        if n == 1 { "" } else { "s" }
+    );
+    let each: Vec<String> = refused.iter().map(ToString::to_string).collect();
+    s += &each.join("; ");
+    if more > 0 {
+        s += &format!("; and {more} more");
+    }
+    if refused.iter().any(|r| r.kind == RefusalKind::WrongSecret) {
+        s += " (is the job secret, TIDEWIRE_SECRET, the same on every rank?)";
+    }
+    s
 }
 
 /// Shorthand.

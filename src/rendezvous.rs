@@ -14,13 +14,16 @@
 //!    HMAC over both nonces and the reply (`tidewire/v1/rendezvous-reply`), or
 //!    `{"refused": why}` for a joiner that did not prove the secret.
 //!
-//! A joiner without the secret is refused and the job goes on without noticing;
-//! a recorded join or reply is useless on another connection (fresh nonces on
-//! both sides). Rank 0 serves joiners concurrently, one thread each (at most
-//! [`MAX_JOINERS_IN_FLIGHT`] at once; past it the oldest is cut), each under its own
-//! deadline ([`JOIN_TIMEOUT`] by default), so an idle connection delays
-//! nobody else. The addresses are not secret; the transport authenticates
-//! every connection again.
+//! A joiner without the secret is refused and the job goes on without it;
+//! rank 0 logs the refusal and remembers it ([`RefusedJoiner`]: from where,
+//! claiming which rank, why), so that when the rendezvous then times out its
+//! error names the joiners it turned away ([`Error::RendezvousTimeout`]), not
+//! only the ranks missing. A recorded join or reply is useless on another
+//! connection (fresh nonces on both sides). Rank 0 serves joiners
+//! concurrently, one thread each (at most [`MAX_JOINERS_IN_FLIGHT`] at once;
+//! past it the oldest is cut), each under its own deadline ([`JOIN_TIMEOUT`]
+//! by default), so an idle connection delays nobody else. The addresses are
+//! not secret; the transport authenticates every connection again.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -42,6 +45,10 @@ pub const MAX_LINE: usize = 64 * 1024;
 pub const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections rank 0 authenticates at once; another one cuts the oldest.
 pub const MAX_JOINERS_IN_FLIGHT: usize = 256;
+
+/// Refused joiners rank 0 remembers for its timeout error (the first ones);
+/// past it, it only counts them.
+pub const MAX_REFUSALS_KEPT: usize = 16;
 
 const JOIN_LABEL: &[u8] = b"tidewire/v1/rendezvous-join";
 const REPLY_LABEL: &[u8] = b"tidewire/v1/rendezvous-reply";
@@ -93,8 +100,25 @@ struct Joined {
     nonces: [[u8; 32]; 2],
 }
 
-/// What a connection's thread reports: its id and a proven join, or why it was refused.
-type Outcome = (u64, std::result::Result<Joined, Refusal>);
+/// What a connection's thread reports: its id, its peer, and a proven join or why it was refused.
+type Outcome = (u64, SocketAddr, std::result::Result<Joined, Refusal>);
+
+/// Connections rank 0 is authenticating (at most [`MAX_JOINERS_IN_FLIGHT`]):
+/// id and a handle to cut it, oldest first; and the next id.
+#[derive(Default)]
+struct InFlight {
+    conns: VecDeque<(u64, TcpStream)>,
+    next_id: u64,
+}
+
+/// Why rank 0's rendezvous ends without a table.
+enum Failure {
+    /// A proven joiner does not fit: another job or world, a rank twice, or
+    /// (with the field) another configuration.
+    Refused(String, Option<Mismatch>),
+    /// The deadline passed with ranks missing ([`Error::RendezvousTimeout`]).
+    TimedOut(Error),
+}
 
 /// Why rank 0 refused a joiner before its join counted: it did not prove the
 /// job secret in time, or its connection failed. The text is what rank 0
@@ -119,9 +143,106 @@ enum Refusal {
     /// The MAC is not hex.
     #[error("malformed MAC")]
     MalformedMac,
-    /// The MAC does not prove the job secret.
+    /// The MAC does not prove the job secret. `claimed` is the (rank, job)
+    /// its join names, when it parses: unauthenticated, a hint for the report.
     #[error("authentication failed (the joiner does not have this job's secret)")]
-    Unauthenticated,
+    Unauthenticated { claimed: Option<(u32, u64)> },
+}
+
+impl Refusal {
+    fn kind(&self) -> RefusalKind {
+        match self {
+            Refusal::Unauthenticated { .. } => RefusalKind::WrongSecret,
+            Refusal::MalformedJoin(_) | Refusal::MalformedNonce | Refusal::MalformedMac => RefusalKind::Malformed,
+            Refusal::ReadJoin(_) => RefusalKind::NoJoin,
+            Refusal::Socket(_) | Refusal::SendChallenge(_) => RefusalKind::Connection,
+        }
+    }
+}
+
+/// Why rank 0 refused a joiner, by kind ([`RefusedJoiner::detail`] has the words).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RefusalKind {
+    /// Its join did not prove this job's secret: a rank with another secret,
+    /// or a rank of another job on the same port.
+    WrongSecret,
+    /// Its lines are not this rendezvous protocol (another program or version).
+    Malformed,
+    /// It sent no join before its deadline, closed the connection, or sent an
+    /// over-long line.
+    NoJoin,
+    /// Its connection could not be set up, or the challenge not sent.
+    Connection,
+}
+
+/// A joiner rank 0 refused during the rendezvous, as its timeout error
+/// ([`Error::RendezvousTimeout`]) reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefusedJoiner {
+    /// Where it connected from.
+    pub peer: SocketAddr,
+    /// The rank and job its join claimed, when it sent one that parses. Not
+    /// authenticated: a hint for the reader, never used for the job.
+    pub claimed: Option<(u32, u64)>,
+    /// Why, by kind.
+    pub kind: RefusalKind,
+    /// Why, in words: what rank 0 answered it (`{"refused": detail}`).
+    pub detail: String,
+}
+
+impl std::fmt::Display for RefusedJoiner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.peer)?;
+        if let Some((rank, job)) = self.claimed {
+            write!(f, " claiming rank {rank} of job {job}")?;
+        }
+        write!(f, ": {}", self.detail)
+    }
+}
+
+impl RefusedJoiner {
+    /// The report of `why`, logged (a wrong secret or a foreign protocol as a
+    /// warning; a silent or broken connection, a port scan say, only at debug).
+    fn logged(peer: SocketAddr, why: &Refusal) -> Self {
+        let claimed = match why {
+            Refusal::Unauthenticated { claimed } => *claimed,
+            _ => None,
+        };
+        let r = RefusedJoiner {
+            peer,
+            claimed,
+            kind: why.kind(),
+            detail: why.to_string(),
+        };
+        match r.kind {
+            RefusalKind::WrongSecret | RefusalKind::Malformed => {
+                tracing::warn!(refused = %r, "rendezvous: rank 0 refused a joiner");
+            }
+            RefusalKind::NoJoin | RefusalKind::Connection => {
+                tracing::debug!(refused = %r, "rendezvous: rank 0 refused a joiner");
+            }
+        }
+        r
+    }
+}
+
+/// The refusals of one rendezvous: the first [`MAX_REFUSALS_KEPT`], and how many more.
+#[derive(Debug, Default)]
+struct Refusals {
+    kept: Vec<RefusedJoiner>,
+    more: usize,
+}
+
+impl Refusals {
+    fn record(&mut self, peer: SocketAddr, why: &Refusal) {
+        let r = RefusedJoiner::logged(peer, why);
+        if self.kept.len() < MAX_REFUSALS_KEPT {
+            self.kept.push(r);
+        } else {
+            self.more += 1;
+        }
+    }
 }
 
 /// Rank 0's side, bound before the transport listens so that the advertised IP
@@ -159,7 +280,9 @@ impl Host {
     }
 
     /// Collects every rank's authenticated join and answers it. Joiners that
-    /// fail to authenticate are refused and do not affect the job.
+    /// fail to authenticate are refused and do not affect the job; if the
+    /// rendezvous then times out, its error ([`Error::RendezvousTimeout`])
+    /// names them, and the ranks that did join hear it too.
     pub fn run(
         &self,
         secret: &JobSecret,
@@ -174,94 +297,51 @@ impl Host {
         let mut addrs: Vec<Option<SocketAddr>> = vec![None; world];
         addrs[0] = Some(me);
         let mut conns: Vec<Joined> = Vec::new();
-        let mut failure: Option<(String, Option<Mismatch>)> = None;
+        let mut failure: Option<Failure> = None;
         let (tx, rx): (Sender<Outcome>, Receiver<Outcome>) = crossbeam_channel::unbounded();
-        // Connections being authenticated: id, a handle to cut it, since when.
-        let mut in_flight: VecDeque<(u64, TcpStream)> = VecDeque::new();
-        let mut next_id = 0u64;
+        let mut joiners = InFlight::default();
+        let mut refused = Refusals::default();
         while addrs.iter().any(Option::is_none) && failure.is_none() {
             if Instant::now() > deadline {
-                let missing: Vec<usize> = (0..world).filter(|&r| addrs[r].is_none()).collect();
-                return Err(Error::Timeout {
-                    what: format!("ranks {missing:?} to join the rendezvous"),
+                // What the threads reported meanwhile: a refusal (an impostor is
+                // refused at once) belongs in the error; a late join hears it.
+                for (_, peer, outcome) in rx.try_iter() {
+                    match outcome {
+                        Ok(joined) => conns.push(joined),
+                        Err(why) => refused.record(peer, &why),
+                    }
+                }
+                failure = Some(Failure::TimedOut(Error::RendezvousTimeout {
+                    missing: (0..world as u32).filter(|&r| addrs[r as usize].is_none()).collect(),
+                    refused: std::mem::take(&mut refused.kept),
+                    refused_more: refused.more,
                     after: timeout,
-                });
+                }));
+                break;
             }
-            // Accept everything waiting; each connection gets its own thread and deadline.
-            loop {
-                let (stream, peer) = match self.listener.accept() {
-                    Ok(x) => x,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(e) => {
-                        // Out of fds and the like: try again on the next turn.
-                        tracing::warn!(error = %e, "rendezvous accept failed");
-                        break;
-                    }
-                };
-                if in_flight.len() >= MAX_JOINERS_IN_FLIGHT {
-                    if let Some((_, oldest)) = in_flight.pop_front() {
-                        tracing::debug!("rendezvous: too many joiners authenticating; cutting the oldest");
-                        let _ = oldest.shutdown(Shutdown::Both);
-                    }
-                }
-                let id = next_id;
-                next_id += 1;
-                let handle = match stream.try_clone() {
-                    Ok(h) => h,
-                    Err(e) => {
-                        tracing::warn!(%peer, error = %e, "rendezvous: cannot track a connection; dropping it");
-                        continue;
-                    }
-                };
-                let conn_deadline = (Instant::now() + self.join_timeout).min(deadline);
-                let (tx, secret) = (tx.clone(), secret.clone());
-                let spawned = std::thread::Builder::new()
-                    .name("tidewire-rendezvous-join".into())
-                    .spawn(move || {
-                        let r = authenticate(stream, &secret, conn_deadline);
-                        if let Err(why) = &r {
-                            tracing::debug!(%peer, why = why.to_string(), "rendezvous: refused a joiner");
-                        }
-                        let _ = tx.send((id, r));
-                    });
-                match spawned {
-                    Ok(_) => in_flight.push_back((id, handle)),
-                    Err(e) => {
-                        tracing::warn!(%peer, error = %e, "rendezvous: cannot start a thread; dropping the joiner");
-                        let _ = handle.shutdown(Shutdown::Both);
-                    }
-                }
-            }
-            let (id, outcome) = match rx.recv_timeout(Duration::from_millis(5)) {
+            self.accept_waiting(&mut joiners, &tx, secret, deadline);
+            let (id, peer, outcome) = match rx.recv_timeout(Duration::from_millis(5)) {
                 Ok(x) => x,
                 Err(RecvTimeoutError::Timeout) => continue,
                 Err(RecvTimeoutError::Disconnected) => unreachable!("the host holds a sender"),
             };
-            in_flight.retain(|(i, _)| *i != id);
-            let Ok(joined) = outcome else { continue };
+            joiners.conns.retain(|(i, _)| *i != id);
+            let joined = match outcome {
+                Ok(j) => j,
+                Err(why) => {
+                    refused.record(peer, &why);
+                    continue;
+                }
+            };
             let j = &joined.join;
-            if j.job != job {
-                failure = Some((format!("rank {} belongs to job {}, not {job}", j.rank, j.job), None));
-            } else if j.world != world {
-                failure = Some((
-                    format!(
-                        "rank {} says the world has {} ranks, rank 0 says {world}",
-                        j.rank, j.world
-                    ),
-                    None,
-                ));
-            } else if j.rank == 0 || j.rank as usize >= world || addrs[j.rank as usize].is_some() {
-                failure = Some((format!("rank {} joined twice or is out of range", j.rank), None));
-            } else if let Some(m) = mismatch(j.rank, config, &j.config) {
-                failure = Some(("the job configurations differ".into(), Some(m)));
-            } else {
-                addrs[j.rank as usize] = Some(j.addr);
+            match admit(j, job, world, config, &addrs) {
+                Ok(()) => addrs[j.rank as usize] = Some(j.addr),
+                Err((e, m)) => failure = Some(Failure::Refused(e, m)),
             }
             conns.push(joined);
         }
         // Joiners still authenticating are not part of the job.
-        for (_, h) in in_flight {
+        for (_, h) in joiners.conns {
             let _ = h.shutdown(Shutdown::Both);
         }
         let reply = match &failure {
@@ -270,10 +350,15 @@ impl Host {
                 error: None,
                 mismatch: None,
             },
-            Some((e, m)) => Reply {
+            Some(Failure::Refused(e, m)) => Reply {
                 addrs: vec![],
                 error: Some(e.clone()),
                 mismatch: *m,
+            },
+            Some(Failure::TimedOut(e)) => Reply {
+                addrs: vec![],
+                error: Some(format!("rank 0 {e}")),
+                mismatch: None,
             },
         };
         for mut c in conns {
@@ -281,7 +366,55 @@ impl Host {
         }
         match failure {
             None => Ok(reply.addrs),
-            Some((e, m)) => Err(to_error(e, m)),
+            Some(Failure::Refused(e, m)) => Err(to_error(e, m)),
+            Some(Failure::TimedOut(e)) => Err(e),
+        }
+    }
+
+    /// Accepts every connection waiting; each gets its own thread, which
+    /// authenticates it before its deadline and reports to `tx`.
+    fn accept_waiting(&self, joiners: &mut InFlight, tx: &Sender<Outcome>, secret: &JobSecret, deadline: Instant) {
+        loop {
+            let (stream, peer) = match self.listener.accept() {
+                Ok(x) => x,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // Out of fds and the like: try again on the next turn.
+                    tracing::warn!(error = %e, "rendezvous accept failed");
+                    break;
+                }
+            };
+            if joiners.conns.len() >= MAX_JOINERS_IN_FLIGHT {
+                if let Some((_, oldest)) = joiners.conns.pop_front() {
+                    tracing::debug!("rendezvous: too many joiners authenticating; cutting the oldest");
+                    let _ = oldest.shutdown(Shutdown::Both);
+                }
+            }
+            let id = joiners.next_id;
+            joiners.next_id += 1;
+            let handle = match stream.try_clone() {
+                Ok(h) => h,
+                Err(e) => {
+                    tracing::warn!(%peer, error = %e, "rendezvous: cannot track a connection; dropping it");
+                    continue;
+                }
+            };
+            let conn_deadline = (Instant::now() + self.join_timeout).min(deadline);
+            let (tx, secret) = (tx.clone(), secret.clone());
+            let spawned = std::thread::Builder::new()
+                .name("tidewire-rendezvous-join".into())
+                .spawn(move || {
+                    let r = authenticate(stream, &secret, conn_deadline);
+                    let _ = tx.send((id, peer, r));
+                });
+            match spawned {
+                Ok(_) => joiners.conns.push_back((id, handle)),
+                Err(e) => {
+                    tracing::warn!(%peer, error = %e, "rendezvous: cannot start a thread; dropping the joiner");
+                    let _ = handle.shutdown(Shutdown::Both);
+                }
+            }
         }
     }
 
@@ -306,8 +439,8 @@ impl Host {
             .spawn(move || {
                 let world = addrs.len();
                 while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
-                    let stream = match self.listener.accept() {
-                        Ok((s, _)) => s,
+                    let (stream, peer) = match self.listener.accept() {
+                        Ok(x) => x,
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                             std::thread::sleep(Duration::from_millis(20));
                             continue;
@@ -319,8 +452,12 @@ impl Host {
                     };
                     let _ = stream.set_nonblocking(false);
                     // One at a time: a replacement is rare, and each has its deadline.
-                    let Ok(mut joined) = authenticate(stream, &secret, Instant::now() + join_timeout) else {
-                        continue;
+                    let mut joined = match authenticate(stream, &secret, Instant::now() + join_timeout) {
+                        Ok(j) => j,
+                        Err(why) => {
+                            RefusedJoiner::logged(peer, &why);
+                            continue;
+                        }
                     };
                     let j = &joined.join;
                     let refused = if j.job != job || j.world != world {
@@ -432,7 +569,8 @@ fn check_join(line: &[u8], secret: &JobSecret, host: &[u8; 32]) -> std::result::
     let joiner = unhex32(&signed.nonce).ok_or(Refusal::MalformedNonce)?;
     let mac = unhex(&signed.mac).ok_or(Refusal::MalformedMac)?;
     if !auth::verify_mac(secret, JOIN_LABEL, &[host, &joiner, signed.join.as_bytes()], &mac) {
-        return Err(Refusal::Unauthenticated);
+        let claimed = serde_json::from_str::<Join>(&signed.join).ok().map(|j| (j.rank, j.job));
+        return Err(Refusal::Unauthenticated { claimed });
     }
     let join: Join = serde_json::from_str(&signed.join).map_err(Refusal::MalformedJoin)?;
     Ok((join, joiner))
@@ -523,6 +661,36 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
 
 fn unhex32(s: &str) -> Option<[u8; 32]> {
     unhex(s)?.try_into().ok()
+}
+
+/// Rank 0's check of a proven join against the job and the ranks already in:
+/// why it does not fit (with the field, for a configuration that differs).
+fn admit(
+    j: &Join,
+    job: u64,
+    world: usize,
+    config: &JobConfig,
+    addrs: &[Option<SocketAddr>],
+) -> std::result::Result<(), (String, Option<Mismatch>)> {
+    if j.job != job {
+        return Err((format!("rank {} belongs to job {}, not {job}", j.rank, j.job), None));
+    }
+    if j.world != world {
+        return Err((
+            format!(
+                "rank {} says the world has {} ranks, rank 0 says {world}",
+                j.rank, j.world
+            ),
+            None,
+        ));
+    }
+    if j.rank == 0 || j.rank as usize >= world || addrs[j.rank as usize].is_some() {
+        return Err((format!("rank {} joined twice or is out of range", j.rank), None));
+    }
+    match mismatch(j.rank, config, &j.config) {
+        Some(m) => Err(("the job configurations differ".into(), Some(m))),
+        None => Ok(()),
+    }
 }
 
 /// The first field where `rank`'s configuration differs from rank 0's.
@@ -820,6 +988,91 @@ mod tests {
     }
 
     #[test]
+    fn a_timeout_names_the_joiners_rank_0_refused() {
+        let h = Host::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let master = h.local_addr().unwrap();
+        let timeout = Duration::from_millis(1500);
+        let t = std::thread::spawn(move || h.run(&secret(), JOB, WORLD, addr_of(0), &config(), timeout));
+        // Rank 1 has the job's secret; rank 2 another one.
+        let r1 = joiner(master, secret(), 1);
+        let r2 = joiner(master, JobSecret::new(b"another secret".to_vec()), 2)
+            .join()
+            .unwrap();
+        match r2 {
+            Err(Error::Rendezvous(m)) => assert!(m.contains("refused this rank: authentication failed"), "{m}"),
+            other => panic!("a rank with another secret was not refused: {other:?}"),
+        }
+        let e = t.join().unwrap().unwrap_err();
+        assert!(e.is_timeout(), "{e}");
+        let Error::RendezvousTimeout {
+            missing,
+            refused,
+            refused_more,
+            after,
+        } = &e
+        else {
+            panic!("not a rendezvous timeout: {e:?}");
+        };
+        assert_eq!((missing.as_slice(), *refused_more, *after), (&[2][..], 0, timeout));
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        let r = &refused[0];
+        assert_eq!((r.kind, r.claimed), (RefusalKind::WrongSecret, Some((2, JOB))));
+        assert_eq!(r.peer.ip(), master.ip());
+        let msg = e.to_string();
+        for want in [
+            "waiting for ranks [2] to join the rendezvous",
+            "rank 0 refused 1 joiner: 127.0.0.1:",
+            "claiming rank 2 of job 77: authentication failed (the joiner does not have this job's secret)",
+            "is the job secret, TIDEWIRE_SECRET, the same on every rank?",
+        ] {
+            assert!(msg.contains(want), "{want:?} not in {msg:?}");
+        }
+        // Rank 1, which joined, hears rank 0's timeout and the refusal rather than a closed connection.
+        match r1.join().unwrap() {
+            Err(Error::Rendezvous(m)) => {
+                assert!(m.starts_with("rank 0 timed out after"), "{m}");
+                assert!(m.contains("claiming rank 2 of job 77"), "{m}");
+            }
+            other => panic!("rank 1 did not hear rank 0's timeout: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_timeout_without_refusals_names_only_the_missing_ranks() {
+        let h = Host::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let e = h
+            .run(&secret(), JOB, WORLD, addr_of(0), &config(), Duration::from_millis(200))
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "timed out after 200ms waiting for ranks [1, 2] to join the rendezvous"
+        );
+    }
+
+    #[test]
+    fn refusals_past_the_bound_are_counted_not_kept() {
+        let mut r = Refusals::default();
+        let peer: SocketAddr = "10.0.0.9:7".parse().unwrap();
+        for _ in 0..MAX_REFUSALS_KEPT + 4 {
+            r.record(peer, &Refusal::MalformedMac);
+        }
+        assert_eq!((r.kept.len(), r.more), (MAX_REFUSALS_KEPT, 4));
+        let e = Error::RendezvousTimeout {
+            missing: vec![1],
+            refused: r.kept,
+            refused_more: r.more,
+            after: Duration::from_secs(1),
+        };
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("rank 0 refused {} joiners: ", MAX_REFUSALS_KEPT + 4)),
+            "{msg}"
+        );
+        assert!(msg.ends_with("10.0.0.9:7: malformed MAC; and 4 more"), "{msg}");
+        assert!(!msg.contains("TIDEWIRE_SECRET"), "no wrong secret, no hint: {msg}");
+    }
+
+    #[test]
     fn an_idle_connection_does_not_delay_the_others() {
         let per_conn = Duration::from_secs(10);
         let (master, h) = host(per_conn);
@@ -888,7 +1141,7 @@ mod tests {
         })
         .unwrap();
         let e = check_join(line.as_bytes(), &secret(), &host).unwrap_err();
-        assert!(matches!(e, Refusal::Unauthenticated), "{e}");
+        assert!(matches!(e, Refusal::Unauthenticated { claimed: None }), "{e}");
         assert_eq!(
             e.to_string(),
             "authentication failed (the joiner does not have this job's secret)"

@@ -2,7 +2,7 @@
 """digits.py - a small MLP on scikit-learn's bundled handwritten digits (8x8,
 1797 images, no download), trained data-parallel by N processes with Tidewire.
 
-    TIDEWIRE_SECRET=s3cret torchrun --nproc-per-node 4 examples/torch/digits.py
+    torchrun --nproc-per-node 4 examples/torch/digits.py
     python examples/torch/digits.py --procs 1          # the same run in one process, plain torch
 
 Each step takes one global batch (--global-batch, default 64) of a permutation

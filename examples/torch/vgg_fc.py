@@ -2,8 +2,8 @@
 """vgg_fc.py - throughput of a VGG-style model with a large fully connected head,
 trained data-parallel with Tidewire on generated 32x32 images (seeded).
 
-    TIDEWIRE_SECRET=s3cret torchrun --nproc-per-node 4 examples/torch/vgg_fc.py
-    TIDEWIRE_SECRET=s3cret torchrun --nproc-per-node 4 examples/torch/vgg_fc.py --model conv
+    torchrun --nproc-per-node 4 examples/torch/vgg_fc.py
+    torchrun --nproc-per-node 4 examples/torch/vgg_fc.py --model conv
 
 Models (both take 3x32x32 images, 10 classes):
 

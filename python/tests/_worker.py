@@ -4,6 +4,7 @@ OUT_DIR/rank{r}.pt: what the test compares."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -292,10 +293,56 @@ def gloo(cfg) -> dict:
     return res
 
 
+def secret(cfg) -> dict:
+    """Under torchrun: where the job secret came from, its digest, and a
+    push_pull's sum. With ``die_first``, every rank of the first attempt writes
+    its result to OUT_DIR/attempt0/ and exits 3, so that torchrun restarts the job."""
+    tw.init()
+    r = tw.rank()
+    env = tw._state.env
+    res = {
+        "rank": r,
+        "size": tw.size(),
+        "launcher": env.source,
+        "source": env.secret_source,
+        "secret_len": len(env.secret),
+        "digest": hashlib.sha256(env.secret).hexdigest(),
+        "sum": tw.push_pull(torch.arange(6, dtype=torch.float32) * (r + 1), average=False),
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "env_secret": os.environ.get("TIDEWIRE_SECRET"),
+    }
+    tw.shutdown()
+    if cfg.get("die_first") and res["attempt"] == 0:
+        first = os.path.join(sys.argv[1], "attempt0")
+        os.makedirs(first, exist_ok=True)
+        save(first, r, res)
+        sys.stdout.flush()
+        os._exit(3)
+    return res
+
+
+def native_build(cfg) -> dict:
+    """Builds a native session with this rank's secret (``cfg["secrets"]``) and a
+    short rendezvous timeout; returns the build's error, or None."""
+    r, w = int(os.environ["TIDEWIRE_RANK"]), int(os.environ["TIDEWIRE_WORLD_SIZE"])
+    params, grads = torch.zeros(4), torch.zeros(4)
+    config = tidewire.SessionConfig([("w", "other", 1, 4)], rank=r, world=w, master=os.environ["TIDEWIRE_MASTER"],
+                                    secret=cfg["secrets"][r], timeout=cfg["timeout"],
+                                    connect_timeout=cfg["timeout"])
+    t0 = time.time()
+    try:
+        s = tidewire.Session(config, params=params, grads=grads)
+    except tidewire.TidewireError as e:
+        return {"error": str(e), "seconds": time.time() - t0}
+    s.shutdown()
+    return {"error": None, "seconds": time.time() - t0}
+
+
 from _hvd_scenarios import SCENARIOS as _HVD  # noqa: E402
 
 SCENARIOS = {**_HVD, "multi": multi, "native": native, "native_servers": native_servers, "collectives": collectives, "mismatch": mismatch,
-             "nosecret": nosecret, "straggler": straggler, "gloo": gloo}
+             "nosecret": nosecret, "straggler": straggler, "gloo": gloo, "secret": secret,
+             "native_build": native_build}
 
 
 def main() -> int:

@@ -24,7 +24,7 @@ _CLEAR = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLU
           "TIDEWIRE_RANK", "TIDEWIRE_WORLD_SIZE", "TIDEWIRE_LOCAL_RANK", "TIDEWIRE_MASTER", "TIDEWIRE_SECRET",
           "TIDEWIRE_SERVERS", "TIDEWIRE_PORT_OFFSET", "TORCHELASTIC_USE_AGENT_STORE", "LOCAL_WORLD_SIZE",
           "TIDEWIRE_LOCAL_SIZE", "TIDEWIRE_LOCAL_AGGREGATION", "TIDEWIRE_CACHE_STALENESS", "OMPI_COMM_WORLD_LOCAL_SIZE",
-          "SLURM_NTASKS_PER_NODE"]
+          "SLURM_NTASKS_PER_NODE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"]
 
 
 def free_port(span: int = 16) -> int:
@@ -111,6 +111,23 @@ def run_ranks(tmp_path: pathlib.Path, world: int, cfg: dict, env: Optional[Dict[
     if check and any(c != 0 for c in codes):
         pytest.fail(f"a rank failed or hung (timeout {timeout} s):\n{ranks.log()}")
     return ranks
+
+
+def run_torchrun(out: pathlib.Path, cfg: dict, env: Optional[Dict[str, str]] = None, nproc: int = 2,
+                 args=(), timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node N _worker.py OUT` (the real launcher:
+    its agent's store on MASTER_PORT) with the scenario ``cfg``; ``env`` on top of
+    base_env() (None removes a variable). A hang past ``timeout`` fails the test."""
+    e = base_env()
+    e["TW_TEST"] = json.dumps(cfg)
+    e.update(env or {})
+    e = {k: v for k, v in e.items() if v is not None}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "--monitor-interval", "0.2", *args, str(HERE / "_worker.py"), str(out)]
+    try:
+        return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as t:
+        pytest.fail(f"torchrun hung (timeout {timeout} s):\n{t.stdout}\n{t.stderr}")
 
 
 @pytest.fixture

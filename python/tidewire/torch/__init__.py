@@ -54,15 +54,45 @@ Environment
 ``TIDEWIRE_MASTER``                                       ``host:port`` of rank 0's rendezvous
 ``MASTER_ADDR``, ``MASTER_PORT``                          otherwise: rank 0's host, and the base port
 ``TIDEWIRE_PORT_OFFSET``                                  offset from ``MASTER_PORT`` (default 1000)
-``TIDEWIRE_SECRET``                                       the job secret, the same on every rank (required
-                                                          with more than one rank)
+``TIDEWIRE_SECRET``                                       the job secret, the same on every rank: under
+                                                          torchrun optional (see Job secret), elsewhere
+                                                          required with more than one rank
 ``TIDEWIRE_JOB``                                          job id (a number, default 1)
 ``TIDEWIRE_TIMEOUT``                                      seconds a wait may last (default 60)
 ``TIDEWIRE_TRANSPORT``                                    ``auto``, ``tcp``, ``portable`` or ``rdma``
+``TORCHELASTIC_USE_AGENT_STORE``                          torchrun's: its agent's store serves at
+                                                          ``MASTER_ADDR:MASTER_PORT`` (the secret)
+``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``   torchrun's: the run and restart attempt
+                                                          (the key of the shared secret)
 ========================================================  ======================================
 
 Without any rank variable the process is a job of one (rank 0 of 1), which
 needs no secret and no address.
+
+Job secret
+----------
+Tidewire's ranks authenticate each other (rendezvous and every connection)
+with a job secret: ``init(secret=...)``, else ``TIDEWIRE_SECRET``. Under
+torchrun neither is needed: rank 0 makes a fresh one (32 random bytes from
+:mod:`secrets`) and puts it in torchrun's store (the elastic agent's TCPStore
+at ``MASTER_ADDR:MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE=True``) under
+``tidewire/job-secret/<TORCHELASTIC_RUN_ID>/attempt-<TORCHELASTIC_RESTART_COUNT>``,
+and the other ranks read it there (waiting ``TIDEWIRE_TIMEOUT`` at most for
+rank 0), so a job that torchrun restarts gets a new one. Not under torchrun
+but after ``torch.distributed.init_process_group``, the default process
+group's store serves the same way. Where neither exists, a job of several
+ranks without a secret is an error.
+
+The store is torch's, and it has no authentication: anyone who can reach
+``MASTER_ADDR:MASTER_PORT`` can read the secret, just as they can join or
+disturb torch.distributed's own rendezvous there. A secret shared this way
+keeps out what cannot reach that port (other jobs, other hosts behind the
+cluster's firewall), no more; where the store's port is reachable by people
+you do not trust, set ``TIDEWIRE_SECRET`` yourself (it wins when set).
+
+A rank with another secret is refused by rank 0; it fails at once with
+``rank 0 refused this rank``, and rank 0, when its rendezvous then times out,
+names the joiners it refused (address, the rank each claimed, why).
 """
 
 from __future__ import annotations

@@ -1,5 +1,12 @@
 """Who this process is in the job: the launcher's environment (rank, world and local
-size, the rendezvous address, the secret), each session's placement, and host helpers."""
+size, the rendezvous address, the secret), each session's placement, and host helpers.
+
+The job secret comes from ``init(secret=...)``, else ``TIDEWIRE_SECRET``, else
+torch's store: under torchrun its agent's store (``MASTER_ADDR:MASTER_PORT``,
+``TORCHELASTIC_USE_AGENT_STORE=True``), else the store of an initialized default
+process group. There rank 0 puts a fresh random secret under a key of the run and
+restart attempt, and the other ranks read it. Anyone who can reach that store can
+read the secret: it is as private as torch.distributed's own rendezvous."""
 
 from __future__ import annotations
 
@@ -7,7 +14,8 @@ import hashlib
 import os
 import secrets as _secrets
 import tempfile
-from typing import Any, Dict, Optional, Union
+from datetime import timedelta
+from typing import Any, Dict, Optional, Tuple, Union
 
 from .._config import LocalAggregation
 from .._native import TidewireError
@@ -39,6 +47,7 @@ class _Env:
         local_agg: bool = False,
         cache_staleness: int = 0,
         local_size_given: bool = False,
+        secret_source: str = "",
     ) -> None:
         self.rank = rank
         self.size = size
@@ -52,6 +61,10 @@ class _Env:
         self.host = host
         self.base_port = base_port
         self.secret = secret
+        #: Where the secret came from: ``init(secret=...)``, ``TIDEWIRE_SECRET``, a
+        #: torch store (``torchrun's store at host:port``, ``the default process
+        #: group's store``) or ``generated`` (a job of one).
+        self.secret_source = secret_source
         self.job = job
         self.timeout = timeout
         self.transport = transport
@@ -134,25 +147,12 @@ def _read_env(
             f"Tidewire's rendezvous would listen on MASTER_PORT={base}, but {who}: give "
             "TIDEWIRE_MASTER another port, or unset it (Tidewire then uses MASTER_PORT + TIDEWIRE_PORT_OFFSET)"
         )
-    if secret is None:
-        secret = env.get("TIDEWIRE_SECRET")
-    if not secret:
-        if size_ > 1:
-            raise TidewireError(
-                "TIDEWIRE_SECRET is not set: Tidewire's ranks authenticate each other with a job secret. "
-                "Set TIDEWIRE_SECRET to the same string on every rank (for example "
-                "`export TIDEWIRE_SECRET=$(head -c 16 /dev/urandom | xxd -p)` before torchrun), "
-                "or pass init(secret=...)"
-            )
-        secret = _secrets.token_hex(16)
-    if isinstance(secret, str):
-        secret = secret.encode()
-    job = _env_int("TIDEWIRE_JOB", env.get("TIDEWIRE_JOB", "1"))
     if timeout is None:
         try:
             timeout = float(env.get("TIDEWIRE_TIMEOUT", "60"))
         except ValueError:
             raise TidewireError(f"TIDEWIRE_TIMEOUT={env['TIDEWIRE_TIMEOUT']!r} is not a number") from None
+    job = _env_int("TIDEWIRE_JOB", env.get("TIDEWIRE_JOB", "1"))
     transport = env.get("TIDEWIRE_TRANSPORT", "auto").strip().lower() or "auto"
     size_keys = ("TIDEWIRE_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
     local_size = next((_env_int(k, env[k]) for k in size_keys if k in env), 1)
@@ -170,10 +170,103 @@ def _read_env(
             raise TidewireError(f"TIDEWIRE_CACHE_STALENESS={staleness}: want >= 0")
     else:
         local_aggregation = False
+    # Last: under torchrun, the other ranks wait here for rank 0's secret.
+    secret, secret_source = _job_secret(secret, size_, timeout)
     return _Env(
         rank_, size_, local, source, host, base, secret, job, timeout, transport,
-        local_size, bool(local_aggregation), staleness, any(k in env for k in size_keys),
+        local_size, bool(local_aggregation), staleness, any(k in env for k in size_keys), secret_source,
     )
+
+
+# --------------------------------------------------------------------------- job secret
+
+
+#: Where rank 0 puts the job secret in torch's store; the run and the restart
+#: attempt follow, so that a job torchrun restarts gets a fresh secret.
+SECRET_KEY = "tidewire/job-secret"
+
+
+def _job_secret(secret: Union[str, bytes, None], size: int, timeout: float) -> Tuple[bytes, str]:
+    """The job secret and where it came from: ``secret`` (``init(secret=...)``), else
+    ``TIDEWIRE_SECRET``, else torch's store (see the module docs), else a fresh one
+    for a job of one. A job of several with none of them is an error."""
+    source = "init(secret=...)"
+    if secret is None:
+        secret, source = os.environ.get("TIDEWIRE_SECRET"), "TIDEWIRE_SECRET"
+    if not secret and size > 1:
+        shared = _store_secret(timeout)
+        if shared is None:
+            raise TidewireError(
+                "TIDEWIRE_SECRET is not set: Tidewire's ranks authenticate each other with a job secret. "
+                "Set TIDEWIRE_SECRET to the same string on every rank (for example "
+                "`export TIDEWIRE_SECRET=$(head -c 16 /dev/urandom | xxd -p)` before the launcher), "
+                "or pass init(secret=...); under torchrun, or after torch.distributed.init_process_group, "
+                "rank 0 shares one through torch's store instead"
+            )
+        return shared
+    if not secret:
+        return _secrets.token_hex(16).encode(), "generated"
+    return (secret.encode() if isinstance(secret, str) else bytes(secret)), source
+
+
+def _store_secret(timeout: float) -> Optional[Tuple[bytes, str]]:
+    """The job secret shared through torch's store: torchrun's agent store
+    (every worker is a client of it, ``init_process_group`` or not), else the
+    store of the initialized default process group; None where neither exists.
+    The store's rank 0 puts a fresh one (``secrets``, 32 bytes) unless one is
+    there already (a second ``init`` in the same attempt reuses it); the others
+    wait for it, ``timeout`` seconds at most."""
+    env = os.environ
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not dist.is_available():
+        return None
+    run = env.get("TORCHELASTIC_RUN_ID", "none")
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"{SECRET_KEY}/{run}/attempt-{attempt}"
+    wait = timedelta(seconds=timeout)
+    addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and addr and port and "RANK" in env:
+        where = f"torchrun's store at {_bracketed(addr)}:{port}"
+        first = _env_int("RANK", env["RANK"]) == 0
+        try:
+            store = dist.TCPStore(addr, _env_int("MASTER_PORT", port), is_master=False, timeout=wait,
+                                  wait_for_workers=False)
+        except (RuntimeError, ValueError) as e:
+            raise TidewireError(
+                f"cannot reach {where} to share Tidewire's job secret: {_first_line(e)} "
+                "(set TIDEWIRE_SECRET to the same string on every rank to do without it)"
+            ) from None
+    elif dist.is_initialized() and hasattr(dist.distributed_c10d, "_get_default_store"):
+        where = "the default process group's store"
+        first = dist.get_rank() == 0
+        store = dist.distributed_c10d._get_default_store()
+    else:
+        return None
+    try:
+        if first:
+            value = store.compare_set(key, "", _secrets.token_hex(32).encode())
+        else:
+            store.wait([key], wait)
+            value = store.get(key)
+    except RuntimeError as e:  # torch.distributed.DistError and its timeouts
+        if first:
+            raise TidewireError(f"cannot put Tidewire's job secret in {where}: {_first_line(e)}") from None
+        raise TidewireError(
+            f"rank 0 did not share Tidewire's job secret through {where} within {timeout:g} s "
+            f"(key {key!r}; {_first_line(e)}): is rank 0 running tidewire.torch.init() in the same "
+            "torchrun attempt? Set TIDEWIRE_SECRET to the same string on every rank to do without it"
+        ) from None
+    if len(value) < 16:
+        raise TidewireError(f"the job secret in {where} (key {key!r}) is {len(value)} bytes: want 16 or more")
+    return bytes(value), where
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's message without the C++ backtrace torch appends."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _place(env: _Env, index: int) -> Dict[str, Any]:
