@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use tidewire_engine::EngineError;
 
-use crate::rendezvous::{RefusalKind, RefusedJoiner};
+use std::net::SocketAddr;
 
 /// Everything a session can fail with.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -153,5 +153,46 @@ pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "a panic without a message".into()
+    }
+}
+
+/// Why rank 0 refused a joiner, by kind ([`RefusedJoiner::detail`] has the words).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RefusalKind {
+    /// Its join did not prove this job's secret: a rank with another secret,
+    /// or a rank of another job on the same port.
+    WrongSecret,
+    /// Its lines are not this rendezvous protocol (another program or version).
+    Malformed,
+    /// It sent no join before its deadline, closed the connection, or sent an
+    /// over-long line.
+    NoJoin,
+    /// Its connection could not be set up, or the challenge not sent.
+    Connection,
+}
+
+/// A joiner rank 0 refused during the rendezvous, as its timeout error
+/// ([`Error::RendezvousTimeout`]) reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefusedJoiner {
+    /// Where it connected from.
+    pub peer: SocketAddr,
+    /// The rank and job its join claimed, when it sent one that parses. Not
+    /// authenticated: a hint for the reader, never used for the job.
+    pub claimed: Option<(u32, u64)>,
+    /// Why, by kind.
+    pub kind: RefusalKind,
+    /// Why, in words: what rank 0 answered it (`{"refused": detail}`).
+    pub detail: String,
+}
+
+impl std::fmt::Display for RefusedJoiner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.peer)?;
+        if let Some((rank, job)) = self.claimed {
+            write!(f, " claiming rank {rank} of job {job}")?;
+        }
+        write!(f, ": {}", self.detail)
     }
 }

@@ -17,9 +17,8 @@ use crate::frame;
 
 use super::config::{TcpConfig, TcpStats};
 use super::op::{Op, Pool, USER_DATA_NONE};
-use super::state::{Conn, Listener, Pending};
+use super::state::{Acks, Conn, Listener, Pending};
 use super::sys::{self, errno, BufRing, SockOpts};
-use super::tx::Acks;
 
 /// Slots of the io_uring fixed-buffer table (regions registered for SEND_ZC).
 const FIXED_SLOTS: u32 = 1024;

@@ -106,7 +106,7 @@ impl Transport for TcpTransport {
 
     fn poll(&mut self, events: &mut Vec<Event>, max: usize) -> Result<usize> {
         if self.events.len() < max {
-            self.progress_with(None, super::tx::Acks::Send)?;
+            self.progress_with(None, super::state::Acks::Send)?;
         }
         Ok(self.drain_events(events, max))
     }

@@ -14,7 +14,7 @@ use crate::frame::HEADER_LEN;
 use crate::memory::InFlight;
 
 use super::op::{AwaitAck, Op, TxFrame, WriteReq};
-use super::state::State;
+use super::state::{Acks, State, ACK_EVERY};
 use super::sys::errno;
 use super::TcpTransport;
 
@@ -24,32 +24,6 @@ const GATHER_MAX: usize = super::op::GATHER_PARTS;
 const GATHER_BYTES_MAX: usize = 8 << 20;
 
 crate::conn_core::impl_backend!(TcpTransport);
-
-/// Whether a flush sends the pending Acks ([`TcpTransport::flush`]).
-///
-/// An Ack is cumulative: one frame acknowledges every write placed through
-/// its sequence number, so holding it costs the sender nothing but time, and
-/// saves a send per hold. [`TcpTransport::progress`] sends every pending Ack
-/// before the ring sleeps ([`Acks::Send`]) and otherwise holds them
-/// ([`Acks::Lazy`]): an Ack then goes out with the next control frame its
-/// connection sends anyway (a reply, a credit: one gathered send instead of
-/// two), or once [`ACK_EVERY`] writes wait for it. A sender therefore waits
-/// for an Ack at most until the receiving thread has nothing else to do, and
-/// never for more than [`ACK_EVERY`] placements while it is busy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Acks {
-    /// Every connection's pending Ack goes out.
-    Send,
-    /// A connection's pending Ack goes out if a control frame goes out on it
-    /// in this flush, or if [`ACK_EVERY`] writes wait for it; else it stays
-    /// pending, and the connection dirty, for the next flush.
-    Lazy,
-}
-
-/// Placed writes after which a held Ack goes out even while the receiver is busy.
-/// Well under a sender's outstanding bound (256 by default), so a sender at its
-/// bound is not left waiting on a busy receiver.
-pub(super) const ACK_EVERY: u32 = 16;
 
 impl TcpTransport {
     // ---------------------------------------------------------------- transmit
