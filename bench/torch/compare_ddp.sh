@@ -16,7 +16,7 @@
 #             (default: cargo's target directory, $TARGET_DIR/compare-ddp/; the committed
 #             copies are in bench/results/)
 #   --python  an interpreter that imports torch and tidewire (default: python3 if it does,
-#             else the bootstrap venv's python with PYTHONPATH as given)
+#             else the newest venv of ci/python.sh that does, with PYTHONPATH as given)
 #   --summarize WORKDIR   run nothing: summarize an earlier run's WORKDIR (printed at its start)
 # Arguments after -- go to every compare_ddp.py (e.g. -- --steps 5 --blocks 4 --batch 32).
 #
@@ -76,7 +76,16 @@ while [ $# -gt 0 ]; do
 done
 if [ -z "$PY" ]; then
   if python3 -c 'import torch, tidewire.torch' 2>/dev/null; then PY=$(command -v python3)
-  else PY=/var/cache/tidewire-python/venv-bootstrap/bin/python; fi
+  else
+    # The venv ci/python.sh built (in its cache directory, the newest that imports both).
+    if [ -n "${TIDEWIRE_PYTHON_CACHE:-}" ]; then cache=$TIDEWIRE_PYTHON_CACHE
+    elif [ "$(id -u)" -eq 0 ]; then cache=/var/cache/tidewire-python
+    else cache=${XDG_CACHE_HOME:-$HOME/.cache}/tidewire-python; fi
+    for v in $(ls -td "$cache"/venv-*/ 2>/dev/null); do
+      if "${v}bin/python" -c 'import torch, tidewire.torch' 2>/dev/null; then PY=${v}bin/python; break; fi
+    done
+    PY=${PY:-python3}
+  fi
 fi
 "$PY" -c 'import torch, tidewire.torch' || { echo "$PY cannot import torch and tidewire.torch (build it: bash ci/python.sh, or set PYTHONPATH)"; exit 1; }
 mkdir -p "$OUTDIR"
