@@ -136,6 +136,9 @@ fn open_transport(cfg: &Config, rank: u32, secret: &JobSecret) -> Result<select:
     let mut tcp = TcpConfig::new(cfg.job, rank, secret.clone());
     // The runtime sleeps in `wait` until there is work: no spinning.
     tcp.busy_poll = Duration::ZERO;
+    // Its loop comes back to `wait` until it sleeps there, so Acks may wait for
+    // the next control frame (a Credit) or for the sleep.
+    tcp.lazy_acks = true;
     tcp.peer_timeout = cfg.timeout;
     // The handshake keeps its own short deadline (unauthenticated peers hold
     // resources until it passes); the connect timeout only shortens it.

@@ -44,6 +44,16 @@ pub struct TcpConfig {
     /// before it sleeps in the kernel; it trades CPU for wake-up latency, as
     /// RDMA busy-polling does. `Duration::ZERO` never spins.
     pub busy_poll: Duration,
+    /// Hold a placed write's Ack until a control frame goes out on its
+    /// connection anyway, [`ACK_EVERY`](super::state::ACK_EVERY) writes wait for
+    /// it, or `wait` is about to sleep ([`Acks::Lazy`](super::state::Acks)),
+    /// instead of sending it from the same `wait` or `poll` that placed the
+    /// write. It saves a send per Ack, but only for a caller that keeps calling
+    /// `wait` until it has nothing left to do: a caller that stops driving the
+    /// transport (to block on something else) leaves the Acks it holds unsent,
+    /// and its peers' writes incomplete. Off by default; Tidewire's runtime,
+    /// whose loop sleeps only in `wait`, turns it on.
+    pub lazy_acks: bool,
     /// Provided buffers for control receives (power of two) and their size
     /// (4 KiB ..= [`PRE_AUTH_MAX_BYTES`](crate::frame::PRE_AUTH_MAX_BYTES) / 2,
     /// so that one receive cannot push an unauthenticated connection past its bound).
@@ -68,6 +78,7 @@ impl TcpConfig {
             rcvbuf_bytes: None,
             send_zc_min_bytes: None,
             busy_poll: Duration::from_micros(100),
+            lazy_acks: false,
             recv_buffers: 256,
             recv_buffer_bytes: 16 * 1024,
         }

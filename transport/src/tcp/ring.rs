@@ -436,6 +436,8 @@ impl TcpTransport {
     /// sleep: [`Transport::poll`](crate::Transport::poll) sends them at once,
     /// since a caller that only polls never lets the ring sleep.
     pub(super) fn progress_with(&mut self, wait: Option<Duration>, acks: Acks) -> Result<()> {
+        // Without `lazy_acks` every flush sends the pending Acks (see TcpConfig).
+        let acks = if self.cfg.lazy_acks { acks } else { Acks::Send };
         self.check_deadlines();
         // Completions already in (a send that finished since the last turn) first:
         // a connection whose send completed can then send again in this flush,

@@ -132,7 +132,7 @@ impl Conn {
     }
 }
 
-/// Whether a flush sends the pending Acks ([`TcpTransport::flush`](super::TcpTransport::flush)).
+/// Whether a flush sends the pending Acks (held only with [`TcpConfig::lazy_acks`](super::TcpConfig::lazy_acks)) ([`TcpTransport::flush`](super::TcpTransport::flush)).
 ///
 /// An Ack is cumulative: one frame acknowledges every write placed through
 /// its sequence number, so holding it costs the sender nothing but time, and
