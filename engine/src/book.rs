@@ -401,6 +401,8 @@ pub struct Book {
     shard_len: Vec<usize>,
     server_chunks: Vec<Vec<u32>>,
     schemes: Vec<Scheme>,
+    /// The start-up schemes and any switches ([`crate::plan`]).
+    plan: crate::plan::Plan,
     rates: Option<cost::Rates>,
     hash: u64,
 }
@@ -600,10 +602,12 @@ impl Book {
             shard_len: p.shard_len,
             server_chunks: p.server_chunks,
             schemes: Vec::new(),
+            plan: crate::plan::Plan::default(),
             rates: None,
             hash: 0,
         };
         book.schemes = (0..book.layers.len() as u32).map(|l| book.best_scheme(l)).collect();
+        book.plan = crate::plan::Plan::new(book.schemes.clone());
         book.hash = book.compute_hash();
         book.debug_invariants();
         Ok(book)
@@ -708,8 +712,14 @@ impl Book {
         rates
             .validate()
             .map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
+        if self.plan.has_switches() {
+            return Err(EngineError::InvalidConfig(
+                "the rates choose the start-up schemes: give them before any switch".into(),
+            ));
+        }
         self.rates = Some(rates);
         self.schemes = (0..self.layers.len() as u32).map(|l| self.best_scheme(l)).collect();
+        self.plan.set_first(self.schemes.clone());
         // The rates choose schemes, nothing of what the book hash covers.
         debug_assert_eq!(self.hash, self.compute_hash());
         Ok(self)
@@ -772,12 +782,11 @@ impl Book {
         )
     }
 
-    /// The scheme `layer` syncs by in iteration `iter`. The cost model's inputs
-    /// (cluster, shapes, batch) are fixed for a run, so this is the same every
-    /// iteration; it is evaluated per iteration so that a book rebuilt with new
-    /// inputs takes effect at once.
-    pub fn scheme(&self, layer: u32, _iter: u64) -> Scheme {
-        let s = self.schemes[layer as usize];
+    /// The scheme `layer` syncs by in iteration `iter`: the start-up choice
+    /// ([`Book::best_scheme`]), or the one a switch gave it
+    /// ([`Book::with_switches`]).
+    pub fn scheme(&self, layer: u32, iter: u64) -> Scheme {
+        let s = self.plan.scheme(layer, iter);
         // Factors only for dense FC layers: the others always go through the PS.
         debug_assert!(
             !s.takes_factors() || {
@@ -786,6 +795,32 @@ impl Book {
             }
         );
         s
+    }
+
+    /// This book with `layer`s switching schemes as `switches` say (in
+    /// iteration order per layer; see [`crate::plan`]). Only a dense FC
+    /// layer switches, between PS and SFB. The switches are part of the
+    /// book's hash: every rank must be given the same.
+    pub fn with_switches(mut self, switches: &[crate::plan::Switch]) -> Result<Self> {
+        for sw in switches {
+            let l = self.layer(sw.layer)?;
+            if l.kind != LayerKind::Fc || l.sparse {
+                return Err(EngineError::InvalidConfig(format!(
+                    "switch {sw}: {} is not a dense fully connected layer, which always syncs through the PS",
+                    l.name
+                )));
+            }
+            self.plan
+                .add(*sw)
+                .map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
+        }
+        self.hash = self.compute_hash();
+        Ok(self)
+    }
+
+    /// The start-up schemes and switches.
+    pub fn plan(&self) -> &crate::plan::Plan {
+        &self.plan
     }
 
     /// The cluster.
@@ -915,6 +950,12 @@ impl Book {
             put(&[0, l.kind as u8, l.dtype as u8, u8::from(l.sparse)]);
             put(&(l.m as u64).to_le_bytes());
             put(&(l.n as u64).to_le_bytes());
+        }
+        // Switches only when there are some, so that existing books keep their hash.
+        for sw in self.plan.switches() {
+            put(&[0x5e, sw.scheme as u8]);
+            put(&sw.layer.to_le_bytes());
+            put(&sw.iter.to_le_bytes());
         }
         h
     }

@@ -73,6 +73,7 @@ pub mod freq;
 pub mod fxhash;
 pub mod models;
 pub mod node;
+pub mod plan;
 pub mod server;
 pub mod sparse;
 #[doc(hidden)]
@@ -85,5 +86,6 @@ pub use config::{
     ApplyOp, Consistency, QueueOrder, SchedConfig, SyncMode, Trigger, REFERENCE_CREDIT_BYTES, SLOTS_AUTO, SPARE_AUTO,
 };
 pub use error::{EngineError, JobCause, JobFailure, ProtocolViolation, Result};
+pub use plan::{Plan, PlanError, Switch};
 pub use server::{Server, ServerCommand};
 pub use worker::{Worker, WorkerCommand};

@@ -162,6 +162,9 @@ pub struct Server {
     /// Per local chunk: whether its initial values came (a second seeding
     /// of one chunk is refused, not counted for another's).
     seeded: Vec<bool>,
+    /// Per local chunk: the iteration its latest reseed was for (a switch
+    /// back from SFB, [`crate::plan::Plan::reseeds_at`]).
+    reseeded: Vec<Option<u64>>,
     bcast_queue: BinaryHeap<Reverse<(u64, u32, u32)>>,
     bcast_bytes: usize,
     out: VecDeque<ServerCommand>,
@@ -259,6 +262,7 @@ impl Server {
             spare_free: vec![(cfg.slots..cfg.landing_slots()).rev().collect(); p1],
             init_left: nlc,
             seeded: vec![false; nlc],
+            reseeded: vec![None; nlc],
             bcast_queue: BinaryHeap::new(),
             bcast_bytes: 0,
             out: VecDeque::new(),
@@ -387,9 +391,14 @@ impl Server {
         EngineError::protocol(rank, violation)
     }
 
-    /// Worker index 0 wrote the initial values of `chunk` into the shard.
+    /// Worker index 0 wrote the initial values of `chunk` into the shard,
+    /// or (once every chunk is seeded) its values again where the chunk's
+    /// layer comes back from SFB to the PS.
     pub fn handle_init(&mut self, from: u32, chunk: u32) -> Result<()> {
         let lc = self.local_chunk(from, chunk)?;
+        if self.init_left == 0 && self.book.plan().has_switches() {
+            return self.handle_reseed(from, chunk, lc);
+        }
         if self.applied[lc] != 0 || self.init_left == 0 || self.seeded[lc] {
             return Err(self.err(from, ProtocolViolation::InitTwice { chunk }));
         }
@@ -407,6 +416,23 @@ impl Server {
             debug_assert!(self.bcast_pending.iter().all(|&n| n as usize == self.live));
             self.pump_broadcasts();
         }
+        Ok(())
+    }
+
+    /// Worker index 0's values of `chunk` for its layer's switch back to the
+    /// PS: the chunk's next round may be applied once they are here.
+    fn handle_reseed(&mut self, from: u32, chunk: u32, lc: usize) -> Result<()> {
+        let layer = self.book.chunks()[chunk as usize].layer;
+        let round = self.applied[lc];
+        let plan = self.book.plan();
+        let t = plan.round_iter(layer, round);
+        let ok = self.book.cluster().worker_index(from) == Some(0)
+            && t.is_some_and(|t| plan.reseeds_at(layer, t) && self.reseeded[lc] != Some(t));
+        if !ok {
+            return Err(self.err(from, ProtocolViolation::ReseedUnexpected { chunk, round }));
+        }
+        self.reseeded[lc] = t;
+        self.try_apply(chunk);
         Ok(())
     }
 
@@ -607,6 +633,9 @@ impl Server {
         debug_assert!((self.folded[sw] as usize) < self.p1);
         let grouped = self.deterministic() && g > 1 && wi >= g && self.p1.min(wi / g * g + g) - wi / g * g > 1;
         let pos = wi % g;
+        // The round's iteration (switches leave SFB iterations out of a layer's rounds).
+        let layer = self.book.slices()[slice as usize].layer;
+        let iter = self.book.plan().server_iter(layer, self.win_iter[sw]);
         self.out.push_back(ServerCommand::Accumulate {
             worker,
             slot,
@@ -615,13 +644,13 @@ impl Server {
             first: if grouped { pos == 0 } else { self.folded[sw] == 0 },
             partial: grouped,
             credit,
-            iter: self.win_iter[sw],
+            iter,
         });
         if grouped && (pos == g - 1 || wi == self.p1 - 1) {
             self.out.push_back(ServerCommand::FoldPartial {
                 slice,
                 window: w as u32,
-                iter: self.win_iter[sw],
+                iter,
             });
         }
         if credit {
@@ -651,15 +680,21 @@ impl Server {
         if self.chunk_done[lc * self.window + w] != nslices || self.bcast_pending[lc] != 0 {
             return;
         }
+        // Round t's iteration; back from SFB, the shard needs worker 0's values first.
+        let layer = self.book.chunks()[chunk as usize].layer;
+        let real = self.book.plan().server_iter(layer, t);
+        if self.book.plan().reseeds_at(layer, real) && self.reseeded[lc] != Some(real) {
+            return;
+        }
         self.out.push_back(ServerCommand::Apply {
             chunk,
-            iter: t,
+            iter: real,
             window: w as u32,
             gradients: (self.p1 * self.cfg.learners as usize) as u32,
         });
         self.stats.applies += 1;
         self.chunk_done[lc * self.window + w] = 0;
-        let adam = self.book.scheme(self.book.chunks()[chunk as usize].layer, t) == Scheme::Adam;
+        let adam = self.book.scheme(layer, real) == Scheme::Adam;
         for s in self.book.chunk_slices(chunk) {
             let sw = self.slice_local[s as usize] as usize * self.window + w;
             // Every worker's contribution to every slice is in (Adam sums factors instead),
@@ -684,6 +719,9 @@ impl Server {
             version, self.applied[lc],
             "chunk {chunk}: the version broadcast is the one applied"
         );
+        // Broadcasts go out by the iteration they finish (round `version - 1`'s).
+        let layer = self.book.chunks()[chunk as usize].layer;
+        let key = version.checked_sub(1).map_or(0, |k| self.book.plan().server_iter(layer, k) + 1);
         for wi in 0..self.p1 {
             if self.lost[wi] {
                 continue;
@@ -702,7 +740,7 @@ impl Server {
                 });
                 continue;
             }
-            self.bcast_queue.push(Reverse((version, chunk, wi as u32)));
+            self.bcast_queue.push(Reverse((key, chunk, wi as u32)));
             self.bcast_pending[lc] += 1;
         }
         // At most one broadcast (or notification) of a chunk per worker is owed.

@@ -25,8 +25,11 @@ use crate::fxhash::FxHashMap as HashMap;
 /// What the worker core asks its driver to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WorkerCommand {
-    /// Write this worker's initial values of `chunk` into the owning server's
-    /// parameter shard (worker index 0 only, once).
+    /// Write this worker's values of `chunk` into the owning server's
+    /// parameter shard (worker index 0 only): its initial values, once at
+    /// the start, and again wherever the chunk's layer comes back from SFB
+    /// to the PS ([`crate::plan::Plan::reseeds_at`]), after this worker's
+    /// last reconstruction of it.
     InitPush { server: u32, chunk: u32 },
     /// Write the gradient of `slice` into landing slot `slot` on `server`, with
     /// the slice id as the immediate. Report it with [`Worker::handle_push_done`].
@@ -431,8 +434,8 @@ impl Worker {
             );
             // The reconstruction asked for is the next one to apply, or the one before it.
             debug_assert!(
-                self.sf_emitted[l].map_or(self.sf_applied[l] == 0, |e| e == self.sf_applied[l]
-                    || e + 1 == self.sf_applied[l]),
+                self.sf_emitted[l].map_or(self.sf_applied[l] == 0, |e| e + 1 == self.sf_applied[l]
+                    || Some(e) == self.book.plan().next_sfb(l as u32, self.sf_applied[l])),
                 "layer {l}: emitted {:?}, applied {}",
                 self.sf_emitted[l],
                 self.sf_applied[l]
@@ -598,9 +601,10 @@ impl Worker {
             return Err(self.protocol(self.rank, ProtocolViolation::ParamsWhileHeld { chunk, layer }));
         }
         let st = &self.layers[layer as usize];
+        // The initial values, then one broadcast per server round handed in.
         let (updates, bound) = (
             self.chunk_updates[chunk as usize] + 1,
-            st.done + 1 + u64::from(st.in_flight),
+            1 + self.book.plan().server_rounds(layer, st.done + u64::from(st.in_flight)),
         );
         if self.cfg.consistency == crate::config::Consistency::Bsp
             && self.cfg.trigger == crate::config::Trigger::All
@@ -639,19 +643,24 @@ impl Worker {
             return Err(self.protocol(from, ProtocolViolation::TooManyFactors { layer, iter }));
         }
         // Factors come to workers for SFB only (Adam's go to the layer's server).
-        debug_assert_eq!(self.book.scheme(layer, iter), Scheme::Sfb, "layer {layer}");
+        if self.book.scheme(layer, iter) != Scheme::Sfb {
+            return Err(self.protocol(from, ProtocolViolation::FactorsNotSfb { layer, iter }));
+        }
         self.maybe_reconstruct(layer);
         Ok(())
     }
 
     fn maybe_reconstruct(&mut self, layer: u32) {
-        let next = self.sf_applied[layer as usize];
+        // The next SFB iteration (switches may leave PS iterations between).
+        let Some(next) = self.book.plan().next_sfb(layer, self.sf_applied[layer as usize]) else {
+            return;
+        };
         if self.sf_emitted[layer as usize] == Some(next) {
             return;
         }
         if self.sf_arrived.get(&(layer, next)).copied().unwrap_or(0) as usize == self.book.p1() {
             // Reconstructions are asked for one iteration after the other.
-            debug_assert_eq!(self.sf_emitted[layer as usize].map_or(0, |e| e + 1), next);
+            debug_assert!(self.sf_emitted[layer as usize].is_none_or(|e| e < next));
             self.sf_emitted[layer as usize] = Some(next);
             self.out.push_back(WorkerCommand::Reconstruct { layer, iter: next });
         }
@@ -660,7 +669,8 @@ impl Worker {
     /// The driver applied the reconstructed gradient of `layer` for `iter`.
     pub fn handle_factors_applied(&mut self, layer: u32, iter: u64) -> Result<()> {
         self.book.layer(layer)?;
-        if self.sf_emitted[layer as usize] != Some(iter) || self.sf_applied[layer as usize] != iter {
+        let next = self.book.plan().next_sfb(layer, self.sf_applied[layer as usize]);
+        if self.sf_emitted[layer as usize] != Some(iter) || next != Some(iter) {
             return Err(self.protocol(self.rank, ProtocolViolation::ApplyNotAsked { layer, iter }));
         }
         debug_assert_eq!(
@@ -670,6 +680,13 @@ impl Worker {
         );
         self.sf_applied[layer as usize] = iter + 1;
         self.sf_arrived.remove(&(layer, iter));
+        if self.index == 0 && self.book.plan().reseeds_at(layer, iter + 1) {
+            // Back to the PS next iteration: this worker's values seed the shards again.
+            for c in self.book.layer_chunks(layer) {
+                let server = self.book.chunks()[c as usize].server;
+                self.out.push_back(WorkerCommand::InitPush { server, chunk: c });
+            }
+        }
         self.check_ready(layer);
         self.maybe_reconstruct(layer);
         self.debug_invariants();
@@ -685,7 +702,14 @@ impl Worker {
         let t = st.done;
         let ready = match st.scheme {
             Some(Scheme::Ps | Scheme::Adam) => {
-                let need = (t + 2).saturating_sub(s);
+                // The initial values and a broadcast per server round
+                // through `t` (under SSP(s), through `t - s`).
+                let n = (t + 2).saturating_sub(s);
+                let need = if n == 0 {
+                    0
+                } else {
+                    1 + self.book.plan().server_rounds(layer, n - 1)
+                };
                 self.book
                     .layer_chunks(layer)
                     .all(|c| self.chunk_updates[c as usize] >= need)

@@ -52,17 +52,19 @@ impl Sim {
             }
         }
         for (c, ch) in book.chunks().iter().enumerate() {
-            if !book.scheme(ch.layer, 0).server_held() {
+            // The rounds the servers held the layer in (all of them, but for SFB and its switches).
+            let rounds = book.plan().server_rounds(ch.layer, iters);
+            if rounds == 0 {
                 continue;
             }
             let got = self.ranks[ch.server as usize].node.applied(c as u32);
             let ok = match (trigger, got) {
                 (Trigger::Async, Some(n)) => n >= iters && n <= iters * book.p1() as u64,
-                _ => got == Some(iters),
+                _ => got == Some(rounds),
             };
             if !ok {
                 return Err(self.violation(format!(
-                    "chunk {c} was applied {got:?} times over {iters} iterations (lost or doubled contributions)"
+                    "chunk {c} was applied {got:?} times over {iters} iterations, {rounds} of them through the servers (lost or doubled contributions)"
                 )));
             }
         }
@@ -310,10 +312,13 @@ impl Sim {
         let p1 = book.p1();
         self.report.updates_ns = self.now.saturating_sub(self.start.unwrap_or(0));
         let seen = self.ranks[r as usize].applies_seen.entry(chunk).or_insert(0);
-        if iter != *seen {
+        // Round `seen`'s iteration: switches leave the layer's SFB iterations out.
+        let layer = book.chunks()[chunk as usize].layer;
+        let want = book.plan().round_iter(layer, *seen);
+        if Some(iter) != want || (self.cfg.sched.trigger != Trigger::All && iter != *seen) {
             let s = *seen;
             return Err(self.violation(format!(
-                "chunk {chunk} applied for iteration {iter} after {s} applies (applied twice or skipped)"
+                "chunk {chunk} applied for iteration {iter} after {s} applies, where round {s} is iteration {want:?} (applied twice or skipped)"
             )));
         }
         *seen += 1;

@@ -199,7 +199,58 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
         faults.dead = Some((r.below(world as u64) as u32, r.range(0, 20_000_000)));
     }
     cfg.faults = faults;
+    draw_switches(seed, &mut cfg)?;
     Ok((cfg, dies))
+}
+
+/// Scheme switches mid-run (PS ↔ SFB at iteration boundaries), on a stream
+/// of their own so that the rest of a seed's job is the one it drew before:
+/// in half the jobs that can switch (BSP, the all trigger, the chunked
+/// placement, no Adam, an apply op without momentum), each dense FC layer
+/// switches at up to three drawn iterations.
+fn draw_switches(seed: u64, cfg: &mut SimConfig) -> Result<(), EngineError> {
+    let mut rs = Rng(seed ^ 0x5317_c4e5_0000_0003);
+    let book = &cfg.book;
+    let can = cfg.sched.consistency == Consistency::Bsp
+        && cfg.sched.trigger == Trigger::All
+        && book.config().placement == Placement::Chunked
+        && book.config().policy != SchemePolicy::Adam
+        && !cfg.apply.needs_momentum()
+        && cfg.iters > 1;
+    if !can || !rs.chance(0.5) {
+        return Ok(());
+    }
+    let mut switches = Vec::new();
+    for (l, spec) in book.layers().iter().enumerate() {
+        if spec.kind != LayerKind::Fc || spec.sparse || !rs.chance(0.7) {
+            continue;
+        }
+        let mut at = 0;
+        for _ in 0..rs.range(1, 3) {
+            at += rs.range(1, 2);
+            if at >= cfg.iters {
+                break;
+            }
+            let now = book.plan().scheme(l as u32, at);
+            let now = switches
+                .iter()
+                .filter(|s: &&tidewire_engine::Switch| s.layer == l as u32 && s.iter <= at)
+                .last()
+                .map_or(now, |s| s.scheme);
+            let scheme = if now == tidewire_engine::Scheme::Ps {
+                tidewire_engine::Scheme::Sfb
+            } else {
+                tidewire_engine::Scheme::Ps
+            };
+            switches.push(tidewire_engine::Switch {
+                layer: l as u32,
+                iter: at,
+                scheme,
+            });
+        }
+    }
+    cfg.book = Arc::new((**book).clone().with_switches(&switches)?);
+    Ok(())
 }
 
 fn describe(cfg: &SimConfig) -> String {
@@ -210,12 +261,13 @@ fn describe(cfg: &SimConfig) -> String {
         .map(|l| format!("{}:{:?}{}x{}", l.name, l.kind, l.m, l.n))
         .collect();
     format!(
-        "roles {:?}; layers [{}]; {:?}; rates {:?} (schemes {:?}, {} ns a post); {:?}; wait_free {} fc_factors {}; {:?} (by rank {:?}); iters {}; bw {} lat {}; local learners {} at {} B/s; hosts {:?}; faults {:?}",
+        "roles {:?}; layers [{}]; {:?}; rates {:?} (schemes {:?}, switches [{}], {} ns a post); {:?}; wait_free {} fc_factors {}; {:?} (by rank {:?}); iters {}; bw {} lat {}; local learners {} at {} B/s; hosts {:?}; faults {:?}",
         b.cluster().roles(),
         layers.join(" "),
         b.config(),
         b.rates(),
         (0..b.layers().len() as u32).map(|l| b.scheme(l, 0)).collect::<Vec<_>>(),
+        b.plan().switches().map(|s| s.to_string()).collect::<Vec<_>>().join(", "),
         cfg.msg_ns,
         cfg.sched,
         cfg.wait_free,
@@ -330,10 +382,21 @@ fn randomized_jobs_keep_every_invariant() {
     let (mut in_seconds, mut fc_sfb, mut fc_ps) = (0u64, 0u64, 0u64);
     // Kvstore jobs whose chunks travel as several wire slices.
     let mut kv_sliced = 0u64;
+    // Jobs whose FC layers switch schemes mid-run, and their switches each way.
+    let (mut switching, mut to_sfb, mut to_ps) = (0u64, 0u64, 0u64);
     let mut violations = Vec::new();
     for &seed in &seeds {
         if let Ok((cfg, _)) = draw(seed) {
             let b = &cfg.book;
+            if b.plan().has_switches() {
+                switching += 1;
+                for s in b.plan().switches() {
+                    match s.scheme {
+                        tidewire_engine::Scheme::Sfb => to_sfb += 1,
+                        _ => to_ps += 1,
+                    }
+                }
+            }
             if b.config().placement == Placement::KvStore && b.slices().len() > b.chunks().len() {
                 kv_sliced += 1;
             }
@@ -371,12 +434,17 @@ fn randomized_jobs_keep_every_invariant() {
         "vopr: {in_seconds} jobs decided HybComm in seconds from drawn rates: {fc_sfb} FC layers by SFB, {fc_ps} by the PS"
     );
     println!("vopr: {kv_sliced} kvstore jobs sent chunks as several wire slices");
+    println!("vopr: {switching} jobs switched schemes mid-run: {to_sfb} switches to SFB, {to_ps} back to the PS");
     if seeds.len() >= 200 {
         assert!(
             in_seconds > 0 && fc_sfb > 0 && fc_ps > 0,
             "the drawn rates never led to both schemes ({in_seconds} jobs, {fc_sfb} SFB, {fc_ps} PS)"
         );
         assert!(kv_sliced > 0, "no kvstore job with chunks of several slices was drawn");
+        assert!(
+            to_sfb > 0 && to_ps > 0,
+            "no job switched both ways ({switching} jobs, {to_sfb} to SFB, {to_ps} to the PS)"
+        );
     }
     assert!(
         violations.is_empty(),

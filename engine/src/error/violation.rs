@@ -185,6 +185,13 @@ pub enum ProtocolViolation {
     /// Factors at a server for a layer that does not sync by Adam.
     #[error("factors for layer {layer}, which does not sync by adam")]
     FactorsNotAdam { layer: u32 },
+    /// SFB factors at a worker for an iteration the layer does not sync by SFB.
+    #[error("factors of layer {layer} for iteration {iter}, which does not sync by sfb then")]
+    FactorsNotSfb { layer: u32, iter: u64 },
+    /// A write of a chunk's values into a seeded shard that no switch back
+    /// to the PS asked for, or not from worker index 0.
+    #[error("values of chunk {chunk} written into the shard again, where no switch back to the ps asked for them (next round {round})")]
+    ReseedUnexpected { chunk: u32, round: u64 },
     /// Adam factors for another iteration than the layer's next.
     #[error("factors of layer {layer} for iteration {iter}, while the layer's next iteration is {next}")]
     FactorsOutOfOrder { layer: u32, iter: u64, next: u64 },

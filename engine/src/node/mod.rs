@@ -346,7 +346,8 @@ struct ServerSide {
 
 /// The checks of a configuration before anything is built, in order: the
 /// rank inside the cluster (its role, returned), the transport's limits, the
-/// modes (see [`layout::check_limits`] and [`layout::check_modes`]).
+/// modes and the switches (see [`layout::check_limits`], [`layout::check_modes`]
+/// and [`layout::check_switches`]).
 fn check_config(cfg: &NodeConfig) -> Result<Role> {
     let (book, rank) = (&cfg.book, cfg.rank);
     let world = book.cluster().world();
@@ -357,6 +358,7 @@ fn check_config(cfg: &NodeConfig) -> Result<Role> {
     debug_assert!((rank as usize) < world, "rank {rank} in a world of {world}");
     layout::check_limits(&cfg.limits)?;
     layout::check_modes(book, &cfg.sched)?;
+    layout::check_switches(book, &cfg.sched, cfg.apply)?;
     Ok(role)
 }
 

@@ -366,3 +366,47 @@ fn triggers_refuse_what_they_cannot_keep_sound() {
         assert_eq!(Trigger::parse(bad), None, "{bad}");
     }
 }
+
+/// A layer that switches to SFB at 1 and back to the PS at 3: its rounds
+/// are iterations 0, 3, 4; round 3 waits for worker 0's values (a write
+/// from another worker, or a second one, is refused), then applies.
+#[test]
+fn back_from_sfb_a_round_waits_for_worker_0s_values() {
+    use crate::plan::Switch;
+    let book = Book::new(
+        Cluster::split(3, 1).unwrap(),
+        vec![LayerSpec::new("fc", LayerKind::Fc, 1, 8)],
+        BookConfig {
+            chunk_bytes: 1024,
+            slice_params: 4,
+            policy: crate::book::SchemePolicy::Ps,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .with_switches(&[
+        Switch { layer: 0, iter: 1, scheme: Scheme::Sfb },
+        Switch { layer: 0, iter: 3, scheme: Scheme::Ps },
+    ])
+    .unwrap();
+    let mut s = Server::new(Arc::new(book), 3, SchedConfig::default()).unwrap();
+    s.handle_init(0, 0).unwrap();
+    s.drain();
+    s.bcast_done();
+    let round = |s: &mut Server| (0..3).flat_map(|w| s.push(w)).collect::<Vec<_>>();
+    assert_eq!(Server::applies(&round(&mut s)), [(0, 3)]);
+    s.bcast_done();
+    // Iteration 3's contributions are in, but the shard still holds iteration 0's values.
+    assert_eq!(Server::applies(&round(&mut s)), []);
+    let refused = s.handle_init(1, 0).unwrap_err();
+    assert!(
+        matches!(refused, EngineError::Protocol { rank: 1, violation: ProtocolViolation::ReseedUnexpected { chunk: 0, round: 1 } }),
+        "{refused:?}"
+    );
+    s.handle_init(0, 0).unwrap();
+    assert_eq!(Server::applies(&s.drain()), [(3, 3)]);
+    assert!(s.handle_init(0, 0).is_err(), "a second write of the values");
+    s.bcast_done();
+    assert_eq!(Server::applies(&round(&mut s)), [(4, 3)]);
+    assert_eq!(s.applied(0), Some(3));
+}

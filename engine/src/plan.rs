@@ -1,0 +1,282 @@
+//! Scheme switches: the iterations at which a fully connected layer stops
+//! syncing by one scheme and starts on the other (PS ↔ SFB), and the
+//! arithmetic every rank derives from them.
+//!
+//! A switch takes effect at an iteration boundary and is the same on every
+//! rank (the schedule is part of the book, so part of its agreed hash).
+//! What changes hands at a switch (see the cores):
+//! - **PS → SFB at `t`**: every worker holds the parameters after the
+//!   servers' broadcast of `t − 1`, and rebuilds and applies from `t` on.
+//! - **SFB → PS at `t`**: worker index 0 writes its parameters (after its
+//!   reconstruction of `t − 1`) into each chunk's place in the servers'
+//!   shards, as it seeds them at the start ([`Plan::reseeds_at`]); a server
+//!   applies `t` only once that write landed.
+//!
+//! Servers count the rounds they take part in (server-held iterations) and
+//! name each by its iteration ([`Plan::server_iter`]); workers wait for one
+//! broadcast per such round ([`Plan::server_rounds`]). Only the parameters
+//! move: an apply op that keeps state beside them (SGD's momentum) cannot
+//! switch yet, which [`crate::node::Node::new`] refuses.
+
+use crate::book::Scheme;
+
+/// One switch: `layer` syncs by `scheme` from iteration `iter` on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Switch {
+    /// The layer (its forward index).
+    pub layer: u32,
+    /// The first iteration under the new scheme (at least 1).
+    pub iter: u64,
+    /// The scheme from then on: PS or SFB.
+    pub scheme: Scheme,
+}
+
+impl std::fmt::Display for Switch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self.scheme {
+            Scheme::Ps => "ps",
+            Scheme::Sfb => "sfb",
+            Scheme::Adam => "adam",
+        };
+        write!(f, "layer {} to {s} at iteration {}", self.layer, self.iter)
+    }
+}
+
+/// Why a switch was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanError {
+    /// No such layer.
+    #[error("switch {0}: no such layer")]
+    UnknownLayer(Switch),
+    /// A switch at iteration 0 is the start-up choice, not a switch.
+    #[error("switch {0}: a switch takes effect at iteration 1 or later")]
+    AtStart(Switch),
+    /// Switches of a layer come in iteration order.
+    #[error("switch {0}: not after the layer's previous switch (iteration {1})")]
+    OutOfOrder(Switch, u64),
+    /// The layer already syncs by that scheme then.
+    #[error("switch {0}: the layer already syncs by that scheme")]
+    NoChange(Switch),
+    /// Only PS and SFB trade places.
+    #[error("switch {0}: only ps and sfb switch, and only from one to the other")]
+    NotPsSfb(Switch),
+}
+
+/// Per layer, its start-up scheme and its switches (see the module docs).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    first: Vec<Scheme>,
+    /// Per layer: (first iteration, scheme), ascending, each a change.
+    switches: Vec<Vec<(u64, Scheme)>>,
+}
+
+impl Plan {
+    /// No switches: every layer keeps `first[layer]` for the whole run.
+    pub fn new(first: Vec<Scheme>) -> Self {
+        let n = first.len();
+        Plan {
+            first,
+            switches: vec![Vec::new(); n],
+        }
+    }
+
+    /// The start-up schemes chosen again (the switches must still be
+    /// changes from them: call before [`Plan::add`]).
+    pub(crate) fn set_first(&mut self, first: Vec<Scheme>) {
+        debug_assert!(!self.has_switches(), "the start-up choice is made before any switch");
+        debug_assert_eq!(first.len(), self.first.len());
+        self.first = first;
+    }
+
+    /// Adds a switch after the layer's last one.
+    pub fn add(&mut self, sw: Switch) -> Result<(), PlanError> {
+        let l = sw.layer as usize;
+        if l >= self.first.len() {
+            return Err(PlanError::UnknownLayer(sw));
+        }
+        if sw.iter == 0 {
+            return Err(PlanError::AtStart(sw));
+        }
+        if let Some(&(last, _)) = self.switches[l].last() {
+            if sw.iter <= last {
+                return Err(PlanError::OutOfOrder(sw, last));
+            }
+        }
+        let now = self.scheme(sw.layer, sw.iter);
+        if now == sw.scheme {
+            return Err(PlanError::NoChange(sw));
+        }
+        if !matches!((now, sw.scheme), (Scheme::Ps, Scheme::Sfb) | (Scheme::Sfb, Scheme::Ps)) {
+            return Err(PlanError::NotPsSfb(sw));
+        }
+        self.switches[l].push((sw.iter, sw.scheme));
+        debug_assert_eq!(self.scheme(sw.layer, sw.iter), sw.scheme);
+        Ok(())
+    }
+
+    /// Whether any layer switches.
+    pub fn has_switches(&self) -> bool {
+        self.switches.iter().any(|s| !s.is_empty())
+    }
+
+    /// Every switch, by layer then iteration.
+    pub fn switches(&self) -> impl Iterator<Item = Switch> + '_ {
+        self.switches.iter().enumerate().flat_map(|(l, s)| {
+            s.iter().map(move |&(iter, scheme)| Switch {
+                layer: l as u32,
+                iter,
+                scheme,
+            })
+        })
+    }
+
+    /// The scheme `layer` syncs by in iteration `iter`.
+    pub fn scheme(&self, layer: u32, iter: u64) -> Scheme {
+        let l = layer as usize;
+        let sw = &self.switches[l];
+        // The last switch at or before `iter` (few per layer: a scan).
+        match sw.iter().rev().find(|&&(from, _)| from <= iter) {
+            Some(&(_, s)) => s,
+            None => self.first[l],
+        }
+    }
+
+    /// Iterations in `[0, n)` in which the servers hold `layer` (PS or
+    /// Adam): the rounds its chunks are applied and broadcast.
+    pub fn server_rounds(&self, layer: u32, n: u64) -> u64 {
+        let l = layer as usize;
+        let mut count = 0;
+        let (mut at, mut s) = (0u64, self.first[l]);
+        for &(from, next) in &self.switches[l] {
+            if from >= n {
+                break;
+            }
+            if s.server_held() {
+                count += from - at;
+            }
+            (at, s) = (from, next);
+        }
+        if s.server_held() && n > at {
+            count += n - at;
+        }
+        // Never more rounds than iterations.
+        debug_assert!(count <= n);
+        count
+    }
+
+    /// The iteration of `layer`'s server round `k` (0-based): the `k`-th
+    /// server-held iteration. Past the last switch rounds run on unbounded.
+    pub fn server_iter(&self, layer: u32, k: u64) -> u64 {
+        let t = self.round_iter(layer, k);
+        // A plan that ends under SFB has no more server rounds: none is asked for.
+        debug_assert!(t.is_some(), "layer {layer} has no server round {k}");
+        t.unwrap_or(u64::MAX)
+    }
+
+    /// The iteration of `layer`'s server round `k`, if it has one (none
+    /// past the last round of a plan that ends under SFB).
+    pub fn round_iter(&self, layer: u32, k: u64) -> Option<u64> {
+        let l = layer as usize;
+        let (mut at, mut s, mut left) = (0u64, self.first[l], k);
+        for &(from, next) in &self.switches[l] {
+            if s.server_held() {
+                let n = from - at;
+                if left < n {
+                    return Some(at + left);
+                }
+                left -= n;
+            }
+            (at, s) = (from, next);
+        }
+        s.server_held().then_some(at + left)
+    }
+
+    /// The first iteration at or after `from` that `layer` syncs by SFB.
+    pub fn next_sfb(&self, layer: u32, from: u64) -> Option<u64> {
+        if self.scheme(layer, from) == Scheme::Sfb {
+            return Some(from);
+        }
+        self.switches[layer as usize]
+            .iter()
+            .find(|&&(at, s)| at > from && s == Scheme::Sfb)
+            .map(|&(at, _)| at)
+    }
+
+    /// Whether `layer` comes back to the servers at `iter` (SFB at `iter −
+    /// 1`, PS at `iter`): its shard must be written again first.
+    pub fn reseeds_at(&self, layer: u32, iter: u64) -> bool {
+        iter > 0 && self.scheme(layer, iter - 1) == Scheme::Sfb && self.scheme(layer, iter) == Scheme::Ps
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sw(layer: u32, iter: u64, scheme: Scheme) -> Switch {
+        Switch { layer, iter, scheme }
+    }
+
+    #[test]
+    fn rounds_and_their_iterations_skip_the_sfb_stretches() {
+        let mut p = Plan::new(vec![Scheme::Ps, Scheme::Sfb]);
+        p.add(sw(0, 3, Scheme::Sfb)).unwrap();
+        p.add(sw(0, 5, Scheme::Ps)).unwrap();
+        p.add(sw(1, 2, Scheme::Ps)).unwrap();
+        // Layer 0: PS 0..3, SFB 3..5, PS from 5.
+        let l0: Vec<Scheme> = (0..7).map(|t| p.scheme(0, t)).collect();
+        use Scheme::{Ps, Sfb};
+        assert_eq!(l0, [Ps, Ps, Ps, Sfb, Sfb, Ps, Ps]);
+        assert_eq!((0..8).map(|n| p.server_rounds(0, n)).collect::<Vec<_>>(), [0, 1, 2, 3, 3, 3, 4, 5]);
+        assert_eq!((0..5).map(|k| p.server_iter(0, k)).collect::<Vec<_>>(), [0, 1, 2, 5, 6]);
+        assert_eq!((0..3).map(|k| p.server_iter(1, k)).collect::<Vec<_>>(), [2, 3, 4]);
+        assert_eq!(p.server_rounds(1, 4), 2);
+        assert_eq!((p.next_sfb(0, 0), p.next_sfb(0, 4), p.next_sfb(0, 5)), (Some(3), Some(4), None));
+        assert_eq!((p.next_sfb(1, 0), p.next_sfb(1, 2)), (Some(0), None));
+        let reseeds: Vec<u64> = (0..8).filter(|&t| p.reseeds_at(0, t)).collect();
+        assert_eq!(reseeds, [5]);
+        assert!(p.reseeds_at(1, 2) && !p.reseeds_at(1, 0));
+        assert_eq!(p.switches().count(), 3);
+    }
+
+    /// Drawn plans: a round's iteration is server-held, its rank among the
+    /// server-held iterations is `k`, and `server_rounds` counts them.
+    #[test]
+    fn drawn_plans_agree_with_a_scan() {
+        let seed = crate::testkit::seed("TIDEWIRE_PLAN_SEED");
+        let mut rng = crate::testkit::Rng(seed);
+        for _ in 0..500 {
+            let first = if rng.below(2) == 0 { Scheme::Ps } else { Scheme::Sfb };
+            let mut p = Plan::new(vec![first]);
+            let mut at = 0;
+            for _ in 0..rng.below(5) {
+                at += 1 + rng.below(4);
+                let s = if p.scheme(0, at) == Scheme::Ps { Scheme::Sfb } else { Scheme::Ps };
+                p.add(sw(0, at, s)).unwrap();
+            }
+            let held: Vec<u64> = (0..40).filter(|&t| p.scheme(0, t) == Scheme::Ps).collect();
+            for n in 0..40 {
+                assert_eq!(p.server_rounds(0, n), held.iter().filter(|&&t| t < n).count() as u64);
+            }
+            for (k, &t) in held.iter().enumerate() {
+                if t < 30 {
+                    assert_eq!(p.server_iter(0, k as u64), t, "{p:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_switches_are_refused_by_name() {
+        let mut p = Plan::new(vec![Scheme::Ps, Scheme::Adam]);
+        assert_eq!(p.add(sw(2, 1, Scheme::Sfb)), Err(PlanError::UnknownLayer(sw(2, 1, Scheme::Sfb))));
+        assert!(matches!(p.add(sw(0, 0, Scheme::Sfb)), Err(PlanError::AtStart(_))));
+        assert!(matches!(p.add(sw(0, 2, Scheme::Ps)), Err(PlanError::NoChange(_))));
+        assert!(matches!(p.add(sw(1, 2, Scheme::Ps)), Err(PlanError::NotPsSfb(_))));
+        p.add(sw(0, 4, Scheme::Sfb)).unwrap();
+        let e = p.add(sw(0, 4, Scheme::Ps)).unwrap_err();
+        assert_eq!(e.to_string(), "switch layer 0 to ps at iteration 4: not after the layer's previous switch (iteration 4)");
+        assert!(!Plan::new(vec![Scheme::Ps]).has_switches() && p.has_switches());
+    }
+}
