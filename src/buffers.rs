@@ -25,6 +25,8 @@ pub struct BufferLayout {
 #[derive(Debug)]
 pub struct LayerBuffers {
     pub(crate) layer: u32,
+    /// The iteration these buffers are handed in for next.
+    pub(crate) iter: u64,
     pub(crate) synced_at: Option<std::time::Instant>,
     pub(crate) params: Lease,
     pub(crate) grad: Lease,
@@ -36,6 +38,12 @@ impl LayerBuffers {
     /// The layer index.
     pub fn layer(&self) -> u32 {
         self.layer
+    }
+    /// The iteration the layer is handed in for next (its syncs so far):
+    /// with [`Session::scheme_at`](crate::Session::scheme_at), whether it goes
+    /// as a gradient or as its sufficient factors.
+    pub fn iter(&self) -> u64 {
+        self.iter
     }
     /// When the engine finished syncing this layer (None before the first sync).
     pub fn synced_at(&self) -> Option<std::time::Instant> {

@@ -79,6 +79,8 @@ pub(crate) struct Config {
     pub(crate) aggregation: tidewire_gpu::agg::Policy,
     pub(crate) link_gbps: Option<f64>,
     pub(crate) rates: Option<tidewire_engine::cost::Rates>,
+    /// Scheme switches ([`tidewire_engine::plan`]), every rank the same.
+    pub(crate) switches: Vec<tidewire_engine::Switch>,
     pub(crate) comm: tidewire_engine::freq::CommConfig,
     pub(crate) checkpoint: Option<crate::checkpoint::Checkpointing>,
     pub(crate) resume: Option<std::path::PathBuf>,
@@ -118,6 +120,7 @@ impl Config {
             aggregation: tidewire_gpu::agg::Policy::Auto,
             link_gbps: None,
             rates: None,
+            switches: Vec::new(),
             comm: tidewire_engine::freq::CommConfig::default(),
             checkpoint: None,
             resume: None,

@@ -313,7 +313,7 @@ impl PushPull {
             let sz = st.t.size();
             widen(st.t, &st.grads[o * sz..(o + n) * sz], buf.grad_mut());
         }
-        if self.session.scheme(layer)?.takes_factors() {
+        if self.session.scheme_at(layer, buf.iter())?.takes_factors() {
             let name = self.session.book().layers()[layer as usize].name.clone();
             *self.slot(layer)? = Slot::Held(buf);
             return Err(tidewire_engine::EngineError::NeedsFactors { layer, name }.into());

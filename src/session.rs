@@ -215,6 +215,14 @@ impl Builder {
         self.cfg.rates = Some(r);
         self
     }
+    /// FC layers switch between the PS and SFB at these iterations
+    /// ([`tidewire_engine::plan`]): every rank must give the same (they are
+    /// part of the agreed book). BSP with the `all` trigger, an apply op
+    /// without momentum, and no checkpoints.
+    pub fn switches(mut self, s: Vec<tidewire_engine::Switch>) -> Self {
+        self.cfg.switches = s;
+        self
+    }
     /// Transport selection.
     pub fn transport(mut self, t: TransportKind) -> Self {
         self.cfg.transport = t;
@@ -336,6 +344,14 @@ impl Builder {
         };
         if let Some(r) = rates {
             book = book.with_rates(r)?;
+        }
+        if !self.cfg.switches.is_empty() {
+            if self.cfg.checkpoint.is_some() || self.cfg.resume.is_some() {
+                return Err(Error::Checkpoint(
+                    "scheme switches and checkpoints do not go together yet (a checkpoint keeps each layer where its start-up scheme holds it)".into(),
+                ));
+            }
+            book = book.with_switches(&self.cfg.switches)?;
         }
         let book = Arc::new(book);
         if self.cfg.secret.is_none() {
@@ -594,10 +610,18 @@ impl Session {
     pub fn book(&self) -> &Arc<Book> {
         &self.book
     }
-    /// The scheme `layer` syncs by (fixed for the run; see [`Book::scheme`]).
+    /// The scheme `layer` syncs by from the start (see [`Book::scheme`]);
+    /// with switches in the book ([`Book::with_switches`]), it may change:
+    /// see [`Session::scheme_at`].
     pub fn scheme(&self, layer: u32) -> Result<Scheme> {
+        self.scheme_at(layer, 0)
+    }
+
+    /// The scheme `layer` syncs by in iteration `iter` (a layer's buffers
+    /// say which iteration they are for: [`LayerBuffers::iter`]).
+    pub fn scheme_at(&self, layer: u32, iter: u64) -> Result<Scheme> {
         self.book.layer(layer)?;
-        Ok(self.book.scheme(layer, 0))
+        Ok(self.book.scheme(layer, iter))
     }
 
     fn check(&self) -> Result<&Sender<Request>> {
@@ -645,7 +669,7 @@ impl Session {
     pub fn grad_ready(&self, buf: LayerBuffers) -> Result<()> {
         self.worker()?;
         let spec = self.book.layer(buf.layer)?;
-        if self.book.scheme(buf.layer, 0).takes_factors() {
+        if self.book.scheme(buf.layer, buf.iter).takes_factors() {
             return Err(EngineError::NeedsFactors {
                 layer: buf.layer,
                 name: spec.name.clone(),

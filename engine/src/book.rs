@@ -810,9 +810,10 @@ impl Book {
                     l.name
                 )));
             }
+            let name = l.name.clone();
             self.plan
                 .add(*sw)
-                .map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
+                .map_err(|e| EngineError::InvalidConfig(format!("{e} ({name})")))?;
         }
         self.hash = self.compute_hash();
         Ok(self)

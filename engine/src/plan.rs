@@ -210,6 +210,35 @@ impl Plan {
     }
 }
 
+/// Scheme switches ([`crate::plan`]) hand a layer's parameters over at an
+/// iteration boundary and nothing else: they need BSP with the all trigger
+/// (every worker at one iteration per layer, and a deterministic order),
+/// the chunked placement (kvstore's versions count every iteration), and an
+/// apply op whose only state is the parameters (not SGD with momentum).
+pub fn check_switches(
+    book: &crate::book::Book,
+    sched: &crate::config::SchedConfig,
+    apply: crate::config::ApplyOp,
+) -> crate::error::Result<()> {
+    use crate::config::{Consistency, Trigger};
+    use crate::error::EngineError;
+    let Some(first) = book.plan().switches().next() else {
+        return Ok(());
+    };
+    let why = if sched.consistency != Consistency::Bsp || sched.trigger != Trigger::All {
+        format!("BSP with the all trigger, not {:?} with {}", sched.consistency, sched.trigger.name())
+    } else if book.config().placement != crate::book::Placement::Chunked {
+        "the chunked placement, not kvstore".to_string()
+    } else if apply.needs_momentum() {
+        "an apply op without momentum (the momentum does not move between servers and workers yet)".to_string()
+    } else {
+        return Ok(());
+    };
+    Err(EngineError::InvalidConfig(format!(
+        "scheme switches ({first}, ...) need {why}"
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -97,6 +97,10 @@ pub struct Worker {
     sf_applied: Vec<u64>,
     sf_arrived: HashMap<(u32, u64), u32>,
     sf_emitted: Vec<Option<u64>>,
+    /// Per layer: chunks whose values worker 0 is still writing back to
+    /// their servers (a switch back to the PS); the layer is not ready
+    /// before (the caller could change the parameters being read).
+    reseeding: Vec<u32>,
     /// Items that may go, best first: (iteration, key, item, destination).
     ready: BinaryHeap<Reverse<(u64, u64, Item, u32)>>,
     /// Per destination: pushes that wait for a landing slot, best first.
@@ -133,6 +137,7 @@ impl Worker {
             sf_applied: vec![0; book.layers().len()],
             sf_arrived: HashMap::default(),
             sf_emitted: vec![None; book.layers().len()],
+            reseeding: vec![0; book.layers().len()],
             ready: BinaryHeap::new(),
             parked: (0..world).map(|_| BinaryHeap::new()).collect(),
             free_slots,
@@ -682,6 +687,7 @@ impl Worker {
         self.sf_arrived.remove(&(layer, iter));
         if self.index == 0 && self.book.plan().reseeds_at(layer, iter + 1) {
             // Back to the PS next iteration: this worker's values seed the shards again.
+            self.reseeding[layer as usize] = self.book.layer_chunks(layer).len() as u32;
             for c in self.book.layer_chunks(layer) {
                 let server = self.book.chunks()[c as usize].server;
                 self.out.push_back(WorkerCommand::InitPush { server, chunk: c });
@@ -693,10 +699,28 @@ impl Worker {
         Ok(())
     }
 
+    /// A write of `chunk`'s values into its server's shard ([`WorkerCommand::InitPush`])
+    /// was placed: at the start nothing to do, and on a switch back to the
+    /// PS one chunk fewer to wait for before the layer is ready.
+    pub fn handle_seed_done(&mut self, chunk: u32) -> Result<()> {
+        let layer = self
+            .book
+            .chunks()
+            .get(chunk as usize)
+            .ok_or_else(|| self.protocol(self.rank, ProtocolViolation::ParamsForUnknownChunk { chunk }))?
+            .layer;
+        let left = &mut self.reseeding[layer as usize];
+        if *left > 0 {
+            *left -= 1;
+            self.check_ready(layer);
+        }
+        Ok(())
+    }
+
     fn check_ready(&mut self, layer: u32) {
         let s = self.cfg.consistency.staleness();
         let st = &self.layers[layer as usize];
-        if !st.in_flight || st.pushes_left > 0 || st.sends_left > 0 {
+        if !st.in_flight || st.pushes_left > 0 || st.sends_left > 0 || self.reseeding[layer as usize] > 0 {
             return;
         }
         let t = st.done;

@@ -700,6 +700,7 @@ impl Runtime {
         self.held[layer as usize] = Held::User;
         Ok(LayerBuffers {
             layer,
+            iter: self.node.completed(layer),
             synced_at: self.synced_at[layer as usize],
             params,
             grad,

@@ -133,6 +133,14 @@ pub struct TrainArgs {
     /// calibrate --out` profile, instead of measuring them at start (about 1 s).
     #[arg(long)]
     pub profile: Option<std::path::PathBuf>,
+    /// Switch an FC layer's scheme mid-run: LAYER@ITER:SCHEME (layer name or
+    /// index, the first iteration under the new scheme, ps or sfb),
+    /// repeatable and comma-separated. For trying a schedule by hand and
+    /// checking it with --verify: the layer's parameters move between the
+    /// servers and the workers at the boundary. Needs BSP with the all
+    /// trigger, --op mean, sum or sgd with --momentum 0, and no checkpoints.
+    #[arg(long, value_delimiter = ',')]
+    pub switch: Vec<String>,
     /// The rates every rank decides with (JSON; the launcher measures them
     /// and passes them on to its ranks).
     #[arg(long, hide = true)]
@@ -290,7 +298,16 @@ impl TrainArgs {
         if self.job.iters == 0 {
             return Err(Error::Usage("--iters must be at least 1".into()));
         }
-        self.book(&self.model()?, self.cluster()?)?;
+        let book = self.book(&self.model()?, self.cluster()?)?;
+        if book.plan().has_switches() {
+            if self.ckpt.config().is_some() || self.ckpt.resume.is_some() {
+                return Err(Error::Usage(
+                    "--switch with checkpoints is not supported yet (a checkpoint keeps each layer where its start-up scheme holds it)".into(),
+                ));
+            }
+            let op = self.comm.server_op(self.apply_op()?);
+            tidewire_engine::plan::check_switches(&book, &self.sched(), op)?;
+        }
         Ok(())
     }
     /// `--local-learners`, `--flat` and `--cache-staleness`.
@@ -456,10 +473,38 @@ impl TrainArgs {
     }
     pub(super) fn book(&self, m: &Model, cluster: Cluster) -> Result<Book> {
         let book = Book::new(cluster, m.layers.clone(), self.book_config(m))?;
-        Ok(match self.agreed_rates()? {
+        let book = match self.agreed_rates()? {
             Some(r) => book.with_rates(r)?,
             None => book,
-        })
+        };
+        Ok(book.with_switches(&self.switches(m)?)?)
+    }
+    /// The --switch flags, as the engine's switches (layers by name or index).
+    pub(super) fn switches(&self, m: &Model) -> Result<Vec<tidewire_engine::Switch>> {
+        let bad = |s: &str, why: String| Error::Usage(format!("--switch {s}: {why} (want LAYER@ITER:ps|sfb)"));
+        self.switch
+            .iter()
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| {
+                let (layer, rest) = s.trim().split_once('@').ok_or_else(|| bad(s, "no @".into()))?;
+                let (iter, scheme) = rest.split_once(':').ok_or_else(|| bad(s, "no :SCHEME".into()))?;
+                let layer = match m.layers.iter().position(|l| l.name == layer) {
+                    Some(i) => i as u32,
+                    None => layer
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|&i| (i as usize) < m.layers.len())
+                        .ok_or_else(|| bad(s, format!("{} has no layer {layer:?}", m.name)))?,
+                };
+                let iter = iter.parse().map_err(|_| bad(s, format!("{iter:?} is not an iteration")))?;
+                let scheme = match scheme {
+                    "ps" => tidewire_engine::Scheme::Ps,
+                    "sfb" => tidewire_engine::Scheme::Sfb,
+                    o => return Err(bad(s, format!("{o:?} is not ps or sfb"))),
+                };
+                Ok(tidewire_engine::Switch { layer, iter, scheme })
+            })
+            .collect()
     }
     pub(super) fn book_config(&self, m: &Model) -> BookConfig {
         self.sync_mode().book_config(BookConfig {

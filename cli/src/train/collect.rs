@@ -47,6 +47,8 @@ pub(super) fn report(args: &TrainArgs, model: &Model, began: Instant, ended: &En
         would_block: results.iter().map(|r| r.stats.would_block).sum(),
         slices_pushed: results.iter().map(|r| r.stats.pushes).sum(),
         broadcasts: results.iter().map(|r| r.stats.broadcasts).sum(),
+        factor_sends: results.iter().map(|r| r.stats.factor_sends).sum(),
+        switches: book.plan().switches().collect(),
         tx_sends: results.iter().map(|r| r.stats.tx_sends).sum(),
         factor_bytes_in_place: results.iter().map(|r| r.stats.factor_bytes_in_place).sum(),
         factor_bytes_decoded: results.iter().map(|r| r.stats.factor_bytes_decoded).sum(),

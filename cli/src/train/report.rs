@@ -195,8 +195,15 @@ pub struct TrainReport {
     pub per_iteration: Vec<IterStat>,
     /// Every worker's per-iteration figures, by worker rank.
     pub workers_detail: Vec<Vec<IterStat>>,
-    /// The scheme of every layer (fixed for the run).
+    /// The scheme of every layer at the start (see `switches`).
     pub layers: Vec<LayerRow>,
+    /// Where FC layers switched schemes mid-run (`--switch`), by layer then iteration.
+    #[serde(default)]
+    pub switches: Vec<tidewire_engine::Switch>,
+    /// Factor blocks the workers sent (SFB's, to each peer worker), over all
+    /// ranks and iterations.
+    #[serde(default)]
+    pub factor_sends: u64,
     /// The rates HybComm decided with (`--cost-model seconds`), per rank.
     #[serde(default)]
     pub rates: Option<tidewire_engine::cost::Rates>,
@@ -448,9 +455,10 @@ fn render_setup(s: &mut String, r: &TrainReport) {
 fn render_schemes(s: &mut String, r: &TrainReport) {
     let count = |x: Scheme| r.layers.iter().filter(|l| l.scheme == x).count();
     let (sfb, adam) = (count(Scheme::Sfb), count(Scheme::Adam));
+    let when = if r.switches.is_empty() { "every iteration" } else { "from the start" };
     let _ = write!(
         s,
-        "schemes (every iteration): {} layers PS, {sfb} layers SFB",
+        "schemes ({when}): {} layers PS, {sfb} layers SFB",
         r.layers.len() - sfb - adam
     );
     if adam > 0 {
@@ -466,6 +474,22 @@ fn render_schemes(s: &mut String, r: &TrainReport) {
             s,
             "  {:<10} fc {:>6}×{:<6} {:?}{cost}",
             l.name, l.shape.0, l.shape.1, l.scheme
+        );
+    }
+    if !r.switches.is_empty() {
+        let each: Vec<String> = r
+            .switches
+            .iter()
+            .map(|w| {
+                let name = r.layers.get(w.layer as usize).map_or("?", |l| l.name.as_str());
+                format!("{name} to {:?} at iteration {}", w.scheme, w.iter)
+            })
+            .collect();
+        let _ = writeln!(
+            s,
+            "switches: {} ({} factor blocks sent in all)",
+            each.join(", "),
+            r.factor_sends
         );
     }
 }

@@ -7,9 +7,10 @@ use super::*;
 impl Node {
     pub(super) fn tx_done(&mut self, track: Track) -> Result<()> {
         match track {
-            Track::Init => {
-                debug_assert_eq!(self.worker.as_ref().map(|w| w.core.index()), Some(0), "worker 0 seeds");
-                Ok(())
+            Track::Init { chunk } => {
+                let w = self.worker.as_mut().expect("worker 0 seeds");
+                debug_assert_eq!(w.core.index(), 0, "worker 0 seeds");
+                w.core.handle_seed_done(chunk)
             }
             Track::Ctrl | Track::Piece => Ok(()),
             Track::Push { slice } => {
@@ -96,7 +97,10 @@ impl Node {
                     me,
                     "chunk {chunk} is seeded here"
                 );
-                self.server.as_mut().expect("server").core.handle_init(me, chunk)?
+                self.server.as_mut().expect("server").core.handle_init(me, chunk)?;
+                if let Some(w) = self.worker.as_mut() {
+                    w.core.handle_seed_done(chunk)?;
+                }
             }
             JobTrack::LocalBcast { chunk } => {
                 debug_assert_eq!(

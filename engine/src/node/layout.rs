@@ -67,29 +67,6 @@ pub(super) fn check_modes(book: &Book, sched: &SchedConfig) -> Result<()> {
     Ok(())
 }
 
-/// Scheme switches ([`crate::plan`]) hand a layer's parameters over at an
-/// iteration boundary and nothing else: they need BSP with the all trigger
-/// (every worker at one iteration per layer, and a deterministic order),
-/// the chunked placement (kvstore's versions count every iteration), and an
-/// apply op whose only state is the parameters (not SGD with momentum).
-pub(super) fn check_switches(book: &Book, sched: &SchedConfig, apply: crate::config::ApplyOp) -> Result<()> {
-    let Some(first) = book.plan().switches().next() else {
-        return Ok(());
-    };
-    let why = if sched.consistency != Consistency::Bsp || sched.trigger != Trigger::All {
-        format!("BSP with the all trigger, not {:?} with {}", sched.consistency, sched.trigger.name())
-    } else if book.config().placement != Placement::Chunked {
-        "the chunked placement, not kvstore".to_string()
-    } else if apply.needs_momentum() {
-        "an apply op without momentum (the momentum does not move between servers and workers yet)".to_string()
-    } else {
-        return Ok(());
-    };
-    Err(EngineError::InvalidConfig(format!(
-        "scheme switches ({first}, ...) need {why}"
-    )))
-}
-
 /// A rank's buffer layout (see the fields of the same names in [`super::Node`]).
 pub(super) struct Layout {
     /// The caller reads a view published from the landing zone (SSP, or a

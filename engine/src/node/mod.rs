@@ -233,7 +233,7 @@ pub struct NodeStats {
 #[derive(Debug, Clone, Copy)]
 enum Track {
     Ctrl,
-    Init,
+    Init { chunk: u32 },
     Push { slice: u32 },
     Bcast { chunk: u32, worker: u32 },
     Factors { layer: u32, peer: u32 },
@@ -347,7 +347,7 @@ struct ServerSide {
 /// The checks of a configuration before anything is built, in order: the
 /// rank inside the cluster (its role, returned), the transport's limits, the
 /// modes and the switches (see [`layout::check_limits`], [`layout::check_modes`]
-/// and [`layout::check_switches`]).
+/// and [`crate::plan::check_switches`]).
 fn check_config(cfg: &NodeConfig) -> Result<Role> {
     let (book, rank) = (&cfg.book, cfg.rank);
     let world = book.cluster().world();
@@ -358,7 +358,7 @@ fn check_config(cfg: &NodeConfig) -> Result<Role> {
     debug_assert!((rank as usize) < world, "rank {rank} in a world of {world}");
     layout::check_limits(&cfg.limits)?;
     layout::check_modes(book, &cfg.sched)?;
-    layout::check_switches(book, &cfg.sched, cfg.apply)?;
+    crate::plan::check_switches(book, &cfg.sched, cfg.apply)?;
     Ok(role)
 }
 

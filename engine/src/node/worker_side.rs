@@ -168,7 +168,7 @@ impl Node {
                 region: LocalRegion::Shard,
                 offset: shard_at,
             };
-            self.write(server, src, dst, len, chunk, Track::Init);
+            self.write(server, src, dst, len, chunk, Track::Init { chunk });
         }
     }
 
