@@ -81,6 +81,8 @@ pub(crate) struct Config {
     pub(crate) rates: Option<tidewire_engine::cost::Rates>,
     /// Scheme switches ([`tidewire_engine::plan`]), every rank the same.
     pub(crate) switches: Vec<tidewire_engine::Switch>,
+    /// Adaptive schemes: the decision period (0: off).
+    pub(crate) adapt_every: u64,
     pub(crate) comm: tidewire_engine::freq::CommConfig,
     pub(crate) checkpoint: Option<crate::checkpoint::Checkpointing>,
     pub(crate) resume: Option<std::path::PathBuf>,
@@ -121,6 +123,7 @@ impl Config {
             link_gbps: None,
             rates: None,
             switches: Vec::new(),
+            adapt_every: 0,
             comm: tidewire_engine::freq::CommConfig::default(),
             checkpoint: None,
             resume: None,

@@ -223,6 +223,17 @@ impl Builder {
         self.cfg.switches = s;
         self
     }
+    /// HybComm decides again in the run, every `every` iterations (0: never):
+    /// worker index 0 tries the cost model's choice against an alternative
+    /// on the measured iteration time and keeps the faster, and the protocol
+    /// carries each decision to every rank (see [`tidewire_engine::plan`]).
+    /// Every rank must give the same. Hand the dense FC layers in by their
+    /// factors ([`Session::sf_ready`]): a layer's scheme may be undecided
+    /// when its backward ends. The same limits as [`Builder::switches`].
+    pub fn adaptive(mut self, every: u64) -> Self {
+        self.cfg.adapt_every = every;
+        self
+    }
     /// Transport selection.
     pub fn transport(mut self, t: TransportKind) -> Self {
         self.cfg.transport = t;
@@ -345,13 +356,16 @@ impl Builder {
         if let Some(r) = rates {
             book = book.with_rates(r)?;
         }
-        if !self.cfg.switches.is_empty() {
+        if !self.cfg.switches.is_empty() || self.cfg.adapt_every > 0 {
             if self.cfg.checkpoint.is_some() || self.cfg.resume.is_some() {
                 return Err(Error::Checkpoint(
                     "scheme switches and checkpoints do not go together yet (a checkpoint keeps each layer where its start-up scheme holds it)".into(),
                 ));
             }
             book = book.with_switches(&self.cfg.switches)?;
+            if self.cfg.adapt_every > 0 {
+                book = book.with_adaptive(self.cfg.adapt_every)?;
+            }
         }
         let book = Arc::new(book);
         if self.cfg.secret.is_none() {
@@ -619,9 +633,25 @@ impl Session {
 
     /// The scheme `layer` syncs by in iteration `iter` (a layer's buffers
     /// say which iteration they are for: [`LayerBuffers::iter`]).
+    /// With adaptive schemes ([`Builder::adaptive`]) this is what the rank
+    /// knows now: final for a decided iteration, the last decision carried
+    /// on for a later one.
     pub fn scheme_at(&self, layer: u32, iter: u64) -> Result<Scheme> {
         self.book.layer(layer)?;
-        Ok(self.book.scheme(layer, iter))
+        Ok(match self.shared.plan() {
+            Some((plan, _)) => plan.scheme(layer, iter),
+            None => self.book.scheme(layer, iter),
+        })
+    }
+
+    /// The switches so far (given up front, or decided in the run), and on
+    /// worker index 0 of an adaptive session the decisions with the window
+    /// times they came from.
+    pub fn switches(&self) -> (Vec<tidewire_engine::Switch>, Vec<crate::Decision>) {
+        match self.shared.plan() {
+            Some((plan, log)) => (plan.switches().collect(), log.unwrap_or_default()),
+            None => (self.book.plan().switches().collect(), Vec::new()),
+        }
     }
 
     fn check(&self) -> Result<&Sender<Request>> {

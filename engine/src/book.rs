@@ -733,7 +733,13 @@ impl Book {
     /// (PS, SFB) seconds at the busiest node for an FC `layer` at the
     /// book's rates; `None` without rates or for a layer that is not FC.
     pub fn seconds(&self, layer: u32) -> Option<(cost::SchemeSeconds, cost::SchemeSeconds)> {
-        let r = self.rates.as_ref()?;
+        self.seconds_at(layer, self.rates.as_ref()?)
+    }
+
+    /// (PS, SFB) seconds at the busiest node for an FC `layer` at rates `r`
+    /// (the book's own, or rates measured in the run); `None` for a layer
+    /// that is not FC.
+    pub fn seconds_at(&self, layer: u32, r: &cost::Rates) -> Option<(cost::SchemeSeconds, cost::SchemeSeconds)> {
         let l = &self.layers[layer as usize];
         if l.kind != LayerKind::Fc || l.sparse {
             return None;
@@ -815,6 +821,37 @@ impl Book {
                 .add(*sw)
                 .map_err(|e| EngineError::InvalidConfig(format!("{e} ({name})")))?;
         }
+        self.hash = self.compute_hash();
+        Ok(self)
+    }
+
+    /// This book with HybComm deciding again every `every` iterations, in
+    /// the run (see [`crate::plan::Plan`]): worker index 0 decides each
+    /// dense FC layer's scheme at every decision point and the protocol
+    /// carries the decision to every rank. Not with switches given up front,
+    /// nor with Adam; at most 64 such layers. Part of the book's hash.
+    pub fn with_adaptive(mut self, every: u64) -> Result<Self> {
+        let contested: Vec<u32> = (0..self.layers.len() as u32)
+            .filter(|&l| {
+                let s = &self.layers[l as usize];
+                s.kind == LayerKind::Fc && !s.sparse
+            })
+            .collect();
+        let why = if every == 0 {
+            "a decision period of at least 1 iteration"
+        } else if self.plan.has_switches() {
+            "no switches given up front"
+        } else if self.cfg.policy == SchemePolicy::Adam {
+            "a policy other than adam"
+        } else if contested.len() > 64 {
+            "at most 64 dense FC layers"
+        } else {
+            ""
+        };
+        if !why.is_empty() {
+            return Err(EngineError::InvalidConfig(format!("adaptive schemes need {why}")));
+        }
+        self.plan.adaptive(every, contested);
         self.hash = self.compute_hash();
         Ok(self)
     }
@@ -952,7 +989,11 @@ impl Book {
             put(&(l.m as u64).to_le_bytes());
             put(&(l.n as u64).to_le_bytes());
         }
-        // Switches only when there are some, so that existing books keep their hash.
+        // Switches and decisions only when there are some, so that existing books keep their hash.
+        if self.plan.every() > 0 {
+            put(&[0xad]);
+            put(&self.plan.every().to_le_bytes());
+        }
         for sw in self.plan.switches() {
             put(&[0x5e, sw.scheme as u8]);
             put(&sw.layer.to_le_bytes());

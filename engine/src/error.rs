@@ -33,6 +33,10 @@ pub enum EngineError {
         "layer {layer} ({name}) syncs by sufficient factors this iteration: call sf_ready with U and V, not grad_ready"
     )]
     NeedsFactors { layer: u32, name: String },
+    /// The layer's scheme for the iteration is not decided yet (adaptive
+    /// schemes, [`crate::plan::Plan`]): hand it in once worker 0's decision came.
+    #[error("layer {layer}'s scheme for iteration {iter} is not decided yet")]
+    Undecided { layer: u32, iter: u64 },
     /// Sufficient factors were handed in for a layer that is not fully connected.
     #[error("layer {layer} ({name}) is not fully connected: it has no sufficient factors")]
     NotFullyConnected { layer: u32, name: String },

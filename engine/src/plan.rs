@@ -61,14 +61,32 @@ pub enum PlanError {
     /// Only PS and SFB trade places.
     #[error("switch {0}: only ps and sfb switch, and only from one to the other")]
     NotPsSfb(Switch),
+    /// A decision for another point than the next, or with bits past the contested layers.
+    #[error(
+        "a decision for iteration {at}, where the next decision point is {next:?} (or bits past the contested layers)"
+    )]
+    NotThePoint { at: u64, next: Option<u64> },
 }
 
 /// Per layer, its start-up scheme and its switches (see the module docs).
+///
+/// **Adaptive** ([`Plan::adaptive`]): every `every` iterations, at the
+/// decision points `every`, `2·every`, ..., worker index 0 decides the
+/// scheme of each contested layer (every dense FC layer) for the next
+/// `every` iterations and tells every rank ([`Plan::decide`]). Iterations
+/// from the next point on are undecided ([`Plan::is_decided`]) until then:
+/// what the plan says of them is provisional (the last decision, carried on).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Plan {
     first: Vec<Scheme>,
     /// Per layer: (first iteration, scheme), ascending, each a change.
     switches: Vec<Vec<(u64, Scheme)>>,
+    /// Iterations below this are decided (u64::MAX: all of them).
+    decided: u64,
+    /// The decision period (0: no decisions).
+    every: u64,
+    /// The layers decided at each point, in layer order (bit i of a decision is the i-th's).
+    contested: Vec<u32>,
 }
 
 impl Plan {
@@ -78,7 +96,84 @@ impl Plan {
         Plan {
             first,
             switches: vec![Vec::new(); n],
+            decided: u64::MAX,
+            every: 0,
+            contested: Vec::new(),
         }
+    }
+
+    /// This plan deciding `contested`'s schemes every `every` iterations
+    /// (see the type's docs): at most 64 layers, a period of at least 1.
+    pub(crate) fn adaptive(&mut self, every: u64, contested: Vec<u32>) {
+        debug_assert!(every >= 1 && contested.len() <= 64 && !self.has_switches());
+        debug_assert!(contested.iter().all(|&l| (l as usize) < self.first.len()));
+        self.every = every;
+        self.decided = every;
+        self.contested = contested;
+    }
+
+    /// Whether iteration `iter`'s schemes are final.
+    pub fn is_decided(&self, iter: u64) -> bool {
+        iter < self.decided
+    }
+
+    /// Whether `layer`'s scheme in iteration `iter` is final: decided, or a
+    /// layer no decision covers.
+    pub fn settled(&self, layer: u32, iter: u64) -> bool {
+        self.is_decided(iter) || !self.contested.contains(&layer)
+    }
+
+    /// The next decision point, when the plan is adaptive.
+    pub fn next_point(&self) -> Option<u64> {
+        (self.every > 0).then_some(self.decided)
+    }
+
+    /// The decision period (0: not adaptive).
+    pub fn every(&self) -> u64 {
+        self.every
+    }
+
+    /// The layers each decision covers, in the order of its bits.
+    pub fn contested(&self) -> &[u32] {
+        &self.contested
+    }
+
+    /// The decision for the point `at` (the next one): bit i of `sfb` set
+    /// puts [`Plan::contested`]'s i-th layer on SFB from `at`, clear on the
+    /// PS. Returns the switches it made (layers whose scheme changes).
+    pub fn decide(&mut self, at: u64, sfb: u64) -> Result<Vec<Switch>, PlanError> {
+        if self.next_point() != Some(at) || (self.contested.len() < 64 && sfb >> self.contested.len() != 0) {
+            return Err(PlanError::NotThePoint {
+                at,
+                next: self.next_point(),
+            });
+        }
+        let mut made = Vec::new();
+        for (i, &layer) in self.contested.clone().iter().enumerate() {
+            let scheme = if sfb >> i & 1 == 1 { Scheme::Sfb } else { Scheme::Ps };
+            if self.scheme(layer, at) != scheme {
+                let sw = Switch {
+                    layer,
+                    iter: at,
+                    scheme,
+                };
+                self.add(sw)?;
+                made.push(sw);
+            }
+        }
+        self.decided = at + self.every;
+        debug_assert!(self.is_decided(at) && !self.is_decided(self.decided));
+        Ok(made)
+    }
+
+    /// The decision that keeps every contested layer as it is at `iter`
+    /// (the bits [`Plan::decide`] takes).
+    pub fn current_bits(&self, iter: u64) -> u64 {
+        self.contested
+            .iter()
+            .enumerate()
+            .filter(|&(_, &l)| self.scheme(l, iter) == Scheme::Sfb)
+            .fold(0, |b, (i, _)| b | 1 << i)
     }
 
     /// The start-up schemes chosen again (the switches must still be
@@ -222,11 +317,17 @@ pub fn check_switches(
 ) -> crate::error::Result<()> {
     use crate::config::{Consistency, Trigger};
     use crate::error::EngineError;
-    let Some(first) = book.plan().switches().next() else {
-        return Ok(());
+    let first = match book.plan().switches().next() {
+        Some(sw) => sw.to_string(),
+        None if book.plan().every() > 0 => format!("decided every {} iterations", book.plan().every()),
+        None => return Ok(()),
     };
     let why = if sched.consistency != Consistency::Bsp || sched.trigger != Trigger::All {
-        format!("BSP with the all trigger, not {:?} with {}", sched.consistency, sched.trigger.name())
+        format!(
+            "BSP with the all trigger, not {:?} with {}",
+            sched.consistency,
+            sched.trigger.name()
+        )
     } else if book.config().placement != crate::book::Placement::Chunked {
         "the chunked placement, not kvstore".to_string()
     } else if apply.needs_momentum() {
@@ -257,11 +358,17 @@ mod tests {
         let l0: Vec<Scheme> = (0..7).map(|t| p.scheme(0, t)).collect();
         use Scheme::{Ps, Sfb};
         assert_eq!(l0, [Ps, Ps, Ps, Sfb, Sfb, Ps, Ps]);
-        assert_eq!((0..8).map(|n| p.server_rounds(0, n)).collect::<Vec<_>>(), [0, 1, 2, 3, 3, 3, 4, 5]);
+        assert_eq!(
+            (0..8).map(|n| p.server_rounds(0, n)).collect::<Vec<_>>(),
+            [0, 1, 2, 3, 3, 3, 4, 5]
+        );
         assert_eq!((0..5).map(|k| p.server_iter(0, k)).collect::<Vec<_>>(), [0, 1, 2, 5, 6]);
         assert_eq!((0..3).map(|k| p.server_iter(1, k)).collect::<Vec<_>>(), [2, 3, 4]);
         assert_eq!(p.server_rounds(1, 4), 2);
-        assert_eq!((p.next_sfb(0, 0), p.next_sfb(0, 4), p.next_sfb(0, 5)), (Some(3), Some(4), None));
+        assert_eq!(
+            (p.next_sfb(0, 0), p.next_sfb(0, 4), p.next_sfb(0, 5)),
+            (Some(3), Some(4), None)
+        );
         assert_eq!((p.next_sfb(1, 0), p.next_sfb(1, 2)), (Some(0), None));
         let reseeds: Vec<u64> = (0..8).filter(|&t| p.reseeds_at(0, t)).collect();
         assert_eq!(reseeds, [5]);
@@ -281,7 +388,11 @@ mod tests {
             let mut at = 0;
             for _ in 0..rng.below(5) {
                 at += 1 + rng.below(4);
-                let s = if p.scheme(0, at) == Scheme::Ps { Scheme::Sfb } else { Scheme::Ps };
+                let s = if p.scheme(0, at) == Scheme::Ps {
+                    Scheme::Sfb
+                } else {
+                    Scheme::Ps
+                };
                 p.add(sw(0, at, s)).unwrap();
             }
             let held: Vec<u64> = (0..40).filter(|&t| p.scheme(0, t) == Scheme::Ps).collect();
@@ -299,13 +410,19 @@ mod tests {
     #[test]
     fn bad_switches_are_refused_by_name() {
         let mut p = Plan::new(vec![Scheme::Ps, Scheme::Adam]);
-        assert_eq!(p.add(sw(2, 1, Scheme::Sfb)), Err(PlanError::UnknownLayer(sw(2, 1, Scheme::Sfb))));
+        assert_eq!(
+            p.add(sw(2, 1, Scheme::Sfb)),
+            Err(PlanError::UnknownLayer(sw(2, 1, Scheme::Sfb)))
+        );
         assert!(matches!(p.add(sw(0, 0, Scheme::Sfb)), Err(PlanError::AtStart(_))));
         assert!(matches!(p.add(sw(0, 2, Scheme::Ps)), Err(PlanError::NoChange(_))));
         assert!(matches!(p.add(sw(1, 2, Scheme::Ps)), Err(PlanError::NotPsSfb(_))));
         p.add(sw(0, 4, Scheme::Sfb)).unwrap();
         let e = p.add(sw(0, 4, Scheme::Ps)).unwrap_err();
-        assert_eq!(e.to_string(), "switch layer 0 to ps at iteration 4: not after the layer's previous switch (iteration 4)");
+        assert_eq!(
+            e.to_string(),
+            "switch layer 0 to ps at iteration 4: not after the layer's previous switch (iteration 4)"
+        );
         assert!(!Plan::new(vec![Scheme::Ps]).has_switches() && p.has_switches());
     }
 }

@@ -165,6 +165,11 @@ pub struct Server {
     /// Per local chunk: the iteration its latest reseed was for (a switch
     /// back from SFB, [`crate::plan::Plan::reseeds_at`]).
     reseeded: Vec<Option<u64>>,
+    /// Per local chunk: worker 0's values came before the decision that
+    /// says whether the chunk's next round comes back from SFB (checked then).
+    reseed_early: Vec<bool>,
+    /// The schemes by iteration: the book's, and the decisions since ([`crate::plan`]).
+    plan: crate::plan::Plan,
     bcast_queue: BinaryHeap<Reverse<(u64, u32, u32)>>,
     bcast_bytes: usize,
     out: VecDeque<ServerCommand>,
@@ -263,6 +268,8 @@ impl Server {
             init_left: nlc,
             seeded: vec![false; nlc],
             reseeded: vec![None; nlc],
+            reseed_early: vec![false; nlc],
+            plan: book.plan().clone(),
             bcast_queue: BinaryHeap::new(),
             bcast_bytes: 0,
             out: VecDeque::new(),
@@ -396,7 +403,7 @@ impl Server {
     /// layer comes back from SFB to the PS.
     pub fn handle_init(&mut self, from: u32, chunk: u32) -> Result<()> {
         let lc = self.local_chunk(from, chunk)?;
-        if self.init_left == 0 && self.book.plan().has_switches() {
+        if self.init_left == 0 && (self.plan.has_switches() || self.plan.every() > 0) {
             return self.handle_reseed(from, chunk, lc);
         }
         if self.applied[lc] != 0 || self.init_left == 0 || self.seeded[lc] {
@@ -424,16 +431,64 @@ impl Server {
     fn handle_reseed(&mut self, from: u32, chunk: u32, lc: usize) -> Result<()> {
         let layer = self.book.chunks()[chunk as usize].layer;
         let round = self.applied[lc];
-        let plan = self.book.plan();
-        let t = plan.round_iter(layer, round);
-        let ok = self.book.cluster().worker_index(from) == Some(0)
-            && t.is_some_and(|t| plan.reseeds_at(layer, t) && self.reseeded[lc] != Some(t));
+        let t = self.plan.round_iter(layer, round);
+        let from0 = self.book.cluster().worker_index(from) == Some(0);
+        if from0 && !t.is_some_and(|t| self.plan.settled(layer, t)) && !self.reseed_early[lc] {
+            // The decision that brings the layer back has not come yet (messages
+            // and writes are not ordered): taken in when it comes.
+            self.reseed_early[lc] = true;
+            return Ok(());
+        }
+        let ok = from0 && t.is_some_and(|t| self.plan.reseeds_at(layer, t) && self.reseeded[lc] != Some(t));
         if !ok {
             return Err(self.err(from, ProtocolViolation::ReseedUnexpected { chunk, round }));
         }
         self.reseeded[lc] = t;
         self.try_apply(chunk);
         Ok(())
+    }
+
+    /// The schemes by iteration, as this server knows them.
+    pub fn plan(&self) -> &crate::plan::Plan {
+        &self.plan
+    }
+
+    /// Worker index 0's decision for the point `at` ([`crate::plan::Plan::decide`]):
+    /// the rounds it settles may be applied, and values of chunks that came
+    /// early must be for a switch back to the PS.
+    pub fn decide(&mut self, at: u64, sfb: u64) -> Result<Vec<crate::plan::Switch>> {
+        let decider = self.book.cluster().workers()[0];
+        let made = self
+            .plan
+            .decide(at, sfb)
+            .map_err(|e| self.err(decider, ProtocolViolation::BadDecision { at, why: e.to_string() }))?;
+        let chunks: Vec<u32> = self.book.server_chunks(self.rank).to_vec();
+        for (lc, &c) in chunks.iter().enumerate() {
+            let layer = self.book.chunks()[c as usize].layer;
+            let t = self.plan.round_iter(layer, self.applied[lc]);
+            if self.reseed_early[lc] && t.is_some_and(|t| self.plan.settled(layer, t)) {
+                self.reseed_early[lc] = false;
+                if !t.is_some_and(|t| self.plan.reseeds_at(layer, t)) {
+                    let round = self.applied[lc];
+                    return Err(self.err(decider, ProtocolViolation::ReseedUnexpected { chunk: c, round }));
+                }
+                self.reseeded[lc] = t;
+            }
+        }
+        for c in chunks {
+            self.try_apply(c);
+        }
+        Ok(made)
+    }
+
+    /// The iteration of `layer`'s round `k` as the plan says now: final where
+    /// decided, else provisional (for ordering only), or the next decision
+    /// point where the plan has the layer on SFB from then on.
+    fn round_label(&self, layer: u32, k: u64) -> u64 {
+        self.plan
+            .round_iter(layer, k)
+            .or(self.plan.next_point())
+            .unwrap_or(u64::MAX)
     }
 
     fn local_chunk(&self, from: u32, chunk: u32) -> Result<usize> {
@@ -635,7 +690,7 @@ impl Server {
         let pos = wi % g;
         // The round's iteration (switches leave SFB iterations out of a layer's rounds).
         let layer = self.book.slices()[slice as usize].layer;
-        let iter = self.book.plan().server_iter(layer, self.win_iter[sw]);
+        let iter = self.round_label(layer, self.win_iter[sw]);
         self.out.push_back(ServerCommand::Accumulate {
             worker,
             slot,
@@ -682,8 +737,11 @@ impl Server {
         }
         // Round t's iteration; back from SFB, the shard needs worker 0's values first.
         let layer = self.book.chunks()[chunk as usize].layer;
-        let real = self.book.plan().server_iter(layer, t);
-        if self.book.plan().reseeds_at(layer, real) && self.reseeded[lc] != Some(real) {
+        let Some(real) = self.plan.round_iter(layer, t).filter(|&r| self.plan.settled(layer, r)) else {
+            // The round's iteration waits for worker 0's decision.
+            return;
+        };
+        if self.plan.reseeds_at(layer, real) && self.reseeded[lc] != Some(real) {
             return;
         }
         self.out.push_back(ServerCommand::Apply {
@@ -694,7 +752,7 @@ impl Server {
         });
         self.stats.applies += 1;
         self.chunk_done[lc * self.window + w] = 0;
-        let adam = self.book.scheme(layer, real) == Scheme::Adam;
+        let adam = self.plan.scheme(layer, real) == Scheme::Adam;
         for s in self.book.chunk_slices(chunk) {
             let sw = self.slice_local[s as usize] as usize * self.window + w;
             // Every worker's contribution to every slice is in (Adam sums factors instead),
@@ -721,7 +779,9 @@ impl Server {
         );
         // Broadcasts go out by the iteration they finish (round `version - 1`'s).
         let layer = self.book.chunks()[chunk as usize].layer;
-        let key = version.checked_sub(1).map_or(0, |k| self.book.plan().server_iter(layer, k) + 1);
+        let key = version
+            .checked_sub(1)
+            .map_or(0, |k| self.round_label(layer, k).saturating_add(1));
         for wi in 0..self.p1 {
             if self.lost[wi] {
                 continue;
@@ -848,7 +908,7 @@ impl Server {
         if self.init_left != 0 {
             return Err(self.err(worker, ProtocolViolation::FactorsBeforeInit));
         }
-        if self.book.layer(layer).is_err() || self.book.scheme(layer, iter) != Scheme::Adam {
+        if self.book.layer(layer).is_err() || self.plan.scheme(layer, iter) != Scheme::Adam {
             return Err(self.err(worker, ProtocolViolation::FactorsNotAdam { layer }));
         }
         let chunks = self.book.layer_chunks(layer);

@@ -19,6 +19,7 @@
 //! | `Abort` | UTF-8 reason, at most [`MAX_REASON`] bytes |
 //! | `Notify` | chunk u32, version u64: the sending server applied the chunk (`--sync kvstore`) |
 //! | `Pull` | chunk u32, version u64: the sending worker asks for the chunk's values (`--sync kvstore`) |
+//! | `Decide` | iteration u64, SFB bits u64: worker index 0's scheme decision from that iteration on (adaptive schemes, [`crate::plan`]) |
 //!
 //! One-sided writes carry an immediate instead: a push names its slice (with
 //! [`SPARSE_IMM`](crate::sparse::SPARSE_IMM) set for a sparse one: "sparse,
@@ -82,6 +83,10 @@ pub enum Kind {
     Notify = 8,
     /// A worker asks a server for a chunk's values (kvstore).
     Pull = 9,
+    /// Worker 0 decided the contested layers' schemes from an iteration on
+    /// (adaptive schemes; only books with a decision period, which the
+    /// agreed book hash names, send it, so no version bump).
+    Decide = 10,
 }
 
 impl Kind {
@@ -103,6 +108,7 @@ impl Kind {
             7 => Kind::Abort,
             8 => Kind::Notify,
             9 => Kind::Pull,
+            10 => Kind::Decide,
             _ => return None,
         })
         .inspect(|kind| debug_assert_eq!(*kind as u8, k))
@@ -177,6 +183,9 @@ pub enum Msg {
     /// The sending worker asks for `chunk` at `version` (the one notified):
     /// the server answers by writing the values into its parameter buffer.
     Pull { chunk: u32, version: u64 },
+    /// Worker index 0's decision: from iteration `at` on, contested layer i
+    /// (in layer order) syncs by SFB where bit i of `sfb` is set, else by the PS.
+    Decide { at: u64, sfb: u64 },
 }
 
 struct Reader<'a> {
@@ -347,6 +356,10 @@ pub fn decode(tag: u32, data: &[u8]) -> Result<Msg, WireError> {
             chunk: r.u32("chunk")?,
             version: r.u64("version")?,
         },
+        Kind::Decide => Msg::Decide {
+            at: r.u64("iteration")?,
+            sfb: r.u64("bits")?,
+        },
         Kind::Abort => return Ok(Msg::Abort(abort_reason(data)?)),
     };
     r.end()?;
@@ -417,6 +430,11 @@ pub fn encode(msg: &Msg) -> (u32, Vec<u8>) {
             b.extend_from_slice(&version.to_le_bytes());
             Kind::Pull
         }
+        Msg::Decide { at, sfb } => {
+            b.extend_from_slice(&at.to_le_bytes());
+            b.extend_from_slice(&sfb.to_le_bytes());
+            Kind::Decide
+        }
         Msg::Abort(reason) => {
             let mut end = reason.len().min(MAX_REASON);
             while !reason.is_char_boundary(end) {
@@ -474,6 +492,7 @@ mod tests {
             any::<u64>().prop_map(|writes| Msg::Bye { writes }),
             (any::<u32>(), any::<u64>()).prop_map(|(chunk, version)| Msg::Notify { chunk, version }),
             (any::<u32>(), any::<u64>()).prop_map(|(chunk, version)| Msg::Pull { chunk, version }),
+            (any::<u64>(), any::<u64>()).prop_map(|(at, sfb)| Msg::Decide { at, sfb }),
             "[a-zA-Z0-9 ,.:é]{0,80}".prop_map(Msg::Abort),
         ]
     }
@@ -487,7 +506,7 @@ mod tests {
         }
 
         #[test]
-        fn decoding_never_panics(tag_kind in 0u8..10, version in prop_oneof![Just(VERSION), any::<u8>()],
+        fn decoding_never_panics(tag_kind in 0u8..11, version in prop_oneof![Just(VERSION), any::<u8>()],
                                  magic in prop_oneof![Just(MAGIC), any::<u32>()],
                                  data in proptest::collection::vec(any::<u8>(), 0..400)) {
             let tag = (magic & 0xffff_0000) | (u32::from(version) << 8) | u32::from(tag_kind);

@@ -97,6 +97,8 @@ pub struct Worker {
     sf_applied: Vec<u64>,
     sf_arrived: HashMap<(u32, u64), u32>,
     sf_emitted: Vec<Option<u64>>,
+    /// The schemes by iteration: the book's, and the decisions since ([`crate::plan`]).
+    plan: crate::plan::Plan,
     /// Per layer: chunks whose values worker 0 is still writing back to
     /// their servers (a switch back to the PS); the layer is not ready
     /// before (the caller could change the parameters being read).
@@ -138,6 +140,7 @@ impl Worker {
             sf_arrived: HashMap::default(),
             sf_emitted: vec![None; book.layers().len()],
             reseeding: vec![0; book.layers().len()],
+            plan: book.plan().clone(),
             ready: BinaryHeap::new(),
             parked: (0..world).map(|_| BinaryHeap::new()).collect(),
             free_slots,
@@ -232,7 +235,11 @@ impl Worker {
     /// The scheme `layer` will sync by at its next hand-in.
     pub fn next_scheme(&self, layer: u32) -> Result<Scheme> {
         self.book.layer(layer)?;
-        Ok(self.book.scheme(layer, self.completed(layer)))
+        let iter = self.completed(layer);
+        if !self.plan.settled(layer, iter) {
+            return Err(EngineError::Undecided { layer, iter });
+        }
+        Ok(self.plan.scheme(layer, iter))
     }
 
     /// The next command for the driver.
@@ -243,6 +250,9 @@ impl Worker {
     fn check_hand_in(&self, layer: u32) -> Result<()> {
         let spec = self.book.layer(layer)?;
         let st = &self.layers[layer as usize];
+        if !st.in_flight && !self.plan.settled(layer, st.done) {
+            return Err(EngineError::Undecided { layer, iter: st.done });
+        }
         if st.in_flight {
             return Err(EngineError::LayerBusy {
                 layer,
@@ -260,7 +270,7 @@ impl Worker {
     pub fn grad_ready(&mut self, layer: u32) -> Result<()> {
         self.check_hand_in(layer)?;
         let iter = self.layers[layer as usize].done;
-        if self.book.scheme(layer, iter).takes_factors() {
+        if self.plan.scheme(layer, iter).takes_factors() {
             return Err(EngineError::NeedsFactors {
                 layer,
                 name: self.book.layers()[layer as usize].name.clone(),
@@ -298,7 +308,7 @@ impl Worker {
             });
         }
         let iter = self.layers[layer as usize].done;
-        let scheme = self.book.scheme(layer, iter);
+        let scheme = self.plan.scheme(layer, iter);
         if scheme == Scheme::Ps {
             return Ok(false);
         }
@@ -440,7 +450,7 @@ impl Worker {
             // The reconstruction asked for is the next one to apply, or the one before it.
             debug_assert!(
                 self.sf_emitted[l].map_or(self.sf_applied[l] == 0, |e| e + 1 == self.sf_applied[l]
-                    || Some(e) == self.book.plan().next_sfb(l as u32, self.sf_applied[l])),
+                    || Some(e) == self.plan.next_sfb(l as u32, self.sf_applied[l])),
                 "layer {l}: emitted {:?}, applied {}",
                 self.sf_emitted[l],
                 self.sf_applied[l]
@@ -609,7 +619,7 @@ impl Worker {
         // The initial values, then one broadcast per server round handed in.
         let (updates, bound) = (
             self.chunk_updates[chunk as usize] + 1,
-            1 + self.book.plan().server_rounds(layer, st.done + u64::from(st.in_flight)),
+            1 + self.plan.server_rounds(layer, st.done + u64::from(st.in_flight)),
         );
         if self.cfg.consistency == crate::config::Consistency::Bsp
             && self.cfg.trigger == crate::config::Trigger::All
@@ -647,8 +657,9 @@ impl Worker {
         if *n as usize > self.book.p1() {
             return Err(self.protocol(from, ProtocolViolation::TooManyFactors { layer, iter }));
         }
-        // Factors come to workers for SFB only (Adam's go to the layer's server).
-        if self.book.scheme(layer, iter) != Scheme::Sfb {
+        // Factors come to workers for SFB only (Adam's go to the layer's server);
+        // for an iteration not decided yet, checked once it is ([`Worker::decide`]).
+        if self.plan.settled(layer, iter) && self.plan.scheme(layer, iter) != Scheme::Sfb {
             return Err(self.protocol(from, ProtocolViolation::FactorsNotSfb { layer, iter }));
         }
         self.maybe_reconstruct(layer);
@@ -657,7 +668,7 @@ impl Worker {
 
     fn maybe_reconstruct(&mut self, layer: u32) {
         // The next SFB iteration (switches may leave PS iterations between).
-        let Some(next) = self.book.plan().next_sfb(layer, self.sf_applied[layer as usize]) else {
+        let Some(next) = self.plan.next_sfb(layer, self.sf_applied[layer as usize]) else {
             return;
         };
         if self.sf_emitted[layer as usize] == Some(next) {
@@ -674,7 +685,7 @@ impl Worker {
     /// The driver applied the reconstructed gradient of `layer` for `iter`.
     pub fn handle_factors_applied(&mut self, layer: u32, iter: u64) -> Result<()> {
         self.book.layer(layer)?;
-        let next = self.book.plan().next_sfb(layer, self.sf_applied[layer as usize]);
+        let next = self.plan.next_sfb(layer, self.sf_applied[layer as usize]);
         if self.sf_emitted[layer as usize] != Some(iter) || next != Some(iter) {
             return Err(self.protocol(self.rank, ProtocolViolation::ApplyNotAsked { layer, iter }));
         }
@@ -685,18 +696,47 @@ impl Worker {
         );
         self.sf_applied[layer as usize] = iter + 1;
         self.sf_arrived.remove(&(layer, iter));
-        if self.index == 0 && self.book.plan().reseeds_at(layer, iter + 1) {
-            // Back to the PS next iteration: this worker's values seed the shards again.
-            self.reseeding[layer as usize] = self.book.layer_chunks(layer).len() as u32;
-            for c in self.book.layer_chunks(layer) {
-                let server = self.book.chunks()[c as usize].server;
-                self.out.push_back(WorkerCommand::InitPush { server, chunk: c });
-            }
+        if self.plan.settled(layer, iter + 1) {
+            self.maybe_reseed(layer, iter + 1);
         }
         self.check_ready(layer);
         self.maybe_reconstruct(layer);
         self.debug_invariants();
         Ok(())
+    }
+
+    /// The schemes by iteration, as this worker knows them.
+    pub fn plan(&self) -> &crate::plan::Plan {
+        &self.plan
+    }
+
+    /// Worker index 0's decision for the point `at` ([`crate::plan::Plan::decide`]),
+    /// taken in: factors that came early for the iterations it decides must
+    /// be of layers it put on SFB.
+    pub fn decide(&mut self, at: u64, sfb: u64) -> Result<Vec<crate::plan::Switch>> {
+        let decider = self.book.cluster().workers()[0];
+        let made = self
+            .plan
+            .decide(at, sfb)
+            .map_err(|e| self.protocol(decider, ProtocolViolation::BadDecision { at, why: e.to_string() }))?;
+        let early = self
+            .sf_arrived
+            .keys()
+            .find(|&&(l, t)| t >= at && self.plan.is_decided(t) && self.plan.scheme(l, t) != Scheme::Sfb);
+        if let Some(&(layer, iter)) = early {
+            // A peer sent factors for an iteration this decision put on the PS.
+            return Err(self.protocol(decider, ProtocolViolation::FactorsNotSfb { layer, iter }));
+        }
+        for l in 0..self.layers.len() as u32 {
+            if self.sf_applied[l as usize] == at && self.reseeding[l as usize] == 0 {
+                // The reconstruction of `at - 1` ran before the decision.
+                self.maybe_reseed(l, at);
+            }
+            self.check_ready(l);
+            self.maybe_reconstruct(l);
+        }
+        self.debug_invariants();
+        Ok(made)
     }
 
     /// A write of `chunk`'s values into its server's shard ([`WorkerCommand::InitPush`])
@@ -717,6 +757,22 @@ impl Worker {
         Ok(())
     }
 
+    /// Worker 0, once its reconstruction of `iter - 1` ran and `iter` is
+    /// decided: where `layer` comes back to the PS at `iter`, its values
+    /// seed the shards again.
+    fn maybe_reseed(&mut self, layer: u32, iter: u64) {
+        debug_assert!(self.plan.settled(layer, iter) && self.sf_applied[layer as usize] == iter);
+        if self.index != 0 || !self.plan.reseeds_at(layer, iter) {
+            return;
+        }
+        debug_assert_eq!(self.reseeding[layer as usize], 0, "layer {layer}: one reseed at a time");
+        self.reseeding[layer as usize] = self.book.layer_chunks(layer).len() as u32;
+        for c in self.book.layer_chunks(layer) {
+            let server = self.book.chunks()[c as usize].server;
+            self.out.push_back(WorkerCommand::InitPush { server, chunk: c });
+        }
+    }
+
     fn check_ready(&mut self, layer: u32) {
         let s = self.cfg.consistency.staleness();
         let st = &self.layers[layer as usize];
@@ -732,18 +788,23 @@ impl Worker {
                 let need = if n == 0 {
                     0
                 } else {
-                    1 + self.book.plan().server_rounds(layer, n - 1)
+                    1 + self.plan.server_rounds(layer, n - 1)
                 };
                 self.book
                     .layer_chunks(layer)
                     .all(|c| self.chunk_updates[c as usize] >= need)
             }
-            Some(Scheme::Sfb) => self.sf_applied[layer as usize] >= (t + 1).saturating_sub(s),
+            // Worker 0 may owe the servers the layer's values after `t`:
+            // not ready until `t + 1` is decided.
+            Some(Scheme::Sfb) => {
+                self.sf_applied[layer as usize] >= (t + 1).saturating_sub(s)
+                    && (self.index != 0 || self.plan.settled(layer, t + 1))
+            }
             None => false,
         };
         if ready {
             // The scheme taken at the hand-in is the book's for the iteration.
-            debug_assert_eq!(st.scheme, Some(self.book.scheme(layer, t)));
+            debug_assert_eq!(st.scheme, Some(self.plan.scheme(layer, t)));
             // A reconstruction needs this worker's factors too: none runs ahead of its hand-ins.
             debug_assert!(self.sf_applied[layer as usize] <= t + 1, "layer {layer} at {t}");
             let st = &mut self.layers[layer as usize];

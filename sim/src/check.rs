@@ -53,7 +53,7 @@ impl Sim {
         }
         for (c, ch) in book.chunks().iter().enumerate() {
             // The rounds the servers held the layer in (all of them, but for SFB and its switches).
-            let rounds = book.plan().server_rounds(ch.layer, iters);
+            let rounds = self.plan.server_rounds(ch.layer, iters);
             if rounds == 0 {
                 continue;
             }
@@ -170,7 +170,10 @@ impl Sim {
     /// Whether layer `l` is handed in by its factors in `iter`.
     pub(crate) fn by_factors(&self, l: u32, iter: u64) -> bool {
         let book = &self.cfg.book;
-        book.layers()[l as usize].kind == LayerKind::Fc && (self.cfg.fc_factors || book.scheme(l, iter).takes_factors())
+        // Under adaptive schemes a contested layer may be undecided at its
+        // hand-in: it always comes as factors.
+        book.layers()[l as usize].kind == LayerKind::Fc
+            && (self.cfg.fc_factors || self.plan.contested().contains(&l) || self.plan.scheme(l, iter).takes_factors())
     }
 
     pub(crate) fn check_values(
@@ -314,7 +317,7 @@ impl Sim {
         let seen = self.ranks[r as usize].applies_seen.entry(chunk).or_insert(0);
         // Round `seen`'s iteration: switches leave the layer's SFB iterations out.
         let layer = book.chunks()[chunk as usize].layer;
-        let want = book.plan().round_iter(layer, *seen);
+        let want = self.plan.round_iter(layer, *seen);
         if Some(iter) != want || (self.cfg.sched.trigger != Trigger::All && iter != *seen) {
             let s = *seen;
             return Err(self.violation(format!(

@@ -66,6 +66,10 @@ pub struct SimConfig {
     /// Hand FC layers in by their factors even when they sync through the PS
     /// (the Node forms the gradient), as a framework with SF hooks would.
     pub fc_factors: bool,
+    /// How worker 0's driver decides the schemes when the book is adaptive
+    /// ([`tidewire_engine::plan`]): `None` keeps every layer as it is; a seed
+    /// draws each decision at random (the VOPR: switches both ways).
+    pub decide_seed: Option<u64>,
     /// Per-layer (forward, backward) compute, ns.
     pub layer_ns: Vec<(u64, u64)>,
     /// Link bandwidth, bit/s.
@@ -136,6 +140,7 @@ impl SimConfig {
             rank_limits: None,
             wait_free: mode.wait_free(),
             fc_factors: false,
+            decide_seed: None,
             layer_ns,
             bandwidth_bps: 10e9,
             latency_ns: 5_000,

@@ -85,6 +85,7 @@ impl Sim {
                 }
                 Output::LayerReady { layer, iter } => self.on_layer_ready(r, layer, iter)?,
                 Output::Ready => self.on_ready(r)?,
+                Output::DecisionDue { at } => self.on_decision_due(r, at)?,
                 Output::Finished => self.on_finished(r),
                 Output::Fatal(e) => {
                     if self.ranks[r as usize].fatal.is_none() {
@@ -243,6 +244,40 @@ impl Sim {
 
     /// Rank `r`'s set-up is done: the seeding is checked, and a worker that
     /// came back goes on from the model's newest iteration.
+    /// Worker 0's Node asks for the decision at `at` (adaptive books): the
+    /// driver decides (kept as is, or at random with `decide_seed`), keeps
+    /// it for the checks, and feeds it back.
+    fn on_decision_due(&mut self, r: u32, at: u64) -> Result<(), SimError> {
+        let n = self.plan.contested().len();
+        let sfb = match self.cfg.decide_seed {
+            Some(s) => {
+                let bits = tidewire_engine::testkit::mix(s ^ at.wrapping_mul(0x9e37_79b9));
+                if n >= 64 {
+                    bits
+                } else {
+                    bits & ((1u64 << n) - 1)
+                }
+            }
+            None => self.plan.current_bits(at),
+        };
+        let made = self
+            .plan
+            .decide(at, sfb)
+            .map_err(|e| self.violation(format!("rank {r} asked for a decision at {at}: {e}")))?;
+        self.report.decisions += 1;
+        self.report.switches += made.len() as u64;
+        // A random decision also comes late, half the time by up to 2 ms:
+        // every rank (worker 0 too) then reaches the point undecided.
+        let late = match self.cfg.decide_seed {
+            Some(s) if tidewire_engine::testkit::mix(s ^ !at) % 2 == 0 => {
+                tidewire_engine::testkit::mix(s.wrapping_add(at)) % 2_000_000
+            }
+            _ => 0,
+        };
+        self.at(self.now + late, Ev::Input(r, Input::Decide { at, sfb }));
+        Ok(())
+    }
+
     fn on_ready(&mut self, r: u32) -> Result<(), SimError> {
         // Under the other triggers, a worker ready late may start
         // from a version the others already made: no seeding check.

@@ -15,6 +15,10 @@ pub struct SimReport {
     pub max_lead: u64,
     /// Events processed.
     pub events: u64,
+    /// Scheme decisions worker 0 took (adaptive books), and the switches they made.
+    pub decisions: u64,
+    /// See `decisions`.
+    pub switches: u64,
     /// Value checks that passed.
     pub checks: u64,
     /// Landing slots of one worker held at one server at once, at most.

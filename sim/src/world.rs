@@ -96,6 +96,9 @@ pub struct Sim {
     pub(crate) sent_now: Vec<(u32, u64)>,
     /// The checker's oracle of the values under the mean and SGD.
     pub(crate) oracle: Oracle,
+    /// The schemes by iteration: the book's, and worker 0's decisions as the
+    /// driver made them (what the checks expect).
+    pub(crate) plan: tidewire_engine::Plan,
 }
 
 pub(crate) fn brief_input(i: &Input) -> String {
@@ -170,7 +173,6 @@ impl Sim {
         }
         Ok(Sim {
             rng: cfg.seed ^ 0x9e37_79b9_7f4a_7c15,
-            cfg,
             now: 0,
             seq: 0,
             queue: BinaryHeap::new(),
@@ -192,6 +194,8 @@ impl Sim {
             retired_pushes: 0,
             sent_now: Vec::new(),
             oracle: Oracle::default(),
+            plan: cfg.book.plan().clone(),
+            cfg,
         })
     }
 

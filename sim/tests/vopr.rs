@@ -204,10 +204,12 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
 }
 
 /// Scheme switches mid-run (PS ↔ SFB at iteration boundaries), on a stream
-/// of their own so that the rest of a seed's job is the one it drew before:
-/// in half the jobs that can switch (BSP, the all trigger, the chunked
-/// placement, no Adam, an apply op without momentum), each dense FC layer
-/// switches at up to three drawn iterations.
+/// of their own so that the rest of a seed's job is the one it drew before.
+/// Of the jobs that can switch (BSP, the all trigger, the chunked placement,
+/// no Adam, an apply op without momentum), a third keep their schemes, a
+/// third switch each dense FC layer at up to three drawn iterations given
+/// up front, and a third are adaptive: worker 0 decides every one or two
+/// iterations, at random, and the protocol carries each decision.
 fn draw_switches(seed: u64, cfg: &mut SimConfig) -> Result<(), EngineError> {
     let mut rs = Rng(seed ^ 0x5317_c4e5_0000_0003);
     let book = &cfg.book;
@@ -217,8 +219,19 @@ fn draw_switches(seed: u64, cfg: &mut SimConfig) -> Result<(), EngineError> {
         && book.config().policy != SchemePolicy::Adam
         && !cfg.apply.needs_momentum()
         && cfg.iters > 1;
-    if !can || !rs.chance(0.5) {
+    if !can {
         return Ok(());
+    }
+    match rs.below(3) {
+        0 => return Ok(()),
+        1 => {
+            // Adaptive: worker 0 decides every 1 or 2 iterations, at random.
+            let every = rs.range(1, 2);
+            cfg.book = Arc::new((**book).clone().with_adaptive(every)?);
+            cfg.decide_seed = Some(rs.next_u64());
+            return Ok(());
+        }
+        _ => {}
     }
     let mut switches = Vec::new();
     for (l, spec) in book.layers().iter().enumerate() {
@@ -342,7 +355,11 @@ fn run_seed(seed: u64) -> Result<&'static str, String> {
             if rep.checks == 0 {
                 return fail(format!("seed {seed}: a finished run checked no value"));
             }
-            Ok("finished")
+            Ok(if rep.switches > 0 {
+                "finished, switched"
+            } else {
+                "finished"
+            })
         }
         Err(e @ SimError::Rank { .. }) if dies => match &e {
             SimError::Rank {
@@ -384,10 +401,15 @@ fn randomized_jobs_keep_every_invariant() {
     let mut kv_sliced = 0u64;
     // Jobs whose FC layers switch schemes mid-run, and their switches each way.
     let (mut switching, mut to_sfb, mut to_ps) = (0u64, 0u64, 0u64);
+    // Adaptive jobs, and those whose decisions switched a layer (finished runs).
+    let (mut adaptive, mut decided_switching) = (0u64, 0u64);
     let mut violations = Vec::new();
     for &seed in &seeds {
         if let Ok((cfg, _)) = draw(seed) {
             let b = &cfg.book;
+            if b.plan().every() > 0 {
+                adaptive += 1;
+            }
             if b.plan().has_switches() {
                 switching += 1;
                 for s in b.plan().switches() {
@@ -414,6 +436,10 @@ fn randomized_jobs_keep_every_invariant() {
         }
         match run_seed(seed) {
             Ok("finished") => finished += 1,
+            Ok("finished, switched") => {
+                finished += 1;
+                decided_switching += 1;
+            }
             Ok("failed as expected") => expected += 1,
             Ok(_) => refused += 1,
             Err(e) => {
@@ -435,12 +461,17 @@ fn randomized_jobs_keep_every_invariant() {
     );
     println!("vopr: {kv_sliced} kvstore jobs sent chunks as several wire slices");
     println!("vopr: {switching} jobs switched schemes mid-run: {to_sfb} switches to SFB, {to_ps} back to the PS");
+    println!("vopr: {adaptive} jobs decided schemes in the run (worker 0, carried by the protocol): {decided_switching} finished runs switched");
     if seeds.len() >= 200 {
         assert!(
             in_seconds > 0 && fc_sfb > 0 && fc_ps > 0,
             "the drawn rates never led to both schemes ({in_seconds} jobs, {fc_sfb} SFB, {fc_ps} PS)"
         );
         assert!(kv_sliced > 0, "no kvstore job with chunks of several slices was drawn");
+        assert!(
+            decided_switching > 0,
+            "no adaptive run switched a layer ({adaptive} adaptive jobs)"
+        );
         assert!(
             to_sfb > 0 && to_ps > 0,
             "no job switched both ways ({switching} jobs, {to_sfb} to SFB, {to_ps} to the PS)"

@@ -11,7 +11,8 @@
 //! ring: there is no fixed poll interval, and nothing spins while the caller
 //! holds its layers.
 
-pub(crate) mod exec;
+pub(crate) mod adapt;
+mod exec;
 pub(crate) mod job_error;
 mod setup;
 pub(crate) mod shared;
@@ -161,6 +162,10 @@ struct Runtime {
     evs: Vec<Event>,
     /// Worker 0 of a checkpointing job: the model's snapshots.
     snap: Option<snapshot::ModelSnap>,
+    /// Worker index 0 of an adaptive book: its scheme decisions.
+    adapt: Option<adapt::Adapt>,
+    /// Decisions the Node took so far (when it takes one, the session's copy of the plan follows).
+    decisions_seen: u64,
     /// Rank 0 under a trigger other than `All`: the service answering replacement ranks.
     _rejoins: Option<rendezvous::Rejoins>,
 }
@@ -283,6 +288,7 @@ impl Runtime {
         let mut failure: Option<String> = None;
         let mut failed = Vec::new();
         let mut known = Vec::new();
+        let mut decide = Vec::new();
         while let Some(out) = self.node.poll_output() {
             match out {
                 Output::Transmit(t) => {
@@ -318,6 +324,26 @@ impl Runtime {
                     }
                 }
                 Output::Finished => self.finished = true,
+                Output::DecisionDue { at } => match self.adapt.as_mut() {
+                    Some(a) => {
+                        let rate = |m: &exec::Meter| {
+                            let (w, ns) = (m.work.load(Ordering::Relaxed), m.ns.load(Ordering::Relaxed));
+                            // A millisecond of work at least, or the figure means little.
+                            (ns >= 1_000_000 && w > 0).then(|| w as f64 * 1e9 / ns as f64)
+                        };
+                        let reached = adapt::Reached {
+                            gemm_flop_per_s: rate(&self.ex.meters.gemm),
+                            sum_bytes_per_s: rate(&self.ex.meters.sum),
+                        };
+                        decide.push((at, a.decide(self.node.plan(), at, Instant::now(), reached)));
+                    }
+                    None => {
+                        failure.get_or_insert(format!(
+                            "rank {} was asked for a scheme decision it has no policy for",
+                            self.rank
+                        ));
+                    }
+                },
                 Output::Fatal(e) => {
                     tracing::error!(rank = self.rank, error = %e, "fatal");
                     let e = Error::Engine(e);
@@ -338,6 +364,17 @@ impl Runtime {
         }
         for peer in known {
             let _ = self.node.handle(now, Input::PeerRegionsKnown { peer });
+        }
+        for (at, sfb) in decide {
+            if let Err(e) = self.node.handle(now, Input::Decide { at, sfb }) {
+                let _ = self.node.handle(now, Input::Abort { reason: e.to_string() });
+            }
+        }
+        let taken = self.node.stats().decisions;
+        if taken != self.decisions_seen {
+            self.decisions_seen = taken;
+            let log = self.adapt.as_ref().map(|a| a.log.clone());
+            self.shared.set_plan(self.node.plan().clone(), log);
         }
     }
 

@@ -124,6 +124,10 @@ impl Runtime {
             evs: Vec::with_capacity(512),
             _rejoins: rejoins,
             snap,
+            adapt: (book.cluster().workers().first() == Some(&rank))
+                .then(|| super::adapt::Adapt::new(&book))
+                .flatten(),
+            decisions_seen: 0,
             book,
         })
     }

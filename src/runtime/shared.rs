@@ -48,6 +48,10 @@ pub(crate) struct Shared {
     /// The counters as the runtime left them (a server-only rank's work is
     /// all done inside `shutdown`): what `Session::stats` returns afterwards.
     last_stats: Mutex<Option<crate::stats::SessionStats>>,
+    /// The schemes by iteration as this rank's Node knows them (adaptive
+    /// books: after each decision), and worker 0's decisions with the
+    /// window times they came from.
+    plan: Mutex<Option<(tidewire_engine::Plan, Option<Vec<super::adapt::Decision>>)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -55,6 +59,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Shared {
+    pub(crate) fn set_plan(&self, plan: tidewire_engine::Plan, log: Option<Vec<super::adapt::Decision>>) {
+        *lock(&self.plan) = Some((plan, log));
+    }
+    pub(crate) fn plan(&self) -> Option<(tidewire_engine::Plan, Option<Vec<super::adapt::Decision>>)> {
+        lock(&self.plan).clone()
+    }
     pub(crate) fn set_transport(&self, kind: &str, reason: &str) {
         *lock(&self.transport) = Some((kind.into(), reason.into()));
     }

@@ -141,6 +141,13 @@ pub struct TrainArgs {
     /// trigger, --op mean, sum or sgd with --momentum 0, and no checkpoints.
     #[arg(long, value_delimiter = ',')]
     pub switch: Vec<String>,
+    /// Decide FC layers' schemes again in the run, every N iterations (0:
+    /// never): worker 0 measures the cost model's choice, then an
+    /// alternative (the layers the model is least sure of, flipped), keeps
+    /// the faster, and watches it. The report lists each decision with the
+    /// window time it came from. Needs what --switch needs, and one learner per worker.
+    #[arg(long, default_value_t = 0)]
+    pub adapt_every: u64,
     /// The rates every rank decides with (JSON; the launcher measures them
     /// and passes them on to its ranks).
     #[arg(long, hide = true)]
@@ -299,7 +306,12 @@ impl TrainArgs {
             return Err(Error::Usage("--iters must be at least 1".into()));
         }
         let book = self.book(&self.model()?, self.cluster()?)?;
-        if book.plan().has_switches() {
+        if self.adapt_every > 0 && self.job.local_learners > 1 {
+            return Err(Error::Usage(
+                "--adapt-every with --local-learners is not supported yet: a learner forms its PS gradient from the start-up scheme".into(),
+            ));
+        }
+        if book.plan().has_switches() || book.plan().every() > 0 {
             if self.ckpt.config().is_some() || self.ckpt.resume.is_some() {
                 return Err(Error::Usage(
                     "--switch with checkpoints is not supported yet (a checkpoint keeps each layer where its start-up scheme holds it)".into(),
@@ -477,7 +489,12 @@ impl TrainArgs {
             Some(r) => book.with_rates(r)?,
             None => book,
         };
-        Ok(book.with_switches(&self.switches(m)?)?)
+        let book = book.with_switches(&self.switches(m)?)?;
+        Ok(if self.adapt_every > 0 {
+            book.with_adaptive(self.adapt_every)?
+        } else {
+            book
+        })
     }
     /// The --switch flags, as the engine's switches (layers by name or index).
     pub(super) fn switches(&self, m: &Model) -> Result<Vec<tidewire_engine::Switch>> {
@@ -496,7 +513,9 @@ impl TrainArgs {
                         .filter(|&i| (i as usize) < m.layers.len())
                         .ok_or_else(|| bad(s, format!("{} has no layer {layer:?}", m.name)))?,
                 };
-                let iter = iter.parse().map_err(|_| bad(s, format!("{iter:?} is not an iteration")))?;
+                let iter = iter
+                    .parse()
+                    .map_err(|_| bad(s, format!("{iter:?} is not an iteration")))?;
                 let scheme = match scheme {
                     "ps" => tidewire_engine::Scheme::Ps,
                     "sfb" => tidewire_engine::Scheme::Sfb,

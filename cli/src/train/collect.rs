@@ -23,6 +23,13 @@ pub(super) fn report(args: &TrainArgs, model: &Model, began: Instant, ended: &En
     let (workers, learners) = reporters(args, ended)?;
     let p1 = workers.len();
     let book = args.book(model, args.cluster()?)?;
+    // Decided in the run: the switches worker 0 ended with (every rank took
+    // the same decisions), which the reference replays.
+    let first = workers.iter().min_by_key(|r| r.rank);
+    let book = match first {
+        Some(w) if book.plan().every() > 0 => book.with_switches(&w.switches)?,
+        _ => book,
+    };
     let (per, iteration_s, hidden_fraction) = iteration_figures(&workers);
     let (verified, mismatched_layers) = verify(args, model, &book, p1, workers.iter().chain(&learners).copied())?;
     let k = args.batch(model);
@@ -49,6 +56,7 @@ pub(super) fn report(args: &TrainArgs, model: &Model, began: Instant, ended: &En
         broadcasts: results.iter().map(|r| r.stats.broadcasts).sum(),
         factor_sends: results.iter().map(|r| r.stats.factor_sends).sum(),
         switches: book.plan().switches().collect(),
+        decisions: first.map(|w| w.decisions.clone()).unwrap_or_default(),
         tx_sends: results.iter().map(|r| r.stats.tx_sends).sum(),
         factor_bytes_in_place: results.iter().map(|r| r.stats.factor_bytes_in_place).sum(),
         factor_bytes_decoded: results.iter().map(|r| r.stats.factor_bytes_decoded).sum(),

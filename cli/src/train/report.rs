@@ -67,6 +67,12 @@ pub struct NodeResult {
     /// (--remove-stragglers); its process ends without the goodbye.
     #[serde(default)]
     pub removed_at: Option<u64>,
+    /// The switches this rank's session knew at the end (given up front, or
+    /// decided in the run), and on worker index 0 of an adaptive run its decisions.
+    #[serde(default)]
+    pub switches: Vec<tidewire_engine::Switch>,
+    #[serde(default)]
+    pub decisions: Vec<tidewire::Decision>,
 }
 
 /// The sparse-push counters of a `tidewire train` run, over all workers.
@@ -200,6 +206,10 @@ pub struct TrainReport {
     /// Where FC layers switched schemes mid-run (`--switch`), by layer then iteration.
     #[serde(default)]
     pub switches: Vec<tidewire_engine::Switch>,
+    /// Worker 0's scheme decisions in the run (`--adapt-every`): the
+    /// iteration each took effect at, the SFB bits, and the window time it came from.
+    #[serde(default)]
+    pub decisions: Vec<tidewire::Decision>,
     /// Factor blocks the workers sent (SFB's, to each peer worker), over all
     /// ranks and iterations.
     #[serde(default)]
@@ -455,7 +465,11 @@ fn render_setup(s: &mut String, r: &TrainReport) {
 fn render_schemes(s: &mut String, r: &TrainReport) {
     let count = |x: Scheme| r.layers.iter().filter(|l| l.scheme == x).count();
     let (sfb, adam) = (count(Scheme::Sfb), count(Scheme::Adam));
-    let when = if r.switches.is_empty() { "every iteration" } else { "from the start" };
+    let when = if r.switches.is_empty() {
+        "every iteration"
+    } else {
+        "from the start"
+    };
     let _ = write!(
         s,
         "schemes ({when}): {} layers PS, {sfb} layers SFB",
@@ -490,6 +504,18 @@ fn render_schemes(s: &mut String, r: &TrainReport) {
             "switches: {} ({} factor blocks sent in all)",
             each.join(", "),
             r.factor_sends
+        );
+    }
+    if !r.decisions.is_empty() {
+        let each: Vec<String> = r
+            .decisions
+            .iter()
+            .map(|d| format!("{}: {:#b} after {:.3} s/iter", d.at, d.sfb, d.window_s))
+            .collect();
+        let _ = writeln!(
+            s,
+            "decisions (iteration: SFB bits of the FC layers, after the window's time): {}",
+            each.join(", ")
         );
     }
 }

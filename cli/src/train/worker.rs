@@ -74,7 +74,7 @@ fn build_session(args: &TrainArgs, model: &Model, synth: &Arc<Synth>, spec: Clus
     if let Some(r) = args.agreed_rates()? {
         builder = builder.rates(r);
     }
-    builder = builder.switches(args.switches(model)?);
+    builder = builder.switches(args.switches(model)?).adaptive(args.adapt_every);
     Ok(builder
         .batch(args.batch(model) * args.learners())
         .chunk_bytes(args.book_config(model).chunk_bytes)
@@ -150,6 +150,8 @@ fn serve_only(mut session: Session) -> Result<NodeResult> {
         comm: None,
         checkpoint: session.checkpoint_stats(),
         removed_at: None,
+        switches: Vec::new(),
+        decisions: Vec::new(),
     })
 }
 
@@ -278,6 +280,8 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
         comm: None,
         checkpoint: None,
         removed_at: None,
+        switches: Vec::new(),
+        decisions: Vec::new(),
     })
 }
 
@@ -646,6 +650,7 @@ fn worker_result(
     setup: &SessionStats,
 ) -> Result<NodeResult> {
     let (kind, why) = session.transport();
+    let (switches, decisions) = session.switches();
     Ok(NodeResult {
         rank: session.rank(),
         worker: true,
@@ -659,6 +664,8 @@ fn worker_result(
         comm: None,
         checkpoint: None,
         removed_at: None,
+        switches,
+        decisions,
     })
 }
 

@@ -188,6 +188,12 @@ pub enum ProtocolViolation {
     /// SFB factors at a worker for an iteration the layer does not sync by SFB.
     #[error("factors of layer {layer} for iteration {iter}, which does not sync by sfb then")]
     FactorsNotSfb { layer: u32, iter: u64 },
+    /// A scheme decision that is not the next point's, or bits past the contested layers.
+    #[error("a scheme decision for iteration {at}: {why}")]
+    BadDecision { at: u64, why: String },
+    /// A scheme decision from a rank other than worker index 0, or one that came to worker 0.
+    #[error("a scheme decision from a rank that does not decide")]
+    DecisionFromNonDecider,
     /// A write of a chunk's values into a seeded shard that no switch back
     /// to the PS asked for, or not from worker index 0.
     #[error("values of chunk {chunk} written into the shard again, where no switch back to the ps asked for them (next round {round})")]

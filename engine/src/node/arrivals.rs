@@ -391,6 +391,7 @@ impl Node {
                     .ok_or_else(|| bad(ProtocolViolation::NotifyToNonWorker))?;
                 w.core.handle_notify(peer, chunk, version)
             }
+            Msg::Decide { at, sfb } => self.decision_from(peer, at, sfb),
             Msg::Pull { chunk, version } => {
                 let s = self
                     .server
@@ -419,7 +420,13 @@ impl Node {
             })
         })?;
         let want = book.config().batch as u64 * (spec.m + spec.n) as u64 * 4;
-        let scheme = book.scheme(layer, iter);
+        // An iteration not yet decided: its layer may go either way (checked when decided).
+        let settled = self.plan.settled(layer, iter);
+        let scheme = if settled {
+            self.plan.scheme(layer, iter)
+        } else {
+            Scheme::Sfb
+        };
         if spec.kind != LayerKind::Fc || !scheme.takes_factors() || total != want {
             return Err(bad(ProtocolViolation::FactorBlockMismatch {
                 total,

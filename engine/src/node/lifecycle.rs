@@ -100,6 +100,7 @@ impl Node {
                 Some(w) => {
                     (0..self.book.layers().len() as u32).all(|l| !w.core.is_in_flight(l))
                         && !w.forming.contains(&true)
+                        && !self.parked_in.iter().any(Option::is_some)
                         && w.core.bytes_in_flight() == 0
                         && self.pending_jobs(Queue::Worker) == 0
                 }

@@ -95,6 +95,7 @@
 
 mod arrivals;
 mod checks;
+mod decide;
 pub mod factors;
 pub mod flow;
 pub mod held;
@@ -214,6 +215,10 @@ pub struct NodeStats {
     pub held_for_order: u64,
     /// Most spare slots of one worker parked at once.
     pub max_spares_used: u32,
+    /// Scheme decisions taken (adaptive schemes, [`crate::plan`]).
+    pub decisions: u64,
+    /// Switches those decisions made.
+    pub switches: u64,
     /// Largest message emitted, bytes.
     pub max_message: u64,
     /// Largest write emitted, bytes.
@@ -401,6 +406,12 @@ fn sides(
 #[derive(Debug)]
 pub struct Node {
     book: Arc<Book>,
+    /// The schemes by iteration: the book's, and worker 0's decisions since.
+    plan: crate::plan::Plan,
+    /// Per layer: a hand-in that waits for a decision (whether by factors).
+    parked_in: Vec<Option<bool>>,
+    /// Worker 0: the decision point its `DecisionDue` went out for.
+    due: Option<u64>,
     rank: u32,
     sched: SchedConfig,
     limits: Limits,
@@ -522,6 +533,9 @@ impl Node {
             early: (0..world).map(|_| Vec::new()).collect(),
             open_peers: 0,
             stats: NodeStats::default(),
+            plan: book.plan().clone(),
+            parked_in: vec![None; book.layers().len()],
+            due: None,
             book,
             rank,
         };
@@ -645,6 +659,7 @@ impl Node {
         self.worker
             .as_ref()
             .is_some_and(|w| w.core.is_in_flight(layer) || w.forming.get(layer as usize).copied().unwrap_or(false))
+            || self.is_parked(layer)
     }
     /// The scheme `layer` syncs by at its next hand-in.
     pub fn next_scheme(&self, layer: u32) -> Result<Scheme> {
@@ -764,12 +779,13 @@ impl Node {
         }
         if let Some(e) = &self.fatal {
             return match input {
-                Input::HandIn { .. } | Input::Shutdown => Err(e.clone()),
+                Input::HandIn { .. } | Input::Shutdown | Input::Decide { .. } => Err(e.clone()),
                 _ => Ok(()),
             };
         }
         let r = match input {
             Input::HandIn { layer, factors } => self.hand_in(layer, factors),
+            Input::Decide { at, sfb } => self.decide_here(at, sfb),
             Input::Shutdown => {
                 self.life.request_shutdown();
                 Ok(())
@@ -790,7 +806,7 @@ impl Node {
 
     fn input(&mut self, input: Input) -> Result<()> {
         match input {
-            Input::HandIn { .. } | Input::Shutdown => unreachable!("handled by the caller"),
+            Input::HandIn { .. } | Input::Shutdown | Input::Decide { .. } => unreachable!("handled by the caller"),
             Input::Connected { peer } => self.connected(peer),
             Input::PeerRegionsKnown { peer } => self.regions_known(peer),
             Input::Done { token } => match self.flow.done(token) {

@@ -420,6 +420,11 @@ pub enum Input {
     HandIn { layer: u32, factors: bool },
     /// The caller wants to leave once every peer that needs this rank is done.
     Shutdown,
+    /// Worker index 0's driver decides the contested layers' schemes from
+    /// the decision point `at` on ([`Output::DecisionDue`]; bit i of `sfb`:
+    /// the i-th contested layer by SFB, see [`crate::plan::Plan::decide`]).
+    /// The Node tells every other rank.
+    Decide { at: u64, sfb: u64 },
     /// The transport connection to `peer` is up (authenticated).
     Connected { peer: u32 },
     /// The regions whose keys `peer` sent ([`Output::PeerKeys`]) are known to the transport.
@@ -465,6 +470,10 @@ pub enum Output {
     LayerReady { layer: u32, iter: u64 },
     /// Setup is complete: every peer agreed and the initial parameters are in place.
     Ready,
+    /// Worker index 0 only, adaptive schemes: decide the schemes from the
+    /// point `at` on ([`Input::Decide`]). Hand-ins of that iteration wait for
+    /// it on every rank; it comes one iteration ahead.
+    DecisionDue { at: u64 },
     /// Every peer that needed this rank is done: the runtime may close and exit.
     Finished,
     /// The rank failed. Abort messages to the peers were emitted before it.

@@ -9,18 +9,30 @@ impl Node {
         if self.life.shutdown() {
             return Err(EngineError::Shutdown);
         }
+        self.hand_in_now(layer, factors)
+    }
+
+    /// A hand-in the caller made (before any shutdown): now, or again once
+    /// the decision it waited for came.
+    pub(super) fn hand_in_now(&mut self, layer: u32, factors: bool) -> Result<()> {
         let spec = self.book.layer(layer)?.clone();
         let rank = self.rank;
+        let parked = self.is_parked(layer);
         let Some(w) = self.worker.as_mut() else {
             return Err(EngineError::InvalidConfig(format!("rank {rank} is not a worker")));
         };
-        if w.forming[layer as usize] || w.core.is_in_flight(layer) {
+        if w.forming[layer as usize] || w.core.is_in_flight(layer) || parked {
             return Err(EngineError::LayerBusy {
                 layer,
                 name: spec.name.clone(),
                 iter: w.core.completed(layer),
             });
         }
+        let iter = w.core.completed(layer);
+        if self.park_undecided(layer, iter, factors)? {
+            return Ok(());
+        }
+        let w = self.worker.as_mut().expect("a worker, above");
         if !factors {
             w.core.grad_ready(layer)?;
             debug_assert!(w.core.is_in_flight(layer), "layer {layer} went by the PS");
@@ -104,11 +116,14 @@ impl Node {
             WorkerCommand::SendFactors { peer, layer, iter } if peer == me => {
                 // Adam, and this rank holds the layer: its own server takes
                 // the factors from a capture (`factors_in`).
-                debug_assert_eq!(book.scheme(layer, iter), Scheme::Adam);
+                debug_assert_eq!(self.plan.scheme(layer, iter), Scheme::Adam);
                 self.capture_factors(layer, iter);
             }
             WorkerCommand::SendFactors { peer, layer, iter } => {
-                debug_assert!(book.scheme(layer, iter).takes_factors(), "layer {layer} sends factors");
+                debug_assert!(
+                    self.plan.scheme(layer, iter).takes_factors(),
+                    "layer {layer} sends factors"
+                );
                 if !self.peers[peer as usize].open {
                     self.early[peer as usize].push(Early::Factors { layer, iter });
                     return Ok(());
@@ -116,7 +131,11 @@ impl Node {
                 self.send_factors(peer, layer, iter);
             }
             WorkerCommand::Reconstruct { layer, iter } => {
-                debug_assert_eq!(book.scheme(layer, iter), Scheme::Sfb, "only SFB rebuilds on the worker");
+                debug_assert_eq!(
+                    self.plan.scheme(layer, iter),
+                    Scheme::Sfb,
+                    "only SFB rebuilds on the worker"
+                );
                 self.reconstruct(layer, iter);
             }
             WorkerCommand::Pull { server, chunk, version } => {

@@ -385,8 +385,16 @@ fn back_from_sfb_a_round_waits_for_worker_0s_values() {
     )
     .unwrap()
     .with_switches(&[
-        Switch { layer: 0, iter: 1, scheme: Scheme::Sfb },
-        Switch { layer: 0, iter: 3, scheme: Scheme::Ps },
+        Switch {
+            layer: 0,
+            iter: 1,
+            scheme: Scheme::Sfb,
+        },
+        Switch {
+            layer: 0,
+            iter: 3,
+            scheme: Scheme::Ps,
+        },
     ])
     .unwrap();
     let mut s = Server::new(Arc::new(book), 3, SchedConfig::default()).unwrap();
@@ -400,7 +408,13 @@ fn back_from_sfb_a_round_waits_for_worker_0s_values() {
     assert_eq!(Server::applies(&round(&mut s)), []);
     let refused = s.handle_init(1, 0).unwrap_err();
     assert!(
-        matches!(refused, EngineError::Protocol { rank: 1, violation: ProtocolViolation::ReseedUnexpected { chunk: 0, round: 1 } }),
+        matches!(
+            refused,
+            EngineError::Protocol {
+                rank: 1,
+                violation: ProtocolViolation::ReseedUnexpected { chunk: 0, round: 1 }
+            }
+        ),
         "{refused:?}"
     );
     s.handle_init(0, 0).unwrap();

@@ -360,6 +360,8 @@ fn finish(mut session: Session, nm: usize, stats: Vec<IterStat>, sum: CommSummar
         setup_rx_bytes: 0,
         checkpoint: None,
         removed_at: None,
+        switches: Vec::new(),
+        decisions: Vec::new(),
     })
 }
 
