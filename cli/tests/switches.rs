@@ -1,0 +1,100 @@
+//! `tidewire train --switch` and `--adapt-every`: FC layers switching
+//! between the PS and SFB mid-run, given up front or decided by worker 0 in
+//! the run, end to end over real processes on loopback, checked bit for bit
+//! against the single-process reference (`--verify`).
+
+mod support;
+
+use std::process::Output;
+
+use support::{serial, tidewire, TrainReport};
+use tidewire_engine::book::Scheme;
+
+fn report(out: &Output) -> TrainReport {
+    assert!(
+        out.status.success(),
+        "tidewire failed ({}):\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    support::report(&out.stdout)
+}
+
+fn train(layout: &[&str], extra: &[&str]) -> Output {
+    let mut args = vec!["train", "--model", "vgg19-mini"];
+    args.extend_from_slice(layout);
+    args.extend_from_slice(&[
+        "--iters",
+        "6",
+        "--batch",
+        "8",
+        "--time-scale",
+        "0.05",
+        "--op",
+        "sgd",
+        "--momentum",
+        "0",
+        "--verify",
+        "--json",
+    ]);
+    args.extend_from_slice(extra);
+    tidewire().args(&args).output().unwrap()
+}
+
+/// Switches both ways, split and colocated: the parameters move at each
+/// boundary (a missing write back to the servers fails `--verify`), and the
+/// factor blocks sent are exactly the SFB iterations' (3 workers, 2 peers each).
+#[test]
+fn switches_given_up_front_hold_bit_for_bit() {
+    let _g = serial();
+    for layout in [&["--workers", "3", "--servers", "2"][..], &["--workers", "3", "--colocate"][..]] {
+        let r = report(&train(
+            layout,
+            &["--sync", "wfbp", "--switch", "fc6@2:sfb,fc6@4:ps", "--switch", "fc8@1:sfb"],
+        ));
+        assert_eq!(r.verified, Some(true), "{layout:?}: {:?}", r.mismatched_layers);
+        let got: Vec<(u64, Scheme)> = r.switches.iter().map(|s| (s.iter, s.scheme)).collect();
+        assert_eq!(got, [(2, Scheme::Sfb), (4, Scheme::Ps), (1, Scheme::Sfb)], "{layout:?}");
+        // fc6 by SFB in iterations 2 and 3, fc8 in 1 to 5: 7 iterations × 3 workers × 2 peers.
+        assert_eq!(r.factor_sends, 7 * 3 * 2, "{layout:?}");
+    }
+}
+
+/// Decided in the run: with the cost model in bytes (no rates) worker 0 has
+/// no figure to trust, so after measuring the start-up choice it tries every
+/// FC layer the other way; each decision is in the report, the switches it
+/// made are replayed by the reference, and every rank ends equal to it.
+#[test]
+fn decisions_in_the_run_are_carried_to_every_rank_and_replayed() {
+    let _g = serial();
+    let r = report(&train(
+        &["--workers", "2", "--servers", "1"],
+        &["--sync", "hybrid", "--cost-model", "bytes", "--adapt-every", "2"],
+    ));
+    assert_eq!(r.verified, Some(true), "{:?}", r.mismatched_layers);
+    let points: Vec<u64> = r.decisions.iter().map(|d| d.at).collect();
+    assert_eq!(points, [2, 4, 6], "a decision one iteration before each point");
+    // The start-up choice, then every FC layer flipped (three of them).
+    assert_eq!(r.decisions[0].sfb ^ r.decisions[1].sfb, 0b111, "{:?}", r.decisions);
+    assert!(r.decisions[1].window_s > 0.0, "{:?}", r.decisions);
+    assert!(!r.switches.is_empty() && r.switches.iter().all(|s| s.iter >= 4), "{:?}", r.switches);
+}
+
+/// What switches cannot do yet is refused before any rank starts, by name.
+#[test]
+fn switches_outside_what_they_support_are_refused_up_front() {
+    let _g = serial();
+    for (extra, want) in [
+        (&["--sync", "wfbp", "--momentum", "0.9", "--switch", "fc6@2:sfb"][..], "momentum"),
+        (&["--sync", "wfbp", "--switch", "fc9@2:sfb"][..], "no layer \"fc9\""),
+        (&["--sync", "wfbp", "--switch", "conv1_1@2:sfb"][..], "not a dense fully connected layer"),
+        (&["--sync", "wfbp", "--switch", "fc6@0:sfb"][..], "iteration 1 or later"),
+        (&["--sync", "wfbp", "--switch", "fc6@2"][..], "no :SCHEME"),
+        (&["--sync", "wfbp", "--consistency", "ssp:1", "--adapt-every", "2"][..], "BSP"),
+    ] {
+        let out = train(&["--workers", "2", "--servers", "1"], extra);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{extra:?}: {err}");
+        assert!(!err.contains("rank 0 exited"), "{extra:?}: refused only after the launch: {err}");
+    }
+}
