@@ -40,7 +40,7 @@ pub mod session;
 mod stats;
 
 pub use error::{Error, Result};
-pub use runtime::adapt::Decision;
 pub use session::{
     BufferLayout, Builder, LayerBuffers, Pending, Session, SessionStats, TransportKind, TransportLimits,
 };
+pub use tidewire_engine::adapt::Decision;

@@ -97,6 +97,11 @@ pub struct SimArgs {
     /// 524,288 act as 524,288.
     #[arg(long, default_value_t = 50_000)]
     pub slice_params: usize,
+    /// Decide FC layers' schemes again every N iterations (0: never), as
+    /// `train --adapt-every` does: worker 0 runs the same policy on virtual
+    /// time (see `docs/src/switches.md`).
+    #[arg(long, default_value_t = 0)]
+    pub adapt_every: u64,
     /// Trace every NIC's bytes sent and received per bin of this many µs of
     /// virtual time, set-up included (`nic_trace` in the JSON).
     #[arg(long)]
@@ -288,6 +293,11 @@ pub struct SimResult {
     pub speedup_over_flat: Option<f64>,
     /// Events the simulator processed.
     pub events: u64,
+    /// Worker 0's scheme decisions (`--adapt-every`), and the switches they made.
+    #[serde(default)]
+    pub decisions: u64,
+    #[serde(default)]
+    pub switches: u64,
     /// Wall-clock seconds the simulation took here.
     pub wall_s: f64,
     /// Slice size in parameters (`--slice-params`; modes without slices use the chunk).
@@ -347,6 +357,9 @@ fn one_run(
     };
     if let Some(r) = rates {
         book = book.with_rates(r)?;
+    }
+    if args.adapt_every > 0 {
+        book = book.with_adaptive(args.adapt_every)?;
     }
     let times: Vec<(u64, u64)> = model
         .layer_times(batch, args.job.time_scale)
@@ -626,6 +639,8 @@ impl Job<'_> {
             flat_run: None,
             speedup_over_flat: None,
             events: rep.events,
+            decisions: rep.decisions,
+            switches: rep.switches,
             trigger: args.job.trigger.name(),
             updates_iteration_s: rep.updates_ns as f64 / 1e9 / args.job.iters as f64,
             dropped: rep.dropped,
@@ -715,6 +730,12 @@ pub fn render(r: &SimResult) -> String {
             "NIC trace        {} bins of {us} µs per node, iteration 0 from {:.4} s (in --json)\n",
             r.nic_trace.first().map_or(0, |t| t[0].len()),
             r.start_s
+        ));
+    }
+    if r.decisions > 0 {
+        s.push_str(&format!(
+            "decisions        {} by worker 0, {} switches\n",
+            r.decisions, r.switches
         ));
     }
     s.push_str(&format!("simulated in     {:.2} s ({} events)\n", r.wall_s, r.events));

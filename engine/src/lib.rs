@@ -64,6 +64,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod adapt;
 pub mod agree;
 pub mod book;
 pub mod config;

@@ -67,8 +67,10 @@ pub struct SimConfig {
     /// (the Node forms the gradient), as a framework with SF hooks would.
     pub fc_factors: bool,
     /// How worker 0's driver decides the schemes when the book is adaptive
-    /// ([`tidewire_engine::plan`]): `None` keeps every layer as it is; a seed
-    /// draws each decision at random (the VOPR: switches both ways).
+    /// ([`tidewire_engine::plan`]): `None` runs the runtime's policy
+    /// ([`tidewire_engine::adapt`]) on virtual time and the modelled GEMM and
+    /// sum rates; a seed draws each decision at random (the VOPR: switches
+    /// both ways, some of them late).
     pub decide_seed: Option<u64>,
     /// Per-layer (forward, backward) compute, ns.
     pub layer_ns: Vec<(u64, u64)>,

@@ -258,7 +258,16 @@ impl Sim {
                     bits & ((1u64 << n) - 1)
                 }
             }
-            None => self.plan.current_bits(at),
+            None => match self.adapt.as_mut() {
+                Some(a) => {
+                    let reached = tidewire_engine::adapt::Reached {
+                        gemm_flop_per_s: Some(self.cfg.gemm_flops),
+                        sum_bytes_per_s: Some(self.cfg.agg_bytes_per_s),
+                    };
+                    a.decide(&self.plan, at, std::time::Duration::from_nanos(self.now), reached)
+                }
+                None => self.plan.current_bits(at),
+            },
         };
         let made = self
             .plan

@@ -99,6 +99,8 @@ pub struct Sim {
     /// The schemes by iteration: the book's, and worker 0's decisions as the
     /// driver made them (what the checks expect).
     pub(crate) plan: tidewire_engine::Plan,
+    /// Worker 0's policy where the book is adaptive and no seed draws the decisions.
+    pub(crate) adapt: Option<tidewire_engine::adapt::Adapt>,
 }
 
 pub(crate) fn brief_input(i: &Input) -> String {
@@ -195,6 +197,11 @@ impl Sim {
             sent_now: Vec::new(),
             oracle: Oracle::default(),
             plan: cfg.book.plan().clone(),
+            adapt: if cfg.decide_seed.is_none() {
+                tidewire_engine::adapt::Adapt::new(&cfg.book)
+            } else {
+                None
+            },
             cfg,
         })
     }

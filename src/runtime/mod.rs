@@ -11,7 +11,6 @@
 //! ring: there is no fixed poll interval, and nothing spins while the caller
 //! holds its layers.
 
-pub(crate) mod adapt;
 mod exec;
 pub(crate) mod job_error;
 mod setup;
@@ -163,7 +162,7 @@ struct Runtime {
     /// Worker 0 of a checkpointing job: the model's snapshots.
     snap: Option<snapshot::ModelSnap>,
     /// Worker index 0 of an adaptive book: its scheme decisions.
-    adapt: Option<adapt::Adapt>,
+    adapt: Option<tidewire_engine::adapt::Adapt>,
     /// Decisions the Node took so far (when it takes one, the session's copy of the plan follows).
     decisions_seen: u64,
     /// Rank 0 under a trigger other than `All`: the service answering replacement ranks.
@@ -324,20 +323,20 @@ impl Runtime {
                     }
                 }
                 Output::Finished => self.finished = true,
-                Output::DecisionDue { at } => match self.adapt.as_mut() {
-                    Some(a) => {
+                Output::DecisionDue { at } => match (self.epoch.elapsed(), self.adapt.as_mut()) {
+                    (now, Some(a)) => {
                         let rate = |m: &exec::Meter| {
                             let (w, ns) = (m.work.load(Ordering::Relaxed), m.ns.load(Ordering::Relaxed));
                             // A millisecond of work at least, or the figure means little.
                             (ns >= 1_000_000 && w > 0).then(|| w as f64 * 1e9 / ns as f64)
                         };
-                        let reached = adapt::Reached {
+                        let reached = tidewire_engine::adapt::Reached {
                             gemm_flop_per_s: rate(&self.ex.meters.gemm),
                             sum_bytes_per_s: rate(&self.ex.meters.sum),
                         };
-                        decide.push((at, a.decide(self.node.plan(), at, Instant::now(), reached)));
+                        decide.push((at, a.decide(self.node.plan(), at, now, reached)));
                     }
-                    None => {
+                    (_, None) => {
                         failure.get_or_insert(format!(
                             "rank {} was asked for a scheme decision it has no policy for",
                             self.rank
@@ -373,7 +372,7 @@ impl Runtime {
         let taken = self.node.stats().decisions;
         if taken != self.decisions_seen {
             self.decisions_seen = taken;
-            let log = self.adapt.as_ref().map(|a| a.log.clone());
+            let log = self.adapt.as_ref().map(|a| a.log().to_vec());
             self.shared.set_plan(self.node.plan().clone(), log);
         }
     }

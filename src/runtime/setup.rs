@@ -125,7 +125,7 @@ impl Runtime {
             _rejoins: rejoins,
             snap,
             adapt: (book.cluster().workers().first() == Some(&rank))
-                .then(|| super::adapt::Adapt::new(&book))
+                .then(|| tidewire_engine::adapt::Adapt::new(&book))
                 .flatten(),
             decisions_seen: 0,
             book,

@@ -51,7 +51,7 @@ pub(crate) struct Shared {
     /// The schemes by iteration as this rank's Node knows them (adaptive
     /// books: after each decision), and worker 0's decisions with the
     /// window times they came from.
-    plan: Mutex<Option<(tidewire_engine::Plan, Option<Vec<super::adapt::Decision>>)>>,
+    plan: Mutex<Option<(tidewire_engine::Plan, Option<Vec<tidewire_engine::adapt::Decision>>)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -59,10 +59,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Shared {
-    pub(crate) fn set_plan(&self, plan: tidewire_engine::Plan, log: Option<Vec<super::adapt::Decision>>) {
+    pub(crate) fn set_plan(&self, plan: tidewire_engine::Plan, log: Option<Vec<tidewire_engine::adapt::Decision>>) {
         *lock(&self.plan) = Some((plan, log));
     }
-    pub(crate) fn plan(&self) -> Option<(tidewire_engine::Plan, Option<Vec<super::adapt::Decision>>)> {
+    pub(crate) fn plan(&self) -> Option<(tidewire_engine::Plan, Option<Vec<tidewire_engine::adapt::Decision>>)> {
         lock(&self.plan).clone()
     }
     pub(crate) fn set_transport(&self, kind: &str, reason: &str) {

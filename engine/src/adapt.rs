@@ -1,9 +1,11 @@
 //! Worker index 0's scheme decisions in the run (adaptive schemes, see
-//! [`tidewire_engine::plan`]): HybComm's choice tried against the measured
-//! iteration time instead of trusted.
+//! [`crate::plan`]): HybComm's choice tried against the measured iteration
+//! time instead of trusted. Sans-IO: the driver gives the time and the
+//! rates its jobs reached; the runtime and the simulator drive the same
+//! policy.
 //!
 //! The Node asks for a decision one iteration before each point (every
-//! `every` iterations: [`tidewire_engine::node::Output::DecisionDue`]). The
+//! `every` iterations: [`crate::node::Output::DecisionDue`]). The
 //! time between two such requests is `every` iterations of worker 0's
 //! training (shifted by one iteration, so one of them ran under the previous
 //! decision). The policy, with two candidates, the start-up choice and an
@@ -20,27 +22,31 @@
 //! (its GEMM, and its sum where it is a server too: on a shared host these
 //! are what the other ranks leave it), where that decides otherwise; else
 //! the start-up choice with the layers the model is least sure of flipped
-//! (its two times within a factor [`UNSURE`]; every contested layer when the
-//! book decided in bytes). Where that flips none, nothing is ever tried.
+//! (its two times, or in bytes its two traffics, within a factor
+//! [`UNSURE`]). Where that flips none, nothing is ever tried: a trial of a
+//! scheme the model says is several times slower costs its whole window.
 
-use std::time::Instant;
+use std::time::Duration;
 
-use tidewire_engine::cost::Rates;
-use tidewire_engine::{Book, Plan};
+use crate::book::Book;
+use crate::cost::Rates;
+use crate::plan::Plan;
 
 /// What worker 0's jobs reached so far in the run, where they did any.
 #[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Reached {
-    pub(crate) gemm_flop_per_s: Option<f64>,
-    pub(crate) sum_bytes_per_s: Option<f64>,
+pub struct Reached {
+    /// Rebuilding gradients from factors, FLOP/s.
+    pub gemm_flop_per_s: Option<f64>,
+    /// Folding contributions into a server's sum, bytes/s.
+    pub sum_bytes_per_s: Option<f64>,
 }
 
 /// The alternative is kept only when at least this much faster.
-pub(crate) const MARGIN: f64 = 0.03;
+pub const MARGIN: f64 = 0.03;
 /// A settled choice this much slower than when chosen is measured again.
-pub(crate) const DRIFT: f64 = 0.25;
+pub const DRIFT: f64 = 0.25;
 /// Layers whose PS and SFB times (the cost model's) lie within this factor are flipped.
-pub(crate) const UNSURE: f64 = 2.0;
+pub const UNSURE: f64 = 2.0;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Phase {
@@ -64,19 +70,19 @@ pub struct Decision {
 
 /// See the module docs.
 #[derive(Debug)]
-pub(crate) struct Adapt {
+pub struct Adapt {
     book: std::sync::Arc<Book>,
     cands: [u64; 2],
     phase: Phase,
     times: [f64; 2],
-    last: Option<Instant>,
+    last: Option<Duration>,
     every: u64,
-    pub(crate) log: Vec<Decision>,
+    log: Vec<Decision>,
 }
 
 impl Adapt {
     /// The policy for `book`'s adaptive plan (`None` when it has none).
-    pub(crate) fn new(book: &std::sync::Arc<Book>) -> Option<Adapt> {
+    pub fn new(book: &std::sync::Arc<Book>) -> Option<Adapt> {
         let plan = book.plan();
         if plan.every() == 0 {
             return None;
@@ -100,12 +106,16 @@ impl Adapt {
             .contested()
             .iter()
             .enumerate()
-            .filter(|&(_, &l)| match book.seconds(l) {
-                Some((ps, sfb)) => {
-                    let (a, b) = (ps.total(), sfb.total());
-                    a.max(b) < UNSURE * a.min(b)
-                }
-                None => true,
+            .filter(|&(_, &l)| {
+                let (a, b) = match book.seconds(l) {
+                    Some((ps, sfb)) => (ps.total(), sfb.total()),
+                    None => {
+                        // In bytes: what the busiest node moves either way.
+                        let (ps, sfb) = book.costs(l);
+                        (ps as f64, sfb as f64)
+                    }
+                };
+                a.max(b) < UNSURE * a.min(b)
             })
             .fold(0u64, |m, (i, _)| m | 1 << i);
         start ^ flip
@@ -136,12 +146,17 @@ impl Adapt {
         Some(bits)
     }
 
-    /// The decision for the point `at`, asked for `now`, with what worker
-    /// 0's jobs reached so far.
-    pub(crate) fn decide(&mut self, plan: &Plan, at: u64, now: Instant, reached: Reached) -> u64 {
+    /// Every decision so far.
+    pub fn log(&self) -> &[Decision] {
+        &self.log
+    }
+
+    /// The decision for the point `at`, asked at `now` (any clock that goes
+    /// forward), with what worker 0's jobs reached so far.
+    pub fn decide(&mut self, plan: &Plan, at: u64, now: Duration, reached: Reached) -> u64 {
         let window = self
             .last
-            .map(|t| now.duration_since(t).as_secs_f64() / self.every as f64);
+            .map(|t| now.saturating_sub(t).as_secs_f64() / self.every as f64);
         self.last = Some(now);
         let alt = self.cands[1] != self.cands[0];
         let (next, keep) = match (self.phase, window) {
@@ -186,9 +201,7 @@ impl Adapt {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
-    use tidewire_engine::book::{BookConfig, LayerKind, LayerSpec};
-    use tidewire_engine::Cluster;
+    use crate::book::{BookConfig, Cluster, LayerKind, LayerSpec};
 
     fn book() -> Book {
         Book::new(
@@ -197,7 +210,12 @@ mod tests {
                 LayerSpec::new("conv", LayerKind::Conv, 8, 8),
                 LayerSpec::new("fc", LayerKind::Fc, 64, 64),
             ],
-            BookConfig::default(),
+            // PS and SFB move about the same at the busiest node (the server:
+            // 2·P1·M·N against each worker's 2·K·(M+N)·(P1 − 1)).
+            BookConfig {
+                batch: 64,
+                ..BookConfig::default()
+            },
         )
         .unwrap()
         .with_adaptive(2)
@@ -211,8 +229,7 @@ mod tests {
         let mut plan = b.plan().clone();
         let b = std::sync::Arc::new(b);
         let mut a = Adapt::new(&b).unwrap();
-        let t0 = Instant::now();
-        let mut t = t0;
+        let mut t = Duration::ZERO;
         let mut out = Vec::new();
         for k in 1..=5u64 {
             let at = 2 * k;
@@ -232,7 +249,7 @@ mod tests {
         let b = std::sync::Arc::new(book());
         let a = Adapt::new(&b).unwrap();
         let (start, alt) = (a.cands[0], a.cands[1]);
-        assert_ne!(start, alt, "the bytes model is unsure of every FC layer");
+        assert_ne!(start, alt, "the bytes model is unsure of the FC layer");
         // The first window (before any decision) is warm-up; then the
         // start-up choice is measured, then the alternative, then settled.
         assert_eq!(run(0.5), [start, alt, alt, alt, alt]);
