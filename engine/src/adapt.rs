@@ -88,6 +88,10 @@ impl Adapt {
             return None;
         }
         let start = plan.current_bits(0);
+        debug_assert!(
+            plan.contested().len() <= 64,
+            "a decision's bits cover every contested layer"
+        );
         Some(Adapt {
             book: book.clone(),
             cands: [start, Self::flipped(book, start)],
@@ -118,6 +122,7 @@ impl Adapt {
                 a.max(b) < UNSURE * a.min(b)
             })
             .fold(0u64, |m, (i, _)| m | 1 << i);
+        debug_assert!(book.plan().contested().len() >= 64 || flip >> book.plan().contested().len() == 0);
         start ^ flip
     }
 
@@ -143,11 +148,14 @@ impl Adapt {
                 Some((ps, sfb)) if sfb.total() < ps.total() => b | 1 << i,
                 _ => b,
             });
+        debug_assert!(book.plan().contested().len() >= 64 || bits >> book.plan().contested().len() == 0);
         Some(bits)
     }
 
     /// Every decision so far.
     pub fn log(&self) -> &[Decision] {
+        // One decision a point, in order.
+        debug_assert!(self.log.windows(2).all(|w| w[0].at + self.every == w[1].at));
         &self.log
     }
 

@@ -221,34 +221,7 @@ impl LayerSpec {
     }
 }
 
-/// How a layer synchronizes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Scheme {
-    /// Push gradients to the sharded parameter server, receive parameters back.
-    Ps,
-    /// Broadcast sufficient factors (U, V) to peer workers.
-    Sfb,
-    /// Project Adam's strategy, as Poseidon §3.2 describes it (the baseline
-    /// its traffic figure compares against): send the sufficient factors to
-    /// the one server that holds the whole layer, which rebuilds the
-    /// gradient Σ_p U_pᵀ·V_p, applies it and broadcasts the full matrix.
-    /// Workers move little; the layer's server moves P1 full matrices.
-    Adam,
-}
-
-impl Scheme {
-    /// Whether a layer with this scheme is handed in as its sufficient
-    /// factors (U, V) rather than its gradient.
-    pub fn takes_factors(self) -> bool {
-        matches!(self, Scheme::Sfb | Scheme::Adam)
-    }
-    /// Whether the layer's parameters live on the servers (PS and Adam: the
-    /// servers apply and broadcast them), rather than on every worker (SFB).
-    pub fn server_held(self) -> bool {
-        self != Scheme::Sfb
-    }
-}
+pub use crate::plan::Scheme;
 
 /// How schemes are chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

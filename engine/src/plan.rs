@@ -18,7 +18,40 @@
 //! move: an apply op that keeps state beside them (SGD's momentum) cannot
 //! switch yet, which [`crate::node::Node::new`] refuses.
 
-use crate::book::Scheme;
+/// How a layer synchronizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scheme {
+    /// Push gradients to the sharded parameter server, receive parameters back.
+    Ps,
+    /// Broadcast sufficient factors (U, V) to peer workers.
+    Sfb,
+    /// Project Adam's strategy, as Poseidon §3.2 describes it (the baseline
+    /// its traffic figure compares against): send the sufficient factors to
+    /// the one server that holds the whole layer, which rebuilds the
+    /// gradient Σ_p U_pᵀ·V_p, applies it and broadcasts the full matrix.
+    /// Workers move little; the layer's server moves P1 full matrices.
+    Adam,
+}
+
+impl Scheme {
+    /// Whether a layer with this scheme is handed in as its sufficient
+    /// factors (U, V) rather than its gradient.
+    pub fn takes_factors(self) -> bool {
+        let f = matches!(self, Scheme::Sfb | Scheme::Adam);
+        // Only the PS takes a gradient.
+        debug_assert_eq!(f, self != Scheme::Ps);
+        f
+    }
+    /// Whether the layer's parameters live on the servers (PS and Adam: the
+    /// servers apply and broadcast them), rather than on every worker (SFB).
+    pub fn server_held(self) -> bool {
+        let held = self != Scheme::Sfb;
+        // Adam's server holds its layer too, and takes factors.
+        debug_assert!(held || self.takes_factors());
+        held
+    }
+}
 
 /// One switch: `layer` syncs by `scheme` from iteration `iter` on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -93,13 +126,15 @@ impl Plan {
     /// No switches: every layer keeps `first[layer]` for the whole run.
     pub fn new(first: Vec<Scheme>) -> Self {
         let n = first.len();
-        Plan {
+        let p = Plan {
             first,
             switches: vec![Vec::new(); n],
             decided: u64::MAX,
             every: 0,
             contested: Vec::new(),
-        }
+        };
+        debug_assert!(!p.has_switches() && p.next_point().is_none());
+        p
     }
 
     /// This plan deciding `contested`'s schemes every `every` iterations
@@ -114,27 +149,35 @@ impl Plan {
 
     /// Whether iteration `iter`'s schemes are final.
     pub fn is_decided(&self, iter: u64) -> bool {
+        // Without decisions, every iteration is decided.
+        debug_assert!(self.every > 0 || self.decided == u64::MAX);
         iter < self.decided
     }
 
     /// Whether `layer`'s scheme in iteration `iter` is final: decided, or a
     /// layer no decision covers.
     pub fn settled(&self, layer: u32, iter: u64) -> bool {
+        debug_assert!((layer as usize) < self.first.len(), "layer {layer}");
         self.is_decided(iter) || !self.contested.contains(&layer)
     }
 
     /// The next decision point, when the plan is adaptive.
     pub fn next_point(&self) -> Option<u64> {
+        // Points are the multiples of the period, from the first.
+        debug_assert!(self.every == 0 || (self.decided >= self.every && self.decided % self.every == 0));
         (self.every > 0).then_some(self.decided)
     }
 
     /// The decision period (0: not adaptive).
     pub fn every(&self) -> u64 {
+        debug_assert!(self.every > 0 || self.contested.is_empty());
         self.every
     }
 
     /// The layers each decision covers, in the order of its bits.
     pub fn contested(&self) -> &[u32] {
+        // In layer order: bit i of a decision is the i-th.
+        debug_assert!(self.contested.windows(2).all(|w| w[0] < w[1]));
         &self.contested
     }
 
@@ -163,17 +206,24 @@ impl Plan {
         }
         self.decided = at + self.every;
         debug_assert!(self.is_decided(at) && !self.is_decided(self.decided));
+        // Every switch a decision makes takes effect at its point.
+        debug_assert!(made
+            .iter()
+            .all(|s| s.iter == at && self.scheme(s.layer, at) == s.scheme));
         Ok(made)
     }
 
     /// The decision that keeps every contested layer as it is at `iter`
     /// (the bits [`Plan::decide`] takes).
     pub fn current_bits(&self, iter: u64) -> u64 {
-        self.contested
+        let bits = self
+            .contested
             .iter()
             .enumerate()
             .filter(|&(_, &l)| self.scheme(l, iter) == Scheme::Sfb)
-            .fold(0, |b, (i, _)| b | 1 << i)
+            .fold(0, |b, (i, _)| b | 1 << i);
+        debug_assert!(self.contested.len() >= 64 || bits >> self.contested.len() == 0);
+        bits
     }
 
     /// The start-up schemes chosen again (the switches must still be
@@ -212,6 +262,7 @@ impl Plan {
 
     /// Whether any layer switches.
     pub fn has_switches(&self) -> bool {
+        debug_assert_eq!(self.switches.len(), self.first.len());
         self.switches.iter().any(|s| !s.is_empty())
     }
 
@@ -230,6 +281,10 @@ impl Plan {
     pub fn scheme(&self, layer: u32, iter: u64) -> Scheme {
         let l = layer as usize;
         let sw = &self.switches[l];
+        debug_assert!(
+            sw.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 != w[1].1),
+            "layer {layer}: {sw:?}"
+        );
         // The last switch at or before `iter` (few per layer: a scan).
         match sw.iter().rev().find(|&&(from, _)| from <= iter) {
             Some(&(_, s)) => s,
@@ -284,7 +339,10 @@ impl Plan {
             }
             (at, s) = (from, next);
         }
-        s.server_held().then_some(at + left)
+        let t = s.server_held().then_some(at + left);
+        // A round is a server-held iteration.
+        debug_assert!(t.map_or(true, |t| self.scheme(layer, t).server_held()));
+        t
     }
 
     /// The first iteration at or after `from` that `layer` syncs by SFB.
@@ -292,52 +350,26 @@ impl Plan {
         if self.scheme(layer, from) == Scheme::Sfb {
             return Some(from);
         }
-        self.switches[layer as usize]
+        let t = self.switches[layer as usize]
             .iter()
             .find(|&&(at, s)| at > from && s == Scheme::Sfb)
-            .map(|&(at, _)| at)
+            .map(|&(at, _)| at);
+        debug_assert!(t.map_or(true, |t| t > from && self.scheme(layer, t) == Scheme::Sfb));
+        t
     }
 
     /// Whether `layer` comes back to the servers at `iter` (SFB at `iter −
     /// 1`, PS at `iter`): its shard must be written again first.
     pub fn reseeds_at(&self, layer: u32, iter: u64) -> bool {
-        iter > 0 && self.scheme(layer, iter - 1) == Scheme::Sfb && self.scheme(layer, iter) == Scheme::Ps
+        let r = iter > 0 && self.scheme(layer, iter - 1) == Scheme::Sfb && self.scheme(layer, iter) == Scheme::Ps;
+        // Only a switch back to the PS writes the shard again: never at the start.
+        debug_assert!(
+            !r || self.switches[layer as usize]
+                .iter()
+                .any(|&(at, s)| at == iter && s == Scheme::Ps)
+        );
+        r
     }
-}
-
-/// Scheme switches ([`crate::plan`]) hand a layer's parameters over at an
-/// iteration boundary and nothing else: they need BSP with the all trigger
-/// (every worker at one iteration per layer, and a deterministic order),
-/// the chunked placement (kvstore's versions count every iteration), and an
-/// apply op whose only state is the parameters (not SGD with momentum).
-pub fn check_switches(
-    book: &crate::book::Book,
-    sched: &crate::config::SchedConfig,
-    apply: crate::config::ApplyOp,
-) -> crate::error::Result<()> {
-    use crate::config::{Consistency, Trigger};
-    use crate::error::EngineError;
-    let first = match book.plan().switches().next() {
-        Some(sw) => sw.to_string(),
-        None if book.plan().every() > 0 => format!("decided every {} iterations", book.plan().every()),
-        None => return Ok(()),
-    };
-    let why = if sched.consistency != Consistency::Bsp || sched.trigger != Trigger::All {
-        format!(
-            "BSP with the all trigger, not {:?} with {}",
-            sched.consistency,
-            sched.trigger.name()
-        )
-    } else if book.config().placement != crate::book::Placement::Chunked {
-        "the chunked placement, not kvstore".to_string()
-    } else if apply.needs_momentum() {
-        "an apply op without momentum (the momentum does not move between servers and workers yet)".to_string()
-    } else {
-        return Ok(());
-    };
-    Err(EngineError::InvalidConfig(format!(
-        "scheme switches ({first}, ...) need {why}"
-    )))
 }
 
 #[cfg(test)]

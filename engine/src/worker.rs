@@ -676,7 +676,7 @@ impl Worker {
         }
         if self.sf_arrived.get(&(layer, next)).copied().unwrap_or(0) as usize == self.book.p1() {
             // Reconstructions are asked for one iteration after the other.
-            debug_assert!(self.sf_emitted[layer as usize].is_none_or(|e| e < next));
+            debug_assert!(self.sf_emitted[layer as usize].map_or(true, |e| e < next));
             self.sf_emitted[layer as usize] = Some(next);
             self.out.push_back(WorkerCommand::Reconstruct { layer, iter: next });
         }
@@ -707,6 +707,11 @@ impl Worker {
 
     /// The schemes by iteration, as this worker knows them.
     pub fn plan(&self) -> &crate::plan::Plan {
+        debug_assert_eq!(
+            self.plan.contested(),
+            self.book.plan().contested(),
+            "decisions change schemes, not layers"
+        );
         &self.plan
     }
 
@@ -749,11 +754,15 @@ impl Worker {
             .get(chunk as usize)
             .ok_or_else(|| self.protocol(self.rank, ProtocolViolation::ParamsForUnknownChunk { chunk }))?
             .layer;
+        // Worker 0 alone seeds the shards, at the start and on the way back to the PS.
+        debug_assert_eq!(self.index, 0, "chunk {chunk}");
         let left = &mut self.reseeding[layer as usize];
         if *left > 0 {
             *left -= 1;
             self.check_ready(layer);
         }
+        // At most the layer's chunks are owed.
+        debug_assert!(self.reseeding[layer as usize] < self.book.layer_chunks(layer).len() as u32);
         Ok(())
     }
 

@@ -247,8 +247,7 @@ fn draw_switches(seed: u64, cfg: &mut SimConfig) -> Result<(), EngineError> {
             let now = book.plan().scheme(l as u32, at);
             let now = switches
                 .iter()
-                .filter(|s: &&tidewire_engine::Switch| s.layer == l as u32 && s.iter <= at)
-                .last()
+                .rfind(|s: &&tidewire_engine::Switch| s.layer == l as u32 && s.iter <= at)
                 .map_or(now, |s| s.scheme);
             let scheme = if now == tidewire_engine::Scheme::Ps {
                 tidewire_engine::Scheme::Sfb

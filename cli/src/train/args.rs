@@ -318,7 +318,7 @@ impl TrainArgs {
                 ));
             }
             let op = self.comm.server_op(self.apply_op()?);
-            tidewire_engine::plan::check_switches(&book, &self.sched(), op)?;
+            tidewire_engine::node::check_switches(&book, &self.sched(), op)?;
         }
         Ok(())
     }

@@ -15,11 +15,15 @@ use super::*;
 impl Node {
     /// The schemes by iteration, as this rank knows them now.
     pub fn plan(&self) -> &crate::plan::Plan {
+        // The cores' copies follow the Node's (each takes every decision).
+        debug_assert!(self.worker.as_ref().map_or(true, |w| w.core.plan() == &self.plan));
         &self.plan
     }
 
     fn decider(&self) -> u32 {
-        self.book.cluster().workers()[0]
+        let d = self.book.cluster().workers()[0];
+        debug_assert_eq!(self.book.cluster().worker_index(d), Some(0));
+        d
     }
 
     /// Worker 0's driver decided (`Input::Decide`).
@@ -50,6 +54,7 @@ impl Node {
         if peer != self.decider() || self.rank == self.decider() {
             return Err(EngineError::protocol(peer, ProtocolViolation::DecisionFromNonDecider));
         }
+        debug_assert_ne!(peer, self.rank, "a decision comes from a peer");
         self.take_decision(peer, at, sfb)
     }
 
@@ -105,6 +110,9 @@ impl Node {
 
     /// Whether a hand-in of `layer` waits for a decision.
     pub(super) fn is_parked(&self, layer: u32) -> bool {
-        self.parked_in.get(layer as usize).is_some_and(Option::is_some)
+        let parked = self.parked_in.get(layer as usize).is_some_and(Option::is_some);
+        // Only a layer the decisions cover waits for one.
+        debug_assert!(!parked || self.plan.contested().contains(&layer));
+        parked
     }
 }

@@ -67,6 +67,40 @@ pub(super) fn check_modes(book: &Book, sched: &SchedConfig) -> Result<()> {
     Ok(())
 }
 
+/// Scheme switches ([`crate::plan`]) hand a layer's parameters over at an
+/// iteration boundary and nothing else: they need BSP with the all trigger
+/// (every worker at one iteration per layer, and a deterministic order),
+/// the chunked placement (kvstore's versions count every iteration), and an
+/// apply op whose only state is the parameters (not SGD with momentum).
+pub fn check_switches(book: &Book, sched: &SchedConfig, apply: crate::config::ApplyOp) -> Result<()> {
+    let first = match book.plan().switches().next() {
+        Some(sw) => sw.to_string(),
+        None if book.plan().every() > 0 => format!("decided every {} iterations", book.plan().every()),
+        None => return Ok(()),
+    };
+    let why = if sched.consistency != Consistency::Bsp || sched.trigger != Trigger::All {
+        format!(
+            "BSP with the all trigger, not {:?} with {}",
+            sched.consistency,
+            sched.trigger.name()
+        )
+    } else if book.config().placement != Placement::Chunked {
+        "the chunked placement, not kvstore".to_string()
+    } else if apply.needs_momentum() {
+        "an apply op without momentum (the momentum does not move between servers and workers yet)".to_string()
+    } else {
+        // The layers a switch may move are the dense FC ones.
+        debug_assert!(book
+            .plan()
+            .switches()
+            .all(|s| book.layers()[s.layer as usize].kind == LayerKind::Fc));
+        return Ok(());
+    };
+    Err(EngineError::InvalidConfig(format!(
+        "scheme switches ({first}, ...) need {why}"
+    )))
+}
+
 /// A rank's buffer layout (see the fields of the same names in [`super::Node`]).
 pub(super) struct Layout {
     /// The caller reads a view published from the landing zone (SSP, or a

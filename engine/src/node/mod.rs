@@ -113,6 +113,7 @@ use std::time::Duration;
 
 pub use flow::{CELLS, CELL_BYTES};
 pub use held::HeldTransmits;
+pub use layout::check_switches;
 pub use types::{
     Blob, Input, Job, JobKind, Limits, Loc, LocalRegion, Output, Payload, Queue, RemoteLoc, SendSrc, Transmit, TxOp,
     DEFAULT_STARTUP,
@@ -352,7 +353,7 @@ struct ServerSide {
 /// The checks of a configuration before anything is built, in order: the
 /// rank inside the cluster (its role, returned), the transport's limits, the
 /// modes and the switches (see [`layout::check_limits`], [`layout::check_modes`]
-/// and [`crate::plan::check_switches`]).
+/// and [`check_switches`]).
 fn check_config(cfg: &NodeConfig) -> Result<Role> {
     let (book, rank) = (&cfg.book, cfg.rank);
     let world = book.cluster().world();
@@ -363,7 +364,7 @@ fn check_config(cfg: &NodeConfig) -> Result<Role> {
     debug_assert!((rank as usize) < world, "rank {rank} in a world of {world}");
     layout::check_limits(&cfg.limits)?;
     layout::check_modes(book, &cfg.sched)?;
-    crate::plan::check_switches(book, &cfg.sched, cfg.apply)?;
+    layout::check_switches(book, &cfg.sched, cfg.apply)?;
     Ok(role)
 }
 

@@ -9,6 +9,8 @@ impl Node {
         if self.life.shutdown() {
             return Err(EngineError::Shutdown);
         }
+        // A hand-in may wait for a decision: one place per layer.
+        debug_assert_eq!(self.parked_in.len(), self.book.layers().len());
         self.hand_in_now(layer, factors)
     }
 
