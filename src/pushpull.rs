@@ -313,7 +313,9 @@ impl PushPull {
             let sz = st.t.size();
             widen(st.t, &st.grads[o * sz..(o + n) * sz], buf.grad_mut());
         }
-        if self.session.scheme_at(layer, buf.iter())?.takes_factors() {
+        // Decided in the run, a dense FC layer may go either way: always by its factors.
+        let contested = self.session.book().plan().contested().contains(&layer);
+        if contested || self.session.scheme_at(layer, buf.iter())?.takes_factors() {
             let name = self.session.book().layers()[layer as usize].name.clone();
             *self.slot(layer)? = Slot::Held(buf);
             return Err(tidewire_engine::EngineError::NeedsFactors { layer, name }.into());

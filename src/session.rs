@@ -699,7 +699,9 @@ impl Session {
     pub fn grad_ready(&self, buf: LayerBuffers) -> Result<()> {
         self.worker()?;
         let spec = self.book.layer(buf.layer)?;
-        if self.book.scheme(buf.layer, buf.iter).takes_factors() {
+        // Decided in the run, a dense FC layer may go either way: always by its factors.
+        let contested = self.book.plan().contested().contains(&buf.layer);
+        if contested || self.scheme_at(buf.layer, buf.iter)?.takes_factors() {
             return Err(EngineError::NeedsFactors {
                 layer: buf.layer,
                 name: spec.name.clone(),

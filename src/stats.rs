@@ -7,6 +7,12 @@ pub struct SessionStats {
     pub pushes: u64,
     /// Factor blocks sent.
     pub factor_sends: u64,
+    /// Scheme decisions this rank took in the run (adaptive schemes), and
+    /// the switches they made.
+    #[serde(default)]
+    pub decisions: u64,
+    #[serde(default)]
+    pub switches: u64,
     /// Slices this rank's server accumulated.
     pub accumulated: u64,
     /// Chunk applies.

@@ -5,11 +5,13 @@
 //! policy.
 //!
 //! The Node asks for a decision one iteration before each point (every
-//! `every` iterations: [`crate::node::Output::DecisionDue`]). The
-//! time between two such requests is `every` iterations of worker 0's
-//! training (shifted by one iteration, so one of them ran under the previous
-//! decision). The policy, with two candidates, the start-up choice and an
-//! alternative:
+//! `every` iterations: [`crate::node::Output::DecisionDue`]), at worker 0's
+//! first hand-in of that iteration; the driver also says when worker 0
+//! first hands in each iteration ([`Adapt::started`]). A window is timed
+//! from the first hand-in of its point to the request for the next point:
+//! `every - 1` iterations, every one of them under the window's decision
+//! (so the period is at least 2). The policy, with two candidates, the
+//! start-up choice and an alternative:
 //! 1. the iterations before the first point are warm-up, not measured;
 //! 2. the start-up choice is measured for a window, then the alternative;
 //! 3. the faster one is kept, the alternative only when it is at least
@@ -75,7 +77,8 @@ pub struct Adapt {
     cands: [u64; 2],
     phase: Phase,
     times: [f64; 2],
-    last: Option<Duration>,
+    /// The last decision point reached, and when worker 0 first handed in its iteration.
+    last: Option<(u64, Duration)>,
     every: u64,
     log: Vec<Decision>,
 }
@@ -159,14 +162,24 @@ impl Adapt {
         &self.log
     }
 
-    /// The decision for the point `at`, asked at `now` (any clock that goes
-    /// forward), with what worker 0's jobs reached so far.
+    /// Worker 0 hands in a layer of iteration `iter` at `now` (any clock
+    /// that goes forward): the first hand-in of a decision point starts the
+    /// window its decision is timed over.
+    pub fn started(&mut self, iter: u64, now: Duration) {
+        if iter > 0 && iter % self.every == 0 && self.last.map_or(true, |(p, _)| p < iter) {
+            self.last = Some((iter, now));
+        }
+        debug_assert!(self.last.map_or(true, |(p, _)| p % self.every == 0));
+    }
+
+    /// The decision for the point `at`, asked at `now`: at worker 0's first
+    /// hand-in of iteration `at - 1`, so the window since the last point's
+    /// first hand-in holds `every - 1` iterations, all under its decision.
     pub fn decide(&mut self, plan: &Plan, at: u64, now: Duration, reached: Reached) -> u64 {
-        let window = self
-            .last
-            .map(|t| now.saturating_sub(t).as_secs_f64() / self.every as f64);
-        self.last = Some(now);
-        let alt = self.cands[1] != self.cands[0];
+        let window = match self.last {
+            Some((p, t)) if p + self.every == at => Some(now.saturating_sub(t).as_secs_f64() / (self.every - 1) as f64),
+            _ => None,
+        };
         let (next, keep) = match (self.phase, window) {
             (Phase::Warmup, _) | (_, None) => (Phase::Measure(0), 0),
             (Phase::Measure(0), Some(w)) => {
@@ -187,9 +200,9 @@ impl Adapt {
                 let best = usize::from(self.times[1] < self.times[0] * (1.0 - MARGIN));
                 (Phase::Settled(best, self.times[best]), best)
             }
-            (Phase::Settled(best, t), Some(w)) if alt && w > t * (1.0 + DRIFT) => {
-                // The rates moved: measure both again, the kept one first.
-                let _ = best;
+            (Phase::Settled(_, t), Some(w)) if w > t * (1.0 + DRIFT) => {
+                // The rates moved: measure again, the start-up choice first,
+                // then an alternative (chosen anew from the rates reached).
                 (Phase::Measure(0), 0)
             }
             (Phase::Settled(best, t), Some(_)) => (Phase::Settled(best, t), best),
@@ -211,7 +224,7 @@ mod tests {
     use super::*;
     use crate::book::{BookConfig, Cluster, LayerKind, LayerSpec};
 
-    fn book() -> Book {
+    fn book(every: u64) -> Book {
         Book::new(
             Cluster::split(2, 1).unwrap(),
             vec![
@@ -226,46 +239,52 @@ mod tests {
             },
         )
         .unwrap()
-        .with_adaptive(2)
+        .with_adaptive(every)
         .unwrap()
     }
 
-    /// Window times of 1 s per iteration for the start-up choice: the
-    /// alternative is kept when it runs at `alt_s`, only past the margin.
-    fn run(alt_s: f64) -> Vec<u64> {
-        let b = book();
+    /// Iteration by iteration, as the runtime drives it: each iteration
+    /// takes 1 s under the start-up choice and `alt_s` under the
+    /// alternative; the request for point p comes at the first hand-in of
+    /// p - 1. Returns the decisions.
+    fn run(every: u64, alt_s: f64) -> Vec<u64> {
+        let b = std::sync::Arc::new(book(every));
         let mut plan = b.plan().clone();
-        let b = std::sync::Arc::new(b);
         let mut a = Adapt::new(&b).unwrap();
         let mut t = Duration::ZERO;
         let mut out = Vec::new();
-        for k in 1..=5u64 {
-            let at = 2 * k;
-            let sfb = a.decide(&plan, at, t, Reached::default());
-            plan.decide(at, sfb).unwrap();
-            out.push(sfb);
-            // The window that now runs: the start-up choice (bits 0 in bytes for this
-            // small layer, or whatever it was) takes 1 s per iteration, the alternative alt_s.
-            let per = if sfb == a.cands[0] { 1.0 } else { alt_s };
-            t += Duration::from_secs_f64(per * 2.0);
+        for i in 0..6 * every {
+            a.started(i, t);
+            if (i + 1) % every == 0 {
+                let sfb = a.decide(&plan, i + 1, t, Reached::default());
+                plan.decide(i + 1, sfb).unwrap();
+                out.push(sfb);
+            }
+            let per = if plan.current_bits(i) == a.cands[0] { 1.0 } else { alt_s };
+            t += Duration::from_secs_f64(per);
         }
         out
     }
 
     #[test]
     fn the_alternative_is_tried_once_and_kept_only_when_faster() {
-        let b = std::sync::Arc::new(book());
-        let a = Adapt::new(&b).unwrap();
-        let (start, alt) = (a.cands[0], a.cands[1]);
-        assert_ne!(start, alt, "the bytes model is unsure of the FC layer");
-        // The first window (before any decision) is warm-up; then the
-        // start-up choice is measured, then the alternative, then settled.
-        assert_eq!(run(0.5), [start, alt, alt, alt, alt]);
-        assert_eq!(
-            run(0.99),
-            [start, alt, start, start, start],
-            "within the margin: kept as it was"
-        );
-        assert_eq!(run(2.0), [start, alt, start, start, start]);
+        for every in [2, 3, 5] {
+            let b = std::sync::Arc::new(book(every));
+            let a = Adapt::new(&b).unwrap();
+            let (start, alt) = (a.cands[0], a.cands[1]);
+            assert_ne!(start, alt, "the bytes model is unsure of the FC layer");
+            // The iterations before the first point are warm-up; then the
+            // start-up choice is measured, then the alternative, then settled.
+            let s6 = [start, alt, alt, alt, alt, alt];
+            assert_eq!(run(every, 0.5), s6, "every {every}: twice as fast");
+            assert_eq!(run(every, 0.95), s6, "every {every}: 5% faster, past the margin");
+            let kept = [start, alt, start, start, start, start];
+            assert_eq!(
+                run(every, 0.99),
+                kept,
+                "every {every}: within the margin, kept as it was"
+            );
+            assert_eq!(run(every, 2.0), kept, "every {every}: slower");
+        }
     }
 }

@@ -781,6 +781,11 @@ impl Book {
     /// layer switches, between PS and SFB. The switches are part of the
     /// book's hash: every rank must be given the same.
     pub fn with_switches(mut self, switches: &[crate::plan::Switch]) -> Result<Self> {
+        if self.plan.every() > 0 {
+            return Err(EngineError::InvalidConfig(
+                "switches given up front and decisions in the run do not go together (see Book::replayed)".into(),
+            ));
+        }
         for sw in switches {
             let l = self.layer(sw.layer)?;
             if l.kind != LayerKind::Fc || l.sparse {
@@ -810,8 +815,8 @@ impl Book {
                 s.kind == LayerKind::Fc && !s.sparse
             })
             .collect();
-        let why = if every == 0 {
-            "a decision period of at least 1 iteration"
+        let why = if every < 2 {
+            "a decision period of at least 2 iterations (a window is timed over all of them but the first)"
         } else if self.plan.has_switches() {
             "no switches given up front"
         } else if self.cfg.policy == SchemePolicy::Adam {
@@ -827,6 +832,14 @@ impl Book {
         self.plan.adaptive(every, contested);
         self.hash = self.compute_hash();
         Ok(self)
+    }
+
+    /// This adaptive book as its run went: no more decisions, and the
+    /// switches they made (a run's report), given up front. What a reference
+    /// that replays the run computes with.
+    pub fn replayed(mut self, switches: &[crate::plan::Switch]) -> Result<Self> {
+        self.plan.settle_all();
+        self.with_switches(switches)
     }
 
     /// The start-up schemes and switches.

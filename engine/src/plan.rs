@@ -147,6 +147,14 @@ impl Plan {
         self.contested = contested;
     }
 
+    /// No more decisions: every iteration is final as the plan says now.
+    pub(crate) fn settle_all(&mut self) {
+        self.every = 0;
+        self.decided = u64::MAX;
+        self.contested.clear();
+        debug_assert!(self.next_point().is_none() && self.is_decided(u64::MAX - 1));
+    }
+
     /// Whether iteration `iter`'s schemes are final.
     pub fn is_decided(&self, iter: u64) -> bool {
         // Without decisions, every iteration is decided.
@@ -191,8 +199,10 @@ impl Plan {
                 next: self.next_point(),
             });
         }
+        // On a copy: a decision is taken whole or not at all.
+        let mut next = self.clone();
         let mut made = Vec::new();
-        for (i, &layer) in self.contested.clone().iter().enumerate() {
+        for (i, &layer) in self.contested.iter().enumerate() {
             let scheme = if sfb >> i & 1 == 1 { Scheme::Sfb } else { Scheme::Ps };
             if self.scheme(layer, at) != scheme {
                 let sw = Switch {
@@ -200,11 +210,12 @@ impl Plan {
                     iter: at,
                     scheme,
                 };
-                self.add(sw)?;
+                next.add(sw)?;
                 made.push(sw);
             }
         }
-        self.decided = at + self.every;
+        *self = next;
+        self.decided = at.saturating_add(self.every);
         debug_assert!(self.is_decided(at) && !self.is_decided(self.decided));
         // Every switch a decision makes takes effect at its point.
         debug_assert!(made

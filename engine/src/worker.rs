@@ -99,6 +99,9 @@ pub struct Worker {
     sf_emitted: Vec<Option<u64>>,
     /// The schemes by iteration: the book's, and the decisions since ([`crate::plan`]).
     plan: crate::plan::Plan,
+    /// Factors that came for an iteration not yet decided: a sender of each
+    /// (layer, iteration), to blame if the decision puts it on the PS.
+    early_from: HashMap<(u32, u64), u32>,
     /// Per layer: chunks whose values worker 0 is still writing back to
     /// their servers (a switch back to the PS); the layer is not ready
     /// before (the caller could change the parameters being read).
@@ -141,6 +144,7 @@ impl Worker {
             sf_emitted: vec![None; book.layers().len()],
             reseeding: vec![0; book.layers().len()],
             plan: book.plan().clone(),
+            early_from: HashMap::default(),
             ready: BinaryHeap::new(),
             parked: (0..world).map(|_| BinaryHeap::new()).collect(),
             free_slots,
@@ -662,6 +666,9 @@ impl Worker {
         if self.plan.settled(layer, iter) && self.plan.scheme(layer, iter) != Scheme::Sfb {
             return Err(self.protocol(from, ProtocolViolation::FactorsNotSfb { layer, iter }));
         }
+        if !self.plan.settled(layer, iter) {
+            self.early_from.entry((layer, iter)).or_insert(from);
+        }
         self.maybe_reconstruct(layer);
         Ok(())
     }
@@ -725,13 +732,15 @@ impl Worker {
             .decide(at, sfb)
             .map_err(|e| self.protocol(decider, ProtocolViolation::BadDecision { at, why: e.to_string() }))?;
         let early = self
-            .sf_arrived
-            .keys()
-            .find(|&&(l, t)| t >= at && self.plan.is_decided(t) && self.plan.scheme(l, t) != Scheme::Sfb);
-        if let Some(&(layer, iter)) = early {
+            .early_from
+            .iter()
+            .find(|&(&(l, t), _)| self.plan.is_decided(t) && self.plan.scheme(l, t) != Scheme::Sfb);
+        if let Some((&(layer, iter), &from)) = early {
             // A peer sent factors for an iteration this decision put on the PS.
-            return Err(self.protocol(decider, ProtocolViolation::FactorsNotSfb { layer, iter }));
+            return Err(self.protocol(from, ProtocolViolation::FactorsNotSfb { layer, iter }));
         }
+        let plan = &self.plan;
+        self.early_from.retain(|&(_, t), _| !plan.is_decided(t));
         for l in 0..self.layers.len() as u32 {
             if self.sf_applied[l as usize] == at && self.reseeding[l as usize] == 0 {
                 // The reconstruction of `at - 1` ran before the decision.

@@ -174,6 +174,7 @@ pub(crate) struct SessionConfig<'py> {
     resume: Option<String>,
     trigger: String,
     rates: Option<Rates>,
+    adapt_every: u64,
 }
 
 impl<'py> SessionConfig<'py> {
@@ -204,6 +205,7 @@ impl<'py> SessionConfig<'py> {
             resume: attr(config, C, "resume")?,
             trigger: attr(config, C, "trigger")?,
             rates: record(config, C, "rates", read_rates)?,
+            adapt_every: attr(config, C, "adapt_every")?,
         })
     }
 
@@ -308,6 +310,9 @@ impl<'py> SessionConfig<'py> {
         if let Some(r) = &self.rates {
             r.validate().map_err(|e| PyValueError::new_err(format!("rates: {e}")))?;
             b = b.rates(*r);
+        }
+        if self.adapt_every > 0 {
+            b = b.adaptive(self.adapt_every);
         }
         if let Some(c) = self.chunk_bytes {
             b = b.chunk_bytes(c);

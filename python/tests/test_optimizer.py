@@ -238,3 +238,29 @@ def test_cuda_server_prefetch(job):
     opt.synchronize()
     for a, b in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_adaptive_refuses_what_a_switch_cannot_carry(job, monkeypatch):
+    net = C.model("wide")
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="without momentum"):
+        tw.DistributedOptimizer(sgd, model=net, batch_size=8, sfb="adaptive", apply="server")
+    with pytest.raises(ValueError, match="consistency='bsp'"):
+        tw.DistributedOptimizer(copy.deepcopy(sgd), model=net, batch_size=8, sfb="adaptive",
+                                apply="server", consistency=("ssp", 1))
+    monkeypatch.setenv("TIDEWIRE_ADAPT_EVERY", "1")
+    with pytest.raises(ValueError, match="at least 2 steps"):
+        tw.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=net, batch_size=8, sfb="adaptive")
+
+
+def test_adaptive_pushes_every_linear_layer_by_its_factors(job):
+    net = C.model("wide")
+    opt = tw.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=net, batch_size=8,
+                                  sfb="adaptive")
+    x, y = _batch(8)
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    fc = [L for L in opt._tw.layers if L.kind == "fc"]
+    assert fc and all(L.factors for L in fc), [(L.name, L.kind, L.factors) for L in opt._tw.layers]

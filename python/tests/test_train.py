@@ -31,6 +31,9 @@ MODES = {
         {"link_bytes_per_s": 1e9, "msg_s": 0.0, "sum_bytes_per_s": 1e15, "gemm_flop_per_s": 1e15})}},
     "hybrid_cpu": {"model": "wide", "opt": "momentum", "sfb": "auto", "env": {"TIDEWIRE_RATES": json.dumps(
         {"link_bytes_per_s": 1e9, "msg_s": 1e-5, "sum_bytes_per_s": 1e9, "gemm_flop_per_s": 1e6})}},
+    # Decided in the run every 2 steps (rank 0 measures the start-up choice,
+    # then an alternative); every linear layer goes as its factors.
+    "adaptive": {"model": "wide", "opt": "momentum", "sfb": "adaptive", "env": {"TIDEWIRE_ADAPT_EVERY": "2"}},
     "ssp": {"opt": "momentum", "apply": "server", "consistency": ["ssp", 1]},
     "f64": {"opt": "momentum", "dtype": "float64"},
     "bf16": {"opt": "momentum", "dtype": "bfloat16"},
@@ -163,6 +166,14 @@ def test_hybcomm_chooses_per_layer(modes):
     assert modes[1]["hybrid_cpu"]["stats"]["rates"]["gemm_flop_per_s"] == 1e6
     assert "rates" not in modes[0]["ps"]["stats"]
     assert_close(modes[0]["hybrid_cpu"]["state"], modes[0]["ps"]["state"], "HybComm (CPU rates) vs PS only")
+
+
+def test_adaptive_decides_in_the_run_and_matches_ps_only(modes):
+    # Points 2, 4 and 6 in 6 steps: rank 0 takes each; rank 1 may have left before the last.
+    assert modes[0]["adaptive"]["stats"]["decisions"] == 3, modes[0]["adaptive"]["stats"]
+    assert modes[1]["adaptive"]["stats"]["decisions"] >= 2, modes[1]["adaptive"]["stats"]
+    assert_bitwise_equal(modes[0]["adaptive"]["state"], modes[1]["adaptive"]["state"], "adaptive, rank 0 vs 1")
+    assert_close(modes[0]["adaptive"]["state"], modes[0]["ps"]["state"], "adaptive vs PS only")
 
 
 def test_ssp_server_mode_trains(modes):

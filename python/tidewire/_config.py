@@ -163,6 +163,11 @@ class SessionConfig:
     trigger: str = "all"
     #: This rank's rates, for ``policy='hybrid'`` (None: HybComm weighs bytes).
     rates: Optional[Rates] = None
+    #: Decide the dense FC layers' schemes again every this many iterations,
+    #: in the run (0: never): worker 0 measures the start-up choice against
+    #: an alternative and keeps the faster. Such layers must be pushed by
+    #: their factors. Needs BSP, ``apply`` without momentum, no checkpoints.
+    adapt_every: int = 0
 
 
 _RECORDS = {"local": LocalAggregation, "comm": CommConfig, "checkpoint": Checkpointing, "rates": Rates}

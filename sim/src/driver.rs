@@ -35,6 +35,12 @@ impl Sim {
             Input::Closed { peer, .. } => Some(*peer),
             _ => None,
         };
+        if let (Input::HandIn { layer, .. }, Some(a)) = (&input, self.adapt.as_mut()) {
+            if self.cfg.book.cluster().workers().first() == Some(&r) {
+                // Worker 0's policy times its windows from its hand-ins.
+                a.started(rank.node.completed(*layer), Duration::from_nanos(self.now));
+            }
+        }
         let now = Duration::from_nanos(self.now);
         // Kept for the report of a refusal; a message's bytes go to the Node
         // as they are (moved: the receive path copies nothing, see `delivered`).

@@ -611,12 +611,23 @@ impl Sim {
     /// went through the NIC queues (rather than the control shortcut).
     pub(crate) fn arrival(&mut self, at: u64, ev: Ev, from_net: bool) {
         let world = self.ranks.len();
+        let mut at = at;
         let key = match &ev {
             Ev::WriteArrive { from, to, .. } => (*from as usize * world + *to as usize) * 2,
-            Ev::MsgArrive { from, to, .. } => {
+            Ev::MsgArrive { from, to, tag, .. } => {
                 let c = *from as usize * world + *to as usize;
                 if from_net {
                     self.msgs_in_net[c] -= 1;
+                }
+                let decide = matches!(
+                    tidewire_engine::wire::kind_of(*tag),
+                    Ok(tidewire_engine::wire::Kind::Decide)
+                );
+                if decide && self.cfg.decide_seed.is_some() {
+                    // Random decisions also travel late, by up to 3 ms (still in
+                    // order on their connection): writes sent after them, such as
+                    // worker 0's values for a switch back to the PS, overtake them.
+                    at += self.rand() % 3_000_000;
                 }
                 c * 2 + 1
             }

@@ -208,8 +208,9 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
 /// Of the jobs that can switch (BSP, the all trigger, the chunked placement,
 /// no Adam, an apply op without momentum), a third keep their schemes, a
 /// third switch each dense FC layer at up to three drawn iterations given
-/// up front, and a third are adaptive: worker 0 decides every one or two
-/// iterations, at random, and the protocol carries each decision.
+/// up front, and a third are adaptive: worker 0 decides every two or three
+/// iterations, at random, and the protocol carries each decision (late,
+/// some of them).
 fn draw_switches(seed: u64, cfg: &mut SimConfig) -> Result<(), EngineError> {
     let mut rs = Rng(seed ^ 0x5317_c4e5_0000_0003);
     let book = &cfg.book;
@@ -225,8 +226,8 @@ fn draw_switches(seed: u64, cfg: &mut SimConfig) -> Result<(), EngineError> {
     match rs.below(3) {
         0 => return Ok(()),
         1 => {
-            // Adaptive: worker 0 decides every 1 or 2 iterations, at random.
-            let every = rs.range(1, 2);
+            // Adaptive: worker 0 decides every 2 or 3 iterations, at random.
+            let every = rs.range(2, 3);
             cfg.book = Arc::new((**book).clone().with_adaptive(every)?);
             cfg.decide_seed = Some(rs.next_u64());
             return Ok(());

@@ -658,6 +658,9 @@ impl Runtime {
                     });
                     return;
                 }
+                if let Some(a) = self.adapt.as_mut() {
+                    a.started(buf.iter, self.epoch.elapsed());
+                }
                 // The caller's leases end here: the engine may write the layer from now on.
                 drop(buf);
                 self.held[layer as usize] = Held::InFlight;
@@ -816,6 +819,8 @@ impl Runtime {
             sparse_dense_bytes: sp.dense_bytes,
             pushes: n.pushes,
             factor_sends: n.factor_sends,
+            decisions: n.decisions,
+            switches: n.switches,
             accumulated: n.accumulated,
             applies: n.applies,
             broadcasts: n.broadcasts,

@@ -27,7 +27,7 @@ pub(super) fn report(args: &TrainArgs, model: &Model, began: Instant, ended: &En
     // the same decisions), which the reference replays.
     let first = workers.iter().min_by_key(|r| r.rank);
     let book = match first {
-        Some(w) if book.plan().every() > 0 => book.with_switches(&w.switches)?,
+        Some(w) if book.plan().every() > 0 => book.replayed(&w.switches)?,
         _ => book,
     };
     let (per, iteration_s, hidden_fraction) = iteration_figures(&workers);

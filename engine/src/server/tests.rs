@@ -424,3 +424,83 @@ fn back_from_sfb_a_round_waits_for_worker_0s_values() {
     assert_eq!(Server::applies(&round(&mut s)), [(4, 3)]);
     assert_eq!(s.applied(0), Some(3));
 }
+
+/// One FC layer on the PS, decided every 2 iterations: rounds 0 and 1 are
+/// iterations 0 and 1.
+fn adaptive_server() -> Server {
+    let book = Book::new(
+        Cluster::split(3, 1).unwrap(),
+        vec![LayerSpec::new("fc", LayerKind::Fc, 1, 8)],
+        BookConfig {
+            chunk_bytes: 1024,
+            slice_params: 4,
+            policy: crate::book::SchemePolicy::Ps,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .with_adaptive(2)
+    .unwrap();
+    let mut s = Server::new(Arc::new(book), 3, SchedConfig::default()).unwrap();
+    s.handle_init(0, 0).unwrap();
+    s.drain();
+    s.bcast_done();
+    let round = |s: &mut Server| (0..3).flat_map(|w| s.push(w)).collect::<Vec<_>>();
+    for t in 0..2 {
+        assert_eq!(Server::applies(&round(&mut s)), [(t, 3)]);
+        s.bcast_done();
+    }
+    s
+}
+
+/// Worker 0's write back lands before both decisions (SFB at 2, the PS again
+/// at 4; writes and messages are not ordered), and so do round 2's pushes:
+/// the round is applied for iteration 4 once the last decision comes.
+#[test]
+fn a_write_back_before_its_decisions_waits_for_them() {
+    let mut s = adaptive_server();
+    s.handle_init(0, 0).unwrap();
+    assert_eq!(Server::applies(&(0..3).flat_map(|w| s.push(w)).collect::<Vec<_>>()), []);
+    s.decide(2, 1).unwrap();
+    assert_eq!(Server::applies(&s.drain()), [], "the layer is on SFB at 2 and 3");
+    s.decide(4, 0).unwrap();
+    assert_eq!(Server::applies(&s.drain()), [(4, 3)]);
+}
+
+/// Pushes first, then both decisions, then the write back.
+#[test]
+fn pushes_then_decisions_then_the_write_back() {
+    let mut s = adaptive_server();
+    assert_eq!(Server::applies(&(0..3).flat_map(|w| s.push(w)).collect::<Vec<_>>()), []);
+    s.decide(2, 1).unwrap();
+    s.decide(4, 0).unwrap();
+    assert_eq!(Server::applies(&s.drain()), []);
+    s.handle_init(0, 0).unwrap();
+    assert_eq!(Server::applies(&s.drain()), [(4, 3)]);
+}
+
+/// A write back that came early and that no decision asks for is refused
+/// when the decision comes; a decision for another point is refused whole.
+#[test]
+fn an_early_write_back_no_decision_asks_for_is_refused() {
+    let mut s = adaptive_server();
+    s.handle_init(0, 0).unwrap();
+    assert!(matches!(
+        s.decide(4, 0),
+        Err(EngineError::Protocol {
+            violation: ProtocolViolation::BadDecision { at: 4, .. },
+            ..
+        })
+    ));
+    let e = s.decide(2, 0).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            EngineError::Protocol {
+                rank: 0,
+                violation: ProtocolViolation::ReseedUnexpected { chunk: 0, round: 2 }
+            }
+        ),
+        "{e:?}"
+    );
+}

@@ -65,6 +65,8 @@ class _Layer:
         self.offset = 0
         self.numel = 0
         self.scheme = "ps"
+        #: Pushed as its sufficient factors (SFB, or any FC layer under sfb='adaptive').
+        self.factors = False
         self.ready = 0
         self.pushed = False
         self.in_flight = False

@@ -270,7 +270,12 @@ def DistributedOptimizer(
         ``'auto'``/``True`` (default): HybComm chooses per layer by its cost
         model, when ``model`` and ``batch_size`` are given (otherwise every
         layer goes through the PS); ``'always'``: every eligible linear layer;
-        ``False``: parameter server only. A forward hook keeps the layer's
+        ``False``: parameter server only; ``'adaptive'``: HybComm's choice,
+        then decided again in the run every ``TIDEWIRE_ADAPT_EVERY`` steps
+        (default 10): rank 0 measures the start-up choice against an
+        alternative and keeps the faster, and every eligible linear layer is
+        then pushed by its factors (the servers form the gradient where it
+        goes by the PS); BSP, and with ``apply='server'`` no momentum. A forward hook keeps the layer's
         input x (K×in) and a hook on its output takes δ (K×out); U = δ and
         V = [x, 1] (with a bias; the weight and bias are then views into one
         out×(in+1) block), zero-padded to K = ``batch_size`` ×

@@ -66,7 +66,7 @@ class _TwSync:
             )
 
     def _push(self, L: _Layer) -> None:
-        if L.scheme == "sfb":
+        if L.factors:
             if self.staged:
                 self._cuda_sync()
             u, v = self._factors(L)

@@ -60,8 +60,15 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
         explicit = sfb is True
         if sfb is True:
             sfb = "auto"
-        if sfb is not False and sfb not in ("auto", "always"):
-            raise ValueError(f"sfb={sfb!r}: want False, True/'auto' (HybComm) or 'always'")
+        if sfb is not False and sfb not in ("auto", "always", "adaptive"):
+            raise ValueError(f"sfb={sfb!r}: want False, True/'auto' (HybComm), 'adaptive' or 'always'")
+        self.adapt_every = 0
+        if sfb == "adaptive":
+            self.adapt_every = int(os.environ.get("TIDEWIRE_ADAPT_EVERY", "10"))
+            if self.adapt_every < 2:
+                raise ValueError(f"TIDEWIRE_ADAPT_EVERY={self.adapt_every}: want a period of at least 2 steps")
+            if consistency != "bsp":
+                raise ValueError("sfb='adaptive' needs consistency='bsp'")
         can_sfb = model is not None and batch_size is not None
         if (explicit or sfb == "always") and not can_sfb:
             raise ValueError(f"sfb={'True' if explicit else repr(sfb)} needs model= and batch_size=")
@@ -108,6 +115,12 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
             self.sgd = self._server_sgd(opt)
         self._setup_reduce(reduce or {}, explicit or sfb == "always")
         self._setup_comm(comm or {})
+        if self.sfb == "adaptive" and self.sgd is not None and self.sgd[1] != 0.0:
+            raise ValueError(
+                "sfb='adaptive' with apply='server' needs an optimizer without momentum: a switch moves a "
+                "layer's parameters between the servers and the workers, not its momentum (yet); use "
+                "apply='local' (the torch optimizer keeps its own momentum) or sfb='auto'"
+            )
         if self.comm_on and self.reduce_custom:
             raise ValueError(
                 "comm_every/comm_mode/quality_guided need op=Average, gradient_predivide_factor=1 and no compression"
@@ -193,7 +206,7 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
                 raise ValueError(f"{what} replaces backward_passes_per_step: leave it at 1")
             if self.consistency != "bsp":
                 raise ValueError(f"{what} needs consistency='bsp'")
-            if self.sfb not in (False, "auto"):
+            if self.sfb not in (False, "auto", "adaptive"):
                 raise ValueError(f"{what} syncs through the parameter servers: pass sfb=False")
             if self.env.local_agg:
                 raise ValueError(f"{what} with local aggregation (TIDEWIRE_LOCAL_AGGREGATION) is not supported yet")
@@ -497,6 +510,7 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
             apply=apply_op,
             consistency=self.consistency,
             policy=policy,
+            adapt_every=self.adapt_every if self.sfb == "adaptive" and policy == "hybrid" else 0,
             transport=env.transport,
             timeout=self.timeout,
             connect_timeout=max(self.timeout, 60.0),
@@ -509,8 +523,12 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
         self.start_step = self.session.start_iteration
         if self.staged:
             self.r_dev.copy_(self.r_host)
+        adaptive = self.sfb == "adaptive" and policy == "hybrid"
         for L in self.layers:
             L.scheme = self.session.scheme(L.index)
+            # Decided in the run: an FC layer may go either way at any step, so it
+            # always goes as its factors (the engine forms the gradient for the PS).
+            L.factors = L.scheme == "sfb" or (adaptive and L.kind == "fc")
             gv, rv = self._views(self.g_dev, L), self._views(self.r_dev, L)
             for info, g, r in zip(L.params, gv, rv):
                 info.gview, info.rview = g, r
@@ -529,7 +547,7 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
             info.hook = info.param.register_post_accumulate_grad_hook(self._make_grad_hook(info))
             self.handles.append(info.hook)
         for L in self.layers:
-            if L.scheme == "sfb":
+            if L.factors:
                 assert isinstance(L.module, nn.Linear)
                 self.handles.append(L.module.register_forward_hook(self._make_capture(L)))
         if self.prefetch and self.apply == "server" and self.model is not None:
