@@ -596,14 +596,20 @@ impl Worker {
         Ok(())
     }
 
-    /// A server wrote a new version of `chunk` into the parameter buffer.
-    pub fn handle_params(&mut self, chunk: u32) -> Result<()> {
-        let layer = self
+    /// The layer of `chunk`, a chunk id that came from outside (checked).
+    fn chunk_layer(&self, chunk: u32) -> Result<u32> {
+        let c = self
             .book
             .chunks()
             .get(chunk as usize)
-            .ok_or_else(|| self.protocol(self.rank, ProtocolViolation::ParamsForUnknownChunk { chunk }))?
-            .layer;
+            .ok_or_else(|| self.protocol(self.rank, ProtocolViolation::ParamsForUnknownChunk { chunk }))?;
+        debug_assert!((c.layer as usize) < self.layers.len());
+        Ok(c.layer)
+    }
+
+    /// A server wrote a new version of `chunk` into the parameter buffer.
+    pub fn handle_params(&mut self, chunk: u32) -> Result<()> {
+        let layer = self.chunk_layer(chunk)?;
         if !self.notified.is_empty()
             && self.chunk_updates[chunk as usize] > 0
             && self.chunk_updates[chunk as usize] > self.notified[chunk as usize]
@@ -757,12 +763,7 @@ impl Worker {
     /// was placed: at the start nothing to do, and on a switch back to the
     /// PS one chunk fewer to wait for before the layer is ready.
     pub fn handle_seed_done(&mut self, chunk: u32) -> Result<()> {
-        let layer = self
-            .book
-            .chunks()
-            .get(chunk as usize)
-            .ok_or_else(|| self.protocol(self.rank, ProtocolViolation::ParamsForUnknownChunk { chunk }))?
-            .layer;
+        let layer = self.chunk_layer(chunk)?;
         // Worker 0 alone seeds the shards, at the start and on the way back to the PS.
         debug_assert_eq!(self.index, 0, "chunk {chunk}");
         let left = &mut self.reseeding[layer as usize];

@@ -367,13 +367,10 @@ fn triggers_refuse_what_they_cannot_keep_sound() {
     }
 }
 
-/// A layer that switches to SFB at 1 and back to the PS at 3: its rounds
-/// are iterations 0, 3, 4; round 3 waits for worker 0's values (a write
-/// from another worker, or a second one, is refused), then applies.
-#[test]
-fn back_from_sfb_a_round_waits_for_worker_0s_values() {
-    use crate::plan::Switch;
-    let book = Book::new(
+/// Three workers and one server, one FC layer of 8 parameters on the PS:
+/// one chunk of two slices.
+fn fc_book() -> Book {
+    Book::new(
         Cluster::split(3, 1).unwrap(),
         vec![LayerSpec::new("fc", LayerKind::Fc, 1, 8)],
         BookConfig {
@@ -384,19 +381,28 @@ fn back_from_sfb_a_round_waits_for_worker_0s_values() {
         },
     )
     .unwrap()
-    .with_switches(&[
-        Switch {
-            layer: 0,
-            iter: 1,
-            scheme: Scheme::Sfb,
-        },
-        Switch {
-            layer: 0,
-            iter: 3,
-            scheme: Scheme::Ps,
-        },
-    ])
-    .unwrap();
+}
+
+/// A layer that switches to SFB at 1 and back to the PS at 3: its rounds
+/// are iterations 0, 3, 4; round 3 waits for worker 0's values (a write
+/// from another worker, or a second one, is refused), then applies.
+#[test]
+fn back_from_sfb_a_round_waits_for_worker_0s_values() {
+    use crate::plan::Switch;
+    let book = fc_book()
+        .with_switches(&[
+            Switch {
+                layer: 0,
+                iter: 1,
+                scheme: Scheme::Sfb,
+            },
+            Switch {
+                layer: 0,
+                iter: 3,
+                scheme: Scheme::Ps,
+            },
+        ])
+        .unwrap();
     let mut s = Server::new(Arc::new(book), 3, SchedConfig::default()).unwrap();
     s.handle_init(0, 0).unwrap();
     s.drain();
@@ -428,19 +434,7 @@ fn back_from_sfb_a_round_waits_for_worker_0s_values() {
 /// One FC layer on the PS, decided every 2 iterations: rounds 0 and 1 are
 /// iterations 0 and 1.
 fn adaptive_server() -> Server {
-    let book = Book::new(
-        Cluster::split(3, 1).unwrap(),
-        vec![LayerSpec::new("fc", LayerKind::Fc, 1, 8)],
-        BookConfig {
-            chunk_bytes: 1024,
-            slice_params: 4,
-            policy: crate::book::SchemePolicy::Ps,
-            ..Default::default()
-        },
-    )
-    .unwrap()
-    .with_adaptive(2)
-    .unwrap();
+    let book = fc_book().with_adaptive(2).unwrap();
     let mut s = Server::new(Arc::new(book), 3, SchedConfig::default()).unwrap();
     s.handle_init(0, 0).unwrap();
     s.drain();
