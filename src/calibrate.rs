@@ -236,19 +236,36 @@ fn io(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
     move |e| Error::Calibration(format!("loopback {what}: {e}"))
 }
 
+/// Rounds of [`stream_rate`]: its rate is the fastest round's.
+const STREAM_ROUNDS: u32 = 4;
+
 /// Bytes per second of one TCP stream over loopback (sender and receiver on
-/// two threads) for about `budget`: [`probe_stream`] against [`serve_stream`].
+/// two threads) for about `budget`: the fastest of [`STREAM_ROUNDS`]
+/// [`probe_stream`]s against one reader, as the other rates are the fastest
+/// of their runs. (One stream of the whole budget read 0.90 GB/s in one
+/// `train` and 1.77 in the next on the 2-core VM, and the slower figure
+/// tipped VGG19's FC layers to SFB with 4 colocated ranks, where the PS
+/// was 1.3x faster.)
 pub fn stream_rate(budget: Duration) -> Result<f64> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(io("bind"))?;
     let addr = l.local_addr().map_err(io("bind"))?;
-    let server = std::thread::spawn(move || serve_one(&l));
-    let rate = probe_stream(addr, budget);
-    let served = server
+    let server = std::thread::spawn(move || -> Result<()> {
+        for _ in 0..STREAM_ROUNDS {
+            serve_one(&l)?;
+        }
+        Ok(())
+    });
+    let mut best = 0f64;
+    for _ in 0..STREAM_ROUNDS {
+        // On an error the reader is left waiting for a round that never
+        // comes: it gives up on its own after 30 s (serve_one), not joined.
+        best = best.max(probe_stream(addr, budget / STREAM_ROUNDS)?);
+    }
+    server
         .join()
-        .map_err(|_| Error::Calibration("loopback reader panicked".into()))?;
-    let rate = rate?;
-    served?;
-    Ok(rate)
+        .map_err(|_| Error::Calibration("loopback reader panicked".into()))??;
+    debug_assert!(best > 0.0, "a probe that returned moved bytes");
+    Ok(best)
 }
 
 /// Serves one [`probe_stream`] on `addr`, then returns; gives up after 30 s
@@ -270,24 +287,9 @@ impl StreamServer {
     pub fn bind(addr: std::net::SocketAddr) -> Result<StreamServer> {
         let l = TcpListener::bind(addr).map_err(io("bind"))?;
         let port = l.local_addr().map_err(io("bind"))?.port();
-        l.set_nonblocking(true).map_err(io("bind"))?;
         let thread = std::thread::Builder::new()
             .name("tidewire-link-probe".into())
-            .spawn(move || {
-                let deadline = Instant::now() + Duration::from_secs(30);
-                loop {
-                    match l.accept() {
-                        Ok((s, _)) => {
-                            s.set_nonblocking(false).map_err(io("accept"))?;
-                            return serve_conn(s);
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
-                            std::thread::sleep(Duration::from_millis(5));
-                        }
-                        Err(e) => return Err(io("accept")(e)),
-                    }
-                }
-            })
+            .spawn(move || serve_one(&l))
             .map_err(|e| Error::Thread {
                 what: "link probe",
                 reason: e.to_string(),
@@ -308,9 +310,22 @@ impl StreamServer {
     }
 }
 
+/// Serves one probe on `l`, giving up after 30 s without one.
 fn serve_one(l: &TcpListener) -> Result<()> {
-    let (s, _) = l.accept().map_err(io("accept"))?;
-    serve_conn(s)
+    l.set_nonblocking(true).map_err(io("accept"))?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match l.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false).map_err(io("accept"))?;
+                return serve_conn(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => return Err(io("accept")(e)),
+        }
+    }
 }
 
 /// Reads until the prober half-closes, then answers with the byte count.

@@ -20,7 +20,8 @@ fn report(out: &Output) -> TrainReport {
     support::report(&out.stdout)
 }
 
-fn train(layout: &[&str], extra: &[&str]) -> Output {
+/// `train` with SGD at `momentum` (its momentum moves with a layer that switches).
+fn train_with(momentum: &str, layout: &[&str], extra: &[&str]) -> Output {
     let mut args = vec!["train", "--model", "vgg19-mini"];
     args.extend_from_slice(layout);
     args.extend_from_slice(&[
@@ -33,7 +34,7 @@ fn train(layout: &[&str], extra: &[&str]) -> Output {
         "--op",
         "sgd",
         "--momentum",
-        "0",
+        momentum,
         "--verify",
         "--json",
     ]);
@@ -41,17 +42,25 @@ fn train(layout: &[&str], extra: &[&str]) -> Output {
     tidewire().args(&args).output().unwrap()
 }
 
-/// Switches both ways, split and colocated: the parameters move at each
-/// boundary (a missing write back to the servers fails `--verify`), and the
-/// factor blocks sent are exactly the SFB iterations' (3 workers, 2 peers each).
+fn train(layout: &[&str], extra: &[&str]) -> Output {
+    train_with("0", layout, extra)
+}
+
+/// Switches both ways, split and colocated, with and without SGD's
+/// momentum: the parameters (and the momentum) move at each boundary (a
+/// missing write back to the servers fails `--verify`), and the factor
+/// blocks sent are exactly the SFB iterations' (3 workers, 2 peers each).
 #[test]
 fn switches_given_up_front_hold_bit_for_bit() {
     let _g = serial();
-    for layout in [
-        &["--workers", "3", "--servers", "2"][..],
-        &["--workers", "3", "--colocate"][..],
+    for (layout, momentum) in [
+        (&["--workers", "3", "--servers", "2"][..], "0"),
+        (&["--workers", "3", "--colocate"][..], "0"),
+        (&["--workers", "3", "--servers", "2"][..], "0.9"),
+        (&["--workers", "3", "--colocate"][..], "0.9"),
     ] {
-        let r = report(&train(
+        let r = report(&train_with(
+            momentum,
             layout,
             &[
                 "--sync",
@@ -62,11 +71,12 @@ fn switches_given_up_front_hold_bit_for_bit() {
                 "fc8@1:sfb",
             ],
         ));
-        assert_eq!(r.verified, Some(true), "{layout:?}: {:?}", r.mismatched_layers);
+        let what = format!("{layout:?}, momentum {momentum}");
+        assert_eq!(r.verified, Some(true), "{what}: {:?}", r.mismatched_layers);
         let got: Vec<(u64, Scheme)> = r.switches.iter().map(|s| (s.iter, s.scheme)).collect();
-        assert_eq!(got, [(2, Scheme::Sfb), (4, Scheme::Ps), (1, Scheme::Sfb)], "{layout:?}");
+        assert_eq!(got, [(2, Scheme::Sfb), (4, Scheme::Ps), (1, Scheme::Sfb)], "{what}");
         // fc6 by SFB in iterations 2 and 3, fc8 in 1 to 5: 7 iterations × 3 workers × 2 peers.
-        assert_eq!(r.factor_sends, 7 * 3 * 2, "{layout:?}");
+        assert_eq!(r.factor_sends, 7 * 3 * 2, "{what}");
     }
 }
 
@@ -119,10 +129,6 @@ fn decisions_in_the_run_are_carried_to_every_rank_and_replayed() {
 fn switches_outside_what_they_support_are_refused_up_front() {
     let _g = serial();
     for (extra, want) in [
-        (
-            &["--sync", "wfbp", "--momentum", "0.9", "--switch", "fc6@2:sfb"][..],
-            "momentum",
-        ),
         (&["--sync", "wfbp", "--switch", "fc9@2:sfb"][..], "no layer \"fc9\""),
         (
             &["--sync", "wfbp", "--switch", "conv1_1@2:sfb"][..],

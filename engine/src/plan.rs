@@ -14,9 +14,15 @@
 //!
 //! Servers count the rounds they take part in (server-held iterations) and
 //! name each by its iteration ([`Plan::server_iter`]); workers wait for one
-//! broadcast per such round ([`Plan::server_rounds`]). Only the parameters
-//! move: an apply op that keeps state beside them (SGD's momentum) cannot
-//! switch yet, which [`crate::node::Node::new`] refuses.
+//! broadcast per such round ([`Plan::server_rounds`]).
+//!
+//! An apply op that keeps state beside the parameters (SGD's momentum)
+//! moves it the same ways, by messages ([`crate::wire::Msg::MomentumBegin`]):
+//! worker 0's momentum to the servers beside its write-back, and each
+//! server's momentum of a chunk to every worker after its last PS round
+//! ([`Plan::leaves_ps_at`]); the servers' first apply and the workers'
+//! first reconstruction wait for it. The layers that may move
+//! ([`Plan::movable`]) keep their momentum in the `Moments` region for it.
 
 /// How a layer synchronizes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -367,6 +373,26 @@ impl Plan {
             .map(|&(at, _)| at);
         debug_assert!(t.map_or(true, |t| t > from && self.scheme(layer, t) == Scheme::Sfb));
         t
+    }
+
+    /// Whether `layer` leaves the servers at `iter` (PS at `iter − 1`, SFB
+    /// at `iter`): every worker needs the servers' momentum of it first.
+    pub fn leaves_ps_at(&self, layer: u32, iter: u64) -> bool {
+        let r = iter > 0 && self.scheme(layer, iter - 1) == Scheme::Ps && self.scheme(layer, iter) == Scheme::Sfb;
+        // Only a switch to SFB leaves the PS: never at the start.
+        debug_assert!(
+            !r || self.switches[layer as usize]
+                .iter()
+                .any(|&(at, s)| at == iter && s == Scheme::Sfb)
+        );
+        r
+    }
+
+    /// Whether `layer` may change schemes in this run: it has switches, or
+    /// decisions cover it. Fixed from the start (decisions switch only
+    /// contested layers), so every rank lays its momentum out alike.
+    pub fn movable(&self, layer: u32) -> bool {
+        !self.switches[layer as usize].is_empty() || self.contested.contains(&layer)
     }
 
     /// Whether `layer` comes back to the servers at `iter` (SFB at `iter −

@@ -89,6 +89,10 @@ pub enum ServerCommand {
     /// applied and is now at `version`, once that apply has run. The worker
     /// pulls it ([`Server::handle_pull`]); the answer is a `Broadcast`.
     Notify { chunk: u32, worker: u32, version: u64 },
+    /// Send the shard's momentum of `chunk` to every worker, once the
+    /// chunk's latest `Apply` has run: its layer leaves the PS at `iter`
+    /// (momentum moves: see [`Server::with_momentum`]). Nothing to report.
+    SendMomentum { chunk: u32, iter: u64 },
 }
 
 /// Counters for tests and reports.
@@ -162,12 +166,18 @@ pub struct Server {
     /// Per local chunk: whether its initial values came (a second seeding
     /// of one chunk is refused, not counted for another's).
     seeded: Vec<bool>,
-    /// Per local chunk: the iteration its latest reseed was for (a switch
-    /// back from SFB, [`crate::plan::Plan::reseeds_at`]).
-    reseeded: Vec<Option<u64>>,
-    /// Per local chunk: worker 0's values came before the decision that
-    /// says whether the chunk's next round comes back from SFB (checked then).
-    reseed_early: Vec<bool>,
+    /// Per local chunk, for worker 0's values and its momentum (a switch
+    /// back from SFB, [`crate::plan::Plan::reseeds_at`]): the iteration the
+    /// latest came for.
+    reseeded: Vec<[Option<u64>; 2]>,
+    /// Per local chunk, likewise: it came before the decision that says
+    /// whether the chunk's next round comes back from SFB (checked then).
+    reseed_early: Vec<[bool; 2]>,
+    /// Whether momentum moves at switches ([`Server::with_momentum`]).
+    moves_momentum: bool,
+    /// Per local chunk: the iteration its momentum was last sent to the
+    /// workers for (a switch to SFB).
+    momentum_out: Vec<Option<u64>>,
     /// The schemes by iteration: the book's, and the decisions since ([`crate::plan`]).
     plan: crate::plan::Plan,
     bcast_queue: BinaryHeap<Reverse<(u64, u32, u32)>>,
@@ -267,8 +277,10 @@ impl Server {
             spare_free: vec![(cfg.slots..cfg.landing_slots()).rev().collect(); p1],
             init_left: nlc,
             seeded: vec![false; nlc],
-            reseeded: vec![None; nlc],
-            reseed_early: vec![false; nlc],
+            reseeded: vec![[None; 2]; nlc],
+            reseed_early: vec![[false; 2]; nlc],
+            moves_momentum: false,
+            momentum_out: vec![None; nlc],
             plan: book.plan().clone(),
             bcast_queue: BinaryHeap::new(),
             bcast_bytes: 0,
@@ -404,7 +416,7 @@ impl Server {
     pub fn handle_init(&mut self, from: u32, chunk: u32) -> Result<()> {
         let lc = self.local_chunk(from, chunk)?;
         if self.init_left == 0 && (self.plan.has_switches() || self.plan.every() > 0) {
-            return self.handle_reseed(from, chunk, lc);
+            return self.handle_values_back(from, chunk, lc);
         }
         if self.applied[lc] != 0 || self.init_left == 0 || self.seeded[lc] {
             return Err(self.err(from, ProtocolViolation::InitTwice { chunk }));
@@ -676,7 +688,8 @@ impl Server {
             // The round's iteration waits for worker 0's decision.
             return;
         };
-        if self.plan.reseeds_at(layer, real) && self.reseeded[lc] != Some(real) {
+        let back = self.plan.reseeds_at(layer, real);
+        if back && (self.reseeded[lc][0] != Some(real) || (self.moves_momentum && self.reseeded[lc][1] != Some(real))) {
             return;
         }
         self.out.push_back(ServerCommand::Apply {
@@ -704,6 +717,7 @@ impl Server {
         self.applied[lc] = t + 1;
         self.queue_broadcast(t + 1, chunk);
         self.pump_broadcasts();
+        self.maybe_send_momentum(chunk);
     }
 
     fn queue_broadcast(&mut self, version: u64, chunk: u32) {
@@ -790,36 +804,6 @@ impl Server {
             self.window == 1 || self.cfg.trigger == Trigger::All,
             "SSP needs the all trigger"
         );
-    }
-
-    /// Kvstore: `worker` pulls `chunk` at `version`, the version it was
-    /// notified of. The values go to it in the order the pulls came
-    /// (MXNet's server answers requests FIFO), within the broadcast window.
-    pub fn handle_pull(&mut self, worker: u32, chunk: u32, version: u64) -> Result<()> {
-        let wi = self
-            .book
-            .cluster()
-            .worker_index(worker)
-            .ok_or_else(|| self.err(worker, ProtocolViolation::PullFromNonWorker))?;
-        if self.owed.is_empty() {
-            return Err(self.err(worker, ProtocolViolation::PullNotKvstore));
-        }
-        let lc = self.local_chunk(worker, chunk)?;
-        if !std::mem::take(&mut self.owed[lc * self.p1 + wi]) || version != self.applied[lc] {
-            return Err(self.err(
-                worker,
-                ProtocolViolation::PullNotNotified {
-                    chunk,
-                    version,
-                    at: self.applied[lc],
-                },
-            ));
-        }
-        debug_assert!(self.bcast_pending[lc] > 0, "a notified pull counts as pending");
-        self.bcast_queue.push(Reverse((self.pull_seq, chunk, wi as u32)));
-        self.pull_seq += 1;
-        self.pump_broadcasts();
-        Ok(())
     }
 
     /// Adam ([`Scheme::Adam`]): `worker`'s sufficient factors of `layer` for
@@ -1187,6 +1171,7 @@ impl Server {
     }
 }
 
+mod kvstore;
 mod switches;
 #[cfg(test)]
 mod tests;

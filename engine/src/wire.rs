@@ -87,6 +87,10 @@ pub enum Kind {
     /// (adaptive schemes; only books with a decision period, which the
     /// agreed book hash names, send it, so no version bump).
     Decide = 10,
+    /// A chunk's momentum follows, as `FactorData` fragments (scheme
+    /// switches with SGD's momentum; only books with switches or decisions,
+    /// which the agreed book hash names, send it, so no version bump).
+    MomentumBegin = 11,
 }
 
 impl Kind {
@@ -109,6 +113,7 @@ impl Kind {
             8 => Kind::Notify,
             9 => Kind::Pull,
             10 => Kind::Decide,
+            11 => Kind::MomentumBegin,
             _ => return None,
         })
         .inspect(|kind| debug_assert_eq!(*kind as u8, k))
@@ -186,6 +191,17 @@ pub enum Msg {
     /// Worker index 0's decision: from iteration `at` on, contested layer i
     /// (in layer order) syncs by SFB where bit i of `sfb` is set, else by the PS.
     Decide { at: u64, sfb: u64 },
+    /// `chunk`'s momentum (`total` bytes, the chunk's f32s) follows as
+    /// `FactorData` fragments, for the switch at `iter`: worker index 0's to
+    /// the chunk's server where its layer comes back to the PS
+    /// (`to_server`), or the chunk's server's to a worker where the layer
+    /// leaves the PS.
+    MomentumBegin {
+        chunk: u32,
+        iter: u64,
+        total: u64,
+        to_server: bool,
+    },
 }
 
 struct Reader<'a> {
@@ -360,6 +376,21 @@ pub fn decode(tag: u32, data: &[u8]) -> Result<Msg, WireError> {
             at: r.u64("iteration")?,
             sfb: r.u64("bits")?,
         },
+        Kind::MomentumBegin => Msg::MomentumBegin {
+            chunk: r.u32("chunk")?,
+            iter: r.u64("iteration")?,
+            total: r.u64("total")?,
+            to_server: match r.u8("direction")? {
+                0 => false,
+                1 => true,
+                d => {
+                    return Err(WireError::Invalid {
+                        kind,
+                        what: format!("direction {d} (0: to a worker, 1: to the server)"),
+                    })
+                }
+            },
+        },
         Kind::Abort => return Ok(Msg::Abort(abort_reason(data)?)),
     };
     r.end()?;
@@ -435,6 +466,18 @@ pub fn encode(msg: &Msg) -> (u32, Vec<u8>) {
             b.extend_from_slice(&sfb.to_le_bytes());
             Kind::Decide
         }
+        Msg::MomentumBegin {
+            chunk,
+            iter,
+            total,
+            to_server,
+        } => {
+            b.extend_from_slice(&chunk.to_le_bytes());
+            b.extend_from_slice(&iter.to_le_bytes());
+            b.extend_from_slice(&total.to_le_bytes());
+            b.push(u8::from(*to_server));
+            Kind::MomentumBegin
+        }
         Msg::Abort(reason) => {
             let mut end = reason.len().min(MAX_REASON);
             while !reason.is_char_boundary(end) {
@@ -493,6 +536,14 @@ mod tests {
             (any::<u32>(), any::<u64>()).prop_map(|(chunk, version)| Msg::Notify { chunk, version }),
             (any::<u32>(), any::<u64>()).prop_map(|(chunk, version)| Msg::Pull { chunk, version }),
             (any::<u64>(), any::<u64>()).prop_map(|(at, sfb)| Msg::Decide { at, sfb }),
+            (any::<u32>(), any::<u64>(), any::<u64>(), any::<bool>()).prop_map(|(chunk, iter, total, to_server)| {
+                Msg::MomentumBegin {
+                    chunk,
+                    iter,
+                    total,
+                    to_server,
+                }
+            }),
             "[a-zA-Z0-9 ,.:é]{0,80}".prop_map(Msg::Abort),
         ]
     }
@@ -506,7 +557,7 @@ mod tests {
         }
 
         #[test]
-        fn decoding_never_panics(tag_kind in 0u8..11, version in prop_oneof![Just(VERSION), any::<u8>()],
+        fn decoding_never_panics(tag_kind in 0u8..13, version in prop_oneof![Just(VERSION), any::<u8>()],
                                  magic in prop_oneof![Just(MAGIC), any::<u32>()],
                                  data in proptest::collection::vec(any::<u8>(), 0..400)) {
             let tag = (magic & 0xffff_0000) | (u32::from(version) << 8) | u32::from(tag_kind);

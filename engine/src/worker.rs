@@ -44,6 +44,11 @@ pub enum WorkerCommand {
     /// ([`Scheme::Adam`]), which may be this rank itself (then the driver
     /// hands them to its own server). Report it with [`Worker::handle_factors_sent`].
     SendFactors { peer: u32, layer: u32, iter: u64 },
+    /// Send this worker's momentum of `chunk` to its server `server` for the
+    /// switch back to the PS at `iter` (worker index 0, beside its
+    /// [`WorkerCommand::InitPush`], where the op keeps momentum: see
+    /// [`Worker::with_momentum`]). Report it with [`Worker::handle_seed_done`].
+    SendMomentum { server: u32, chunk: u32, iter: u64 },
     /// Every worker's factors of `iter` for `layer` are here: sum Σ_p U_pᵀV_p in
     /// worker-rank order, apply it to the layer's parameters, and report it with
     /// [`Worker::handle_factors_applied`].
@@ -106,6 +111,14 @@ pub struct Worker {
     /// their servers (a switch back to the PS); the layer is not ready
     /// before (the caller could change the parameters being read).
     reseeding: Vec<u32>,
+    /// Whether momentum moves at switches ([`Worker::with_momentum`]).
+    moves_momentum: bool,
+    /// Servers' momentum taken in for a switch to SFB, per (layer,
+    /// iteration): chunks in, and a sender to blame if the decision does not
+    /// switch the layer then.
+    momentum_in: HashMap<(u32, u64), (u32, u32)>,
+    /// Per chunk: the iteration its latest momentum came for.
+    momentum_seen: Vec<Option<u64>>,
     /// Items that may go, best first: (iteration, key, item, destination).
     ready: BinaryHeap<Reverse<(u64, u64, Item, u32)>>,
     /// Per destination: pushes that wait for a landing slot, best first.
@@ -143,6 +156,9 @@ impl Worker {
             sf_arrived: HashMap::default(),
             sf_emitted: vec![None; book.layers().len()],
             reseeding: vec![0; book.layers().len()],
+            moves_momentum: false,
+            momentum_in: HashMap::default(),
+            momentum_seen: vec![None; book.chunks().len()],
             plan: book.plan().clone(),
             early_from: HashMap::default(),
             ready: BinaryHeap::new(),
@@ -175,6 +191,16 @@ impl Worker {
         debug_assert_eq!(w.free_credits(), w.cfg.slots as usize * w.book.p2());
         debug_assert_eq!(w.out.len(), if index == 0 { w.book.chunks().len() } else { 0 });
         Ok(w)
+    }
+
+    /// Momentum moves at scheme switches (an op that keeps it, and a plan
+    /// with switches or decisions): worker index 0 sends its momentum with
+    /// its values where a layer comes back to the PS, and a layer's first
+    /// reconstruction after the PS waits for the servers' momentum
+    /// ([`Worker::handle_momentum_in`]).
+    pub fn with_momentum(mut self, moves: bool) -> Self {
+        self.moves_momentum = moves;
+        self
     }
 
     /// This worker's rank.
@@ -687,10 +713,14 @@ impl Worker {
         if self.sf_emitted[layer as usize] == Some(next) {
             return;
         }
-        if self.sf_arrived.get(&(layer, next)).copied().unwrap_or(0) as usize == self.book.p1() {
+        let momentum = !self.moves_momentum
+            || !self.plan.leaves_ps_at(layer, next)
+            || self.momentum_in.get(&(layer, next)).map(|m| m.0) == Some(self.book.layer_chunks(layer).len() as u32);
+        if momentum && self.sf_arrived.get(&(layer, next)).copied().unwrap_or(0) as usize == self.book.p1() {
             // Reconstructions are asked for one iteration after the other.
             debug_assert!(self.sf_emitted[layer as usize].map_or(true, |e| e < next));
             self.sf_emitted[layer as usize] = Some(next);
+            self.momentum_in.remove(&(layer, next));
             self.out.push_back(WorkerCommand::Reconstruct { layer, iter: next });
         }
     }
@@ -745,6 +775,15 @@ impl Worker {
             // A peer sent factors for an iteration this decision put on the PS.
             return Err(self.protocol(from, ProtocolViolation::FactorsNotSfb { layer, iter }));
         }
+        let stray = self
+            .momentum_in
+            .iter()
+            .find(|&(&(l, t), _)| self.plan.is_decided(t) && !self.plan.leaves_ps_at(l, t));
+        if let Some((&(layer, iter), &(_, from))) = stray {
+            // A server sent momentum for a switch this decision did not make.
+            let chunk = self.book.layer_chunks(layer).start;
+            return Err(self.protocol(from, ProtocolViolation::MomentumUnexpected { chunk, iter }));
+        }
         let plan = &self.plan;
         self.early_from.retain(|&(_, t), _| !plan.is_decided(t));
         for l in 0..self.layers.len() as u32 {
@@ -759,9 +798,10 @@ impl Worker {
         Ok(made)
     }
 
-    /// A write of `chunk`'s values into its server's shard ([`WorkerCommand::InitPush`])
-    /// was placed: at the start nothing to do, and on a switch back to the
-    /// PS one chunk fewer to wait for before the layer is ready.
+    /// A write of `chunk`'s values into its server's shard ([`WorkerCommand::InitPush`]),
+    /// or the send of its momentum ([`WorkerCommand::SendMomentum`]), was
+    /// placed: at the start nothing to do, and on a switch back to the PS
+    /// one fewer to wait for before the layer is ready.
     pub fn handle_seed_done(&mut self, chunk: u32) -> Result<()> {
         let layer = self.chunk_layer(chunk)?;
         // Worker 0 alone seeds the shards, at the start and on the way back to the PS.
@@ -771,8 +811,11 @@ impl Worker {
             *left -= 1;
             self.check_ready(layer);
         }
-        // At most the layer's chunks are owed.
-        debug_assert!(self.reseeding[layer as usize] < self.book.layer_chunks(layer).len() as u32);
+        // At most the layer's chunks are owed, each with its momentum.
+        debug_assert!(
+            self.reseeding[layer as usize]
+                < self.book.layer_chunks(layer).len() as u32 * (1 + u32::from(self.moves_momentum))
+        );
         Ok(())
     }
 
@@ -785,11 +828,42 @@ impl Worker {
             return;
         }
         debug_assert_eq!(self.reseeding[layer as usize], 0, "layer {layer}: one reseed at a time");
-        self.reseeding[layer as usize] = self.book.layer_chunks(layer).len() as u32;
-        for c in self.book.layer_chunks(layer) {
+        let chunks = self.book.layer_chunks(layer);
+        self.reseeding[layer as usize] = chunks.len() as u32 * (1 + u32::from(self.moves_momentum));
+        for c in chunks {
             let server = self.book.chunks()[c as usize].server;
             self.out.push_back(WorkerCommand::InitPush { server, chunk: c });
+            if self.moves_momentum {
+                self.out
+                    .push_back(WorkerCommand::SendMomentum { server, chunk: c, iter });
+            }
         }
+    }
+
+    /// The server of `chunk` (rank `from`) sent its momentum for `iter`,
+    /// where the chunk's layer leaves the PS, and the driver placed it:
+    /// once every chunk's is in, the layer's reconstruction of `iter` may
+    /// run. Refused from another rank than the chunk's server, for an
+    /// iteration the plan does not switch the layer to SFB at (checked at
+    /// the decision where it is not decided yet), or twice.
+    pub fn handle_momentum_in(&mut self, chunk: u32, iter: u64, from: u32) -> Result<()> {
+        let layer = self.chunk_layer(chunk)?;
+        let unexpected = ProtocolViolation::MomentumUnexpected { chunk, iter };
+        let asked = !self.plan.settled(layer, iter) || self.plan.leaves_ps_at(layer, iter);
+        if !self.moves_momentum || from != self.book.chunks()[chunk as usize].server || !asked {
+            return Err(self.protocol(from, unexpected));
+        }
+        if iter < self.sf_applied[layer as usize] || self.momentum_seen[chunk as usize] == Some(iter) {
+            return Err(self.protocol(from, ProtocolViolation::MomentumTwice { chunk, iter }));
+        }
+        self.momentum_seen[chunk as usize] = Some(iter);
+        let e = self.momentum_in.entry((layer, iter)).or_insert((0, from));
+        e.0 += 1;
+        // One per chunk of the layer, at most.
+        debug_assert!(e.0 <= self.book.layer_chunks(layer).len() as u32);
+        self.maybe_reconstruct(layer);
+        self.debug_invariants();
+        Ok(())
     }
 
     fn check_ready(&mut self, layer: u32) {
@@ -896,5 +970,80 @@ mod tests {
         }
         // The other chunk's first values are still taken.
         w.handle_params(1).unwrap();
+    }
+
+    /// Momentum that moves: a layer that leaves the PS at 1 is rebuilt at 1
+    /// only once its server's momentum of both chunks is in; momentum from
+    /// another rank, for an iteration without a switch, or twice is refused.
+    #[test]
+    fn leaving_the_ps_the_reconstruction_waits_for_the_servers_momentum() {
+        let book = Book::new(
+            Cluster::split(2, 1).unwrap(),
+            vec![LayerSpec::new("fc", LayerKind::Fc, 1, 8)],
+            BookConfig {
+                chunk_bytes: 16,
+                slice_params: 4,
+                policy: crate::book::SchemePolicy::Ps,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+        .with_switches(&[crate::plan::Switch {
+            layer: 0,
+            iter: 1,
+            scheme: Scheme::Sfb,
+        }])
+        .unwrap();
+        assert_eq!(book.chunks().len(), 2);
+        let mut w = Worker::new(Arc::new(book), 1, SchedConfig::default())
+            .unwrap()
+            .with_momentum(true);
+        let drain = |w: &mut Worker| std::iter::from_fn(|| w.poll_command()).collect::<Vec<_>>();
+        for c in 0..2 {
+            w.handle_params(c).unwrap();
+        }
+        // Iteration 0 by the PS: both slices pushed, both chunks broadcast.
+        w.grad_ready(0).unwrap();
+        for cmd in drain(&mut w) {
+            if let WorkerCommand::Push { slice, .. } = cmd {
+                w.handle_push_done(slice).unwrap();
+            }
+        }
+        for c in 0..2 {
+            w.handle_params(c).unwrap();
+        }
+        assert!(drain(&mut w).contains(&WorkerCommand::LayerReady { layer: 0, iter: 0 }));
+        // Iteration 1 by SFB: every worker's factors are in, the momentum is not.
+        w.sf_ready(0).unwrap();
+        drain(&mut w);
+        w.handle_factors_sent(0, 0).unwrap();
+        // This worker's own factors count at its hand-in; the peer's come.
+        w.handle_factors_arrived(0, 1, 0).unwrap();
+        let rebuilds = |cmds: &[WorkerCommand]| {
+            cmds.iter()
+                .filter(|c| matches!(c, WorkerCommand::Reconstruct { .. }))
+                .count()
+        };
+        assert_eq!(rebuilds(&drain(&mut w)), 0, "no momentum yet");
+        let unexpected = |r: Result<()>, want: ProtocolViolation| match r {
+            Err(EngineError::Protocol { violation, .. }) => assert_eq!(violation, want),
+            other => panic!("{other:?}, where {want:?} was due"),
+        };
+        unexpected(
+            w.handle_momentum_in(0, 1, 0),
+            ProtocolViolation::MomentumUnexpected { chunk: 0, iter: 1 },
+        );
+        unexpected(
+            w.handle_momentum_in(0, 2, 2),
+            ProtocolViolation::MomentumUnexpected { chunk: 0, iter: 2 },
+        );
+        w.handle_momentum_in(0, 1, 2).unwrap();
+        unexpected(
+            w.handle_momentum_in(0, 1, 2),
+            ProtocolViolation::MomentumTwice { chunk: 0, iter: 1 },
+        );
+        assert_eq!(rebuilds(&drain(&mut w)), 0, "one chunk's momentum of two");
+        w.handle_momentum_in(1, 1, 2).unwrap();
+        assert_eq!(drain(&mut w), [WorkerCommand::Reconstruct { layer: 0, iter: 1 }]);
     }
 }

@@ -34,6 +34,9 @@ MODES = {
     # Decided in the run every 2 steps (rank 0 measures the start-up choice,
     # then an alternative); every linear layer goes as its factors.
     "adaptive": {"model": "wide", "opt": "momentum", "sfb": "adaptive", "env": {"TIDEWIRE_ADAPT_EVERY": "2"}},
+    # The same with the servers applying SGD with momentum: a switch moves the momentum too.
+    "adaptive_server": {"model": "wide", "opt": "momentum", "sfb": "adaptive", "apply": "server",
+                        "env": {"TIDEWIRE_ADAPT_EVERY": "2"}},
     "ssp": {"opt": "momentum", "apply": "server", "consistency": ["ssp", 1]},
     "f64": {"opt": "momentum", "dtype": "float64"},
     "bf16": {"opt": "momentum", "dtype": "bfloat16"},
@@ -174,6 +177,11 @@ def test_adaptive_decides_in_the_run_and_matches_ps_only(modes):
     assert modes[1]["adaptive"]["stats"]["decisions"] >= 2, modes[1]["adaptive"]["stats"]
     assert_bitwise_equal(modes[0]["adaptive"]["state"], modes[1]["adaptive"]["state"], "adaptive, rank 0 vs 1")
     assert_close(modes[0]["adaptive"]["state"], modes[0]["ps"]["state"], "adaptive vs PS only")
+    # The servers' SGD with momentum, decided in the run: the momentum moves with each switch.
+    s = modes[0]["adaptive_server"]
+    assert s["stats"]["decisions"] == 3, s["stats"]
+    assert_bitwise_equal(s["state"], modes[1]["adaptive_server"]["state"], "adaptive_server, rank 0 vs 1")
+    assert_close(s["state"], modes[0]["ps"]["state"], "adaptive_server vs PS only")
 
 
 def test_ssp_server_mode_trains(modes):

@@ -166,7 +166,8 @@ class SessionConfig:
     #: Decide the dense FC layers' schemes again every this many iterations,
     #: in the run (0: never): worker 0 measures the start-up choice against
     #: an alternative and keeps the faster. Such layers must be pushed by
-    #: their factors. Needs BSP, ``apply`` without momentum, no checkpoints.
+    #: their factors (SGD's momentum moves with a layer that switches).
+    #: Needs BSP and no checkpoints.
     adapt_every: int = 0
 
 

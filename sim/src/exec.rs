@@ -157,9 +157,26 @@ impl Store {
                 shard_at,
                 len,
                 gradients,
+                momentum,
                 ..
             } => {
-                self.apply(cfg, *window as usize, *shard_at..shard_at + len, *gradients as usize);
+                let range = *shard_at..shard_at + len;
+                self.apply(cfg, *window as usize, range, *gradients as usize, *momentum);
+            }
+            JobKind::Place { dst, data } => {
+                let at = dst.offset as usize;
+                let m = &mut self.mem[ridx(dst.region)];
+                if matches!(data, Blob::Opaque(_)) {
+                    return Err(format!(
+                        "rank {r}: momentum of {} bytes came without its values",
+                        data.len()
+                    ));
+                }
+                let mut off = at;
+                for p in data.pieces() {
+                    m[off..off + p.len()].copy_from_slice(p);
+                    off += p.len();
+                }
             }
             JobKind::Copy { src, dst, len } | JobKind::Publish { src, dst, len, .. } => {
                 let data = self.mem[ridx(src.region)][src.offset as usize..(src.offset + len) as usize].to_vec();
@@ -169,9 +186,13 @@ impl Store {
                 self.factors_to_grad(cfg, *layer, *factors, *grad);
             }
             JobKind::Reconstruct {
-                layer, params, factors, ..
+                layer,
+                params,
+                factors,
+                momentum,
+                ..
             } => {
-                self.reconstruct(cfg, r, *layer, *params, factors)?;
+                self.reconstruct(cfg, r, *layer, (*params, *momentum), factors)?;
             }
             JobKind::SumFactors {
                 layer,
@@ -224,17 +245,31 @@ impl Store {
     }
 
     /// A server applies window `window`'s sum of `gradients` contributions to
-    /// the shard's elements `range`, with their momentum.
-    fn apply(&mut self, cfg: &SimConfig, window: usize, range: std::ops::Range<usize>, gradients: usize) {
+    /// the shard's elements `range`, with their momentum (at `at` in the
+    /// `Moments` region where its layer may switch schemes, else its own).
+    fn apply(
+        &mut self,
+        cfg: &SimConfig,
+        window: usize,
+        range: std::ops::Range<usize>,
+        gradients: usize,
+        at: Option<Loc>,
+    ) {
         let acc = &self.acc[window][range.clone()];
         let bytes = range.start * 4..range.end * 4;
         let mut w = f32s(&self.mem[ridx(LocalRegion::Shard)][bytes.clone()]);
-        let mom = if self.momentum.is_empty() {
-            &mut [][..]
+        if let Some(at) = at {
+            let mut mom = self.read(at.region, at.offset, range.len());
+            cpu::apply(cfg.apply, gradients, acc, &mut w, &mut mom);
+            put_f32s(&mut self.mem[ridx(at.region)][at.offset as usize..], &mom);
         } else {
-            &mut self.momentum[range]
-        };
-        cpu::apply(cfg.apply, gradients, acc, &mut w, mom);
+            let mom = if self.momentum.is_empty() {
+                &mut [][..]
+            } else {
+                &mut self.momentum[range]
+            };
+            cpu::apply(cfg.apply, gradients, acc, &mut w, mom);
+        }
         put_f32s(&mut self.mem[ridx(LocalRegion::Shard)][bytes], &w);
     }
 
@@ -253,29 +288,37 @@ impl Store {
     }
 
     /// SFB: worker `r` rebuilds `layer`'s gradient from every worker's factors
-    /// and applies it to its own parameters at `params`, with the layer's momentum.
+    /// and applies it to its own parameters at `params`, with the layer's
+    /// momentum (at `at` in the `Moments` region where the layer may switch
+    /// schemes, else its own).
     fn reconstruct(
         &mut self,
         cfg: &SimConfig,
         r: u32,
         layer: u32,
-        params: Loc,
+        (params, at): (Loc, Option<Loc>),
         factors: &[Blob],
     ) -> Result<(), String> {
         let book = &cfg.book;
         let sum = self.factor_sum(r, book, layer, factors)?;
         let range = params.offset as usize..params.offset as usize + sum.len() * 4;
         let mut w = f32s(&self.mem[ridx(params.region)][range.clone()]);
-        let mom = self.sfb_momentum.entry(layer).or_insert_with(|| {
-            if cfg.apply.needs_momentum() {
-                vec![0.0; sum.len()]
-            } else {
-                Vec::new()
-            }
-        });
         // The mean and SGD divide by every gradient in the sum.
         let p1 = book.p1() * cfg.sched.learners as usize;
-        cpu::apply(cfg.apply, p1, &sum, &mut w, mom);
+        if let Some(at) = at {
+            let mut mom = self.read(at.region, at.offset, sum.len());
+            cpu::apply(cfg.apply, p1, &sum, &mut w, &mut mom);
+            put_f32s(&mut self.mem[ridx(at.region)][at.offset as usize..], &mom);
+        } else {
+            let mom = self.sfb_momentum.entry(layer).or_insert_with(|| {
+                if cfg.apply.needs_momentum() {
+                    vec![0.0; sum.len()]
+                } else {
+                    Vec::new()
+                }
+            });
+            cpu::apply(cfg.apply, p1, &sum, &mut w, mom);
+        }
         put_f32s(&mut self.mem[ridx(params.region)][range], &w);
         Ok(())
     }
@@ -335,6 +378,7 @@ pub(crate) fn job_ns(cfg: &SimConfig, job: &Job) -> u64 {
         JobKind::Copy { len, .. } | JobKind::CaptureFactors { len, .. } | JobKind::Publish { len, .. } => {
             *len as f64 / c.copy_bytes_per_s
         }
+        JobKind::Place { data, .. } => data.len() as f64 / c.copy_bytes_per_s,
         JobKind::FactorsToGrad { layer, .. } => {
             let l = &book.layers()[*layer as usize];
             2.0 * (book.config().batch * l.m * l.n) as f64 / c.gemm_flops

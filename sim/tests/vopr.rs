@@ -206,7 +206,8 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
 /// Scheme switches mid-run (PS ↔ SFB at iteration boundaries), on a stream
 /// of their own so that the rest of a seed's job is the one it drew before.
 /// Of the jobs that can switch (BSP, the all trigger, the chunked placement,
-/// no Adam, an apply op without momentum), a third keep their schemes, a
+/// no Adam; with SGD's momentum too, which moves with the layer), a third
+/// keep their schemes, a
 /// third switch each dense FC layer at up to three drawn iterations given
 /// up front, and a third are adaptive: worker 0 decides every two or three
 /// iterations, at random, and the protocol carries each decision (late,
@@ -218,7 +219,6 @@ fn draw_switches(seed: u64, cfg: &mut SimConfig) -> Result<(), EngineError> {
         && cfg.sched.trigger == Trigger::All
         && book.config().placement == Placement::Chunked
         && book.config().policy != SchemePolicy::Adam
-        && !cfg.apply.needs_momentum()
         && cfg.iters > 1;
     if !can {
         return Ok(());
@@ -403,12 +403,17 @@ fn randomized_jobs_keep_every_invariant() {
     let (mut switching, mut to_sfb, mut to_ps) = (0u64, 0u64, 0u64);
     // Adaptive jobs, and those whose decisions switched a layer (finished runs).
     let (mut adaptive, mut decided_switching) = (0u64, 0u64);
+    // Of those that switch or decide, the ones whose op keeps momentum (it moves too).
+    let mut with_momentum = 0u64;
     let mut violations = Vec::new();
     for &seed in &seeds {
         if let Ok((cfg, _)) = draw(seed) {
             let b = &cfg.book;
             if b.plan().every() > 0 {
                 adaptive += 1;
+            }
+            if (b.plan().every() > 0 || b.plan().has_switches()) && cfg.apply.needs_momentum() {
+                with_momentum += 1;
             }
             if b.plan().has_switches() {
                 switching += 1;
@@ -462,6 +467,7 @@ fn randomized_jobs_keep_every_invariant() {
     println!("vopr: {kv_sliced} kvstore jobs sent chunks as several wire slices");
     println!("vopr: {switching} jobs switched schemes mid-run: {to_sfb} switches to SFB, {to_ps} back to the PS");
     println!("vopr: {adaptive} jobs decided schemes in the run (worker 0, carried by the protocol): {decided_switching} finished runs switched");
+    println!("vopr: {with_momentum} of the jobs that switch or decide keep SGD's momentum, which moves with the layer");
     if seeds.len() >= 200 {
         assert!(
             in_seconds > 0 && fc_sfb > 0 && fc_ps > 0,
@@ -472,6 +478,7 @@ fn randomized_jobs_keep_every_invariant() {
             decided_switching > 0,
             "no adaptive run switched a layer ({adaptive} adaptive jobs)"
         );
+        assert!(with_momentum > 0, "no job that switches kept momentum");
         assert!(
             to_sfb > 0 && to_ps > 0,
             "no job switched both ways ({switching} jobs, {to_sfb} to SFB, {to_ps} to the PS)"

@@ -488,8 +488,10 @@ impl ServerExec {
                 len,
                 iter,
                 gradients,
+                momentum,
             } => {
-                self.apply(*window, *chunk, *shard_at..shard_at + len, *iter, *gradients)?;
+                let at = (*window, *chunk, *iter, *gradients);
+                self.apply(at, *shard_at..shard_at + len, *momentum)?;
                 None
             }
             JobKind::SumFactors {
@@ -503,6 +505,7 @@ impl ServerExec {
                 None
             }
             JobKind::Copy { src, dst, len } => copy(&self.mem, *src, *dst, *len)?,
+            JobKind::Place { dst, data } => place(&self.mem, *dst, data)?,
             other => {
                 return Err(JobError::WrongQueue {
                     side: "server",
@@ -602,8 +605,15 @@ impl ServerExec {
     }
 
     /// A chunk's sum is complete: apply it to the shard (and snapshot the
-    /// momentum when a checkpoint is due).
-    fn apply(&mut self, window: u32, chunk: u32, range: std::ops::Range<usize>, iter: u64, gradients: u32) -> Jr<()> {
+    /// momentum when a checkpoint is due), with the chunk's momentum at
+    /// `at` where its layer may switch schemes (the `Moments` region), else
+    /// the executor's own.
+    fn apply(
+        &mut self,
+        (window, chunk, iter, gradients): (u32, u32, u64, u32),
+        range: std::ops::Range<usize>,
+        at: Option<Loc>,
+    ) -> Jr<()> {
         let key = self.key(window, chunk);
         let acc = self
             .acc
@@ -619,10 +629,11 @@ impl ServerExec {
             },
             range.len() as u64 * 4,
         )?;
-        let mom = if self.momentum.is_empty() {
-            &mut [][..]
-        } else {
-            &mut self.momentum[range]
+        let mut moved = at.map(|at| self.mem.lease(at, range.len() as u64 * 4)).transpose()?;
+        let mom = match moved.as_mut() {
+            Some(m) => m.as_f32_mut()?,
+            None if self.momentum.is_empty() => &mut [][..],
+            None => &mut self.momentum[range],
         };
         // The gradients in this sum: every worker's (× local learners)
         // under the `All` trigger, the contributors' under the others.
@@ -666,6 +677,21 @@ impl ServerExec {
     }
 }
 
+/// A peer's bytes (a chunk's momentum at a scheme switch) written at `dst`.
+fn place(mem: &Memory, dst: Loc, data: &Blob) -> Jr<Option<Vec<u8>>> {
+    if matches!(data, Blob::Opaque(_)) {
+        return Err(JobError::outside("momentum without its bytes"));
+    }
+    let mut d = mem.lease(dst, data.len() as u64)?;
+    let mut at = 0;
+    for p in data.pieces() {
+        d.as_bytes_mut()[at..at + p.len()].copy_from_slice(p);
+        at += p.len();
+    }
+    debug_assert_eq!(at, data.len(), "every piece placed");
+    Ok(None)
+}
+
 fn copy(mem: &Memory, src: Loc, dst: Loc, len: u64) -> Jr<Option<Vec<u8>>> {
     let s = mem.lease(src, len)?;
     let mut d = mem.lease(dst, len)?;
@@ -694,6 +720,7 @@ impl WorkerExec {
         let k = book.config().batch;
         match &job.kind {
             JobKind::Copy { src, dst, len } => copy(&self.mem, *src, *dst, *len),
+            JobKind::Place { dst, data } => place(&self.mem, *dst, data),
             JobKind::FactorsToGrad { layer, factors, grad } => {
                 let l = book
                     .layers()
@@ -713,9 +740,13 @@ impl WorkerExec {
                 Ok(Some(f.as_bytes().to_vec()))
             }
             JobKind::Reconstruct {
-                layer, params, factors, ..
+                layer,
+                params,
+                factors,
+                momentum,
+                ..
             } => {
-                self.reconstruct(*layer, *params, factors)?;
+                self.reconstruct(*layer, (*params, *momentum), factors)?;
                 Ok(None)
             }
             JobKind::EncodeSparse { src, len, dst, cap, .. } => {
@@ -746,8 +777,9 @@ impl WorkerExec {
 
     /// SFB: layer `layer`'s gradient rebuilt from every worker's factors, in
     /// worker order, and applied to its parameters with this worker's own
-    /// momentum for the layer.
-    fn reconstruct(&mut self, layer: u32, params: Loc, factors: &[Blob]) -> Jr<()> {
+    /// momentum for the layer: at `at` where the layer may switch schemes
+    /// (the `Moments` region), else the executor's.
+    fn reconstruct(&mut self, layer: u32, (params, at): (Loc, Option<Loc>), factors: &[Blob]) -> Jr<()> {
         let k = self.book.config().batch;
         let book = self.book.clone();
         let l = book
@@ -763,14 +795,18 @@ impl WorkerExec {
         self.meters.gemm.time(flops, || cpu::sf_sum(&uv, k, l.m, l.n, scratch));
         let mut p = self.mem.lease(params, (l.params() * 4) as u64)?;
         let op = self.op;
+        let mut moved = at.map(|at| self.mem.lease(at, (l.params() * 4) as u64)).transpose()?;
         let mut momentum = self.momentum.lock().unwrap_or_else(|p| p.into_inner());
-        let mom = momentum.entry(layer).or_insert_with(|| {
-            if op.needs_momentum() {
-                vec![0.0; l.params()]
-            } else {
-                Vec::new()
-            }
-        });
+        let mom = match moved.as_mut() {
+            Some(m) => m.as_f32_mut()?,
+            None => momentum.entry(layer).or_insert_with(|| {
+                if op.needs_momentum() {
+                    vec![0.0; l.params()]
+                } else {
+                    Vec::new()
+                }
+            }),
+        };
         let (grad, p) = (&self.scratch[..l.params()], p.as_f32_mut()?);
         let n = self.gradients;
         self.meters

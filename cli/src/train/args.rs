@@ -136,9 +136,10 @@ pub struct TrainArgs {
     /// Switch an FC layer's scheme mid-run: LAYER@ITER:SCHEME (layer name or
     /// index, the first iteration under the new scheme, ps or sfb),
     /// repeatable and comma-separated. For trying a schedule by hand and
-    /// checking it with --verify: the layer's parameters move between the
-    /// servers and the workers at the boundary. Needs BSP with the all
-    /// trigger, --op mean, sum or sgd with --momentum 0, and no checkpoints.
+    /// checking it with --verify: the layer's parameters (and SGD's
+    /// momentum) move between the servers and the workers at the boundary.
+    /// Needs BSP with the all trigger, the chunked placement, and no
+    /// checkpoints.
     #[arg(long, value_delimiter = ',')]
     pub switch: Vec<String>,
     /// Decide FC layers' schemes again in the run, every N iterations (0:

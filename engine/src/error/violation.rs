@@ -158,12 +158,10 @@ pub enum ProtocolViolation {
     #[error("adam factors of layer {layer} sent to rank {to}, which is not a server")]
     AdamFactorsToNonServer { layer: u32, to: u32 },
     /// A factor block began while the peer's previous one was incomplete.
-    #[error(
-        "a factor block for layer {layer} began while the one for layer {open_layer} iteration {open_iter} was incomplete"
-    )]
+    #[error("a block of {block} began while the one of {open}, iteration {open_iter}, was incomplete")]
     FactorBlockOverlap {
-        layer: u32,
-        open_layer: u32,
+        block: String,
+        open: String,
         open_iter: u64,
     },
     /// Factor data with no factor block begun.
@@ -198,6 +196,18 @@ pub enum ProtocolViolation {
     /// to the PS asked for, or not from worker index 0.
     #[error("values of chunk {chunk} written into the shard again, where no switch back to the ps asked for them (next round {round})")]
     ReseedUnexpected { chunk: u32, round: u64 },
+    /// A chunk's momentum that no switch asks for: not from the rank that
+    /// sends it (worker index 0 to the servers where a layer comes back to
+    /// the PS; the chunk's server to the workers where it leaves the PS),
+    /// not at such a switch, or with momentum that does not move.
+    #[error("momentum of chunk {chunk} for iteration {iter}, where no scheme switch asks for it from this sender")]
+    MomentumUnexpected { chunk: u32, iter: u64 },
+    /// A chunk's momentum of another size than the chunk's.
+    #[error("momentum of chunk {chunk} of {total} bytes, where the chunk holds {want}")]
+    MomentumSize { chunk: u32, total: u64, want: u64 },
+    /// A chunk's momentum twice for one switch.
+    #[error("momentum of chunk {chunk} for iteration {iter} twice")]
+    MomentumTwice { chunk: u32, iter: u64 },
     /// Adam factors for another iteration than the layer's next.
     #[error("factors of layer {layer} for iteration {iter}, while the layer's next iteration is {next}")]
     FactorsOutOfOrder { layer: u32, iter: u64, next: u64 },

@@ -2,6 +2,7 @@
 //! against the sender's slots and the chunk's range) and messages (decoded,
 //! checked, and reassembled for factor blocks).
 
+use super::factors::Block;
 use super::*;
 
 impl Node {
@@ -13,6 +14,7 @@ impl Node {
                 w.core.handle_seed_done(chunk)
             }
             Track::Ctrl | Track::Piece => Ok(()),
+            Track::Momentum { chunk, reseed } => self.momentum_sent(chunk, reseed),
             Track::Push { slice } => {
                 // What stays on this rank is no transmit: a pushed slice's server is a peer.
                 let chunk = self.book.slices()[slice as usize].chunk;
@@ -129,6 +131,12 @@ impl Node {
                 .core
                 .handle_factors_applied(layer, iter)?,
             JobTrack::Publish { layer, iter } => self.published(layer, iter),
+            JobTrack::MomentumIn {
+                chunk,
+                iter,
+                from,
+                to_server,
+            } => self.momentum_placed(chunk, iter, from, to_server)?,
         }
         Ok(())
     }
@@ -169,6 +177,7 @@ impl Node {
         for (w, version) in notify {
             self.notify(chunk, w, version)?;
         }
+        self.momentum_after_apply(chunk);
         Ok(())
     }
 
@@ -347,9 +356,15 @@ impl Node {
         }
         if kind == Kind::FactorData {
             // Refused unless a block was begun (checked at its begin).
-            if let Some((layer, iter, blob)) = self.inbox.data(peer, data).map_err(bad)? {
-                let wi = self.book.cluster().worker_index(peer).expect("checked at begin");
-                self.factors_in(layer, iter, wi, blob)?;
+            match self.inbox.data(peer, data).map_err(bad)? {
+                Some((Block::Factors { layer }, iter, blob)) => {
+                    let wi = self.book.cluster().worker_index(peer).expect("checked at begin");
+                    self.factors_in(layer, iter, wi, blob)?;
+                }
+                Some((Block::Momentum { chunk, to_server }, iter, blob)) => {
+                    self.momentum_arrived(peer, chunk, iter, to_server, blob)
+                }
+                None => {}
             }
             return Ok(());
         }
@@ -392,6 +407,12 @@ impl Node {
                 w.core.handle_notify(peer, chunk, version)
             }
             Msg::Decide { at, sfb } => self.decision_from(peer, at, sfb),
+            Msg::MomentumBegin {
+                chunk,
+                iter,
+                total,
+                to_server,
+            } => self.momentum_begin(peer, chunk, iter, total, to_server),
             Msg::Pull { chunk, version } => {
                 let s = self
                     .server
@@ -449,7 +470,9 @@ impl Node {
             _ => {}
         }
         debug_assert_eq!(total % 4, 0, "a block of f32s");
-        self.inbox.begin(peer, layer, iter, total as usize).map_err(bad)
+        self.inbox
+            .begin(peer, Block::Factors { layer }, iter, total as usize)
+            .map_err(bad)
     }
 
     /// `peer`'s worker is done, after `writes` writes to this rank (once):

@@ -58,9 +58,12 @@ impl Node {
                 shard_at,
                 len,
                 gradients,
+                momentum,
                 ..
             } => {
                 debug_assert!(shard_at + len <= shard && *gradients > 0, "{kind:?}");
+                debug_assert!(momentum.map_or(true, |m| m.region == LocalRegion::Moments
+                    && within(&m, *len as u64 * 4)));
                 debug_assert!((*window as usize) < self.windows(), "{kind:?}");
             }
             JobKind::Copy { src, dst, len } => {
@@ -68,7 +71,9 @@ impl Node {
                 let (s, d) = (src.region, dst.region);
                 debug_assert!(matches!(
                     (s, d),
-                    (LocalRegion::Params, LocalRegion::Shard) | (LocalRegion::Shard, LocalRegion::Params)
+                    (LocalRegion::Params, LocalRegion::Shard)
+                        | (LocalRegion::Shard, LocalRegion::Params)
+                        | (LocalRegion::Moments, LocalRegion::Moments)
                 ));
                 debug_assert!(within(src, *len) && within(dst, *len), "{kind:?}");
             }
@@ -89,9 +94,22 @@ impl Node {
                 debug_assert!(*len == uv_bytes(layer) && within(factors, *len), "{kind:?}");
             }
             JobKind::Reconstruct {
-                layer, params, factors, ..
+                layer,
+                params,
+                factors,
+                momentum,
+                ..
             } => {
                 debug_assert!(within(params, layer_bytes(layer)) && factors.len() == self.book.p1());
+                debug_assert!(momentum.map_or(true, |m| m.region == LocalRegion::Moments
+                    && within(&m, layer_bytes(layer))));
+            }
+            JobKind::Place { dst, data } => {
+                // A peer's momentum of a chunk, into this rank's.
+                debug_assert!(
+                    dst.region == LocalRegion::Moments && within(dst, data.len() as u64),
+                    "{kind:?}"
+                );
             }
             JobKind::SumFactors {
                 layer, acc_at, factors, ..
@@ -139,7 +157,10 @@ impl Node {
             } => {
                 debug_assert_eq!(*tag, Kind::FactorData.tag(), "only factor data goes from a region");
                 debug_assert!(*len > 0 && *len <= self.message_cap(t.peer), "{t:?}");
-                debug_assert!(at.region == LocalRegion::Factors && within(at, *len), "{t:?}");
+                debug_assert!(
+                    matches!(at.region, LocalRegion::Factors | LocalRegion::Moments) && within(at, *len),
+                    "{t:?}"
+                );
             }
             TxOp::Send {
                 tag,

@@ -45,9 +45,18 @@ pub fn fragments(u: u64, total: u64, cap: u64) -> impl Iterator<Item = (u64, u64
     })
 }
 
+/// What a block of fragments carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Block {
+    /// A worker's sufficient factors of `layer`.
+    Factors { layer: u32 },
+    /// A chunk's momentum at a scheme switch ([`crate::wire::Msg::MomentumBegin`]).
+    Momentum { chunk: u32, to_server: bool },
+}
+
 #[derive(Debug)]
 struct Stream {
-    layer: u32,
+    block: Block,
     iter: u64,
     total: usize,
     got: usize,
@@ -78,17 +87,21 @@ impl Inbox {
     }
 
     /// A block of `total` bytes from `peer` starts.
-    pub(crate) fn begin(&mut self, peer: u32, layer: u32, iter: u64, total: usize) -> Result<(), ProtocolViolation> {
+    pub(crate) fn begin(&mut self, peer: u32, block: Block, iter: u64, total: usize) -> Result<(), ProtocolViolation> {
         let slot = &mut self.open[peer as usize];
         if let Some(s) = slot {
+            let name = |b: Block| match b {
+                Block::Factors { layer } => format!("factors of layer {layer}"),
+                Block::Momentum { chunk, .. } => format!("momentum of chunk {chunk}"),
+            };
             return Err(ProtocolViolation::FactorBlockOverlap {
-                layer,
-                open_layer: s.layer,
+                block: name(block),
+                open: name(s.block),
                 open_iter: s.iter,
             });
         }
         *slot = Some(Stream {
-            layer,
+            block,
             iter,
             total,
             got: 0,
@@ -98,7 +111,7 @@ impl Inbox {
     }
 
     /// A fragment from `peer`. Returns the block when it is complete.
-    pub(crate) fn data(&mut self, peer: u32, data: Payload) -> Result<Option<(u32, u64, Blob)>, ProtocolViolation> {
+    pub(crate) fn data(&mut self, peer: u32, data: Payload) -> Result<Option<(Block, u64, Blob)>, ProtocolViolation> {
         let slot = &mut self.open[peer as usize];
         let Some(s) = slot.as_mut() else {
             return Err(ProtocolViolation::FactorDataWithoutBlock);
@@ -131,7 +144,7 @@ impl Inbox {
             None => Blob::Opaque(s.total),
         };
         debug_assert_eq!(blob.len(), s.total, "the block is its fragments, whole");
-        Ok(Some((s.layer, s.iter, blob)))
+        Ok(Some((s.block, s.iter, blob)))
     }
 
     /// Stores worker index `wi`'s block.
@@ -188,12 +201,22 @@ mod tests {
     fn fragments_reassemble_in_order_and_misuse_is_refused() {
         let mut ib = Inbox::new(3, 2);
         assert!(ib.data(1, Payload::Bytes(vec![1])).is_err());
-        ib.begin(1, 4, 0, 5).unwrap();
-        assert!(ib.begin(1, 4, 1, 5).is_err(), "one open block per peer");
+        ib.begin(1, Block::Factors { layer: 4 }, 0, 5).unwrap();
+        assert!(
+            ib.begin(1, Block::Factors { layer: 4 }, 1, 5).is_err(),
+            "one open block per peer"
+        );
         assert_eq!(ib.data(1, Payload::Bytes(vec![1, 2, 3])).unwrap(), None);
         assert!(ib.data(1, Payload::Bytes(vec![0; 3])).is_err(), "overrun");
         let (l, i, b) = ib.data(1, Payload::Bytes(vec![4, 5])).unwrap().unwrap();
-        assert_eq!((l, i, b), (4, 0, Blob::Fragments(vec![vec![1, 2, 3], vec![4, 5]])));
+        assert_eq!(
+            (l, i, b),
+            (
+                Block::Factors { layer: 4 },
+                0,
+                Blob::Fragments(vec![vec![1, 2, 3], vec![4, 5]])
+            )
+        );
         ib.put(4, 0, 1, Blob::Bytes(vec![9])).unwrap();
         assert!(ib.take(4, 0).is_none());
         assert!(ib.put(4, 0, 1, Blob::Opaque(1)).is_err());
@@ -214,7 +237,7 @@ mod tests {
         let vals: Vec<f32> = (0..40).map(|i| i as f32 * 0.25 - 3.0).collect();
         let msg: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
         let at = msg.as_ptr();
-        ib.begin(1, 0, 7, msg.len()).unwrap();
+        ib.begin(1, Block::Factors { layer: 0 }, 7, msg.len()).unwrap();
         let (_, _, blob) = ib.data(1, Payload::Bytes(msg)).unwrap().unwrap();
         let Blob::Bytes(b) = &blob else {
             panic!("a whole block must stay one buffer: {blob:?}")
@@ -246,7 +269,16 @@ mod tests {
             cuts.sort_unstable();
             cuts.dedup();
             let mut ib = Inbox::new(1, 1);
-            ib.begin(0, 3, case, total).unwrap();
+            ib.begin(
+                0,
+                Block::Momentum {
+                    chunk: 3,
+                    to_server: case % 2 == 0,
+                },
+                case,
+                total,
+            )
+            .unwrap();
             let (mut sent, mut from, mut blob) = (Vec::new(), 0, None);
             for &c in &cuts {
                 let frag = bytes[from..c].to_vec();

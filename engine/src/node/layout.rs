@@ -70,9 +70,16 @@ pub(super) fn check_modes(book: &Book, sched: &SchedConfig) -> Result<()> {
 /// Scheme switches ([`crate::plan`]) hand a layer's parameters over at an
 /// iteration boundary and nothing else: they need BSP with the all trigger
 /// (every worker at one iteration per layer, and a deterministic order),
-/// the chunked placement (kvstore's versions count every iteration), and an
-/// apply op whose only state is the parameters (not SGD with momentum).
+/// and the chunked placement (kvstore's versions count every iteration).
+/// Every apply op may switch: an op's momentum moves with the layer
+/// ([`crate::plan`]); `apply` is the op (kept for callers that check
+/// before building a Node).
 pub fn check_switches(book: &Book, sched: &SchedConfig, apply: crate::config::ApplyOp) -> Result<()> {
+    // SGD's momentum moves at switches: no op is refused for its state.
+    debug_assert!(matches!(
+        apply,
+        crate::config::ApplyOp::Sum | crate::config::ApplyOp::Mean | crate::config::ApplyOp::Sgd { .. }
+    ));
     let first = match book.plan().switches().next() {
         Some(sw) => sw.to_string(),
         None if book.plan().every() > 0 => format!("decided every {} iterations", book.plan().every()),
@@ -86,8 +93,6 @@ pub fn check_switches(book: &Book, sched: &SchedConfig, apply: crate::config::Ap
         )
     } else if book.config().placement != Placement::Chunked {
         "the chunked placement, not kvstore".to_string()
-    } else if apply.needs_momentum() {
-        "an apply op without momentum (the momentum does not move between servers and workers yet)".to_string()
     } else {
         // The layers a switch may move are the dense FC ones.
         debug_assert!(book
@@ -111,22 +116,70 @@ pub(super) struct Layout {
     pub(super) grad_off: Vec<u64>,
     pub(super) factor_off: Vec<Option<u64>>,
     pub(super) sparse_off: Vec<Option<u64>>,
+    /// Where momentum moves at switches: per layer, its momentum in the
+    /// `Moments` region (a worker's movable layers), and where the shard's
+    /// momentum starts there (a server's). `None`: it does not move.
+    pub(super) moments: Option<Moments>,
     /// Bytes of each region, by [`region_index`].
-    pub(super) bytes: [u64; 8],
+    pub(super) bytes: [u64; 9],
     /// Bytes of one landing slot (the largest slice).
     pub(super) slot_bytes: u64,
 }
 
+/// The `Moments` region's layout (see [`LocalRegion::Moments`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Moments {
+    /// Per layer: a worker's momentum of it, where it may switch.
+    pub(super) layer_off: Vec<Option<u64>>,
+    /// Where a server's shard momentum starts (its chunks at their shard offsets).
+    pub(super) shard_at: u64,
+}
+
+impl Moments {
+    /// The layout where momentum moves at switches (`moves`), else `None`:
+    /// a worker's movable layers back to back, then a server's whole shard.
+    fn new(book: &Book, rank: u32, role: Role, moves: bool) -> (Option<Moments>, u64) {
+        if !moves {
+            return (None, 0);
+        }
+        let plan = book.plan();
+        let mut at = 0u64;
+        let layer_off = (0..book.layers().len() as u32)
+            .map(|l| {
+                (role.is_worker() && plan.movable(l)).then(|| {
+                    at += book.layers()[l as usize].params() as u64 * 4;
+                    at - book.layers()[l as usize].params() as u64 * 4
+                })
+            })
+            .collect();
+        let shard = if role.is_server() {
+            book.shard_len(rank) as u64 * 4
+        } else {
+            0
+        };
+        // The worker's part, then the server's.
+        debug_assert!(role.is_worker() || at == 0);
+        (
+            Some(Moments {
+                layer_off,
+                shard_at: at,
+            }),
+            at + shard,
+        )
+    }
+}
+
 impl Layout {
     /// The layout for `rank` with the caller's parameter and gradient
-    /// offsets (checked), or back to back where it gives none.
+    /// offsets (checked), or back to back where it gives none; `moves`:
+    /// momentum moves at scheme switches (the `Moments` region).
     pub(super) fn new(
         book: &Book,
         rank: u32,
         role: Role,
         sched: &SchedConfig,
-        params: Option<Vec<u64>>,
-        grads: Option<Vec<u64>>,
+        (params, grads): (Option<Vec<u64>>, Option<Vec<u64>>),
+        moves: bool,
     ) -> Result<Layout> {
         let nl = book.layers().len();
         let contiguous: Vec<u64> = (0..nl as u32).map(|i| book.layer_offset(i) as u64 * 4).collect();
@@ -150,7 +203,7 @@ impl Layout {
             packed(book, |s| (s.sparse && role.is_worker()).then(|| s.params() as u64 * 4));
         let slot_bytes = book.max_slice_len() as u64 * 4;
         debug_assert!(slot_bytes > 0, "every layer has parameters");
-        let mut bytes = [0u64; 8];
+        let mut bytes = [0u64; 9];
         if role.is_worker() {
             bytes[region_index(LocalRegion::Params)] = extent(book, &param_off);
             bytes[region_index(LocalRegion::View)] = if staged { extent(book, &view_off) } else { 0 };
@@ -163,6 +216,8 @@ impl Layout {
             bytes[region_index(LocalRegion::Landing)] = sched.landing_bytes(book);
         }
         bytes[region_index(LocalRegion::Ctrl)] = (CELLS * CELL_BYTES) as u64;
+        let (moments, moments_bytes) = Moments::new(book, rank, role, moves);
+        bytes[region_index(LocalRegion::Moments)] = moments_bytes;
         debug_assert_eq!(param_off.len(), nl);
         debug_assert_eq!(grad_off.len(), nl);
         debug_assert_eq!(view_off.len(), if staged { nl } else { 0 });
@@ -179,6 +234,7 @@ impl Layout {
             grad_off,
             factor_off,
             sparse_off,
+            moments,
             bytes,
             slot_bytes,
         })

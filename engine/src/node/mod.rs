@@ -102,6 +102,7 @@ pub mod held;
 mod layout;
 mod life;
 mod lifecycle;
+mod momentum;
 mod server_side;
 mod setup;
 pub mod types;
@@ -239,10 +240,26 @@ pub struct NodeStats {
 #[derive(Debug, Clone, Copy)]
 enum Track {
     Ctrl,
-    Init { chunk: u32 },
-    Push { slice: u32 },
-    Bcast { chunk: u32, worker: u32 },
-    Factors { layer: u32, peer: u32 },
+    /// The last fragment of a chunk's momentum (`reseed`: worker 0's, on
+    /// the way back to the PS; else a server's to a worker).
+    Momentum {
+        chunk: u32,
+        reseed: bool,
+    },
+    Init {
+        chunk: u32,
+    },
+    Push {
+        slice: u32,
+    },
+    Bcast {
+        chunk: u32,
+        worker: u32,
+    },
+    Factors {
+        layer: u32,
+        peer: u32,
+    },
     Piece,
 }
 
@@ -282,17 +299,51 @@ pub const SERVER_JOBS_OUT: usize = 16;
 
 #[derive(Debug, Clone, Copy)]
 enum JobTrack {
-    Accumulate { worker: u32, slot: u32, credit: bool },
+    Accumulate {
+        worker: u32,
+        slot: u32,
+        credit: bool,
+    },
     FoldPartial,
-    Encode { server: u32, slot: u32, slice: u32 },
-    Apply { chunk: u32 },
-    InitCopy { chunk: u32 },
-    LocalBcast { chunk: u32 },
-    FormGrad { layer: u32 },
-    Capture { layer: u32, iter: u64, len: usize },
-    Reconstruct { layer: u32, iter: u64 },
-    Publish { layer: u32, iter: Option<u64> },
+    Encode {
+        server: u32,
+        slot: u32,
+        slice: u32,
+    },
+    Apply {
+        chunk: u32,
+    },
+    InitCopy {
+        chunk: u32,
+    },
+    LocalBcast {
+        chunk: u32,
+    },
+    FormGrad {
+        layer: u32,
+    },
+    Capture {
+        layer: u32,
+        iter: u64,
+        len: usize,
+    },
+    Reconstruct {
+        layer: u32,
+        iter: u64,
+    },
+    Publish {
+        layer: u32,
+        iter: Option<u64>,
+    },
     SumFactors,
+    /// A chunk's momentum placed for the switch at `iter`, sent by `from`:
+    /// into the shard's (`to_server`) or a worker's.
+    MomentumIn {
+        chunk: u32,
+        iter: u64,
+        from: u32,
+        to_server: bool,
+    },
 }
 
 impl JobTrack {
@@ -302,6 +353,7 @@ impl JobTrack {
             | JobTrack::FoldPartial
             | JobTrack::Apply { .. }
             | JobTrack::SumFactors
+            | JobTrack::MomentumIn { to_server: true, .. }
             | JobTrack::InitCopy { .. } => Queue::Server,
             _ => Queue::Worker,
         }
@@ -346,8 +398,24 @@ struct ServerSide {
     deferred: HashMap<u32, Vec<u32>>,
     /// Kvstore notifications (worker, version) waiting for their chunk's apply to run.
     deferred_notify: HashMap<u32, Vec<(u32, u64)>>,
+    /// Momentum at switches: sends that wait for an apply, or in flight.
+    momentum: ServerMomentum,
     credit_out: BTreeMap<u32, Vec<u32>>,
     local_slots: HashMap<u32, u32>,
+}
+
+/// A server's momentum traffic ([`ServerSide`]).
+#[derive(Debug, Default)]
+struct ServerMomentum {
+    /// Per chunk: a send to the workers (for the switch at the iteration)
+    /// waiting for the chunk's apply to run.
+    deferred: HashMap<u32, u64>,
+    /// Per chunk: sends to workers (and local copies) reading the shard's
+    /// momentum, not yet complete.
+    reading: HashMap<u32, u32>,
+    /// Per chunk: the placement of worker 0's momentum (a `Place`, or a
+    /// `Copy` from this rank's own worker), waiting for those reads to end.
+    held: HashMap<u32, (JobKind, JobTrack)>,
 }
 
 /// The checks of a configuration before anything is built, in order: the
@@ -375,10 +443,11 @@ fn sides(
     rank: u32,
     role: Role,
     sched: SchedConfig,
+    moves_momentum: bool,
 ) -> Result<(Option<WorkerSide>, Option<ServerSide>)> {
     let worker = if role.is_worker() {
         Some(WorkerSide {
-            core: Worker::new(book.clone(), rank, sched)?,
+            core: Worker::new(book.clone(), rank, sched)?.with_momentum(moves_momentum),
             forming: vec![false; book.layers().len()],
             want: HashSet::default(),
             publish_started: false,
@@ -389,9 +458,10 @@ fn sides(
     };
     let server = if role.is_server() {
         Some(ServerSide {
-            core: Server::new(book.clone(), rank, sched)?,
+            core: Server::new(book.clone(), rank, sched)?.with_momentum(moves_momentum),
             apply_running: HashMap::default(),
             deferred: HashMap::default(),
+            momentum: ServerMomentum::default(),
             deferred_notify: HashMap::default(),
             credit_out: BTreeMap::new(),
             local_slots: HashMap::default(),
@@ -425,13 +495,15 @@ pub struct Node {
     factor_off: Vec<Option<u64>>,
     /// Per layer: its staging in the `Sparse` region (sparse layers of a worker).
     sparse_off: Vec<Option<u64>>,
+    /// Where momentum lies when it moves at switches (`None`: it does not).
+    moments: Option<layout::Moments>,
     sparse_costs: SparseCosts,
     sparse_policy: SparsePolicy,
     /// Per layer: this worker's sparse-push counters.
     sparse_stats: Vec<SparseLayerStats>,
     /// (worker, slot) → pairs, for landing slots that hold a sparse push.
     landing_sparse: HashMap<(u32, u32), u32>,
-    bytes: [u64; 8],
+    bytes: [u64; 9],
     slot_bytes: u64,
     worker: Option<WorkerSide>,
     server: Option<ServerSide>,
@@ -478,14 +550,17 @@ impl Node {
         let rank = cfg.rank;
         let role = check_config(&cfg)?;
         let l = cfg.limits;
-        let lay = layout::Layout::new(&book, rank, role, &cfg.sched, cfg.params.take(), cfg.grads.take())?;
+        // SGD's momentum moves with a layer that switches schemes ([`crate::plan`]).
+        let moves = cfg.apply.needs_momentum() && (book.plan().has_switches() || book.plan().every() > 0);
+        let buffers = (cfg.params.take(), cfg.grads.take());
+        let lay = layout::Layout::new(&book, rank, role, &cfg.sched, buffers, moves)?;
         // A landing slot holds the largest slice: `landed` divides offsets by it.
         debug_assert!(
             lay.slot_bytes >= 4 && lay.slot_bytes % 4 == 0,
             "slot of {} bytes",
             lay.slot_bytes
         );
-        let (worker, server) = sides(&book, rank, role, cfg.sched)?;
+        let (worker, server) = sides(&book, rank, role, cfg.sched, moves)?;
         let world = book.cluster().world();
         let mut peers = vec![Peer::default(); world];
         peers[rank as usize].open = true;
@@ -505,6 +580,7 @@ impl Node {
             grad_off: lay.grad_off,
             factor_off: lay.factor_off,
             sparse_off: lay.sparse_off,
+            moments: lay.moments,
             sparse_costs: cfg.sparse,
             sparse_policy: SparsePolicy::new(&book),
             sparse_stats: vec![SparseLayerStats::default(); book.layers().len()],

@@ -28,11 +28,18 @@ pub enum LocalRegion {
     Landing,
     /// Control cells: the bytes of inline messages. Local only.
     Ctrl,
+    /// The momentum of the layers that may switch schemes
+    /// ([`crate::plan::Plan::movable`]), where the op keeps momentum: a
+    /// worker's of each such layer (packed), then a server's of its shard
+    /// (at the shard's offsets). The Apply and Reconstruct jobs of those
+    /// layers read and write it there, and switches send it from there.
+    /// Empty otherwise. Local only.
+    Moments,
 }
 
 impl LocalRegion {
     /// Every region, in a fixed order.
-    pub const ALL: [LocalRegion; 8] = [
+    pub const ALL: [LocalRegion; 9] = [
         LocalRegion::Params,
         LocalRegion::View,
         LocalRegion::Grads,
@@ -41,6 +48,7 @@ impl LocalRegion {
         LocalRegion::Shard,
         LocalRegion::Landing,
         LocalRegion::Ctrl,
+        LocalRegion::Moments,
     ];
 
     /// Whether peers write into it.
@@ -373,6 +381,9 @@ pub enum JobKind {
     /// divide by it. Under the default trigger it is always P1 × learners;
     /// under the others ([`crate::config::Trigger`]) it is the round's
     /// contributors × learners.
+    /// `momentum`: where the chunk's momentum lies (`len` f32s) when its
+    /// layer may switch schemes and the op keeps momentum (the `Moments`
+    /// region); `None`: the executor's own, at `shard_at`.
     Apply {
         window: u32,
         chunk: u32,
@@ -380,20 +391,28 @@ pub enum JobKind {
         shard_at: usize,
         len: usize,
         gradients: u32,
+        momentum: Option<Loc>,
     },
-    /// Copy `len` bytes (a colocated rank's seeding or broadcast to itself).
+    /// Copy `len` bytes (a colocated rank's seeding or broadcast to itself,
+    /// or momentum between its worker's and its server's parts of `Moments`).
     Copy { src: Loc, dst: Loc, len: u64 },
+    /// Write a peer's bytes (a chunk's momentum at a switch) at `dst`.
+    Place { dst: Loc, data: Blob },
     /// `grad = Uᵀ·V` of an FC layer handed in with factors whose scheme is PS.
     FactorsToGrad { layer: u32, factors: Loc, grad: Loc },
     /// Copy the layer's U and V (`len` bytes at `factors`) out; the
     /// completion carries them ([`Input::JobDone`]'s `data`).
     CaptureFactors { layer: u32, factors: Loc, len: u64 },
     /// `params` op= Σ_p U_pᵀ·V_p, with every worker's factors in worker order.
+    /// `momentum`: where the layer's momentum lies (the `Moments` region)
+    /// when it may switch schemes and the op keeps momentum; `None`: the
+    /// executor's own.
     Reconstruct {
         layer: u32,
         iter: u64,
         params: Loc,
         factors: Vec<Blob>,
+        momentum: Option<Loc>,
     },
     /// Copy a ready layer's parameters to the caller's view, reading memory a
     /// peer may be writing (relaxed atomic loads).

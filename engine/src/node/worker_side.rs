@@ -158,6 +158,7 @@ impl Node {
                 }
             }
             WorkerCommand::LayerReady { layer, iter } => self.layer_ready(layer, iter),
+            WorkerCommand::SendMomentum { server, chunk, iter } => self.momentum_to_server(server, chunk, iter),
         }
         Ok(())
     }
@@ -377,6 +378,7 @@ impl Node {
                         iter,
                         params,
                         factors,
+                        momentum: self.layer_momentum(layer),
                     },
                     JobTrack::Reconstruct { layer, iter },
                 );

@@ -498,3 +498,105 @@ fn an_early_write_back_no_decision_asks_for_is_refused() {
         "{e:?}"
     );
 }
+
+/// The server's sends of momentum in a list of commands: (chunk, iteration).
+fn momentum_sends(cmds: &[ServerCommand]) -> Vec<(u32, u64)> {
+    cmds.iter()
+        .filter_map(|c| match c {
+            ServerCommand::SendMomentum { chunk, iter } => Some((*chunk, *iter)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// With momentum that moves: the layer leaves the PS at 1 and comes back at
+/// 3. Round 0's apply sends the shard's momentum to the workers once (for
+/// iteration 1); round 3 waits for worker 0's values and its momentum, in
+/// either order, and momentum from another worker, or twice, is refused.
+#[test]
+fn momentum_leaves_with_the_layer_and_comes_back_with_worker_0s_values() {
+    use crate::plan::Switch;
+    let switches = [
+        Switch {
+            layer: 0,
+            iter: 1,
+            scheme: Scheme::Sfb,
+        },
+        Switch {
+            layer: 0,
+            iter: 3,
+            scheme: Scheme::Ps,
+        },
+    ];
+    for momentum_first in [false, true] {
+        let book = fc_book().with_switches(&switches).unwrap();
+        let mut s = Server::new(Arc::new(book), 3, SchedConfig::default())
+            .unwrap()
+            .with_momentum(true);
+        s.handle_init(0, 0).unwrap();
+        assert_eq!(momentum_sends(&s.drain()), [], "the initial values send no momentum");
+        s.bcast_done();
+        let round = |s: &mut Server| (0..3).flat_map(|w| s.push(w)).collect::<Vec<_>>();
+        let cmds = round(&mut s);
+        assert_eq!(Server::applies(&cmds), [(0, 3)]);
+        assert_eq!(momentum_sends(&cmds), [(0, 1)], "momentum {momentum_first}");
+        s.bcast_done();
+        assert_eq!(Server::applies(&round(&mut s)), []);
+        let refused = s.handle_momentum(2, 0).unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                EngineError::Protocol {
+                    rank: 2,
+                    violation: ProtocolViolation::MomentumUnexpected { chunk: 0, iter: 3 }
+                }
+            ),
+            "{refused:?}"
+        );
+        if momentum_first {
+            s.handle_momentum(0, 0).unwrap();
+            assert_eq!(Server::applies(&s.drain()), [], "the values are not back yet");
+            s.handle_init(0, 0).unwrap();
+        } else {
+            s.handle_init(0, 0).unwrap();
+            assert_eq!(Server::applies(&s.drain()), [], "the momentum is not back yet");
+            s.handle_momentum(0, 0).unwrap();
+        }
+        let cmds = s.drain();
+        assert_eq!(Server::applies(&cmds), [(3, 3)]);
+        assert_eq!(momentum_sends(&cmds), [], "the layer stays on the PS after 3");
+        assert!(s.handle_momentum(0, 0).is_err(), "a second momentum");
+    }
+}
+
+/// Decided in the run: the decision that puts the layer on SFB at 2 comes
+/// after round 1 was applied, and it sends the momentum then; without
+/// momentum that moves, none is sent and a momentum block is refused.
+#[test]
+fn a_decision_after_the_last_ps_round_sends_the_momentum_then() {
+    let book = fc_book().with_adaptive(2).unwrap();
+    let mut s = Server::new(Arc::new(book), 3, SchedConfig::default())
+        .unwrap()
+        .with_momentum(true);
+    s.handle_init(0, 0).unwrap();
+    s.drain();
+    s.bcast_done();
+    for t in 0..2 {
+        let cmds: Vec<_> = (0..3).flat_map(|w| s.push(w)).collect();
+        assert_eq!(Server::applies(&cmds), [(t, 3)]);
+        assert_eq!(momentum_sends(&cmds), []);
+        s.bcast_done();
+    }
+    s.decide(2, 1).unwrap();
+    assert_eq!(momentum_sends(&s.drain()), [(0, 2)]);
+    let mut plain = adaptive_server();
+    plain.decide(2, 1).unwrap();
+    assert_eq!(momentum_sends(&plain.drain()), []);
+    assert!(matches!(
+        plain.handle_momentum(0, 0),
+        Err(EngineError::Protocol {
+            violation: ProtocolViolation::MomentumUnexpected { .. },
+            ..
+        })
+    ));
+}

@@ -115,12 +115,6 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
             self.sgd = self._server_sgd(opt)
         self._setup_reduce(reduce or {}, explicit or sfb == "always")
         self._setup_comm(comm or {})
-        if self.sfb == "adaptive" and self.sgd is not None and self.sgd[1] != 0.0:
-            raise ValueError(
-                "sfb='adaptive' with apply='server' needs an optimizer without momentum: a switch moves a "
-                "layer's parameters between the servers and the workers, not its momentum (yet); use "
-                "apply='local' (the torch optimizer keeps its own momentum) or sfb='auto'"
-            )
         if self.comm_on and self.reduce_custom:
             raise ValueError(
                 "comm_every/comm_mode/quality_guided need op=Average, gradient_predivide_factor=1 and no compression"
