@@ -25,8 +25,10 @@
 //! are what the other ranks leave it), where that decides otherwise; else
 //! the start-up choice with the layers the model is least sure of flipped
 //! (its two times, or in bytes its two traffics, within a factor
-//! [`UNSURE`]). Where that flips none, nothing is ever tried: a trial of a
-//! scheme the model says is several times slower costs its whole window.
+//! [`UNSURE`]), at the reached rates where the run reached any. Where that
+//! flips none, nothing is ever tried: a trial of a scheme the model says is
+//! several times slower costs its whole window, and the switches there and
+//! back (the layer's parameters and momentum to every worker).
 
 use std::time::Duration;
 
@@ -97,7 +99,7 @@ impl Adapt {
         );
         Some(Adapt {
             book: book.clone(),
-            cands: [start, Self::flipped(book, start)],
+            cands: [start, Self::flipped(book, start, None)],
             phase: Phase::Warmup,
             times: [0.0; 2],
             last: None,
@@ -106,15 +108,20 @@ impl Adapt {
         })
     }
 
-    /// `start` with the contested layers the book's model is least sure of flipped.
-    fn flipped(book: &Book, start: u64) -> u64 {
+    /// `start` with the contested layers the book's model is least sure of
+    /// flipped, at `rates` where given (else the book's own).
+    fn flipped(book: &Book, start: u64, rates: Option<&Rates>) -> u64 {
         let flip = book
             .plan()
             .contested()
             .iter()
             .enumerate()
             .filter(|&(_, &l)| {
-                let (a, b) = match book.seconds(l) {
+                let times = match rates {
+                    Some(r) => book.seconds_at(l, r),
+                    None => book.seconds(l),
+                };
+                let (a, b) = match times {
                     Some((ps, sfb)) => (ps.total(), sfb.total()),
                     None => {
                         // In bytes: what the busiest node moves either way.
@@ -129,9 +136,9 @@ impl Adapt {
         start ^ flip
     }
 
-    /// The model's choice at the book's rates with what the run reached in
-    /// their place (`None` without rates, or where nothing was reached).
-    fn at_reached(book: &Book, reached: Reached) -> Option<u64> {
+    /// The book's rates with what the run reached in their place (`None`
+    /// without rates, or where nothing was reached).
+    fn reached_rates(book: &Book, reached: Reached) -> Option<Rates> {
         let r0 = book.rates()?;
         if reached.gemm_flop_per_s.is_none() && reached.sum_bytes_per_s.is_none() {
             return None;
@@ -141,18 +148,22 @@ impl Adapt {
             sum_bytes_per_s: reached.sum_bytes_per_s.unwrap_or(r0.sum_bytes_per_s),
             ..*r0
         };
-        r.validate().ok()?;
+        r.validate().ok().map(|()| r)
+    }
+
+    /// The model's choice at rates `r` (the run's reached ones).
+    fn at_rates(book: &Book, r: &Rates) -> u64 {
         let bits = book
             .plan()
             .contested()
             .iter()
             .enumerate()
-            .fold(0u64, |b, (i, &l)| match book.seconds_at(l, &r) {
+            .fold(0u64, |b, (i, &l)| match book.seconds_at(l, r) {
                 Some((ps, sfb)) if sfb.total() < ps.total() => b | 1 << i,
                 _ => b,
             });
         debug_assert!(book.plan().contested().len() >= 64 || bits >> book.plan().contested().len() == 0);
-        Some(bits)
+        bits
     }
 
     /// Every decision so far.
@@ -184,9 +195,15 @@ impl Adapt {
             (Phase::Warmup, _) | (_, None) => (Phase::Measure(0), 0),
             (Phase::Measure(0), Some(w)) => {
                 self.times[0] = w;
-                if let Some(b) = Self::at_reached(&self.book, reached).filter(|&b| b != self.cands[0]) {
-                    // The model at the rates of the run decides otherwise: try that.
-                    self.cands[1] = b;
+                if let Some(r) = Self::reached_rates(&self.book, reached) {
+                    let b = Self::at_rates(&self.book, &r);
+                    // The model at the rates of the run: what it decides
+                    // otherwise, else the layers it is still unsure of there.
+                    self.cands[1] = if b != self.cands[0] {
+                        b
+                    } else {
+                        Self::flipped(&self.book, self.cands[0], Some(&r))
+                    };
                 }
                 let alt = self.cands[1] != self.cands[0];
                 if alt {
@@ -285,6 +302,50 @@ mod tests {
                 "every {every}: within the margin, kept as it was"
             );
             assert_eq!(run(every, 2.0), kept, "every {every}: slower");
+        }
+    }
+
+    /// With rates: the model in seconds at the start-up rates is unsure of
+    /// the FC layer (so the alternative flips it), but at the GEMM rate the
+    /// run reached (100x slower) SFB is far behind: nothing is tried, and
+    /// the start-up choice is kept at every point. At the start-up rates
+    /// reached again, the layer is tried the other way.
+    #[test]
+    fn no_trial_where_the_reached_rates_make_the_model_sure() {
+        let rates = Rates {
+            link_bytes_per_s: 1e9,
+            msg_s: 0.0,
+            sum_bytes_per_s: 1e10,
+            gemm_flop_per_s: 1e11,
+            host_ranks: 1,
+            link_on_host: false,
+        };
+        let b = std::sync::Arc::new(book(2).with_rates(rates).unwrap());
+        let (ps, sfb) = b.seconds(1).expect("an FC layer in seconds");
+        assert!(
+            ps.total().max(sfb.total()) < UNSURE * ps.total().min(sfb.total()),
+            "{ps:?} {sfb:?}"
+        );
+        for (gemm, tried) in [(1e9, false), (1e11, true)] {
+            let mut plan = b.plan().clone();
+            let mut a = Adapt::new(&b).unwrap();
+            let start = a.cands[0];
+            let reached = Reached {
+                gemm_flop_per_s: Some(gemm),
+                sum_bytes_per_s: None,
+            };
+            let mut got = Vec::new();
+            let mut t = Duration::ZERO;
+            for i in 0..8u64 {
+                a.started(i, t);
+                if (i + 1) % 2 == 0 {
+                    let sfb = a.decide(&plan, i + 1, t, reached);
+                    plan.decide(i + 1, sfb).unwrap();
+                    got.push(sfb);
+                }
+                t += Duration::from_secs(1);
+            }
+            assert_eq!(got.iter().any(|&s| s != start), tried, "GEMM at {gemm}: {got:?}");
         }
     }
 }
