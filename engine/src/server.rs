@@ -176,8 +176,9 @@ pub struct Server {
     /// Whether momentum moves at switches ([`Server::with_momentum`]).
     moves_momentum: bool,
     /// Per local chunk: the iteration its momentum was last sent to the
-    /// workers for (a switch to SFB).
+    /// workers for (a switch to SFB), and worker 0's last taken in (back).
     momentum_out: Vec<Option<u64>>,
+    momentum_in: Vec<Option<u64>>,
     /// The schemes by iteration: the book's, and the decisions since ([`crate::plan`]).
     plan: crate::plan::Plan,
     bcast_queue: BinaryHeap<Reverse<(u64, u32, u32)>>,
@@ -281,6 +282,7 @@ impl Server {
             reseed_early: vec![[false; 2]; nlc],
             moves_momentum: false,
             momentum_out: vec![None; nlc],
+            momentum_in: vec![None; nlc],
             plan: book.plan().clone(),
             bcast_queue: BinaryHeap::new(),
             bcast_bytes: 0,

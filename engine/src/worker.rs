@@ -840,13 +840,12 @@ impl Worker {
         }
     }
 
-    /// The server of `chunk` (rank `from`) sent its momentum for `iter`,
-    /// where the chunk's layer leaves the PS, and the driver placed it:
-    /// once every chunk's is in, the layer's reconstruction of `iter` may
-    /// run. Refused from another rank than the chunk's server, for an
-    /// iteration the plan does not switch the layer to SFB at (checked at
-    /// the decision where it is not decided yet), or twice.
-    pub fn handle_momentum_in(&mut self, chunk: u32, iter: u64, from: u32) -> Result<()> {
+    /// The server of `chunk` (rank `from`) begins to send its momentum for
+    /// `iter`, where the chunk's layer leaves the PS: taken, before any of
+    /// it is placed, unless it comes from another rank than the chunk's
+    /// server, for an iteration the plan does not switch the layer to SFB
+    /// at (checked at the decision where it is not decided yet), or twice.
+    pub fn accept_momentum(&mut self, chunk: u32, iter: u64, from: u32) -> Result<()> {
         let layer = self.chunk_layer(chunk)?;
         let unexpected = ProtocolViolation::MomentumUnexpected { chunk, iter };
         let asked = !self.plan.settled(layer, iter) || self.plan.leaves_ps_at(layer, iter);
@@ -857,6 +856,18 @@ impl Worker {
             return Err(self.protocol(from, ProtocolViolation::MomentumTwice { chunk, iter }));
         }
         self.momentum_seen[chunk as usize] = Some(iter);
+        Ok(())
+    }
+
+    /// The momentum of `chunk` for `iter` taken in ([`Worker::accept_momentum`])
+    /// is placed: once every chunk's is in, the layer's reconstruction of
+    /// `iter` may run.
+    pub fn handle_momentum_in(&mut self, chunk: u32, iter: u64, from: u32) -> Result<()> {
+        let layer = self.chunk_layer(chunk)?;
+        if self.momentum_seen[chunk as usize] != Some(iter) {
+            // Placed without being taken in: the driver's mistake, or a stray.
+            return Err(self.protocol(from, ProtocolViolation::MomentumUnexpected { chunk, iter }));
+        }
         let e = self.momentum_in.entry((layer, iter)).or_insert((0, from));
         e.0 += 1;
         // One per chunk of the layer, at most.
@@ -1030,19 +1041,25 @@ mod tests {
             other => panic!("{other:?}, where {want:?} was due"),
         };
         unexpected(
-            w.handle_momentum_in(0, 1, 0),
+            w.accept_momentum(0, 1, 0),
             ProtocolViolation::MomentumUnexpected { chunk: 0, iter: 1 },
         );
         unexpected(
-            w.handle_momentum_in(0, 2, 2),
+            w.accept_momentum(0, 2, 2),
             ProtocolViolation::MomentumUnexpected { chunk: 0, iter: 2 },
         );
-        w.handle_momentum_in(0, 1, 2).unwrap();
         unexpected(
-            w.handle_momentum_in(0, 1, 2),
+            w.handle_momentum_in(1, 1, 2),
+            ProtocolViolation::MomentumUnexpected { chunk: 1, iter: 1 },
+        );
+        w.accept_momentum(0, 1, 2).unwrap();
+        unexpected(
+            w.accept_momentum(0, 1, 2),
             ProtocolViolation::MomentumTwice { chunk: 0, iter: 1 },
         );
+        w.handle_momentum_in(0, 1, 2).unwrap();
         assert_eq!(rebuilds(&drain(&mut w)), 0, "one chunk's momentum of two");
+        w.accept_momentum(1, 1, 2).unwrap();
         w.handle_momentum_in(1, 1, 2).unwrap();
         assert_eq!(drain(&mut w), [WorkerCommand::Reconstruct { layer: 0, iter: 1 }]);
     }

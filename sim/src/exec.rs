@@ -174,6 +174,13 @@ impl Store {
                 }
                 let mut off = at;
                 for p in data.pieces() {
+                    // A peer's block: the received messages' own buffers, each once.
+                    if !self.delivered.remove(&(p.as_ptr() as usize, p.len())) {
+                        return Err(format!(
+                            "rank {r} places {} bytes of momentum that are not a received message's buffer",
+                            p.len()
+                        ));
+                    }
                     m[off..off + p.len()].copy_from_slice(p);
                     off += p.len();
                 }

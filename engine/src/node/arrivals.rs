@@ -177,8 +177,7 @@ impl Node {
         for (w, version) in notify {
             self.notify(chunk, w, version)?;
         }
-        self.momentum_after_apply(chunk);
-        Ok(())
+        self.momentum_after_apply(chunk)
     }
 
     /// The capture of `layer`'s factors for `iter` ran: its bytes (`len`

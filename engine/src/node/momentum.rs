@@ -59,10 +59,16 @@ impl Node {
 
     /// Worker 0, back to the PS at `iter`: its momentum of `chunk` to the
     /// chunk's server `server` (its own server by a copy).
-    pub(super) fn momentum_to_server(&mut self, server: u32, chunk: u32, iter: u64) {
+    pub(super) fn momentum_to_server(&mut self, server: u32, chunk: u32, iter: u64) -> Result<()> {
         debug_assert_eq!(self.book.chunks()[chunk as usize].server, server, "chunk {chunk}");
         let src = self.chunk_momentum(chunk);
         if server == self.rank {
+            let me = self.rank;
+            self.server
+                .as_mut()
+                .expect("its server")
+                .core
+                .accept_momentum(me, chunk, iter)?;
             let dst = self.shard_momentum(chunk).expect("momentum moves");
             let len = self.book.chunks()[chunk as usize].len as u64 * 4;
             let from = self.rank;
@@ -76,17 +82,18 @@ impl Node {
         } else {
             self.send_momentum(server, chunk, iter, src, true);
         }
+        Ok(())
     }
 
     /// A server, the chunk's layer off the PS at `iter`: the shard's
     /// momentum of `chunk` to every worker, once its apply ran.
-    pub(super) fn momentum_to_workers(&mut self, chunk: u32, iter: u64) {
+    pub(super) fn momentum_to_workers(&mut self, chunk: u32, iter: u64) -> Result<()> {
         let s = self.server.as_mut().expect("server");
         debug_assert!(iter > 0, "a switch at iteration 0 is the start-up choice");
         if s.apply_running.contains_key(&chunk) {
             let was = s.momentum.deferred.insert(chunk, iter);
             debug_assert!(was.is_none(), "chunk {chunk}: one switch at a time");
-            return;
+            return Ok(());
         }
         let src = self.shard_momentum(chunk).expect("momentum moves");
         let workers = self.book.cluster().workers().to_vec();
@@ -101,6 +108,11 @@ impl Node {
             .or_default() += workers.len() as u32;
         for w in workers {
             if w == self.rank {
+                self.worker
+                    .as_mut()
+                    .expect("its worker")
+                    .core
+                    .accept_momentum(chunk, iter, w)?;
                 let dst = self.chunk_momentum(chunk);
                 let track = JobTrack::MomentumIn {
                     chunk,
@@ -113,14 +125,16 @@ impl Node {
                 self.send_momentum(w, chunk, iter, src, false);
             }
         }
+        Ok(())
     }
 
     /// The chunk's apply ran: a send of its momentum that waited for it goes.
-    pub(super) fn momentum_after_apply(&mut self, chunk: u32) {
+    pub(super) fn momentum_after_apply(&mut self, chunk: u32) -> Result<()> {
         let s = self.server.as_mut().expect("server");
         debug_assert!(!s.apply_running.contains_key(&chunk), "chunk {chunk}: its apply ran");
-        if let Some(iter) = s.momentum.deferred.remove(&chunk) {
-            self.momentum_to_workers(chunk, iter);
+        match s.momentum.deferred.remove(&chunk) {
+            Some(iter) => self.momentum_to_workers(chunk, iter),
+            None => Ok(()),
         }
     }
 
@@ -213,6 +227,20 @@ impl Node {
         };
         if !movable || !route {
             return Err(bad(unexpected));
+        }
+        // Taken in (checked against the plan, once) before any of it is placed.
+        if to_server {
+            self.server
+                .as_mut()
+                .expect("routed")
+                .core
+                .accept_momentum(peer, chunk, iter)?;
+        } else {
+            self.worker
+                .as_mut()
+                .expect("routed")
+                .core
+                .accept_momentum(chunk, iter, peer)?;
         }
         let block = Block::Momentum { chunk, to_server };
         self.inbox.begin(peer, block, iter, total as usize).map_err(bad)

@@ -58,7 +58,7 @@ impl Node {
             ServerCommand::Broadcast { chunk, worker } => self.broadcast_after_apply(chunk, worker),
             ServerCommand::SumFactors { layer, iter, window } => self.sum_factors_job(layer, iter, window)?,
             ServerCommand::Notify { chunk, worker, version } => self.notify_after_apply(chunk, worker, version)?,
-            ServerCommand::SendMomentum { chunk, iter } => self.momentum_to_workers(chunk, iter),
+            ServerCommand::SendMomentum { chunk, iter } => self.momentum_to_workers(chunk, iter)?,
         }
         Ok(())
     }

@@ -158,7 +158,7 @@ impl Node {
                 }
             }
             WorkerCommand::LayerReady { layer, iter } => self.layer_ready(layer, iter),
-            WorkerCommand::SendMomentum { server, chunk, iter } => self.momentum_to_server(server, chunk, iter),
+            WorkerCommand::SendMomentum { server, chunk, iter } => self.momentum_to_server(server, chunk, iter)?,
         }
         Ok(())
     }

@@ -15,16 +15,44 @@ impl Server {
         self
     }
 
-    /// Worker index 0's momentum of `chunk` for its layer's switch back to
-    /// the PS is placed in the shard's momentum: with its values, the
-    /// chunk's next round may be applied.
-    pub fn handle_momentum(&mut self, from: u32, chunk: u32) -> Result<()> {
+    /// Worker index 0 (rank `from`) begins to send its momentum of `chunk`
+    /// for its layer's switch back to the PS at `iter`: taken, before any
+    /// of it is placed, unless momentum does not move, it comes from
+    /// another rank, for an iteration that does not bring the layer back
+    /// (where decided), for another than the chunk's next round (where
+    /// that is decided), or twice.
+    pub fn accept_momentum(&mut self, from: u32, chunk: u32, iter: u64) -> Result<()> {
         let lc = self.local_chunk(from, chunk)?;
-        if !self.moves_momentum {
-            let iter = self.applied[lc];
+        let layer = self.book.chunks()[chunk as usize].layer;
+        let from0 = self.book.cluster().worker_index(from) == Some(0);
+        let asked = !self.plan.settled(layer, iter) || self.plan.reseeds_at(layer, iter);
+        let next = self
+            .plan
+            .round_iter(layer, self.applied[lc])
+            .filter(|&t| self.plan.settled(layer, t));
+        if !self.moves_momentum || !from0 || !asked || next.is_some_and(|t| t != iter) {
             return Err(self.err(from, ProtocolViolation::MomentumUnexpected { chunk, iter }));
         }
+        if self.momentum_in[lc] == Some(iter) {
+            return Err(self.err(from, ProtocolViolation::MomentumTwice { chunk, iter }));
+        }
+        self.momentum_in[lc] = Some(iter);
+        Ok(())
+    }
+
+    /// Worker index 0's momentum of `chunk`, taken in ([`Server::accept_momentum`]),
+    /// is placed in the shard's momentum: with its values, the chunk's next
+    /// round may be applied.
+    pub fn handle_momentum(&mut self, from: u32, chunk: u32) -> Result<()> {
+        let lc = self.local_chunk(from, chunk)?;
+        let Some(iter) = self.momentum_in[lc] else {
+            let layer = self.book.chunks()[chunk as usize].layer;
+            let iter = self.plan.round_iter(layer, self.applied[lc]).unwrap_or(u64::MAX);
+            return Err(self.err(from, ProtocolViolation::MomentumUnexpected { chunk, iter }));
+        };
+        debug_assert!(self.moves_momentum, "taken in only where momentum moves");
         self.handle_reseed(from, chunk, lc, Reseed::Momentum)
+            .map_err(|_| self.err(from, ProtocolViolation::MomentumUnexpected { chunk, iter }))
     }
 
     /// Worker index 0's values of `chunk`, written again where its layer

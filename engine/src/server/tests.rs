@@ -542,7 +542,7 @@ fn momentum_leaves_with_the_layer_and_comes_back_with_worker_0s_values() {
         assert_eq!(momentum_sends(&cmds), [(0, 1)], "momentum {momentum_first}");
         s.bcast_done();
         assert_eq!(Server::applies(&round(&mut s)), []);
-        let refused = s.handle_momentum(2, 0).unwrap_err();
+        let refused = s.accept_momentum(2, 0, 3).unwrap_err();
         assert!(
             matches!(
                 refused,
@@ -553,6 +553,16 @@ fn momentum_leaves_with_the_layer_and_comes_back_with_worker_0s_values() {
             ),
             "{refused:?}"
         );
+        assert!(s.handle_momentum(0, 0).is_err(), "placed without being taken in");
+        assert!(s.accept_momentum(0, 0, 4).is_err(), "for another round than the next");
+        s.accept_momentum(0, 0, 3).unwrap();
+        assert!(matches!(
+            s.accept_momentum(0, 0, 3),
+            Err(EngineError::Protocol {
+                violation: ProtocolViolation::MomentumTwice { chunk: 0, iter: 3 },
+                ..
+            })
+        ));
         if momentum_first {
             s.handle_momentum(0, 0).unwrap();
             assert_eq!(Server::applies(&s.drain()), [], "the values are not back yet");
@@ -565,7 +575,14 @@ fn momentum_leaves_with_the_layer_and_comes_back_with_worker_0s_values() {
         let cmds = s.drain();
         assert_eq!(Server::applies(&cmds), [(3, 3)]);
         assert_eq!(momentum_sends(&cmds), [], "the layer stays on the PS after 3");
-        assert!(s.handle_momentum(0, 0).is_err(), "a second momentum");
+        // Once more for a round already applied: not the chunk's next.
+        assert!(matches!(
+            s.accept_momentum(0, 0, 3),
+            Err(EngineError::Protocol {
+                violation: ProtocolViolation::MomentumUnexpected { chunk: 0, iter: 3 },
+                ..
+            })
+        ));
     }
 }
 
@@ -593,7 +610,7 @@ fn a_decision_after_the_last_ps_round_sends_the_momentum_then() {
     plain.decide(2, 1).unwrap();
     assert_eq!(momentum_sends(&plain.drain()), []);
     assert!(matches!(
-        plain.handle_momentum(0, 0),
+        plain.accept_momentum(0, 0, 4),
         Err(EngineError::Protocol {
             violation: ProtocolViolation::MomentumUnexpected { .. },
             ..
