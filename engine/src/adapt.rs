@@ -148,6 +148,8 @@ impl Adapt {
             sum_bytes_per_s: reached.sum_bytes_per_s.unwrap_or(r0.sum_bytes_per_s),
             ..*r0
         };
+        // The link and the message cost stay the measured ones.
+        debug_assert!(r.link_bytes_per_s == r0.link_bytes_per_s && r.msg_s == r0.msg_s);
         r.validate().ok().map(|()| r)
     }
 

@@ -856,6 +856,8 @@ impl Worker {
             return Err(self.protocol(from, ProtocolViolation::MomentumTwice { chunk, iter }));
         }
         self.momentum_seen[chunk as usize] = Some(iter);
+        // Taken in for a switch after the start, by the chunk's owner.
+        debug_assert!(iter > 0 && self.book.chunks()[chunk as usize].server == from);
         Ok(())
     }
 

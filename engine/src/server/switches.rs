@@ -37,6 +37,8 @@ impl Server {
             return Err(self.err(from, ProtocolViolation::MomentumTwice { chunk, iter }));
         }
         self.momentum_in[lc] = Some(iter);
+        // Worker 0's, for a switch back (an iteration after the start).
+        debug_assert!(iter > 0 && from0);
         Ok(())
     }
 
