@@ -378,12 +378,18 @@ impl Plan {
     /// Whether `layer` leaves the servers at `iter` (PS at `iter − 1`, SFB
     /// at `iter`): every worker needs the servers' momentum of it first.
     pub fn leaves_ps_at(&self, layer: u32, iter: u64) -> bool {
-        let r = iter > 0 && self.scheme(layer, iter - 1) == Scheme::Ps && self.scheme(layer, iter) == Scheme::Sfb;
-        // Only a switch to SFB leaves the PS: never at the start.
+        self.switches_at(layer, iter, Scheme::Ps, Scheme::Sfb)
+    }
+
+    /// Whether `layer` syncs by `from` at `iter − 1` and by `to` at `iter`.
+    fn switches_at(&self, layer: u32, iter: u64, from: Scheme, to: Scheme) -> bool {
+        debug_assert_ne!(from, to, "a switch changes the scheme");
+        let r = iter > 0 && self.scheme(layer, iter - 1) == from && self.scheme(layer, iter) == to;
+        // Only a switch changes a layer's scheme: never at the start.
         debug_assert!(
             !r || self.switches[layer as usize]
                 .iter()
-                .any(|&(at, s)| at == iter && s == Scheme::Sfb)
+                .any(|&(at, s)| at == iter && s == to)
         );
         r
     }
@@ -392,20 +398,14 @@ impl Plan {
     /// decisions cover it. Fixed from the start (decisions switch only
     /// contested layers), so every rank lays its momentum out alike.
     pub fn movable(&self, layer: u32) -> bool {
+        debug_assert!((layer as usize) < self.switches.len(), "layer {layer}");
         !self.switches[layer as usize].is_empty() || self.contested.contains(&layer)
     }
 
     /// Whether `layer` comes back to the servers at `iter` (SFB at `iter −
     /// 1`, PS at `iter`): its shard must be written again first.
     pub fn reseeds_at(&self, layer: u32, iter: u64) -> bool {
-        let r = iter > 0 && self.scheme(layer, iter - 1) == Scheme::Sfb && self.scheme(layer, iter) == Scheme::Ps;
-        // Only a switch back to the PS writes the shard again: never at the start.
-        debug_assert!(
-            !r || self.switches[layer as usize]
-                .iter()
-                .any(|&(at, s)| at == iter && s == Scheme::Ps)
-        );
-        r
+        self.switches_at(layer, iter, Scheme::Sfb, Scheme::Ps)
     }
 }
 

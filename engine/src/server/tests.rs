@@ -383,26 +383,26 @@ fn fc_book() -> Book {
     .unwrap()
 }
 
+/// The FC layer of [`fc_book`] to SFB at 1 and back to the PS at 3.
+const SFB_AT_1_PS_AT_3: [crate::plan::Switch; 2] = [
+    crate::plan::Switch {
+        layer: 0,
+        iter: 1,
+        scheme: Scheme::Sfb,
+    },
+    crate::plan::Switch {
+        layer: 0,
+        iter: 3,
+        scheme: Scheme::Ps,
+    },
+];
+
 /// A layer that switches to SFB at 1 and back to the PS at 3: its rounds
 /// are iterations 0, 3, 4; round 3 waits for worker 0's values (a write
 /// from another worker, or a second one, is refused), then applies.
 #[test]
 fn back_from_sfb_a_round_waits_for_worker_0s_values() {
-    use crate::plan::Switch;
-    let book = fc_book()
-        .with_switches(&[
-            Switch {
-                layer: 0,
-                iter: 1,
-                scheme: Scheme::Sfb,
-            },
-            Switch {
-                layer: 0,
-                iter: 3,
-                scheme: Scheme::Ps,
-            },
-        ])
-        .unwrap();
+    let book = fc_book().with_switches(&SFB_AT_1_PS_AT_3).unwrap();
     let mut s = Server::new(Arc::new(book), 3, SchedConfig::default()).unwrap();
     s.handle_init(0, 0).unwrap();
     s.drain();
@@ -515,21 +515,8 @@ fn momentum_sends(cmds: &[ServerCommand]) -> Vec<(u32, u64)> {
 /// either order, and momentum from another worker, or twice, is refused.
 #[test]
 fn momentum_leaves_with_the_layer_and_comes_back_with_worker_0s_values() {
-    use crate::plan::Switch;
-    let switches = [
-        Switch {
-            layer: 0,
-            iter: 1,
-            scheme: Scheme::Sfb,
-        },
-        Switch {
-            layer: 0,
-            iter: 3,
-            scheme: Scheme::Ps,
-        },
-    ];
     for momentum_first in [false, true] {
-        let book = fc_book().with_switches(&switches).unwrap();
+        let book = fc_book().with_switches(&SFB_AT_1_PS_AT_3).unwrap();
         let mut s = Server::new(Arc::new(book), 3, SchedConfig::default())
             .unwrap()
             .with_momentum(true);
