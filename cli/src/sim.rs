@@ -99,7 +99,8 @@ pub struct SimArgs {
     pub slice_params: usize,
     /// Decide FC layers' schemes again every N iterations (0: never), as
     /// `train --adapt-every` does: worker 0 runs the same policy on virtual
-    /// time (see `docs/src/switches.md`).
+    /// time (see `docs/src/switches.md`). Unlike `train`, where `full` and
+    /// `hybrid` decide every 10 by default, the simulator decides only when asked.
     #[arg(long, default_value_t = 0)]
     pub adapt_every: u64,
     /// Trace every NIC's bytes sent and received per bin of this many µs of

@@ -150,3 +150,80 @@ fn switches_outside_what_they_support_are_refused_up_front() {
         );
     }
 }
+
+/// The launcher checks `--switch` on the book the ranks build, at the rates
+/// it measured (here a profile whose GEMM is so slow that HybComm in
+/// seconds starts every FC layer on the PS, where the model in bytes starts
+/// fc6 by SFB): a switch the ranks can make runs, and one they cannot is
+/// refused before any rank starts, with either cost model.
+#[test]
+fn switches_are_checked_at_the_rates_the_ranks_decide_with() {
+    let _g = serial();
+    let dir = support::tmp("switch-rates");
+    std::fs::create_dir_all(&dir).unwrap();
+    let profile = dir.join("slow-gemm.json");
+    std::fs::write(
+        &profile,
+        r#"{"cores": 2, "link": "loopback", "mem_bytes_per_s": 1.0e10, "rates": {"link_bytes_per_s": 3.0e9,
+            "msg_s": 2.0e-5, "sum_bytes_per_s": 6.0e9, "gemm_flop_per_s": 1.0e6, "host_ranks": 1, "link_on_host": true}}"#,
+    )
+    .unwrap();
+    let seconds = ["--sync", "hybrid", "--profile", profile.to_str().unwrap()];
+    let bytes = ["--sync", "hybrid", "--cost-model", "bytes"];
+    for (model, runs, refused) in [(&seconds, "fc6@2:sfb", "fc6@2:ps"), (&bytes, "fc6@2:ps", "fc6@2:sfb")] {
+        let layout = ["--workers", "2", "--servers", "1"];
+        let mut extra = model.to_vec();
+        extra.extend_from_slice(&["--switch", runs]);
+        let r = report(&train(&layout, &extra));
+        assert_eq!(r.verified, Some(true), "{model:?} {runs}: {:?}", r.mismatched_layers);
+        assert_eq!(r.switches.len(), 1, "{model:?} {runs}: {:?}", r.switches);
+        let mut extra = model.to_vec();
+        extra.extend_from_slice(&["--switch", refused]);
+        let out = train(&layout, &extra);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("already syncs by that scheme"),
+            "{model:?} {refused}: {err}"
+        );
+        assert!(
+            !err.contains("exited"),
+            "{model:?} {refused}: refused only after the launch: {err}"
+        );
+    }
+}
+
+/// `--sync full` decides every 10 iterations unless told otherwise, where
+/// the run supports it, and says why not where it does not: no decision
+/// under SSP or with `--adapt-every 0`, and `--verify` holds across them.
+#[test]
+fn full_decides_every_ten_iterations_by_default_where_it_can() {
+    let _g = serial();
+    let run = |extra: &[&str]| {
+        report(
+            &tidewire()
+                .args(["train", "--model", "vgg19-mini", "--workers", "2", "--servers", "1"])
+                .args(["--iters", "12", "--batch", "8", "--time-scale", "0.05", "--json"])
+                .args(extra)
+                .output()
+                .unwrap(),
+        )
+    };
+    let r = run(&["--verify"]);
+    assert_eq!(r.verified, Some(true), "{:?}", r.mismatched_layers);
+    assert_eq!((r.adapt_every, r.adapt_off.as_deref()), (10, None));
+    let points: Vec<u64> = r.decisions.iter().map(|d| d.at).collect();
+    assert_eq!(points, [10], "{:?}", r.decisions);
+
+    let r = run(&["--adapt-every", "0"]);
+    assert_eq!((r.adapt_every, r.adapt_off.as_deref()), (0, None));
+    assert!(r.decisions.is_empty(), "{:?}", r.decisions);
+
+    let r = run(&["--consistency", "ssp:1"]);
+    assert_eq!(r.adapt_every, 0);
+    assert!(
+        r.adapt_off.as_deref().is_some_and(|w| w.contains("BSP")),
+        "{:?}",
+        r.adapt_off
+    );
+    assert!(r.decisions.is_empty() && r.switches.is_empty(), "{:?}", r.decisions);
+}

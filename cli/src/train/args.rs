@@ -11,6 +11,12 @@ use super::comm::CommArgs;
 use super::synth::Synth;
 use crate::error::{Error, Result};
 use crate::job::JobArgs;
+
+/// Iterations between decisions where `--adapt-every` is not given and the
+/// run supports them ([`TrainArgs::adapt_every`]): long enough that a
+/// window's time is steadier than one iteration's, short enough that a
+/// wrong start-up choice costs a run of 100 iterations at most about a tenth.
+pub const ADAPT_EVERY: u64 = 10;
 use crate::resilience::CheckpointArgs;
 
 /// Flags of `tidewire train`.
@@ -146,9 +152,12 @@ pub struct TrainArgs {
     /// never): worker 0 measures the cost model's choice, then an
     /// alternative (the layers the model is least sure of, flipped), keeps
     /// the faster, and watches it. The report lists each decision with the
-    /// window time it came from. Needs what --switch needs, and one learner per worker.
-    #[arg(long, default_value_t = 0)]
-    pub adapt_every: u64,
+    /// window time it came from. Needs what --switch needs, and one learner
+    /// per worker. Default: every 10 with `--sync full` or `hybrid` where
+    /// that holds (BSP, the all trigger, no --switch, no checkpoints, one
+    /// learner, no --comm-*, a dense FC layer), else never; the report says which.
+    #[arg(long)]
+    pub adapt_every: Option<u64>,
     /// The rates every rank decides with (JSON; the launcher measures them
     /// and passes them on to its ranks).
     #[arg(long, hide = true)]
@@ -306,12 +315,35 @@ impl TrainArgs {
         if self.job.iters == 0 {
             return Err(Error::Usage("--iters must be at least 1".into()));
         }
-        let book = self.book(&self.model()?, self.cluster()?)?;
-        if self.adapt_every > 0 && self.job.local_learners > 1 {
+        if self.adapt_every() > 0 && self.job.local_learners > 1 {
             return Err(Error::Usage(
                 "--adapt-every with --local-learners is not supported yet: a learner forms its PS gradient from the start-up scheme".into(),
             ));
         }
+        if self.rates_pending() {
+            // The sizes now; the switches once the launcher has measured the
+            // rates the ranks decide with ([`Self::check_plan`]): a book built
+            // before then decides in bytes, and may start a layer elsewhere.
+            let m = self.model()?;
+            Book::new(self.cluster()?, m.layers.clone(), self.book_config(&m))?;
+            return Ok(());
+        }
+        self.check_plan()
+    }
+    /// Whether the launcher is still to measure the rates every rank decides
+    /// HybComm (and the default slice size) with: not with `--cost-model
+    /// bytes`, `--rates` given, a frequency-guided run, or a mode with neither
+    /// HybComm nor slices.
+    pub(super) fn rates_pending(&self) -> bool {
+        !(self.cost_model == "bytes"
+            || self.rates.is_some()
+            || self.comm.active()
+            || (self.sync_mode().policy() != tidewire_engine::SchemePolicy::Hybrid && !self.sync_mode().sliced()))
+    }
+    /// The book as the ranks build it, and its switches and decisions checked
+    /// against the run's other flags (checkpoints, consistency, the op).
+    pub(super) fn check_plan(&self) -> Result<()> {
+        let book = self.book(&self.model()?, self.cluster()?)?;
         if book.plan().has_switches() || book.plan().every() > 0 {
             if self.ckpt.config().is_some() || self.ckpt.resume.is_some() {
                 return Err(Error::Usage(
@@ -491,10 +523,44 @@ impl TrainArgs {
             None => book,
         };
         let book = book.with_switches(&self.switches(m)?)?;
-        Ok(if self.adapt_every > 0 {
-            book.with_adaptive(self.adapt_every)?
+        Ok(if self.adapt_every() > 0 {
+            book.with_adaptive(self.adapt_every())?
         } else {
             book
+        })
+    }
+    /// The decision period: `--adapt-every`, else [`ADAPT_EVERY`] where
+    /// [`Self::adapt_off`] finds nothing against it, else 0.
+    pub(super) fn adapt_every(&self) -> u64 {
+        match self.adapt_every {
+            Some(n) => n,
+            None if self.adapt_off().is_none() => ADAPT_EVERY,
+            None => 0,
+        }
+    }
+    /// Why a run without `--adapt-every` does not decide in the run: its
+    /// mode has no HybComm, or it has what decisions do not support.
+    pub(super) fn adapt_off(&self) -> Option<&'static str> {
+        let sched = self.sched();
+        let dense_fc = self
+            .model()
+            .is_ok_and(|m| m.layers.iter().any(|l| l.kind == LayerKind::Fc && !l.sparse));
+        Some(if self.sync_mode().policy() != tidewire_engine::SchemePolicy::Hybrid {
+            "the sync mode has no HybComm"
+        } else if sched.consistency != Consistency::Bsp || sched.trigger != tidewire_engine::Trigger::All {
+            "decisions need BSP with the all trigger"
+        } else if self.switch.iter().any(|s| !s.trim().is_empty()) {
+            "--switch given"
+        } else if self.ckpt.config().is_some() || self.ckpt.resume.is_some() {
+            "decisions do not support checkpoints yet"
+        } else if self.job.local_learners > 1 {
+            "decisions need one learner per worker"
+        } else if self.comm.active() {
+            "--comm-* decides the frequency instead"
+        } else if !dense_fc {
+            "the model has no dense FC layer"
+        } else {
+            return None;
         })
     }
     /// The --switch flags, as the engine's switches (layers by name or index).

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use tidewire_engine::models::Model;
-use tidewire_engine::Book;
+use tidewire_engine::{Book, SchemePolicy};
 
 use super::args::TrainArgs;
 use super::comm;
@@ -57,6 +57,13 @@ pub(super) fn report(args: &TrainArgs, model: &Model, began: Instant, ended: &En
         factor_sends: results.iter().map(|r| r.stats.factor_sends).sum(),
         switches: book.plan().switches().collect(),
         decisions: first.map(|w| w.decisions.clone()).unwrap_or_default(),
+        adapt_every: args.adapt_every(),
+        adapt_off: match args.adapt_off() {
+            Some(why) if args.adapt_every.is_none() && args.sync_mode().policy() == SchemePolicy::Hybrid => {
+                Some(why.to_string())
+            }
+            _ => None,
+        },
         tx_sends: results.iter().map(|r| r.stats.tx_sends).sum(),
         factor_bytes_in_place: results.iter().map(|r| r.stats.factor_bytes_in_place).sum(),
         factor_bytes_decoded: results.iter().map(|r| r.stats.factor_bytes_decoded).sum(),

@@ -23,6 +23,7 @@ pub fn launch(args: &TrainArgs, node_args: Vec<String>) -> Result<TrainReport> {
     args.ckpt.check_dirs(args.job.iters)?;
     let mut base_args = resilience::without_resume(&node_args);
     let args = &with_measured_rates(args, &mut base_args)?;
+    args.check_plan()?;
     let mut kills: std::collections::VecDeque<resilience::Kill> = args.ckpt.fault_kill.iter().copied().collect();
     let mut restarts: Vec<Restart> = Vec::new();
     let mut resume = first_resume(args)?;
@@ -146,11 +147,7 @@ fn roll_back(
 /// bandwidth harness each rank's link is the shaped one, measured between
 /// the first two namespaces.
 fn measured_rates(args: &TrainArgs) -> Result<Option<tidewire_engine::cost::Rates>> {
-    if args.cost_model == "bytes"
-        || args.rates.is_some()
-        || args.comm.active()
-        || (args.sync_mode().policy() != tidewire_engine::SchemePolicy::Hybrid && !args.sync_mode().sliced())
-    {
+    if !args.rates_pending() {
         return Ok(None);
     }
     let profile = match &args.profile {

@@ -210,6 +210,13 @@ pub struct TrainReport {
     /// iteration each took effect at, the SFB bits, and the window time it came from.
     #[serde(default)]
     pub decisions: Vec<tidewire::Decision>,
+    /// Iterations between worker 0's decisions (0: the start-up choice holds).
+    #[serde(default)]
+    pub adapt_every: u64,
+    /// Why a run of a mode with HybComm does not decide in the run (no
+    /// `--adapt-every` given and the run has what decisions do not support).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapt_off: Option<String>,
     /// Factor blocks the workers sent (SFB's, to each peer worker), over all
     /// ranks and iterations.
     #[serde(default)]
@@ -505,6 +512,17 @@ fn render_schemes(s: &mut String, r: &TrainReport) {
             each.join(", "),
             r.factor_sends
         );
+    }
+    if r.adapt_every > 0 && r.decisions.is_empty() {
+        let _ = writeln!(
+            s,
+            "decisions: every {} iterations, none in this run's {}",
+            r.adapt_every,
+            r.per_iteration.len()
+        );
+    }
+    if let Some(why) = &r.adapt_off {
+        let _ = writeln!(s, "decisions: none, the start-up choice holds ({why})");
     }
     if !r.decisions.is_empty() {
         let each: Vec<String> = r

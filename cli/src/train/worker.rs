@@ -74,7 +74,7 @@ fn build_session(args: &TrainArgs, model: &Model, synth: &Arc<Synth>, spec: Clus
     if let Some(r) = args.agreed_rates()? {
         builder = builder.rates(r);
     }
-    builder = builder.switches(args.switches(model)?).adaptive(args.adapt_every);
+    builder = builder.switches(args.switches(model)?).adaptive(args.adapt_every());
     Ok(builder
         .batch(args.batch(model) * args.learners())
         .chunk_bytes(args.book_config(model).chunk_bytes)
