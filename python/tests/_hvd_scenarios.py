@@ -46,7 +46,7 @@ def _err(f) -> str:
     try:
         f()
         return ""
-    except (tidewire.TidewireError, ValueError, TypeError) as e:
+    except (tidewire.TidewireError, ValueError, TypeError, NotImplementedError) as e:
         return f"{type(e).__name__}: {e}"
 
 
@@ -146,7 +146,99 @@ def train(cfg) -> dict:
     return out
 
 
-SCENARIOS = {"hvd_collectives": collectives, "hvd_train": train}
+def adasum_inputs(r: int) -> dict:
+    """Rank r's tensors for the Adasum scenario (the test rebuilds them for its reference)."""
+    g = torch.Generator().manual_seed(500 + r)
+    return {
+        "f32": torch.randn(5, 7, generator=g) * (r + 1),
+        "f64": torch.randn(23, generator=g, dtype=torch.float64) * 10.0 ** (r - 1),
+        "f16": (torch.randn(19, generator=g) * 3).half(),
+        # rank 0's zero tensor: a squared norm below 2**-511 keeps its coefficient at 1
+        "zero_or_not": torch.zeros(4) if r == 0 else torch.randn(4, generator=g),
+        "mixed": torch.randn(6, generator=g, dtype=torch.float64),
+    }
+
+
+ADASUM_RUNS = {
+    "sgd": {"opt": "sgd"},
+    "adam": {"opt": "adam"},
+    "passes2": {"opt": "sgd", "backward_passes_per_step": 2},
+    "fp16": {"opt": "sgd", "compression": "fp16"},
+}
+
+
+def adasum_opt(kind: str, params):
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+def adasum(cfg) -> dict:
+    """allreduce(op=Adasum) in every form, DistributedOptimizer(op=Adasum)
+    training, and the refusals; on 2 or 4 ranks."""
+    tw.init()
+    r, w = tw.rank(), tw.size()
+    x = adasum_inputs(r)
+    A = tw.Adasum
+    res: dict = {}
+    for k in ("f32", "f64", "f16", "zero_or_not"):
+        res[k] = tw.allreduce(x[k], op=A, name=f"adasum_{k}")
+    t = x["f64"].clone()
+    res["inplace_is_t"] = tw.allreduce_(t, op=A) is t
+    res["inplace"] = t
+    t = x["f32"].clone()
+    h = tw.allreduce_async_(t, op=A)
+    h2 = tw.allreduce_async(x["f16"], op=A)
+    res["async"] = [tw.synchronize(h), tw.synchronize(h2)]
+    res["grouped"] = tw.grouped_allreduce([x["f32"], x["mixed"]], op=A)
+    res["scaled"] = tw.allreduce(x["f32"], op=A, prescale_factor=0.3, postscale_factor=1.7)
+    res["scaled16"] = tw.allreduce(x["f16"], op=A, prescale_factor=0.3, postscale_factor=1.7)
+    res["fp16_compression"] = tw.allreduce(x["f32"], op=A, compression=tw.Compression.fp16)
+    res["bf16"] = _err(lambda: tw.allreduce(x["f32"].bfloat16(), op=A))
+    res["int"] = _err(lambda: tw.allreduce(torch.ones(3, dtype=torch.int64), op=A))
+    res["reducescatter"] = _err(lambda: tw.reducescatter(x["f32"], op=A))
+
+    for name, kw in cfg["runs"].items():
+        kw = dict(kw)
+        net = hvd_model()
+        opt = adasum_opt(kw.pop("opt"), net.parameters())
+        if "compression" in kw:
+            kw["compression"] = getattr(tw.Compression, kw["compression"])
+        passes = kw.get("backward_passes_per_step", 1)
+        opt = tw.DistributedOptimizer(opt, named_parameters=net.named_parameters(), op=A, **kw)
+        for step in range(cfg["steps"]):
+            opt.zero_grad()
+            for micro in range(passes):
+                xb, yb = hvd_batch(10 * step + micro, r, w)
+                torch.nn.functional.cross_entropy(net(xb), yb).backward()
+            opt.step()
+        res[f"train_{name}"] = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        res[f"stats_{name}"] = opt.tidewire_stats()
+        opt.close()
+
+    def build(**kw):
+        return tw.DistributedOptimizer(torch.optim.SGD(hvd_model().parameters(), lr=0.1), op=A, **kw)
+
+    res["refuse_server"] = _err(lambda: build(apply="server"))
+    res["refuse_sfb"] = _err(lambda: build(sfb="always"))
+    res["refuse_prefetch"] = _err(lambda: build(prefetch=True))
+    res["refuse_comm_every"] = _err(lambda: build(comm_every=2))
+    res["refuse_predivide"] = _err(lambda: build(gradient_predivide_factor=2.0))
+    res["refuse_bf16"] = _err(lambda: build(compression=tw.Compression.bf16))
+    net = hvd_model()
+    opt = tw.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), op=A)
+    xb, yb = hvd_batch(0, r, w)
+    res["skip_sync"] = _err(lambda: opt.skip_synchronize().__enter__())
+    torch.nn.functional.cross_entropy(net(xb), yb).backward()
+    res["zero_grad_before_step"] = _err(opt.zero_grad)
+    res["too_many_passes"] = _err(lambda: torch.nn.functional.cross_entropy(net(xb), yb).backward())
+    opt.close()
+    res["after"] = tw.allreduce(torch.ones(2), op=tw.Sum)
+    tw.shutdown()
+    return res
+
+
+SCENARIOS = {"hvd_collectives": collectives, "hvd_train": train, "hvd_adasum": adasum}
 
 
 def run_fn(x: float):

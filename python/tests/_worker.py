@@ -338,9 +338,10 @@ def native_build(cfg) -> dict:
     return {"error": None, "seconds": time.time() - t0}
 
 
+from _elastic_scenarios import SCENARIOS as _ELASTIC  # noqa: E402
 from _hvd_scenarios import SCENARIOS as _HVD  # noqa: E402
 
-SCENARIOS = {**_HVD, "multi": multi, "native": native, "native_servers": native_servers, "collectives": collectives, "mismatch": mismatch,
+SCENARIOS = {**_HVD, **_ELASTIC, "multi": multi, "native": native, "native_servers": native_servers, "collectives": collectives, "mismatch": mismatch,
              "nosecret": nosecret, "straggler": straggler, "gloo": gloo, "secret": secret,
              "native_build": native_build}
 

@@ -233,6 +233,9 @@ from ._probes import (  # noqa: F401
     cuda_built,
     rocm_built,
 )
+from ._sync_batch_norm import SyncBatchNorm  # noqa: F401
+from ._suspend import suspend, resume  # noqa: F401
+from . import elastic  # noqa: F401
 from .. import _native  # noqa: F401
 from .._native import TidewireError  # noqa: F401
 
@@ -292,6 +295,10 @@ __all__ = [
     "push_pull_inplace",
     "push_pull_async_inplace",
     "declare",
+    "suspend",
+    "resume",
+    "SyncBatchNorm",
+    "elastic",
     "mpi_built",
     "mpi_enabled",
     "mpi_threads_supported",

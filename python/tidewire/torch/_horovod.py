@@ -33,7 +33,7 @@ from ._reduce import (
     _GATHER,
     _gather_equal,
     _reducescatter_now,
-    _refuse_adasum,
+    _check_adasum,
     _resolve_op,
     _snapshot,
 )
@@ -139,7 +139,7 @@ def _reduce_job(
     """Checks the arguments now (in the caller) and returns the job that reduces a snapshot."""
     env, _ = _require()
     _check_tensor(tensor, what)
-    rop = _refuse_adasum(_resolve_op(op, average), env.size)
+    rop = _check_adasum(_resolve_op(op, average), env.size, tensor.dtype, what)
     pre, post = _scales(prescale_factor, postscale_factor)
     snap = _snapshot(tensor)
     return lambda: _allreduce_now(snap, rop, pre, post, name)
@@ -190,9 +190,18 @@ def allreduce(
 ) -> torch.Tensor:
     """``tensor`` reduced over every rank, as a new tensor of its shape, dtype
     and device (Horovod's ``allreduce``). ``op``: :data:`Average` (default),
-    :data:`Sum`, :data:`Min`, :data:`Max`, :data:`Product`; :data:`Adasum`
-    raises ValueError with more than one rank (not implemented). ``average``
-    is Horovod's deprecated flag (True: Average, False: Sum).
+    :data:`Sum`, :data:`Adasum`, :data:`Min`, :data:`Max`, :data:`Product`.
+    ``average`` is Horovod's deprecated flag (True: Average, False: Sum).
+
+    :data:`Adasum` (float32, float64, float16; a power-of-two number of ranks,
+    else NotImplementedError, as Horovod): Horovod's pairwise combination over
+    its tree (rank 0 with 1, 2 with 3, then the pairs' results, ...), computed
+    on every rank from every rank's gathered tensor: float64 dot products and
+    squared norms in element order, ``a*(1 - a.b/|a|^2/2) + b*(1 - a.b/|b|^2/2)``
+    in float64 rounded to the dtype (float16: in float32 with one FMA, as
+    Horovod's F16C kernel). ``prescale_factor``/``postscale_factor`` scale each
+    rank's tensor and the result in the dtype, as Horovod's ``ScaleBuffer``.
+    It moves ``size()`` times the bytes of a sum.
 
     ``prescale_factor`` multiplies each rank's tensor before the sum and
     ``postscale_factor`` the result (floating-point tensors only). Average is
@@ -202,7 +211,7 @@ def allreduce(
 
     Exactness: float32 (and float16/bfloat16, widened exactly) Sum and
     Average go through Tidewire's servers, which sum in float32 in rank order;
-    float64, integers, and Min/Max/Product are gathered bit for bit and reduced
+    float64, integers, Min/Max/Product and Adasum are gathered bit for bit and reduced
     in the tensor's own dtype in rank order, so int64 sums are exact (beyond
     2**53 too). Every rank gets the same bits.
 
@@ -396,7 +405,14 @@ def reducescatter_async(
     _check_tensor(tensor, "reducescatter")
     if tensor.dim() == 0:
         raise ValueError("reducescatter: the tensor needs at least one dimension (the one it splits)")
-    rop = _refuse_adasum(_resolve_op(op, None), env.size)
+    rop = _resolve_op(op, None)
+    if rop == ReduceOp.ADASUM:
+        if env.size > 1:
+            raise ValueError(
+                "reducescatter: op=Adasum is refused, as Horovod refuses it ('Reducescatter currently only "
+                "supports AVERAGE and SUM'); use allreduce(op=Adasum) and keep your rows"
+            )
+        rop = ReduceOp.SUM
     pre, post = _scales(prescale_factor, postscale_factor)
     snap = _snapshot(tensor)
     return _launch(lambda: _reducescatter_now(snap, rop, pre, post, name), _to_like(tensor))

@@ -221,9 +221,8 @@ def DistributedOptimizer(
         (``fp16``: rounded to float16), and the servers sum the rounded values
         in float32; the wire still carries float32 in this version.
         ``op``: :data:`Average` (default: the servers' mean, sum times 1/size
-        in float32) or :data:`Sum` (the servers' sum, no division);
-        :data:`Adasum` raises ValueError with more than one rank (not
-        implemented). ``gradient_predivide_factor`` f (Average only): each
+        in float32), :data:`Sum` (the servers' sum, no division) or
+        :data:`Adasum` (below). ``gradient_predivide_factor`` f (Average only): each
         gradient is multiplied by 1/f before the push and the servers' sum by
         f/size after the pull, as Horovod does. ``backward_passes_per_step``:
         see below. ``num_groups``/``groups`` (Horovod's fusion groups) change
@@ -350,6 +349,28 @@ def DistributedOptimizer(
         checkpoints. Not with ``comm_every``/``quality_guided`` or local
         aggregation (yet).
 
+    ``op=Adasum`` (more than one rank, a power of two)
+        Horovod's Adasum optimizer (``_DistributedAdasumOptimizer``): the
+        gradients are not reduced and no Tidewire session is built. ``step()``
+        runs the wrapped optimizer on each parameter alone with this rank's
+        gradient, from its value ``start``, and sets the parameter to
+        ``start + adasum(new - start)``: the deltas are reduced with
+        ``allreduce(op=Adasum)``'s exact arithmetic, each parameter its own
+        tensor (``compression`` compresses the delta: ``Compression.fp16``
+        reduces float16 deltas; bf16 is refused, as Horovod's Adasum has no
+        bfloat16). ``backward_passes_per_step`` n: ``step()`` after n backward
+        passes steps once on the accumulated gradient (more passes raise);
+        ``zero_grad()`` between a backward and its ``step()`` raises,
+        ``synchronize()`` does nothing and ``skip_synchronize()`` raises, as in
+        Horovod. Every gradient starts as zeros, and rank 0's parameters are
+        broadcast at the build. Refused (ValueError, naming why):
+        ``apply='server'``, ``sfb`` True/'always'/'adaptive', SSP,
+        ``prefetch``, ``comm_every``/``comm_mode``/``quality_guided``,
+        checkpoints, ``timeout``, ``gradient_predivide_factor``. A world size
+        that is not a power of two raises NotImplementedError (as Horovod).
+        With one rank Adasum is the identity and the ordinary optimizer is
+        built (as Horovod does).
+
     Do not modify ``.grad`` between backward and ``step()`` (the layers may
     be in flight): call :meth:`synchronize` first, then ``step()`` within
     :meth:`skip_synchronize`. ``zero_grad`` zeroes in place (grads are never
@@ -365,6 +386,18 @@ def DistributedOptimizer(
     _check_groups(num_groups, groups)
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense={sparse_as_dense!r}: want a bool")
+    from ._reduce import ReduceOp, _resolve_op
+    from ._runtime import _require
+
+    if _resolve_op(op, None) == ReduceOp.ADASUM and _require()[0].size > 1:
+        from ._adasum import _adasum_optimizer
+
+        return _adasum_optimizer(
+            optimizer, named_parameters, compression, backward_passes_per_step, gradient_predivide_factor, model,
+            dict(apply=apply, sfb=sfb, consistency=consistency, prefetch=prefetch, comm_every=comm_every,
+                 comm_mode=comm_mode, quality_guided=quality_guided, checkpoint_dir=checkpoint_dir, resume=resume,
+                 timeout=timeout, broadcast_buffers=broadcast_buffers),
+        )
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__doc__": _DistributedOptimizer.__doc__})
     obj = cls.__new__(cls)

@@ -36,6 +36,9 @@ def _gather_topology() -> _Topology:
 
 
 def _topology() -> _Topology:
+    if _state.env is None and _state.suspended is not None:
+        left: _Topology = _state.suspended.topology  # BytePS's suspend(): the job it left
+        return left
     _require()
     topo = _state.topology
     assert topo is not None, "init() gathers the topology"

@@ -13,12 +13,17 @@ Two paths move the values:
   tensor's own dtype, in rank order: int64 sums are exact (wrapping on
   overflow, as integers do), float64 sums round like a float64 loop over the
   ranks, and every rank computes the same bits.
+
+Adasum (float32, float64, float16) is gathered the same way and combined on
+every rank by Horovod's pairwise rule over its power-of-two tree (``_adasum``).
 """
 
 from __future__ import annotations
 
 import enum
 import io
+import math
+import sys
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -53,25 +58,39 @@ def _resolve_op(op: Any, average: Optional[bool]) -> ReduceOp:
     if op is None:
         return ReduceOp.SUM if average is False else ReduceOp.AVERAGE
     if isinstance(op, bool) or not isinstance(op, int):
-        raise ValueError(f"op={op!r}: want tidewire.torch.Average, Sum, Min, Max or Product")
+        raise ValueError(f"op={op!r}: want tidewire.torch.Average, Sum, Adasum, Min, Max or Product")
     try:
         return ReduceOp(int(op))
     except ValueError:
-        raise ValueError(f"op={op!r}: want tidewire.torch.Average, Sum, Min, Max or Product") from None
+        raise ValueError(f"op={op!r}: want tidewire.torch.Average, Sum, Adasum, Min, Max or Product") from None
 
 
-def _refuse_adasum(op: ReduceOp, size: int) -> ReduceOp:
-    """Adasum of one rank is its own tensor (a Sum of one); with more, a ValueError."""
+#: The dtypes Horovod's Adasum takes (its CPU kernels: float16 in its AVX/F16C/FMA builds, which x86 builds are).
+_ADASUM_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+def _check_adasum(op: ReduceOp, size: int, dtype: torch.dtype, what: str) -> ReduceOp:
+    """Horovod's checks of ``op=Adasum``, in the caller (every rank raises the
+    same): of one rank it is the tensor itself (a Sum of one, any dtype); with
+    more, the world size must be a power of two and the dtype float32, float64
+    or float16."""
     if op != ReduceOp.ADASUM:
         return op
     if size == 1:
         return ReduceOp.SUM
-    raise ValueError(
-        "op=Adasum is not implemented by Tidewire yet: Adasum combines the ranks' whole tensors pairwise "
-        "(a + b - (a.b)(a/|a|^2 + b/|b|^2)/2, recursively over a power-of-two tree), which needs each pair's "
-        "dot products and norms over the whole tensor before any element is combined; Tidewire's servers only "
-        "sum slices. Use op=Average (and scale the learning rate by size()) or op=Sum"
-    )
+    if size & (size - 1):
+        raise NotImplementedError(
+            f"{what}: op=Adasum with {size} ranks: Horovod's Adasum combines the ranks pairwise over a binary "
+            "tree (0 with 1, 2 with 3, then the pairs' results, ...) and refuses a world size that is not a power "
+            "of two ('Running Adasum with non-power of 2 ranks is not supported yet'); Tidewire keeps that "
+            "restriction rather than invent a tree Horovod does not define"
+        )
+    if dtype not in _ADASUM_DTYPES:
+        raise TypeError(
+            f"{what}: op=Adasum of {dtype}: Horovod's Adasum takes float32, float64 and float16 only "
+            "(its kernels raise 'Unsupported data type' for the others)"
+        )
+    return op
 
 
 def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
@@ -183,6 +202,95 @@ def _reduce_rows(rows: List[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     return acc
 
 
+# --------------------------------------------------------------------------- Adasum
+
+#: Horovod's threshold (``sqrt(DBL_MIN)``, 2**-511): a squared norm below it leaves its coefficient at 1.
+_SQRT_DBL_MIN = math.sqrt(sys.float_info.min)
+
+
+def _sum64(x: torch.Tensor) -> float:
+    """The float64 sum of ``x`` in element order, as Horovod's loop
+    ``s = 0.; s += x[i]`` rounds it: ``cumsum`` runs one sequential loop
+    (``sum`` would not: its order follows the vector unit)."""
+    if x.numel() == 0:
+        return 0.0
+    return 0.0 + float(torch.cumsum(x, 0)[-1])
+
+
+def _fma32(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """float32 ``fma(x, y, z)``, rounded once as the FMA instruction rounds:
+    ``x*y`` is exact in float64, the sum is rounded to odd in float64 (the
+    TwoSum error says which way the nearest rounding lost), and rounding to
+    odd with 53 >= 24 + 2 bits makes the rounding to float32 exact (Boldo and
+    Melquiond)."""
+    p = x.double() * y.double()
+    zz = z.double()
+    s = p + zz
+    bb = s - p
+    err = (p - (s - bb)) + (zz - bb)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.tensor(math.inf, dtype=torch.float64),
+                         torch.tensor(-math.inf, dtype=torch.float64))
+    s = torch.where((err != 0) & torch.isfinite(err) & even, torch.nextafter(s, toward), s)
+    return s.to(torch.float32)
+
+
+def _scale_adasum(x: torch.Tensor, f: float) -> torch.Tensor:
+    """Horovod's ``ScaleBuffer``: float64 times ``f``; float32 times ``(float)f``;
+    float16 widened to float32, times ``(float)f``, rounded to float16."""
+    if f == 1.0:
+        return x
+    if x.dtype == torch.float64:
+        return x * f
+    f32 = torch.tensor(f, dtype=torch.float64).to(torch.float32)
+    return (x.float() * f32).to(x.dtype)
+
+
+def _adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Horovod's pairwise Adasum of two flat tensors of one dtype (``a`` from
+    the lower ranks): with ``d = a.b``, ``|a|^2``, ``|b|^2`` summed in float64
+    in element order, ``ca = 1 - d/|a|^2 * 0.5`` (1 when ``|a|^2 < 2**-511``),
+    likewise ``cb``; float32/float64: ``ca*a + cb*b`` in float64, rounded once
+    to the dtype; float16 (Horovod's F16C path): ``fma(float(cb), b,
+    float(ca)*a)`` in float32, rounded to float16."""
+    a64, b64 = a.double(), b.double()
+    dot, an, bn = _sum64(a64 * b64), _sum64(a64 * a64), _sum64(b64 * b64)
+    ca = 1.0 - dot / an * 0.5 if an >= _SQRT_DBL_MIN else 1.0
+    cb = 1.0 - dot / bn * 0.5 if bn >= _SQRT_DBL_MIN else 1.0
+    if a.dtype == torch.float16:
+        ca32 = torch.tensor(ca, dtype=torch.float64).to(torch.float32)
+        cb32 = torch.tensor(cb, dtype=torch.float64).to(torch.float32)
+        return _fma32(cb32, b.float(), a.float() * ca32).to(torch.float16)
+    return (a64 * ca + b64 * cb).to(a.dtype)
+
+
+def _adasum_tree(rows: List[torch.Tensor]) -> torch.Tensor:
+    """The ranks' tensors (a power of two of them, in rank order) combined as
+    Horovod's vector-halving distance-doubling levels combine them: 0 with 1,
+    2 with 3, ..., then (0,1) with (2,3), ...; each level's result is rounded to
+    the dtype before the next."""
+    level = list(rows)
+    while len(level) > 1:
+        level = [_adasum_pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def _adasum_now(
+    flats: Sequence[torch.Tensor], prescale: float, postscale: float, name: Optional[str]
+) -> List[torch.Tensor]:
+    """Adasum of each flat tensor (one dtype) over every rank, each tensor on
+    its own (its own dot products and norms, as Horovod's fused buffer keeps
+    one per tensor), in one gather. Every rank computes the same bits."""
+    counts = [f.numel() for f in flats]
+    mine = torch.cat([_scale_adasum(f.reshape(-1), prescale) for f in flats])
+    rows = _gather_equal(mine, _tag(mine.dtype, int(ReduceOp.ADASUM)), name)
+    out, at = [], 0
+    for n in counts:
+        out.append(_scale_adasum(_adasum_tree([r[at : at + n] for r in rows]), postscale))
+        at += n
+    return out
+
+
 def _allreduce_now(
     t: torch.Tensor, op: ReduceOp, prescale: float, postscale: float, name: Optional[str]
 ) -> torch.Tensor:
@@ -193,6 +301,8 @@ def _allreduce_now(
         raise ValueError(f"prescale_factor/postscale_factor apply to floating-point tensors, not {t.dtype}")
     if t.dtype == torch.bool and op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.PRODUCT):
         raise TypeError(f"allreduce of bool tensors: only Min and Max (and, or), not {op.name.title()}")
+    if op == ReduceOp.ADASUM:
+        return _adasum_now([t.reshape(-1)], prescale, postscale, name)[0].reshape(t.shape)
     flat = _scale(t.reshape(-1).clone(), prescale) if prescale != 1.0 else t.reshape(-1)
     tag = _tag(t.dtype, int(op))
     if t.dtype in _VIA_F32 and op in (ReduceOp.SUM, ReduceOp.AVERAGE):

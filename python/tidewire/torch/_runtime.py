@@ -25,6 +25,10 @@ class _State:
         self.atexit = False
         #: Every rank's local rank and host (``_probes._Topology``), gathered by init().
         self.topology: Any = None
+        #: While BytePS's suspend() holds the job (``_suspend._Suspended``): the env
+        #: and topology it had, which rank(), size() and the other queries still
+        #: answer from, and the optimizers resume() rebuilds.
+        self.suspended: Any = None
 
 
 _state = _State()
@@ -35,6 +39,14 @@ def _require() -> Tuple[_Env, "_Util"]:
     if env is None or util is None:
         raise TidewireError("tidewire.torch is not initialized: call tidewire.torch.init() first")
     return env, util
+
+
+def _identity() -> _Env:
+    """Who this process is: the job's env, or while suspended the one it had."""
+    env = _state.env
+    if env is None and _state.suspended is not None:
+        return _state.suspended.env
+    return env if env is not None else _require()[0]
 
 
 def _new_index() -> int:
@@ -75,6 +87,7 @@ def init(
         env = _read_env(secret, master, timeout, local_aggregation)
         util = _Util(env, _new_index())
         _state.env, _state.util = env, util
+        _state.suspended = None
         from ._probes import _gather_topology
 
         try:
@@ -94,20 +107,20 @@ def is_initialized() -> bool:
 
 
 def rank() -> int:
-    """This process's rank (0 .. size()-1)."""
-    return _require()[0].rank
+    """This process's rank (0 .. size()-1). Answers while suspended (BytePS's suspend)."""
+    return _identity().rank
 
 
 def size() -> int:
-    """The number of ranks."""
-    return _require()[0].size
+    """The number of ranks. Answers while suspended."""
+    return _identity().size
 
 
 def local_rank() -> int:
     """This process's rank on its host (``LOCAL_RANK``, ``SLURM_LOCALID``,
     ``OMPI_COMM_WORLD_LOCAL_RANK``; 0 when the launcher sets none): use it to
-    pick a GPU."""
-    return _require()[0].local_rank
+    pick a GPU. Answers while suspended."""
+    return _identity().local_rank
 
 
 def shutdown() -> None:
@@ -122,6 +135,7 @@ def shutdown() -> None:
         _state.util = None
         _state.env = None
         _state.topology = None
+        _state.suspended = None
     errors: List[BaseException] = []
 
     def run(f: Callable[[], None]) -> None:

@@ -129,9 +129,10 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
     def _setup_reduce(self, r: Dict[str, Any], sfb_asked: bool) -> None:
         """Horovod's op, gradient_predivide_factor and compression (see DistributedOptimizer)."""
         from ._compression import NoneCompressor, _check_compression
-        from ._reduce import ReduceOp, _refuse_adasum, _resolve_op
+        from ._reduce import ReduceOp, _check_adasum, _resolve_op
 
-        op = _refuse_adasum(_resolve_op(r.get("op"), None), self.env.size)
+        # op=Adasum with more than one rank never gets here (DistributedOptimizer builds _adasum's optimizer).
+        op = _check_adasum(_resolve_op(r.get("op"), None), self.env.size, torch.float32, "DistributedOptimizer")
         if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"op={op.name.title()}: DistributedOptimizer reduces gradients with Average or Sum")
         f = float(r.get("gradient_predivide_factor", 1.0))
@@ -535,6 +536,30 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
                     else:
                         p.copy_(r)  # rank 0's initial values
                 p.grad = g
+
+    # ----------------------------------------------------------------- suspend / resume
+
+    def reopen_refusal(self) -> Optional[str]:
+        """Why :meth:`reopen` cannot rebuild this optimizer's session, or None."""
+        if self.ckpt_dir is not None:
+            return "it checkpoints (checkpoint_dir=), whose step numbering a new session would restart"
+        if self.comm_on:
+            return "comm_every/comm_mode/quality_guided keep per-session exchange state"
+        if self.env.local_agg:
+            return "local aggregation (TIDEWIRE_LOCAL_AGGREGATION) is not supported across suspend/resume"
+        return None
+
+    def reopen(self, env: Any) -> None:
+        """After BytePS's resume: a new session (the next session index, on
+        every rank in the same order) over the same layers, from rank 0's
+        current parameters, and the hooks again. The optimizer was closed."""
+        assert self.closed and self.reopen_refusal() is None
+        self.env = env
+        self.resumed_from = None
+        self.synced = self.pending = self.skip_sync = False
+        self.closed = False
+        self._build_session()
+        self._install_hooks()
 
     def _install_hooks(self) -> None:
         for info in self.by_param.values():
