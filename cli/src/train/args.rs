@@ -11,13 +11,13 @@ use super::comm::CommArgs;
 use super::synth::Synth;
 use crate::error::{Error, Result};
 use crate::job::JobArgs;
+use crate::resilience::CheckpointArgs;
 
 /// Iterations between decisions where `--adapt-every` is not given and the
 /// run supports them ([`TrainArgs::adapt_every`]): long enough that a
 /// window's time is steadier than one iteration's, short enough that a
 /// wrong start-up choice costs a run of 100 iterations at most about a tenth.
 pub const ADAPT_EVERY: u64 = 10;
-use crate::resilience::CheckpointArgs;
 
 /// Flags of `tidewire train`.
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
