@@ -36,12 +36,19 @@ use crate::error::{Error, Result};
 /// The environment variable a rank reads its rates from (the JSON of [`Rates`]).
 pub const RATES_ENV: &str = "TIDEWIRE_RATES";
 
-/// The shape the GEMM rate is measured at: K rows of factors, an M×N block.
-/// K = 32 (a common batch per worker) and a 16 MiB block, out of the caches
-/// as an FC layer's gradient is: at K = 128 and a 4 MiB block, the rate was
-/// 1.3 to 2 times what `cpu::sf_sum` reached on a 4096×4097 layer at K = 32
-/// with 4 workers, and HybComm took SFB where the PS was faster.
-pub const GEMM_SHAPE: (usize, usize, usize) = (32, 1024, 4096);
+/// The shape the GEMM rate is measured at: K rows of factors, an M×N
+/// block. K = 32 (a common batch per worker), N = 4096, and M such that the
+/// block is as large as [`sum_rate`]'s arrays, out of the caches as an FC
+/// layer's gradient is. (At K = 128 and a 4 MiB block, the rate was 1.3 to
+/// 2 times what `cpu::sf_sum` reached on a 4096×4097 layer at K = 32 with 4
+/// workers; at a 16 MiB block, which fits the 2-core VM's 32 MiB L3, one
+/// thread read 100 to 120 GFLOP/s where a 64 MiB block gave 60 to 74, and
+/// with VGG19 3+1 over loopback HybComm put the PS within 0.1% of SFB where
+/// SFB ran 1.2 to 1.3 times faster.)
+pub fn gemm_shape() -> (usize, usize, usize) {
+    let n = 4096;
+    (32, (sum_len() / n).max(1024), n)
+}
 
 /// A machine's measured rates, one thread's each, and how many cores it has.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -139,6 +146,7 @@ pub fn measure(budget: Duration) -> Result<Profile> {
         msg_s: message_cost(budget)?,
         host_ranks: 1,
         link_on_host: true,
+        ps_builds_grad: false,
     };
     rates.validate().map_err(|e| Error::Calibration(e.to_string()))?;
     Ok(Profile {
@@ -165,9 +173,9 @@ fn best_of(budget: Duration, mut f: impl FnMut()) -> f64 {
     best.max(1e-9)
 }
 
-/// FLOP/s of [`cpu::sf_rows`] at [`GEMM_SHAPE`].
+/// FLOP/s of [`cpu::sf_rows`] at [`gemm_shape`].
 pub fn gemm_rate(budget: Duration) -> f64 {
-    let (k, m, n) = GEMM_SHAPE;
+    let (k, m, n) = gemm_shape();
     let u: Vec<f32> = (0..k * m).map(|i| (i % 7) as f32 * 0.25).collect();
     let v: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.5).collect();
     let mut out = vec![0f32; m * n];
@@ -236,6 +244,25 @@ fn io(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
     move |e| Error::Calibration(format!("loopback {what}: {e}"))
 }
 
+/// Bytes of one write of [`probe_stream`] (and one read of its server at most).
+const STREAM_WRITE: usize = 1 << 20;
+
+/// Bytes of the arrays [`probe_stream`] writes from and its server reads
+/// into, cycling: as large as [`sum_len`]'s, out of the caches, as the
+/// gradients and landing memory a run moves are. (From a 1 MiB buffer that
+/// stayed in the caches, the 2-core VM's stream read 4.9 to 5.5 GB/s, and
+/// with VGG19 3+1 over loopback the model put the PS a hair under SFB where
+/// it ran 1.2 to 1.3 times slower.)
+fn stream_len() -> usize {
+    sum_len() * 4
+}
+
+/// The array a probe's server reads into ([`stream_len`]), every page
+/// touched before a probe begins, as a rank's registered landing memory is.
+fn landing() -> Vec<u8> {
+    vec![1u8; stream_len()]
+}
+
 /// Rounds of [`stream_rate`]: its rate is the fastest round's.
 const STREAM_ROUNDS: u32 = 4;
 
@@ -250,8 +277,9 @@ pub fn stream_rate(budget: Duration) -> Result<f64> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(io("bind"))?;
     let addr = l.local_addr().map_err(io("bind"))?;
     let server = std::thread::spawn(move || -> Result<()> {
+        let mut buf = landing();
         for _ in 0..STREAM_ROUNDS {
-            serve_one(&l)?;
+            serve_one(&l, &mut buf)?;
         }
         Ok(())
     });
@@ -289,7 +317,7 @@ impl StreamServer {
         let port = l.local_addr().map_err(io("bind"))?.port();
         let thread = std::thread::Builder::new()
             .name("tidewire-link-probe".into())
-            .spawn(move || serve_one(&l))
+            .spawn(move || serve_one(&l, &mut landing()))
             .map_err(|e| Error::Thread {
                 what: "link probe",
                 reason: e.to_string(),
@@ -311,14 +339,14 @@ impl StreamServer {
 }
 
 /// Serves one probe on `l`, giving up after 30 s without one.
-fn serve_one(l: &TcpListener) -> Result<()> {
+fn serve_one(l: &TcpListener, buf: &mut [u8]) -> Result<()> {
     l.set_nonblocking(true).map_err(io("accept"))?;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         match l.accept() {
             Ok((s, _)) => {
                 s.set_nonblocking(false).map_err(io("accept"))?;
-                return serve_conn(s);
+                return serve_conn(s, buf);
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(1));
@@ -329,14 +357,17 @@ fn serve_one(l: &TcpListener) -> Result<()> {
 }
 
 /// Reads until the prober half-closes, then answers with the byte count.
-fn serve_conn(mut s: TcpStream) -> Result<()> {
+fn serve_conn(mut s: TcpStream, buf: &mut [u8]) -> Result<()> {
     s.set_read_timeout(Some(Duration::from_secs(30))).map_err(io("read"))?;
-    let mut buf = vec![0u8; 1 << 20];
-    let mut total = 0u64;
+    let (mut total, mut at) = (0u64, 0usize);
     loop {
-        match s.read(&mut buf).map_err(io("read"))? {
+        let end = (at + STREAM_WRITE).min(buf.len());
+        match s.read(&mut buf[at..end]).map_err(io("read"))? {
             0 => break,
-            n => total += n as u64,
+            n => {
+                total += n as u64;
+                at = if at + n >= buf.len() { 0 } else { at + n };
+            }
         }
     }
     s.write_all(&total.to_le_bytes()).map_err(io("write"))
@@ -347,13 +378,15 @@ fn serve_conn(mut s: TcpStream) -> Result<()> {
 /// until the server has read every byte and said so.
 pub fn probe_stream(addr: std::net::SocketAddr, budget: Duration) -> Result<f64> {
     let mut s = connect_retrying(addr)?;
-    let round = 1usize << 20;
-    let buf = vec![7u8; round];
+    let round = STREAM_WRITE;
+    // From an array out of the caches, as a layer's gradient is.
+    let buf = vec![7u8; stream_len()];
     let start = Instant::now();
-    let mut sent = 0u64;
+    let (mut sent, mut at) = (0u64, 0usize);
     while sent < 16 * round as u64 || start.elapsed() < budget {
-        s.write_all(&buf).map_err(io("write"))?;
+        s.write_all(&buf[at..at + round]).map_err(io("write"))?;
         sent += round as u64;
+        at = if at + 2 * round > buf.len() { 0 } else { at + round };
     }
     s.shutdown(std::net::Shutdown::Write).map_err(io("shutdown"))?;
     s.set_read_timeout(Some(Duration::from_secs(30))).map_err(io("read"))?;
@@ -449,6 +482,7 @@ mod tests {
                 gemm_flop_per_s: 75.6e9,
                 host_ranks: 1,
                 link_on_host: true,
+                ps_builds_grad: false,
             },
             link: "loopback".into(),
             mem_bytes_per_s: Some(16.5e9),

@@ -79,7 +79,7 @@ pub fn render(p: &Profile) -> String {
         "this machine, one thread each ({} cores):\n  GEMM (factors to gradient, K×M×N = {:?})  {:>8.1} GFLOP/s\n  sum into an accumulator (out of cache)    {:>8.2} GB/s\n  the same sum on every core at once        {mem}\n  one TCP stream ({})                 {:>8.2} GB/s\n  one small message, one way               {:>8.1} µs\n\
          `train --profile FILE` and `sim --profile FILE` divide these among the ranks that share the host.\n",
         p.cores,
-        calibrate::GEMM_SHAPE,
+        calibrate::gemm_shape(),
         r.gemm_flop_per_s / 1e9,
         r.sum_bytes_per_s / 1e9,
         p.link,

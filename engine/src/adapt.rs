@@ -321,6 +321,7 @@ mod tests {
             gemm_flop_per_s: 1e11,
             host_ranks: 1,
             link_on_host: false,
+            ps_builds_grad: false,
         };
         let b = std::sync::Arc::new(book(2).with_rates(rates).unwrap());
         let (ps, sfb) = b.seconds(1).expect("an FC layer in seconds");

@@ -407,6 +407,7 @@ mod tests {
                 gemm_flop_per_s: gemm,
                 host_ranks: 1,
                 link_on_host: false,
+                ps_builds_grad: false,
             };
             Arc::new(b.with_rates(r).unwrap())
         };

@@ -968,6 +968,7 @@ mod tests {
             gemm_flop_per_s,
             host_ranks: 1,
             link_on_host: false,
+            ps_builds_grad: false,
         }
     }
 

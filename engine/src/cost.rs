@@ -122,6 +122,15 @@ pub struct Rates {
     /// shaped namespace), whose time stays the busiest node's.
     #[serde(default)]
     pub link_on_host: bool,
+    /// Whether each worker builds a PS layer's dense gradient from its
+    /// factors itself, at [`Rates::gemm_flop_per_s`]: a GEMM of 2KMN that the
+    /// PS pays on every worker and SFB does not (SFB rebuilds from the
+    /// factors instead). True for `tidewire train`, whose backward makes an
+    /// FC layer's gradient from its synthetic factors only when the layer
+    /// goes by the PS; false where the framework's backward has computed the
+    /// dense gradient anyway (`tidewire.torch`, a C caller).
+    #[serde(default)]
+    pub ps_builds_grad: bool,
 }
 
 /// A rate out of range ([`Rates::validate`]).
@@ -167,6 +176,7 @@ impl Rates {
             gemm_flop_per_s: self.gemm_flop_per_s * cpu,
             host_ranks: self.host_ranks,
             link_on_host: self.link_on_host,
+            ps_builds_grad: self.ps_builds_grad,
         };
         // A share of valid rates is valid (and never faster).
         debug_assert!(
@@ -315,7 +325,12 @@ pub fn on_host(rates: &Rates, busiest: SchemeSeconds, others: &[(u64, SchemeSeco
 /// - **PS**, per node kind present: its Table 1 bytes over the link, its
 ///   pushes and broadcasts times the message cost, and on a server the fold
 ///   of P1 gradients of its share (MN·P1/P2 elements summed) and the update
-///   of its share (MN/P2, at [`APPLY_SUMS`] folds a parameter).
+///   of its share (MN/P2, at [`APPLY_SUMS`] folds a parameter). On a worker,
+///   where the driver builds the dense gradient from factors itself
+///   ([`Rates::ps_builds_grad`]), that GEMM too: 2KMN FLOPs. (Left out, on
+///   the 2-core VM, VGG19 3+1 over loopback, fc6's PS and SFB came within
+///   0.001 to 0.09 s of each other, and the start-up choice went either
+///   way: the PS at 57 and 59 samples/s, SFB at 79 and 79.)
 /// - **SFB**, on every worker: 2K(P1−1)(M+N) parameters over the link,
 ///   2(P1−1) factor blocks, the rebuild of all P1 workers' gradients,
 ///   2KMN FLOPs each, summed into the layer ((P1−1)·MN), and the update of
@@ -345,10 +360,15 @@ pub fn seconds(l: &LayerLoad, r: &Rates) -> (SchemeSeconds, SchemeSeconds) {
     let apply_s = |params: f64| params * APPLY_SUMS * 4.0 / r.sum_bytes_per_s;
     let server_compute_s = mn * p1 / p2 * 4.0 / r.sum_bytes_per_s + apply_s(mn / p2);
     let msgs = l.ps_messages as f64;
+    let grad_gemm_s = if r.ps_builds_grad {
+        2.0 * l.k as f64 * mn / r.gemm_flop_per_s
+    } else {
+        0.0
+    };
     let worker = SchemeSeconds {
         transfer_s: bytes(ps_params(NodeRole::WorkerOnly, l.m, l.n, l.p1, l.p2)),
         messages_s: 2.0 * msgs * r.msg_s,
-        compute_s: 0.0,
+        compute_s: grad_gemm_s,
     };
     let server = SchemeSeconds {
         transfer_s: bytes(ps_params(NodeRole::ServerOnly, l.m, l.n, l.p1, l.p2)),
@@ -358,7 +378,7 @@ pub fn seconds(l: &LayerLoad, r: &Rates) -> (SchemeSeconds, SchemeSeconds) {
     let both = SchemeSeconds {
         transfer_s: bytes(ps_params(NodeRole::Both, l.m, l.n, l.p1, l.p2)),
         messages_s: 2.0 * msgs * (1.0 + (p1 - 1.0) / p2) * r.msg_s,
-        compute_s: server_compute_s,
+        compute_s: server_compute_s + grad_gemm_s,
     };
     let sfb_worker = SchemeSeconds {
         transfer_s: bytes(sfb_params(l.k, l.p1, l.m, l.n)),
@@ -407,6 +427,7 @@ mod tests {
             gemm_flop_per_s: gemm,
             host_ranks: 1,
             link_on_host: false,
+            ps_builds_grad: false,
         }
     }
 
@@ -458,6 +479,8 @@ mod tests {
                 gemm_flop_per_s: f64::MAX,
                 host_ranks: 1,
                 link_on_host,
+                // Free GEMMs cost nothing either way.
+                ps_builds_grad: !link_on_host,
             };
             for &(colocated, k, m, n, p1, p2) in &[
                 (true, 32, 4096, 4096, 8, 8),
@@ -582,6 +605,7 @@ mod tests {
             gemm_flop_per_s: 49.4e9,
             host_ranks: 1,
             link_on_host: false,
+            ps_builds_grad: false,
         };
         let (ps, sfb) = seconds(&l, &at(2.05e9));
         let own = 2.0 * 32.0 * 4096.0 * 4096.0 / 49.4e9;
@@ -645,6 +669,7 @@ mod tests {
             gemm_flop_per_s: 19.6e9,
             host_ranks: 1,
             link_on_host: true,
+            ps_builds_grad: false,
         };
         let (ps1, sfb1) = seconds(&l, &shared);
         let host = Rates {
@@ -660,6 +685,62 @@ mod tests {
             "{ps4:?} {sfb4:?}"
         );
         assert!((sfb4.compute_s - 0.75 * sfb1.compute_s).abs() < 1e-9 * sfb1.compute_s);
+    }
+
+    #[test]
+    fn a_ps_gradient_the_driver_builds_is_charged_to_the_ps() {
+        // VGG19's fc6, 3 workers and 1 server over loopback on the 2-core
+        // VM, at the rates `train` measured there (2026-11-29): without the
+        // PS's gradient GEMM the model called it a tie (PS 0.819 s, SFB
+        // 0.820 s) and took the PS, which ran at 1.80 s an iteration against
+        // SFB's 1.23 s once the run's own decision tried it.
+        let l = LayerLoad {
+            ps_messages: 252,
+            ..fc6(3, 1, 32)
+        };
+        let r = Rates {
+            link_bytes_per_s: 2.20e9,
+            msg_s: 29.8e-6,
+            sum_bytes_per_s: 2.0e9,
+            gemm_flop_per_s: 56.0e9,
+            host_ranks: 4,
+            link_on_host: true,
+            ps_builds_grad: false,
+        };
+        let (ps, sfb) = seconds(&l, &r);
+        let (ps_b, sfb_b) = seconds(
+            &l,
+            &Rates {
+                ps_builds_grad: true,
+                ..r
+            },
+        );
+        // SFB is untouched; the PS gains each worker's 2KMN at the GEMM's
+        // rate, weighed as the host's (3 of its 4 ranks are workers).
+        assert_eq!(sfb, sfb_b);
+        let gemm = 2.0 * 32.0 * 4096.0 * 25088.0 / 56.0e9;
+        let gained = ps_b.compute_s - ps.compute_s;
+        assert!((gained - 0.75 * gemm).abs() < 1e-9, "{gained} vs {gemm}");
+        assert_eq!((ps.transfer_s, ps.messages_s), (ps_b.transfer_s, ps_b.messages_s));
+        assert!(ps_b.total() > sfb_b.total() * 1.05, "{ps_b:?} vs {sfb_b:?}");
+        // Colocated, every node is a worker and pays it whole.
+        let c = LayerLoad {
+            colocated: true,
+            p2: 3,
+            ..l
+        };
+        let own = |b: bool| {
+            seconds(
+                &c,
+                &Rates {
+                    ps_builds_grad: b,
+                    ..r
+                },
+            )
+            .0
+            .compute_s
+        };
+        assert!((own(true) - own(false) - gemm).abs() < 1e-9);
     }
 
     #[test]

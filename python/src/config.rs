@@ -144,6 +144,7 @@ fn read_rates(obj: &Bound<'_, PyAny>, owner: &str) -> PyResult<Rates> {
         gemm_flop_per_s: attr(obj, owner, "gemm_flop_per_s")?,
         host_ranks: attr(obj, owner, "host_ranks")?,
         link_on_host: attr(obj, owner, "link_on_host")?,
+        ps_builds_grad: attr(obj, owner, "ps_builds_grad")?,
     })
 }
 

@@ -78,6 +78,7 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
             gemm_flop_per_s: rr.pick(&[1e6, 1e8, 1e10, 5e13]),
             host_ranks: rr.pick(&[1, 2, 16]),
             link_on_host: rr.chance(0.5),
+            ps_builds_grad: rr.chance(0.5),
         };
         book = book.with_rates(rates)?;
         (rates.msg_s * 1e9) as u64

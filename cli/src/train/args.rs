@@ -501,7 +501,14 @@ impl TrainArgs {
         match &self.rates {
             None => Ok(None),
             Some(j) => tidewire::calibrate::parse_rates(j)
-                .map(Some)
+                .map(|r| {
+                    // This backward builds a PS layer's gradient from its
+                    // factors (`worker::backward`), a GEMM SFB does not pay.
+                    Some(tidewire_engine::cost::Rates {
+                        ps_builds_grad: true,
+                        ..r
+                    })
+                })
                 .map_err(|e| Error::Usage(format!("--rates: {e}"))),
         }
     }
