@@ -729,17 +729,7 @@ mod tests {
             p2: 3,
             ..l
         };
-        let own = |b: bool| {
-            seconds(
-                &c,
-                &Rates {
-                    ps_builds_grad: b,
-                    ..r
-                },
-            )
-            .0
-            .compute_s
-        };
+        let own = |b: bool| seconds(&c, &Rates { ps_builds_grad: b, ..r }).0.compute_s;
         assert!((own(true) - own(false) - gemm).abs() < 1e-9);
     }
 
