@@ -161,7 +161,11 @@ fn measured_rates(args: &TrainArgs) -> Result<Option<tidewire_engine::cost::Rate
         (Some(ns), Some(addrs)) => Some(netns_link_rate(&split_list(ns), &split_list(addrs))?),
         _ => None,
     };
-    Ok(Some(profile.node_rates(procs, link)))
+    Ok(Some(tidewire_engine::cost::Rates {
+        // The ranks' backward builds a PS layer's gradient ([`TrainArgs::agreed_rates`]).
+        ps_builds_grad: true,
+        ..profile.node_rates(procs, link)
+    }))
 }
 
 /// One TCP stream's rate from the first namespace to the second (a probe
