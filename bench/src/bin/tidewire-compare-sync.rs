@@ -138,7 +138,7 @@ fn order(modes: &[String], rep: usize) -> Vec<String> {
     (0..modes.len()).map(|i| modes[(rep + i) % n].clone()).collect()
 }
 
-fn one(a: &RunArgs, case: &str, mode: &str) -> Result<(f64, f64), String> {
+fn one(a: &RunArgs, case: &str, mode: &str) -> Result<(f64, f64, String), String> {
     let mut c = Command::new(&a.tidewire);
     c.arg("train").args(case_args(case)?);
     c.args(["--iters", &a.iters.to_string(), "--sync", mode, "--json"]);
@@ -181,7 +181,23 @@ fn one(a: &RunArgs, case: &str, mode: &str) -> Result<(f64, f64), String> {
     }
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("train's JSON: {e}"))?;
     let get = |k: &str| j[k].as_f64().ok_or_else(|| format!("train's JSON has no {k}"));
-    Ok((get("throughput_samples_s")?, get("iteration_s")?))
+    Ok((get("throughput_samples_s")?, get("iteration_s")?, fc_schemes(&j)))
+}
+
+/// The start-up scheme of each FC layer in `train`'s JSON report, as
+/// `fc6:sfb fc7:ps` (empty where it lists none): with `hybrid` and `full`
+/// the choice can differ from one run to the next, and the samples/s with it.
+fn fc_schemes(j: &serde_json::Value) -> String {
+    j["layers"]
+        .as_array()
+        .map(|ls| {
+            ls.iter()
+                .filter(|l| l["kind"].as_str().is_some_and(|k| k.eq_ignore_ascii_case("fc")))
+                .filter_map(|l| Some(format!("{}:{}", l["name"].as_str()?, l["scheme"].as_str()?)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
 }
 
 fn run(a: &RunArgs) -> Result<(), String> {
@@ -209,15 +225,25 @@ fn run(a: &RunArgs) -> Result<(), String> {
             for mode in order(&modes, rep) {
                 done += 1;
                 let t = Instant::now();
-                let (s, i, status) = match one(a, case, &mode) {
-                    Ok((s, i)) => (s, i, "ok".to_string()),
-                    Err(e) => (0.0, 0.0, format!("failed: {}", e.replace(['\t', '\n'], " "))),
+                let (s, i, fc, status) = match one(a, case, &mode) {
+                    Ok((s, i, fc)) => (s, i, fc, "ok".to_string()),
+                    Err(e) => (
+                        0.0,
+                        0.0,
+                        String::new(),
+                        format!("failed: {}", e.replace(['\t', '\n'], " ")),
+                    ),
                 };
                 println!(
-                    "[{done}/{total}] {} {case} {mode} rep {}: {s:.1} samples/s ({:.0} s){}",
+                    "[{done}/{total}] {} {case} {mode} rep {}: {s:.1} samples/s ({:.0} s){}{}",
                     a.net,
                     rep + 1,
                     t.elapsed().as_secs_f64(),
+                    if fc.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" [{fc}]")
+                    },
                     if status == "ok" {
                         String::new()
                     } else {
@@ -547,6 +573,17 @@ mod tests {
         );
         assert!(case_args("vgg19:4").unwrap_err().contains("MODEL:WORKERS"));
         assert!(case_args("vgg19:x:1:-").unwrap_err().contains("workers"));
+    }
+
+    #[test]
+    fn the_fc_layers_start_up_schemes_are_read_from_trains_report() {
+        let j = serde_json::json!({"layers": [
+            {"name": "conv1", "kind": "conv", "scheme": "ps"},
+            {"name": "fc6", "kind": "fc", "scheme": "sfb"},
+            {"name": "fc7", "kind": "fc", "scheme": "ps"},
+        ]});
+        assert_eq!(fc_schemes(&j), "fc6:sfb fc7:ps");
+        assert_eq!(fc_schemes(&serde_json::json!({})), "");
     }
 
     #[test]
