@@ -41,13 +41,15 @@ pub const RATES_ENV: &str = "TIDEWIRE_RATES";
 /// block is as large as [`sum_rate`]'s arrays, out of the caches as an FC
 /// layer's gradient is. (At K = 128 and a 4 MiB block, the rate was 1.3 to
 /// 2 times what `cpu::sf_sum` reached on a 4096×4097 layer at K = 32 with 4
-/// workers; at a 16 MiB block, which fits the 2-core VM's 32 MiB L3, one
-/// thread read 100 to 120 GFLOP/s where a 64 MiB block gave 60 to 74, and
+/// workers; on the 2-core VM, whose L2 is 2 MiB a core and whose share of
+/// its host's L3 is unknown, a 16 MiB block read 100 to 120 GFLOP/s on one
+/// thread where a 64 MiB one gave 60 to 74 and the 256 MiB one 54 to 65, and
 /// with VGG19 3+1 over loopback HybComm put the PS within 0.1% of SFB where
 /// SFB ran 1.2 to 1.3 times faster.)
 pub fn gemm_shape() -> (usize, usize, usize) {
     let n = 4096;
-    (32, (sum_len() / n).max(1024), n)
+    // sum_len() is at least 16 Mi elements: M at least 4096.
+    (32, sum_len() / n, n)
 }
 
 /// A machine's measured rates, one thread's each, and how many cores it has.
@@ -292,18 +294,20 @@ const STREAM_ROUNDS: u32 = 4;
 pub fn stream_rate(budget: Duration) -> Result<f64> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(io("bind"))?;
     let addr = l.local_addr().map_err(io("bind"))?;
+    // Touched before the first probe starts.
+    let mut buf = landing();
     let server = std::thread::spawn(move || -> Result<()> {
-        let mut buf = landing();
         for _ in 0..STREAM_ROUNDS {
             serve_one(&l, &mut buf)?;
         }
         Ok(())
     });
     let mut best = 0f64;
+    let src = source();
     for _ in 0..STREAM_ROUNDS {
         // On an error the reader is left waiting for a round that never
         // comes: it gives up on its own after 30 s (serve_one), not joined.
-        best = best.max(probe_stream(addr, budget / STREAM_ROUNDS)?);
+        best = best.max(probe_stream_from(addr, budget / STREAM_ROUNDS, &src)?);
     }
     server
         .join()
@@ -329,11 +333,13 @@ pub struct StreamServer {
 impl StreamServer {
     /// Binds `addr` and serves one probe in a thread (30 s at most).
     pub fn bind(addr: std::net::SocketAddr) -> Result<StreamServer> {
+        // Touched before the port is open: a prober may start at once.
+        let mut buf = landing();
         let l = TcpListener::bind(addr).map_err(io("bind"))?;
         let port = l.local_addr().map_err(io("bind"))?.port();
         let thread = std::thread::Builder::new()
             .name("tidewire-link-probe".into())
-            .spawn(move || serve_one(&l, &mut landing()))
+            .spawn(move || serve_one(&l, &mut buf))
             .map_err(|e| Error::Thread {
                 what: "link probe",
                 reason: e.to_string(),
@@ -393,10 +399,20 @@ fn serve_conn(mut s: TcpStream, buf: &mut [u8]) -> Result<()> {
 /// writes for about `budget` (at least 16 MiB), half-closes, and counts
 /// until the server has read every byte and said so.
 pub fn probe_stream(addr: std::net::SocketAddr, budget: Duration) -> Result<f64> {
-    let mut s = connect_retrying(addr)?;
+    probe_stream_from(addr, budget, &source())
+}
+
+/// The array a probe writes from ([`stream_len`]): out of the caches, as a
+/// layer's gradient is, and every page touched.
+fn source() -> Vec<u8> {
+    vec![7u8; stream_len()]
+}
+
+/// [`probe_stream`] from `buf` (at least two writes long), cycling through it.
+fn probe_stream_from(addr: std::net::SocketAddr, budget: Duration, buf: &[u8]) -> Result<f64> {
     let round = STREAM_WRITE;
-    // From an array out of the caches, as a layer's gradient is.
-    let buf = vec![7u8; stream_len()];
+    debug_assert!(buf.len() >= 2 * round, "the cycle below needs two writes");
+    let mut s = connect_retrying(addr)?;
     let start = Instant::now();
     let (mut sent, mut at) = (0u64, 0usize);
     while sent < 16 * round as u64 || start.elapsed() < budget {

@@ -352,7 +352,12 @@ fn one_run(
     let rates = match &args.profile {
         Some(p) => {
             let p = tidewire::calibrate::Profile::load(p).map_err(|e| Error::Usage(format!("--profile: {e}")))?;
-            Some(p.node_rates(ranks, Some(args.bandwidth / 8.0)))
+            // As `train` runs: FC layers handed in as factors, a PS layer's
+            // gradient formed from them (`cfg.fc_factors` in `set_machine`).
+            Some(Rates {
+                ps_builds_grad: true,
+                ..p.node_rates(ranks, Some(args.bandwidth / 8.0))
+            })
         }
         None => None,
     };
@@ -389,6 +394,9 @@ fn set_machine(cfg: &mut SimConfig, model: &Model, args: &SimArgs, rates: Option
     cfg.latency_ns = (args.latency_us * 1000.0).round() as u64;
     cfg.gemm_flops = model.calibrated_flop_rate() / args.job.time_scale.max(1e-9);
     if let Some(r) = rates {
+        // `train` hands FC layers in as factors, so its PS pays the GEMM
+        // that forms their gradient; the model charges it where the rates say.
+        cfg.fc_factors = r.ps_builds_grad;
         cfg.gemm_flops = r.gemm_flop_per_s;
         cfg.agg_bytes_per_s = r.sum_bytes_per_s;
         cfg.copy_bytes_per_s = r.sum_bytes_per_s;

@@ -122,13 +122,14 @@ pub struct Rates {
     /// shaped namespace), whose time stays the busiest node's.
     #[serde(default)]
     pub link_on_host: bool,
-    /// Whether each worker builds a PS layer's dense gradient from its
-    /// factors itself, at [`Rates::gemm_flop_per_s`]: a GEMM of 2KMN that the
-    /// PS pays on every worker and SFB does not (SFB rebuilds from the
-    /// factors instead). True for `tidewire train`, whose backward makes an
-    /// FC layer's gradient from its synthetic factors only when the layer
-    /// goes by the PS; false where the framework's backward has computed the
-    /// dense gradient anyway (`tidewire.torch`, a C caller).
+    /// Whether a PS layer's dense gradient is built from its factors on each
+    /// worker, at [`Rates::gemm_flop_per_s`]: a GEMM of 2KMN that the PS pays
+    /// and SFB does not (SFB rebuilds from the factors instead). True wherever
+    /// FC layers on the PS are handed in as factors (the runtime's
+    /// `FactorsToGrad`: `tidewire train`, `tidewire.torch` with
+    /// `sfb='adaptive'`) or the learner builds it (`train`'s local
+    /// learners); false where the framework's backward hands in the
+    /// gradient it computed anyway (`tidewire.torch` otherwise, a C caller).
     #[serde(default)]
     pub ps_builds_grad: bool,
 }
@@ -691,9 +692,9 @@ mod tests {
     fn a_ps_gradient_the_driver_builds_is_charged_to_the_ps() {
         // VGG19's fc6, 3 workers and 1 server over loopback on the 2-core
         // VM, at the rates `train` measured there (2026-11-29): without the
-        // PS's gradient GEMM the model called it a tie (PS 0.819 s, SFB
-        // 0.820 s) and took the PS, which ran at 1.80 s an iteration against
-        // SFB's 1.23 s once the run's own decision tried it.
+        // PS's gradient GEMM the model called it a tie (the run's report: PS
+        // 0.819 s, SFB 0.820 s) and took the PS, which ran at 1.80 s an
+        // iteration against SFB's 1.23 s once the run's own decision tried it.
         let l = LayerLoad {
             ps_messages: 252,
             ..fc6(3, 1, 32)
@@ -708,6 +709,10 @@ mod tests {
             ps_builds_grad: false,
         };
         let (ps, sfb) = seconds(&l, &r);
+        assert!(
+            (ps.total() / sfb.total() - 1.0).abs() < 0.02,
+            "a tie: {ps:?} vs {sfb:?}"
+        );
         let (ps_b, sfb_b) = seconds(
             &l,
             &Rates {

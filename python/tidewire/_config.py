@@ -105,9 +105,10 @@ class Rates:
     #: Whether the link is the host's loopback (its bytes are the shared
     #: cores' work) rather than a network link of each rank's own.
     link_on_host: bool = False
-    #: Whether each worker builds a PS layer's dense gradient from its factors
-    #: itself (a GEMM the PS pays and SFB does not); False where the
-    #: framework's backward computes that gradient anyway, as PyTorch's does.
+    #: Whether a PS layer's dense gradient is built from its factors on the
+    #: worker (a GEMM the PS pays and SFB does not): true wherever FC layers on
+    #: the PS are handed in as factors (``sfb='adaptive'``, ``tidewire train``);
+    #: False where the framework's backward hands in the gradient it computed.
     ps_builds_grad: bool = False
 
 

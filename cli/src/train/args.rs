@@ -502,8 +502,9 @@ impl TrainArgs {
             None => Ok(None),
             Some(j) => tidewire::calibrate::parse_rates(j)
                 .map(|r| {
-                    // This backward builds a PS layer's gradient from its
-                    // factors (`worker::backward`), a GEMM SFB does not pay.
+                    // A PS layer's gradient is built from its factors here
+                    // (the runtime's `FactorsToGrad`, or a local learner's
+                    // backward): a GEMM SFB does not pay.
                     Some(tidewire_engine::cost::Rates {
                         ps_builds_grad: true,
                         ..r

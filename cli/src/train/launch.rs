@@ -162,7 +162,7 @@ fn measured_rates(args: &TrainArgs) -> Result<Option<tidewire_engine::cost::Rate
         _ => None,
     };
     Ok(Some(tidewire_engine::cost::Rates {
-        // The ranks' backward builds a PS layer's gradient ([`TrainArgs::agreed_rates`]).
+        // The ranks build a PS layer's gradient from factors ([`TrainArgs::agreed_rates`]).
         ps_builds_grad: true,
         ..profile.node_rates(procs, link)
     }))

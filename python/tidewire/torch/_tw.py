@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -481,6 +482,10 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
                 + (" ..." if len(self.layers) > 8 else "")
             )
         rates = self._agreed_rates() if policy == "hybrid" else None
+        if rates is not None and self.sfb == "adaptive":
+            # Every FC layer then goes as its factors, and the engine forms a
+            # PS layer's gradient from them: a GEMM SFB does not run.
+            rates = dataclasses.replace(rates, ps_builds_grad=True)
         self.rates = rates
         pin = self.device.type == "cuda"
         self.g_host = torch.zeros(self.total, dtype=self.dtype, pin_memory=pin)
