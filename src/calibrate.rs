@@ -275,10 +275,12 @@ fn stream_len() -> usize {
     sum_len() * 4
 }
 
-/// The array a probe's server reads into ([`stream_len`]), every page
-/// touched before a probe begins, as a rank's registered landing memory is.
-fn landing() -> Vec<u8> {
-    vec![1u8; stream_len()]
+/// An array of [`stream_len`] bytes with every page touched (filled, not
+/// zeroed: zeroed pages would fault in while a probe is timed): what a
+/// probe writes from, as a layer's gradient, and its server reads into, as
+/// a rank's registered landing memory.
+fn touched() -> Vec<u8> {
+    vec![7u8; stream_len()]
 }
 
 /// Rounds of [`stream_rate`]: its rate is the fastest round's.
@@ -295,7 +297,7 @@ pub fn stream_rate(budget: Duration) -> Result<f64> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(io("bind"))?;
     let addr = l.local_addr().map_err(io("bind"))?;
     // Touched before the first probe starts.
-    let mut buf = landing();
+    let mut buf = touched();
     let server = std::thread::spawn(move || -> Result<()> {
         for _ in 0..STREAM_ROUNDS {
             serve_one(&l, &mut buf)?;
@@ -303,7 +305,7 @@ pub fn stream_rate(budget: Duration) -> Result<f64> {
         Ok(())
     });
     let mut best = 0f64;
-    let src = source();
+    let src = touched();
     for _ in 0..STREAM_ROUNDS {
         // On an error the reader is left waiting for a round that never
         // comes: it gives up on its own after 30 s (serve_one), not joined.
@@ -334,7 +336,7 @@ impl StreamServer {
     /// Binds `addr` and serves one probe in a thread (30 s at most).
     pub fn bind(addr: std::net::SocketAddr) -> Result<StreamServer> {
         // Touched before the port is open: a prober may start at once.
-        let mut buf = landing();
+        let mut buf = touched();
         let l = TcpListener::bind(addr).map_err(io("bind"))?;
         let port = l.local_addr().map_err(io("bind"))?.port();
         let thread = std::thread::Builder::new()
@@ -399,13 +401,7 @@ fn serve_conn(mut s: TcpStream, buf: &mut [u8]) -> Result<()> {
 /// writes for about `budget` (at least 16 MiB), half-closes, and counts
 /// until the server has read every byte and said so.
 pub fn probe_stream(addr: std::net::SocketAddr, budget: Duration) -> Result<f64> {
-    probe_stream_from(addr, budget, &source())
-}
-
-/// The array a probe writes from ([`stream_len`]): out of the caches, as a
-/// layer's gradient is, and every page touched.
-fn source() -> Vec<u8> {
-    vec![7u8; stream_len()]
+    probe_stream_from(addr, budget, &touched())
 }
 
 /// [`probe_stream`] from `buf` (at least two writes long), cycling through it.
