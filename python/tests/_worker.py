@@ -52,6 +52,20 @@ def train_one(cfg) -> dict:
                 os.environ[k] = v
     tw.broadcast_parameters(net.state_dict(), root_rank=0)
     zero = (lambda: net.zero_grad(set_to_none=True)) if cfg.get("model_zero_grad") else None
+    grads_after_zero = None
+    if cfg.get("zero_in_place"):
+        zero = lambda: opt.zero_grad(set_to_none=False)  # noqa: E731
+    elif zero is None and hasattr(opt, "tidewire_stats"):
+        # What zero_grad() leaves: None for layers pushed from the buffer (torch's default).
+        # (Taken at the second step, after a whole step has bound every .grad to the buffer.)
+        zeroed = []
+
+        def zero():
+            nonlocal grads_after_zero
+            opt.zero_grad()
+            zeroed.append(1)
+            if len(zeroed) == 2:
+                grads_after_zero = {n: p.grad is None for n, p in net.named_parameters() if p.requires_grad}
     t_per_step = []
     if "quality_script" in cfg:
         # A scripted quality figure: `base`, or `bad` on rank `rank` while T > `above`.
@@ -88,7 +102,7 @@ def train_one(cfg) -> dict:
     state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     grads_none = [n for n, p in net.named_parameters() if p.requires_grad and p.grad is None]
     return {"state": state, "losses": losses, "stats": stats, "seconds": took, "grads_none": grads_none,
-            "t_per_step": t_per_step, "flushed": flushed, "start_step": first,
+            "grads_after_zero": grads_after_zero, "t_per_step": t_per_step, "flushed": flushed, "start_step": first,
             "resumed_from": getattr(opt, "resumed_from", None)}
 
 

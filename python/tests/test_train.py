@@ -22,6 +22,7 @@ MODES = {
     "staged": {"opt": "momentum", "env": {"TIDEWIRE_TORCH_STAGING": "1"}},
     "passes": {"opt": "momentum", "passes": 2},
     "model_zero_grad": {"opt": "momentum", "model_zero_grad": True},
+    "zero_in_place": {"opt": "momentum", "zero_in_place": True},
     "sfb": {"model": "wide", "opt": "momentum", "sfb": "always"},
     "ps": {"model": "wide", "opt": "momentum", "sfb": False},
     # HybComm in seconds at a GPU's rates (free GEMM and sums, no message cost):
@@ -144,6 +145,25 @@ def test_model_zero_grad_set_to_none_is_rebound(modes):
     assert r["stats"]["grad_rebinds"] > 0, r["stats"]
     assert modes[0]["local"]["stats"]["grad_rebinds"] == 0
     assert_bitwise_equal(r["state"], modes[0]["local"]["state"], "model.zero_grad(set_to_none=True) vs zero_grad()")
+
+
+def test_zero_grad_sets_none_and_matches_zeroing_in_place(modes):
+    # zero_grad() (set_to_none, torch's default) leaves .grad None for every layer
+    # pushed from the buffer; backward's first gradient is then copied in, which
+    # must give the same bits as zeroing in place and adding into the zeros.
+    for r in (0, 1):
+        after = modes[r]["local"]["grads_after_zero"]
+        assert after and all(after.values()), after
+        assert modes[r]["local"]["stats"]["grad_rebinds"] == 0
+        assert modes[r]["zero_in_place"]["stats"]["grad_rebinds"] == 0
+        assert modes[r]["zero_in_place"]["grads_after_zero"] is None
+        # After step() every .grad is the buffer's view again (never None, as with DDP).
+        assert modes[r]["local"]["grads_none"] == [], modes[r]["local"]["grads_none"]
+    # Layers pushed as their factors are zeroed in place: their .grad stays.
+    sfb = modes[0]["sfb"]["grads_after_zero"]
+    assert sfb and not any(sfb.values()), sfb
+    assert_bitwise_equal(modes[0]["zero_in_place"]["state"], modes[0]["local"]["state"],
+                         "zero_grad(set_to_none=False) vs zero_grad()")
 
 
 def test_sfb_two_ranks_matches_ps_only(modes):

@@ -63,8 +63,9 @@ class _TwHooks:
         )
 
     def _rebind(self, info: _Param) -> None:
-        """Puts ``p.grad`` back on its view of the flat gradient buffer (after
-        user code replaced it, e.g. ``model.zero_grad(set_to_none=True)``)."""
+        """Puts ``p.grad`` back on its view of the flat gradient buffer: after
+        ``zero_grad()`` set it to None, or after user code replaced it (e.g.
+        ``model.zero_grad(set_to_none=True)``: counted in ``grad_rebinds``)."""
         g = info.param.grad
         with torch.no_grad():
             if g is None:
@@ -74,7 +75,9 @@ class _TwHooks:
                 # None) is densified here; later ones add into the dense view in place.
                 info.gview.copy_(g.to_dense() if g.is_sparse else g)
         info.param.grad = info.gview
-        self.grad_rebinds += 1
+        if not info.cleared:
+            self.grad_rebinds += 1
+        info.cleared = False
 
     def _on_grad(self, info: _Param) -> None:
         L = info.layer

@@ -25,7 +25,7 @@ warnings.filterwarnings("ignore", message="grad and param do not obey the gradie
 class _Param:
     """One synced parameter: where it lives in the flat buffers."""
 
-    __slots__ = ("param", "name", "layer", "gview", "rview", "count", "hook")
+    __slots__ = ("param", "name", "layer", "gview", "rview", "count", "hook", "cleared")
 
     def __init__(self, param: nn.Parameter, name: str, layer: "_Layer") -> None:
         self.param = param
@@ -35,6 +35,8 @@ class _Param:
         self.rview: torch.Tensor = torch.empty(0)
         self.count = 0
         self.hook: Any = None
+        #: ``zero_grad`` set ``.grad`` to None: backward's first gradient is copied into ``gview``.
+        self.cleared = False
 
 
 class _Call:

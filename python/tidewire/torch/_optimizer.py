@@ -143,10 +143,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._tw.skip_sync = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes every synced gradient in place. ``set_to_none`` is ignored:
-        the gradients are views into Tidewire's registered buffer and stay
-        there (a layer still in flight is zeroed when it lands)."""
-        self._tw.zero()
+        """Clears every synced gradient. ``set_to_none=True`` (default, as
+        torch): each ``.grad`` becomes None, and backward's first gradient is
+        copied into Tidewire's registered buffer, where ``.grad`` is a view
+        again once backward has reached it (cheaper than zeroing the buffer and
+        adding into it). ``False``: zeroed in place. A layer pushed as its
+        sufficient factors is always zeroed in place, and a layer still in
+        flight is zeroed when it lands."""
+        self._tw.zero(set_to_none)
         # Parameters this optimizer updates but Tidewire does not sync (frozen ones).
         for g in self.param_groups:
             for p in g["params"]:
@@ -242,7 +246,9 @@ def DistributedOptimizer(
         prefix: ``features.0.weight`` and ``features.0.bias`` are one layer)
         are one Tidewire layer. Each parameter's ``.grad`` is a view into one
         flat float32 gradient buffer that Tidewire registered in place, so
-        backward accumulates straight into what is sent (zero copy). When the
+        what is sent is never copied again: after ``zero_grad()`` backward's
+        first gradient is copied into it once, and later passes
+        (``backward_passes_per_step``) accumulate into it. When the
         last parameter of a layer has accumulated (on the
         ``backward_passes_per_step``-th backward), a post-accumulate-grad hook
         pushes the layer at once (wait-free backprop); :meth:`step` pushes the
@@ -373,9 +379,11 @@ def DistributedOptimizer(
 
     Do not modify ``.grad`` between backward and ``step()`` (the layers may
     be in flight): call :meth:`synchronize` first, then ``step()`` within
-    :meth:`skip_synchronize`. ``zero_grad`` zeroes in place (grads are never
-    None); if user code replaces ``p.grad`` anyway, the hook copies it back
-    into the buffer (counted as ``grad_rebinds`` in ``tidewire_stats()``).
+    :meth:`skip_synchronize`. ``zero_grad()`` sets each ``.grad`` to None
+    (``set_to_none=False``: zeroes in place), and backward's first gradient is
+    copied into the buffer; if user code replaces ``p.grad`` anyway, the hook
+    copies it back into the buffer too (counted as ``grad_rebinds`` in
+    ``tidewire_stats()``).
     CUDA parameters are staged through pinned host buffers (the current
     stream is synchronized before each push).
     """

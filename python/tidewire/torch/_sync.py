@@ -156,10 +156,22 @@ class _TwSync:
                     for b, o in zip(bufs, outs):
                         b.copy_(o)
 
-    def zero(self) -> None:
+    def zero(self, set_to_none: bool = True) -> None:
+        """Clears the gradients for the next backward. ``set_to_none`` (torch's
+        default): the ``.grad`` of a layer pushed from its buffer becomes None,
+        so autograd hands its first gradient over whole and the hook copies it
+        into the buffer (one copy, where zeroing in place and then adding into
+        the zeros reads and writes the buffer twice: 10.7 ms against 22.9 ms
+        for 21 M floats on one core of the 2-core VM); a layer pushed as its
+        factors, or still in flight, or ``set_to_none=False``: zeroed in place."""
         if self.accumulating:
             return  # accumulate mode: the gradients add up until the next exchange
         for L in self.layers:
+            if set_to_none and not L.in_flight and not L.factors:
+                for info in L.params:
+                    info.param.grad = None
+                    info.cleared = True
+                continue
             if L.in_flight:
                 L.zero_on_pull = True
             else:
@@ -168,7 +180,9 @@ class _TwSync:
             for info in L.params:
                 if not self._bound(info):
                     info.param.grad = info.gview
-                    self.grad_rebinds += 1
+                    if not info.cleared:
+                        self.grad_rebinds += 1
+                    info.cleared = False
 
     def report_quality(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):

@@ -204,8 +204,8 @@ impl Region {
     }
 
     /// Reads `dst.len()` f32 values starting at byte `offset` (a multiple of 4),
-    /// each through one `AtomicU32::load(Relaxed)` on the mapping: no slice over
-    /// the region is made.
+    /// each through one relaxed atomic load on the mapping (8-byte loads of two
+    /// values where aligned, else `AtomicU32`): no slice over the region is made.
     ///
     /// Use it for memory a peer or the NIC may be writing while you read (a
     /// landing slot, a parameter buffer that servers write into), and to publish
@@ -229,12 +229,30 @@ impl Region {
         }
         let _quiet = self.quiet_range(offset, len, op)?;
         let base = self.0.ptr.as_ptr().wrapping_add(offset).cast::<u32>();
-        for (i, d) in dst.iter_mut().enumerate() {
-            // No Rust code writes the range meanwhile (no lease, lock held), so every access
-            // is atomic or ordered by that lock; `dst` cannot alias it (a `&mut` would be leased).
-            // SAFETY: in bounds (checked); aligned (page-aligned base, offset a multiple of 4); live.
-            let v = unsafe { AtomicU32::from_ptr(base.add(i)) }.load(Ordering::Relaxed);
-            *d = f32::from_bits(v);
+        // No Rust code writes the range meanwhile (no lease, lock held), so every access
+        // is atomic or ordered by that lock; `dst` cannot alias it (a `&mut` would be leased).
+        // A float is always one load: one 4-byte load for a float before the first 8-byte
+        // boundary and for an odd one at the end, 8-byte loads (two floats) between.
+        let load_one = |i: usize| {
+            // SAFETY: element `i` is in bounds (checked by `quiet_range`); 4-aligned
+            // (page-aligned base, offset a multiple of 4); the mapping lives while `self` does.
+            f32::from_bits(unsafe { AtomicU32::from_ptr(base.add(i)) }.load(Ordering::Relaxed))
+        };
+        let head = usize::from(base as usize % 8 != 0).min(dst.len());
+        let pairs = (dst.len() - head) / 2 * 2;
+        let (first, rest) = dst.split_at_mut(head);
+        let (middle, last) = rest.split_at_mut(pairs);
+        for (i, d) in first.iter_mut().enumerate() {
+            *d = load_one(i);
+        }
+        // SAFETY: an f32 is 4 plain bytes with no invalid bit pattern; the byte view
+        // covers exactly `middle`, mutably borrowed while the view lives.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(middle.as_mut_ptr().cast::<u8>(), pairs * 4) };
+        // SAFETY: elements `head .. head + pairs` are in bounds and valid for reads (as
+        // above), and start 8-aligned, so `load_relaxed` loads whole 8-byte words only.
+        unsafe { load_relaxed(base.add(head).cast::<u8>(), bytes) };
+        for (i, d) in last.iter_mut().enumerate() {
+            *d = load_one(head + pairs + i);
         }
         Ok(())
     }

@@ -129,6 +129,22 @@ fn relaxed_reads() {
     let mut same = r.lease_f32(512, 64).unwrap();
     r.read_f32_relaxed(32, same.as_f32_mut().unwrap()).unwrap();
     assert_eq!(same.as_f32().unwrap(), &vals[..]);
+    // Float reads at both 4-byte alignments of an 8-byte word and every length
+    // around it: a lone float before the first word boundary and one after the
+    // last whole word are read singly, the pairs between as words.
+    let vals: Vec<f32> = (0..40).map(|i| -(i as f32) * 1.25 - 0.5).collect();
+    r.lease_f32(600, 40)
+        .unwrap()
+        .as_f32_mut()
+        .unwrap()
+        .copy_from_slice(&vals);
+    for first in 0..3 {
+        for len in 0..(40 - first).min(12) {
+            let mut out = vec![f32::NAN; len];
+            r.read_f32_relaxed(2400 + 4 * first, &mut out).unwrap();
+            assert_eq!(out, vals[first..first + len], "float {first}, {len} floats");
+        }
+    }
     // Byte reads at every alignment and length around the 8-byte words.
     let bytes: Vec<u8> = (0..64u8).collect();
     r.write_at(1000, &bytes).unwrap();
