@@ -106,6 +106,11 @@ const NOMINAL_CPU_BPS: f64 = 5e9;
 /// Operations smaller than this are not timed (the clock would dominate).
 const MIN_TIMED: usize = 256 << 10;
 
+/// Values [`Aggregator::accumulate_from`] reads and adds at a time on the CPU:
+/// 16 KiB, a block that stays in the L1 cache between its read and its add
+/// (4,096 and 16,384 values measured within 5% of each other).
+pub const READ_BLOCK: usize = 4096;
+
 /// The CPU's summation throughput, bytes of contribution per second, measured
 /// on 8 MiB.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -207,32 +212,7 @@ impl Aggregator {
                 acc.len()
             )));
         }
-        let place = match self.placed.get(&key) {
-            Some(p) => *p,
-            None => {
-                let task = Task {
-                    bytes: acc.len() * 4,
-                    contributions: contributions.max(1),
-                    on_host: true,
-                };
-                let (exec, est_s) = match self.policy {
-                    Policy::Auto => self.sched.pick(&task),
-                    Policy::Gpu => self.sched.assign(&task, Exec::Gpu),
-                    Policy::Cpu => self.sched.assign(&task, Exec::Cpu),
-                };
-                let p = Placement { exec, est_s };
-                #[cfg(feature = "cuda")]
-                if exec == Exec::Gpu {
-                    self.gpu
-                        .as_mut()
-                        .expect("GPU placement needs a GPU")
-                        .begin(key, acc.len())
-                        .map_err(AggError::Gpu)?;
-                }
-                self.placed.insert(key, p);
-                p
-            }
-        };
+        let place = self.place(key, contributions, acc.len())?;
         let t = Instant::now();
         match place.exec {
             Exec::Cpu => {
@@ -248,20 +228,108 @@ impl Aggregator {
                         .observe(Measure::CpuAdd, src.len() * 4, t.elapsed().as_secs_f64());
                 }
             }
-            Exec::Gpu => {
-                #[cfg(feature = "cuda")]
-                {
-                    let g = self.gpu.as_mut().expect("GPU placement needs a GPU");
-                    let (h2d, add) = g.add(key, off, src, first).map_err(AggError::Gpu)?;
-                    self.gpu_bytes += src.len() as u64 * 4;
-                    if src.len() * 4 >= MIN_TIMED {
-                        self.sched.observe(Measure::H2d, src.len() * 4, h2d);
-                        self.sched.observe(Measure::GpuAdd, src.len() * 4, add);
-                    }
-                }
+            Exec::Gpu => self.gpu_add(key, off, src, first)?,
+        }
+        Ok(())
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables, clippy::unused_self))]
+    fn gpu_add(&mut self, key: u64, off: usize, src: &[f32], first: bool) -> Result<(), AggError> {
+        #[cfg(feature = "cuda")]
+        {
+            let g = self.gpu.as_mut().expect("GPU placement needs a GPU");
+            let (h2d, add) = g.add(key, off, src, first).map_err(AggError::Gpu)?;
+            self.gpu_bytes += src.len() as u64 * 4;
+            if src.len() * 4 >= MIN_TIMED {
+                self.sched.observe(Measure::H2d, src.len() * 4, h2d);
+                self.sched.observe(Measure::GpuAdd, src.len() * 4, add);
             }
         }
         Ok(())
+    }
+
+    /// [`Aggregator::accumulate`] of `len` values that `read(at, dst)` copies
+    /// out (values `at .. at + dst.len()` of the contribution), for a source
+    /// that may not be viewed as a slice (memory a peer writes). On the CPU
+    /// they are read and added [`READ_BLOCK`] values at a time into a block of
+    /// `scratch` that stays in the L1 cache (21 MB read and added in 3.6 ms,
+    /// against 4.5 ms read whole and then added, on the 2-core VM); on the GPU
+    /// they are read whole into `scratch` and copied over at once.
+    #[allow(clippy::too_many_arguments)]
+    pub fn accumulate_from<E: From<AggError>>(
+        &mut self,
+        key: u64,
+        contributions: usize,
+        acc: &mut [f32],
+        off: usize,
+        len: usize,
+        first: bool,
+        scratch: &mut Vec<f32>,
+        mut read: impl FnMut(usize, &mut [f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        if off.checked_add(len).map_or(true, |e| e > acc.len()) {
+            return Err(AggError::Invalid(format!("{len} elements at {off} past the chunk's {}", acc.len())).into());
+        }
+        let place = self.place(key, contributions, acc.len())?;
+        let t = Instant::now();
+        match place.exec {
+            Exec::Cpu => {
+                if scratch.len() < READ_BLOCK.min(len) {
+                    scratch.resize(READ_BLOCK.min(len), 0.0);
+                }
+                let dst = &mut acc[off..off + len];
+                for (b, d) in dst.chunks_mut(READ_BLOCK).enumerate() {
+                    let blk = &mut scratch[..d.len()];
+                    read(b * READ_BLOCK, blk)?;
+                    if first {
+                        d.copy_from_slice(blk);
+                    } else {
+                        cpu::add_assign(d, blk);
+                    }
+                }
+                self.cpu_bytes += len as u64 * 4;
+                if len * 4 >= MIN_TIMED && !first {
+                    self.sched.observe(Measure::CpuAdd, len * 4, t.elapsed().as_secs_f64());
+                }
+            }
+            Exec::Gpu => {
+                if scratch.len() < len {
+                    scratch.resize(len, 0.0);
+                }
+                read(0, &mut scratch[..len])?;
+                self.gpu_add(key, off, &scratch[..len], first)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Where chunk `key` (of `acc_len` values) is summed: decided at its first
+    /// contribution, then kept until [`Aggregator::finish`].
+    fn place(&mut self, key: u64, contributions: usize, acc_len: usize) -> Result<Placement, AggError> {
+        if let Some(p) = self.placed.get(&key) {
+            return Ok(*p);
+        }
+        let task = Task {
+            bytes: acc_len * 4,
+            contributions: contributions.max(1),
+            on_host: true,
+        };
+        let (exec, est_s) = match self.policy {
+            Policy::Auto => self.sched.pick(&task),
+            Policy::Gpu => self.sched.assign(&task, Exec::Gpu),
+            Policy::Cpu => self.sched.assign(&task, Exec::Cpu),
+        };
+        let p = Placement { exec, est_s };
+        #[cfg(feature = "cuda")]
+        if exec == Exec::Gpu {
+            self.gpu
+                .as_mut()
+                .expect("GPU placement needs a GPU")
+                .begin(key, acc_len)
+                .map_err(AggError::Gpu)?;
+        }
+        self.placed.insert(key, p);
+        Ok(p)
     }
 
     /// Leaves chunk `key`'s sum in `acc` (copying it back from the GPU when
@@ -438,6 +506,68 @@ mod tests {
         assert_eq!(acc, before);
         // An unknown key finishes as a no-op.
         a.finish(99, &mut acc).unwrap();
+    }
+
+    #[test]
+    fn reading_in_blocks_sums_the_bits_a_slice_does() {
+        // Lengths around the block, at offsets inside the chunk: the same bits as
+        // `accumulate` of the whole slice, the reader asked for every value once,
+        // in order, and a reader's error stops the sum where it stood.
+        let n = 3 * READ_BLOCK + 17;
+        let vals = |seed: u32| -> Vec<f32> {
+            (0..n as u32)
+                .map(|i| ((i.wrapping_mul(2654435761) ^ seed) % 1000) as f32 * 0.37 - 150.0)
+                .collect()
+        };
+        for (len, off) in [
+            (0, 0),
+            (1, 3),
+            (READ_BLOCK - 1, 1),
+            (READ_BLOCK, 0),
+            (READ_BLOCK + 1, 5),
+            (n - 9, 9),
+        ] {
+            let mut whole = Aggregator::new(Policy::Cpu).unwrap();
+            let mut blocks = Aggregator::new(Policy::Cpu).unwrap();
+            let (mut a, mut b) = (vec![1.5f32; n], vec![1.5f32; n]);
+            let mut scratch = Vec::new();
+            for (k, first) in [(1u32, true), (2, false), (3, false)] {
+                let src = vals(k);
+                whole.accumulate(7, 3, &mut a, off, &src[..len], first).unwrap();
+                let mut next = 0;
+                blocks
+                    .accumulate_from(7, 3, &mut b, off, len, first, &mut scratch, |at, dst| {
+                        assert_eq!(at, next, "read in order, each value once");
+                        next += dst.len();
+                        dst.copy_from_slice(&src[at..at + dst.len()]);
+                        Ok::<_, AggError>(())
+                    })
+                    .unwrap();
+                assert_eq!(next, len);
+            }
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{len} at {off}"
+            );
+            assert!(scratch.len() <= READ_BLOCK, "{}", scratch.len());
+            assert_eq!(whole.stats().cpu_bytes, blocks.stats().cpu_bytes);
+        }
+        let mut a = Aggregator::new(Policy::Cpu).unwrap();
+        let mut acc = vec![0f32; 2 * READ_BLOCK];
+        let r = a.accumulate_from(1, 2, &mut acc, 0, 2 * READ_BLOCK, false, &mut Vec::new(), |at, dst| {
+            if at > 0 {
+                return Err(AggError::Invalid("torn".into()));
+            }
+            dst.fill(1.0);
+            Ok(())
+        });
+        assert!(matches!(r, Err(AggError::Invalid(ref m)) if m == "torn"), "{r:?}");
+        assert!(acc[..READ_BLOCK].iter().all(|&v| v == 1.0) && acc[READ_BLOCK..].iter().all(|&v| v == 0.0));
+        // Past the chunk: refused before anything is read.
+        let r = a.accumulate_from(2, 1, &mut acc, 1, 2 * READ_BLOCK, false, &mut Vec::new(), |_, _| {
+            panic!("read past the chunk")
+        });
+        assert!(matches!(r, Err::<(), AggError>(AggError::Invalid(_))));
     }
 
     #[test]

@@ -101,7 +101,10 @@ def test_wrapped_optimizer_behaves_like_the_original(job):
     for p in net.parameters():
         assert p.grad is not None
     opt.zero_grad()
-    assert all(float(p.grad.abs().sum()) == 0 for p in net.parameters()), "zero_grad zeroes in place"
+    assert all(p.grad is None for p in net.parameters()), "zero_grad() sets None, as torch's"
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and float(p.grad.abs().sum()) == 0 for p in net.parameters()), \
+        "zero_grad(set_to_none=False) zeroes in place"
     s = opt.tidewire_stats()
     assert s["pushes"] > 0 and s["grad_rebinds"] == 0 and set(s["schemes"]) == {"fc1", "fc2", "fc3"}
     # The flat buffers: each p.grad is a view into the registered gradient buffer.

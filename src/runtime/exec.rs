@@ -533,6 +533,24 @@ impl ServerExec {
         // A landing slot is memory a peer writes: the protocol keeps it quiet
         // until its credit goes back, but a peer that broke it could write
         // now. Copy it out with relaxed loads rather than read it as a slice.
+        if pairs.is_none() && !partial && src.region.remote_write() {
+            // Read and added block by block (`Aggregator::accumulate_from`): the
+            // block stays in the L1 cache between the two.
+            let key = self.key(at.window, at.chunk);
+            let region = self.mem.get(src.region)?;
+            let slot = region.relaxed_f32(src.offset as usize, len)?;
+            let (acc, off) = chunk_acc(&self.book, &mut self.acc, at)?;
+            return self.agg.accumulate_from(
+                key,
+                at.contributions,
+                acc,
+                off,
+                len,
+                at.first,
+                &mut self.scratch,
+                |i, dst| Ok::<_, JobError>(slot.read(i, dst)?),
+            );
+        }
         let mut scratch = std::mem::take(&mut self.scratch);
         let lease;
         let data: &[f32] = if let Some(n) = pairs {

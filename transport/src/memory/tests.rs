@@ -145,6 +145,26 @@ fn relaxed_reads() {
             assert_eq!(out, vals[first..first + len], "float {first}, {len} floats");
         }
     }
+    // The same range read in pieces through one reader; a piece past its end is
+    // refused, and so is a reader over a leased value.
+    {
+        let reader = r.relaxed_f32(2400, 40).unwrap();
+        assert_eq!((reader.len(), reader.is_empty()), (40, false));
+        let mut out = vec![0f32; 40];
+        for (k, piece) in out.chunks_mut(7).enumerate() {
+            reader.read(k * 7, piece).unwrap();
+        }
+        assert_eq!(out, vals);
+        assert!(matches!(reader.read(38, &mut [0.0; 3]), Err(Error::OutOfBounds { .. })));
+        assert!(matches!(
+            reader.read(usize::MAX, &mut [0.0; 1]),
+            Err(Error::OutOfBounds { .. })
+        ));
+    }
+    let held = r.lease_f32(639, 1).unwrap();
+    assert!(busy(r.relaxed_f32(2400, 40).map(drop)));
+    drop(held);
+    r.relaxed_f32(2400, 40).unwrap();
     // Byte reads at every alignment and length around the 8-byte words.
     let bytes: Vec<u8> = (0..64u8).collect();
     r.write_at(1000, &bytes).unwrap();
