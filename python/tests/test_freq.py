@@ -21,6 +21,9 @@ RUNS = {
              "comm": {"comm_every": 3, "comm_mode": "accumulate"}},
     "avg4": {"opt": "momentum", "steps": 10, "batch": BATCH, "flush": True,
              "comm": {"comm_every": 4, "comm_mode": "average"}},
+    # Average mode with a layer no backward reaches: what it exchanges is its value.
+    "avg_unused": {"model": "unused", "opt": "momentum", "steps": 6, "batch": BATCH, "flush": True,
+                   "comm": {"comm_every": 2, "comm_mode": "average"}},
     "guided": {"opt": "sgd", "steps": 50, "batch": BATCH, "quality_script": SCRIPT,
                "comm": {"comm_mode": "accumulate", "quality_guided": True, "comm_every_max": 8,
                         "quality_period": 2, "quality_tolerance": 0.05, "quality_revert_at": 40}},
@@ -109,6 +112,28 @@ def test_comm_every_equals_a_reference_that_does_the_same_bitwise(runs, name, re
         assert st["comm_every"] == t
     # A fixed T changes nothing between the ranks' stats.
     assert runs[0][name]["stats"]["pushes"] == runs[1][name]["stats"]["pushes"]
+
+
+def test_average_mode_exchanges_an_unused_layer_by_its_value(runs):
+    # Its gradient is zero every step, so each rank's optimizer moves it alike (weight
+    # decay only), and the exchanges average equal values: it must come back as a
+    # one-process optimizer with zero gradients leaves it (never as zeros).
+    init = C.model("unused").state_dict()
+    net = C.model("unused")
+    o = C.optimizer("momentum", net.unused.parameters())
+    for _ in range(RUNS["avg_unused"]["steps"]):
+        for p in net.unused.parameters():
+            p.grad = torch.zeros_like(p)
+        o.step()
+    want = {f"unused.{k}": v.detach() for k, v in net.unused.named_parameters()}
+    assert want and all(float(v.abs().max()) > 0 for v in want.values())
+    for rank, res in enumerate(runs):
+        got = res["avg_unused"]["state"]
+        for k, v in want.items():
+            assert torch.equal(got[k], v), f"rank {rank}: {k} differs (max {float((got[k] - v).abs().max()):.3g})"
+        assert not torch.equal(got["fc1.weight"], init["fc1.weight"]), "the used layers train"
+    for k, v in runs[0]["avg_unused"]["state"].items():
+        assert torch.equal(v, runs[1]["avg_unused"]["state"][k]), k
 
 
 def test_quality_guided_schedule_end_to_end(runs):

@@ -537,8 +537,9 @@ impl ServerExec {
             // Read and added block by block (`Aggregator::accumulate_from`): the
             // block stays in the L1 cache between the two.
             let key = self.key(at.window, at.chunk);
+            // Each block is its own relaxed read, so the region's lease lock (which the
+            // receive path takes too) is held for one block at a time, never for an add.
             let region = self.mem.get(src.region)?;
-            let slot = region.relaxed_f32(src.offset as usize, len)?;
             let (acc, off) = chunk_acc(&self.book, &mut self.acc, at)?;
             return self.agg.accumulate_from(
                 key,
@@ -548,7 +549,7 @@ impl ServerExec {
                 len,
                 at.first,
                 &mut self.scratch,
-                |i, dst| Ok::<_, JobError>(slot.read(i, dst)?),
+                |i, dst| Ok::<_, JobError>(region.read_f32_relaxed(src.offset as usize + i * 4, dst)?),
             );
         }
         let mut scratch = std::mem::take(&mut self.scratch);

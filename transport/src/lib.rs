@@ -44,9 +44,7 @@ pub mod tcp;
 pub use api::{ConnId, Counters, Event, ListenerId, PeerInfo, Properties, ReqId, Transport, Waker};
 pub use auth::JobSecret;
 pub use error::{Error, FrameError, Result};
-pub use memory::{
-    Access, HugePages, Lease, MemoryKind, PinOptions, PinnedBuffer, Region, RelaxedF32, RemoteRegion, Slice,
-};
+pub use memory::{Access, HugePages, Lease, MemoryKind, PinOptions, PinnedBuffer, Region, RemoteRegion, Slice};
 pub use portable::{PortableStats, PortableTransport};
 #[cfg(feature = "rdma")]
 pub use rdma::{ConnectMode, CqMode, RdmaConfig, RdmaStats, RdmaTransport};

@@ -147,9 +147,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         torch): each ``.grad`` becomes None, and backward's first gradient is
         copied into Tidewire's registered buffer, where ``.grad`` is a view
         again once backward has reached it (cheaper than zeroing the buffer and
-        adding into it). ``False``: zeroed in place. A layer pushed as its
-        sufficient factors is always zeroed in place, and a layer still in
-        flight is zeroed when it lands."""
+        adding into it). ``False``: zeroed in place. Always zeroed in place: a
+        layer pushed as its sufficient factors, every layer with
+        ``comm_every``/``comm_mode``, and a layer still in flight (when it
+        lands; with ``prefetch=True`` that is every layer). The values are the
+        same bits either way, except that a -0.0 in autograd's first gradient
+        now stays -0.0 (zeroing and adding gave +0.0)."""
         self._tw.zero(set_to_none)
         # Parameters this optimizer updates but Tidewire does not sync (frozen ones).
         for g in self.param_groups:
@@ -379,9 +382,11 @@ def DistributedOptimizer(
 
     Do not modify ``.grad`` between backward and ``step()`` (the layers may
     be in flight): call :meth:`synchronize` first, then ``step()`` within
-    :meth:`skip_synchronize`. ``zero_grad()`` sets each ``.grad`` to None
-    (``set_to_none=False``: zeroes in place), and backward's first gradient is
-    copied into the buffer; if user code replaces ``p.grad`` anyway, the hook
+    :meth:`skip_synchronize`. ``zero_grad()`` sets ``.grad`` to None
+    where it can (see there; ``set_to_none=False``: zeroes in place), and
+    backward's first gradient is copied into the buffer, so code that adds
+    into ``p.grad`` between ``zero_grad()`` and backward must check for None,
+    as with plain torch; if user code replaces ``p.grad`` anyway, the hook
     copies it back into the buffer too (counted as ``grad_rebinds`` in
     ``tidewire_stats()``).
     CUDA parameters are staged through pinned host buffers (the current

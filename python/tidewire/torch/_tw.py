@@ -541,6 +541,7 @@ class _Tw(_TwCheckpoint, _TwHooks, _TwSync):
                     else:
                         p.copy_(r)  # rank 0's initial values
                 p.grad = g
+                info.cleared = False
 
     # ----------------------------------------------------------------- suspend / resume
 

@@ -46,7 +46,7 @@ mod region;
 pub use lease::Lease;
 pub(crate) use lease::{check_deregister, InFlight};
 pub use pinned::{HugePages, PinOptions, PinnedBuffer};
-pub use region::{Region, RelaxedF32, Slice};
+pub use region::{Region, Slice};
 
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 

@@ -203,9 +203,11 @@ impl Region {
         Ok(())
     }
 
-    /// Reads `dst.len()` f32 values starting at byte `offset` (a multiple of 4),
-    /// each through one relaxed atomic load on the mapping (8-byte loads of two
-    /// values where aligned, else `AtomicU32`): no slice over the region is made.
+    /// Reads `dst.len()` f32 values starting at byte `offset` (the address there
+    /// must be 4-byte aligned: a multiple of 4 in a region of our own memory,
+    /// which is page-aligned), each through one relaxed atomic load on the
+    /// mapping (8-byte loads of two values where aligned, else `AtomicU32`): no
+    /// slice over the region is made.
     ///
     /// Use it for memory a peer or the NIC may be writing while you read (a
     /// landing slot, a parameter buffer that servers write into), and to publish
@@ -216,35 +218,45 @@ impl Region {
     /// Refused with [`Error::RegionBusy`] while a lease covers any byte of the
     /// range, with [`Error::InvalidArgument`] when `offset` is not 4-byte aligned.
     pub fn read_f32_relaxed(&self, offset: usize, dst: &mut [f32]) -> Result<()> {
-        self.relaxed_f32(offset, dst.len())?.read(0, dst)
-    }
-
-    /// Holds `len` f32 values from byte `offset` (a multiple of 4) quiet, for
-    /// reading them in pieces with [`RelaxedF32::read`] as
-    /// [`Region::read_f32_relaxed`] reads them: one check and one lock for the
-    /// whole range, however many pieces. Refused with [`Error::RegionBusy`]
-    /// while a lease covers any of those bytes. While the reader lives no
-    /// lease on this region can be taken, and no other copy in or out of it
-    /// runs (taking one from the same thread deadlocks): keep it short.
-    pub fn relaxed_f32(&self, offset: usize, len: usize) -> Result<RelaxedF32<'_>> {
         let op = "Region::read_f32_relaxed";
-        let bytes = len.checked_mul(4).ok_or(Error::InvalidArgument {
+        let len = dst.len().checked_mul(4).ok_or(Error::InvalidArgument {
             op,
             reason: "element count overflows".into(),
         })?;
-        if offset % 4 != 0 {
+        if (self.0.ptr.as_ptr() as usize).wrapping_add(offset) % 4 != 0 {
             return Err(Error::InvalidArgument {
                 op,
-                reason: format!("offset {offset} is not 4-byte aligned"),
+                reason: format!("offset {offset} does not give a 4-byte aligned address"),
             });
         }
-        let quiet = self.quiet_range(offset, bytes, op)?;
-        Ok(RelaxedF32 {
-            region: self,
-            offset,
-            len,
-            _quiet: quiet,
-        })
+        let _quiet = self.quiet_range(offset, len, op)?;
+        let base = self.0.ptr.as_ptr().wrapping_add(offset).cast::<u32>();
+        // No Rust code writes the range meanwhile (no lease, lock held), so every access
+        // is atomic or ordered by that lock; `dst` cannot alias it (a `&mut` would be leased).
+        // A float is always one load: one 4-byte load for a float before the first 8-byte
+        // boundary and for an odd one at the end, 8-byte loads (two floats) between.
+        let load_one = |i: usize| {
+            // SAFETY: element `i` is in bounds (checked by `quiet_range`); its address is
+            // 4-aligned (checked above); the mapping lives while `self` does.
+            f32::from_bits(unsafe { AtomicU32::from_ptr(base.add(i)) }.load(Ordering::Relaxed))
+        };
+        let head = usize::from(base as usize % 8 != 0).min(dst.len());
+        let pairs = (dst.len() - head) / 2 * 2;
+        let (first, rest) = dst.split_at_mut(head);
+        let (middle, last) = rest.split_at_mut(pairs);
+        for (i, d) in first.iter_mut().enumerate() {
+            *d = load_one(i);
+        }
+        // SAFETY: an f32 is 4 plain bytes with no invalid bit pattern; the byte view
+        // covers exactly `middle`, mutably borrowed while the view lives.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(middle.as_mut_ptr().cast::<u8>(), pairs * 4) };
+        // SAFETY: elements `head .. head + pairs` are in bounds and valid for reads (as
+        // above), and start 8-aligned, so `load_relaxed` loads whole 8-byte words only.
+        unsafe { load_relaxed(base.add(head).cast::<u8>(), bytes) };
+        for (i, d) in last.iter_mut().enumerate() {
+            *d = load_one(head + pairs + i);
+        }
+        Ok(())
     }
 
     /// Copies bytes into the region (e.g. to fill a send source). Refused with
@@ -380,86 +392,5 @@ impl Slice {
     pub(crate) fn ptr(&self) -> *mut u8 {
         // SAFETY: offset <= region length was checked when the slice was made.
         unsafe { self.region.as_ptr().add(self.offset) }
-    }
-}
-
-/// A range of f32 values in a [`Region`] held quiet for reading in pieces
-/// (from [`Region::relaxed_f32`]): the lease table's lock is held while it
-/// lives.
-pub struct RelaxedF32<'a> {
-    region: &'a Region,
-    offset: usize,
-    len: usize,
-    _quiet: MutexGuard<'a, LeaseTable>,
-}
-
-impl fmt::Debug for RelaxedF32<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RelaxedF32")
-            .field("region", &self.region.0.key)
-            .field("offset", &self.offset)
-            .field("len", &self.len)
-            .finish()
-    }
-}
-
-impl RelaxedF32<'_> {
-    /// Values in the range.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the range holds no value.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Reads values `at .. at + dst.len()` of the range into `dst`, each
-    /// through one relaxed atomic load (see [`Region::read_f32_relaxed`]).
-    pub fn read(&self, at: usize, dst: &mut [f32]) -> Result<()> {
-        if at.checked_add(dst.len()).map_or(true, |e| e > self.len) {
-            return Err(Error::OutOfBounds {
-                op: "RelaxedF32::read",
-                region: self.region.0.key,
-                offset: (self.offset + at * 4) as u64,
-                len: dst.len() as u64 * 4,
-                region_len: (self.offset + self.len * 4) as u64,
-            });
-        }
-        let base = self
-            .region
-            .0
-            .ptr
-            .as_ptr()
-            .wrapping_add(self.offset + at * 4)
-            .cast::<u32>();
-        // No Rust code writes the range meanwhile (no lease covered it, and `_quiet` holds
-        // the lease lock for the reader's life), so every access
-        // is atomic or ordered by that lock; `dst` cannot alias it (a `&mut` would be leased).
-        // A float is always one load: one 4-byte load for a float before the first 8-byte
-        // boundary and for an odd one at the end, 8-byte loads (two floats) between.
-        let load_one = |i: usize| {
-            // SAFETY: element `i` is in bounds (checked above, and the range by `quiet_range`);
-            // 4-aligned (page-aligned base, offsets multiples of 4); the mapping lives while
-            // the borrowed region does.
-            f32::from_bits(unsafe { AtomicU32::from_ptr(base.add(i)) }.load(Ordering::Relaxed))
-        };
-        let head = usize::from(base as usize % 8 != 0).min(dst.len());
-        let pairs = (dst.len() - head) / 2 * 2;
-        let (first, rest) = dst.split_at_mut(head);
-        let (middle, last) = rest.split_at_mut(pairs);
-        for (i, d) in first.iter_mut().enumerate() {
-            *d = load_one(i);
-        }
-        // SAFETY: an f32 is 4 plain bytes with no invalid bit pattern; the byte view
-        // covers exactly `middle`, mutably borrowed while the view lives.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(middle.as_mut_ptr().cast::<u8>(), pairs * 4) };
-        // SAFETY: elements `head .. head + pairs` are in bounds and valid for reads (as
-        // above), and start 8-aligned, so `load_relaxed` loads whole 8-byte words only.
-        unsafe { load_relaxed(base.add(head).cast::<u8>(), bytes) };
-        for (i, d) in last.iter_mut().enumerate() {
-            *d = load_one(head + pairs + i);
-        }
-        Ok(())
     }
 }
