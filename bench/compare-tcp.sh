@@ -56,7 +56,7 @@ RAW=$OUT/raw.tsv
 : >"$RAW"
 RAW_PORTABLE=$OUT/raw-portable.tsv
 : >"$RAW_PORTABLE"
-port=$((20000 + RANDOM % 20000))
+port=$((20000 + RANDOM % 11000))
 row='^ [0-9]+ +[0-9]+ +[0-9]+\.[0-9]+'
 
 ours() { # size [transport] -> MB/sec

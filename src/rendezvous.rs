@@ -206,6 +206,34 @@ impl Refusals {
     }
 }
 
+/// The ports [`free_port`] draws from: below Linux's default ephemeral range
+/// (32768-60999), which the kernel hands out to every `connect()` and to
+/// `bind(port 0)`. A port taken from that range by binding port 0 and letting
+/// it go can become some connection's local port before rank 0 binds it (CI saw
+/// "rank 0 cannot bind ...: Address already in use" that way, once in a full
+/// run); one below it is taken only by a process that binds it by number.
+pub const FREE_PORTS: std::ops::Range<u16> = 20000..32768;
+
+/// A TCP port free on `ip` now, for a rendezvous address a launcher or a test
+/// hands to rank 0 before rank 0 binds it: drawn at random from [`FREE_PORTS`]
+/// (so that concurrent jobs rarely draw the same one) and checked by binding
+/// it. Errors when 64 draws are all taken.
+pub fn free_port(ip: IpAddr) -> std::io::Result<u16> {
+    let span = u32::from(FREE_PORTS.end - FREE_PORTS.start);
+    let mut last = None;
+    // std's hasher keys are drawn from the OS's randomness, fresh per `RandomState`.
+    let seed = std::collections::hash_map::RandomState::new();
+    for draw in 0..64u32 {
+        let r = std::hash::BuildHasher::hash_one(&seed, draw);
+        let port = FREE_PORTS.start + (r % u64::from(span)) as u16;
+        match TcpListener::bind((ip, port)) {
+            Ok(_) => return Ok(port),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other("no port drawn")))
+}
+
 /// Rank 0's side, bound before the transport listens so that the advertised IP
 /// is known.
 #[derive(Debug)]
@@ -837,6 +865,22 @@ mod tests {
 
     fn secret() -> JobSecret {
         JobSecret::new(b"rendezvous test secret".to_vec())
+    }
+
+    #[test]
+    fn a_free_port_is_below_the_ephemeral_range_and_bindable() {
+        let ip: IpAddr = std::net::Ipv4Addr::LOCALHOST.into();
+        let ports: Vec<u16> = (0..8).map(|_| free_port(ip).unwrap()).collect();
+        for &p in &ports {
+            assert!(FREE_PORTS.contains(&p), "{p}");
+            // Free after the draw: it was bound only to check it.
+            drop(TcpListener::bind((ip, p)).unwrap());
+        }
+        assert!(ports.windows(2).any(|w| w[0] != w[1]), "drawn at random: {ports:?}");
+        // A port held by someone else is never handed out: hold every draw, draw again.
+        let held: Vec<TcpListener> = ports.iter().filter_map(|&p| TcpListener::bind((ip, p)).ok()).collect();
+        let again = free_port(ip).unwrap();
+        assert!(!held.iter().any(|l| l.local_addr().unwrap().port() == again), "{again}");
     }
 
     fn config() -> JobConfig {

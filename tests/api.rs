@@ -193,11 +193,7 @@ fn caller_owned_buffers_are_used_in_place() {
 
 /// Starts two ranks that differ as `tweak` says; both must fail naming `field` and rank 1.
 fn disagreement(field: &str, theirs: Vec<LayerSpec>, tweak: impl FnOnce(Builder) -> Builder + Send + 'static) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = tidewire::rendezvous::free_port(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
     let master: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let h = std::thread::spawn(move || {
         tweak(builder(theirs))
@@ -280,11 +276,7 @@ fn ranks_with_a_different_communication_frequency_fail_at_rendezvous() {
 
 #[test]
 fn a_missing_peer_is_a_timeout_not_a_hang() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = tidewire::rendezvous::free_port(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
     let e = builder(layers())
         .connect_timeout(Duration::from_millis(500))
         .build(ClusterSpec::new(0, 2, 0, true, format!("127.0.0.1:{port}").parse().unwrap()).unwrap())

@@ -21,11 +21,7 @@ use tidewire::transport::{JobSecret, PinnedBuffer};
 use tidewire::{Builder, Error};
 
 fn free_master() -> SocketAddr {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = tidewire::rendezvous::free_port(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
     format!("127.0.0.1:{port}").parse().unwrap()
 }
 

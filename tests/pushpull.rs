@@ -23,11 +23,7 @@ fn foreign(n: usize, fill: f32) -> (PinnedBuffer, usize) {
 }
 
 fn free_master() -> SocketAddr {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = tidewire::rendezvous::free_port(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
     format!("127.0.0.1:{port}").parse().unwrap()
 }
 

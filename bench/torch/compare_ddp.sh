@@ -37,7 +37,7 @@ if [ "${1:-}" = "--inner-netem" ]; then
   [ "${NETEM_DILATION:-1}" = 1 ] || { echo "profile $NETEM_PROFILE runs dilated (D = $NETEM_DILATION): not supported here" >&2; exit 2; }
   read -r -a NS <<<"$NETEM_NS"
   read -r -a ADDRS <<<"$NETEM_ADDRS"
-  port=$((20000 + RANDOM % 20000))
+  port=$((20000 + RANDOM % 11000))
   pids=()
   for ((r = 0; r < N; r++)); do
     ip netns exec "${NS[$r]}" env RANK=$r LOCAL_RANK=0 WORLD_SIZE=$N MASTER_ADDR="${ADDRS[0]}" MASTER_PORT=$port \
@@ -113,7 +113,9 @@ for rep in $(seq 1 "$REPS"); do
       start=$(date +%s)
       load=$(cut -d' ' -f1 /proc/loadavg)  # others' work on this machine shows here
       if [ "$net" = loopback ]; then
-        port=$((20000 + RANDOM % 20000))
+        # Below the kernel's ephemeral range (32768-60999), ports + 1000 + rank included:
+        # a port in that range can be some connection's local port when rank 0 binds it.
+        port=$((20000 + RANDOM % 11000))
         pids=()
         for ((r = 0; r < PROCS; r++)); do
           env RANK=$r LOCAL_RANK=$r WORLD_SIZE=$PROCS MASTER_ADDR=127.0.0.1 MASTER_PORT=$port GLOO_SOCKET_IFNAME=lo \

@@ -313,11 +313,7 @@ fn spawn_node(rank: usize, world: usize, port: u16, args: &[&str]) -> Child {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    tidewire::rendezvous::free_port(std::net::Ipv4Addr::LOCALHOST.into()).unwrap()
 }
 
 /// Kills (or freezes) worker rank 1 mid-run; every other rank must fail with

@@ -35,7 +35,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 export TIDEWIRE_SECRET=${TIDEWIRE_SECRET:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
 mkdir -p "$OUT"
-PORT=$((20000 + RANDOM % 20000))
+PORT=$((20000 + RANDOM % 11000))
 
 echo "== $PROCS processes, Tidewire (torchrun, master port $PORT)"
 "$PYTHON" -m torch.distributed.run --nproc-per-node "$PROCS" --master-port "$PORT" \

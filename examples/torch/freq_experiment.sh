@@ -43,7 +43,7 @@ export TIDEWIRE_SECRET=${TIDEWIRE_SECRET:-$(head -c 16 /dev/urandom | od -An -tx
 mkdir -p "$OUT"
 run() { # config seed args...
   local name=$1 seed=$2; shift 2
-  local port=$((20000 + RANDOM % 20000))
+  local port=$((20000 + RANDOM % 11000))
   echo "== $name seed $seed: $*"
   "$PYTHON" -m torch.distributed.run --nproc-per-node "$PROCS" --master-port "$port" examples/torch/digits.py \
     --epochs "$EPOCHS" --seed "$seed" --record "$OUT/$name-seed$seed.json" "$@" ${EXTRA[@]+"${EXTRA[@]}"} \

@@ -9,8 +9,7 @@ use crate::resilience;
 
 fn free_port() -> Result<u16> {
     let no_port = |e: std::io::Error| Error::Launch(format!("no free rendezvous port on 127.0.0.1: {e}"));
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(no_port)?;
-    Ok(l.local_addr().map_err(no_port)?.port())
+    tidewire::rendezvous::free_port(std::net::Ipv4Addr::LOCALHOST.into()).map_err(no_port)
 }
 
 fn secret() -> String {
