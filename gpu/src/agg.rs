@@ -87,6 +87,28 @@ struct Placement {
     est_s: f64,
 }
 
+/// Refuses `len` values at `off` that run past a chunk of `acc_len`.
+fn in_chunk(off: usize, len: usize, acc_len: usize) -> Result<(), AggError> {
+    match off.checked_add(len) {
+        Some(end) if end <= acc_len => Ok(()),
+        _ => Err(AggError::Invalid(format!(
+            "{len} elements at {off} past the chunk's {acc_len}"
+        ))),
+    }
+}
+
+/// `src` into `dst` on this thread: copied for a first contribution, else
+/// added; returns how long it took.
+fn cpu_sum(dst: &mut [f32], src: &[f32], first: bool) -> std::time::Duration {
+    let t = Instant::now();
+    if first {
+        dst.copy_from_slice(src);
+    } else {
+        cpu::add_assign(dst, src);
+    }
+    t.elapsed()
+}
+
 /// See the module docs.
 #[derive(Debug)]
 pub struct Aggregator {
@@ -205,32 +227,25 @@ impl Aggregator {
         src: &[f32],
         first: bool,
     ) -> Result<(), AggError> {
-        if off.checked_add(src.len()).map_or(true, |e| e > acc.len()) {
-            return Err(AggError::Invalid(format!(
-                "{} elements at {off} past the chunk's {}",
-                src.len(),
-                acc.len()
-            )));
-        }
+        in_chunk(off, src.len(), acc.len())?;
         let place = self.place(key, contributions, acc.len())?;
-        let t = Instant::now();
         match place.exec {
             Exec::Cpu => {
-                let dst = &mut acc[off..off + src.len()];
-                if first {
-                    dst.copy_from_slice(src);
-                } else {
-                    cpu::add_assign(dst, src);
-                }
-                self.cpu_bytes += src.len() as u64 * 4;
-                if src.len() * 4 >= MIN_TIMED && !first {
-                    self.sched
-                        .observe(Measure::CpuAdd, src.len() * 4, t.elapsed().as_secs_f64());
-                }
+                let took = cpu_sum(&mut acc[off..off + src.len()], src, first);
+                self.cpu_done(src.len(), first, took);
             }
             Exec::Gpu => self.gpu_add(key, off, src, first)?,
         }
         Ok(())
+    }
+
+    /// Counts `len` values summed on the CPU in `took`, and gives the
+    /// scheduler the rate of an add (a first contribution's copy is not one).
+    fn cpu_done(&mut self, len: usize, first: bool, took: std::time::Duration) {
+        self.cpu_bytes += len as u64 * 4;
+        if len * 4 >= MIN_TIMED && !first {
+            self.sched.observe(Measure::CpuAdd, len * 4, took.as_secs_f64());
+        }
     }
 
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables, clippy::unused_self))]
@@ -270,9 +285,7 @@ impl Aggregator {
         scratch: &mut Vec<f32>,
         mut read: impl FnMut(usize, &mut [f32]) -> Result<(), E>,
     ) -> Result<(), E> {
-        if off.checked_add(len).map_or(true, |e| e > acc.len()) {
-            return Err(AggError::Invalid(format!("{len} elements at {off} past the chunk's {}", acc.len())).into());
-        }
+        in_chunk(off, len, acc.len())?;
         let place = self.place(key, contributions, acc.len())?;
         match place.exec {
             Exec::Cpu => {
@@ -286,18 +299,9 @@ impl Aggregator {
                 for (b, d) in dst.chunks_mut(READ_BLOCK).enumerate() {
                     let blk = &mut scratch[..d.len()];
                     read(b * READ_BLOCK, blk)?;
-                    let t = Instant::now();
-                    if first {
-                        d.copy_from_slice(blk);
-                    } else {
-                        cpu::add_assign(d, blk);
-                    }
-                    adding += t.elapsed();
+                    adding += cpu_sum(d, blk, first);
                 }
-                self.cpu_bytes += len as u64 * 4;
-                if len * 4 >= MIN_TIMED && !first {
-                    self.sched.observe(Measure::CpuAdd, len * 4, adding.as_secs_f64());
-                }
+                self.cpu_done(len, first, adding);
             }
             Exec::Gpu => {
                 if scratch.len() < len {

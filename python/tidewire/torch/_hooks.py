@@ -74,6 +74,11 @@ class _TwHooks:
                 # A sparse gradient (nn.Embedding(sparse=True) whose .grad was set to
                 # None) is densified here; later ones add into the dense view in place.
                 info.gview.copy_(g.to_dense() if g.is_sparse else g)
+        self._bind(info)
+
+    def _bind(self, info: _Param) -> None:
+        """``p.grad`` back on its view; counted in ``grad_rebinds`` unless
+        ``zero_grad`` had set it to None."""
         info.param.grad = info.gview
         if not info.cleared:
             self.grad_rebinds += 1

@@ -182,10 +182,7 @@ class _TwSync:
                     self.g_dev[L.offset : L.offset + L.numel].zero_()
             for info in L.params:
                 if not self._bound(info):
-                    info.param.grad = info.gview
-                    if not info.cleared:
-                        self.grad_rebinds += 1
-                    info.cleared = False
+                    self._bind(info)
 
     def report_quality(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):
