@@ -28,6 +28,6 @@ pub use args::TrainArgs;
 pub use launch::launch;
 pub use reference::{reference, run_single};
 pub use report::{render, AggregationShare, IterStat, LayerRow, NodeResult, SparseSummary, TrainReport};
+pub(crate) use synth::mix;
 pub use synth::{digest, Synth};
-pub(crate) use synth::{mix, sleep};
 pub use worker::run_node;

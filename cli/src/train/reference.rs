@@ -13,7 +13,7 @@ use tidewire::session::Builder;
 
 use super::args::TrainArgs;
 use super::report::IterStat;
-use super::synth::{digest, sleep, Synth};
+use super::synth::{digest, Stream, Synth};
 use super::worker::{worker_loop, LoopOpts};
 use crate::error::Result;
 
@@ -82,6 +82,7 @@ fn single_without_engine(args: &TrainArgs, model: &Model, synth: &Synth) -> Resu
         .collect();
     let mut stats = Vec::new();
     let mut prev: Option<Instant> = None;
+    let gpu = Stream::default();
     for it in 0..args.job.iters {
         let start = Instant::now();
         if let (Some(p), Some(last)) = (prev, stats.last_mut()) {
@@ -90,10 +91,10 @@ fn single_without_engine(args: &TrainArgs, model: &Model, synth: &Synth) -> Resu
         }
         prev = Some(start);
         for t in &times {
-            sleep(t.0);
+            gpu.run(t.0);
         }
         for l in (0..model.layers.len()).rev() {
-            sleep(times[l].1);
+            gpu.run(times[l].1);
             let spec = &model.layers[l];
             if spec.kind == LayerKind::Fc {
                 let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);

@@ -16,7 +16,7 @@ use super::args::TrainArgs;
 use super::comm;
 use super::pipe::ToLauncher;
 use super::report::{IterStat, NodeResult};
-use super::synth::{digest, sleep, Synth};
+use super::synth::{digest, Stream, Synth};
 use crate::error::{Error, Result};
 use crate::resilience::{self, TrainerState};
 
@@ -231,6 +231,7 @@ fn run_learner(args: &TrainArgs, model: &Model, local: &LocalEnv) -> Result<Node
         k,
         global: local.node * args.job.local_learners + local.index,
         times: model.layer_times(k, args.job.time_scale),
+        gpu: Stream::default(),
         // The leader's book, for the scheme of each FC layer: factors go to the
         // leader for SFB; for the PS this learner forms its own gradient Uᵀ·V.
         book: args.book(model, args.cluster()?)?,
@@ -296,6 +297,8 @@ struct Learner<'a> {
     global: usize,
     /// Each layer's (forward, backward) compute.
     times: Vec<(Duration, Duration)>,
+    /// Where that compute runs.
+    gpu: Stream,
     book: Book,
 }
 
@@ -308,7 +311,12 @@ impl Learner<'_> {
             let t = Instant::now();
             self.me.params(l, need, p)?;
             blocked += t.elapsed();
-            sleep(self.times[l].0);
+            // A read that took over a millisecond waited for the leader (the
+            // copy alone is faster): the parameters arrived just now.
+            if t.elapsed() > Duration::from_millis(1) {
+                self.gpu.input_at(Instant::now());
+            }
+            self.gpu.run(self.times[l].0);
         }
         Ok(blocked)
     }
@@ -318,7 +326,7 @@ impl Learner<'_> {
     fn backward(&self, grad: &mut [Vec<f32>], it: u64) -> Result<()> {
         let (k, me) = (self.k, &self.me);
         for l in (0..self.model.layers.len()).rev() {
-            sleep(self.times[l].1);
+            self.gpu.run(self.times[l].1);
             let spec = &self.model.layers[l];
             if spec.kind == LayerKind::Fc {
                 let (mut u, mut v) = (vec![0f32; k * spec.m], vec![0f32; k * spec.n]);
@@ -415,6 +423,8 @@ struct Trainer<'a> {
     k: usize,
     /// Each layer's (forward, backward) compute.
     times: Vec<(Duration, Duration)>,
+    /// Where that compute runs.
+    gpu: Stream,
     wait_free: bool,
     /// The first iteration: a resumed run goes on from its checkpoint, and a
     /// replacement joins a running job for the last iterations only.
@@ -446,6 +456,7 @@ impl<'a> Trainer<'a> {
             wi,
             k,
             times: model.layer_times(k, args.job.time_scale * slow),
+            gpu: Stream::default(),
             wait_free: args.sync_mode().wait_free(),
             start,
         }
@@ -505,13 +516,17 @@ impl<'a> Trainer<'a> {
                 let b = session.wait_layer(l as u32)?;
                 blocked += t.elapsed();
                 last_sync = last_sync.max(b.synced_at());
+                // Synced while this thread waited: the wake-up is part of the
+                // wait. Synced before: the parameters were there all along.
+                let returned = Instant::now();
+                self.gpu.input_at(b.synced_at().filter(|s| *s <= t).unwrap_or(returned));
                 layers[l] = Some(b);
             }
             if let Some(g) = self.opts.group {
                 // The fan-out: once per node, into the learners' cache.
                 g.publish(l, it, layers[l].as_ref().expect("held by the trainer").params())?;
             }
-            sleep(self.times[l].0);
+            self.gpu.run(self.times[l].0);
         }
         Ok((blocked, last_sync))
     }
@@ -529,7 +544,7 @@ impl<'a> Trainer<'a> {
         let mut deferred = Vec::new();
         let mut backward_done_unix = 0.0;
         for l in (0..self.book.layers().len()).rev() {
-            sleep(self.times[l].1);
+            self.gpu.run(self.times[l].1);
             let mut buf = layers[l].take().expect("held by the trainer");
             let as_grad = match self.opts.group {
                 Some(g) => self.stack_group(g, &mut buf, l, it)?,

@@ -161,8 +161,12 @@ pub(crate) fn worker_loop(
             Some(scheduled) => wait_exchange(&session, &mut layers, &mut guide, scheduled)?,
             None => Duration::ZERO,
         };
+        // An exchange that took over a millisecond waited for the servers.
+        if blocked > Duration::from_millis(1) {
+            steps.gpu.input_at(Instant::now());
+        }
         for t in &steps.times {
-            super::sleep(t.0);
+            steps.gpu.run(t.0);
         }
         let t = guide.t();
         sum.t_per_step.push(t);
@@ -214,6 +218,8 @@ struct LocalSteps<'a> {
     wi: usize,
     /// Each layer's (forward, backward) compute.
     times: Vec<(Duration, Duration)>,
+    /// Where that compute runs.
+    gpu: super::synth::Stream,
     /// Per model layer, the momentum of an average's local steps.
     mom: Vec<Vec<f32>>,
     /// A step's gradient, before it is added or applied.
@@ -250,6 +256,7 @@ impl<'a> LocalSteps<'a> {
             k,
             wi,
             times: model.layer_times(k, args.job.time_scale * slow),
+            gpu: super::synth::Stream::default(),
             mom,
             scratch: vec![0f32; model.layers.iter().map(|l| l.params()).max().unwrap_or(0)],
             since: 0,
@@ -261,7 +268,7 @@ impl<'a> LocalSteps<'a> {
     fn backward(&mut self, session: &Session, layers: &mut [Option<LayerBuffers>], it: u64, due: bool) -> Result<u64> {
         let mut bytes = 0;
         for l in (0..self.model.layers.len()).rev() {
-            super::sleep(self.times[l].1);
+            self.gpu.run(self.times[l].1);
             let buf = layers[l].as_mut().expect("held by the trainer");
             self.step(buf, l, it, due);
             if due {
