@@ -4,7 +4,7 @@
 #
 # Usage: bench/compare-sync.sh [--cases "vgg19:3:1:- ..."] [--modes "wfbp fifo-ps sliced p3 hybrid full"]
 #                              [--nets "loopback 1gbe 5gbe"] [--reps N] [--iters I] [--extra "ARGS"]
-#                              [--out DIR] [--enforce]
+#                              [--out DIR] [--profile FILE|calibrate] [--enforce]
 #   --cases  MODEL:WORKERS:SERVERS:BATCH, space-separated; SERVERS 0 is --colocate, BATCH - the
 #            model's default (default: vgg19:3:1:- vgg19:4:0:- vgg19:4:1:128 resnet-50:2:2:-
 #            alexnet:3:1:-)
@@ -12,6 +12,9 @@
 #            that cannot run here is skipped with the reason
 #   --reps   repetitions of every mode (default 3); the order of the modes rotates each repetition
 #   --out    where raw.tsv, compare-sync.md, .json and .png go (default $TARGET_DIR/compare-sync/)
+#   --profile  predict every run with `tidewire sim --profile` too and check train within 10% of
+#            it (a `tidewire calibrate --out` file of this machine, or `calibrate` to measure one
+#            first, into DIR/profile.json)
 #   --enforce  exit 1 when a check fails: full >= 0.95x the best other mode on every row;
 #            full >= 1.3x wfbp on VGG19 at 1gbe; p3 >= 0.97x wfbp on loopback and at 5gbe
 # Needs a release build of tidewire and tidewire-compare-sync (built here if missing).
@@ -26,6 +29,7 @@ ITERS=4
 EXTRA=""
 OUT=$TARGET_DIR/compare-sync
 ENFORCE=()
+PROFILE=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --cases) CASES=$2; shift 2 ;;
@@ -36,6 +40,7 @@ while [ $# -gt 0 ]; do
     --extra) EXTRA=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --enforce) ENFORCE=(--enforce); shift ;;
+    --profile) PROFILE=$2; shift 2 ;;
     -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)"; exit 2 ;;
   esac
@@ -49,6 +54,15 @@ T=$TARGET_DIR/release/tidewire
 C=$TARGET_DIR/release/tidewire-compare-sync
 RAW=$OUT/raw.tsv
 : >"$RAW"
+SIM=()
+if [ "$PROFILE" = calibrate ]; then
+  "$T" calibrate --out "$OUT/profile.json" || { echo "calibrate failed"; exit 1; }
+  PROFILE=$OUT/profile.json
+fi
+if [ -n "$PROFILE" ]; then
+  [ -r "$PROFILE" ] || { echo "--profile $PROFILE: not readable"; exit 2; }
+  SIM=(--sim "$OUT/sim.tsv")
+fi
 echo "compare-sync: cases [$CASES], modes [$MODES], nets [$NETS], $REPS repetitions of $ITERS iterations; raw rows in $RAW"
 echo "load at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 status=0
@@ -75,7 +89,10 @@ for net in $NETS; do
       --extra "$EXTRA" --raw "$RAW" || status=1
   done
 done
-"$C" report --raw "$RAW" --md "$OUT/compare-sync.md" --json "$OUT/compare-sync.json" --png "$OUT/compare-sync.png" \
+if [ -n "$PROFILE" ]; then
+  "$C" predict --tidewire "$T" --profile "$PROFILE" --raw "$RAW" --out "$OUT/sim.tsv" --iters "$ITERS" || { status=1; SIM=(); }
+fi
+"$C" report "${SIM[@]}" --raw "$RAW" --md "$OUT/compare-sync.md" --json "$OUT/compare-sync.json" --png "$OUT/compare-sync.png" \
   "${ENFORCE[@]}" || status=1
 echo "wrote $OUT/compare-sync.md, compare-sync.json, compare-sync.png"
 exit $status

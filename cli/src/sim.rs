@@ -94,9 +94,10 @@ pub struct SimArgs {
     pub slow_factor: Option<f64>,
     /// Slice size in parameters (P3's scheduling unit; modes with slices:
     /// sliced, p3, full). Slices never cross a 2 MiB chunk, so sizes above
-    /// 524,288 act as 524,288.
-    #[arg(long, default_value_t = 50_000)]
-    pub slice_params: usize,
+    /// 524,288 act as 524,288. Default: P3's 50,000, or with `--profile` the
+    /// size `train` takes at the profile's rates (`cost::slice_params_for`).
+    #[arg(long)]
+    pub slice_params: Option<usize>,
     /// Decide FC layers' schemes again every N iterations (0: never), as
     /// `train --adapt-every` does: worker 0 runs the same policy on virtual
     /// time (see `docs/src/switches.md`). Unlike `train`, where `full` and
@@ -117,6 +118,20 @@ pub struct SimArgs {
     /// per-message cost, and HybComm decides in bytes.
     #[arg(long)]
     pub profile: Option<std::path::PathBuf>,
+    /// With `--profile`: every rank on the profiled machine's loopback, as
+    /// `train` runs without `--netns`. Their messages share one host-wide
+    /// loopback (the profile's TCP stream, which keeps two cores busy, times
+    /// half the cores), instead of a `--bandwidth` NIC each, and HybComm
+    /// weighs the host's whole work, as `train` does there.
+    #[arg(long, requires = "profile")]
+    pub loopback: bool,
+}
+
+impl SimArgs {
+    /// The slice size in parameters: `--slice-params`, or P3's.
+    pub fn slice(&self) -> usize {
+        self.slice_params.unwrap_or(tidewire_engine::cost::P3_SLICE_PARAMS)
+    }
 }
 
 impl Default for SimArgs {
@@ -336,32 +351,22 @@ fn one_run(
 ) -> Result<SimReport> {
     // Processes on the profiled machine: every rank, and a node's other learners.
     let ranks = cluster.world() + cluster.workers().len() * if args.job.flat { 0 } else { lay.learners - 1 };
+    let world = cluster.world();
     let mut book = Book::new(
         cluster,
         model.layers.clone(),
         mode.book_config(BookConfig {
             batch: batch * lay.learners,
-            slice_params: args.slice_params,
+            slice_params: args.slice(),
             chunk_bytes: args
                 .job
                 .chunk_bytes
-                .unwrap_or_else(|| mode.default_chunk_bytes(args.slice_params)),
+                .unwrap_or_else(|| mode.default_chunk_bytes(args.slice())),
             ..Default::default()
         }),
     )?;
-    let rates = match &args.profile {
-        Some(p) => {
-            let p = tidewire::calibrate::Profile::load(p).map_err(|e| Error::Usage(format!("--profile: {e}")))?;
-            // As `train` runs: FC layers handed in as factors, a PS layer's
-            // gradient formed from them (`cfg.fc_factors` in `set_machine`).
-            Some(Rates {
-                ps_builds_grad: true,
-                ..p.node_rates(ranks, Some(args.bandwidth / 8.0))
-            })
-        }
-        None => None,
-    };
-    if let Some(r) = rates {
+    let rates = rates_of(args, ranks)?;
+    if let Some((r, _)) = rates {
         book = book.with_rates(r)?;
     }
     if args.adapt_every > 0 {
@@ -373,8 +378,13 @@ fn one_run(
         .map(|(f, b)| (f.as_nanos() as u64, b.as_nanos() as u64))
         .collect();
     let mut cfg = SimConfig::new(Arc::new(book), mode, times, args.job.iters);
-    set_machine(&mut cfg, model, args, rates.as_ref());
+    set_machine(&mut cfg, model, args, rates.as_ref().map(|r| &r.0));
     set_schedule(&mut cfg, args, lay)?;
+    if let Some((_, host_loopback)) = rates.filter(|_| args.loopback) {
+        // One host: every message between ranks goes over its loopback.
+        cfg.hosts = Some(vec![0; world]);
+        cfg.local_bytes_per_s = host_loopback;
+    }
     // The run measured (not the one-node reference or the set-up alone).
     if main {
         cfg.trace_bin_ns = args.trace_bin_us.map(|us| ((us * 1000.0).round() as u64).max(1));
@@ -385,6 +395,30 @@ fn one_run(
         cfg.faults.rejoin_after_ns = f.rejoin_after_ns;
     }
     Ok(Sim::run(cfg)?)
+}
+
+/// With `--profile`: the rates of one of `ranks` processes sharing the
+/// profiled machine (as `train` runs FC layers: handed in as factors, a PS
+/// layer's gradient formed from them, `cfg.fc_factors` in `set_machine`),
+/// and the host's whole loopback, bytes/s.
+fn rates_of(args: &SimArgs, ranks: usize) -> Result<Option<(Rates, f64)>> {
+    let Some(path) = &args.profile else {
+        return Ok(None);
+    };
+    let p = tidewire::calibrate::Profile::load(path).map_err(|e| Error::Usage(format!("--profile: {e}")))?;
+    let link = if args.loopback {
+        None
+    } else {
+        Some(args.bandwidth / 8.0)
+    };
+    let rates = Rates {
+        ps_builds_grad: true,
+        ..p.node_rates(ranks, link)
+    };
+    // A loopback stream keeps two cores busy (the sender's copy and the
+    // receiver's): the host moves one stream's rate per two cores.
+    let host = p.rates.link_bytes_per_s * (p.cores as f64 / 2.0).max(1.0);
+    Ok(Some((rates, host)))
 }
 
 /// The links and the CPU: `--bandwidth`, `--latency-us` and the model's GEMM,
@@ -439,6 +473,20 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
     let mode = args.job.sync;
     check_baseline(args, mode)?;
     let batch = args.job.batch.unwrap_or(model.batch);
+    let (workers, servers, colocated) = nodes_of(args);
+    // The slice size train takes at the profile's rates, for every rank of the job.
+    let mut resolved;
+    let args = if args.slice_params.is_none() && mode.sliced() && args.profile.is_some() {
+        let l = args.job.local_learners;
+        let p1 = if args.job.flat { workers * l } else { workers };
+        let world = if colocated { p1 } else { p1 + servers };
+        let ranks = world + if args.job.flat { 0 } else { workers * (l - 1) };
+        resolved = args.clone();
+        resolved.slice_params = rates_of(args, ranks)?.map(|(r, _)| tidewire_engine::cost::slice_params_for(&r));
+        &resolved
+    } else {
+        args
+    };
     let single = one_run(
         &model,
         Cluster::colocated(1)?,
@@ -452,7 +500,6 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
         },
         false,
     )?;
-    let (workers, servers, colocated) = nodes_of(args);
     let job = Job {
         model: &model,
         args,
@@ -512,7 +559,7 @@ fn check_flags(args: &SimArgs) -> Result<()> {
     if args.job.chunk_bytes.is_some_and(|b| b < 4 || b % 4 != 0) {
         return Err(Error::Usage("--chunk-bytes: give a positive multiple of 4".into()));
     }
-    if args.slice_params == 0 {
+    if args.slice_params == Some(0) {
         return Err(Error::Usage("--slice-params: give at least 1".into()));
     }
     if let Some(us) = args.trace_bin_us {
@@ -662,7 +709,7 @@ impl Job<'_> {
             max_spares_used: rep.max_spares_used,
             landing_bytes_per_server: rep.landing_bytes,
             wall_s: 0.0,
-            slice_params: args.slice_params,
+            slice_params: args.slice(),
             trace_bin_us: args.trace_bin_us,
             start_s: rep.start_ns as f64 / 1e9,
             nic_trace: rep.nic_trace,
@@ -850,7 +897,7 @@ mod tests {
             trace_bin_us: Some(100.0),
             ..d
         };
-        assert_eq!(SimArgs::default().slice_params, 50_000);
+        assert_eq!(SimArgs::default().slice(), 50_000);
         let r = run(&a).unwrap();
         assert_eq!(r.nic_trace.len(), 2);
         let sent: u64 = r.nic_trace[0][0].iter().sum();
@@ -867,11 +914,62 @@ mod tests {
         assert!(serde_json::to_value(&plain).unwrap().get("nic_trace").is_none());
         // Smaller slices: more, smaller messages, and a different timeline.
         let small = run(&SimArgs {
-            slice_params: 1_000,
+            slice_params: Some(1_000),
             trace_bin_us: None,
             ..a
         })
         .unwrap();
         assert!(small.events > plain.events, "{} vs {}", small.events, plain.events);
+    }
+
+    #[test]
+    fn on_loopback_the_ranks_share_the_hosts_copies_and_slices_follow_the_profile() {
+        // A 2-core machine whose loopback moves 1 GB/s: 4 colocated nodes on it,
+        // every one sending to every other, share that, where a NIC of their
+        // own gives each its share of the cores' copies (0.5 GB/s) each way.
+        let dir = std::env::temp_dir().join(format!("tw-sim-profile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("profile.json");
+        let rates = r#"{"link_bytes_per_s":1e9,"msg_s":2e-5,"sum_bytes_per_s":4e9,"gemm_flop_per_s":3e10}"#;
+        std::fs::write(&path, format!(r#"{{"cores":2,"rates":{rates},"link":"loopback"}}"#)).unwrap();
+        let d = SimArgs::default();
+        let a = SimArgs {
+            job: JobArgs {
+                model: "vgg19-mini".into(),
+                sync: SyncMode::P3,
+                iters: 3,
+                ..d.job.clone()
+            },
+            nodes: Some(4),
+            bandwidth: 8e9,
+            profile: Some(path.clone()),
+            ..d
+        };
+        let own = run(&a).unwrap();
+        let shared = run(&SimArgs {
+            loopback: true,
+            ..a.clone()
+        })
+        .unwrap();
+        assert!(
+            shared.iteration_s > own.iteration_s,
+            "one host's loopback {} s against a NIC each {} s",
+            shared.iteration_s,
+            own.iteration_s
+        );
+        // The slice train's launcher takes for these 4 ranks on this machine
+        // (over P3's 50,000: 20 µs a message is dear here).
+        let p = tidewire::calibrate::Profile::load(&path).unwrap();
+        let train = tidewire_engine::cost::slice_params_for(&p.node_rates(4, None));
+        assert!(train > 50_000, "{train}");
+        assert_eq!(shared.slice_params, train);
+        let given = run(&SimArgs {
+            slice_params: Some(60_000),
+            loopback: true,
+            ..a
+        })
+        .unwrap();
+        assert_eq!(given.slice_params, 60_000);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -43,6 +43,10 @@ enum Cmd {
     Run(RunArgs),
     /// Summarize a raw TSV: markdown, JSON, PNG and the checks.
     Report(ReportArgs),
+    /// Predict every (network, case, mode) of a raw TSV with `tidewire sim
+    /// --profile`, appending one row per prediction (status `sim`) to a TSV
+    /// that `report --sim` reads.
+    Predict(PredictArgs),
 }
 
 #[derive(clap::Args)]
@@ -93,6 +97,34 @@ struct ReportArgs {
     /// A TTF font for the plot's text.
     #[arg(long, default_value = tidewire_bench::DEFAULT_FONT)]
     font: PathBuf,
+    /// Predictions (`predict --out`): adds train / sim per mode, and a check
+    /// that every mode's median lies within 10% of the simulator's.
+    #[arg(long)]
+    sim: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct PredictArgs {
+    /// The tidewire binary.
+    #[arg(long)]
+    tidewire: PathBuf,
+    /// The `tidewire calibrate --out` profile of the machine the runs were on.
+    #[arg(long)]
+    profile: PathBuf,
+    /// The runs' raw TSV: every (network, case, mode) in it with a good run is predicted.
+    #[arg(long)]
+    raw: PathBuf,
+    /// Where the predictions go (replaced).
+    #[arg(long)]
+    out: PathBuf,
+    /// Iterations per simulated run (the runs' own, for the same warm-up share).
+    #[arg(long, default_value_t = 4)]
+    iters: usize,
+    /// A network's link: NET=GBIT or NET=GBIT:DILATION (ci/netem's shaped rate per NIC and its
+    /// time dilation); repeatable. Known without it: 1gbe, 2gbe, 5gbe and 10gbe (undilated);
+    /// loopback has no link of its own (the profile's loopback rate, shared by the ranks).
+    #[arg(long = "rate")]
+    rates: Vec<String>,
 }
 
 /// One run's line of the raw TSV.
@@ -258,6 +290,90 @@ fn run(a: &RunArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// A network's simulated link: (bandwidth argument for `tidewire sim`, or
+/// `loopback` for its `--loopback`, time dilation).
+fn link_of(net: &str, given: &[String]) -> Result<(String, f64), String> {
+    for g in given {
+        let (name, v) = g
+            .split_once('=')
+            .ok_or_else(|| format!("--rate {g:?}: want NET=GBIT[:DILATION]"))?;
+        if name != net {
+            continue;
+        }
+        let (gbit, d) = v.split_once(':').unwrap_or((v, "1"));
+        let num = |s: &str| s.parse::<f64>().ok().filter(|x| x.is_finite() && *x > 0.0);
+        let (gbit, d) = (num(gbit), num(d));
+        return match (gbit, d) {
+            (Some(b), Some(d)) => Ok((format!("{}", b * 1e9), d)),
+            _ => Err(format!("--rate {g:?}: GBIT and DILATION must be positive numbers")),
+        };
+    }
+    match net {
+        "loopback" => Ok(("loopback".into(), 1.0)),
+        "1gbe" | "2gbe" | "5gbe" | "10gbe" => Ok((net.replace("gbe", "gbit"), 1.0)),
+        _ => Err(format!(
+            "network {net:?}: its shaped rate and dilation are not known here; give --rate {net}=GBIT[:DILATION] (ci/netem/netem.sh prints both)"
+        )),
+    }
+}
+
+/// `tidewire sim`'s flags for a case: `--nodes` where train colocates.
+fn sim_case_args(case: &str) -> Result<Vec<String>, String> {
+    let mut a = case_args(case)?;
+    if let Some(i) = a.iter().position(|x| x == "--colocate") {
+        a.remove(i);
+        a[2] = "--nodes".into();
+    }
+    Ok(a)
+}
+
+fn predict(a: &PredictArgs) -> Result<(), String> {
+    if a.iters == 0 {
+        return Err("--iters: give at least one iteration".into());
+    }
+    let text = std::fs::read_to_string(&a.raw).map_err(|e| format!("{}: {e}", a.raw.display()))?;
+    let mut seen: Vec<(String, String, String)> = Vec::new();
+    for r in parse(&text)?.into_iter().filter(|r| r.status == "ok") {
+        let k = (r.net, r.case, r.mode);
+        if !seen.contains(&k) {
+            seen.push(k);
+        }
+    }
+    if seen.is_empty() {
+        return Err(format!("{}: no good run to predict", a.raw.display()));
+    }
+    let mut lines = String::new();
+    for (n, (net, case, mode)) in seen.iter().enumerate() {
+        let (bw, d) = link_of(net, &a.rates)?;
+        let out = Command::new(&a.tidewire)
+            .arg("sim")
+            .args(sim_case_args(case)?)
+            .args(["--sync", mode, "--iters", &a.iters.to_string()])
+            .args(if bw == "loopback" {
+                vec!["--loopback".to_string()]
+            } else {
+                vec!["--bandwidth".to_string(), bw]
+            })
+            .args(["--time-scale", &d.to_string(), "--json", "--profile"])
+            .arg(&a.profile)
+            .output()
+            .map_err(|e| format!("{}: {e}", a.tidewire.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "sim for {net} {case} {mode}: {}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("sim's JSON: {e}"))?;
+        let get = |k: &str| j[k].as_f64().ok_or_else(|| format!("sim's JSON has no {k}"));
+        let (s, i) = (get("throughput_samples_s")?, get("iteration_s")?);
+        println!("[{}/{}] sim {net} {case} {mode}: {s:.1} samples/s", n + 1, seen.len());
+        lines += &format!("{net}\t{case}\t{mode}\t0\t{s}\t{i}\tsim\n");
+    }
+    std::fs::write(&a.out, lines).map_err(|e| format!("{}: {e}", a.out.display()))
+}
+
 fn parse(text: &str) -> Result<Vec<Raw>, String> {
     let mut v = Vec::new();
     for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
@@ -290,6 +406,8 @@ struct Row {
     runs: BTreeMap<String, Vec<f64>>,
     /// mode -> the median.
     median: BTreeMap<String, f64>,
+    /// mode -> the simulator's samples/s (`report --sim`).
+    sim: BTreeMap<String, f64>,
     failed: Vec<String>,
 }
 
@@ -301,9 +419,12 @@ fn rows(raw: &[Raw]) -> Vec<Row> {
             case: r.case.clone(),
             runs: BTreeMap::new(),
             median: BTreeMap::new(),
+            sim: BTreeMap::new(),
             failed: Vec::new(),
         });
-        if r.status == "ok" {
+        if r.status == "sim" {
+            row.sim.insert(r.mode.clone(), r.samples_s);
+        } else if r.status == "ok" {
             row.runs.entry(r.mode.clone()).or_default().push(r.samples_s);
         } else {
             row.failed.push(format!("{} rep {}: {}", r.mode, r.rep, r.status));
@@ -323,6 +444,8 @@ struct Check {
     what: String,
     ratio: f64,
     limit: f64,
+    /// The upper bound, for a check that is two-sided.
+    max: Option<f64>,
     pass: bool,
 }
 
@@ -341,28 +464,41 @@ fn best_fixed(r: &Row) -> Option<(String, f64)> {
 
 fn checks(rows: &[Row]) -> Vec<Check> {
     let mut c = Vec::new();
-    let mut push = |r: &Row, what: String, ratio: f64, limit: f64| {
+    let mut band = |r: &Row, what: String, ratio: f64, limit: f64, max: Option<f64>| {
         c.push(Check {
             net: r.net.clone(),
             case: r.case.clone(),
             what,
             ratio,
             limit,
-            pass: ratio >= limit,
+            max,
+            pass: ratio >= limit && max.map_or(true, |m| ratio <= m),
         })
     };
     for r in rows {
         if let (Some(full), Some((m, best))) = (r.median.get("full"), best_fixed(r)) {
-            push(r, format!("full / best fixed ({m})"), full / best.max(1e-12), 0.95);
+            band(
+                r,
+                format!("full / best fixed ({m})"),
+                full / best.max(1e-12),
+                0.95,
+                None,
+            );
         }
         if r.net == "1gbe" && r.case.starts_with("vgg19:") {
             if let Some(x) = ratio(r, "full", "wfbp") {
-                push(r, "full / wfbp".into(), x, 1.3);
+                band(r, "full / wfbp".into(), x, 1.3, None);
             }
         }
         if r.net == "loopback" || r.net == "5gbe" {
             if let Some(x) = ratio(r, "p3", "wfbp") {
-                push(r, "p3 / wfbp".into(), x, 0.97);
+                band(r, "p3 / wfbp".into(), x, 0.97, None);
+            }
+        }
+        // The simulator with this machine's profile predicts every mode within 10%.
+        for (m, sim) in &r.sim {
+            if let Some(t) = r.median.get(m) {
+                band(r, format!("{m}: train / sim"), t / sim.max(1e-12), 0.9, Some(1.1));
             }
         }
     }
@@ -413,15 +549,20 @@ fn markdown(rows: &[Row], checks: &[Check]) -> String {
             }
         );
     }
-    s += "\nMedian samples/s over the runs; `runs` is the fewest good runs of any mode in the row.\n\nChecks:\n";
+    s += "\nMedian samples/s over the runs; `runs` is the fewest good runs of any mode in the row.\n";
+    s += &sim_table(rows, &modes);
+    s += "\nChecks:\n";
     for c in checks {
+        let bound = match c.max {
+            Some(m) => format!("between {} and {m}", c.limit),
+            None => format!("at least {}", c.limit),
+        };
         s += &format!(
-            "- {} {} {}: {:.3} (at least {}) {}\n",
+            "- {} {} {}: {:.3} ({bound}) {}\n",
             c.net,
             c.case,
             c.what,
             c.ratio,
-            c.limit,
             if c.pass { "pass" } else { "**FAIL**" }
         );
     }
@@ -429,6 +570,35 @@ fn markdown(rows: &[Row], checks: &[Check]) -> String {
         for e in &r.failed {
             s += &format!("- failed run: {} {} {e}\n", r.net, r.case);
         }
+    }
+    s
+}
+
+/// The simulator's samples/s beside train's median, as `sim (train / sim)`,
+/// where `report --sim` gave predictions; empty otherwise.
+fn sim_table(rows: &[Row], modes: &[String]) -> String {
+    if rows.iter().all(|r| r.sim.is_empty()) {
+        return String::new();
+    }
+    let mut s = String::from(
+        "\n`tidewire sim --profile` (this machine's calibration) for the same runs, samples/s, with train / sim:\n\n| network | case |",
+    );
+    for m in modes {
+        s += &format!(" {m} |");
+    }
+    s += "\n|---|---|";
+    s += &"---|".repeat(modes.len());
+    s += "\n";
+    for r in rows.iter().filter(|r| !r.sim.is_empty()) {
+        s += &format!("| {} | {} |", r.net, r.case);
+        for m in modes {
+            s += &match (r.sim.get(m), r.median.get(m)) {
+                (Some(p), Some(t)) => format!(" {p:.1} ({:.2}) |", t / p.max(1e-12)),
+                (Some(p), None) => format!(" {p:.1} |"),
+                _ => " - |".into(),
+            };
+        }
+        s += "\n";
     }
     s
 }
@@ -521,7 +691,17 @@ fn mode_bars(rows: &[Row], m: &str, offset: f64, w: f64, color: RGBAColor) -> Ve
 }
 
 fn report(a: &ReportArgs) -> Result<bool, String> {
-    let text = std::fs::read_to_string(&a.raw).map_err(|e| format!("{}: {e}", a.raw.display()))?;
+    let mut text = std::fs::read_to_string(&a.raw).map_err(|e| format!("{}: {e}", a.raw.display()))?;
+    if let Some(p) = &a.sim {
+        let sim = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+        if sim.lines().any(|l| !l.trim().is_empty() && !l.ends_with("\tsim")) {
+            return Err(format!(
+                "{}: not predict's output (every row's status is sim)",
+                p.display()
+            ));
+        }
+        text = text + "\n" + &sim;
+    }
     let rows = rows(&parse(&text)?);
     let checks = checks(&rows);
     let md = markdown(&rows, &checks);
@@ -546,6 +726,7 @@ fn main() -> ExitCode {
     let r = match &cli.cmd {
         Cmd::Run(a) => run(a).map(|()| true),
         Cmd::Report(a) => report(a),
+        Cmd::Predict(a) => predict(a).map(|()| true),
     };
     match r {
         Ok(true) => ExitCode::SUCCESS,
@@ -627,5 +808,44 @@ mod tests {
         assert!(md.contains("**FAIL**") && md.contains("failed run"), "{md}");
         assert!(parse("a\tb\tc\n").unwrap_err().contains("line 1"));
         assert!(parse("a\tb\tc\t1\tnan\t1\tok\n").unwrap_err().contains("samples/s"));
+    }
+
+    #[test]
+    fn predictions_take_the_networks_link_and_the_cases_layout() {
+        assert_eq!(link_of("1gbe", &[]).unwrap(), ("1gbit".to_string(), 1.0));
+        assert_eq!(link_of("loopback", &[]).unwrap().0, "loopback");
+        let given = ["20gbe=5:2".to_string()];
+        assert_eq!(link_of("20gbe", &given).unwrap(), ("5000000000".to_string(), 2.0));
+        assert!(link_of("40gbe", &given).unwrap_err().contains("--rate 40gbe="));
+        assert!(link_of("20gbe", &["20gbe=x".to_string()])
+            .unwrap_err()
+            .contains("positive"));
+        assert_eq!(
+            sim_case_args("vgg19:4:0:128").unwrap(),
+            ["--model", "vgg19", "--nodes", "4", "--batch", "128"]
+        );
+        assert_eq!(
+            sim_case_args("alexnet:3:1:-").unwrap(),
+            ["--model", "alexnet", "--workers", "3", "--servers", "1"]
+        );
+    }
+
+    #[test]
+    fn every_predicted_mode_is_checked_within_ten_percent() {
+        let t = "loopback\tvgg19:3:1:-\twfbp\t1\t40\t1\tok\n\
+                 loopback\tvgg19:3:1:-\tfull\t1\t50\t1\tok\n\
+                 loopback\tvgg19:3:1:-\twfbp\t0\t43\t1\tsim\n\
+                 loopback\tvgg19:3:1:-\tfull\t0\t44\t1\tsim\n";
+        let rs = rows(&parse(t).unwrap());
+        assert_eq!(rs[0].sim.len(), 2);
+        assert_eq!(rs[0].runs.len(), 2, "predictions are not runs");
+        let c = checks(&rs);
+        let get = |w: &str| c.iter().find(|x| x.what == w).unwrap().clone();
+        // 40 / 43 = 0.930 in the band; 50 / 44 = 1.136 over it.
+        assert!(get("wfbp: train / sim").pass);
+        let full = get("full: train / sim");
+        assert!(!full.pass && full.max == Some(1.1) && (full.ratio - 50.0 / 44.0).abs() < 1e-12);
+        let md = markdown(&rs, &c);
+        assert!(md.contains("44.0 (1.14)") && md.contains("between 0.9 and 1.1"), "{md}");
     }
 }

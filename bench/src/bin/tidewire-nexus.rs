@@ -97,7 +97,7 @@ fn run(cli: &Cli, model: &str, gbps: f64, learners: usize) -> Result<Row, String
         bandwidth: gbps * 1e9,
         latency_us: 5.0,
         local_bandwidth: cli.local_gbytes * 8e9,
-        slice_params: 50_000,
+        slice_params: Some(50_000),
         ..d
     };
     let r = sim::run(&a).map_err(|e| format!("sim {model} {gbps} GbE L={learners}: {e}"))?;

@@ -722,7 +722,7 @@ pub(crate) fn p3_phase2_jobs(pts: &[Point], sweep_iters: u64) -> Vec<Job> {
             jobs.push(Job::new("p3-slices", p3_args(m, 4, bw, "wfbp", sweep_iters)));
             for sp in SLICE_SIZES {
                 let mut a = p3_args(m, 4, bw, "p3", sweep_iters);
-                a.slice_params = sp;
+                a.slice_params = Some(sp);
                 jobs.push(Job::new("p3-slices", a));
             }
         }

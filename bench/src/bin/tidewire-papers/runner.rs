@@ -77,7 +77,7 @@ pub(crate) type Outcome = Result<(Point, SimResult), String>;
 pub(crate) fn cost(a: &SimArgs) -> f64 {
     let sliced = matches!(a.job.sync.name(), "sliced" | "p3" | "full");
     let per = if sliced {
-        5.0 * P3_SLICE as f64 / a.slice_params as f64
+        5.0 * P3_SLICE as f64 / a.slice() as f64
     } else {
         1.0
     };
@@ -113,10 +113,10 @@ pub(crate) fn run_sims(jobs: &[Job], threads: usize) -> Result<Vec<(Point, SimRe
                         a.job.model,
                         a.bandwidth / 1e9,
                         a.job.sync,
-                        if a.slice_params == P3_SLICE {
+                        if a.slice() == P3_SLICE {
                             String::new()
                         } else {
-                            format!(" slices {}", a.slice_params)
+                            format!(" slices {}", a.slice())
                         }
                     );
                     if tty {

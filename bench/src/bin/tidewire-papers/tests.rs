@@ -305,7 +305,7 @@ fn ran(job: &Job) -> Point {
         nodes,
         bandwidth_gbps: a.bandwidth / 1e9,
         sync: a.job.sync.name().into(),
-        slice_params: a.slice_params,
+        slice_params: a.slice(),
         iteration_s: 1.0 / speedup,
         throughput_samples_s: 100.0 * speedup,
         speedup,
