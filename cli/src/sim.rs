@@ -366,8 +366,8 @@ fn one_run(
         }),
     )?;
     let rates = rates_of(args, ranks)?;
-    if let Some((r, _)) = rates {
-        book = book.with_rates(r)?;
+    if let Some((r, _)) = &rates {
+        book = book.with_rates(*r)?;
     }
     if args.adapt_every > 0 {
         book = book.with_adaptive(args.adapt_every)?;
@@ -380,10 +380,16 @@ fn one_run(
     let mut cfg = SimConfig::new(Arc::new(book), mode, times, args.job.iters);
     set_machine(&mut cfg, model, args, rates.as_ref().map(|r| &r.0));
     set_schedule(&mut cfg, args, lay)?;
-    if let Some((_, host_loopback)) = rates.filter(|_| args.loopback) {
-        // One host: every message between ranks goes over its loopback.
+    if let Some((_, p)) = rates.filter(|_| args.loopback) {
+        // One host: every message between ranks goes over its loopback, and
+        // its copies and the ranks' jobs share its cores, each job at one
+        // core's rates while the cores go round.
         cfg.hosts = Some(vec![0; world]);
-        cfg.local_bytes_per_s = host_loopback;
+        cfg.host_cpu = Some((p.cores as f64, p.rates.link_bytes_per_s));
+        cfg.local_bytes_per_s = p.rates.link_bytes_per_s * (p.cores as f64 / 2.0).max(1.0);
+        cfg.gemm_flops = p.rates.gemm_flop_per_s;
+        cfg.agg_bytes_per_s = p.rates.sum_bytes_per_s;
+        cfg.copy_bytes_per_s = p.rates.sum_bytes_per_s;
     }
     // The run measured (not the one-node reference or the set-up alone).
     if main {
@@ -400,8 +406,8 @@ fn one_run(
 /// With `--profile`: the rates of one of `ranks` processes sharing the
 /// profiled machine (as `train` runs FC layers: handed in as factors, a PS
 /// layer's gradient formed from them, `cfg.fc_factors` in `set_machine`),
-/// and the host's whole loopback, bytes/s.
-fn rates_of(args: &SimArgs, ranks: usize) -> Result<Option<(Rates, f64)>> {
+/// and the profile.
+fn rates_of(args: &SimArgs, ranks: usize) -> Result<Option<(Rates, tidewire::calibrate::Profile)>> {
     let Some(path) = &args.profile else {
         return Ok(None);
     };
@@ -415,10 +421,7 @@ fn rates_of(args: &SimArgs, ranks: usize) -> Result<Option<(Rates, f64)>> {
         ps_builds_grad: true,
         ..p.node_rates(ranks, link)
     };
-    // A loopback stream keeps two cores busy (the sender's copy and the
-    // receiver's): the host moves one stream's rate per two cores.
-    let host = p.rates.link_bytes_per_s * (p.cores as f64 / 2.0).max(1.0);
-    Ok(Some((rates, host)))
+    Ok(Some((rates, p)))
 }
 
 /// The links and the CPU: `--bandwidth`, `--latency-us` and the model's GEMM,

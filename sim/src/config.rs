@@ -115,6 +115,10 @@ pub struct SimConfig {
     /// Memory bandwidth between a node's learners (shared memory, PCIe or
     /// NVLink), bytes/s; also the loopback rate of `hosts`.
     pub local_bytes_per_s: f64,
+    /// `(cores, one loopback stream's bytes/s)`: every host's loopback
+    /// copies and its executors' jobs share its cores ([`crate::net::Net::host_cpu`]);
+    /// the jobs' rates are then one core's. None: they do not interact.
+    pub host_cpu: Option<(f64, f64)>,
     /// Fraction of nonzero gradient elements of the layers with the sparse
     /// hint ([`sparse_grad_value`]); without `values`, an encode job finds
     /// `density × len` of them.
@@ -161,6 +165,7 @@ impl SimConfig {
             hosts: None,
             local_learners: 1,
             local_bytes_per_s: 10e9,
+            host_cpu: None,
             sparse_density: 1.0,
             sparse: SparseCosts::default(),
             trace_bin_ns: None,

@@ -198,6 +198,11 @@ impl Sim {
             Queue::Server => 0,
             Queue::Worker => 1,
         };
+        if self.net.has_host_cpu() {
+            self.ranks[r as usize].cpu[q].waiting.push_back(job);
+            self.cpu_start(r, q);
+            return Ok(());
+        }
         let dt = job_ns(&self.cfg, &job);
         let rank = &mut self.ranks[r as usize];
         let start = self.now.max(rank.busy[q]);

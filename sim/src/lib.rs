@@ -51,6 +51,7 @@
 
 mod check;
 pub mod config;
+mod cpu;
 mod driver;
 mod exec;
 pub mod net;

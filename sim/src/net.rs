@@ -123,6 +123,33 @@ pub struct Net<P> {
     /// With [`Net::trace`]: bin width, ns, and the bytes each NIC side
     /// (transmit sides, then receive sides) served in each bin.
     trace: Option<(u64, Vec<Vec<f64>>)>,
+    /// With [`Net::host_cpu`]: the loopback copies share each host's cores
+    /// with its executors' jobs.
+    cpu: Option<HostCpu>,
+}
+
+/// A host's cores, shared by its loopback copies and its jobs ([`Net::host_cpu`]).
+#[derive(Debug, Clone)]
+struct HostCpu {
+    cores: f64,
+    /// One loopback connection's rate with its two cores to itself, bytes/ns.
+    stream: f64,
+    /// Busy executors on each host.
+    jobs: Vec<u32>,
+}
+
+impl HostCpu {
+    /// The share of its demand every consumer of `host`'s cores gets, with
+    /// `conns` loopback connections (two cores each: the sender's copy and
+    /// the receiver's) and its busy executors (one core each).
+    fn speed(&self, host: usize, conns: usize) -> f64 {
+        let demand = 2.0 * conns as f64 + f64::from(self.jobs[host]);
+        if demand <= self.cores {
+            1.0
+        } else {
+            self.cores / demand
+        }
+    }
 }
 
 /// Adds `rate` bytes/ns over `[t0, t1)` to `bins` of `bin_ns` each.
@@ -187,7 +214,70 @@ impl<P> Net<P> {
             seq: 0,
             in_flight: 0,
             trace: None,
+            cpu: None,
         }
+    }
+
+    /// Couples each host's loopback to its `cores`: a connection moves
+    /// `stream_bytes_per_s` on two cores of its own (a TCP stream's sender
+    /// and receiver copies), a busy executor ([`Net::set_jobs`]) takes one,
+    /// and when they want more than `cores` every one gets the same share of
+    /// its demand. Messages between hosts are not affected.
+    pub fn host_cpu(&mut self, cores: f64, stream_bytes_per_s: f64) {
+        debug_assert!(
+            cores > 0.0 && stream_bytes_per_s > 0.0,
+            "{cores} cores, {stream_bytes_per_s} B/s"
+        );
+        self.cpu = Some(HostCpu {
+            cores,
+            stream: stream_bytes_per_s / 1e9,
+            jobs: vec![0; self.hosts],
+        });
+        for h in 0..self.hosts {
+            self.reschedule(2 * self.hosts + h, 0);
+        }
+    }
+
+    /// With [`Net::host_cpu`]: `jobs` executors of `host` are busy from `t`
+    /// on (never earlier than the last change), and the share of the cores
+    /// its loopback copies get follows.
+    pub fn set_jobs(&mut self, host: usize, jobs: u32, t: u64) {
+        let side = 2 * self.hosts + host;
+        let Some(cpu) = &mut self.cpu else {
+            return;
+        };
+        if cpu.jobs[host] == jobs {
+            return;
+        }
+        self.catch_up(side, t);
+        if let Some(cpu) = &mut self.cpu {
+            cpu.jobs[host] = jobs;
+        }
+        self.reschedule(side, t);
+    }
+
+    /// With [`Net::host_cpu`]: the share of its demand each consumer of
+    /// `host`'s cores gets now (1 without it).
+    pub fn cpu_speed(&self, host: usize) -> f64 {
+        match &self.cpu {
+            Some(c) => c.speed(host, self.sides[2 * self.hosts + host].heads.len()),
+            None => 1.0,
+        }
+    }
+
+    /// With [`Net::host_cpu`]: the busy executors of `host` ([`Net::set_jobs`]).
+    pub fn jobs(&self, host: usize) -> u32 {
+        self.cpu.as_ref().map_or(0, |c| c.jobs[host])
+    }
+
+    /// Whether [`Net::host_cpu`] couples the loopbacks to the cores.
+    pub fn has_host_cpu(&self) -> bool {
+        self.cpu.is_some()
+    }
+
+    /// The host of rank `r`.
+    pub fn host_of(&self, r: u32) -> usize {
+        self.host[r as usize]
     }
 
     /// Records, from now on, the bytes each NIC side serves per `bin_ns`
@@ -373,6 +463,13 @@ impl<P> Net<P> {
     }
 
     fn reschedule(&mut self, side: usize, t: u64) {
+        // A loopback side's rate follows its host's cores (the side is
+        // brought up to `t` at the old rate first, by every caller).
+        if let (Some(cpu), true) = (&self.cpu, side >= 2 * self.hosts) {
+            let n = self.sides[side].heads.len();
+            let rate = cpu.stream * cpu.speed(side - 2 * self.hosts, n) * n.max(1) as f64;
+            self.sides[side].rate = rate;
+        }
         let s = &mut self.sides[side];
         s.gen += 1;
         let Some(Reverse((tag, _))) = s.heads.peek().copied() else {
@@ -519,6 +616,37 @@ mod tests {
         // From 1000 both share: 2 needs 500 at half rate (1000 ns); 1 has 1000
         // left, 500 of it shared, then 500 alone.
         assert_eq!(out, vec![(2_000, 2), (2_500, 1)]);
+    }
+
+    #[test]
+    fn a_hosts_loopback_shares_its_cores_with_its_jobs() {
+        // 2 cores, a stream of 1 byte/ns on two of them: alone it has them.
+        let mut net = Net::with_hosts(vec![0, 0, 0], 8e9, 0, 5e9);
+        net.host_cpu(2.0, 1e9);
+        assert_eq!(net.cpu_speed(0), 1.0);
+        net.send(0, 0, 1, 1_000, 1, None, 0);
+        assert_eq!(drain(&mut net), [(1_000, 1)]);
+        // A busy executor alone has a core; beside the stream it wants a third
+        // one: each consumer gets 2/3 of its demand, the stream 2/3 byte/ns.
+        net.set_jobs(0, 1, 1_000);
+        assert_eq!((net.jobs(0), net.cpu_speed(0)), (1, 1.0));
+        net.send(1_000, 0, 1, 1_000, 2, None, 0);
+        net.advance(1_000, &mut Vec::new());
+        assert!((net.cpu_speed(0) - 2.0 / 3.0).abs() < 1e-12);
+        let out = drain(&mut net);
+        assert!((2_499..=2_501).contains(&out[0].0), "{out:?}");
+        // Two connections and the job: 5 cores wanted, 2/5 each; the job's
+        // end half-way through speeds the rest up to 1/2 (4 wanted).
+        net.send(3_000, 0, 1, 1_000, 3, None, 0);
+        net.send(3_000, 1, 2, 1_000, 4, None, 0);
+        net.advance(3_000, &mut Vec::new());
+        net.advance(3_000, &mut Vec::new());
+        assert!((net.cpu_speed(0) - 0.4).abs() < 1e-12);
+        net.set_jobs(0, 0, 4_000); // 400 bytes each moved by then
+        assert_eq!(net.cpu_speed(0), 0.5);
+        let out = drain(&mut net);
+        // 600 bytes left at 1/2 byte/ns: 1,200 ns more.
+        assert!(out.iter().all(|(t, _)| (5_199..=5_201).contains(t)), "{out:?}");
     }
 
     #[test]

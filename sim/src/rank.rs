@@ -1,15 +1,35 @@
 //! One rank of the simulated cluster: its Node, its memory and executors'
 //! clocks, and its worker loop's state.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use tidewire_engine::fxhash::FxHashMap as HashMap;
-use tidewire_engine::node::{HeldTransmits, LocalRegion, Node, NodeConfig};
+use tidewire_engine::node::{HeldTransmits, Job, LocalRegion, Node, NodeConfig};
 use tidewire_engine::EngineError;
 
 use crate::config::{SimConfig, SimError};
 use crate::exec::{put_f32s, ridx, Store};
 use crate::values::init_value;
+
+/// One executor of a rank, where the host's cores are shared ([`crate::cpu`]).
+#[derive(Debug, Default)]
+pub(crate) struct Exec {
+    pub(crate) waiting: VecDeque<Job>,
+    pub(crate) running: Option<Running>,
+    /// Bumped on each schedule of the running job's end; older ends are stale.
+    pub(crate) gen: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct Running {
+    pub(crate) job: Job,
+    /// Work left, ns at a whole core.
+    pub(crate) left: f64,
+    /// Since when it has run at `speed`.
+    pub(crate) since: u64,
+    pub(crate) speed: f64,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Phase {
@@ -41,6 +61,8 @@ pub(crate) struct Rank {
     /// Its memory and the executors' state (values mode).
     pub(crate) store: Store,
     pub(crate) busy: [u64; 2],
+    /// With the host's cores shared: each executor's queue and running job.
+    pub(crate) cpu: [Exec; 2],
     /// The runtime thread is busy posting until then ([`SimConfig::msg_ns`]).
     pub(crate) post_busy: u64,
     /// Transmits posted and not complete, per peer.
@@ -121,6 +143,7 @@ pub(crate) fn make_rank(cfg: &SimConfig, r: u32) -> Result<Rank, SimError> {
         store: Store::new(cfg, &node, r),
         node,
         busy: [0; 2],
+        cpu: Default::default(),
         post_busy: 0,
         posted: vec![0; world],
         tokens: HashMap::default(),

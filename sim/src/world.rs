@@ -47,6 +47,9 @@ pub(crate) enum Ev {
     Sent { from: u32, token: u64 },
     /// A job finished on its executor.
     JobDone(u32, Job),
+    /// With the host's cores shared: rank's executor `q` finishes its job,
+    /// if `gen` is still its current schedule ([`crate::cpu`]).
+    CpuDone(u32, usize, u64),
     /// The crash fault strikes a worker at an iteration boundary.
     Crash(u32),
     /// The crashed worker comes back.
@@ -173,6 +176,15 @@ impl Sim {
         if let Some(bin) = cfg.trace_bin_ns {
             net.trace(bin);
         }
+        if let Some((cores, stream)) = cfg.host_cpu {
+            if !(cores > 0.0 && stream > 0.0) {
+                return Err(SimError::Config {
+                    seed: cfg.seed,
+                    error: EngineError::InvalidConfig(format!("host_cpu: {cores} cores, {stream} B/s")),
+                });
+            }
+            net.host_cpu(cores, stream);
+        }
         Ok(Sim {
             rng: cfg.seed ^ 0x9e37_79b9_7f4a_7c15,
             now: 0,
@@ -287,6 +299,8 @@ impl Sim {
                     self.arrival(at, ev, true);
                 }
                 self.net_out = out;
+                // Its loopback connections may have changed the cores' shares.
+                self.cpu_refresh();
                 continue;
             }
             let Some(Reverse((_, _, idx))) = self.queue.pop() else {
@@ -499,6 +513,7 @@ impl Sim {
                     self.feed(from, Input::Done { token })?;
                 }
             }
+            Ev::CpuDone(r, q, gen) => self.cpu_done(r, q, gen)?,
             Ev::JobDone(r, job) => {
                 if self.dead(r) {
                     return Ok(());

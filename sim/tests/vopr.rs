@@ -174,6 +174,11 @@ fn draw(seed: u64) -> Result<(SimConfig, bool), EngineError> {
     if r.chance(0.25) {
         let per = r.range(2, 4) as u32;
         cfg.hosts = Some((0..world).map(|x| x / per).collect());
+        // Their loopback copies and their jobs on the host's shared cores
+        // (`sim --loopback`): every job's end moves with the others.
+        if r.chance(0.5) {
+            cfg.host_cpu = Some((r.pick(&[1.0, 2.0, 4.0]), r.pick(&[1e8, 1e9, 1e10])));
+        }
     }
     let mut faults = Faults {
         detect_ns: r.range(10_000, 5_000_000),
@@ -275,7 +280,7 @@ fn describe(cfg: &SimConfig) -> String {
         .map(|l| format!("{}:{:?}{}x{}", l.name, l.kind, l.m, l.n))
         .collect();
     format!(
-        "roles {:?}; layers [{}]; {:?}; rates {:?} (schemes {:?}, switches [{}], {} ns a post); {:?}; wait_free {} fc_factors {}; {:?} (by rank {:?}); iters {}; bw {} lat {}; local learners {} at {} B/s; hosts {:?}; faults {:?}",
+        "roles {:?}; layers [{}]; {:?}; rates {:?} (schemes {:?}, switches [{}], {} ns a post); {:?}; wait_free {} fc_factors {}; {:?} (by rank {:?}); iters {}; bw {} lat {}; local learners {} at {} B/s; hosts {:?} cpu {:?}; faults {:?}",
         b.cluster().roles(),
         layers.join(" "),
         b.config(),
@@ -294,6 +299,7 @@ fn describe(cfg: &SimConfig) -> String {
         cfg.local_learners,
         cfg.local_bytes_per_s,
         cfg.hosts,
+        cfg.host_cpu,
         cfg.faults
     )
 }
