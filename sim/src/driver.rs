@@ -406,7 +406,10 @@ impl Sim {
         }
         if let Some((side, a, b)) = &self.cfg.faults.partition {
             if now >= *a && now < *b && side.contains(&r) != side.contains(&peer) {
-                post_at = *b;
+                // Never before the rank's earlier posts: one connection's
+                // transmits leave in the order they were posted (a post held
+                // by the runtime's per-message cost past `b` stays behind).
+                post_at = post_at.max(*b);
             }
         }
         (post_at, extra)
