@@ -723,8 +723,12 @@ impl Job<'_> {
 /// How the CPU is charged: from `--profile`, or the ideal machine.
 fn cpu_of(args: &SimArgs) -> String {
     match &args.profile {
+        Some(p) if args.loopback => format!(
+            "charged from the profile {} (every rank on its cores and its loopback, copies and jobs sharing the cores, as train runs them)",
+            p.display()
+        ),
         Some(p) => format!(
-            "charged from the profile {} (every rank on its cores, as train runs them)",
+            "charged from the profile {} (every rank on its cores, as train runs them; a --bandwidth link each)",
             p.display()
         ),
         None => "ideal machine (no --profile): 10 GB/s sums and copies, the model's GPU GEMM, no per-message cost; HybComm in bytes".into(),
