@@ -16,7 +16,8 @@
 #            it (a `tidewire calibrate --out` file of this machine, or `calibrate` to measure one
 #            first, into DIR/profile.json)
 #   --enforce  exit 1 when a check fails: full >= 0.95x the best other mode on every row;
-#            full >= 1.3x wfbp on VGG19 at 1gbe; p3 >= 0.97x wfbp on loopback and at 5gbe
+#            full >= 1.3x wfbp on VGG19 at 1gbe; p3 >= 0.97x wfbp on loopback and at 5gbe; with
+#            --profile, every run within 10% of the simulator's prediction
 # Needs a release build of tidewire and tidewire-compare-sync (built here if missing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +56,10 @@ C=$TARGET_DIR/release/tidewire-compare-sync
 RAW=$OUT/raw.tsv
 : >"$RAW"
 SIM=()
+# The predictions run each case as given: flags the runs take from --extra would be missing there.
+if [ -n "$PROFILE" ] && [ -n "$EXTRA" ]; then
+  echo "--profile with --extra: the simulator would not get \"$EXTRA\"; run them apart"; exit 2
+fi
 if [ "$PROFILE" = calibrate ]; then
   "$T" calibrate --out "$OUT/profile.json" || { echo "calibrate failed"; exit 1; }
   PROFILE=$OUT/profile.json

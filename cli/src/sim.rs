@@ -386,7 +386,6 @@ fn one_run(
         // core's rates while the cores go round.
         cfg.hosts = Some(vec![0; world]);
         cfg.host_cpu = Some((p.cores as f64, p.rates.link_bytes_per_s));
-        cfg.local_bytes_per_s = p.rates.link_bytes_per_s * (p.cores as f64 / 2.0).max(1.0);
         cfg.gemm_flops = p.rates.gemm_flop_per_s;
         cfg.agg_bytes_per_s = p.rates.sum_bytes_per_s;
         cfg.copy_bytes_per_s = p.rates.sum_bytes_per_s;

@@ -44,18 +44,46 @@ impl Sim {
         if exec.gen != gen {
             return Ok(());
         }
-        let job = exec.running.take().expect("a scheduled end has its job").job;
+        let Some(run) = exec.running.take() else {
+            debug_assert!(false, "rank {r} executor {q}: an end scheduled as {gen} without a job");
+            return Ok(());
+        };
+        let job = run.job;
         let host = self.net.host_of(r);
         let jobs = self.net.jobs(host).saturating_sub(1);
         self.net.set_jobs(host, jobs, self.now);
-        self.cpu_start(r, q);
-        self.cpu_refresh();
         if self.dead(r) {
+            // A dead process runs nothing more.
+            self.ranks[r as usize].cpu[q].waiting.clear();
+            self.cpu_refresh();
             return Ok(());
         }
+        self.cpu_start(r, q);
+        self.cpu_refresh();
         let done = self.ranks[r as usize].store.execute(&self.cfg, r, &job);
         let data = done.map_err(|what| self.violation(what))?;
         self.feed(r, Input::JobDone { id: job.id, data })
+    }
+
+    /// Rank `r` dies (or is replaced by a new process): its executors drop
+    /// their queues and running jobs, give their cores back, and every end
+    /// scheduled for them goes stale. Returns the generations, which a new
+    /// process of the rank carries on from.
+    pub(crate) fn cpu_kill(&mut self, r: u32) -> [u64; 2] {
+        let mut freed = 0;
+        for exec in &mut self.ranks[r as usize].cpu {
+            exec.waiting.clear();
+            freed += u32::from(exec.running.take().is_some());
+            exec.gen += 1;
+        }
+        if freed > 0 {
+            let host = self.net.host_of(r);
+            let jobs = self.net.jobs(host).saturating_sub(freed);
+            self.net.set_jobs(host, jobs, self.now);
+            self.cpu_refresh();
+        }
+        let c = &self.ranks[r as usize].cpu;
+        [c[0].gen, c[1].gen]
     }
 
     /// Brings every running job whose host's share changed up to now, and

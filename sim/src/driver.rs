@@ -520,7 +520,13 @@ impl Sim {
         }
         let iter = self.crashed_at.expect("it crashed");
         self.retired_pushes += self.ranks[r as usize].node.stats().pushes;
+        // The old process's executors stop; the new one's generations go on
+        // from theirs, so that no end scheduled for the old matches the new.
+        let gens = self.cpu_kill(r);
         let mut rank = make_rank(&self.cfg, r)?;
+        for (exec, gen) in rank.cpu.iter_mut().zip(gens) {
+            exec.gen = gen;
+        }
         let (seed, now) = (self.cfg.seed, self.now);
         rank.node.rejoin().map_err(|error| SimError::Rank {
             seed,

@@ -141,9 +141,11 @@ struct HostCpu {
 impl HostCpu {
     /// The share of its demand every consumer of `host`'s cores gets, with
     /// `conns` loopback connections (two cores each: the sender's copy and
-    /// the receiver's) and its busy executors (one core each).
+    /// the receiver's, or every core of a smaller host) and its busy
+    /// executors (one core each).
     fn speed(&self, host: usize, conns: usize) -> f64 {
-        let demand = 2.0 * conns as f64 + f64::from(self.jobs[host]);
+        // A connection's two copies, on a host of fewer cores, take what it has.
+        let demand = 2f64.min(self.cores) * conns as f64 + f64::from(self.jobs[host]);
         if demand <= self.cores {
             1.0
         } else {
@@ -224,8 +226,8 @@ impl<P> Net<P> {
     /// and when they want more than `cores` every one gets the same share of
     /// its demand. Messages between hosts are not affected.
     pub fn host_cpu(&mut self, cores: f64, stream_bytes_per_s: f64) {
-        debug_assert!(
-            cores > 0.0 && stream_bytes_per_s > 0.0,
+        assert!(
+            cores > 0.0 && stream_bytes_per_s > 0.0 && cores.is_finite() && stream_bytes_per_s.is_finite(),
             "{cores} cores, {stream_bytes_per_s} B/s"
         );
         self.cpu = Some(HostCpu {

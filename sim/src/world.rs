@@ -177,7 +177,7 @@ impl Sim {
             net.trace(bin);
         }
         if let Some((cores, stream)) = cfg.host_cpu {
-            if !(cores > 0.0 && stream > 0.0) {
+            if !(cores > 0.0 && stream > 0.0 && cores.is_finite() && stream.is_finite()) {
                 return Err(SimError::Config {
                     seed: cfg.seed,
                     error: EngineError::InvalidConfig(format!("host_cpu: {cores} cores, {stream} B/s")),
@@ -605,6 +605,7 @@ impl Sim {
             self.ranks[r as usize].dead = true;
             self.settle(r);
         }
+        self.cpu_kill(r);
         let detect = self.now + self.cfg.faults.detect_ns;
         for p in 0..self.ranks.len() as u32 {
             if p != r {

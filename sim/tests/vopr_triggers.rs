@@ -149,13 +149,20 @@ fn draw(seed: u64) -> Result<(SimConfig, Expect), EngineError> {
         }
     }
     cfg.faults = faults;
+    // Every rank on one host, its loopback copies and its jobs sharing the
+    // cores (`sim --loopback`): a crashed worker's executors stop, and the one
+    // that rejoins starts afresh.
+    if r.chance(0.25) {
+        cfg.hosts = Some(vec![0; book.cluster().world()]);
+        cfg.host_cpu = Some((r.pick(&[1.0, 2.0, 4.0]), r.pick(&[1e8, 1e9, 1e10])));
+    }
     Ok((cfg, expect))
 }
 
 fn describe(cfg: &SimConfig) -> String {
     let b = &cfg.book;
     format!(
-        "P1={} P2={} world={} layers={} chunks={} slices={} iters={} trigger={} sched={:?} limits={:?} faults={:?}",
+        "P1={} P2={} world={} layers={} chunks={} slices={} iters={} trigger={} sched={:?} limits={:?} host cpu {:?} faults={:?}",
         b.p1(),
         b.p2(),
         b.cluster().world(),
@@ -166,6 +173,7 @@ fn describe(cfg: &SimConfig) -> String {
         cfg.sched.trigger.name(),
         cfg.sched,
         cfg.limits,
+        cfg.host_cpu,
         cfg.faults
     )
 }

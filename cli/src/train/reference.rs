@@ -90,6 +90,9 @@ fn single_without_engine(args: &TrainArgs, model: &Model, synth: &Synth) -> Resu
             last.seconds = (start - p).as_secs_f64();
         }
         prev = Some(start);
+        // The last iteration's updates, applied by this thread, are the
+        // forward pass's input: it starts once they are done.
+        gpu.input_at(start);
         for t in &times {
             gpu.run(t.0);
         }

@@ -161,10 +161,9 @@ pub(crate) fn worker_loop(
             Some(scheduled) => wait_exchange(&session, &mut layers, &mut guide, scheduled)?,
             None => Duration::ZERO,
         };
-        // An exchange that took over a millisecond waited for the servers.
-        if blocked > Duration::from_millis(1) {
-            steps.gpu.input_at(Instant::now());
-        }
+        // The exchange's values, or this thread's own local step, are the
+        // forward pass's input: it starts once they are in.
+        steps.gpu.input_at(Instant::now());
         for t in &steps.times {
             steps.gpu.run(t.0);
         }
