@@ -349,8 +349,7 @@ fn one_run(
     lay: &Layout,
     main: bool,
 ) -> Result<SimReport> {
-    // Processes on the profiled machine: every rank, and a node's other learners.
-    let ranks = cluster.world() + cluster.workers().len() * if args.job.flat { 0 } else { lay.learners - 1 };
+    let ranks = processes(&cluster, lay, args.job.flat);
     let world = cluster.world();
     let mut book = Book::new(
         cluster,
@@ -400,6 +399,12 @@ fn one_run(
         cfg.faults.rejoin_after_ns = f.rejoin_after_ns;
     }
     Ok(Sim::run(cfg)?)
+}
+
+/// Processes on the profiled machine: every rank of `cluster`, and each
+/// worker's other learners (ranks of their own with `flat`).
+fn processes(cluster: &Cluster, lay: &Layout, flat: bool) -> usize {
+    cluster.world() + cluster.workers().len() * if flat { 0 } else { lay.learners - 1 }
 }
 
 /// With `--profile`: the rates of one of `ranks` processes sharing the
@@ -479,10 +484,18 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
     // The slice size train takes at the profile's rates, for every rank of the job.
     let mut resolved;
     let args = if args.slice_params.is_none() && mode.sliced() && args.profile.is_some() {
-        let l = args.job.local_learners;
-        let p1 = if args.job.flat { workers * l } else { workers };
-        let world = if colocated { p1 } else { p1 + servers };
-        let ranks = world + if args.job.flat { 0 } else { workers * (l - 1) };
+        let job = Job {
+            model: &model,
+            args,
+            mode,
+            batch,
+            workers,
+            servers,
+            colocated,
+            single_iteration_s: 0.0,
+        };
+        let (cluster, lay) = job.layout(args.job.flat)?;
+        let ranks = processes(&cluster, &lay, args.job.flat);
         resolved = args.clone();
         resolved.slice_params = rates_of(args, ranks)?.map(|(r, _)| tidewire_engine::cost::slice_params_for(&r));
         &resolved
