@@ -381,7 +381,7 @@ pub(crate) fn job_ns(cfg: &SimConfig, job: &Job) -> u64 {
             let pairs = c.sparse_density * *len as f64;
             (*len as f64 * c.sparse.encode_ns_per_elem + pairs * c.sparse.encode_ns_per_pair) / 1e9
         }
-        JobKind::Apply { len, .. } => *len as f64 * 8.0 / c.agg_bytes_per_s,
+        JobKind::Apply { len, .. } => apply_secs(c, *len as f64),
         JobKind::Copy { len, .. } | JobKind::CaptureFactors { len, .. } | JobKind::Publish { len, .. } => {
             *len as f64 / c.copy_bytes_per_s
         }
@@ -390,10 +390,81 @@ pub(crate) fn job_ns(cfg: &SimConfig, job: &Job) -> u64 {
             let l = &book.layers()[*layer as usize];
             2.0 * (book.config().batch * l.m * l.n) as f64 / c.gemm_flops
         }
-        JobKind::Reconstruct { layer, .. } | JobKind::SumFactors { layer, .. } => {
+        JobKind::SumFactors { layer, .. } => {
             let l = &book.layers()[*layer as usize];
             2.0 * (book.config().batch * l.m * l.n * book.p1()) as f64 / c.gemm_flops
         }
+        // The runtime's rebuild applies the gradient it formed to the layer
+        // in the same job (`exec::reconstruct`): the update of M·N
+        // parameters after the P1 products.
+        JobKind::Reconstruct { layer, .. } => {
+            let l = &book.layers()[*layer as usize];
+            2.0 * (book.config().batch * l.m * l.n * book.p1()) as f64 / c.gemm_flops + apply_secs(c, l.params() as f64)
+        }
     };
     (secs * 1e9) as u64
+}
+
+/// Seconds to update `len` parameters from their summed gradient: two
+/// sums' worth of bytes (the update reads the sum, the parameters and the
+/// momentum, and writes two of them), wherever it runs (a server's
+/// `Apply`, an SFB worker's `Reconstruct`).
+fn apply_secs(c: &SimConfig, len: f64) -> f64 {
+    len * 8.0 / c.agg_bytes_per_s
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tidewire_engine::book::{LayerKind, LayerSpec};
+    use tidewire_engine::node::Queue;
+    use tidewire_engine::{Book, BookConfig, Cluster, SyncMode};
+
+    use super::*;
+
+    #[test]
+    fn a_rebuild_is_charged_its_products_and_the_update_it_applies() {
+        let (m, n, k) = (96usize, 80usize, 4usize);
+        let layers = vec![LayerSpec::new("fc", LayerKind::Fc, m, n)];
+        let mode = SyncMode::Hybrid;
+        let bc = mode.book_config(BookConfig {
+            batch: k,
+            ..Default::default()
+        });
+        let book = Arc::new(Book::new(Cluster::split(3, 1).unwrap(), layers, bc).unwrap());
+        let mut cfg = SimConfig::new(book.clone(), mode, vec![(1, 1)], 1);
+        cfg.gemm_flops = 1e9;
+        cfg.agg_bytes_per_s = 2e9;
+        let loc = Loc {
+            region: LocalRegion::Shard,
+            offset: 0,
+        };
+        let job = |kind| Job {
+            id: 1,
+            queue: Queue::Worker,
+            kind,
+        };
+        let products = 2.0 * (k * m * n * book.p1()) as f64 / 1e9;
+        let update = (m * n) as f64 * 8.0 / 2e9;
+        let rebuild = job(JobKind::Reconstruct {
+            layer: 0,
+            iter: 0,
+            params: loc,
+            factors: Vec::new(),
+            momentum: None,
+        });
+        assert_eq!(job_ns(&cfg, &rebuild), ((products + update) * 1e9) as u64);
+        // The same update as a server's Apply of the layer.
+        let apply = job(JobKind::Apply {
+            window: 0,
+            chunk: 0,
+            shard_at: 0,
+            len: m * n,
+            iter: 0,
+            gradients: 0,
+            momentum: None,
+        });
+        assert_eq!(job_ns(&cfg, &apply), (update * 1e9) as u64);
+    }
 }
