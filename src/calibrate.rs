@@ -69,6 +69,14 @@ pub struct Profile {
     /// measured: then the sum is shared like the cores.
     #[serde(default)]
     pub mem_bytes_per_s: Option<f64>,
+    /// The GEMM's FLOP/s at other batches: `[K, FLOP/s]` pairs, K rising
+    /// ([`gemm_curve`]). A rebuild at K = 256 runs faster than at K = 32
+    /// (more arithmetic for each output element written), and the rate of
+    /// one K predicts another's badly. [`Profile::at_batch`] reads it;
+    /// empty in a profile written before it was measured (then
+    /// `rates.gemm_flop_per_s`, K = 32, at every batch).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gemm_by_k: Vec<[f64; 2]>,
 }
 
 impl Profile {
@@ -98,6 +106,44 @@ impl Profile {
         r
     }
 
+    /// The GEMM rate at batch `k`: [`Profile::gemm_by_k`] interpolated in
+    /// log K between the measured batches (the nearest end's rate outside
+    /// them), else `rates.gemm_flop_per_s`.
+    pub fn gemm_at(&self, k: usize) -> f64 {
+        let pts: Vec<[f64; 2]> = self
+            .gemm_by_k
+            .iter()
+            .copied()
+            .filter(|[k, f]| *k >= 1.0 && f.is_finite() && *f > 0.0)
+            .collect();
+        let (Some(first), Some(last)) = (pts.first(), pts.last()) else {
+            return self.rates.gemm_flop_per_s;
+        };
+        let k = k.max(1) as f64;
+        if k <= first[0] {
+            return first[1];
+        }
+        if k >= last[0] {
+            return last[1];
+        }
+        for w in pts.windows(2) {
+            let ([k0, f0], [k1, f1]) = (w[0], w[1]);
+            if k <= k1 && k1 > k0 {
+                let t = (k.ln() - k0.ln()) / (k1.ln() - k0.ln());
+                return f0 + t * (f1 - f0);
+            }
+        }
+        last[1]
+    }
+
+    /// This profile with its GEMM rate at batch `k` ([`Profile::gemm_at`]):
+    /// what a run at that batch rebuilds its gradients at.
+    pub fn at_batch(&self, k: usize) -> Profile {
+        let mut p = self.clone();
+        p.rates.gemm_flop_per_s = self.gemm_at(k);
+        p
+    }
+
     /// Reads a profile written by `tidewire calibrate --out`.
     pub fn load(path: &std::path::Path) -> Result<Profile> {
         let text = std::fs::read_to_string(path)
@@ -110,6 +156,17 @@ impl Profile {
         if p.cores == 0 {
             return Err(Error::Calibration(format!(
                 "{}: cores must be at least 1",
+                path.display()
+            )));
+        }
+        let bad = p.gemm_by_k.iter().enumerate().find(|&(i, &[k, f])| {
+            let valid = k.is_finite() && k >= 1.0 && f.is_finite() && f > 0.0;
+            let rising = i == 0 || p.gemm_by_k[i - 1][0] < k;
+            !(valid && rising)
+        });
+        if let Some((_, [bad, _])) = bad {
+            return Err(Error::Calibration(format!(
+                "{}: gemm_by_k must list batches of at least 1, rising, each with a positive finite rate (at K = {bad})",
                 path.display()
             )));
         }
@@ -157,7 +214,66 @@ pub fn measure(budget: Duration) -> Result<Profile> {
         rates,
         link: "loopback".into(),
         mem_bytes_per_s: Some(all),
+        gemm_by_k: Vec::new(),
     })
+}
+
+/// The batches [`gemm_curve`] measures.
+pub const CURVE_KS: [usize; 5] = [16, 32, 64, 128, 256];
+
+/// [`measure`] `rounds` times, and each rate's median (the GEMM's at each
+/// of [`CURVE_KS`] too): on a shared machine one round's rates move by a
+/// fifth or more (on the 2-core VM the GEMM read 54.6 and 67.5 GFLOP/s an
+/// hour apart, one small message 8.1 and 1.8 µs), and the median of three
+/// rounds keeps one disturbed reading out.
+pub fn measure_rounds(budget: Duration, rounds: usize) -> Result<Profile> {
+    let rounds = rounds.max(1);
+    let mut ps = Vec::with_capacity(rounds);
+    let mut curves = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        ps.push(measure(budget)?);
+        curves.push(gemm_curve(budget));
+    }
+    let med = |f: &dyn Fn(&Profile) -> f64| median(ps.iter().map(f).collect());
+    let mut p = ps[0].clone();
+    p.rates.gemm_flop_per_s = med(&|p| p.rates.gemm_flop_per_s);
+    p.rates.sum_bytes_per_s = med(&|p| p.rates.sum_bytes_per_s);
+    p.rates.link_bytes_per_s = med(&|p| p.rates.link_bytes_per_s);
+    p.rates.msg_s = med(&|p| p.rates.msg_s);
+    p.mem_bytes_per_s = Some(med(&|p| p.mem_bytes_per_s.unwrap_or(0.0)));
+    p.gemm_by_k = CURVE_KS
+        .iter()
+        .enumerate()
+        .map(|(i, k)| [*k as f64, median(curves.iter().map(|c| c[i][1]).collect())])
+        .collect();
+    p.rates.validate().map_err(|e| Error::Calibration(e.to_string()))?;
+    Ok(p)
+}
+
+/// The middle value (the mean of the middle two for an even count).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => v[n / 2],
+        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// FLOP/s of [`cpu::sf_rows`] at each of [`CURVE_KS`], as `[K, FLOP/s]`:
+/// N = 4096 and [`gemm_shape`]'s M rows, fewer as K grows past its 32 so
+/// that each does its FLOPs (never under 1024 rows: the output stays out
+/// of the caches, as a layer's gradient is).
+pub fn gemm_curve(budget: Duration) -> Vec<[f64; 2]> {
+    let (k0, m0, n) = gemm_shape();
+    CURVE_KS
+        .iter()
+        .map(|&k| {
+            let m = (m0 * k0 / k).clamp(1024, m0).div_ceil(cpu::SF_ROW_BLOCK) * cpu::SF_ROW_BLOCK;
+            [k as f64, gemm_rate_at(budget, (k, m, n))]
+        })
+        .collect()
 }
 
 /// The sum on one core and on `cores` at once, each floored by what the
@@ -193,7 +309,11 @@ fn best_of(budget: Duration, mut f: impl FnMut()) -> f64 {
 
 /// FLOP/s of [`cpu::sf_rows`] at [`gemm_shape`].
 pub fn gemm_rate(budget: Duration) -> f64 {
-    let (k, m, n) = gemm_shape();
+    gemm_rate_at(budget, gemm_shape())
+}
+
+/// FLOP/s of [`cpu::sf_rows`] at K×M×N = `(k, m, n)`.
+fn gemm_rate_at(budget: Duration, (k, m, n): (usize, usize, usize)) -> f64 {
     let u: Vec<f32> = (0..k * m).map(|i| (i % 7) as f32 * 0.25).collect();
     let v: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.5).collect();
     let mut out = vec![0f32; m * n];
@@ -525,6 +645,7 @@ mod tests {
             },
             link: "loopback".into(),
             mem_bytes_per_s: Some(16.5e9),
+            gemm_by_k: Vec::new(),
         };
         // 4 ranks: half a core each, but a quarter of the memory.
         let r = p.node_rates(4, None);
@@ -545,6 +666,62 @@ mod tests {
         assert_eq!(parse_cache_size("512"), Some(512));
         assert_eq!(parse_cache_size("lots"), None);
         assert!((64 << 20..=256 << 20).contains(&(sum_len() * 4)));
+    }
+
+    #[test]
+    fn the_gemm_rate_follows_the_batch_between_the_measured_points() {
+        let mut p = Profile {
+            cores: 2,
+            rates: Rates {
+                link_bytes_per_s: 4e9,
+                msg_s: 6.5e-6,
+                sum_bytes_per_s: 6e9,
+                gemm_flop_per_s: 40e9,
+                host_ranks: 1,
+                link_on_host: true,
+                ps_builds_grad: false,
+            },
+            link: "loopback".into(),
+            mem_bytes_per_s: None,
+            gemm_by_k: Vec::new(),
+        };
+        // No curve: the one rate at every batch.
+        assert_eq!((p.gemm_at(8), p.gemm_at(512)), (40e9, 40e9));
+        p.gemm_by_k = vec![[32.0, 40e9], [128.0, 80e9], [256.0, 70e9]];
+        // The measured points, the ends outside them, and log-K interpolation
+        // between (64 is half way from 32 to 128 in log K).
+        assert_eq!(p.gemm_at(32), 40e9);
+        assert_eq!(p.gemm_at(16), 40e9);
+        assert_eq!(p.gemm_at(1024), 70e9);
+        assert!((p.gemm_at(64) - 60e9).abs() < 1e-3);
+        assert!(p.gemm_at(192) < 80e9 && p.gemm_at(192) > 70e9);
+        let q = p.at_batch(128);
+        assert_eq!(q.rates.gemm_flop_per_s, 80e9);
+        assert_eq!(q.rates.sum_bytes_per_s, p.rates.sum_bytes_per_s);
+        // Written and read back; a curve that does not rise is refused.
+        let path = std::env::temp_dir().join(format!("tw-curve-{}", std::process::id()));
+        std::fs::write(&path, serde_json::to_string(&p).unwrap()).unwrap();
+        assert_eq!(Profile::load(&path).unwrap(), p);
+        p.gemm_by_k = vec![[64.0, 40e9], [32.0, 50e9]];
+        std::fs::write(&path, serde_json::to_string(&p).unwrap()).unwrap();
+        let e = Profile::load(&path).unwrap_err().to_string();
+        assert!(e.contains("gemm_by_k") && e.contains("K = 32"), "{e}");
+        p.gemm_by_k = vec![[32.0, -1.0]];
+        std::fs::write(&path, serde_json::to_string(&p).unwrap()).unwrap();
+        assert!(Profile::load(&path).is_err());
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
+
+    #[test]
+    fn rounds_give_every_rate_and_the_curve() {
+        let p = measure_rounds(Duration::from_millis(10), 3).unwrap();
+        p.rates.validate().unwrap();
+        let ks: Vec<f64> = p.gemm_by_k.iter().map(|[k, _]| *k).collect();
+        assert_eq!(ks, CURVE_KS.map(|k| k as f64).to_vec());
+        assert!(p.gemm_by_k.iter().all(|[_, f]| f.is_finite() && *f > 0.0));
+        assert!(p.mem_bytes_per_s.is_some_and(|m| m >= p.rates.sum_bytes_per_s));
     }
 
     #[test]

@@ -15,6 +15,9 @@ pub struct CalibrateArgs {
     /// Milliseconds spent on each rate (GEMM, sum, stream, message).
     #[arg(long, default_value_t = 300)]
     pub ms: u64,
+    /// Rounds of measurements; the profile keeps each rate's median.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
     /// Write the profile (JSON) here.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -59,7 +62,10 @@ pub fn run(a: &CalibrateArgs) -> Result<Outcome> {
             a.ms
         )));
     }
-    let p = calibrate::measure(Duration::from_millis(a.ms)).map_err(err)?;
+    if a.rounds == 0 || a.rounds > 100 {
+        return Err(Error::Usage(format!("--rounds {}: give 1 to 100", a.rounds)));
+    }
+    let p = calibrate::measure_rounds(Duration::from_millis(a.ms), a.rounds).map_err(err)?;
     if let Some(out) = &a.out {
         let json = serde_json::to_string_pretty(&p).expect("serializable");
         std::fs::write(out, json + "\n")
@@ -75,8 +81,18 @@ pub fn render(p: &Profile) -> String {
         Some(m) => format!("{:>8.2} GB/s", m / 1e9),
         None => "not measured (shared like the cores)".into(),
     };
+    let curve: Vec<String> = p
+        .gemm_by_k
+        .iter()
+        .map(|[k, f]| format!("K={k}: {:.1}", f / 1e9))
+        .collect();
+    let curve = if curve.is_empty() {
+        String::new()
+    } else {
+        format!("  the GEMM at other batches, GFLOP/s        {}\n", curve.join(", "))
+    };
     format!(
-        "this machine, one thread each ({} cores):\n  GEMM (factors to gradient, K×M×N = {:?})  {:>8.1} GFLOP/s\n  sum into an accumulator (out of cache)    {:>8.2} GB/s\n  the same sum on every core at once        {mem}\n  one TCP stream ({})                 {:>8.2} GB/s\n  one small message, one way               {:>8.1} µs\n\
+        "this machine, one thread each ({} cores):\n  GEMM (factors to gradient, K×M×N = {:?})  {:>8.1} GFLOP/s\n{curve}  sum into an accumulator (out of cache)    {:>8.2} GB/s\n  the same sum on every core at once        {mem}\n  one TCP stream ({})                 {:>8.2} GB/s\n  one small message, one way               {:>8.1} µs\n\
          `train --profile FILE` and `sim --profile FILE` divide these among the ranks that share the host.\n",
         p.cores,
         calibrate::gemm_shape(),

@@ -364,7 +364,7 @@ fn one_run(
             ..Default::default()
         }),
     )?;
-    let rates = rates_of(args, ranks)?;
+    let rates = rates_of(args, ranks, batch * lay.learners)?;
     if let Some((r, _)) = &rates {
         book = book.with_rates(*r)?;
     }
@@ -410,12 +410,16 @@ fn processes(cluster: &Cluster, lay: &Layout, flat: bool) -> usize {
 /// With `--profile`: the rates of one of `ranks` processes sharing the
 /// profiled machine (as `train` runs FC layers: handed in as factors, a PS
 /// layer's gradient formed from them, `cfg.fc_factors` in `set_machine`),
-/// and the profile.
-fn rates_of(args: &SimArgs, ranks: usize) -> Result<Option<(Rates, tidewire::calibrate::Profile)>> {
+/// and the profile, its GEMM at batch `k` ([`Profile::at_batch`]).
+///
+/// [`Profile::at_batch`]: tidewire::calibrate::Profile::at_batch
+fn rates_of(args: &SimArgs, ranks: usize, k: usize) -> Result<Option<(Rates, tidewire::calibrate::Profile)>> {
     let Some(path) = &args.profile else {
         return Ok(None);
     };
-    let p = tidewire::calibrate::Profile::load(path).map_err(|e| Error::Usage(format!("--profile: {e}")))?;
+    let p = tidewire::calibrate::Profile::load(path)
+        .map_err(|e| Error::Usage(format!("--profile: {e}")))?
+        .at_batch(k);
     let link = if args.loopback {
         None
     } else {
@@ -497,7 +501,8 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
         let (cluster, lay) = job.layout(args.job.flat)?;
         let ranks = processes(&cluster, &lay, args.job.flat);
         resolved = args.clone();
-        resolved.slice_params = rates_of(args, ranks)?.map(|(r, _)| tidewire_engine::cost::slice_params_for(&r));
+        resolved.slice_params =
+            rates_of(args, ranks, batch * lay.learners)?.map(|(r, _)| tidewire_engine::cost::slice_params_for(&r));
         &resolved
     } else {
         args

@@ -75,13 +75,19 @@ fn a_profile_is_written_read_and_refused_when_bad() {
     let written: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     assert_eq!(written, p, "--out writes what --json prints");
 
-    // train reads it: the report carries the rates, shared among the 4 ranks.
+    // The GEMM at every batch, rising in K.
+    let curve = p["gemm_by_k"].as_array().expect("gemm_by_k");
+    let ks: Vec<f64> = curve.iter().map(|kf| kf[0].as_f64().unwrap()).collect();
+    assert_eq!(ks, [16.0, 32.0, 64.0, 128.0, 256.0]);
+
+    // train reads it: the report carries the rates, shared among the 4 ranks,
+    // its GEMM the curve's at the run's batch (64, a measured point).
     let r = train(&["--profile", path.to_str().unwrap()]);
     assert_eq!(r.verified, Some(true));
     let cores = p["cores"].as_f64().unwrap();
     let share = (cores / 4.0).min(1.0);
     let gemm = r.rates.expect("rates").gemm_flop_per_s;
-    let want = p["rates"]["gemm_flop_per_s"].as_f64().unwrap() * share;
+    let want = curve[2][1].as_f64().unwrap() * share;
     assert!((gemm - want).abs() <= 1e-6 * want, "{gemm} vs {want}");
     for l in &r.layers {
         assert_eq!(l.cost_s.is_some(), l.kind == LayerKind::Fc, "{l:?}");

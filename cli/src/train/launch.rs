@@ -155,6 +155,8 @@ fn measured_rates(args: &TrainArgs) -> Result<Option<tidewire_engine::cost::Rate
         None => tidewire::calibrate::measure(Duration::from_millis(150))
             .map_err(|e| Error::Launch(format!("measuring this machine's rates: {e}")))?,
     };
+    // The GEMM at the batch a worker's factors have (K, its learners' too).
+    let profile = profile.at_batch(args.batch(&args.model()?) * args.learners());
     let (_, _, world) = args.world();
     let procs = world + args.workers * args.job.local_learners.saturating_sub(1) * usize::from(!args.job.flat);
     let link = match (&args.netns, &args.netns_addrs) {
