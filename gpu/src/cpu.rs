@@ -195,9 +195,28 @@ pub fn apply(op: ApplyOp, p1: usize, acc: &[f32], params: &mut [f32], momentum: 
     }
 }
 
-/// Rows per GEMM call in [`sf_rows`]; fixed so every caller computes each
-/// element with the same call shape.
+/// Rows `sf_rows` starts at: `r0` must be a multiple of it.
 pub const SF_ROW_BLOCK: usize = 64;
+
+/// Bytes of V one GEMM call packs, and of the output block it writes: each
+/// about an L2's share, so the packed panel of V serves many rows and the
+/// block is still in the cache when [`sf_sum`] adds the next worker's.
+/// (With 64 rows of every column a call, V was packed again every 64 rows:
+/// on the 2-core VM K = 256 × N = 9216 ran at 63 to 68 GFLOP/s where 256
+/// rows a call gave 87 to 95, and 256 rows of all 25088 columns at K = 32
+/// fell from 44 to 30-35, the block no longer in the cache.)
+const SF_TILE_BYTES: usize = 1 << 20;
+
+/// The tile `sf_rows` and `sf_sum` cut U^T·V into, for K and N: (rows,
+/// columns), rows a multiple of [`SF_ROW_BLOCK`]. A function of the shape
+/// alone; the bits of an element do not depend on it anyway (each is one
+/// dot product over K in the GEMM's own order: the tests compare tiles
+/// with one whole-matrix call).
+fn sf_tile(k: usize, n: usize) -> (usize, usize) {
+    let cols = (SF_TILE_BYTES / 4 / k.max(1)).max(256).min(n.max(1));
+    let rows = (SF_TILE_BYTES / 4 / cols).clamp(SF_ROW_BLOCK, 1024) / SF_ROW_BLOCK * SF_ROW_BLOCK;
+    (rows, cols)
+}
 
 /// Rows `[r0, r0 + out.len()/n)` of Uᵀ·V, where U is K×M and V is K×N (row
 /// major): the gradient of an M×N FC weight from its sufficient factors.
@@ -205,26 +224,38 @@ pub const SF_ROW_BLOCK: usize = 64;
 pub fn sf_rows(u: &[f32], v: &[f32], k: usize, m: usize, n: usize, r0: usize, out: &mut [f32]) {
     assert_eq!(u.len(), k * m, "U must be K×M");
     assert_eq!(v.len(), k * n, "V must be K×N");
-    assert_eq!(out.len() % n, 0, "out must hold whole rows");
+    assert_eq!(out.len() % n.max(1), 0, "out must hold whole rows");
     assert_eq!(r0 % SF_ROW_BLOCK, 0, "row start must be block aligned");
-    let rows = out.len() / n;
+    let rows = out.len() / n.max(1);
     assert!(r0 + rows <= m, "rows out of range");
+    let (tr, tc) = sf_tile(k, n);
     let mut r = 0;
     while r < rows {
-        let b = SF_ROW_BLOCK.min(rows - r);
-        let row = r0 + r;
-        let dst = &mut out[r * n..(r + b) * n];
-        // A = Uᵀ[row.., :] is b×K with element (i, kk) at u[kk*m + row + i].
-        // matrixmultiply takes raw pointers with strides; it is the one GEMM
-        // crate with no threads, so the result is reproducible.
-        sgemm_block(&u[row..], v, b, k, n, m, dst);
+        let b = tr.min(rows - r);
+        let mut c0 = 0;
+        while c0 < n {
+            let w = tc.min(n - c0);
+            sgemm_tile(&u[r0 + r..], &v[c0..], (b, k, w), (m, n), &mut out[r * n + c0..], n);
+            c0 += w;
+        }
         r += b;
     }
 }
 
-fn sgemm_block(a: &[f32], b: &[f32], rows: usize, k: usize, n: usize, lda_col: usize, c: &mut [f32]) {
-    debug_assert!(k == 0 || a.len() > (k - 1) * lda_col + rows - 1);
-    matrixmultiply_sgemm(rows, k, n, a, 1, lda_col as isize, b, n as isize, 1, c, n as isize, 1);
+/// C (b×w, rows `ldc` apart) = A·B, where A = Uᵀ's rows from the start of
+/// `a` (element (i, kk) at `a[kk*lda + i]`) and B = V's columns from the
+/// start of `b` (element (kk, j) at `b[kk*ldb + j]`). matrixmultiply takes
+/// raw pointers with strides; it is the one GEMM crate with no threads, so
+/// the result is reproducible.
+fn sgemm_tile(
+    a: &[f32],
+    b: &[f32],
+    (rows, k, w): (usize, usize, usize),
+    (lda, ldb): (usize, usize),
+    c: &mut [f32],
+    ldc: usize,
+) {
+    matrixmultiply_sgemm(rows, k, w, a, 1, lda as isize, b, ldb as isize, 1, c, ldc as isize, 1);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -276,25 +307,38 @@ fn matrixmultiply_sgemm(
     }
 }
 
-/// Σ_p U_pᵀV_p in rank order into `out` (M×N), using `scratch` for one row
-/// block. Produces the same bits as computing each U_pᵀV_p with [`sf_rows`]
-/// and summing them with [`add_assign`] in the same order, which is what a
-/// parameter server does.
+/// Σ_p U_pᵀV_p in rank order into `out` (M×N), one tile at a time (the
+/// later workers' products in a scratch tile added while both are in the
+/// cache). Produces the same bits as computing each U_pᵀV_p with
+/// [`sf_rows`] and summing them with [`add_assign`] in the same order,
+/// which is what a parameter server does.
 pub fn sf_sum(factors: &[(&[f32], &[f32])], k: usize, m: usize, n: usize, out: &mut [f32]) {
     assert_eq!(out.len(), m * n, "out must be M×N");
-    let mut scratch = vec![0f32; SF_ROW_BLOCK * n];
+    for (u, v) in factors {
+        assert_eq!(u.len(), k * m, "U must be K×M");
+        assert_eq!(v.len(), k * n, "V must be K×N");
+    }
+    let (tr, tc) = sf_tile(k, n);
+    let mut scratch = vec![0f32; tr * tc];
     let mut r0 = 0;
     while r0 < m {
-        let b = SF_ROW_BLOCK.min(m - r0);
-        let dst = &mut out[r0 * n..(r0 + b) * n];
-        for (p, (u, v)) in factors.iter().enumerate() {
-            if p == 0 {
-                sf_rows(u, v, k, m, n, r0, dst);
-            } else {
-                let s = &mut scratch[..b * n];
-                sf_rows(u, v, k, m, n, r0, s);
-                add_assign(dst, s);
+        let b = tr.min(m - r0);
+        let mut c0 = 0;
+        while c0 < n {
+            let w = tc.min(n - c0);
+            for (p, (u, v)) in factors.iter().enumerate() {
+                let dst = &mut out[r0 * n + c0..];
+                if p == 0 {
+                    sgemm_tile(&u[r0..], &v[c0..], (b, k, w), (m, n), dst, n);
+                } else {
+                    let s = &mut scratch[..b * w];
+                    sgemm_tile(&u[r0..], &v[c0..], (b, k, w), (m, n), s, w);
+                    for (i, row) in s.chunks_exact(w).enumerate() {
+                        add_assign(&mut dst[i * n..i * n + w], row);
+                    }
+                }
             }
+            c0 += w;
         }
         r0 += b;
     }
@@ -799,25 +843,62 @@ mod tests {
         }
     }
 
+    /// U^T·V in one GEMM call over the whole matrix.
+    fn whole(u: &[f32], v: &[f32], k: usize, m: usize, n: usize) -> Vec<f32> {
+        let mut c = vec![0f32; m * n];
+        matrixmultiply_sgemm(m, k, n, u, 1, m as isize, v, n as isize, 1, &mut c, n as isize, 1);
+        c
+    }
+
+    #[test]
+    fn tiles_give_the_bits_of_one_whole_matrix_call() {
+        // Shapes whose tiles are partial in rows and columns, K below, at
+        // and above the GEMM's K blocking (256), and a row start past 0.
+        for (k, m, n) in [
+            (3, 150, 9),
+            (32, 700, 1100),
+            (256, 130, 300),
+            (300, 70, 1030),
+            (1, 64, 5000),
+        ] {
+            let (u, v) = (data(k * m, k as u32), data(k * n, n as u32));
+            let want = whole(&u, &v, k, m, n);
+            let mut got = vec![0f32; m * n];
+            sf_rows(&u, &v, k, m, n, 0, &mut got);
+            assert!(
+                got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{k}×{m}×{n}"
+            );
+            let r0 = SF_ROW_BLOCK;
+            let mut part = vec![0f32; (m - r0) * n];
+            sf_rows(&u, &v, k, m, n, r0, &mut part);
+            assert!(part
+                .iter()
+                .zip(&want[r0 * n..])
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+
     #[test]
     fn sf_sum_matches_ps_order_bitwise() {
-        let (k, m, n) = (3, 150, 9);
-        let fs: Vec<(Vec<f32>, Vec<f32>)> = (0..4).map(|p| (data(k * m, p), data(k * n, p + 10))).collect();
-        let refs: Vec<(&[f32], &[f32])> = fs.iter().map(|(u, v)| (u.as_slice(), v.as_slice())).collect();
-        let mut sfb = vec![0f32; m * n];
-        sf_sum(&refs, k, m, n, &mut sfb);
-        // The PS way: each worker's full gradient, summed in rank order.
-        let mut acc = vec![0f32; m * n];
-        for (p, (u, v)) in refs.iter().enumerate() {
-            let mut g = vec![0f32; m * n];
-            sf_rows(u, v, k, m, n, 0, &mut g);
-            if p == 0 {
-                acc = g;
-            } else {
-                add_assign(&mut acc, &g);
+        for (k, m, n) in [(3, 150, 9), (32, 300, 1500), (300, 70, 600)] {
+            let fs: Vec<(Vec<f32>, Vec<f32>)> = (0..4).map(|p| (data(k * m, p), data(k * n, p + 10))).collect();
+            let refs: Vec<(&[f32], &[f32])> = fs.iter().map(|(u, v)| (u.as_slice(), v.as_slice())).collect();
+            let mut sfb = vec![0f32; m * n];
+            sf_sum(&refs, k, m, n, &mut sfb);
+            // The PS way: each worker's full gradient, summed in rank order.
+            let mut acc = vec![0f32; m * n];
+            for (p, (u, v)) in refs.iter().enumerate() {
+                let mut g = vec![0f32; m * n];
+                sf_rows(u, v, k, m, n, 0, &mut g);
+                if p == 0 {
+                    acc = g;
+                } else {
+                    add_assign(&mut acc, &g);
+                }
             }
+            assert!(sfb.iter().zip(&acc).all(|(a, b)| a.to_bits() == b.to_bits()));
         }
-        assert!(sfb.iter().zip(&acc).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 
     #[test]
