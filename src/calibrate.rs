@@ -236,16 +236,25 @@ pub fn measure_rounds(budget: Duration, rounds: usize) -> Result<Profile> {
     }
     let med = |f: &dyn Fn(&Profile) -> f64| median(ps.iter().map(f).collect());
     let mut p = ps[0].clone();
-    p.rates.gemm_flop_per_s = med(&|p| p.rates.gemm_flop_per_s);
     p.rates.sum_bytes_per_s = med(&|p| p.rates.sum_bytes_per_s);
     p.rates.link_bytes_per_s = med(&|p| p.rates.link_bytes_per_s);
     p.rates.msg_s = med(&|p| p.rates.msg_s);
     p.mem_bytes_per_s = Some(med(&|p| p.mem_bytes_per_s.unwrap_or(0.0)));
+    // K = 32 is [`gemm_shape`], which `measure` times too: one median of
+    // both, so that the rate and the curve agree there.
+    let (k0, _, _) = gemm_shape();
     p.gemm_by_k = CURVE_KS
         .iter()
         .enumerate()
-        .map(|(i, k)| [*k as f64, median(curves.iter().map(|c| c[i][1]).collect())])
+        .map(|(i, &k)| {
+            let mut v: Vec<f64> = curves.iter().map(|c| c[i][1]).collect();
+            if k == k0 {
+                v.extend(ps.iter().map(|p| p.rates.gemm_flop_per_s));
+            }
+            [k as f64, median(v)]
+        })
         .collect();
+    p.rates.gemm_flop_per_s = p.gemm_at(k0);
     p.rates.validate().map_err(|e| Error::Calibration(e.to_string()))?;
     Ok(p)
 }
@@ -722,6 +731,9 @@ mod tests {
         assert_eq!(ks, CURVE_KS.map(|k| k as f64).to_vec());
         assert!(p.gemm_by_k.iter().all(|[_, f]| f.is_finite() && *f > 0.0));
         assert!(p.mem_bytes_per_s.is_some_and(|m| m >= p.rates.sum_bytes_per_s));
+        // The rate is the curve's at gemm_shape's K.
+        assert_eq!(p.rates.gemm_flop_per_s, p.gemm_by_k[1][1]);
+        assert_eq!(p.gemm_by_k[1][0], gemm_shape().0 as f64);
     }
 
     #[test]
