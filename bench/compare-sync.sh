@@ -14,7 +14,8 @@
 #   --out    where raw.tsv, compare-sync.md, .json and .png go (default $TARGET_DIR/compare-sync/)
 #   --profile  predict every run with `tidewire sim --profile` too and check train within 10% of
 #            it (a `tidewire calibrate --out` file of this machine, or `calibrate` to measure one
-#            first, into DIR/profile.json)
+#            first, into DIR/profile.json); the train runs take the same profile (--profile),
+#            so that both decide from the same rates
 #   --enforce  exit 1 when a check fails: full >= 0.95x the best other mode on every row;
 #            full >= 1.3x wfbp on VGG19 at 1gbe; p3 >= 0.97x wfbp on loopback and at 5gbe; with
 #            --profile, every run within 10% of the simulator's prediction
@@ -67,6 +68,10 @@ fi
 if [ -n "$PROFILE" ]; then
   [ -r "$PROFILE" ] || { echo "--profile $PROFILE: not readable"; exit 2; }
   SIM=(--sim "$OUT/sim.tsv")
+  # train decides from the same rates as the simulator: without it each run measures its own
+  # for 150 ms at start, and HybComm took the PS in train where the profile's rates took SFB
+  # (VGG19 3 + 1, 2026-11-29: 39 samples/s against the simulator's 72 for SFB).
+  EXTRA="--profile $PROFILE"
 fi
 echo "compare-sync: cases [$CASES], modes [$MODES], nets [$NETS], $REPS repetitions of $ITERS iterations; raw rows in $RAW"
 echo "load at start: $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -76,7 +81,7 @@ for net in $NETS; do
   for c in $CASES; do cases+=(--case "$c"); done
   if [ "$net" = loopback ]; then
     "$C" run --tidewire "$T" --net loopback "${cases[@]}" --modes "$MODES" --reps "$REPS" --iters "$ITERS" \
-      --extra "$EXTRA" --raw "$RAW" || status=1
+      --extra="$EXTRA" --raw "$RAW" || status=1
     continue
   fi
   why=""
@@ -91,7 +96,7 @@ for net in $NETS; do
     nodes=$((s == 0 ? w : w + s))
     bash ci/netem/netem.sh run "$net" "$nodes" -- \
       "$C" run --tidewire "$T" --net "$net" --case "$c" --modes "$MODES" --reps "$REPS" --iters "$ITERS" \
-      --extra "$EXTRA" --raw "$RAW" || status=1
+      --extra="$EXTRA" --raw "$RAW" || status=1
   done
 done
 if [ -n "$PROFILE" ]; then
