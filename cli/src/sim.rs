@@ -688,7 +688,7 @@ impl Job<'_> {
         let throughput = (self.workers * l) as f64 * batch as f64 / rep.iteration_s;
         let single_tp = batch as f64 / self.single_iteration_s;
         SimResult {
-            cpu: cpu_of(args),
+            cpu: cpu_of(args, batch * if flat { 1 } else { l.max(1) }),
             model: args.job.model.clone(),
             sync: self.mode.name().into(),
             consistency: args.job.consistency.name(),
@@ -737,16 +737,23 @@ impl Job<'_> {
     }
 }
 
-/// How the CPU is charged: from `--profile`, or the ideal machine.
-fn cpu_of(args: &SimArgs) -> String {
+/// How the CPU is charged: from `--profile` (with its GEMM at batch `k`),
+/// or the ideal machine.
+fn cpu_of(args: &SimArgs, k: usize) -> String {
+    let gemm = |p: &std::path::Path| match tidewire::calibrate::Profile::load(p) {
+        Ok(prof) => format!("; GEMM {:.1} GFLOP/s a core at K = {k}", prof.gemm_at(k) / 1e9),
+        Err(_) => String::new(),
+    };
     match &args.profile {
         Some(p) if args.loopback => format!(
-            "charged from the profile {} (every rank on its cores and its loopback, copies and jobs sharing the cores, as train runs them)",
-            p.display()
+            "charged from the profile {} (every rank on its cores and its loopback, copies and jobs sharing the cores, as train runs them{})",
+            p.display(),
+            gemm(p)
         ),
         Some(p) => format!(
-            "charged from the profile {} (every rank on its cores, as train runs them; a --bandwidth link each)",
-            p.display()
+            "charged from the profile {} (every rank on its cores, as train runs them; a --bandwidth link each{})",
+            p.display(),
+            gemm(p)
         ),
         None => "ideal machine (no --profile): 10 GB/s sums and copies, the model's GPU GEMM, no per-message cost; HybComm in bytes".into(),
     }
