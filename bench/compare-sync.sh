@@ -67,6 +67,9 @@ if [ "$PROFILE" = calibrate ]; then
 fi
 if [ -n "$PROFILE" ]; then
   [ -r "$PROFILE" ] || { echo "--profile $PROFILE: not readable"; exit 2; }
+  case "$PROFILE" in *[[:space:]]*)
+    echo "--profile $PROFILE: a path with a space cannot reach train through --extra (it splits on spaces)"; exit 2 ;;
+  esac
   SIM=(--sim "$OUT/sim.tsv")
   # train decides from the same rates as the simulator: without it each run measures its own
   # for 150 ms at start, and HybComm took the PS in train where the profile's rates took SFB

@@ -128,7 +128,13 @@ impl Profile {
         }
         for w in pts.windows(2) {
             let ([k0, f0], [k1, f1]) = (w[0], w[1]);
-            if k <= k1 && k1 > k0 {
+            if k == k0 {
+                return f0;
+            }
+            if k == k1 {
+                return f1;
+            }
+            if k < k1 && k1 > k0 {
                 let t = (k.ln() - k0.ln()) / (k1.ln() - k0.ln());
                 return f0 + t * (f1 - f0);
             }

@@ -12,7 +12,8 @@ use crate::error::{Error, Result};
 /// Options of `tidewire calibrate`.
 #[derive(Args, Debug, Clone)]
 pub struct CalibrateArgs {
-    /// Milliseconds spent on each rate (GEMM, sum, stream, message).
+    /// Milliseconds spent on each rate (GEMM, sum, stream, message, and each
+    /// of the curve's five batches), in every round: about 3 s a round at 300.
     #[arg(long, default_value_t = 300)]
     pub ms: u64,
     /// Rounds of measurements; the profile keeps each rate's median.

@@ -129,6 +129,7 @@ fn a_profile_is_written_read_and_refused_when_bad() {
         ),
         (vec!["sim", "--profile", "/nonexistent/profile.json"], "--profile"),
         (vec!["calibrate", "--ms", "0"], "--ms"),
+        (vec!["calibrate", "--rounds", "0"], "--rounds"),
     ] {
         let out = tidewire().args(&args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);

@@ -198,7 +198,8 @@ pub fn apply(op: ApplyOp, p1: usize, acc: &[f32], params: &mut [f32], momentum: 
 /// Rows `sf_rows` starts at: `r0` must be a multiple of it.
 pub const SF_ROW_BLOCK: usize = 64;
 
-/// Bytes of V one GEMM call packs, and of the output block it writes: each
+/// Bytes of V one GEMM call packs, and (from K = 64; twice that at K = 32,
+/// the block's 64 rows being the least) of the output block it writes:
 /// about an L2's share, so the packed panel of V serves many rows and the
 /// block is still in the cache when [`sf_sum`] adds the next worker's.
 /// (With 64 rows of every column a call, V was packed again every 64 rows:
@@ -228,6 +229,11 @@ pub fn sf_rows(u: &[f32], v: &[f32], k: usize, m: usize, n: usize, r0: usize, ou
     assert_eq!(r0 % SF_ROW_BLOCK, 0, "row start must be block aligned");
     let rows = out.len() / n.max(1);
     assert!(r0 + rows <= m, "rows out of range");
+    if k == 0 {
+        // No samples: a zero gradient (U and V are empty).
+        out.fill(0.0);
+        return;
+    }
     let (tr, tc) = sf_tile(k, n);
     let mut r = 0;
     while r < rows {
@@ -277,7 +283,12 @@ fn matrixmultiply_sgemm(
         return;
     }
     if k == 0 {
-        c.fill(0.0);
+        // An empty sum: zero the m×n block, and nothing else of `c`.
+        for i in 0..m {
+            for j in 0..n {
+                c[i * rsc as usize + j * csc as usize] = 0.0;
+            }
+        }
         return;
     }
     // Every index the product touches must lie inside the slices.
@@ -286,7 +297,9 @@ fn matrixmultiply_sgemm(
     assert!(((m - 1) as isize * rsc + (n - 1) as isize * csc) < c.len() as isize);
     // SAFETY: the asserts above keep every element the GEMM reads or writes
     // inside `a`, `b` and `c` (all strides are positive); `c` is a unique
-    // borrow, so it cannot alias the inputs; beta = 0 means `c` is only written.
+    // borrow of initialized floats, so it cannot alias the inputs; with
+    // beta = 0 it is written first, and read back and added to only where K
+    // spans more than one of the GEMM's K blocks, always inside `c`.
     unsafe {
         matrixmultiply::sgemm(
             m,
@@ -317,6 +330,10 @@ pub fn sf_sum(factors: &[(&[f32], &[f32])], k: usize, m: usize, n: usize, out: &
     for (u, v) in factors {
         assert_eq!(u.len(), k * m, "U must be K×M");
         assert_eq!(v.len(), k * n, "V must be K×N");
+    }
+    if k == 0 {
+        out.fill(0.0);
+        return;
     }
     let (tr, tc) = sf_tile(k, n);
     let mut scratch = vec![0f32; tr * tc];
@@ -859,7 +876,8 @@ mod tests {
             (32, 700, 1100),
             (256, 130, 300),
             (300, 70, 1030),
-            (1, 64, 5000),
+            (1, 130, 5000),
+            (0, 70, 9),
         ] {
             let (u, v) = (data(k * m, k as u32), data(k * n, n as u32));
             let want = whole(&u, &v, k, m, n);
@@ -881,7 +899,8 @@ mod tests {
 
     #[test]
     fn sf_sum_matches_ps_order_bitwise() {
-        for (k, m, n) in [(3, 150, 9), (32, 300, 1500), (300, 70, 600)] {
+        // The last two cut N into several column tiles (the scratch tile narrower than a row).
+        for (k, m, n) in [(3, 150, 9), (32, 300, 1500), (300, 70, 1030), (256, 130, 2000)] {
             let fs: Vec<(Vec<f32>, Vec<f32>)> = (0..4).map(|p| (data(k * m, p), data(k * n, p + 10))).collect();
             let refs: Vec<(&[f32], &[f32])> = fs.iter().map(|(u, v)| (u.as_slice(), v.as_slice())).collect();
             let mut sfb = vec![0f32; m * n];
