@@ -485,20 +485,20 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
     check_baseline(args, mode)?;
     let batch = args.job.batch.unwrap_or(model.batch);
     let (workers, servers, colocated) = nodes_of(args);
+    let job_of = |args, single_iteration_s| Job {
+        model: &model,
+        args,
+        mode,
+        batch,
+        workers,
+        servers,
+        colocated,
+        single_iteration_s,
+    };
     // The slice size train takes at the profile's rates, for every rank of the job.
     let mut resolved;
     let args = if args.slice_params.is_none() && mode.sliced() && args.profile.is_some() {
-        let job = Job {
-            model: &model,
-            args,
-            mode,
-            batch,
-            workers,
-            servers,
-            colocated,
-            single_iteration_s: 0.0,
-        };
-        let (cluster, lay) = job.layout(args.job.flat)?;
+        let (cluster, lay) = job_of(args, 0.0).layout(args.job.flat)?;
         let ranks = processes(&cluster, &lay, args.job.flat);
         resolved = args.clone();
         resolved.slice_params =
@@ -520,16 +520,7 @@ pub fn run(args: &SimArgs) -> Result<SimResult> {
         },
         false,
     )?;
-    let job = Job {
-        model: &model,
-        args,
-        mode,
-        batch,
-        workers,
-        servers,
-        colocated,
-        single_iteration_s: single.iteration_s,
-    };
+    let job = job_of(args, single.iteration_s);
     let mut r = job.run(args.job.flat)?;
     if args.job.local_learners > 1 && !args.job.flat {
         let f = job.run(true)?;

@@ -295,11 +295,10 @@ fn matrixmultiply_sgemm(
     assert!(((m - 1) as isize * rsa + (k - 1) as isize * csa) < a.len() as isize);
     assert!(((k - 1) as isize * rsb + (n - 1) as isize * csb) < b.len() as isize);
     assert!(((m - 1) as isize * rsc + (n - 1) as isize * csc) < c.len() as isize);
-    // SAFETY: the asserts above keep every element the GEMM reads or writes
-    // inside `a`, `b` and `c` (all strides are positive); `c` is a unique
-    // borrow of initialized floats, so it cannot alias the inputs; with
-    // beta = 0 it is written first, and read back and added to only where K
-    // spans more than one of the GEMM's K blocks, always inside `c`.
+    // (With beta = 0 the GEMM writes `c` first; it reads it back and adds to
+    // it only where K spans more than one of its K blocks.)
+    // SAFETY: the asserts above keep every access inside `a`, `b` and `c`
+    // (positive strides); `c` is a unique borrow of initialized floats.
     unsafe {
         matrixmultiply::sgemm(
             m,
