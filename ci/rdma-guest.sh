@@ -13,7 +13,7 @@ set -u
 T=${TIDEWIRE_BIN:-${CARGO_TARGET_DIR:-target}/release/tidewire}
 rc=0
 for b in "$@"; do
-  echo "### $b"
+  echo "### $b (at $SECONDS s)"
   timeout 900 "$b" --test-threads=1 --nocapture --skip helper_server_process || rc=$?
 done
 
@@ -21,7 +21,7 @@ done
 # and passed train's default 60 s wait once while the host's own tests ran beside the VM:
 # each wait gets 150 s here (a hung run still ends long before its 600 s bound, and the four
 # runs' worst case stays inside the VM's own time limit).
-echo "### tidewire train over RDMA (transport auto, rxe0 <-> rxe0, verified against one process)"
+echo "### tidewire train over RDMA (transport auto, rxe0 <-> rxe0, verified against one process; at $SECONDS s)"
 out=$(TIDEWIRE_TRANSPORT=auto timeout 600 "$T" train --model googlenet --workers 2 --servers 1 \
       --iters 3 --time-scale 0.05 --timeout-s 150 --verify 2>&1)
 trc=$?
@@ -42,7 +42,7 @@ fi
 # Each must run on RDMA, exit 0, log no WARN or ERROR, and (BSP) verify bit for bit.
 rdma_train() { # name, flags...
   local name=$1; shift
-  echo "### tidewire train over RDMA: $*"
+  echo "### tidewire train over RDMA: $* (at $SECONDS s)"
   local out trc
   out=$(TIDEWIRE_TRANSPORT=rdma timeout 600 "$T" train --model vgg19-mini --iters 2 --time-scale 0.05 --timeout-s 150 "$@" 2>&1)
   trc=$?
@@ -65,7 +65,7 @@ rdma_train train_over_rdma_factors_over_the_message_cap_verified --workers 2 --s
   --max-outstanding 4 --verify
 rdma_train train_over_rdma_colocated_ssp_finishes --workers 3 --colocate --consistency ssp:1
 
-echo "### tidewire doctor on rxe: the dmabuf and per-QP rate-limit probes"
+echo "### tidewire doctor on rxe: the dmabuf and per-QP rate-limit probes (at $SECONDS s)"
 out=$(timeout 120 "$T" doctor 2>&1)
 echo "$out"
 if grep -q 'rdma rxe0 dmabuf' <<<"$out" && grep -q 'rdma rxe0 rate limit' <<<"$out" \
@@ -77,8 +77,8 @@ else
   echo "test result: FAILED. 0 passed; 1 failed; 0 ignored"
   rc=1
 fi
-echo "### tidewire-perf against perftest (ci/perf-guest.sh)"
+echo "### tidewire-perf against perftest (ci/perf-guest.sh; at $SECONDS s)"
 bash ci/perf-guest.sh || rc=1
-echo "### RDMA under a shaped veth (ci/rdma-shaped-guest.sh)"
+echo "### RDMA under a shaped veth (ci/rdma-shaped-guest.sh; at $SECONDS s)"
 bash ci/rdma-shaped-guest.sh || rc=1
 exit $rc
