@@ -387,14 +387,20 @@ pub enum SyncMode {
     /// equally across all servers. A key's push travels as wire slices of at
     /// most 2 MiB (P3 §4.1: the KVWorker "serializes (and fragments in case
     /// of large layers) the gradient matrix"), FIFO, so the layer still goes
-    /// as one unit in order; a server's landing slots are those slices.
+    /// as one unit in order; a server's landing slots are those slices. A
+    /// split layer's parts go side by side, a slice to each server in turn,
+    /// as ps-lite's `ZPush` sends every server its part at once.
     ///
     /// Servers do not broadcast: when a server applies a chunk it sends every
     /// worker a `Notify` ([`crate::wire::Msg::Notify`], MXNet's push
     /// acknowledgement); a worker pulls a layer only once every chunk of it,
     /// from every server, was notified, with one `Pull` per chunk, and the
     /// server answers each pull, in arrival order, by writing the chunk's
-    /// values (the broadcast write, chunk id as the immediate).
+    /// values (the broadcast write, chunk id as the immediate), with an
+    /// answer out to every worker at once (MXNet's server answers each pull
+    /// on that worker's connection), not one after another within the
+    /// broadcast window. `docs/src/papers.md` measures what each of these
+    /// two habits cost when they were missing.
     ///
     /// No bidirectional overlap within a layer: the pull of layer l starts
     /// only after its push round trip is complete (every worker's push of the

@@ -183,6 +183,8 @@ pub struct Server {
     plan: crate::plan::Plan,
     bcast_queue: BinaryHeap<Reverse<(u64, u32, u32)>>,
     bcast_bytes: usize,
+    /// Bytes of broadcasts out at once ([`bcast_window`]).
+    bcast_window: usize,
     out: VecDeque<ServerCommand>,
     stats: ServerStats,
     /// Triggers other than `All`: per (local chunk, worker index), slices
@@ -239,6 +241,27 @@ fn local_indices(book: &Book, rank: u32) -> (Vec<u32>, Vec<u32>, usize) {
     (slice_local, chunk_local, nls as usize)
 }
 
+/// Bytes of broadcasts a server has out at once: the credit window, or
+/// under kvstore one answer to every worker's pull of its largest part.
+/// MXNet's server (ps-lite over ZMQ) answers each pull as it comes, on that
+/// worker's own connection, and the answers share its link; with the
+/// credit window a server sent its 51 MB part of VGG19's fc6 to one worker
+/// after another, and each worker took its parts from the 8 servers in
+/// turn. The answers are sent from the parameters (zero-copy), which stay
+/// until every pull of the version is placed, so this costs no memory.
+fn bcast_window(book: &Book, rank: u32, cfg: &SchedConfig) -> usize {
+    if book.config().placement != Placement::KvStore {
+        return cfg.credit_bytes;
+    }
+    let largest = book
+        .server_chunks(rank)
+        .iter()
+        .map(|&c| book.chunks()[c as usize].len * 4)
+        .max()
+        .unwrap_or(0);
+    cfg.credit_bytes.max(largest.saturating_mul(book.p1()))
+}
+
 impl Server {
     /// The server core for `rank`, which must be a server in the book's cluster.
     pub fn new(book: Arc<Book>, rank: u32, cfg: SchedConfig) -> Result<Self> {
@@ -286,6 +309,7 @@ impl Server {
             plan: book.plan().clone(),
             bcast_queue: BinaryHeap::new(),
             bcast_bytes: 0,
+            bcast_window: bcast_window(&book, rank, &cfg),
             out: VecDeque::new(),
             stats: ServerStats::default(),
             got: if cfg.trigger == Trigger::All {
@@ -761,7 +785,7 @@ impl Server {
     fn pump_broadcasts(&mut self) {
         while let Some(&Reverse((_, chunk, wi))) = self.bcast_queue.peek() {
             let bytes = self.book.chunks()[chunk as usize].len * 4;
-            if self.bcast_bytes > 0 && self.bcast_bytes + bytes > self.cfg.credit_bytes {
+            if self.bcast_bytes > 0 && self.bcast_bytes + bytes > self.bcast_window {
                 break;
             }
             self.bcast_queue.pop();
@@ -769,7 +793,7 @@ impl Server {
             debug_assert!(self.bcast_pending[self.chunk_local[chunk as usize] as usize] > 0);
             self.bcast_bytes += bytes;
             // The broadcast window: never exceeded, but by one chunk alone.
-            debug_assert!(self.bcast_bytes <= self.cfg.credit_bytes || self.bcast_bytes == bytes);
+            debug_assert!(self.bcast_bytes <= self.bcast_window || self.bcast_bytes == bytes);
             self.stats.broadcasts += 1;
             self.out.push_back(ServerCommand::Broadcast {
                 chunk,

@@ -604,3 +604,49 @@ fn a_decision_after_the_last_ps_round_sends_the_momentum_then() {
         })
     ));
 }
+
+/// Kvstore: the server answers every worker's pull of a chunk at once, as
+/// MXNet's does (each answer on that worker's own connection, sharing the
+/// server's link), not one worker after another within the broadcast
+/// window: with a window of one answer's bytes, all three still go.
+#[test]
+fn kvstore_answers_every_pull_at_once() {
+    use crate::config::SyncMode;
+    let cfg = SyncMode::KvStore.book_config(BookConfig {
+        chunk_bytes: 16,
+        ..Default::default()
+    });
+    let layers = vec![LayerSpec::new("l", LayerKind::Conv, 1, 8)];
+    let book = Arc::new(Book::new(Cluster::split(3, 1).unwrap(), layers, cfg).unwrap());
+    assert_eq!((book.chunks().len(), book.chunk_slices(0).len()), (1, 2));
+    for (credit_bytes, answers) in [(32, 3), (1, 3), (8 << 20, 3)] {
+        let sched = SchedConfig {
+            credit_bytes,
+            ..SchedConfig::default()
+        };
+        let mut s = Server::new(book.clone(), 3, sched).unwrap();
+        s.handle_init(0, 0).unwrap();
+        s.drain();
+        s.bcast_done();
+        let cmds: Vec<ServerCommand> = (0..3).flat_map(|w| s.push(w)).collect();
+        assert_eq!(Server::applies(&cmds), vec![(0, 3)]);
+        let notified = cmds
+            .iter()
+            .filter(|c| matches!(c, ServerCommand::Notify { version: 1, .. }))
+            .count();
+        assert_eq!(notified, 3, "{cmds:?}");
+        for w in 0..3 {
+            s.handle_pull(w, 0, 1).unwrap();
+        }
+        let sent: Vec<u32> = s
+            .drain()
+            .into_iter()
+            .filter_map(|c| match c {
+                ServerCommand::Broadcast { chunk: 0, worker } => Some(worker),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(sent.len(), answers, "credit {credit_bytes}: {sent:?}");
+        assert_eq!(sent, vec![0, 1, 2], "in the order the pulls came");
+    }
+}

@@ -50,7 +50,6 @@ pub(crate) fn p3_bw_effects(pts: &[Point]) -> Vec<Effect> {
         deterministic,
         never_loses,
         kvstore_peak_effect(pts),
-        slicing_vgg_effect(pts),
         slicing_little_effect(pts),
     ]
 }
@@ -74,19 +73,6 @@ fn kvstore_peak_effect(pts: &[Point]) -> Effect {
                 .join(", ")
         ),
         holds: most && mid && gv > 0.0,
-    }
-}
-
-/// Slicing alone (sliced over KVStore) helps VGG-19.
-fn slicing_vgg_effect(pts: &[Point]) -> Effect {
-    let (gs, bs) = best_over(pts, "vgg19", "sliced", "kvstore");
-    Effect {
-        claim: "Slicing alone helps VGG-19 (sliced ≥ 1% above KVStore at some bandwidth)".into(),
-        evidence: format!(
-            "best gain of slicing alone over KVStore: {:+.1}% at {bs} Gbit/s",
-            gs * 100.0
-        ),
-        holds: gs >= 0.01,
     }
 }
 

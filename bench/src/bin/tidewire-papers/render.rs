@@ -108,8 +108,9 @@ fn setup_md(s: &mut String) {
          single-GPU Sockeye throughput). Shapes and sources in `engine/src/models.rs`.\n\
          - **`kvstore`** is MXNet's KVStore as P3 §4.1 describes it, P3's baseline: a layer under 10^6 \
          parameters goes whole to one server, a larger one is split equally over all servers, and each \
-         layer's update is announced, then pulled. `wfbp` is Tidewire's own layer-wise baseline over its \
-         chunked PS (2 MB chunks over all servers), a stronger one.\n\
+         layer's update is announced, then pulled. As in MXNet (ps-lite, one connection a peer), a worker \
+         sends a split layer's parts to every server at once and a server answers every pull at once. \
+         `wfbp` is Tidewire's own layer-wise baseline over its chunked PS (2 MB chunks over all servers).\n\
          - **Speedup** is throughput over one node of the same profile."
     );
 }
@@ -137,11 +138,14 @@ fn differ_md(s: &mut String, pts: &[Point]) {
          reaches only 8× on VGG19-22K), so our PS baseline at 40 GbE is much stronger than that one; the \
          effects we check compare our own modes.\n\
          - **P3's baseline is modelled, its framework is not.** `kvstore` follows P3 §4.1's description of \
-         MXNet's KVStore (whole small layers on one server, large ones split over all, notify then pull), \
-         but runs on Tidewire's simulated network and servers. Peak gains of P3 over it: {}, {}, {}, {} \
+         MXNet's KVStore (whole small layers on one server, large ones split over all, notify then pull, \
+         every part and every answer sent at once), but runs on Tidewire's simulated network and servers, \
+         which charge none of ps-lite's and MXNet's own costs (ZeroMQ's copies of each message, the one \
+         server thread that sums, updates and copies every answer). Peak gains of P3 over it: {}, {}, {}, {} \
          (the paper's abstract: ResNet-50 +25%, Sockeye +38%, VGG-19 +66%). Slicing alone on VGG-19 peaks \
-         at {:+.0}% ({bs} Gbit/s). Against `wfbp`, which already spreads every layer in 2 MB chunks over \
-         all servers, P3 has less to win.\n\
+         at {:+.0}% ({bs} Gbit/s), where P3 §5.2 measured +49% at 30 Gbit/s: on a fair network whole parts \
+         cost nothing when every link carries parts in and answers out in both directions at once (the \
+         dissection, with what it took from +134% to +2% at 8 machines, is in `docs/src/papers.md`).\n\
          - **P3's hardware is a scaling, not a measurement.** `--gpu p4000` scales the Titan X \
          calibration by the ratio of the GPUs' FP32 peaks (`engine/src/models.rs`); P3 reports no \
          single-GPU throughputs (its §5.1 names the GPU: one Nvidia P4000 per machine of the \
