@@ -177,7 +177,8 @@ pub struct SchedConfig {
     pub order: QueueOrder,
     /// Credit window: bytes a worker (and a server's broadcaster) may have in
     /// flight. One item larger than the window still goes when nothing else is
-    /// in flight.
+    /// in flight. Under kvstore a server's window is at least an answer of its
+    /// largest part to every worker (MXNet answers every pull at once).
     pub credit_bytes: usize,
     /// Landing-slot credits a worker holds per server: at most this many of
     /// its pushes to one server are in flight or waiting to be read.
@@ -396,11 +397,11 @@ pub enum SyncMode {
     /// acknowledgement); a worker pulls a layer only once every chunk of it,
     /// from every server, was notified, with one `Pull` per chunk, and the
     /// server answers each pull, in arrival order, by writing the chunk's
-    /// values (the broadcast write, chunk id as the immediate), with an
-    /// answer out to every worker at once (MXNet's server answers each pull
-    /// on that worker's connection), not one after another within the
-    /// broadcast window. `docs/src/papers.md` measures what each of these
-    /// two habits cost when they were missing.
+    /// values (the broadcast write, chunk id as the immediate); its
+    /// broadcast window holds an answer of its largest part to every worker
+    /// (MXNet's server answers each pull on that worker's connection, all at
+    /// once). `docs/src/papers.md` measures what sending the parts and the
+    /// answers one after another cost.
     ///
     /// No bidirectional overlap within a layer: the pull of layer l starts
     /// only after its push round trip is complete (every worker's push of the

@@ -183,7 +183,7 @@ pub struct Server {
     plan: crate::plan::Plan,
     bcast_queue: BinaryHeap<Reverse<(u64, u32, u32)>>,
     bcast_bytes: usize,
-    /// Bytes of broadcasts out at once ([`bcast_window`]).
+    /// Bytes of broadcasts out at once ([`kvstore::bcast_window`]).
     bcast_window: usize,
     out: VecDeque<ServerCommand>,
     stats: ServerStats,
@@ -241,27 +241,6 @@ fn local_indices(book: &Book, rank: u32) -> (Vec<u32>, Vec<u32>, usize) {
     (slice_local, chunk_local, nls as usize)
 }
 
-/// Bytes of broadcasts a server has out at once: the credit window, or
-/// under kvstore one answer to every worker's pull of its largest part.
-/// MXNet's server (ps-lite over ZMQ) answers each pull as it comes, on that
-/// worker's own connection, and the answers share its link; with the
-/// credit window a server sent its 51 MB part of VGG19's fc6 to one worker
-/// after another, and each worker took its parts from the 8 servers in
-/// turn. The answers are sent from the parameters (zero-copy), which stay
-/// until every pull of the version is placed, so this costs no memory.
-fn bcast_window(book: &Book, rank: u32, cfg: &SchedConfig) -> usize {
-    if book.config().placement != Placement::KvStore {
-        return cfg.credit_bytes;
-    }
-    let largest = book
-        .server_chunks(rank)
-        .iter()
-        .map(|&c| book.chunks()[c as usize].len * 4)
-        .max()
-        .unwrap_or(0);
-    cfg.credit_bytes.max(largest.saturating_mul(book.p1()))
-}
-
 impl Server {
     /// The server core for `rank`, which must be a server in the book's cluster.
     pub fn new(book: Arc<Book>, rank: u32, cfg: SchedConfig) -> Result<Self> {
@@ -309,7 +288,7 @@ impl Server {
             plan: book.plan().clone(),
             bcast_queue: BinaryHeap::new(),
             bcast_bytes: 0,
-            bcast_window: bcast_window(&book, rank, &cfg),
+            bcast_window: kvstore::bcast_window(&book, rank, &cfg),
             out: VecDeque::new(),
             stats: ServerStats::default(),
             got: if cfg.trigger == Trigger::All {

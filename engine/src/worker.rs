@@ -308,37 +308,38 @@ impl Worker {
         }
         let slices = self.book.layer_slices(layer);
         debug_assert!(!slices.is_empty(), "a layer has parameters, so slices");
-        // Round-robin over the layer's chunks: the first slice of each chunk,
-        // then the second of each, and so on. A chunk of several slices is
-        // one of kvstore's parts of a big array, one a server; MXNet's
-        // worker (ps-lite's `ZPush`) sends every server its part at once,
-        // each on its own connection, so the parts share the worker's link.
-        // In chunk order under `Fifo`, every worker pushed its first part
-        // whole to one server, then the next: the servers took a layer one
-        // after another, 7 workers into one link (VGG19 on 8 machines at
-        // 10 Gbit/s: 95 samples/s, where P3 made 222). Elsewhere a chunk is
-        // one slice and the order is the slices' own.
-        let chunks = self.book.layer_chunks(layer);
-        let rounds = chunks
-            .clone()
-            .map(|c| self.book.chunk_slices(c).len())
-            .max()
-            .unwrap_or(0);
-        let mut queued = 0;
-        for r in 0..rounds {
-            for c in chunks.clone() {
-                let Some(s) = self.book.chunk_slices(c).nth(r) else {
-                    continue;
-                };
-                debug_assert_eq!(self.book.slices()[s as usize].layer, layer);
-                let server = self.book.chunks()[c as usize].server;
-                debug_assert!(self.book.cluster().server_index(server).is_some());
-                let key = self.key(s as u64 + 1);
-                self.ready.push(Reverse((iter, key, Item::Push { slice: s }, server)));
-                queued += 1;
+        if self.book.config().placement == Placement::KvStore {
+            // Kvstore cuts a big array into one part a server, each of several
+            // wire slices. MXNet's worker (ps-lite's `ZPush`) sends every
+            // server its part at once, each on its own connection, so the
+            // parts share the worker's link: a slice of each part in turn. In
+            // part order every worker pushed its first part whole to one
+            // server, then the next: the servers took a layer one after
+            // another, 7 workers into one link (VGG19 on 8 machines at
+            // 10 Gbit/s: 95 samples/s, where P3 made 222).
+            let chunks = self.book.layer_chunks(layer);
+            let rounds = chunks
+                .clone()
+                .map(|c| self.book.chunk_slices(c).len())
+                .max()
+                .unwrap_or(0);
+            let mut queued = 0;
+            for r in 0..rounds {
+                for c in chunks.clone() {
+                    if let Some(s) = self.book.chunk_slices(c).nth(r) {
+                        self.queue_push(iter, s);
+                        queued += 1;
+                    }
+                }
+            }
+            debug_assert_eq!(queued, slices.len(), "every slice of the layer, once");
+        } else {
+            // In slice order: under FIFO each chunk is complete (and can be
+            // applied and broadcast) as early as it can be.
+            for s in slices.clone() {
+                self.queue_push(iter, s);
             }
         }
-        debug_assert_eq!(queued, slices.len(), "every slice of the layer, once");
         let st = &mut self.layers[layer as usize];
         st.in_flight = true;
         st.scheme = Some(Scheme::Ps);
@@ -439,6 +440,15 @@ impl Worker {
                 self.book.config().batch * (l.m + l.n) * 4
             }
         }
+    }
+
+    /// Queues `slice`'s push for `iter`, to its chunk's server.
+    fn queue_push(&mut self, iter: u64, s: u32) {
+        let info = self.book.slices()[s as usize];
+        let server = self.book.chunks()[info.chunk as usize].server;
+        debug_assert!(self.book.cluster().server_index(server).is_some());
+        let key = self.key(s as u64 + 1);
+        self.ready.push(Reverse((iter, key, Item::Push { slice: s }, server)));
     }
 
     /// Sends the best eligible items while the credit window allows. A push
@@ -1026,6 +1036,40 @@ mod tests {
                 assert_eq!(r.len(), per_round, "p2 {p2}: a round took a server twice: {servers:?}");
             }
         }
+    }
+
+    /// Parts of unequal slice counts: 1,000,001 parameters over 2 servers
+    /// are parts of 500,001 and 500,000, cut into slices of 500,000. The
+    /// longer part's last slice goes after both parts' first.
+    #[test]
+    fn kvstore_alternates_parts_of_unequal_slice_counts() {
+        use crate::config::SyncMode;
+        let cfg = SyncMode::KvStore.book_config(BookConfig {
+            chunk_bytes: 2_000_000,
+            ..Default::default()
+        });
+        let layers = vec![LayerSpec::new("fc", LayerKind::Fc, 101, 9901)];
+        let book = Arc::new(Book::new(Cluster::split(1, 2).unwrap(), layers, cfg).unwrap());
+        let parts: Vec<_> = book.layer_chunks(0).map(|c| book.chunk_slices(c)).collect();
+        assert_eq!(parts.iter().map(|p| p.len()).collect::<Vec<_>>(), [2, 1], "{parts:?}");
+        let sched = SchedConfig {
+            order: SyncMode::KvStore.order(),
+            credit_bytes: usize::MAX,
+            ..SchedConfig::default()
+        };
+        let mut w = Worker::new(book.clone(), 0, sched).unwrap();
+        for c in 0..book.chunks().len() as u32 {
+            w.handle_params(c).unwrap();
+        }
+        while w.poll_command().is_some() {}
+        w.grad_ready(0).unwrap();
+        let order: Vec<u32> = std::iter::from_fn(|| w.poll_command())
+            .filter_map(|c| match c {
+                WorkerCommand::Push { slice, .. } => Some(slice),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(order, [parts[0].start, parts[1].start, parts[0].start + 1]);
     }
 
     #[test]

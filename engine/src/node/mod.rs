@@ -53,10 +53,12 @@
 //!   per server. A server keeps `(slots + spare_slots) × P1` landing slots
 //!   (the spares hold pushes parked for the rank order:
 //!   [`SchedConfig::spare_slots`]), `s + 1` accumulators under SSP(s), has at
-//!   most `credit_bytes` of broadcasts in flight, and hands its driver at most
+//!   most `credit_bytes` of broadcasts in flight (under kvstore, an answer of
+//!   its largest part to every worker: MXNet answers every pull at once; the
+//!   answers are written from its shard, with no copy), and hands its driver at most
 //!   [`SERVER_JOBS_OUT`] server jobs at once (the rest wait in its receive
 //!   priority queue). Inline control messages use at most [`flow::CELLS`] cells.
-//!   Nothing grows with P1 × model size.
+//!   No memory grows with P1 × model size.
 //!
 //! # Shutdown
 //! After [`Input::Shutdown`], a worker waits until its layers in flight are

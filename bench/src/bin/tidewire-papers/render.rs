@@ -140,12 +140,13 @@ fn differ_md(s: &mut String, pts: &[Point]) {
          - **P3's baseline is modelled, its framework is not.** `kvstore` follows P3 §4.1's description of \
          MXNet's KVStore (whole small layers on one server, large ones split over all, notify then pull, \
          every part and every answer sent at once), but runs on Tidewire's simulated network and servers, \
-         which charge none of ps-lite's and MXNet's own costs (ZeroMQ's copies of each message, the one \
-         server thread that sums, updates and copies every answer). Peak gains of P3 over it: {}, {}, {}, {} \
+         which charge none of ps-lite's and MXNet's own costs (per-message overheads, the one server \
+         thread that sums, updates and answers). Peak gains of P3 over it: {}, {}, {}, {} \
          (the paper's abstract: ResNet-50 +25%, Sockeye +38%, VGG-19 +66%). Slicing alone on VGG-19 peaks \
-         at {:+.0}% ({bs} Gbit/s), where P3 §5.2 measured +49% at 30 Gbit/s: on a fair network whole parts \
-         cost nothing when every link carries parts in and answers out in both directions at once (the \
-         dissection, with what it took from +134% to +2% at 8 machines, is in `docs/src/papers.md`).\n\
+         at {:+.0}% ({bs} Gbit/s), where P3 §5.2 measured +49% at 30 Gbit/s: on a fair network VGG-19's \
+         whole parts cost little when every link carries parts in and answers out in both directions at \
+         once (the dissection, with what took P3's gain at 8 machines from +134% to +2%, is in \
+         `docs/src/papers.md`).\n\
          - **P3's hardware is a scaling, not a measurement.** `--gpu p4000` scales the Titan X \
          calibration by the ratio of the GPUs' FP32 peaks (`engine/src/models.rs`); P3 reports no \
          single-GPU throughputs (its §5.1 names the GPU: one Nvidia P4000 per machine of the \
