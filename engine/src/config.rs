@@ -271,6 +271,31 @@ impl SchedConfig {
         self.slots.saturating_add(self.spare_slots)
     }
 
+    /// Bytes of broadcasts a server (`rank`) has out at once: the credit
+    /// window, or under kvstore one answer to every worker's pull of its
+    /// largest part. MXNet's server (ps-lite over ZMQ) answers each pull as
+    /// it comes, on that worker's own connection, and the answers share its
+    /// link; with the credit window a server sent its 51 MB part of VGG19's
+    /// fc6 to one worker after another, and each worker took its parts from
+    /// the 8 servers in turn. The answers are sent from the parameters
+    /// (zero-copy), which stay until every pull of the version is placed: no
+    /// extra memory holds data.
+    pub fn bcast_window(&self, book: &crate::book::Book, rank: u32) -> usize {
+        if book.config().placement != crate::book::Placement::KvStore {
+            return self.credit_bytes;
+        }
+        let largest = book
+            .server_chunks(rank)
+            .iter()
+            .map(|&c| book.chunks()[c as usize].len * 4)
+            .max()
+            .unwrap_or(0);
+        let window = self.credit_bytes.max(largest.saturating_mul(book.p1()));
+        // Every worker's answer of the largest part fits at once.
+        debug_assert!(window >= self.credit_bytes && (window == usize::MAX || window / book.p1().max(1) >= largest));
+        window
+    }
+
     /// Bytes of a server's landing region, where its workers' pushes land
     /// (what the runtime allocates and registers as
     /// [`crate::node::LocalRegion::Landing`]): P1 × [`Self::landing_slots`]

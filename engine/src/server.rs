@@ -183,7 +183,7 @@ pub struct Server {
     plan: crate::plan::Plan,
     bcast_queue: BinaryHeap<Reverse<(u64, u32, u32)>>,
     bcast_bytes: usize,
-    /// Bytes of broadcasts out at once ([`kvstore::bcast_window`]).
+    /// Bytes of broadcasts out at once ([`SchedConfig::bcast_window`]).
     bcast_window: usize,
     out: VecDeque<ServerCommand>,
     stats: ServerStats,
@@ -288,7 +288,7 @@ impl Server {
             plan: book.plan().clone(),
             bcast_queue: BinaryHeap::new(),
             bcast_bytes: 0,
-            bcast_window: kvstore::bcast_window(&book, rank, &cfg),
+            bcast_window: cfg.bcast_window(&book, rank),
             out: VecDeque::new(),
             stats: ServerStats::default(),
             got: if cfg.trigger == Trigger::All {

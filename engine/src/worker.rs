@@ -447,6 +447,10 @@ impl Worker {
         let info = self.book.slices()[s as usize];
         let server = self.book.chunks()[info.chunk as usize].server;
         debug_assert!(self.book.cluster().server_index(server).is_some());
+        debug_assert!(
+            self.layers[info.layer as usize].pushes_left == 0,
+            "queued before the layer is in flight"
+        );
         let key = self.key(s as u64 + 1);
         self.ready.push(Reverse((iter, key, Item::Push { slice: s }, server)));
     }

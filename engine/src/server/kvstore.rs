@@ -3,27 +3,6 @@
 
 use super::*;
 
-/// Bytes of broadcasts a server has out at once: the credit window, or
-/// under kvstore one answer to every worker's pull of its largest part.
-/// MXNet's server (ps-lite over ZMQ) answers each pull as it comes, on that
-/// worker's own connection, and the answers share its link; with the
-/// credit window a server sent its 51 MB part of VGG19's fc6 to one worker
-/// after another, and each worker took its parts from the 8 servers in
-/// turn. The answers are sent from the parameters (zero-copy), which stay
-/// until every pull of the version is placed: no extra memory holds data.
-pub(super) fn bcast_window(book: &Book, rank: u32, cfg: &SchedConfig) -> usize {
-    if book.config().placement != Placement::KvStore {
-        return cfg.credit_bytes;
-    }
-    let largest = book
-        .server_chunks(rank)
-        .iter()
-        .map(|&c| book.chunks()[c as usize].len * 4)
-        .max()
-        .unwrap_or(0);
-    cfg.credit_bytes.max(largest.saturating_mul(book.p1()))
-}
-
 impl Server {
     /// Kvstore: `worker` pulls `chunk` at `version`, the version it was
     /// notified of. The values go to it in the order the pulls came
